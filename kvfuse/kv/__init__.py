@@ -1,0 +1,1 @@
+"""KV chunks, their deterministic keys and their serialized format."""

@@ -1,0 +1,107 @@
+"""Attention of some queries over a layer's KV, masked by *positions*, not by slot order.
+
+A query at position p sees a key at position k when ``k <= p`` (and ``p - k < window`` on sliding
+layers). Masking by position rather than by index is what makes the runner usable for prefix
+reuse, decoding, and CacheBlend's recomputation of a chosen subset of tokens in the middle of a
+prompt (the original CacheBlend code used an index-aligned causal mask that let early selected
+tokens see later ones; this cannot happen here).
+
+When key positions are sorted (the usual case) each block of queries only looks at the key range
+it can see, so sliding-window layers cost O(n * window) instead of O(n^2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Queries per block on sliding layers: small enough to skip most out-of-window keys, large enough
+# to keep the matmuls efficient.
+_SLIDING_BLOCK = 256
+
+
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean ``(n_q, n_k)`` mask: True where the query may attend to the key."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    mask = diff >= 0
+    if window is not None:
+        mask &= diff < window
+    return mask
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    keys_sorted: bool = False,
+) -> torch.Tensor:
+    """Attention output ``(n_q, heads * head_dim)``.
+
+    ``q`` is ``(heads, n_q, head_dim)``; ``k``/``v`` are ``(kv_heads, n_k, head_dim)`` (grouped-query
+    attention when kv_heads < heads); positions are int64. ``keys_sorted`` promises that ``k_pos``
+    is ascending, which allows restricting each query block to its visible key range.
+    """
+    n_q = q.shape[1]
+    if keys_sorted and window is not None and n_q > _SLIDING_BLOCK:
+        outs = [
+            _attend_range(q[:, i : i + _SLIDING_BLOCK], k, v, q_pos[i : i + _SLIDING_BLOCK], k_pos, scale, window, softcap)
+            for i in range(0, n_q, _SLIDING_BLOCK)
+        ]
+        out = torch.cat(outs, dim=1)
+    elif keys_sorted:
+        out = _attend_range(q, k, v, q_pos, k_pos, scale, window, softcap)
+    else:
+        out = _sdpa(q, k, v, position_mask(q_pos, k_pos, window), scale, softcap)
+    return out.transpose(0, 1).reshape(n_q, -1)
+
+
+def _attend_range(q, k, v, q_pos, k_pos, scale, window, softcap):
+    """Attend over the contiguous key range the (sorted) queries can see."""
+    q_min, q_max = int(q_pos.min()), int(q_pos.max())
+    lo = 0 if window is None else int(torch.searchsorted(k_pos, q_min - window + 1))
+    hi = int(torch.searchsorted(k_pos, q_max, right=True))
+    k, v, k_pos = k[:, lo:hi], v[:, lo:hi], k_pos[lo:hi]
+    n_q, n_k = q.shape[1], k.shape[1]
+    # Every query sees every key in range: no mask at all (decoding, mostly).
+    if window is None or q_max - int(k_pos[0]) < window:
+        if q_min >= int(k_pos[-1]):
+            return _sdpa(q, k, v, None, scale, softcap)
+        # Queries are the last n_q consecutive positions after all keys: a plain causal prefill.
+        if n_q == n_k and _is_arange(q_pos) and torch.equal(q_pos, k_pos):
+            return _sdpa(q, k, v, None, scale, softcap, causal=True)
+    return _sdpa(q, k, v, position_mask(q_pos, k_pos, window), scale, softcap)
+
+
+def _is_arange(pos: torch.Tensor) -> bool:
+    return int(pos[-1]) - int(pos[0]) == pos.shape[0] - 1 and bool((pos[1:] > pos[:-1]).all())
+
+
+def _sdpa(q, k, v, mask, scale, softcap, causal=False):
+    if softcap is not None:
+        return _softcapped(q, k, v, mask, scale, softcap, causal)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+    ).squeeze(0)
+
+
+def _softcapped(q, k, v, mask, scale, softcap, causal):
+    """Eager attention with tanh soft-capping of the scores (SDPA has no soft-capping)."""
+    groups = q.shape[0] // k.shape[0]
+    k = k.to(q.dtype).repeat_interleave(groups, dim=0)
+    v = v.to(q.dtype).repeat_interleave(groups, dim=0)
+    scores = torch.matmul(q, k.transpose(1, 2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if causal:
+        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)

@@ -1,0 +1,136 @@
+"""Hugging Face style folder (config.json + *.safetensors) -> a runnable ``Transformer``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from . import gemma3, llama, qwen
+from .config import ModelConfig
+from .family import Family
+from .transformer import LayerWeights, Transformer, Weights
+
+FAMILIES: dict[str, Family] = {
+    t: fam for fam in (llama.FAMILY, qwen.QWEN2, qwen.QWEN3, gemma3.FAMILY) for t in fam.model_types
+}
+
+# Prefixes under which multimodal checkpoints keep their language model.
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
+def family_of(hf_config: dict) -> Family:
+    model_type = hf_config.get("model_type")
+    if model_type not in FAMILIES:
+        known = ", ".join(sorted(FAMILIES))
+        raise ValueError(f"model_type {model_type!r} is not supported; supported model types: {known}")
+    return FAMILIES[model_type]
+
+
+def read_config(folder: Path) -> tuple[dict, ModelConfig]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no config.json: not a Hugging Face model folder")
+    hf = json.loads(path.read_text())
+    config = family_of(hf).parse_config(hf)
+    gen = folder / "generation_config.json"
+    if gen.is_file():  # chat models often list their end-of-turn token here only
+        extra = json.loads(gen.read_text()).get("eos_token_id")
+        if extra is not None:
+            ids = extra if isinstance(extra, list) else [extra]
+            merged = tuple(dict.fromkeys([*config.eos_token_ids, *map(int, ids)]))
+            config = replace(config, eos_token_ids=merged)
+    return hf, config
+
+
+def weight_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors weights")
+    return files
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for f in weight_files(folder):
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                key = name
+                for prefix in _TEXT_PREFIXES:
+                    if name.startswith(prefix):
+                        key = "model." + name[len(prefix):]
+                tensors[key] = st.get_tensor(name)
+    return tensors
+
+
+def build_weights(config: ModelConfig, family: Family, tensors: Mapping[str, torch.Tensor], device, dtype) -> Weights:
+    """Assemble (and fuse) the runner's weights from HF-named tensors."""
+
+    def get(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"checkpoint lacks tensor {name!r} expected by a {family.name} model")
+        return tensors[name].to(device=device, dtype=dtype)
+
+    def norm(name: str) -> torch.Tensor:
+        w = tensors[name].to(device=device, dtype=torch.float32)
+        return (w + family.norm_offset) if family.norm_offset else w
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        bias = None
+        if config.qkv_bias:
+            bias = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+        norms = {field: norm(p + hf + ".weight") for hf, field in family.layer_norms.items()}
+        layers.append(
+            LayerWeights(
+                wqkv=torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
+                bqkv=bias,
+                wo=get(a + "o_proj.weight"),
+                w_gate_up=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+                w_down=get(p + "mlp.down_proj.weight"),
+                q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
+                k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
+                **norms,
+            )
+        )
+    embed = get("model.embed_tokens.weight")
+    if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight")
+    if embed.shape[0] != config.vocab_size:
+        raise ValueError(f"embedding has {embed.shape[0]} rows but config.json says vocab_size={config.vocab_size}")
+    return Weights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)
+
+
+def load_folder(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
+    """Load a Hugging Face style model folder onto ``device`` in compute ``dtype``."""
+    folder = Path(folder)
+    hf, config = read_config(folder)
+    device = torch.device(device)
+    weights = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
+    return Transformer(config, weights, device, dtype)
+
+
+def sha256_file(path: Path, block: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fingerprint(config: ModelConfig, weight_digests: list[str]) -> str:
+    """The model's identity in cache keys: a hash of its architecture and of its weight files."""
+    h = hashlib.sha256(b"kvfuse-model-v1\0")
+    h.update(config.to_json().encode())
+    for d in weight_digests:
+        h.update(b"\0" + d.encode())
+    return h.hexdigest()[:32]

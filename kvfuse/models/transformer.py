@@ -1,0 +1,217 @@
+"""The model runner: a decoder-only transformer in plain PyTorch, driven layer by layer.
+
+One code path serves every family; ``ModelConfig`` says which features a model uses. The API is
+shaped for the cache features built on top of it:
+
+- ``forward(tokens, cache)`` runs all layers over new tokens placed after the cache's valid slots
+  (at positions that continue it, or at explicit positions), attending to whatever KV the cache
+  already holds (a prefix loaded from a tier, say), and computes logits only where asked;
+- ``embed`` / ``layer`` / ``logits`` expose the same computation one layer at a time, with the
+  K/V of the processed tokens written to chosen *slots*: CacheBlend recomputes a subset of tokens
+  in the middle of a prompt this way, their queries attending to the full KV by position;
+- ``project`` returns one layer's fresh q/k/v without touching the cache (CacheBlend's check
+  layer compares them with the cached values).
+
+Weights are plain tensors (no ``nn.Module``): q/k/v and gate/up projections are fused into one
+matmul each, which is measurably faster on CPU for these small models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import rope
+from .attention import attend
+from .cache import KVCache
+from .config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    wqkv: torch.Tensor  # ((heads + 2 * kv_heads) * head_dim, hidden)
+    bqkv: torch.Tensor | None
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate_up: torch.Tensor  # (2 * intermediate, hidden)
+    w_down: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # sandwich norms (gemma)
+    mlp_out_norm: torch.Tensor | None = None
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # (vocab, hidden)
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (weights of gemma-style norms already include the +1)."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return out.to(x.dtype)
+
+
+class Transformer:
+    """A loaded model on one device, in one compute dtype. See the module docstring for the API."""
+
+    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self._freqs = {t: rope.inv_freq(r, config.head_dim).to(device) for t, r in config.rope.items()}
+        c = config
+        self._q_size = c.num_heads * c.head_dim
+        self._kv_size = c.num_kv_heads * c.head_dim
+        self._embed_scale = None if c.embed_scale is None else torch.tensor(c.embed_scale, dtype=dtype)
+
+    # ----------------------------------------------------------------------------- whole passes
+
+    def new_cache(self, capacity: int = 0, dtype: torch.dtype | None = None) -> KVCache:
+        """An empty KV cache for one sequence (KV dtype defaults to the compute dtype)."""
+        return KVCache(self.config, capacity, dtype or self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor | list[int],
+        cache: KVCache,
+        positions: torch.Tensor | None = None,
+        logits: str = "last",
+    ) -> torch.Tensor | None:
+        """Run all layers over ``tokens``, appended after the cache's valid slots.
+
+        ``positions`` default to continuing the cache (``cache.next_position``). ``logits`` is
+        ``"last"`` (a ``(vocab,)`` vector for the last token), ``"all"`` (``(n, vocab)``) or
+        ``"none"``: the vocabulary projection is most of a small model's prefill cost, so a
+        prefill only pays for the row it samples from.
+        """
+        ids = torch.as_tensor(tokens, dtype=torch.int64, device=self.device).reshape(-1)
+        n = ids.shape[0]
+        if n == 0:
+            raise ValueError("forward() needs at least one token")
+        start = cache.length
+        if positions is None:
+            positions = torch.arange(cache.next_position, cache.next_position + n, device=self.device)
+        positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).reshape(-1)
+        if positions.shape[0] != n:
+            raise ValueError(f"{n} tokens but {positions.shape[0]} positions")
+        cache.reserve(start + n)
+        cache.positions[start : start + n] = positions
+        slots = slice(start, start + n)
+        sorted_keys = cache.keys_sorted(start + n)
+        tables = self.rope_tables(positions, self.dtype)
+        h = self.embed(ids)
+        for layer in range(self.config.num_layers):
+            h = self.layer(layer, h, cache, slots, kv_len=start + n, keys_sorted=sorted_keys, tables=tables)
+        cache.length = start + n
+        if logits == "none":
+            return None
+        if logits == "last":
+            return self.logits(h[-1:])[0]
+        if logits == "all":
+            return self.logits(h)
+        raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+
+    # ---------------------------------------------------------------------- layer-by-layer API
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = F.embedding(ids.to(self.device), self.weights.embed)
+        return h * self._embed_scale if self._embed_scale is not None else h
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + vocabulary projection for the given hidden states ``(n, hidden)``."""
+        c = self.config
+        out = F.linear(rms_norm(h, self.weights.final_norm, c.rms_norm_eps), self.weights.lm_head)
+        if c.final_logit_softcap is not None:
+            out = torch.tanh(out / c.final_logit_softcap) * c.final_logit_softcap
+        return out
+
+    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """cos/sin tables per layer type for ``positions``: computed once per pass, not per layer."""
+        positions = positions.to(self.device)
+        return {t: rope.cos_sin(f, positions, dtype) for t, f in self._freqs.items()}
+
+    @torch.inference_mode()
+    def project(self, layer: int, h: torch.Tensor, positions: torch.Tensor, tables=None):
+        """Fresh ``(q, k, v)`` of ``layer`` for hidden inputs ``h`` at ``positions``.
+
+        Shapes ``(n, heads, head_dim)`` / ``(n, kv_heads, head_dim)``, after q/k norm and RoPE.
+        ``tables`` (from ``rope_tables(positions)``) saves recomputing the rotation tables.
+        """
+        c, w = self.config, self.weights.layers[layer]
+        x = rms_norm(h, w.attn_norm, c.rms_norm_eps)
+        qkv = F.linear(x, w.wqkv, w.bqkv)
+        n = h.shape[0]
+        q = qkv[:, : self._q_size].view(n, c.num_heads, c.head_dim)
+        k = qkv[:, self._q_size : self._q_size + self._kv_size].view(n, c.num_kv_heads, c.head_dim)
+        v = qkv[:, self._q_size + self._kv_size :].view(n, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q = rms_norm(q, w.q_norm, c.rms_norm_eps)
+            k = rms_norm(k, w.k_norm, c.rms_norm_eps)
+        tables = tables or self.rope_tables(positions, h.dtype)
+        cos, sin = tables[c.layer_types[layer]]
+        return rope.apply(q, cos, sin), rope.apply(k, cos, sin), v
+
+    @torch.inference_mode()
+    def layer(
+        self,
+        layer: int,
+        h: torch.Tensor,
+        cache: KVCache,
+        slots: slice | torch.Tensor,
+        kv_len: int | None = None,
+        keys_sorted: bool | None = None,
+        tables=None,
+    ) -> torch.Tensor:
+        """Run ``layer`` for the tokens whose hidden inputs are ``h`` and whose cache slots are ``slots``.
+
+        Their fresh K/V overwrite ``cache.kv[layer]`` at ``slots`` (positions are read from
+        ``cache.positions[slots]``, which the caller has set); their queries then attend to slots
+        ``[0, kv_len)`` (default ``cache.length``) with the position mask. Returns the layer's
+        output hidden states for those tokens. ``tables``: see ``project``.
+        """
+        c, w = self.config, self.weights.layers[layer]
+        kv_len = cache.length if kv_len is None else kv_len
+        q_pos = cache.positions[slots]
+        q, k, v = self.project(layer, h, q_pos, tables)
+        cache.kv[layer, 0][:, slots] = k.transpose(0, 1).to(cache.dtype)
+        cache.kv[layer, 1][:, slots] = v.transpose(0, 1).to(cache.dtype)
+        if keys_sorted is None:
+            keys_sorted = cache.keys_sorted(kv_len)
+        attn = attend(
+            q.transpose(0, 1),
+            cache.kv[layer, 0, :, :kv_len],
+            cache.kv[layer, 1, :, :kv_len],
+            q_pos,
+            cache.positions[:kv_len],
+            scale=c.scaling,
+            window=c.window(layer),
+            softcap=c.attn_logit_softcap,
+            keys_sorted=keys_sorted,
+        )
+        out = F.linear(attn, w.wo)
+        if w.attn_out_norm is not None:
+            out = rms_norm(out, w.attn_out_norm, c.rms_norm_eps)
+        h = h + out
+        x = rms_norm(h, w.mlp_norm, c.rms_norm_eps)
+        gate, up = F.linear(x, w.w_gate_up).chunk(2, dim=-1)
+        act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        out = F.linear(act.mul_(up), w.w_down)
+        if w.mlp_out_norm is not None:
+            out = rms_norm(out, w.mlp_out_norm, c.rms_norm_eps)
+        return h + out
+
+    def rerotate_keys(self, layer: int, keys: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor) -> torch.Tensor:
+        """Keys ``(n, kv_heads, head_dim)`` of ``layer`` rotated at ``from_positions``, moved to ``to_positions``."""
+        return rope.rerotate(keys, from_positions, to_positions, self._freqs[self.config.layer_types[layer]])

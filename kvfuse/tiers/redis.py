@@ -1,0 +1,204 @@
+"""The Redis / Valkey tier: pipelined batches, bounded waits, back-off while the server is away.
+
+Every call returns within about ``timeout_s`` (socket connect and read timeouts, no client-side
+retries). A failure (refused, reset, timed out) is logged once, counted, answered as a miss (writes
+are dropped and counted), and starts a back-off of ``backoff_s`` during which calls return misses
+at once without touching the network. The first call after the back-off tries the server again;
+redis-py reconnects by itself, so the tier recovers when the server comes back.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from typing import Iterable
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from kvfuse.tiers.base import Blob, Tier
+
+log = logging.getLogger(__name__)
+
+_GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+class RedisTier(Tier):
+    """Entries as Redis strings under ``key_prefix + key``; optional TTL (``ttl_s``, None = none).
+
+    ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://`` for TLS, ``unix://``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 0.5,
+        key_prefix: str = "kvfuse:",
+        ttl_s: float | None = None,
+        backoff_s: float = 1.0,
+        name: str = "redis",
+    ) -> None:
+        super().__init__()
+        if timeout_s <= 0:
+            raise ValueError(f"RedisTier timeout_s must be > 0, got {timeout_s}")
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"RedisTier ttl_s must be > 0 or None (no expiry), got {ttl_s}")
+        if backoff_s < 0:
+            raise ValueError(f"RedisTier backoff_s must be >= 0, got {backoff_s}")
+        self.name = name
+        self.url = url
+        self.key_prefix = key_prefix
+        self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self.backoff_s = backoff_s
+        try:
+            self._client = redis.Redis.from_url(
+                url,
+                socket_timeout=timeout_s,
+                socket_connect_timeout=timeout_s,
+                retry=Retry(NoBackoff(), 0),  # a retry would double the worst-case wait
+                retry_on_timeout=False,
+                health_check_interval=0,
+            )
+        except ValueError as e:
+            raise ValueError(f"bad Redis URL {url!r}: {e} (expected e.g. redis://127.0.0.1:6379/0)") from None
+        self._down_until = 0.0
+        self._down = False
+        self._lock = threading.Lock()
+
+    # -- failure handling -----------------------------------------------------------------------
+
+    def _available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, op: str, error: Exception) -> None:
+        with self._lock:
+            first = not self._down
+            self._down = True
+            self._down_until = time.monotonic() + self.backoff_s
+        if first:
+            log.warning("redis tier %s: %s failed (%s); backing off %.1fs", self.url, op, error, self.backoff_s)
+        self.stats.add(errors=1)
+
+    def _succeeded(self) -> None:
+        if self._down:
+            with self._lock:
+                was_down, self._down = self._down, False
+            if was_down:
+                log.info("redis tier %s: server reachable again", self.url)
+
+    def is_backing_off(self) -> bool:
+        """True while calls are answered as misses without trying the server."""
+        return not self._available()
+
+    def _k(self, key: str) -> str:
+        return self.key_prefix + key
+
+    # -- the Tier interface ---------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        return self.contains_many([key])[0]
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        keys = list(keys)
+        if not keys or not self._available():
+            return [False] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._k(k))
+            found = [bool(n) for n in pipe.execute()]
+        except (redis.RedisError, OSError) as e:
+            self._failed("contains", e)
+            return [False] * len(keys)
+        self._succeeded()
+        return found
+
+    def get(self, key: str) -> Blob | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Iterable[str]) -> list[Blob | None]:
+        keys = list(keys)
+        if not keys:
+            return []
+        if not self._available():
+            self.stats.add(misses=len(keys))
+            return [None] * len(keys)
+        try:
+            values = self._client.mget([self._k(k) for k in keys])
+        except (redis.RedisError, OSError) as e:
+            self._failed("get", e)
+            self.stats.add(misses=len(keys))
+            return [None] * len(keys)
+        self._succeeded()
+        hits = [v for v in values if v is not None]
+        self.stats.add(hits=len(hits), misses=len(keys) - len(hits), bytes_out=sum(map(len, hits)))
+        return values
+
+    def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
+        self.put_many([(key, value)])
+
+    def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
+        items = list(items)
+        if not items:
+            return
+        if not self._available():
+            self.stats.add(dropped_writes=len(items))
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k, v in items:
+                pipe.set(self._k(k), v, px=self.ttl_ms)  # bytes, bytearray and memoryview go as is
+            pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            self._failed("put", e)
+            self.stats.add(dropped_writes=len(items))
+            return
+        self._succeeded()
+        self.stats.add(puts=len(items), bytes_in=sum(memoryview(v).nbytes for _, v in items))
+
+    def delete(self, key: str) -> bool:
+        if not self._available():
+            return False
+        try:
+            n = self._client.unlink(self._k(key))
+        except (redis.RedisError, OSError) as e:
+            self._failed("delete", e)
+            return False
+        self._succeeded()
+        return bool(n)
+
+    def delete_prefix(self, prefix: str) -> int:
+        """SCAN for ``key_prefix + prefix*`` and UNLINK in batches; 0 if the server is unavailable."""
+        if not self._available():
+            return 0
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", self._k(prefix)) + "*"
+        removed, batch = 0, []
+        try:
+            for k in self._client.scan_iter(match=pattern, count=1000):
+                batch.append(k)
+                if len(batch) >= 1000:
+                    removed += self._client.unlink(*batch)
+                    batch = []
+            if batch:
+                removed += self._client.unlink(*batch)
+        except (redis.RedisError, OSError) as e:
+            self._failed("delete_prefix", e)
+            return removed
+        self._succeeded()
+        return removed
+
+    def ping(self) -> bool:
+        """True if the server answers now (ignores and does not start a back-off)."""
+        try:
+            return bool(self._client.ping())
+        except (redis.RedisError, OSError):
+            return False
+
+    def close(self) -> None:
+        try:
+            self._client.close()
+        except (redis.RedisError, OSError):
+            pass

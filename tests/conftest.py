@@ -1,0 +1,24 @@
+"""Shared fixtures. Test modules import helpers from this folder (tiny_models, fixtures_redis)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures_redis import redis_server  # noqa: F401  (a real redis-server per test)
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A function giving the folder of a tiny random model of a family (built once per session)."""
+    from tiny_models import build_tiny
+
+    built: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_tiny(name, tmp_path_factory.mktemp(f"tiny-{name}"))
+        return built[name]
+
+    return get

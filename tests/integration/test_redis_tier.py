@@ -1,0 +1,159 @@
+"""RedisTier against a real redis-server: round trips, pipelines, outages, slowness, recovery, sharing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from kvfuse.tiers import RedisTier
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT, BACKOFF = 0.3, 0.4
+
+
+def _tier(server, **kw) -> RedisTier:
+    return RedisTier(server.url, **{"timeout_s": TIMEOUT, "backoff_s": BACKOFF, **kw})
+
+
+def _timed(fn, *args):
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+def test_round_trip_stats_and_prefix(redis_server):
+    t = _tier(redis_server)
+    value = os.urandom(100_000)
+    t.put("ns:p:1", value)
+    assert t.contains("ns:p:1") and t.get("ns:p:1") == value
+    assert t.get("ns:p:2") is None and not t.contains("ns:p:2")
+    raw = redis.Redis.from_url(redis_server.url)
+    assert raw.get("kvfuse:ns:p:1") == value  # stored under the key prefix
+    s = t.stats.snapshot()
+    assert (s["puts"], s["bytes_in"], s["hits"], s["misses"], s["bytes_out"], s["errors"]) == (
+        1, 100_000, 1, 1, 100_000, 0,
+    )
+    assert t.delete("ns:p:1") and not t.delete("ns:p:1") and t.get("ns:p:1") is None
+    t.put_many([("mv", memoryview(value)), ("ba", bytearray(b"abc"))])  # any bytes-like value
+    assert t.get_many(["mv", "ba"]) == [value, b"abc"]
+
+
+def test_batched_pipeline(redis_server):
+    t = _tier(redis_server)
+    items = [(f"k{i}", os.urandom(1000 + i)) for i in range(50)]
+    t.put_many(items)
+    keys = [k for k, _ in items]
+    asked = keys[::2] + ["missing"] + keys[1::2]
+    expected = [v for _, v in items[::2]] + [None] + [v for _, v in items[1::2]]
+    assert t.get_many(asked) == expected
+    assert t.contains_many(["missing", "k3", "k49"]) == [False, True, True]
+    assert t.get_many([]) == [] and t.contains_many([]) == []
+    assert t.stats.snapshot()["puts"] == 50
+
+
+def test_ttl_expires_entries(redis_server):
+    t = _tier(redis_server, ttl_s=0.2)
+    t.put("k", b"v")
+    assert t.get("k") == b"v"
+    time.sleep(0.35)
+    assert t.get("k") is None
+
+
+def test_delete_prefix_scans_only_the_prefix_literally(redis_server):
+    t, other = _tier(redis_server), _tier(redis_server, key_prefix="other:")
+    t.put_many([("a*:1", b"1"), ("a*b:2", b"2"), ("ab:3", b"3"), ("a?:4", b"4")] + [(f"n:{i}", b"x") for i in range(2500)])
+    other.put("a*:1", b"kept")
+    assert t.delete_prefix("a*") == 2  # '*' is a literal here, not a glob
+    assert t.get_many(["a*:1", "a*b:2", "ab:3", "a?:4"]) == [None, None, b"3", b"4"]
+    assert t.delete_prefix("n:") == 2500  # several SCAN / UNLINK batches
+    assert t.clear() == 2 and other.get("a*:1") == b"kept"
+
+
+def test_server_down_gives_fast_misses_dropped_writes_and_recovery(redis_server):
+    t = _tier(redis_server)
+    t.put("k", b"v")
+    assert t.get("k") == b"v"
+    redis_server.stop()
+    value, took = _timed(t.get, "k")
+    assert value is None and took < TIMEOUT + 0.2
+    assert t.is_backing_off()
+    # During the back-off nothing touches the network: answers are immediate.
+    (_, took_put), (miss, took_get) = _timed(t.put, "k2", b"v2"), _timed(t.get_many, ["k", "k2"])
+    assert miss == [None, None] and took_put < 0.01 and took_get < 0.01
+    assert t.contains_many(["k"]) == [False] and t.delete_prefix("") == 0
+    s = t.stats.snapshot()
+    assert s["errors"] == 1 and s["dropped_writes"] == 1 and s["misses"] == 3
+    redis_server.start()
+    time.sleep(BACKOFF + 0.05)
+    assert not t.is_backing_off()
+    t.put("k3", b"v3")  # the server restarted empty; the tier reconnects by itself
+    assert t.get("k3") == b"v3" and t.get("k") is None
+    assert t.stats.snapshot()["errors"] == 1
+
+
+def test_calls_while_the_server_is_down_fail_within_the_timeout(redis_server):
+    t = _tier(redis_server, backoff_s=0.0)  # no back-off: every call tries the network
+    redis_server.stop()
+    for fn, args in [(t.get, ("k",)), (t.put, ("k", b"v")), (t.contains, ("k",)), (t.delete_prefix, ("",))]:
+        _, took = _timed(fn, *args)
+        assert took < TIMEOUT + 0.2, fn
+    assert t.stats.snapshot()["errors"] == 4
+
+
+def test_a_hung_server_times_out_then_recovers(redis_server):
+    t = _tier(redis_server)
+    t.put("k", b"v" * 1000)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)  # alive but not answering
+    try:
+        value, took = _timed(t.get, "k")
+        assert value is None and TIMEOUT * 0.8 < took < TIMEOUT + 0.3
+        _, took = _timed(t.put, "k2", b"x")  # in back-off: dropped at once
+        assert took < 0.01
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+    time.sleep(BACKOFF + 0.05)
+    assert t.get("k") == b"v" * 1000
+    s = t.stats.snapshot()
+    assert s["errors"] == 1 and s["dropped_writes"] == 1
+
+
+def test_unreachable_from_the_start_is_not_an_exception():
+    t = RedisTier("redis://127.0.0.1:1/0", timeout_s=0.2, backoff_s=0.1)
+    assert t.get("k") is None and t.put("k", b"v") is None and t.stats.snapshot()["errors"] == 1
+    t.close()
+
+
+def test_bad_configuration():
+    with pytest.raises(ValueError, match="URL"):
+        RedisTier("http://nope")
+    with pytest.raises(ValueError):
+        RedisTier("redis://127.0.0.1:1", timeout_s=0)
+
+
+_CHILD = """
+import sys
+from kvfuse.tiers import RedisTier
+t = RedisTier(sys.argv[1], timeout_s=2)
+t.put("from-child", b"child-value")
+print(t.get("from-parent").decode())
+"""
+
+
+def test_two_processes_share_entries(redis_server):
+    t = _tier(redis_server)
+    t.put("from-parent", b"parent-value")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, redis_server.url], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "parent-value"
+    assert t.get("from-child") == b"child-value"

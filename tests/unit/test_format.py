@@ -1,0 +1,215 @@
+"""The entry format: round trips, and every kind of damage or mismatch is a FormatError, never a wrong tensor."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvfuse.codecs import get_codec
+from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.format import FORMAT_VERSION, FormatError, decode_chunk, encode_chunk, read_header, verify
+from kvfuse.kv.keys import Namespace, prefix_keys
+
+NS = Namespace("m", "float16", "L2xH2xD8", "raw")
+KEY = str(prefix_keys(range(4), 4, NS)[0])
+OTHER_KEY = str(prefix_keys(range(1, 5), 4, NS)[0])
+
+# Offsets of the fixed header fields ("<4sHIHHBB5IIHQQ").
+VERSION, HEADER_LEN, CODEC_ID, DTYPE, FLAGS, SHAPE, KEY_LEN, PAYLOAD_LEN = 4, 6, 10, 14, 15, 16, 40, 42
+FIXED = 58
+
+
+def _chunk(dtype=torch.float16, tokens=5, contiguous=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn((2, 2, tokens, 2, 8), generator=g).to(dtype)
+    pos = torch.arange(100, 100 + tokens) if contiguous else torch.tensor([3, 9, 4, 2**40, -1][:tokens])
+    return KVChunk(kv=kv, positions=pos)
+
+
+def _same(a: KVChunk, b: KVChunk) -> bool:
+    return a.kv.dtype == b.kv.dtype and torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8)) and torch.equal(
+        a.positions, b.positions
+    )
+
+
+def _header_len(blob: bytes) -> int:
+    return struct.unpack_from("<I", blob, HEADER_LEN)[0]
+
+
+def _patch(blob: bytes, offset: int, fmt: str, value) -> bytes:
+    """Change a header field and re-seal the header checksum, so only the field's meaning is tested."""
+    b = bytearray(blob)
+    struct.pack_into(fmt, b, offset, value)
+    hl = _header_len(b)
+    struct.pack_into("<Q", b, hl - 8, xxhash.xxh3_64_intdigest(bytes(b[: hl - 8])))
+    return bytes(b)
+
+
+def _flip(blob: bytes, i: int) -> bytes:
+    b = bytearray(blob)
+    b[i] ^= 0x10
+    return bytes(b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_round_trip(dtype, codec, contiguous):
+    chunk = _chunk(dtype, contiguous=contiguous)
+    blob = encode_chunk(chunk, KEY, get_codec(codec))
+    assert verify(blob) and verify(blob, KEY)
+    out = decode_chunk(blob, KEY)
+    assert torch.equal(out.positions, chunk.positions) and out.kv.dtype == dtype
+    if codec == "raw":
+        assert _same(out, chunk)
+    else:
+        assert (out.kv.float() - chunk.kv.float()).abs().max() <= chunk.kv.float().abs().max() / 100
+    h = read_header(blob)
+    assert (h.key, h.codec, h.dtype, h.shape, h.num_positions) == (KEY, codec, str(dtype)[6:], (2, 2, 5, 2, 8), 5)
+    assert h.positions_contiguous == contiguous and h.payload_ok
+    assert h.header_size % 64 == 0 and h.header_size + h.payload_size == len(blob)
+
+
+def test_zero_token_chunk_round_trips():
+    chunk = _chunk(tokens=0)
+    assert _same(decode_chunk(encode_chunk(chunk, KEY, get_codec("raw"))), chunk)
+
+
+def test_raw_decode_is_zero_copy_over_a_writable_buffer():
+    chunk = _chunk()
+    buf = bytearray(encode_chunk(chunk, KEY, get_codec("raw")))
+    out = decode_chunk(buf, KEY)
+    out.kv.zero_()
+    assert not verify(buf)  # the tensor was a view of buf
+    out2 = decode_chunk(encode_chunk(chunk, KEY, get_codec("raw")))
+    out2.kv.zero_()  # a bytes blob is copied: writing is safe
+
+
+def test_key_mismatch_is_an_error():
+    blob = encode_chunk(_chunk(), KEY, get_codec("raw"))
+    with pytest.raises(FormatError, match="expected"):
+        decode_chunk(blob, OTHER_KEY)
+    assert not verify(blob, OTHER_KEY)
+    assert _same(decode_chunk(blob, prefix_keys(range(4), 4, NS)[0]), decode_chunk(blob))  # a ChunkKey works too
+
+
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda b: b[:-1], "truncated"),
+        (lambda b: b[:40], "truncated"),
+        (lambda b: b[: _header_len(b) - 3], "truncated"),
+        (lambda b: b"", "magic"),
+        (lambda b: b + b"\0", "trailing"),
+        (lambda b: b"KVFX" + b[4:], "magic"),
+        (lambda b: _patch(b, VERSION, "<H", FORMAT_VERSION + 1), "version 2"),
+        (lambda b: _patch(b, VERSION, "<H", 0), "version 0"),
+        (lambda b: _patch(b, CODEC_ID, "<H", 999), "unknown codec"),
+        (lambda b: _patch(b, DTYPE, "<B", 77), "unknown dtype"),
+        (lambda b: _patch(b, FLAGS, "<B", 0x81), "flags|header length"),
+        (lambda b: _patch(b, SHAPE + 4, "<I", 3), "shape"),
+        (lambda b: _patch(b, SHAPE, "<I", 3), "payload length"),
+        (lambda b: _patch(b, PAYLOAD_LEN, "<Q", 10), "payload length|trailing"),
+        (lambda b: _patch(b, KEY_LEN, "<H", 3), "header length"),
+        (lambda b: _patch(b, HEADER_LEN, "<I", 128), "header length"),
+    ],
+)
+def test_damaged_or_foreign_entries_are_format_errors(mutate, match):
+    blob = encode_chunk(_chunk(contiguous=False), KEY, get_codec("raw"))
+    bad = mutate(blob)
+    with pytest.raises(FormatError, match=match):
+        decode_chunk(bad)
+    assert not verify(bad)
+
+
+def test_flipped_byte_anywhere_is_detected():
+    """One flipped bit in each region: fixed header, key, positions, padding, header checksum, payload."""
+    blob = encode_chunk(_chunk(contiguous=False), KEY, get_codec("raw"))
+    hl = _header_len(blob)
+    regions = {
+        "fixed": range(0, FIXED),
+        "key": range(FIXED, FIXED + len(KEY)),
+        "positions": range(FIXED + len(KEY), FIXED + len(KEY) + 40),
+        "padding": range(FIXED + len(KEY) + 40, hl - 8),
+        "header checksum": range(hl - 8, hl),
+        "payload": range(hl, len(blob)),
+    }
+    for name, region in regions.items():
+        assert len(region) > 0, name
+        for i in region:
+            with pytest.raises(FormatError):
+                decode_chunk(_flip(blob, i))
+            assert not verify(_flip(blob, i)), (name, i)
+
+
+def test_other_format_version_message_names_both_versions():
+    blob = _patch(encode_chunk(_chunk(), KEY, get_codec("raw")), VERSION, "<H", 7)
+    with pytest.raises(FormatError, match=f"version 7; this build reads version {FORMAT_VERSION}"):
+        read_header(blob)
+
+
+def test_read_header_reports_a_bad_payload_without_failing():
+    blob = encode_chunk(_chunk(), KEY, get_codec("int8"))
+    assert not read_header(_flip(blob, len(blob) - 1)).payload_ok
+    assert not read_header(blob[:-1]).payload_ok
+    h = read_header(blob)
+    assert h.payload_ok and h.first_position == 100 and h.last_position == 104
+
+
+def test_skipping_the_payload_check_still_checks_lengths():
+    blob = encode_chunk(_chunk(), KEY, get_codec("raw"))
+    assert _same(decode_chunk(blob, KEY, check_payload=False), decode_chunk(blob, KEY))
+    with pytest.raises(FormatError):
+        decode_chunk(blob[:-2], KEY, check_payload=False)
+
+
+def test_key_is_stored_as_given():
+    blob = encode_chunk(_chunk(), "any:key/ü", get_codec("raw"))
+    assert read_header(blob).key == "any:key/ü" and verify(blob, "any:key/ü")
+
+
+_BLOBS = {
+    (codec, contiguous): encode_chunk(_chunk(torch.bfloat16, contiguous=contiguous, seed=3), KEY, get_codec(codec))
+    for codec in ("raw", "int8")
+    for contiguous in (True, False)
+}
+
+
+@st.composite
+def _mutation(draw):
+    blob = _BLOBS[(draw(st.sampled_from(["raw", "int8"])), draw(st.booleans()))]
+    b = bytearray(blob)
+    for _ in range(draw(st.integers(1, 4))):
+        kind = draw(st.sampled_from(["set", "flip", "truncate", "insert", "delete", "append"]))
+        i = draw(st.integers(0, max(0, len(b) - 1)))
+        if kind == "set" and b:
+            b[i] = draw(st.integers(0, 255))
+        elif kind == "flip" and b:
+            b[i] ^= 1 << draw(st.integers(0, 7))
+        elif kind == "truncate":
+            del b[i:]
+        elif kind == "insert":
+            b[i:i] = draw(st.binary(min_size=1, max_size=8))
+        elif kind == "delete":
+            del b[i : i + draw(st.integers(1, 8))]
+        else:
+            b += draw(st.binary(min_size=1, max_size=8))
+    return blob, bytes(b)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_mutation())
+def test_fuzz_mutations_never_decode_to_a_wrong_tensor(case):
+    original, mutated = case
+    try:
+        out = decode_chunk(mutated, KEY)
+    except FormatError:
+        assert not verify(mutated, KEY)
+        return
+    assert verify(mutated, KEY)
+    assert _same(out, decode_chunk(original, KEY))

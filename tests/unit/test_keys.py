@@ -1,0 +1,205 @@
+"""Chunk keys: exact golden values, cross-process stability, namespace separation, the prefix property."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvfuse.kv.format import FORMAT_VERSION
+from kvfuse.kv.keys import ChunkKey, Namespace, chunk_spans, document_key, layout_of, prefix_keys
+
+NS = Namespace("sha256:abc", "float16", layout_of(30, 3, 64), "raw")
+NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", "int8", 0, 1, "tenant-a")
+
+# Computed once from the documented encoding; any change of the encoding must fail here.
+GOLDEN = [
+    (NS, list(range(8)), 4, [
+        "7b6ba450ab00ac05:p:2108a4ca92ef44ff277a416530a031158456d9096be6fa76b1c12214c84c0143",
+        "7b6ba450ab00ac05:p:32ae56772c972a98bfd61c1ef95f0a899f65106201af2cff7915716841140edc",
+    ]),
+    (NS2, [1, 2, 3, 2**32 - 1, 0, 5, 6, 7, 9], 3, [
+        "b5145a7abf92967c:p:ed63089ef1877169c96f46bf56c11158f4893d9bddf1aecb9b01940463f2de2f",
+        "b5145a7abf92967c:p:08965b05445dcc0788bf35900f0d5dbb629812c8307770eb7fbf6200c349b458",
+        "b5145a7abf92967c:p:f922e16ceb0e58af838a4abd273aef32cac37fbc13b31daed4bf3cc072a324ab",
+    ]),
+]
+GOLDEN_DOC = "7b6ba450ab00ac05:d:adac652424119e77668a0ee3ce906fa6b9a1e69a8e17601fccfd1910dbfcd373"
+
+
+@pytest.mark.parametrize("ns,tokens,chunk,expected", GOLDEN)
+def test_golden_prefix_keys(ns, tokens, chunk, expected):
+    assert [str(k) for k in prefix_keys(tokens, chunk, ns)] == expected
+
+
+def test_golden_document_key():
+    assert str(document_key([10, 20, 30], NS)) == GOLDEN_DOC
+
+
+def test_golden_matches_the_documented_encoding():
+    """Recompute the first golden key from the module docstring's recipe, independently."""
+
+    def s(x: str) -> bytes:
+        return struct.pack("<I", len(x.encode())) + x.encode()
+
+    enc = b"kvfuse.ns\0" + s("sha256:abc") + s("float16") + s("L30xH3xD64") + s("raw") + struct.pack("<II", 0, 1) + s("")
+    ns_digest = hashlib.sha256(enc).digest()
+    root = hashlib.sha256(b"kvfuse.root.v1\0" + ns_digest).digest()
+    h0 = hashlib.sha256(b"kvfuse.prefix\0" + root + struct.pack("<I", 4) + struct.pack("<4I", 0, 1, 2, 3)).digest()
+    assert NS.digest() == ns_digest
+    assert str(prefix_keys(range(8), 4, NS)[0]) == f"{ns_digest.hex()[:16]}:p:{h0.hex()}"
+
+
+def test_keys_identical_in_another_process_with_another_hash_seed():
+    code = (
+        "from kvfuse.kv.keys import *; import numpy as np\n"
+        "ns = Namespace('m', 'float16', 'L2xH1xD4', 'raw', salt='t')\n"
+        "print(','.join(str(k) for k in prefix_keys(np.arange(1000) * 7, 64, ns)))\n"
+        "print(document_key([5, 6, 7], ns))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": str(root)},
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed in ("1", "12345")
+    ]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    ns = Namespace("m", "float16", "L2xH1xD4", "raw", salt="t")
+    here = ",".join(str(k) for k in prefix_keys(np.arange(1000) * 7, 64, ns)) + "\n" + str(document_key([5, 6, 7], ns)) + "\n"
+    assert outs[0] == outs[1] == here
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("model_fingerprint", "sha256:abd"),
+        ("kv_dtype", "bfloat16"),
+        ("kv_layout", "L30xH3xD128"),
+        ("codec", "int8"),
+        ("codec_level", 1),
+        ("format_version", FORMAT_VERSION + 1),
+        ("salt", "tenant-b"),
+    ],
+)
+def test_every_namespace_field_changes_every_key(field, value):
+    other = dataclasses.replace(NS, **{field: value})
+    tokens = list(range(512))
+    a, b = prefix_keys(tokens, 256, NS), prefix_keys(tokens, 256, other)
+    assert other.short_id() != NS.short_id()
+    assert not {str(k) for k in a} & {str(k) for k in b}
+    assert str(document_key(tokens, NS)) != str(document_key(tokens, other))
+
+
+def test_field_boundaries_are_unambiguous():
+    # Length prefixes: moving a character from one field to the next must change the digest.
+    a = Namespace("ab", "c", "L1xH1xD1", "raw")
+    b = Namespace("a", "bc", "L1xH1xD1", "raw")
+    assert a.digest() != b.digest()
+
+
+def test_prefix_property_and_chain_dependence():
+    tokens = np.arange(5 * 16, dtype=np.int64) % 97
+    long_keys = prefix_keys(tokens, 16, NS)
+    for k in range(1, 5):
+        assert prefix_keys(tokens[: k * 16], 16, NS) == long_keys[:k]
+    changed = tokens.copy()
+    changed[3] += 1  # a change in chunk 0 changes every later key too
+    assert all(x != y for x, y in zip(prefix_keys(changed, 16, NS), long_keys))
+    later = tokens.copy()
+    later[40] += 1  # a change in chunk 2 leaves chunks 0 and 1 alone
+    assert prefix_keys(later, 16, NS)[:2] == long_keys[:2] and prefix_keys(later, 16, NS)[2] != long_keys[2]
+
+
+def test_only_full_chunks_get_keys():
+    assert len(prefix_keys(list(range(600)), 256, NS)) == 2
+    assert prefix_keys(list(range(255)), 256, NS) == []
+    assert prefix_keys([], 256, NS) == []
+    # The tail does not influence the full chunks' keys.
+    assert prefix_keys(list(range(512)) + [1, 2], 256, NS) == prefix_keys(list(range(512)), 256, NS)
+    assert chunk_spans(600, 256) == [(0, 256), (256, 512)]
+    assert chunk_spans(0, 4) == []
+
+
+def test_input_types_give_the_same_keys():
+    ref = prefix_keys(list(range(64)), 32, NS)
+    assert prefix_keys(np.arange(64, dtype=np.uint32), 32, NS) == ref
+    assert prefix_keys(np.arange(64, dtype=np.int64), 32, NS) == ref
+    assert prefix_keys(torch.arange(64), 32, NS) == ref
+    assert prefix_keys(range(64), 32, NS) == ref
+
+
+def test_document_keys_never_equal_prefix_keys():
+    tokens = list(range(256))
+    doc = document_key(tokens, NS)
+    pre = prefix_keys(tokens, 256, NS)[0]
+    assert doc.position_independent and not pre.position_independent
+    assert doc.digest != pre.digest and str(doc) != str(pre)
+    assert document_key(tokens, NS) == doc
+    assert document_key(tokens[:-1], NS) != doc
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[1, -1], [2**32], [1.5, 2.0], np.array([1.0, 2.0]), [[1, 2], [3, 4]], ["a"], [True, False], [2**70]],
+)
+def test_bad_tokens_rejected(tokens):
+    with pytest.raises(ValueError):
+        prefix_keys(tokens, 1, NS)
+
+
+@pytest.mark.parametrize("chunk", [0, -4, 2.0])
+def test_bad_chunk_size_rejected(chunk):
+    with pytest.raises(ValueError, match="chunk_size"):
+        prefix_keys([1, 2, 3, 4], chunk, NS)
+
+
+def test_empty_document_rejected():
+    with pytest.raises(ValueError, match="no tokens"):
+        document_key([], NS)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"model_fingerprint": ""}, {"codec": ""}, {"codec_level": -1}, {"format_version": 2**32}, {"salt": None}],
+)
+def test_bad_namespace_rejected(kwargs):
+    with pytest.raises(ValueError):
+        dataclasses.replace(NS, **kwargs)
+
+
+def test_chunk_key_string_round_trip_and_parse_errors():
+    key = prefix_keys(range(4), 4, NS)[0]
+    assert ChunkKey.parse(str(key)) == key
+    doc = document_key([1], NS)
+    assert ChunkKey.parse(str(doc)) == doc
+    s = str(key)
+    for bad in ["", s + "0", s[:-1], s.upper(), s.replace(":p:", ":x:"), s.replace(":", "/"), "zz" + s[2:], s + ":p"]:
+        with pytest.raises(ValueError):
+            ChunkKey.parse(bad)
+    with pytest.raises(ValueError):
+        ChunkKey.parse(None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        ChunkKey("short", b"\0" * 32, False)
+    with pytest.raises(ValueError):
+        ChunkKey("0" * 16, b"\0" * 31, False)
+
+
+def test_key_prefix_and_layout():
+    assert NS.key_prefix() == NS.short_id() + ":" and len(NS.short_id()) == 16
+    assert all(str(k).startswith(NS.key_prefix()) for k in prefix_keys(range(8), 4, NS))
+    assert layout_of(30, 3, 64) == "L30xH3xD64"
+    with pytest.raises(ValueError):
+        layout_of(0, 3, 64)

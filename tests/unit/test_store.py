@@ -1,0 +1,197 @@
+"""TieredStore: contiguous partial hits, which tier holds what, promotion, the async write queue, corruption."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvfuse.codecs import get_codec
+from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.format import decode_chunk, encode_chunk
+from kvfuse.tiers import DiskTier, LookupResult, MemoryTier, TieredStore
+
+KEYS = [f"ns:p:{i:02d}" for i in range(6)]
+
+
+def blob(key: str, seed: int = 0) -> bytes:
+    kv = torch.randn((2, 2, 4, 2, 8), generator=torch.Generator().manual_seed(seed)).half()
+    return encode_chunk(KVChunk(kv, torch.arange(4)), key, get_codec("raw"))
+
+
+class GatedTier(MemoryTier):
+    """A lower tier whose writes wait for a gate: stands in for a slow disk or network."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(10**9, name=name)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def put_many(self, items):
+        self.entered.set()
+        self.gate.wait(timeout=10)
+        super().put_many(items)
+
+
+class BrokenTier(MemoryTier):
+    """A tier with a bug: every call raises (faults a real tier should never produce)."""
+
+    def contains_many(self, keys):
+        raise RuntimeError("boom")
+
+    def get_many(self, keys):
+        raise RuntimeError("boom")
+
+
+@pytest.fixture
+def three(tmp_path):
+    mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
+    store = TieredStore([mem, disk, remote])
+    yield store, mem, disk, remote
+    store.close()
+
+
+def test_lookup_reports_the_contiguous_prefix_and_the_tier_of_each(three):
+    store, mem, disk, remote = three
+    mem.put(KEYS[0], blob(KEYS[0]))
+    disk.put(KEYS[1], blob(KEYS[1]))
+    remote.put(KEYS[2], blob(KEYS[2]))
+    disk.put(KEYS[3], blob(KEYS[3]))
+    remote.put(KEYS[3], blob(KEYS[3]))  # in two tiers: the faster one is reported
+    mem.put(KEYS[5], blob(KEYS[5]))  # after the gap at 4: not part of the hit
+    assert store.lookup(KEYS) == LookupResult(hits=4, tiers=("memory", "disk", "remote", "disk"))
+    assert store.lookup(KEYS[1:]) == LookupResult(hits=3, tiers=("disk", "remote", "disk"))
+    assert store.lookup(KEYS[4:]) == LookupResult(hits=0, tiers=())
+    assert store.lookup([]) == LookupResult(0, ())
+
+
+def test_lookup_is_side_effect_free(three):
+    store, mem, disk, remote = three
+    mem.put("a", blob("a"))
+    mem.put("b", blob("b"))
+    disk.put(KEYS[0], blob(KEYS[0]))
+    before = {name: s for name, s in store.stats().items() if name != "store"}
+    assert store.lookup(["a", KEYS[0]]).hits == 2
+    assert mem.keys_lru() == ["a", "b"] and not mem.contains(KEYS[0])  # no recency, no promotion
+    assert {name: s for name, s in store.stats().items() if name != "store"} == before
+    assert store.stats()["store"]["lookups"] == 1
+
+
+def test_get_reads_the_fastest_tier_and_promotes_lower_hits(three):
+    store, mem, disk, remote = three
+    mem.put(KEYS[0], blob(KEYS[0], seed=1))
+    disk.put(KEYS[0], blob(KEYS[0], seed=2))  # a stale lower copy must not be read
+    disk.put(KEYS[1], blob(KEYS[1]))
+    remote.put(KEYS[2], blob(KEYS[2]))
+    out = store.get(KEYS[:4])
+    assert out[:3] == [blob(KEYS[0], seed=1), blob(KEYS[1]), blob(KEYS[2])] and out[3] is None
+    assert mem.contains(KEYS[1]) and mem.contains(KEYS[2]) and not disk.contains(KEYS[2])
+    assert store.lookup(KEYS[:3]).tiers == ("memory",) * 3
+    assert store.stats()["store"]["promotions"] == 2
+    assert remote.stats.snapshot()["hits"] == 1 and disk.stats.snapshot()["hits"] == 1
+    assert torch.equal(decode_chunk(out[1], KEYS[1]).kv, decode_chunk(blob(KEYS[1])).kv)
+
+
+def test_a_chunk_vanishing_between_lookup_and_get_is_a_none(three):
+    store, mem, disk, _ = three
+    for k in KEYS[:3]:
+        disk.put(k, blob(k))
+    assert store.lookup(KEYS[:3]).hits == 3
+    disk.delete(KEYS[1])  # evicted meanwhile (e.g. by another process)
+    out = store.get(KEYS[:3])
+    assert out[0] is not None and out[1] is None and out[2] is not None  # callers use the prefix: 1
+
+
+def test_put_writes_memory_now_and_lower_tiers_after_flush(tmp_path):
+    mem, slow = MemoryTier(10**6), GatedTier("slow")
+    with TieredStore([mem, slow]) as store:
+        store.put([(k, blob(k)) for k in KEYS[:2]])
+        assert mem.contains(KEYS[0]) and mem.contains(KEYS[1])
+        assert slow.entered.wait(5) and not slow.contains(KEYS[0])
+        assert store.flush(timeout=0.1) is False  # still held at the gate
+        slow.gate.set()
+        assert store.flush(timeout=5) is True
+        assert slow.contains(KEYS[0]) and slow.contains(KEYS[1])
+        assert store.stats()["store"]["queued_writes"] == 2
+
+
+def test_a_full_queue_drops_lower_tier_writes_without_blocking():
+    mem, slow = MemoryTier(10**6), GatedTier("slow")
+    store = TieredStore([mem, slow], write_queue_size=2, write_batch=1)
+    store.put([(KEYS[0], blob(KEYS[0]))])
+    assert slow.entered.wait(5)  # the writer holds KEYS[0]; the queue is empty again
+    t0 = time.monotonic()
+    store.put([(k, blob(k)) for k in KEYS[1:6]])  # 2 fit in the queue, 3 are dropped
+    assert time.monotonic() - t0 < 0.5
+    assert all(mem.contains(k) for k in KEYS[:6])
+    s = store.stats()
+    assert s["store"]["queue_full_drops"] == 3 and s["slow"]["dropped_writes"] == 3
+    slow.gate.set()
+    assert store.flush(timeout=5)
+    assert [slow.contains(k) for k in KEYS[:6]] == [True, True, True, False, False, False]
+    store.close()
+
+
+def test_corrupt_entry_in_a_lower_tier_is_removed_and_the_next_tier_tried():
+    mem, mid, low = MemoryTier(10**6), MemoryTier(10**6, name="mid"), MemoryTier(10**6, name="low")
+    with TieredStore([mem, mid, low]) as store:
+        good = blob(KEYS[0])
+        mid.put(KEYS[0], good[:-1] + bytes([good[-1] ^ 1]))
+        low.put(KEYS[0], good)
+        mid.put(KEYS[1], blob(KEYS[2]))  # a valid entry of another key: also not this key's
+        assert store.get(KEYS[:2]) == [good, None]
+        assert not mid.contains(KEYS[0]) and not mid.contains(KEYS[1]) and mem.get(KEYS[0]) == good
+        s = store.stats()["mid"]
+        assert (s["errors"], s["hits"], s["misses"]) == (2, 0, 2)
+
+
+def test_corrupt_file_in_the_disk_tier_is_a_removed_miss(tmp_path):
+    mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
+    with TieredStore([mem, disk]) as store:
+        disk.put(KEYS[0], blob(KEYS[0]))
+        (path,) = tmp_path.rglob("*.kvf")
+        path.write_bytes(path.read_bytes()[:-5])
+        assert store.lookup(KEYS[:1]).hits == 1  # lookup does not read files
+        assert store.get(KEYS[:1]) == [None] and not path.exists() and not mem.contains(KEYS[0])
+        assert store.stats()["disk"]["errors"] == 1
+
+
+def test_a_raising_tier_is_a_counted_miss():
+    mem, broken = MemoryTier(10**6), BrokenTier(10**6, name="broken")
+    with TieredStore([mem, broken]) as store:
+        mem.put(KEYS[0], blob(KEYS[0]))
+        assert store.lookup(KEYS[:2]) == LookupResult(1, ("memory",))
+        assert store.get(KEYS[:2]) == [blob(KEYS[0]), None]
+        assert broken.stats.snapshot()["errors"] == 2
+
+
+def test_delete_prefix_and_clear_reach_every_tier_after_queued_writes(tmp_path):
+    mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
+    store = TieredStore([mem, disk])
+    store.put([("a:1", blob("a:1")), ("a:2", blob("a:2")), ("b:1", blob("b:1"))])
+    assert store.delete_prefix("a:") == {"memory": 2, "disk": 2}
+    assert store.lookup(["a:1"]).hits == 0 and store.lookup(["b:1"]).tiers == ("memory",)
+    assert store.clear() == {"memory": 1, "disk": 1}
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(RuntimeError):
+        store.put([("c", b"x")])
+
+
+def test_close_flushes_pending_writes(tmp_path):
+    mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
+    store = TieredStore([mem, disk])
+    store.put([(k, blob(k)) for k in KEYS])
+    store.close()
+    assert DiskTier(tmp_path, 10**6).entries() == len(KEYS)
+
+
+def test_stats_shape_and_bad_configuration():
+    with TieredStore([MemoryTier(100)]) as store:
+        s = store.stats()
+        assert set(s) == {"memory", "store"} and s["memory"]["entries"] == 0 and s["memory"]["used_bytes"] == 0
+    with pytest.raises(ValueError, match="unique"):
+        TieredStore([MemoryTier(1), MemoryTier(1)])
+    with pytest.raises(ValueError, match="at least one"):
+        TieredStore([])
