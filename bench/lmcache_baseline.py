@@ -1,0 +1,236 @@
+"""LMCache 0.5.6 store/retrieve throughput on CPU: the baseline of ``bench/store.py``.
+
+Runs inside the LMCache venv (``bench/setup_lmcache.sh``), never in kvfuse's: ``bench/store.py``
+starts it as a subprocess with that venv's python. It reads the very KV tensors kvfuse stores (a
+``.pt`` file written by ``bench/store.py``: ``{"kv": (chunks, layers, 2, 256, heads, dim),
+"tokens": int64 (chunks * 256,)}``), drives ``LMCacheEngine.store`` / ``retrieve`` over one of its
+backends and prints one JSON object on stdout (everything else goes to stderr).
+
+How each backend is made comparable to the matching kvfuse tier:
+
+- The stock ``MockGPUConnector`` copies nothing; ``CopyingConnector`` below really copies each
+  256-token chunk between the "GPU" KV tensor ``(layers, 2, tokens, heads, dim)`` and LMCache's
+  memory object (its ``KV_2LTD`` layout ``(2, layers, tokens, heads*dim)``), as a real connector
+  does. A store = allocate + copy out + put; a retrieve = lookup + get + copy into the destination.
+  The round trip is checked bit-exact once per backend (``roundtrip_exact`` in the output).
+- ``cpu``: LocalCPUBackend only (``local_cpu=True``); the store is synchronous.
+- ``disk`` / ``redis``: ``local_cpu=False``. LMCache then keeps the LocalCPUBackend only as the
+  allocator of staging buffers: it stores nothing in it and promotes nothing into it on a hit, so
+  every retrieve really reads the disk files / the Redis server. (A fresh engine over the same
+  disk directory would not work in 0.5.6: the disk index lives in memory only, a new engine sees
+  no entries.) Stores to these backends are asynchronous (a worker pool / the asyncio loop); a
+  store is timed from ``store()`` until ``lookup()`` reports every token (polled every 0.5 ms),
+  i.e. until the data has landed in the tier, which is what kvfuse's synchronous tier put measures.
+- Before each store the previous run's entries are removed (untimed), so every store writes anew.
+- Disk reads hit the page cache, as the kvfuse and raw-file reads of ``bench/store.py`` do.
+
+Throughput is KV bytes (layers * 2 * tokens * heads * dim * element size) / 1e6 / seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kv", required=True, help=".pt file written by bench/store.py (kv + tokens)")
+    p.add_argument("--backend", required=True, choices=["cpu", "disk", "redis"])
+    p.add_argument("--disk-dir", help="directory for the disk backend (a fresh subdirectory is used)")
+    p.add_argument("--redis-url", help="redis://127.0.0.1:PORT for the redis backend (the DB is flushed)")
+    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--runs", type=int, default=5, help="timed runs (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    return p.parse_args(argv)
+
+
+def _build_engine(args, kv_shape, dtype, disk_dir):
+    import torch
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    class CopyingConnector(MockGPUConnector):
+        """MockGPUConnector that really moves the bytes (the stock one copies nothing)."""
+
+        @staticmethod
+        def _slot(memory_obj, kv: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+            # memory object: (2, layers, tokens, heads*dim); engine KV: (layers, 2, tokens, heads, dim)
+            obj = memory_obj.tensor
+            layers, _, tokens, heads, dim = kv.shape
+            view = obj.view(2, layers, end - start, heads, dim).permute(1, 0, 2, 3, 4)
+            return view, kv[:, :, start:end]
+
+        def from_gpu(self, memory_obj, start, end, **kwargs):
+            dst, src = self._slot(memory_obj, kwargs["kvcaches"], start, end)
+            dst.copy_(src)
+
+        def to_gpu(self, memory_obj, start, end, **kwargs):
+            src, dst = self._slot(memory_obj, kwargs["kvcaches"], start, end)
+            dst.copy_(src)
+
+        def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.from_gpu(obj, s, e, **kwargs)
+
+        def batched_to_gpu(self, memory_objs, starts, ends, **kwargs):
+            for obj, s, e in zip(memory_objs, starts, ends):
+                self.to_gpu(obj, s, e, **kwargs)
+
+    total_gb = kv_shape[0] * 2 * kv_shape[2] * kv_shape[3] * kv_shape[4] * dtype.itemsize / 1e9
+    # cpu: room for all chunks (the tier under test). disk/redis: only staging buffers, which a
+    # retrieve allocates for all chunks at once, so the same size; it holds no entries there.
+    cpu_gb = max(0.25, 2.5 * total_gb)
+    common = dict(chunk_size=args.chunk_size, max_local_cpu_size=cpu_gb, save_unfull_chunk=False)
+    if args.backend == "cpu":
+        config = LMCacheEngineConfig.from_defaults(local_cpu=True, **common)
+    elif args.backend == "disk":
+        config = LMCacheEngineConfig.from_defaults(
+            local_cpu=False, local_disk=f"file://{disk_dir}/", max_local_disk_size=max(1.0, 50 * total_gb), **common
+        )
+    else:
+        config = LMCacheEngineConfig.from_defaults(
+            local_cpu=False, remote_url=args.redis_url, remote_serde="naive", **common
+        )
+    chunk_shape = (kv_shape[0], 2, args.chunk_size, kv_shape[3], kv_shape[4])
+    metadata = LMCacheMetadata(
+        model_name="kvfuse-bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+        kv_dtype=dtype, kv_shape=chunk_shape,
+    )
+    name = f"kvfuse-bench-{args.backend}-{os.getpid()}"
+    engine = LMCacheEngineBuilder.get_or_create(
+        name, config, metadata, CopyingConnector(chunk_shape), lambda *a, **k: None, lambda *a, **k: None
+    )
+    engine.post_init()  # creates the storage manager and its backends (the vLLM adapter does this too)
+    return name, engine
+
+
+def _wait_landed(engine, tokens, timeout_s: float = 120.0) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while engine.lookup(tokens) < len(tokens):
+        if time.perf_counter() > deadline:
+            raise RuntimeError(f"LMCache store did not land within {timeout_s}s")
+        time.sleep(0.0005)
+
+
+def _clear(engine, keys, args, redis_client) -> None:
+    if args.backend == "redis":
+        redis_client.flushdb()
+    elif args.backend == "disk":
+        engine.storage_manager.batched_remove(keys, ["LocalDiskBackend"])
+    else:
+        engine.storage_manager.clear(["LocalCPUBackend"])
+    if engine.lookup(args._tokens) != 0:
+        raise RuntimeError("LMCache entries survived the clear between runs")
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    data = torch.load(args.kv, weights_only=True)
+    chunks, tokens = data["kv"], data["tokens"]
+    n_chunks, layers, two, chunk_tokens, heads, dim = chunks.shape
+    if chunk_tokens != args.chunk_size:
+        raise ValueError(f"{args.kv} holds {chunk_tokens}-token chunks; --chunk-size is {args.chunk_size}")
+    # The engine's KV tensor (what a GPU connector would read): all chunks back to back.
+    src = chunks.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, n_chunks * chunk_tokens, heads, dim).contiguous()
+    args._tokens = tokens
+    nbytes = src.numel() * src.element_size()
+
+    disk_dir = None
+    if args.backend == "disk":
+        if not args.disk_dir:
+            raise ValueError("--backend disk needs --disk-dir")
+        disk_dir = tempfile.mkdtemp(prefix="lmcache-disk-", dir=args.disk_dir)
+    redis_client = None
+    if args.backend == "redis":
+        if not args.redis_url:
+            raise ValueError("--backend redis needs --redis-url")
+        import redis
+
+        redis_client = redis.Redis.from_url(args.redis_url)
+        redis_client.flushdb()
+
+    name, engine = _build_engine(args, src.shape, src.dtype, disk_dir)
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
+    out = torch.empty_like(src)
+    put_s, get_s, exact = [], [], None
+    try:
+        for i in range(args.warmup + args.runs):
+            _clear(engine, keys, args, redis_client)
+            t0 = time.perf_counter()
+            engine.store(tokens, kvcaches=src)
+            if args.backend != "cpu":
+                _wait_landed(engine, tokens)
+            t1 = time.perf_counter()
+            if engine.lookup(tokens) != len(tokens):
+                raise RuntimeError("LMCache did not store every chunk")
+            out.zero_()
+            t2 = time.perf_counter()
+            mask = engine.retrieve(tokens, kvcaches=out)
+            t3 = time.perf_counter()
+            if int(mask.sum()) != len(tokens):
+                raise RuntimeError(f"LMCache retrieved {int(mask.sum())} of {len(tokens)} tokens")
+            if exact is None:
+                exact = bool(torch.equal(out, src))
+            if i >= args.warmup:
+                put_s.append(t1 - t0)
+                get_s.append(t3 - t2)
+    finally:
+        LMCacheEngineBuilder.destroy(name)
+        if redis_client is not None:
+            redis_client.flushdb()
+            redis_client.close()
+        if disk_dir is not None:
+            shutil.rmtree(disk_dir, ignore_errors=True)
+
+    put_mbs = [nbytes / 1e6 / t for t in put_s]
+    get_mbs = [nbytes / 1e6 / t for t in get_s]
+    import lmcache
+
+    return {
+        "system": "lmcache",
+        "version": getattr(lmcache, "__version__", "0.5.6"),
+        "torch": torch.__version__,
+        "backend": args.backend,
+        "chunks": n_chunks,
+        "chunk_tokens": chunk_tokens,
+        "kv_bytes": nbytes,
+        "roundtrip_exact": exact,
+        "put_s": put_s,
+        "get_s": get_s,
+        "put_mbs": put_mbs,
+        "get_mbs": get_mbs,
+        "put_mbs_median": statistics.median(put_mbs),
+        "get_mbs_median": statistics.median(get_mbs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
+    # LMCache (and the libraries it pulls) may print; keep stdout for the one JSON object.
+    real_stdout = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        result = run(args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""``kvfuse`` command line: models | generate | serve | cache.
+
+Every command reads the configuration as ``defaults < --config FILE < KVFUSE_* env < flags``.
+User errors (a wrong model name, a bad flag value, a missing package) print one line naming
+the fix and exit with status 2; they never print a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from . import __version__
+from .config import Config, load_from_environment
+
+log = logging.getLogger("kvfuse")
+
+
+class UserError(Exception):
+    """Reported as ``kvfuse: error: ...`` with exit status 2."""
+
+
+# ----------------------------------------------------------------------------------- parsing
+
+
+def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
+    p.add_argument("--config", metavar="FILE", help="YAML configuration file (default: $KVFUSE_CONFIG)")
+    p.add_argument("--home", metavar="DIR", help="kvfuse home: converted models, disk cache (default: ~/.cache/kvfuse)")
+    if model:
+        p.add_argument("--model", metavar="NAME|PATH", help="built-in name (smollm2, gemma3-270m), HF folder or .gguf file")
+        p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+        p.add_argument("--dtype", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+        p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: all cores)")
+    p.add_argument("--redis-url", metavar="URL", help="add a Redis/Valkey tier, e.g. redis://127.0.0.1:6379/0")
+    p.add_argument("--no-disk", action="store_true", help="no disk tier")
+    p.add_argument("-v", "--verbose", action="store_true", help="log progress and timings to stderr")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfuse", description="KV-cache engine for LLM serving.")
+    parser.add_argument("--version", action="version", version=f"kvfuse {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    models = sub.add_parser("models", help="list or pull the built-in models")
+    msub = models.add_subparsers(dest="action", metavar="ACTION")
+    msub.required = True
+    p = msub.add_parser("list", help="built-in models and whether they are installed / converted")
+    _common(p, model=False)
+    p = msub.add_parser("pull", help="convert a built-in model once into the kvfuse home")
+    p.add_argument("name")
+    p.add_argument("--force", action="store_true", help="convert again even if a valid conversion exists")
+    _common(p, model=False)
+
+    p = sub.add_parser("generate", help="generate an answer to a prompt (reusing cached KV)")
+    p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--system", help="system message (with --chat)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the KV cache")
+    _common(p)
+
+    p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--api-key", action="append", metavar="KEY:TENANT", help="require this API key (repeatable)")
+    p.add_argument("--no-cache", action="store_true", help="serve without any KV cache")
+    _common(p)
+
+    cache = sub.add_parser("cache", help="inspect or clear the KV cache tiers")
+    csub = cache.add_subparsers(dest="action", metavar="ACTION")
+    csub.required = True
+    p = csub.add_parser("stats", help="entries and bytes per tier")
+    p.add_argument("--json", action="store_true")
+    _common(p, model=False)
+    p = csub.add_parser("clear", help="delete cached entries")
+    p.add_argument("--tier", choices=("all", "disk", "redis"), default="all")
+    p.add_argument("--prefix", default="", help="only keys starting with this (a namespace id, e.g. 3f2a...:)")
+    _common(p, model=False)
+    p = csub.add_parser("inspect", help="show an entry's header (a storage key or an entry file)")
+    p.add_argument("target", metavar="KEY|FILE")
+    _common(p, model=False)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    overrides = {
+        "home": getattr(args, "home", None),
+        "model": getattr(args, "model", None),
+        "device": getattr(args, "device", None),
+        "dtype": getattr(args, "dtype", None),
+        "threads": getattr(args, "threads", None),
+        "cache.redis_url": getattr(args, "redis_url", None),
+        "cache.disk": False if getattr(args, "no_disk", False) else None,
+        "cache.enabled": False if getattr(args, "no_cache", False) else None,
+        "server.host": getattr(args, "host", None),
+        "server.port": getattr(args, "port", None),
+        "server.api_keys": tuple(args.api_key) if getattr(args, "api_key", None) else None,
+    }
+    return load_from_environment(getattr(args, "config", None), overrides)
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+def cmd_models(args, config: Config) -> int:
+    from .models import registry
+
+    home = config.home_path
+    if args.action == "list":
+        rows = []
+        for m in registry.BUILTIN.values():
+            installed = registry.package_installed(m)
+            converted = (registry.converted_dir(home, m.name) / registry.MANIFEST).is_file()
+            state = "ready" if converted else ("installed" if installed else f"missing: {m.install_hint()}")
+            rows.append((m.name, state, m.description))
+        width = max(len(r[0]) for r in rows)
+        swidth = max(len(r[1]) for r in rows)
+        for name, state, desc in rows:
+            print(f"{name:<{width}}  {state:<{swidth}}  {desc}")
+        return 0
+    folder = registry.pull(args.name, home, force=args.force)
+    print(folder)
+    return 0
+
+
+def cmd_generate(args, config: Config) -> int:
+    from .generation import SamplingParams
+    from .runtime import open_engine
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop),
+    )
+    engine = open_engine(config)
+    try:
+        if args.chat:
+            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+                {"role": "user", "content": prompt}]
+            ids = engine.encode_prompt(messages=messages)
+        else:
+            ids = engine.encode_prompt(prompt)
+
+        def write(piece: str) -> None:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+
+        result = engine.generate(ids, params, on_text=write)
+        sys.stdout.write("\n")
+        if args.verbose:
+            t = result.timings
+            print(
+                f"[kvfuse] prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached"
+                f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}), "
+                f"{result.completion_tokens} generated, finish={result.finish_reason}\n"
+                f"[kvfuse] time to first token {t.ttft_s * 1000:.0f} ms (load {t.load_s * 1000:.0f} ms, "
+                f"prefill {t.prefill_s * 1000:.0f} ms), decode {t.decode_tokens_per_s(result.completion_tokens):.1f} tokens/s",
+                file=sys.stderr,
+            )
+    finally:
+        if engine.store is not None:
+            engine.store.close()  # flushes the background writes to disk / Redis
+    return 0
+
+
+def cmd_serve(args, config: Config) -> int:
+    from .server.app import serve
+
+    serve(config)
+    return 0
+
+
+def cmd_cache(args, config: Config) -> int:
+    from .runtime import open_store
+
+    store = open_store(config)
+    if store is None:
+        raise UserError("the cache is disabled in this configuration (cache.enabled: false)")
+    try:
+        if args.action == "stats":
+            rows = {t.name: {"entries": t.entries(), "bytes": t.used_bytes()} for t in store.tiers[1:]}
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                for name, r in rows.items():
+                    entries = "?" if r["entries"] is None else r["entries"]
+                    size = "?" if r["bytes"] is None else f"{r['bytes'] / 2**20:.1f} MiB"
+                    print(f"{name:<8} {entries:>8} entries  {size:>12}")
+            return 0
+        if args.action == "clear":
+            removed = 0
+            for tier in store.tiers[1:]:
+                if args.tier in ("all", tier.name):
+                    removed += tier.delete_prefix(args.prefix) if args.prefix else tier.clear()
+            print(f"removed {removed} entries")
+            return 0
+        return _inspect(args.target, store)
+    finally:
+        store.close()
+
+
+def _inspect(target: str, store) -> int:
+    from .kv.format import FormatError, read_header
+
+    path = Path(target)
+    if path.is_file():
+        blob, where = path.read_bytes(), str(path)
+    else:
+        blob, where = None, ""
+        for tier in store.tiers[1:]:
+            blob = tier.get(target)
+            if blob is not None:
+                where = tier.name
+                break
+        if blob is None:
+            raise UserError(f"{target!r} is neither an entry file nor a key held by the disk or Redis tier")
+    try:
+        header = read_header(blob)
+    except FormatError as e:
+        raise UserError(f"{where}: not a valid kvfuse entry: {e}") from e
+    info = {"source": where, **{k: getattr(header, k) for k in header.__dataclass_fields__}}
+    print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "cache": cmd_cache}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+    from .models import CorruptModel, ModelNotFound, ModelPackageMissing
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        config = config_from_args(args)
+        return COMMANDS[args.command](args, config)
+    except (UserError, ConfigError, ModelNotFound, ModelPackageMissing, CorruptModel, ValueError, FileNotFoundError) as e:
+        print(f"kvfuse: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,284 @@
+"""One frozen, validated configuration: defaults < YAML file < ``KVFUSE_*`` environment < CLI flags.
+
+The file mirrors the dataclasses::
+
+    model: smollm2
+    cache:
+      chunk_size: 256
+      memory_bytes: 2GiB
+      redis_url: redis://127.0.0.1:6379/0
+    server:
+      port: 8000
+      api_keys: ["sk-alice:alice", "sk-bob:bob"]
+
+Environment variables: ``KVFUSE_<FIELD>`` for top-level fields (``KVFUSE_MODEL``, ``KVFUSE_HOME``),
+``KVFUSE_CACHE_<FIELD>`` and ``KVFUSE_SERVER_<FIELD>`` for the sections (``KVFUSE_CACHE_REDIS_URL``),
+``KVFUSE_CONFIG`` for the file. Only this module reads the environment, and only when asked to.
+Every error names the field, where the bad value came from, and what to write instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, its source and the fix."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
+          "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+KV_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV store: chunking, encoding, and the tiers (memory, disk, Redis)."""
+
+    enabled: bool = True
+    chunk_size: int = 256
+    kv_dtype: str = "float16"
+    codec: str = "raw"
+    codec_level: int = 0
+    memory_bytes: int = 2 * 1024**3
+    disk: bool = True
+    disk_path: str | None = None  # default: <home>/kv
+    disk_bytes: int = 20 * 1024**3
+    redis_url: str | None = None
+    redis_timeout_s: float = 0.5
+    write_queue: int = 64
+    store_generated: bool = False
+    salt: str = ""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # "KEY:TENANT" entries; empty = no authentication
+    max_queue: int = 64
+    max_body_bytes: int = 4 * 1024**2
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything kvfuse reads. Build it with ``load_config``; it never changes afterwards."""
+
+    home: str = ""  # "" -> ~/.cache/kvfuse
+    model: str = "smollm2"
+    device: str = "auto"
+    dtype: str = "auto"
+    threads: int = 0  # 0 = all cores
+    log_level: str = "info"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).expanduser() if self.home else Path.home() / ".cache" / "kvfuse"
+
+    @property
+    def disk_path(self) -> Path:
+        return Path(self.cache.disk_path).expanduser() if self.cache.disk_path else self.home_path / "kv"
+
+    def api_key_map(self) -> dict[str, str]:
+        return dict(entry.split(":", 1) for entry in self.server.api_keys)
+
+
+_SECTIONS = {"cache": CacheConfig, "server": ServerConfig}
+
+
+def load_config(
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Merge defaults, the YAML file, ``KVFUSE_*`` variables of ``env`` and ``overrides``.
+
+    ``overrides`` uses dotted names (``{"cache.chunk_size": 512, "model": "gemma3-270m"}``); values
+    that are None are ignored (an unset CLI flag). ``path`` defaults to ``$KVFUSE_CONFIG``.
+    """
+    env = dict(env or {})
+    values: dict[str, tuple[Any, str]] = {}  # dotted field -> (raw value, where it came from)
+    path = path or env.get("KVFUSE_CONFIG")
+    if path:
+        values.update(_from_file(Path(path)))
+    values.update(_from_env(env))
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            _known(name, "command line")
+            values[name] = (value, "command line")
+    return _build(values)
+
+
+def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}; check the path given to --config / KVFUSE_CONFIG") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
+    out: dict[str, tuple[Any, str]] = {}
+    for key, value in data.items():
+        if key in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: in {path} must be a mapping of {key} settings")
+            for sub, v in value.items():
+                out[_known(f"{key}.{sub}", str(path))] = (v, str(path))
+        else:
+            out[_known(str(key), str(path))] = (value, str(path))
+    return out
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    out: dict[str, tuple[Any, str]] = {}
+    for f in dataclasses.fields(Config):
+        if f.name in _SECTIONS:
+            for sub in dataclasses.fields(_SECTIONS[f.name]):
+                var = f"KVFUSE_{f.name.upper()}_{sub.name.upper()}"
+                if var in env:
+                    out[f"{f.name}.{sub.name}"] = (env[var], var)
+        elif (var := f"KVFUSE_{f.name.upper()}") in env:
+            out[f.name] = (env[var], var)
+    return out
+
+
+def _known(name: str, source: str) -> str:
+    """``name`` if it is a setting; otherwise a ConfigError listing the valid ones."""
+    section, dot, leaf = name.partition(".")
+    if dot:
+        if section not in _SECTIONS:
+            raise ConfigError(f"unknown section {section!r} in {name!r} (from {source}); sections: {', '.join(_SECTIONS)}")
+        valid, where = [f.name for f in dataclasses.fields(_SECTIONS[section])], f"in section {section!r}"
+    else:
+        valid, where, leaf = [f.name for f in dataclasses.fields(Config) if f.name not in _SECTIONS], "at top level", name
+    if leaf not in valid:
+        raise ConfigError(f"unknown setting {name!r} (from {source}); valid settings {where}: {', '.join(valid)}")
+    return name
+
+
+def _build(values: dict[str, tuple[Any, str]]) -> Config:
+    sections = {}
+    for sec, cls in _SECTIONS.items():
+        kwargs = {f.name: _coerce(f"{sec}.{f.name}", f.type, *values[f"{sec}.{f.name}"])
+                  for f in dataclasses.fields(cls) if f"{sec}.{f.name}" in values}
+        sections[sec] = cls(**kwargs)
+    top = {f.name: _coerce(f.name, f.type, *values[f.name])
+           for f in dataclasses.fields(Config) if f.name in values and f.name not in _SECTIONS}
+    config = Config(**top, **sections)
+    _validate(config)
+    return config
+
+
+def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
+    """Turn a YAML/env/flag value into the field's type, or raise a ConfigError naming the fix."""
+    def fail(expected: str, example: str):
+        raise ConfigError(f"{name}: expected {expected}, got {value!r} (from {source}); for example {example}")
+
+    is_size = name.endswith("_bytes")
+    base = typ.replace(" | None", "")
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null") and "None" in typ):
+        if "None" in typ:
+            return None
+        fail(f"a value for {base}", "remove the empty setting")
+    if base == "bool":
+        if isinstance(value, bool):
+            return value
+        s = str(value).strip().lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        fail("true or false", f"{name.split('.')[-1]}: true")
+    if base == "int":
+        if is_size:
+            return _size(name, value, source)
+        if isinstance(value, bool):
+            fail("an integer", f"{name.split('.')[-1]}: 256")
+        try:
+            return int(str(value).strip()) if not isinstance(value, int) else value
+        except ValueError:
+            fail("an integer", f"{name.split('.')[-1]}: 256")
+    if base == "float":
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            f = math.nan
+        if isinstance(value, bool) or not math.isfinite(f):
+            fail("a number", f"{name.split('.')[-1]}: 0.5")
+        return f
+    if base.startswith("tuple"):
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            fail("a list", f"{name.split('.')[-1]}: [a, b]")
+        return tuple(str(i).strip() for i in items if str(i).strip())
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        fail("a string", f"{name.split('.')[-1]}: text")
+    return str(value)
+
+
+def _size(name: str, value: Any, source: str) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    else:
+        m = _SIZE.match(str(value))
+        unit = (m.group(2) or "").lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(f"{name}: expected a size such as 512MiB, 2GiB or a number of bytes, got {value!r} (from {source})")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 0:
+        raise ConfigError(f"{name}: a size cannot be negative (from {source})")
+    return n
+
+
+def _validate(c: Config) -> None:
+    def need(ok: bool, name: str, message: str):
+        if not ok:
+            raise ConfigError(f"{name}: {message}")
+
+    need(c.device in ("auto", "cpu", "cuda") or c.device.startswith("cuda:"), "device", f"must be auto, cpu or cuda[:N], got {c.device!r}")
+    need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"must be auto, float32, bfloat16 or float16, got {c.dtype!r}")
+    need(c.threads >= 0, "threads", "must be >= 0 (0 = all cores)")
+    need(c.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", "must be debug, info, warning or error")
+    need(bool(c.model), "model", "must name a built-in model, a model folder or a .gguf file")
+    k = c.cache
+    need(16 <= k.chunk_size <= 65536, "cache.chunk_size", f"must be between 16 and 65536 tokens, got {k.chunk_size} (256 is the default)")
+    need(k.kv_dtype in KV_DTYPES, "cache.kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {k.kv_dtype!r}")
+    need(k.codec_level >= 0, "cache.codec_level", "must be >= 0")
+    need(k.write_queue >= 1, "cache.write_queue", "must be >= 1")
+    need(k.redis_timeout_s > 0, "cache.redis_timeout_s", "must be > 0 seconds")
+    need(k.redis_url is None or k.redis_url.startswith(("redis://", "rediss://", "unix://")), "cache.redis_url",
+         f"must start with redis://, rediss:// or unix://, got {k.redis_url!r}")
+    s = c.server
+    need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
+    need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
+    need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    need(1 <= s.default_max_tokens <= s.max_tokens_limit, "server.default_max_tokens", "must be between 1 and server.max_tokens_limit")
+    for entry in s.api_keys:
+        key, sep, tenant = entry.partition(":")
+        need(bool(sep and key and tenant), "server.api_keys", f"entries must look like KEY:TENANT, got {entry!r}")
+    from .codecs import codec_names
+
+    need(k.codec in codec_names(), "cache.codec", f"unknown codec {k.codec!r}; known codecs: {', '.join(codec_names())}")
+
+
+def load_from_environment(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+    """``load_config`` with this process's environment (the CLI's entry point)."""
+    return load_config(path, os.environ, overrides)

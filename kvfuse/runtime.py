@@ -1,0 +1,58 @@
+"""Assemble the running parts from a ``Config``: the tiered store, the model, the engine."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .config import Config
+from .engine import Engine
+from .models import LoadedModel, load_model
+from .tiers.disk import DiskTier
+from .tiers.memory import MemoryTier
+from .tiers.redis import RedisTier
+from .tiers.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+def open_store(config: Config) -> TieredStore | None:
+    """Memory tier always (when the cache is enabled), disk unless disabled, Redis when a URL is set."""
+    c = config.cache
+    if not c.enabled:
+        return None
+    tiers = [MemoryTier(c.memory_bytes)]
+    if c.disk:
+        tiers.append(DiskTier(config.disk_path, c.disk_bytes))
+    if c.redis_url:
+        tiers.append(RedisTier(c.redis_url, timeout_s=c.redis_timeout_s))
+    return TieredStore(tiers, write_queue_size=c.write_queue)
+
+
+def set_threads(config: Config) -> None:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+
+def open_model(config: Config) -> LoadedModel:
+    return load_model(config.model, home=config.home_path, device=config.device, dtype=config.dtype)
+
+
+def open_engine(config: Config, model: LoadedModel | None = None, store: TieredStore | None = None) -> Engine:
+    """An engine over ``model`` (loaded from the config if not given) and ``store`` (likewise)."""
+    set_threads(config)
+    model = model or open_model(config)
+    if store is None:
+        store = open_store(config)
+    c = config.cache
+    return Engine(
+        model,
+        store,
+        chunk_size=c.chunk_size,
+        kv_dtype=c.kv_dtype,
+        codec=c.codec,
+        codec_level=c.codec_level,
+        store_generated=c.store_generated,
+        salt=c.salt,
+    )
