@@ -121,6 +121,18 @@ def _wait_landed(engine, tokens, timeout_s: float = 120.0) -> None:
         time.sleep(0.0005)
 
 
+def _served_by(engine, tokens) -> dict:
+    """Which backend holds each chunk after a retrieve (the order retrieve searches them), and how
+    many entries the CPU backend holds: 0 for disk/redis proves nothing was promoted to memory."""
+    infos = [(key, start, end) for start, end, key in engine.token_database.process_tokens(tokens=tokens)]
+    mapping = engine.storage_manager.get_block_mapping(infos)
+    cpu = engine.storage_manager.local_cpu_backend
+    return {
+        "chunks_per_backend": {name: len(blocks) for name, blocks in mapping.items()},
+        "cpu_backend_entries": len(cpu.hot_cache) if cpu is not None else None,
+    }
+
+
 def _clear(engine, keys, args, redis_client) -> None:
     if args.backend == "redis":
         redis_client.flushdb()
@@ -164,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
 
     keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
     out = torch.empty_like(src)
-    put_s, get_s, exact = [], [], None
+    put_s, get_s, exact, served_by = [], [], None, None
     try:
         for i in range(args.warmup + args.runs):
             _clear(engine, keys, args, redis_client)
@@ -183,6 +195,7 @@ def run(args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"LMCache retrieved {int(mask.sum())} of {len(tokens)} tokens")
             if exact is None:
                 exact = bool(torch.equal(out, src))
+                served_by = _served_by(engine, tokens)
             if i >= args.warmup:
                 put_s.append(t1 - t0)
                 get_s.append(t3 - t2)
@@ -207,6 +220,7 @@ def run(args: argparse.Namespace) -> dict:
         "chunk_tokens": chunk_tokens,
         "kv_bytes": nbytes,
         "roundtrip_exact": exact,
+        "served_by": served_by,
         "put_s": put_s,
         "get_s": get_s,
         "put_mbs": put_mbs,

