@@ -84,6 +84,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0  # 0 = all cores
+    tune_malloc: bool = True  # keep freed multi-MB buffers for reuse (see runtime.tune_allocator)
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
     server: ServerConfig = field(default_factory=ServerConfig)

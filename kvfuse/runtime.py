@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 
 import torch
@@ -35,6 +37,32 @@ def set_threads(config: Config) -> None:
         torch.set_num_threads(config.threads)
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 2 << 30) -> bool:
+    """Keep freed multi-MB buffers in the heap for reuse (glibc only; a no-op elsewhere).
+
+    Every cache hit and store allocates a few buffers of several MB (entries, read buffers).
+    By default glibc serves such sizes with fresh ``mmap``s, or trims freed heap memory back to
+    the kernel, so each new buffer costs page faults on first touch: measured here, copying 16
+    chunks of 6 MB ran at ~1 GB/s that way and at ~9 GB/s once freed memory is kept and reused.
+    The price is that the process's resident size does not shrink after a peak (up to
+    ``trim_threshold`` bytes are kept), which suits a long-running cache engine.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
 def open_model(config: Config) -> LoadedModel:
     return load_model(config.model, home=config.home_path, device=config.device, dtype=config.dtype)
 
@@ -42,6 +70,8 @@ def open_model(config: Config) -> LoadedModel:
 def open_engine(config: Config, model: LoadedModel | None = None, store: TieredStore | None = None) -> Engine:
     """An engine over ``model`` (loaded from the config if not given) and ``store`` (likewise)."""
     set_threads(config)
+    if config.tune_malloc:
+        tune_allocator()
     model = model or open_model(config)
     if store is None:
         store = open_store(config)

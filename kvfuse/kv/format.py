@@ -89,8 +89,12 @@ def _padded_header_len(key_len: int, positions_len: int) -> int:
     return -(-unpadded // _ALIGN) * _ALIGN
 
 
-def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytes:
-    """Serialize ``chunk`` under storage key ``key`` with ``codec``."""
+def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytearray:
+    """Serialize ``chunk`` under storage key ``key`` with ``codec``.
+
+    Returns a writable ``bytearray`` assembled with a single copy of the payload, so that an
+    entry kept in memory decodes without another copy (treat it as immutable once stored).
+    """
     if chunk.dtype not in _DTYPE_CODES:
         raise ValueError(f"KV dtype {chunk.dtype} is not supported; use one of {list(_DTYPE_CODES)}")
     key_bytes = str(key).encode("utf-8")
@@ -119,7 +123,11 @@ def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytes:
         xxhash.xxh3_64_intdigest(payload),
     )
     head = b"".join((fixed, key_bytes, pos_bytes, padding))
-    return b"".join((head, _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head)), payload))
+    out = bytearray(header_len + len(payload))
+    out[: len(head)] = head
+    out[len(head) : header_len] = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
+    out[header_len:] = payload
+    return out
 
 
 def _parse_header(mv: memoryview) -> _Parsed:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from . import rope
 from .attention import attend
+from ..kv.chunk import KVChunk
 from .cache import KVCache
 from .config import ModelConfig
 
@@ -215,3 +216,11 @@ class Transformer:
     def rerotate_keys(self, layer: int, keys: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor) -> torch.Tensor:
         """Keys ``(n, kv_heads, head_dim)`` of ``layer`` rotated at ``from_positions``, moved to ``to_positions``."""
         return rope.rerotate(keys, from_positions, to_positions, self._freqs[self.config.layer_types[layer]])
+
+    def reposition(self, chunk: KVChunk, positions: torch.Tensor) -> KVChunk:
+        """A copy of ``chunk`` whose keys are moved to ``positions`` (values do not depend on position)."""
+        positions = torch.as_tensor(positions, dtype=torch.int64)
+        kv = chunk.kv.clone()
+        for layer in range(self.config.num_layers):
+            kv[layer, 0] = self.rerotate_keys(layer, chunk.kv[layer, 0].to(self.device), chunk.positions, positions).cpu()
+        return KVChunk(kv=kv, positions=positions.clone())

@@ -13,8 +13,11 @@ class MemoryTier(Tier):
 
     ``get`` and ``put`` make an entry most recent; ``contains`` does not (lookups are
     side-effect-free). An entry larger than the whole capacity is not stored (``dropped_writes``).
-    Values are kept as immutable ``bytes`` (a bytearray/memoryview is copied) so a caller mutating
-    its buffer can never change a cached entry.
+    ``put`` takes ownership of a ``bytes``/``bytearray`` value without copying it (the entries of
+    ``encode_chunk`` are bytearrays, which then decode zero-copy: a memory hit costs no copy of
+    the KV); a caller must not mutate a value after putting it. A ``memoryview`` is copied, since
+    its owner may reuse the buffer. The tiered store checksums every entry it returns, so even a
+    mutated entry would be a miss, never a wrong KV.
     """
 
     def __init__(self, capacity_bytes: int, name: str = "memory") -> None:
@@ -23,7 +26,7 @@ class MemoryTier(Tier):
             raise ValueError(f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._data: OrderedDict[str, bytes | bytearray] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
 
@@ -43,7 +46,7 @@ class MemoryTier(Tier):
         return value
 
     def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
-        value = value if isinstance(value, bytes) else bytes(value)
+        value = value if isinstance(value, (bytes, bytearray)) else bytearray(value)
         evicted = 0
         with self._lock:
             self._remove(key)

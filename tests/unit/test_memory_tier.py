@@ -59,12 +59,15 @@ def test_oversize_entry_is_not_stored_and_counted():
     assert t.contains("exact")
 
 
-def test_values_are_immutable_copies():
+def test_put_takes_ownership_of_bytes_and_bytearrays_but_copies_views():
     t = MemoryTier(100)
     buf = bytearray(b"hello")
     t.put("a", buf)
-    buf[0] = ord("j")
-    assert t.get("a") == b"hello" and isinstance(t.get("a"), bytes)
+    assert t.get("a") is buf  # no copy: an encoded entry decodes zero-copy from memory
+    backing = bytearray(b"world")
+    t.put("b", memoryview(backing))
+    backing[0] = ord("j")  # the owner of a view may reuse its buffer: the tier kept a copy
+    assert t.get("b") == b"world" and isinstance(t.get("b"), bytearray)
 
 
 def test_stats_delete_prefix_clear():

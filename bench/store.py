@@ -1,0 +1,566 @@
+"""Storage-tier throughput: kvfuse's memory, disk and Redis tiers vs raw file I/O and LMCache 0.5.6.
+
+What is measured, on real KV (SmolLM2-135M prefill of MuSiQue documents, fp16, 256-token chunks of
+30 x 2 x 256 x 3 x 64 x 2 B = 5.9 MB), all chunks of the prompt in one batch, median of ``--runs``
+runs after ``--warmup`` untimed ones; MB/s = KV tensor bytes / 1e6 / seconds (headers not counted):
+
+- kvfuse put = ``encode_chunk`` (raw codec) + the tier's synchronous ``put_many`` (for the disk and
+  Redis tiers their own put, not the TieredStore's background queue);
+- kvfuse get = the full path of a cache hit: the tier's ``get_many`` + ``decode_chunk`` to a KVChunk,
+  with the payload checksum verified exactly once (by the tier's validator, TieredStore's, or by
+  ``decode_chunk`` itself when the tier does not validate);
+- raw file = the same bytes, one file per chunk, ``open(p, "wb").write`` / ``readinto`` a
+  preallocated buffer, in the same file system; no fsync on either side; both sides' files are
+  deleted before each put run and read back from the page cache, and raw / kvfuse-disk runs alternate
+  so both see the same machine load;
+- LMCache = ``bench/lmcache_baseline.py`` run by the LMCache venv's python on the same tensors
+  (CPU, local disk and Redis backends; see that file for how each is made comparable).
+
+Every kvfuse and LMCache path is checked bit-exact once. A ``redis-server`` is started on a free
+127.0.0.1 port (``--save "" --appendonly no``) and stopped by its PID at the end. Results go to
+``docs/bench/store.json`` and ``docs/bench/store.png`` (matplotlib: ``pip install matplotlib``).
+
+    python bench/store.py                 # full run (5 runs)
+    python bench/store.py --quick         # smoke run (2 runs)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvfuse.codecs import get_codec
+from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.format import decode_chunk, encode_chunk
+from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
+from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+
+from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
+
+ROWS = ("memory", "memory (TieredStore)", "disk", "redis")
+LMCACHE_OF = {"memory": "cpu", "memory (TieredStore)": "cpu", "disk": "disk", "redis": "redis"}
+GIB = 1 << 30
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="built-in model whose KV is stored (default smollm2)")
+    p.add_argument("--tokens", type=int, default=4096,
+                   help="prompt tokens; a multiple of --chunk-tokens (default 4096)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256, as LMCache)")
+    p.add_argument("--data", default=str(DATA / "musique_s.json"),
+                   help="MuSiQue file (default ../shared/data/musique_s.json from the repo root, or $KVFUSE_DATA)")
+    p.add_argument("--example", type=int, default=0,
+                   help="first example whose documents make the text (default 0; 0-49 = dev split)")
+    p.add_argument("--kv-file", help="cache of the prefilled KV: loaded if it exists, else written (skips the "
+                                     "~35 s model load + prefill on reruns)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs per measurement (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--quick", action="store_true", help="smoke mode: 2 runs")
+    p.add_argument("--dir", default=tempfile.gettempdir(),
+                   help="where the disk tier, raw files and LMCache's disk backend write (default: system temp)")
+    p.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server",
+                   help="redis-server executable (default: from PATH)")
+    p.add_argument("--lmcache-python", default="/work/lmcache-venv/bin/python",
+                   help="python of the LMCache venv (bench/setup_lmcache.sh); skipped with a note if missing")
+    p.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
+    p.add_argument("--lmcache-torch-threads", type=int, default=1,
+                   help="torch threads of the LMCache process, for its connector copies (default 1)")
+    p.add_argument("--out-json", default=str(OUT / "store.json"), help="results (default docs/bench/store.json)")
+    p.add_argument("--out-png", default=str(OUT / "store.png"), help="bar chart (default docs/bench/store.png)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.runs = 2
+    if args.tokens <= 0 or args.tokens % args.chunk_tokens:
+        p.error(f"--tokens must be a positive multiple of --chunk-tokens ({args.chunk_tokens})")
+    if args.runs < 1 or args.warmup < 0:
+        p.error("--runs must be >= 1 and --warmup >= 0")
+    return args
+
+
+# -- the KV under test ----------------------------------------------------------------------------
+
+
+def _prompt_tokens(args, tokenizer) -> tuple[list[int], list[int]]:
+    """Token ids of the documents of consecutive examples from ``--example`` on, and the examples used."""
+    examples = json.loads(Path(args.data).read_text())
+    ids, used = [], []
+    for i in range(args.example, len(examples)):
+        text = "\n\n".join(ctx["text"] for ctx in examples[i]["ctxs"])
+        ids += tokenizer.encode(text, add_special_tokens=not ids)
+        used.append(i)
+        if len(ids) >= args.tokens:
+            return ids[: args.tokens], used
+    raise ValueError(f"examples {args.example}.. of {args.data} give only {len(ids)} tokens; lower --tokens")
+
+
+def build_kv(args) -> dict:
+    """Prefill the prompt once (or load ``--kv-file``); the chunks, their tokens and identity."""
+    if args.kv_file and Path(args.kv_file).is_file():
+        kv = torch.load(args.kv_file, weights_only=True)
+        print(f"KV loaded from {args.kv_file}")
+    else:
+        from kvfuse.models import load_model
+
+        t0 = time.perf_counter()
+        model = load_model(args.model)
+        tokens, used = _prompt_tokens(args, model.tokenizer)
+        cache = model.runner.new_cache(args.tokens, dtype=torch.float16)
+        model.runner.forward(tokens, cache, logits="none")
+        chunks = [cache.chunk(s, s + args.chunk_tokens) for s in range(0, args.tokens, args.chunk_tokens)]
+        c = model.config
+        kv = {
+            "kv": torch.stack([ch.kv for ch in chunks]),
+            "positions": torch.stack([ch.positions for ch in chunks]),
+            "tokens": torch.tensor(tokens, dtype=torch.int64),
+            "examples": torch.tensor(used),
+            "fingerprint": model.fingerprint,
+            "layout": layout_of(c.num_layers, c.num_kv_heads, c.head_dim),
+            "model": args.model,
+        }
+        print(f"prefilled {args.tokens} tokens of {args.model} in {time.perf_counter() - t0:.1f}s")
+        if args.kv_file:
+            torch.save(kv, args.kv_file)
+    examples = [int(i) for i in kv["examples"]]
+    split = "dev" if all(i in MUSIQUE_DEV for i in examples) else "TEST"
+    print(f"data: {args.data} examples {examples} ({split} split), {len(kv['tokens'])} tokens")
+    chunks = [KVChunk(kv=k, positions=p) for k, p in zip(kv["kv"], kv["positions"])]
+    ns = Namespace(model_fingerprint=kv["fingerprint"], kv_dtype="float16", kv_layout=kv["layout"], codec="raw")
+    keys = [str(k) for k in prefix_keys(kv["tokens"], args.chunk_tokens, ns)]
+    return {**kv, "chunks": chunks, "keys": keys, "split": split, "examples": examples,
+            "nbytes": sum(ch.nbytes for ch in chunks)}
+
+
+# -- timing ---------------------------------------------------------------------------------------
+
+
+def _timed(fn):
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _mbs(nbytes: int, seconds: list[float]) -> list[float]:
+    return [nbytes / 1e6 / s for s in seconds]
+
+
+def _summary(nbytes: int, put_s: list[float], get_s: list[float], **extra) -> dict:
+    put, get = _mbs(nbytes, put_s), _mbs(nbytes, get_s)
+    return {"put_s": put_s, "get_s": get_s, "put_mbs": put, "get_mbs": get,
+            "put_mbs_median": statistics.median(put), "get_mbs_median": statistics.median(get), **extra}
+
+
+# -- kvfuse tiers ---------------------------------------------------------------------------------
+
+
+class KvfuseCase:
+    """One row: how to put, get (to KVChunks) and clear for one tier or the store."""
+
+    def __init__(self, name: str, put, get, clear, close=lambda: None):
+        self.name, self.put, self.get, self.clear, self.close = name, put, get, clear, close
+
+
+def _encode_all(kv: dict, codec) -> list[tuple[str, bytes]]:
+    return [(k, encode_chunk(ch, k, codec)) for k, ch in zip(kv["keys"], kv["chunks"])]
+
+
+def _decode_all(keys: list[str], blobs, check_payload: bool) -> list[KVChunk]:
+    if any(b is None for b in blobs):
+        raise RuntimeError(f"{sum(b is None for b in blobs)} of {len(blobs)} chunks missing on get (tier error?)")
+    return [decode_chunk(b, k, check_payload=check_payload) for k, b in zip(keys, blobs)]
+
+
+def tier_case(name: str, tier, kv: dict, codec) -> KvfuseCase:
+    keys = kv["keys"]
+    # A tier that validates on get has hashed the payload already; otherwise decode_chunk does it.
+    check = not tier.validates_on_get
+    return KvfuseCase(
+        name,
+        put=lambda: tier.put_many(_encode_all(kv, codec)),
+        get=lambda: _decode_all(keys, tier.get_many(keys), check_payload=check),
+        clear=tier.clear,
+        close=tier.close,
+    )
+
+
+def store_case(name: str, store: TieredStore, kv: dict, codec) -> KvfuseCase:
+    keys = kv["keys"]
+    return KvfuseCase(
+        name,
+        put=lambda: store.put(_encode_all(kv, codec)),
+        get=lambda: _decode_all(keys, store.get(keys), check_payload=False),  # store.get verified them
+        clear=store.clear,
+        close=store.close,
+    )
+
+
+def _check_exact(case_name: str, got: list[KVChunk], kv: dict) -> bool:
+    ok = all(torch.equal(g.kv, c.kv) and torch.equal(g.positions, c.positions) for g, c in zip(got, kv["chunks"]))
+    if not ok:
+        print(f"  !! {case_name}: the round trip is NOT bit-exact")
+    return ok
+
+
+def run_case(case: KvfuseCase, kv: dict, i: int, put_s: list, get_s: list, state: dict) -> None:
+    """One put + get of all chunks; appended to the lists unless ``i`` is a warm-up run."""
+    case.clear()
+    tp, _ = _timed(case.put)
+    tg, got = _timed(case.get)
+    if "exact" not in state:
+        state["exact"] = _check_exact(case.name, got, kv)
+    del got
+    if i >= 0:
+        put_s.append(tp)
+        get_s.append(tg)
+
+
+def measure_kvfuse(cases: list[KvfuseCase], raw: RawFiles, kv: dict, args, res: dict) -> None:
+    """Every kvfuse row into ``res["kvfuse"]``; the raw files alternate with the disk tier's runs
+    (same machine load, same page-cache state) into ``res["raw_file"]``."""
+    nbytes = kv["nbytes"]
+    for case in cases:
+        put_s, get_s, raw_put, raw_get, state = [], [], [], [], {}
+        for i in range(-args.warmup, args.runs):
+            if case.name == "disk":
+                raw.clear()
+                tp, _ = _timed(raw.put)
+                tg, _ = _timed(raw.get)
+                if i >= 0:
+                    raw_put.append(tp)
+                    raw_get.append(tg)
+            run_case(case, kv, i, put_s, get_s, state)
+        case.clear()
+        r = res["kvfuse"][case.name] = _summary(nbytes, put_s, get_s, roundtrip_exact=state["exact"])
+        print(f"  kvfuse {case.name}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s, "
+              f"exact={r['roundtrip_exact']}")
+        if case.name == "disk":
+            r = res["raw_file"] = _summary(nbytes, raw_put, raw_get)
+            raw.clear()
+            print(f"  raw file: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s")
+
+
+# -- raw files ------------------------------------------------------------------------------------
+
+
+class RawFiles:
+    """The floor: the same bytes, one plain file per chunk, no header, no checksum, no rename."""
+
+    def __init__(self, root: Path, kv: dict):
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.views = [memoryview(ch.kv.reshape(-1).view(torch.uint8).numpy()) for ch in kv["chunks"]]
+        self.paths = [root / f"{i:04d}.bin" for i in range(len(self.views))]
+        self.buffers = [bytearray(len(v)) for v in self.views]  # preallocated (and touched) once
+
+    def clear(self) -> None:
+        for p in self.paths:
+            p.unlink(missing_ok=True)
+
+    def put(self) -> None:
+        for p, v in zip(self.paths, self.views):
+            with open(p, "wb") as f:
+                f.write(v)
+
+    def get(self) -> list[bytearray]:
+        for p, b in zip(self.paths, self.buffers):
+            with open(p, "rb", buffering=0) as f:
+                if f.readinto(b) != len(b):
+                    raise RuntimeError(f"short read of {p}")
+        return self.buffers
+
+
+# -- redis-server ---------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_redis(executable: str) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    proc = subprocess.Popen(
+        [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_redis(proc)
+            raise RuntimeError(f"redis-server did not start on port {port}")
+        time.sleep(0.02)
+    print(f"redis-server pid {proc.pid} on 127.0.0.1:{port}")
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def stop_redis(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+# -- LMCache --------------------------------------------------------------------------------------
+
+
+def run_lmcache(args, kv_file: Path, backend: str, workdir: Path, redis_url: str) -> dict | None:
+    cmd = [args.lmcache_python, str(REPO / "bench" / "lmcache_baseline.py"), "--kv", str(kv_file),
+           "--backend", backend, "--disk-dir", str(workdir), "--redis-url", redis_url,
+           "--chunk-size", str(args.chunk_tokens), "--runs", str(args.runs), "--warmup", str(args.warmup),
+           "--torch-threads", str(args.lmcache_torch_threads)]
+    env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING", "PYTHONHASHSEED": "0"}
+    env.pop("PYTHONPATH", None)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        print(f"  !! LMCache {backend} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+        return None
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"  LMCache {backend}: put {result['put_mbs_median']:.0f} MB/s, get {result['get_mbs_median']:.0f} MB/s, "
+          f"exact={result['roundtrip_exact']}, served by {result['served_by']} ({time.perf_counter() - t0:.0f}s)")
+    return result
+
+
+# -- where the time goes -------------------------------------------------------------------------
+
+
+def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
+    """Milliseconds per batch (all chunks) of the pieces of the kvfuse paths, median of ``runs``:
+    hashing, copies into fresh vs reused memory, reads into fresh vs reused buffers."""
+    import numpy as np
+    import xxhash
+
+    from kvfuse.kv.format import verify
+
+    keys, chunks = kv["keys"], kv["chunks"]
+    views = [memoryview(c.kv.reshape(-1).view(torch.uint8).numpy()) for c in chunks]
+    blobs = [encode_chunk(c, k, codec) for c, k in zip(chunks, keys)]
+    reused = [np.empty(len(b), np.uint8) for b in blobs]
+    for r in reused:
+        r.fill(0)
+    root = workdir / "breakdown"
+    root.mkdir()
+    paths = [root / f"{i}.kvf" for i in range(len(blobs))]
+    for p, b in zip(paths, blobs):
+        p.write_bytes(b)
+
+    def copy_reused():
+        for r, v in zip(reused, views):
+            r[: len(v)] = v
+
+    def read(alloc):
+        out = []
+        for i, p in enumerate(paths):
+            buf = alloc(i)
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(buf)
+            out.append(buf)
+        return out
+
+    pieces = {
+        "xxh3_64 of the payloads": lambda: [xxhash.xxh3_64_intdigest(v) for v in views],
+        "copy payloads into fresh bytes": lambda: [bytes(v) for v in views],
+        "copy payloads into reused buffers": copy_reused,
+        "encode_chunk (hash + header + join)": lambda: [encode_chunk(c, k, codec) for c, k in zip(chunks, keys)],
+        "verify (header + payload checksums)": lambda: [verify(b, k) for b, k in zip(blobs, keys)],
+        "decode_chunk(bytes), checksum": lambda: [decode_chunk(b, k) for b, k in zip(blobs, keys)],
+        "decode_chunk(bytes), no checksum": lambda: [decode_chunk(b, k, check_payload=False)
+                                                     for b, k in zip(blobs, keys)],
+        "readinto fresh np.empty (as DiskTier.get)": lambda: read(lambda i: np.empty(len(blobs[i]), np.uint8)),
+        "readinto reused buffers (as raw file)": lambda: read(lambda i: reused[i]),
+    }
+    out = {}
+    for name, fn in pieces.items():
+        times = []
+        for _ in range(runs + 1):
+            t, keep = _timed(fn)
+            del keep
+            times.append(t * 1e3)
+        out[name] = round(statistics.median(times[1:]), 2)
+    shutil.rmtree(root)
+    print(f"\nbreakdown, ms per batch of {len(blobs)} chunks ({kv['nbytes'] / 1e6:.0f} MB), median of {runs}:")
+    for name, ms in out.items():
+        print(f"  {ms:8.1f} ms  {kv['nbytes'] / 1e3 / ms:7.0f} MB/s  {name}")
+    return out
+
+
+# -- the report -----------------------------------------------------------------------------------
+
+
+def targets(res: dict) -> list[dict]:
+    out = []
+
+    def add(name, value, floor, ratio=1.0):
+        if value is None or floor is None:
+            out.append({"target": name, "status": "SKIP", "value": value and round(value, 1), "needed": None})
+        else:
+            out.append({"target": name, "status": "PASS" if value >= ratio * floor else "FAIL",
+                        "value": round(value, 1), "needed": round(ratio * floor, 1)})
+
+    raw, disk = res["raw_file"], res["kvfuse"]["disk"]
+    for op in ("put", "get"):
+        add(f"disk {op} >= 70% of raw file {op}", disk[f"{op}_mbs_median"], raw[f"{op}_mbs_median"], 0.7)
+    for row in ROWS:
+        lm = res["lmcache"].get(LMCACHE_OF[row])
+        for op in ("put", "get"):
+            add(f"{row} {op} >= LMCache {LMCACHE_OF[row]} {op}", res["kvfuse"][row][f"{op}_mbs_median"],
+                lm[f"{op}_mbs_median"] if lm else None)
+    return out
+
+
+def report(res: dict) -> None:
+    def f(x):
+        return "-" if x is None else f"{x:,.0f}"
+
+    def ratio(a, b):
+        return "-" if a is None or b is None else f"{a / b:.2f}"
+
+    rows = []
+    for row in ROWS:
+        k, lm = res["kvfuse"][row], res["lmcache"].get(LMCACHE_OF[row])
+        raw = res["raw_file"] if row == "disk" else None
+        kp, kg = k["put_mbs_median"], k["get_mbs_median"]
+        rp, rg = (raw["put_mbs_median"], raw["get_mbs_median"]) if raw else (None, None)
+        lp, lg = (lm["put_mbs_median"], lm["get_mbs_median"]) if lm else (None, None)
+        rows.append([f"{row} ~ LMCache {LMCACHE_OF[row]}", f(kp), f(kg), f(rp), f(rg), f(lp), f(lg),
+                     ratio(kp, rp), ratio(kg, rg), ratio(kp, lp), ratio(kg, lg)])
+    print(f"\nthroughput, MB/s (median of {res['config']['runs']} runs; 1 MB = 1e6 bytes of KV)")
+    print_table(["tier", "kvfuse put", "kvfuse get", "raw put", "raw get", "LMCache put", "LMCache get",
+                 "put/raw", "get/raw", "put/LMC", "get/LMC"], rows)
+    print("\ntargets:")
+    for t in res["targets"]:
+        print(f"  {t['status']:4}  {t['target']}  ({t['value']} vs {t['needed']} MB/s)")
+
+
+def plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib missing (pip install matplotlib): {path} not written")
+        return
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    series = [("kvfuse", "tab:blue"), ("raw file", "tab:gray"), ("LMCache 0.5.6", "tab:orange")]
+    x = np.arange(len(ROWS))
+    for ax, op in zip(axes, ("put", "get")):
+        for j, (label, color) in enumerate(series):
+            vals = []
+            for row in ROWS:
+                src = {"kvfuse": res["kvfuse"][row], "raw file": res["raw_file"] if row == "disk" else None,
+                       "LMCache 0.5.6": res["lmcache"].get(LMCACHE_OF[row])}[label]
+                vals.append(src[f"{op}_mbs_median"] if src else 0)
+            ax.bar(x + (j - 1) * 0.27, vals, 0.27, label=label, color=color)
+        ax.set_xticks(x, [r.replace(" (", "\n(") for r in ROWS])
+        ax.set_yscale("log")
+        ax.set_title(f"{op} (256-token fp16 chunks, {res['data']['chunks']} per batch)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("MB/s (median, log scale)")
+    axes[0].legend()
+    fig.suptitle(f"kvfuse storage tiers vs raw file I/O and LMCache ({res['env']['cpu_count']} CPUs, "
+                 f"{res['env']['date'][:10]})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # What a kvfuse engine process does at start-up (kvfuse.runtime.open_engine): keep freed
+    # multi-MB buffers for reuse instead of paying page faults on every new entry.
+    from kvfuse.runtime import tune_allocator
+
+    tune_allocator()
+    load_start = os.getloadavg()
+    kv = build_kv(args)
+    nbytes, codec = kv["nbytes"], get_codec("raw")
+    print(f"{len(kv['chunks'])} chunks x {kv['chunks'][0].nbytes / 1e6:.2f} MB = {nbytes / 1e6:.1f} MB of KV; "
+          f"{args.runs} runs after {args.warmup} warm-up")
+    workdir = Path(tempfile.mkdtemp(prefix="kvfuse-bench-store-", dir=args.dir))
+    redis_proc, redis_url = start_redis(args.redis_server)
+    cases: list[KvfuseCase] = []
+    res: dict = {"kvfuse": {}, "lmcache": {}}
+    lmcache_note = None
+    try:
+        cap = 4 * nbytes + GIB
+        cases = [
+            tier_case("memory", MemoryTier(cap), kv, codec),
+            store_case("memory (TieredStore)", TieredStore([MemoryTier(cap)]), kv, codec),
+            tier_case("disk", DiskTier(workdir / "kvfuse-disk", cap), kv, codec),
+            # timeout 10 s, not 0.5: a stall of the busy machine must not turn into a dropped write.
+            tier_case("redis", RedisTier(redis_url, timeout_s=10.0), kv, codec),
+        ]
+        measure_kvfuse(cases, RawFiles(workdir / "raw", kv), kv, args, res)
+        res["breakdown_ms"] = breakdown(kv, codec, workdir, args.runs)
+
+        if args.no_lmcache:
+            lmcache_note = "skipped (--no-lmcache)"
+        elif not Path(args.lmcache_python).is_file():
+            lmcache_note = f"skipped: {args.lmcache_python} not found (run bench/setup_lmcache.sh)"
+        if lmcache_note:
+            print(f"LMCache baseline {lmcache_note}")
+        else:
+            kv_file = workdir / "kv.pt"
+            torch.save({"kv": torch.stack([c.kv for c in kv["chunks"]]), "tokens": kv["tokens"]}, kv_file)
+            for backend in ("cpu", "disk", "redis"):
+                result = run_lmcache(args, kv_file, backend, workdir, redis_url)
+                if result:
+                    res["lmcache"][backend] = result
+            kv_file.unlink()
+    finally:
+        for case in cases:
+            case.close()
+        stop_redis(redis_proc)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    res.update(
+        config={"runs": args.runs, "warmup": args.warmup, "chunk_tokens": args.chunk_tokens, "dir": args.dir},
+        env={**environment(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
+             "lmcache_python": args.lmcache_python, "lmcache_note": lmcache_note},
+        data={"file": args.data, "examples": kv["examples"], "split": kv["split"], "model": kv["model"],
+              "tokens": len(kv["tokens"]), "chunks": len(kv["chunks"]), "chunk_bytes": kv["chunks"][0].nbytes,
+              "kv_bytes": nbytes, "shape": list(kv["chunks"][0].kv.shape), "dtype": "float16"},
+    )
+    res["targets"] = targets(res)
+    report(res)
+    out = Path(args.out_json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")
+    plot(res, Path(args.out_png))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
