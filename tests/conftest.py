@@ -33,3 +33,12 @@ def kvfuse_home(tmp_path_factory):
 
     home = os.environ.get("KVFUSE_HOME")
     return Path(home) if home else tmp_path_factory.mktemp("kvfuse-home")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _export_kvfuse_home(kvfuse_home):
+    """Export that home as ``KVFUSE_HOME`` for the whole session, so that code resolving the default
+    home (``load_model(name)`` without ``home=``, subprocesses) shares it and models convert once."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVFUSE_HOME", str(kvfuse_home))
+        yield kvfuse_home

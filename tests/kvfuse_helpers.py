@@ -82,6 +82,24 @@ def tiny_loaded_model(model_folder: Path, tokenizer_folder: Path):
                        fingerprint(runner.config, digests))
 
 
+SENTENCES = [
+    "The harbour town of Velmora sits where the river Aske meets the northern sea.",
+    "Its lighthouse was built in 1847 by a stonemason named Ilse Garrow, who also carved the fountain in the square.",
+    "Every spring the fishing fleet is blessed, and the bakers sell a bread flavoured with fennel and salt.",
+    "The town library keeps a collection of ship logs that go back more than two hundred years.",
+    "Visitors often take the ferry to the island of Brell, where puffins nest on the western cliffs.",
+    "In winter the harbour sometimes freezes, and children skate between the moored boats.",
+    "The council meets on the first Tuesday of each month in a hall that used to be a rope factory.",
+    "A narrow railway once carried coal from the hills, but today its track is a path for walkers.",
+]
+
+
+def long_text(paragraphs: int = 6) -> str:
+    """About 100 tokens per paragraph; each paragraph is numbered so no chunk repeats."""
+    return "\n\n".join(f"Part {i + 1}. " + " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(5))
+                       for i in range(paragraphs))
+
+
 def _worker(argv: list[str] | None = None) -> None:
     import argparse
 

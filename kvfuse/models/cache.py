@@ -52,7 +52,8 @@ class KVCache:
 
     @property
     def next_position(self) -> int:
-        return int(self.positions[self.length - 1]) + 1 if self.length else 0
+        """One past the highest position held (slots need not be in position order)."""
+        return int(self.positions[: self.length].max()) + 1 if self.length else 0
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.length:

@@ -99,6 +99,8 @@ class Transformer:
         n = ids.shape[0]
         if n == 0:
             raise ValueError("forward() needs at least one token")
+        if logits not in ("last", "all", "none"):
+            raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
         start = cache.length
         if positions is None:
             positions = torch.arange(cache.next_position, cache.next_position + n, device=self.device)
@@ -118,9 +120,7 @@ class Transformer:
             return None
         if logits == "last":
             return self.logits(h[-1:])[0]
-        if logits == "all":
-            return self.logits(h)
-        raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
+        return self.logits(h)
 
     # ---------------------------------------------------------------------- layer-by-layer API
 

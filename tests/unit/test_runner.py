@@ -28,6 +28,17 @@ FP16_EPS = 2.0**-11  # unit roundoff of float16
 # ----------------------------------------------------------------------------------- fixtures
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny-model ops are far too small to gain from intra-op threads, and OpenMP's spinning
+    barriers make them ~8x slower whenever another process holds a core (measured: 60 s -> 8 s
+    for this file on 2 busy cores). Restored after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_runner(tiny_model_dir):
     """name -> our fp32 Transformer for that tiny model (loaded once per module)."""
