@@ -175,7 +175,7 @@ def cmd_generate(args, config: Config) -> int:
 def cmd_serve(args, config: Config) -> int:
     from .server.app import serve
 
-    serve(config)
+    serve(config, on_ready=lambda url: print(f"kvfuse: serving {config.model} at {url}/v1", file=sys.stderr, flush=True))
     return 0
 
 

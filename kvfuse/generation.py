@@ -43,7 +43,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below 1e-5, logits / temperature overflows float32; the limit is greedy decoding anyway.
+        return self.temperature < _MIN_TEMPERATURE
+
+
+_MIN_TEMPERATURE = 1e-5
 
 
 def _real(x) -> bool:
@@ -87,7 +91,9 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``; renormalise."""
     sorted_probs, order = torch.sort(probs, descending=True)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly more likely tokens
-    sorted_probs[before >= top_p] = 0.0
+    drop = before >= top_p
+    drop[..., 0] = False  # the most likely token always stays (a top_p that rounds to 0 keeps just it)
+    sorted_probs[drop] = 0.0
     out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return out / out.sum()
 

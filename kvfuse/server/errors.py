@@ -20,6 +20,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .records import record_of
+
 log = logging.getLogger(__name__)
 
 # The error ``type`` OpenAI reports for each status (the clients map the status to an exception).
@@ -127,11 +129,16 @@ def _msg(error: dict[str, Any]) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     """Route APIError, validation errors and HTTP exceptions to OpenAI-style responses."""
 
+    def answer(request: Request, err: APIError) -> JSONResponse:
+        if (record := record_of(request)) is not None:
+            record.error = err.code or err.type
+        return err.response()
+
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+        return answer(request, exc)
 
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+        return answer(request, validation_error(exc.errors()))
 
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
@@ -141,7 +148,7 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         err = APIError(exc.status_code, message, code=codes.get(exc.status_code), headers=dict(exc.headers or {}))
-        return err.response()
+        return answer(request, err)
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)

@@ -35,10 +35,10 @@ class SaltRegistry:
         self._lock = threading.Lock()
 
     def record(self, tenant: str, cache_salt: str | None) -> None:
-        salts = self._salts.setdefault(tenant, OrderedDict()) if cache_salt else None
-        if salts is None:
-            return
+        if not cache_salt:
+            return  # the default namespace is always cleared
         with self._lock:
+            salts = self._salts.setdefault(tenant, OrderedDict())
             salts[cache_salt] = None
             salts.move_to_end(cache_salt)
             while len(salts) > self.per_tenant:

@@ -1,0 +1,103 @@
+"""Everything but generation: models, health, Prometheus metrics, KV cache statistics and clearing."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+
+from .auth import current_tenant
+from .errors import APIError
+from .metrics import CONTENT_TYPE
+from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
+from .state import get_state
+from .tenants import namespace_salt
+
+router = APIRouter()
+
+_AUTH_ERRORS = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (only when the server has keys)."}}
+
+
+@router.get("/health", response_model=Health, tags=["operations"], summary="Liveness and queue state",
+            description="No API key needed. 200 while the server accepts requests.")
+async def health(request: Request) -> Health:
+    state = get_state(request)
+    s = state.scheduler
+    return Health(model=state.model_name, waiting=len(s.queue), running=int(s.running is not None))
+
+
+@router.get("/metrics", tags=["operations"], summary="Prometheus metrics", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
+            description="Prometheus text format. No API key needed (like /health): the metrics are server-wide "
+                        "counts (requests, tokens, cache tiers, latencies) and carry no tenant names or content; "
+                        "restrict access to the port at the network level if that matters.")
+async def metrics(request: Request) -> Response:
+    state = get_state(request)
+    body = await asyncio.to_thread(state.metrics.render)  # the store's tiers may be remote (Redis)
+    return Response(body, media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models", response_model=ModelList, tags=["models"], summary="List the served model",
+            responses=_AUTH_ERRORS,
+            description="The one model this server serves; requests must name it in their `model` field.")
+async def list_models(request: Request, tenant: str = Depends(current_tenant)) -> ModelList:
+    return ModelList(data=[ModelCard(id=get_state(request).model_name)])
+
+
+@router.get("/v1/models/{model}", response_model=ModelCard, tags=["models"], summary="Describe a model",
+            responses={**_AUTH_ERRORS, 404: {"model": ErrorResponse, "description": "Not the served model."}},
+            description="The served model's card; any other name is a 404 with code model_not_found.")
+async def get_model(model: str, request: Request, tenant: str = Depends(current_tenant)) -> ModelCard:
+    name = get_state(request).model_name
+    if model != name:
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}", param="model",
+                       code="model_not_found")
+    return ModelCard(id=name)
+
+
+@router.get("/v1/kv/stats", response_model=KVStats, tags=["kv cache"], summary="KV cache statistics",
+            responses=_AUTH_ERRORS,
+            description="Counters of every cache tier and of the engine (server-wide, not per tenant).")
+async def kv_stats(request: Request, tenant: str = Depends(current_tenant)) -> KVStats:
+    state = get_state(request)
+    engine = state.engine
+    tiers = await asyncio.to_thread(engine.store.stats) if engine.store is not None else {}
+    return KVStats(
+        cache_enabled=engine.store is not None,
+        tiers=tiers,
+        engine=dataclasses.asdict(engine.stats),
+        queue={"waiting": len(state.scheduler.queue), "running": int(state.scheduler.running is not None),
+               "max_queue": state.scheduler.queue.max_waiting, "skipped": state.scheduler.queue.skipped},
+    )
+
+
+@router.delete(
+    "/v1/kv", response_model=KVDeleted, tags=["kv cache"], summary="Clear the caller's cached KV",
+    responses=_AUTH_ERRORS,
+    description="Deletes the cache entries of the caller's tenant from every tier: its default namespace and every "
+                "cache_salt it has used since the server started; with `cache_salt`, only that namespace. Other "
+                "tenants' entries are never touched. Without API keys there is one anonymous tenant.",
+)
+async def clear_kv(
+    request: Request,
+    tenant: str = Depends(current_tenant),
+    cache_salt: str | None = Query(None, max_length=256, description="Clear only this namespace of the tenant."),
+) -> KVDeleted:
+    state = get_state(request)
+    engine = state.engine
+    salts = [cache_salt or ""] if cache_salt is not None else state.salts.salts(tenant)
+    deleted: dict[str, int] = {}
+    if engine.store is not None:
+        prefixes = [engine.namespace(namespace_salt(tenant, s)).key_prefix() for s in salts]
+
+        def delete_all() -> None:
+            for prefix in prefixes:
+                for tier, n in engine.store.delete_prefix(prefix).items():
+                    deleted[tier] = deleted.get(tier, 0) + n
+
+        await asyncio.to_thread(delete_all)
+    if cache_salt is None:
+        state.salts.forget(tenant)
+    return KVDeleted(tenant=tenant, namespaces=len(salts), deleted=deleted)

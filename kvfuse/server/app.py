@@ -1,0 +1,149 @@
+"""The FastAPI app factory and ``serve``: uvicorn with a graceful, flushing shutdown.
+
+``create_app(config, engine)`` builds an app around an engine (or opens one from the config at
+start-up). ``serve(config)`` opens the engine, listens, and on SIGTERM/SIGINT stops accepting
+connections, lets the requests in flight finish (``shutdown_grace_s``), cancels what is left,
+and flushes the store's pending lower-tier writes before returning; a signal-initiated stop is a
+normal exit (the process exits with status 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvfuse import __version__
+from kvfuse.config import Config
+
+from . import admin, completions
+from .errors import install_error_handlers
+from .middleware import BodyLimitMiddleware, RequestContextMiddleware
+from .state import ServerState
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S = 10.0
+
+_DESCRIPTION = """\
+An OpenAI-compatible API in front of the kvfuse engine, which reuses the KV cache of repeated prompt
+prefixes across memory, disk and Redis tiers.
+
+* `usage.prompt_tokens_details.cached_tokens` reports the prompt tokens reused from the cache.
+* kvfuse extension fields in the request body (`extra_body` with the `openai` client): `cache_salt`
+  (an extra namespace inside your tenant) and `cache` (`false`: neither read nor write the cache).
+* With API keys configured (`--api-key KEY:TENANT`), each key's tenant has its own cache namespace.
+* Errors have OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; every response carries
+  an `x-request-id` header, also found in the server's JSON request log.
+"""
+
+
+def create_app(config: Config, engine=None) -> FastAPI:
+    """The app serving ``engine`` (None: opened from ``config`` at start-up and closed at shutdown).
+
+    A given engine is not closed by the app; its store is flushed at shutdown.
+    """
+    state = ServerState(config, engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await asyncio.to_thread(state.start)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state.stop)
+
+    app = FastAPI(title="kvfuse", version=__version__, description=_DESCRIPTION, lifespan=lifespan)
+    app.state.kvfuse = state
+    install_error_handlers(app)
+    app.include_router(completions.router)
+    app.include_router(admin.router)
+    # Added last = outermost: the request context sees every response, the 413s included.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
+    app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
+    _publish_limits(app, config)
+    return app
+
+
+def _publish_limits(app: FastAPI, config: Config) -> None:
+    """Put the configured max_tokens limit into the published schema (``maximum``), so that clients
+    and schema-driven tools see it."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for name in ("SamplingRequest", "CompletionRequest", "ChatCompletionRequest"):
+                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+                for field in ("max_tokens", "max_completion_tokens"):
+                    for variant in props.get(field, {}).get("anyOf", []):
+                        if variant.get("type") == "integer":
+                            variant["maximum"] = config.server.max_tokens_limit
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with a start-up callback and no re-raised signal after a graceful stop."""
+
+    def __init__(self, config: uvicorn.Config, on_ready: Callable[[str], None] | None):
+        super().__init__(config)
+        self.on_ready = on_ready
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            host, port = self.servers[0].sockets[0].getsockname()[:2]
+            self.on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn re-raises the signal after its graceful shutdown, so the process would die of it;
+        # a requested stop that completed cleanly is a normal exit here.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _configure_logging(config: Config) -> None:
+    """One JSON line per request on stderr, at the configured level (info by default)."""
+    requests_log = logging.getLogger("kvfuse.server.requests")
+    requests_log.setLevel(config.log_level.upper())
+    if not requests_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        requests_log.addHandler(handler)
+        requests_log.propagate = False
+
+
+def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT; ``on_ready(url)`` is called once it listens."""
+    from kvfuse.runtime import open_engine
+
+    _configure_logging(config)
+    engine = open_engine(config)  # load errors surface here, before anything listens
+    try:
+        app = create_app(config, engine)
+        uv_config = uvicorn.Config(
+            app, host=config.server.host, port=config.server.port, access_log=False, lifespan="on",
+            log_level=config.log_level.lower(), timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,
+        )
+        _Server(uv_config, on_ready).run()
+    finally:
+        if engine.store is not None:
+            engine.store.close()  # flushes whatever is still queued for disk / Redis

@@ -1,0 +1,165 @@
+"""POST /v1/completions and POST /v1/chat/completions, streaming and not.
+
+A request is planned (tokenized and checked: any 4xx happens here), queued, and then either
+awaited (JSON body) or relayed chunk by chunk (server-sent events). A client that disconnects
+withdraws its job: a waiting job is dropped, a running one stops at the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .auth import current_tenant
+from .errors import APIError, internal_error
+from .records import RECORD_KEY, RequestRecord
+from .responses import SSE_DONE, ResponseBuilder, sse_event
+from .scheduler import Job, JobCancelled, JobEvents, Outcome, QueueClosed, QueueFull
+from .schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse
+from .state import ServerState, get_state
+from .translate import check_model, plan_chat, plan_completion
+
+router = APIRouter(tags=["generation"])
+
+ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid request: malformed JSON, a field of the wrong type or "
+                                                 "value, a prompt too long for the context window."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key (only when the server has API keys)."},
+    404: {"model": ErrorResponse, "description": "Unknown model (code model_not_found)."},
+    413: {"model": ErrorResponse, "description": "Request body larger than server.max_body_bytes."},
+    429: {"model": ErrorResponse, "description": "The request queue is full (server.max_queue); retry later."},
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"},
+                              "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
+
+
+@router.post(
+    "/v1/completions", response_model=CompletionResponse, summary="Create a completion",
+    responses={200: {"content": _SSE, "description": "The completion, or with stream=true an event stream of chunks."},
+               **ERRORS},
+    description="OpenAI-compatible text completion. `usage.prompt_tokens_details.cached_tokens` counts the prompt "
+                "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`.",
+)
+async def create_completion(body: CompletionRequest, request: Request,
+                            tenant: str = Depends(current_tenant)) -> JSONResponse | StreamingResponse:
+    return await _generate(request, body, tenant, chat=False)
+
+
+@router.post(
+    "/v1/chat/completions", response_model=ChatCompletionResponse, summary="Create a chat completion",
+    responses={200: {"content": _SSE, "description": "The reply, or with stream=true an event stream of chunks."},
+               **ERRORS},
+    description="OpenAI-compatible chat completion; the messages are rendered with the model's chat template. "
+                "kvfuse extension fields: `cache_salt`, `cache`.",
+)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request,
+                                 tenant: str = Depends(current_tenant)) -> JSONResponse | StreamingResponse:
+    return await _generate(request, body, tenant, chat=True)
+
+
+async def _generate(request: Request, body, tenant: str, chat: bool):
+    state = get_state(request)
+    record: RequestRecord = request.scope[RECORD_KEY]
+    record.model, record.stream = body.model, bool(body.stream)
+    check_model(body.model, state.model_name)
+    plan = plan_chat if chat else plan_completion
+    # Tokenizing (and rendering the chat template) can take a while for a long prompt: not on the loop.
+    call = await asyncio.to_thread(plan, state.engine, body, tenant, state.limits)
+    record.prompt_tokens = len(call.prompt_ids)
+
+    events = JobEvents()
+
+    def on_done(outcome: Outcome) -> None:  # worker thread (or the loop, for a withdrawn job)
+        state.metrics.observe_outcome(outcome)
+        events.on_done(outcome)
+
+    job = Job(record.request_id, tenant, call, on_text=events.on_text if body.stream else None, on_done=on_done)
+    try:
+        state.scheduler.submit(job)
+    except QueueFull as e:
+        state.metrics.rejected.inc()
+        raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",
+                       headers={"retry-after": "1"}) from None
+    except QueueClosed:
+        raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
+    if call.cache.enabled:
+        state.salts.record(tenant, body.cache_salt)
+    watcher = asyncio.create_task(_watch_disconnect(request, lambda: state.scheduler.withdraw(job)))
+
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    builder = ResponseBuilder(record.request_id, state.model_name, int(time.time()), chat, include_usage)
+    if body.stream:
+        return StreamingResponse(
+            _stream(state, record, job, events, watcher, builder), media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
+    try:
+        outcome = await events.outcome()
+    except BaseException:  # this task was cancelled (e.g. at shutdown): stop the work too
+        state.scheduler.withdraw(job)
+        raise
+    finally:
+        watcher.cancel()
+    return JSONResponse(builder.body(_result(outcome, record)))
+
+
+async def _stream(state: ServerState, record: RequestRecord, job: Job, events: JobEvents,
+                  watcher: asyncio.Task, builder: ResponseBuilder) -> AsyncIterator[str]:
+    finished = False
+    try:
+        if (first := builder.first_chunk()) is not None:
+            yield sse_event(first)
+        while isinstance(item := await events.next(), str):
+            yield sse_event(builder.text_chunk(item))
+        finished = True
+        try:
+            result = _result(item, record)
+        except APIError as e:
+            yield sse_event(e.body())
+            return
+        for chunk in builder.final_chunks(result):
+            yield sse_event(chunk)
+        yield SSE_DONE
+    finally:
+        watcher.cancel()
+        if not finished:  # the client went away (the response task was cancelled): stop the work
+            state.scheduler.withdraw(job)
+            record.finish_reason, record.error = "cancelled", "client_disconnected"
+
+
+def _result(outcome: Outcome, record: RequestRecord):
+    """The GenerationResult of ``outcome`` (noted in the log record), or the APIError to answer."""
+    if outcome.error is not None:
+        e = outcome.error
+        if isinstance(e, JobCancelled):
+            record.error = "cancelled"
+            raise APIError(503, f"the request was cancelled: {e}", code="cancelled")
+        if isinstance(e, ValueError):
+            record.error = "invalid_request"
+            raise APIError(400, str(e), code="invalid_value")
+        record.error = "internal_error"
+        raise internal_error()
+    result = outcome.result
+    t = result.timings
+    record.prompt_tokens, record.cached_tokens = result.prompt_tokens, result.cached_tokens
+    record.completion_tokens, record.finish_reason = result.completion_tokens, result.finish_reason
+    record.ttft_ms = round((t.queued_s + t.ttft_s) * 1000, 1)
+    record.queue_ms = round(t.queued_s * 1000, 1)
+    if result.finish_reason == "cancelled":
+        record.error = "cancelled"
+        raise APIError(503, "the request was cancelled before it finished", code="cancelled")
+    return result
+
+
+async def _watch_disconnect(request: Request, on_disconnect) -> None:
+    """Call ``on_disconnect`` when the client closes the connection (the body is already read, so
+    the next ASGI message is the disconnect)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return

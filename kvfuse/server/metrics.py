@@ -1,0 +1,140 @@
+"""Prometheus metrics of one server app, in a registry of its own (never the process-global one).
+
+Request-time metrics (latency histograms, requests by endpoint/status, cancellations) are
+observed as requests finish. Cache and engine counters are read at scrape time from
+``store.stats()`` and ``engine.stats`` by a custom collector, so the tiers need no knowledge of
+Prometheus and the numbers can never drift from the ones ``GET /v1/kv/stats`` reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvfuse.engine import GenerationResult
+
+from .scheduler import JobCancelled, Outcome
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# CPU prefill of a few thousand tokens takes seconds; GPU TTFTs are tens of milliseconds.
+_TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 60.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+
+# TierStats counters -> (metric name, help)
+_TIER_COUNTERS = {
+    "hits": ("kvfuse_tier_hits", "Chunk reads served by the tier."),
+    "misses": ("kvfuse_tier_misses", "Chunk reads the tier could not serve."),
+    "bytes_out": ("kvfuse_tier_read_bytes", "Bytes read from the tier."),
+    "bytes_in": ("kvfuse_tier_written_bytes", "Bytes written to the tier."),
+    "puts": ("kvfuse_tier_puts", "Entries written to the tier."),
+    "evictions": ("kvfuse_tier_evictions", "Entries evicted from the tier to make room."),
+    "errors": ("kvfuse_tier_errors", "Tier failures (each treated as a miss or a dropped write)."),
+    "dropped_writes": ("kvfuse_tier_dropped_writes", "Writes to the tier dropped (full write queue or failure)."),
+}
+_STORE_COUNTERS = {
+    "lookups": ("kvfuse_store_lookups", "Prefix lookups."),
+    "lookup_keys": ("kvfuse_store_lookup_chunks", "Chunks asked for by lookups."),
+    "lookup_hits": ("kvfuse_store_lookup_hit_chunks", "Chunks found by lookups."),
+    "promotions": ("kvfuse_store_promotions", "Chunks copied up into the first tier after a lower-tier hit."),
+    "queue_full_drops": ("kvfuse_store_write_queue_drops", "Lower-tier writes dropped because the write queue was full."),
+}
+
+
+class CacheCollector(Collector):
+    """Reads the engine's and the store's counters at scrape time."""
+
+    def __init__(self, engine_getter: Callable[[], object | None]):
+        self._engine = engine_getter
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        if engine is None:
+            return
+        s = engine.stats
+        tokens = CounterMetricFamily("kvfuse_prompt_tokens", "Prompt tokens, by whether their KV was reused from "
+                                     "the cache or prefilled.", labels=["source"])
+        tokens.add_metric(["cached"], s.tokens_reused)
+        tokens.add_metric(["prefilled"], s.tokens_prefilled)
+        yield tokens
+        yield CounterMetricFamily("kvfuse_generation_tokens", "Tokens generated.", value=s.tokens_generated)
+        yield CounterMetricFamily("kvfuse_engine_requests", "Requests the engine completed.", value=s.requests)
+        yield CounterMetricFamily("kvfuse_chunks_stored", "KV chunks written to the store.", value=s.chunks_stored)
+        yield CounterMetricFamily("kvfuse_chunk_load_failures", "Cached chunks that could not be used.",
+                                  value=s.chunk_load_failures)
+        reused = CounterMetricFamily("kvfuse_reused_chunks", "Chunks reused by requests, by the tier they came from.",
+                                     labels=["tier"])
+        for tier, n in sorted(s.hits_by_tier.items()):
+            reused.add_metric([tier], n)
+        yield reused
+        if engine.store is not None:
+            yield from _store_metrics(engine.store.stats())
+
+
+def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
+    tiers = {name: c for name, c in stats.items() if name != "store"}
+    for key, (name, help_) in _TIER_COUNTERS.items():
+        family = CounterMetricFamily(name, help_, labels=["tier"])
+        for tier, c in tiers.items():
+            family.add_metric([tier], c.get(key, 0))
+        yield family
+    for key, name, help_ in (("entries", "kvfuse_tier_entries", "Entries held by the tier."),
+                             ("used_bytes", "kvfuse_tier_used_bytes", "Bytes held by the tier.")):
+        family = GaugeMetricFamily(name, help_, labels=["tier"])
+        for tier, c in tiers.items():
+            if c.get(key) is not None:
+                family.add_metric([tier], c[key])
+        yield family
+    store = stats.get("store", {})
+    for key, (name, help_) in _STORE_COUNTERS.items():
+        yield CounterMetricFamily(name, help_, value=store.get(key, 0))
+    yield GaugeMetricFamily("kvfuse_store_write_queue_depth", "Lower-tier writes waiting.",
+                            value=store.get("queue_depth", 0))
+
+
+class ServerMetrics:
+    """The metrics of one app. ``render()`` gives the Prometheus text exposition."""
+
+    def __init__(self, engine_getter: Callable[[], object | None], waiting: Callable[[], int],
+                 running: Callable[[], int]):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvfuse_http_requests", "HTTP requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("kvfuse_time_to_first_token_seconds",
+                              "Time from queueing a request to its first generated token (queue wait + lookup + load "
+                              "+ prefill).", buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("kvfuse_time_per_output_token_seconds",
+                              "Mean decode time per output token after the first, one observation per request.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("kvfuse_queue_wait_seconds", "Time requests waited in the queue.",
+                                    buckets=_TTFT_BUCKETS, registry=r)
+        self.cancelled = Counter("kvfuse_requests_cancelled",
+                                 "Requests whose client left: skipped while queued, or stopped while generating.",
+                                 ["stage"], registry=r)
+        self.rejected = Counter("kvfuse_requests_rejected", "Requests refused because the queue was full.", registry=r)
+        Gauge("kvfuse_queue_depth", "Requests waiting in the queue.", registry=r).set_function(waiting)
+        Gauge("kvfuse_requests_running", "Requests being generated.", registry=r).set_function(running)
+        r.register(CacheCollector(engine_getter))
+
+    def observe_outcome(self, outcome: Outcome) -> None:
+        """Count one finished job (called on the worker thread; prometheus_client is thread-safe)."""
+        if outcome.result is not None:
+            self.observe_result(outcome.result)
+        elif isinstance(outcome.error, JobCancelled):
+            self.cancelled.labels(stage="queued").inc()
+
+    def observe_result(self, result: GenerationResult) -> None:
+        t = result.timings
+        self.queue_wait.observe(t.queued_s)
+        if t.ttft_s > 0:  # 0 when cancelled before the prefill
+            self.ttft.observe(t.queued_s + t.ttft_s)
+        if result.completion_tokens > 1 and t.decode_s > 0:
+            self.tpot.observe(t.decode_s / (result.completion_tokens - 1))
+        if result.finish_reason == "cancelled":
+            self.cancelled.labels(stage="running").inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,119 @@
+"""A ``kvfuse serve`` child process, for tests and benchmarks: start it, wait for /health, stop it.
+
+The process is stopped by its PID (SIGTERM, then SIGKILL after a timeout), never by name.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """``python -m kvfuse.cli serve`` with a YAML config built from ``config`` (nested dicts as in the
+    config file) and extra CLI ``args``; its stderr goes to ``log_path`` (a temp file by default)."""
+
+    def __init__(self, home: str | Path, config: dict[str, Any] | None = None, args: list[str] | tuple = (),
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None, port: int | None = None):
+        self.home = Path(home)
+        self.port = port or free_port()
+        self.config = config or {}
+        self.args = list(args)
+        self.env = env
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvfuse-serve-")
+        self.log_path = Path(log_path) if log_path else Path(self._tmp.name) / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL (``.../v1``)."""
+        return self.url + "/v1"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None, "the server was not started"
+        return self.proc.pid
+
+    def start(self, timeout: float = 180.0) -> ServerProcess:
+        import httpx  # a test/benchmark dependency, not one of the server's
+
+        config_path = Path(self._tmp.name) / "config.yaml"
+        config_path.write_text(yaml.safe_dump(self.config))
+        cmd = [sys.executable, "-m", "kvfuse.cli", "serve", "--port", str(self.port), "--home", str(self.home),
+               "--config", str(config_path), *self.args]
+        env = {**os.environ, **(self.env or {})}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvfuse serve exited with status {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise RuntimeError(f"kvfuse serve did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
+        """Send ``sig`` to the process and wait for it (SIGKILL after ``timeout``); its exit status."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        os.kill(self.proc.pid, sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def ensure_model(home: str | Path, model: str = "smollm2") -> None:
+    """Convert built-in ``model`` into ``home`` unless it is there already (once, before any server
+    starts, so that concurrent servers never convert at the same time)."""
+    from kvfuse.models import registry
+
+    if model in registry.BUILTIN and not (registry.converted_dir(Path(home), model) / registry.MANIFEST).is_file():
+        subprocess.run([sys.executable, "-m", "kvfuse.cli", "models", "pull", model, "--home", str(home)], check=True)

@@ -1,0 +1,148 @@
+"""Request bodies -> one engine call: the prompt's token ids, ``SamplingParams`` and ``CacheOptions``.
+
+Everything a request can get wrong is found here, before the request is queued, so that a
+streaming response never has to report a bad request after its 200 went out. Every failure is an
+``APIError`` (400 naming the field) and the functions other than ``plan_*`` are pure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvfuse.engine import CacheOptions
+from kvfuse.generation import SamplingParams
+from kvfuse.models.tokenizer import ChatTemplateError
+
+from .errors import APIError, bad_request
+from .schemas import ChatCompletionRequest, CompletionRequest, KVFuseOptions, SamplingRequest
+from .tenants import namespace_salt
+
+
+
+
+@dataclass(frozen=True)
+class EngineCall:
+    """The arguments of one ``Engine.generate`` call."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache: CacheOptions
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the configuration and the model allow."""
+
+    max_tokens_limit: int
+    default_max_tokens: int
+    context_window: int
+
+
+def cache_options(opts: KVFuseOptions, tenant: str) -> CacheOptions:
+    """The engine's cache behaviour for a request of ``tenant`` with extension fields ``opts``."""
+    return CacheOptions(enabled=opts.cache, salt=namespace_salt(tenant, opts.cache_salt))
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    """The one prompt of a completion request: a string or a list of token ids (not yet checked
+    against the vocabulary)."""
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise bad_request(f"prompt: give exactly one prompt (got a batch of {len(p)}); send one request per prompt",
+                              param="prompt")
+        p = p[0]
+    if len(p) == 0:
+        raise bad_request("prompt: the prompt is empty", param="prompt")
+    return p
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as the chat template expects them: role and content strings."""
+    out = []
+    for m in req.messages:
+        if isinstance(m.content, list):
+            content = "\n".join(part.text for part in m.content)
+        else:
+            content = m.content or ""
+        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
+        msg = {"role": role, "content": content}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+def requested_max_tokens(req: SamplingRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) -> SamplingParams:
+    """``SamplingParams`` for a prompt of ``prompt_tokens`` tokens, enforcing the server's limits."""
+    name = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None \
+        else "max_tokens"
+    if req.n not in (None, 1):
+        raise bad_request(f"n: only n=1 is supported, got {req.n}; send several requests instead", param="n")
+    room = limits.context_window - prompt_tokens
+    prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+    if room < 1:
+        raise bad_request(
+            f"{prompt_param}: the prompt has {prompt_tokens} tokens; the model's context window is "
+            f"{limits.context_window} tokens (prompt + max_tokens must fit); shorten the prompt",
+            param=prompt_param, code="context_length_exceeded")
+    max_tokens = requested_max_tokens(req)
+    if max_tokens is None:
+        max_tokens = min(limits.default_max_tokens, room)
+    elif max_tokens < 1 or max_tokens > limits.max_tokens_limit:
+        raise bad_request(f"{name} must be between 1 and {limits.max_tokens_limit} (server.max_tokens_limit), "
+                          f"got {max_tokens}", param=name)
+    elif max_tokens > room:
+        raise bad_request(
+            f"{prompt_param}: the prompt has {prompt_tokens} tokens and {name} is {max_tokens}: together more than the "
+            f"model's context window of {limits.context_window} tokens; shorten the prompt or lower {name}",
+            param=prompt_param, code="context_length_exceeded")
+    stop = req.stop if req.stop is not None else ()
+    temperature = 1.0 if req.temperature is None else float(req.temperature)
+    top_p = 1.0 if req.top_p is None else float(req.top_p)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=req.seed,
+            stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        )
+    except ValueError as e:  # SamplingParams names the field first: "stop must be ..."
+        field_name = str(e).split(" ", 1)[0]
+        raise bad_request(f"{e}", param=field_name) from None
+
+
+def plan_completion(engine, req: CompletionRequest, tenant: str, limits: Limits) -> EngineCall:
+    """Tokenize and check a completion request (runs the tokenizer: call it off the event loop)."""
+    prompt = completion_prompt(req)
+    try:
+        ids = engine.encode_prompt(prompt)
+    except ValueError as e:  # token ids outside the vocabulary
+        raise bad_request(f"prompt: {e}", param="prompt") from None
+    if not ids:
+        raise bad_request("prompt: the prompt is empty", param="prompt")
+    return EngineCall(ids, sampling_params(req, len(ids), limits), cache_options(req, tenant))
+
+
+def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -> EngineCall:
+    """Render, tokenize and check a chat request (call it off the event loop)."""
+    try:
+        ids = engine.encode_prompt(messages=chat_messages(req))
+    except ChatTemplateError as e:
+        raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
+    if not ids:
+        raise bad_request("messages: the rendered conversation is empty", param="messages")
+    return EngineCall(ids, sampling_params(req, len(ids), limits), cache_options(req, tenant))

@@ -1,0 +1,391 @@
+"""The server's pure parts, without a model: request -> engine call mapping, tenant salts, error
+bodies, response chunks, the queue's limit and cancellation, the scheduler's worker (with a fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from kvfuse.engine import CacheOptions, EngineStats, GenerationResult, Timings
+from kvfuse.models.tokenizer import ChatTemplateError
+from kvfuse.server.auth import Authenticator
+from kvfuse.server.errors import APIError, error_body, validation_error
+from kvfuse.server.metrics import ServerMetrics
+from kvfuse.server.responses import SSE_DONE, ResponseBuilder, sse_event, usage
+from kvfuse.server.scheduler import Job, JobCancelled, JobEvents, Outcome, QueueClosed, QueueFull, RequestQueue, Scheduler
+from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvfuse.server.tenants import SaltRegistry, namespace_salt
+from kvfuse.server.translate import (EngineCall, Limits, cache_options, chat_messages, completion_prompt, plan_chat,
+                                     sampling_params)
+
+LIMITS = Limits(max_tokens_limit=100, default_max_tokens=16, context_window=1000)
+
+
+def completion(**fields) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "hi", **fields})
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+
+
+# ------------------------------------------------------------------------------------ tenants
+
+
+@pytest.mark.parametrize("a,b", [
+    (("alice", None), ("bob", None)),
+    (("alice", "x"), ("alice", "y")),
+    (("alice", "x"), ("alicex", "")),
+    (("a\x00b", ""), ("a", "b")),  # no separator character can be forged
+    (("", "alice"), ("alice", "")),
+    (("", "x"), ("", None)),
+])
+def test_namespace_salts_are_distinct(a, b):
+    assert namespace_salt(*a) != namespace_salt(*b)
+
+
+def test_anonymous_default_namespace_is_the_engines_plain_one():
+    assert namespace_salt("", None) == namespace_salt("", "") == ""
+    assert namespace_salt("alice", None) == namespace_salt("alice", "")
+
+
+def test_cache_options_map_tenant_salt_and_bypass():
+    assert cache_options(completion(), "alice") == CacheOptions(enabled=True, salt=namespace_salt("alice", None))
+    opts = cache_options(completion(cache=False, cache_salt="p1"), "bob")
+    assert opts == CacheOptions(enabled=False, salt=namespace_salt("bob", "p1"))
+
+
+def test_salt_registry_remembers_recent_salts_per_tenant():
+    reg = SaltRegistry(per_tenant=2)
+    for s in ("a", "b", "c", None, ""):
+        reg.record("t", s)
+    reg.record("u", "z")
+    assert reg.salts("t") == ["", "b", "c"]
+    reg.forget("t")
+    assert reg.salts("t") == [""] and reg.salts("u") == ["", "z"]
+
+
+def test_authenticator():
+    assert Authenticator({}).tenant(None) == ""
+    auth = Authenticator({"k1": "alice", "k2": "bob"})
+    assert auth.tenant("k2") == "bob"
+    for bad in (None, "", "k3", "k1 "):
+        with pytest.raises(APIError) as exc:
+            auth.tenant(bad)
+        assert exc.value.status == 401 and exc.value.code == "invalid_api_key"
+
+
+# ------------------------------------------------------------------------------- request mapping
+
+
+@pytest.mark.parametrize("prompt,expected", [
+    ("hi", "hi"), (["hi"], "hi"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5]),
+])
+def test_completion_prompt_shapes(prompt, expected):
+    assert completion_prompt(completion(prompt=prompt)) == expected
+
+
+@pytest.mark.parametrize("prompt", ["", [], [""], [[]], ["a", "b"], [[1], [2]]])
+def test_completion_prompt_rejects_empty_and_batches(prompt):
+    with pytest.raises(APIError) as exc:
+        completion_prompt(completion(prompt=prompt))
+    assert exc.value.status == 400 and exc.value.param == "prompt"
+
+
+def test_chat_messages_join_parts_and_map_roles():
+    req = chat(messages=[
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "content": None, "name": "bot"},
+    ])
+    assert chat_messages(req) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "a\nb"},
+        {"role": "assistant", "content": "", "name": "bot"},
+    ]
+
+
+def test_sampling_params_defaults_and_fields():
+    p = sampling_params(completion(), prompt_tokens=10, limits=LIMITS)
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (16, 1.0, 1.0, None, ())
+    p = sampling_params(completion(max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n"), 10, LIMITS)
+    assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (7, 0.0, 0.5, 3, ("\n",))
+    # the default shrinks to what fits in the context window
+    assert sampling_params(completion(), prompt_tokens=990, limits=LIMITS).max_tokens == 10
+    # max_completion_tokens wins over max_tokens
+    assert sampling_params(chat(max_tokens=5, max_completion_tokens=9), 10, LIMITS).max_tokens == 9
+    # sub-float32 values reach the engine as given; the sampler treats them as their limits
+    p = sampling_params(completion(temperature=1e-40, top_p=5e-324), 10, LIMITS)
+    assert p.greedy and (p.temperature, p.top_p) == (1e-40, 5e-324)
+
+
+@pytest.mark.parametrize("fields,prompt_tokens,param,code", [
+    ({"max_tokens": 101}, 10, "max_tokens", "invalid_value"),
+    ({"n": 2}, 10, "n", "invalid_value"),
+    ({"stop": [""]}, 10, "stop", "invalid_value"),
+    ({}, 1000, "prompt", "context_length_exceeded"),
+    ({"max_tokens": 50}, 960, "prompt", "context_length_exceeded"),
+])
+def test_sampling_params_errors_name_the_field(fields, prompt_tokens, param, code):
+    with pytest.raises(APIError) as exc:
+        sampling_params(completion(**fields), prompt_tokens, LIMITS)
+    assert exc.value.status == 400 and exc.value.param == param and exc.value.code == code
+    assert param in exc.value.message
+
+
+def test_context_error_names_the_limit():
+    with pytest.raises(APIError) as exc:
+        sampling_params(chat(), 1200, LIMITS)
+    assert "1000" in exc.value.message and exc.value.param == "messages"
+
+
+def test_chat_template_failure_is_a_400():
+    class TemplateFails:  # stands in for the engine: only its encode_prompt is involved
+        def encode_prompt(self, prompt=None, messages=None):
+            raise ChatTemplateError("Conversation roles must alternate user/assistant")
+
+    with pytest.raises(APIError) as exc:
+        plan_chat(TemplateFails(), chat(), "", LIMITS)
+    assert exc.value.status == 400 and exc.value.code == "invalid_chat_template" and "alternate" in exc.value.message
+
+
+# ----------------------------------------------------------------------------- schemas and errors
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"max_tokens": "5"}, "max_tokens"), ({"temperature": "0"}, "temperature"), ({"stream": 1}, "stream"),
+    ({"cache": "false"}, "cache"), ({"cache_salt": 3}, "cache_salt"), ({"prompt": [True]}, "prompt"),
+    ({"stop": [1]}, "stop"), ({"temperature": 3}, "temperature"), ({"model": None}, "model"),
+])
+def test_wrong_types_are_rejected_and_named(fields, param):
+    with pytest.raises(ValidationError) as exc:
+        completion(**fields)
+    err = validation_error(exc.value.errors())
+    assert err.status == 400 and err.param == param and err.message.startswith(param)
+
+
+def test_unknown_fields_are_ignored():
+    req = completion(logit_bias={"1": 1}, whatever=[1, 2])
+    assert not hasattr(req, "whatever")
+
+
+def test_validation_error_of_invalid_json():
+    err = validation_error([{"type": "json_invalid", "loc": ("body", 3), "msg": "JSON decode error",
+                             "ctx": {"error": "Expecting value"}}])
+    assert err.status == 400 and err.code == "invalid_json" and err.param is None
+
+
+def test_error_body_shape():
+    assert error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+    e = APIError(429, "busy", code="queue_full")
+    assert e.body()["error"]["type"] == "rate_limit_error" and e.response().status_code == 429
+
+
+# ------------------------------------------------------------------------------------- responses
+
+
+def result(text="ab", ids=(1, 2), reason="length", prompt=5, cached=0) -> GenerationResult:
+    return GenerationResult(text, list(ids), reason, prompt, cached, Timings(queued_s=0.01, ttft_s=0.02, decode_s=0.03))
+
+
+def test_usage_reports_cached_tokens():
+    assert usage(result(prompt=300, cached=256)) == {
+        "prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302,
+        "prompt_tokens_details": {"cached_tokens": 256}}
+
+
+def test_completion_stream_chunks():
+    b = ResponseBuilder("req_abc", "m", 123, chat=False, include_usage=True)
+    assert b.first_chunk() is None
+    c = b.text_chunk("x")
+    assert c["object"] == "text_completion" and c["id"] == "cmpl-abc" and c["choices"][0]["text"] == "x"
+    assert c["usage"] is None
+    final, usage_chunk = b.final_chunks(result(reason="stop"))
+    assert final["choices"][0]["finish_reason"] == "stop"
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 2
+
+
+def test_chat_stream_chunks_and_body():
+    b = ResponseBuilder("req_abc", "m", 123, chat=True)
+    assert b.first_chunk()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert b.text_chunk("hi")["choices"][0]["delta"] == {"content": "hi"}
+    (final,) = b.final_chunks(result())
+    assert final["object"] == "chat.completion.chunk" and final["choices"][0] == {
+        "index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+    assert "usage" not in final
+    body = b.body(result(text="hello"))
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
+                                                                                    "content": "hello"}
+
+
+def test_sse_framing():
+    assert sse_event({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert SSE_DONE == "data: [DONE]\n\n"
+    assert json.loads(sse_event({"x": [1]})[6:]) == {"x": [1]}
+
+
+# --------------------------------------------------------------------------------- queue and worker
+
+
+def job(name: str, **kw) -> Job:
+    return Job(name, "", EngineCall([1], None, CacheOptions()), **kw)
+
+
+def test_queue_limit_order_and_close():
+    q = RequestQueue(max_waiting=2)
+    a, b, c = job("a"), job("b"), job("c")
+    q.put(a)
+    q.put(b)
+    with pytest.raises(QueueFull):
+        q.put(c)
+    assert [j.request_id for j in q.waiting()] == ["a", "b"] and len(q) == 2
+    assert q.take() is a
+    q.put(c)  # a slot freed up
+    assert q.close() == [b, c]
+    with pytest.raises(QueueClosed):
+        q.put(job("d"))
+    assert q.take() is None
+
+
+def test_queue_skips_cancelled_jobs_and_reports_them():
+    outcomes = {}
+    q = RequestQueue(max_waiting=4)
+    a, b = job("a", on_done=lambda o: outcomes.setdefault("a", o)), job("b")
+    q.put(a)
+    q.put(b)
+    a.cancel.set()  # a's client left while it waited
+    assert q.take() is b
+    assert isinstance(outcomes["a"].error, JobCancelled) and q.skipped == 1
+    assert q.take(timeout=0.05) is None
+
+
+def test_queue_remove_frees_the_slot():
+    q = RequestQueue(max_waiting=1)
+    a = job("a")
+    q.put(a)
+    assert q.remove(a) and not q.remove(a)
+    q.put(job("b"))
+
+
+class FakeEngine:
+    """Records calls; each generation emits two pieces and honours cancel between them."""
+
+    def __init__(self, gate: threading.Event | None = None, fail_on: str | None = None):
+        self.calls, self.gate, self.fail_on = [], gate, fail_on
+        self.stats, self.store = EngineStats(), None
+
+    def generate(self, ids, params, *, cache, on_text=None, cancel=None):
+        self.calls.append(ids)
+        if ids == [13]:
+            raise RuntimeError("boom")
+        if on_text:
+            on_text("a")
+        if self.gate is not None:
+            self.gate.wait(5)
+        if cancel is not None and cancel.is_set():
+            return result(text="a", ids=(1,), reason="cancelled")
+        if on_text:
+            on_text("b")
+        return result()
+
+
+def run_job(scheduler, ids, stream=True):
+    async def go():
+        events = JobEvents()
+        j = Job("r", "", EngineCall(ids, None, CacheOptions()), on_text=events.on_text if stream else None,
+                on_done=events.on_done)
+        scheduler.submit(j)
+        items = []
+        while not isinstance(item := await events.next(), Outcome):
+            items.append(item)
+        return items, item
+
+    return asyncio.run(go())
+
+
+def test_scheduler_runs_jobs_and_delivers_text_and_outcome_to_the_loop():
+    s = Scheduler(FakeEngine(), max_waiting=4)
+    s.start()
+    try:
+        pieces, outcome = run_job(s, [1, 2])
+        assert pieces == ["a", "b"] and outcome.result.text == "ab"
+        assert outcome.result.timings.queued_s >= 0
+        pieces, outcome = run_job(s, [13])  # an engine failure is this job's outcome; the worker survives
+        assert isinstance(outcome.error, RuntimeError)
+        assert run_job(s, [3], stream=False)[1].result is not None
+    finally:
+        s.stop()
+
+
+def test_withdraw_stops_the_running_job_and_drops_the_waiting_one():
+    gate = threading.Event()
+    engine = FakeEngine(gate)
+    s = Scheduler(engine, max_waiting=4)
+    s.start()
+    done: dict[str, Outcome] = {}
+    running = job("run", on_done=lambda o: done.setdefault("run", o))
+    waiting = job("wait", on_done=lambda o: done.setdefault("wait", o))
+    try:
+        s.submit(running)
+        s.submit(waiting)
+        deadline = time.monotonic() + 5
+        while s.running is not running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.withdraw(waiting)
+        s.withdraw(running)
+        gate.set()
+        deadline = time.monotonic() + 5
+        while len(done) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(done["wait"].error, JobCancelled)
+        assert done["run"].result.finish_reason == "cancelled"
+        assert len(engine.calls) == 1  # the withdrawn job never reached the engine
+    finally:
+        gate.set()
+        s.stop()
+
+
+def test_stop_cancels_waiting_jobs():
+    gate = threading.Event()
+    s = Scheduler(FakeEngine(gate), max_waiting=4)
+    s.start()
+    done = {}
+    first, second = job("1", on_done=lambda o: done.setdefault("1", o)), job("2", on_done=lambda o: done.setdefault("2", o))
+    s.submit(first)
+    s.submit(second)
+    time.sleep(0.05)
+    gate.set()
+    s.stop()
+    assert "2" in done and "1" in done
+    with pytest.raises(QueueClosed):
+        s.submit(job("3"))
+
+
+# ------------------------------------------------------------------------------------------- metrics
+
+
+def test_metrics_render_and_count_outcomes():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine = SimpleNamespace(stats=EngineStats(requests=2, tokens_reused=256, tokens_prefilled=10,
+                                               hits_by_tier={"memory": 1}), store=None)
+    m = ServerMetrics(lambda: engine, waiting=lambda: 3, running=lambda: 1)
+    m.observe_outcome(Outcome(result=result(reason="cancelled")))
+    m.observe_outcome(Outcome(error=JobCancelled("left")))
+    m.observe_outcome(Outcome(result=result()))
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    assert samples[("kvfuse_requests_cancelled_total", (("stage", "running"),))] == 1
+    assert samples[("kvfuse_requests_cancelled_total", (("stage", "queued"),))] == 1
+    assert samples[("kvfuse_time_to_first_token_seconds_count", ())] == 2
+    assert samples[("kvfuse_prompt_tokens_total", (("source", "cached"),))] == 256
+    assert samples[("kvfuse_queue_depth", ())] == 3
+    # a registry per app: a second app's metrics start from zero
+    other = ServerMetrics(lambda: None, waiting=lambda: 0, running=lambda: 0)
+    assert b"kvfuse_requests_cancelled_total{" not in other.render()
