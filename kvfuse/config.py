@@ -143,6 +143,8 @@ def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
                 raise ConfigError(f"{key}: in {path} must be a mapping of {key} settings")
             for sub, v in value.items():
                 out[_known(f"{key}.{sub}", str(path))] = (v, str(path))
+        elif isinstance(value, dict):
+            raise ConfigError(f"unknown section {key!r} in {path}; sections: {', '.join(_SECTIONS)}")
         else:
             out[_known(str(key), str(path))] = (value, str(path))
     return out
@@ -171,7 +173,8 @@ def _known(name: str, source: str) -> str:
     else:
         valid, where, leaf = [f.name for f in dataclasses.fields(Config) if f.name not in _SECTIONS], "at top level", name
     if leaf not in valid:
-        raise ConfigError(f"unknown setting {name!r} (from {source}); valid settings {where}: {', '.join(valid)}")
+        sections = "" if dot else f"; sections: {', '.join(_SECTIONS)}"
+        raise ConfigError(f"unknown setting {name!r} (from {source}); valid settings {where}: {', '.join(valid)}{sections}")
     return name
 
 
@@ -184,7 +187,7 @@ def _build(values: dict[str, tuple[Any, str]]) -> Config:
     top = {f.name: _coerce(f.name, f.type, *values[f.name])
            for f in dataclasses.fields(Config) if f.name in values and f.name not in _SECTIONS}
     config = Config(**top, **sections)
-    _validate(config)
+    _validate(config, {name: source for name, (_, source) in values.items()})
     return config
 
 
@@ -249,10 +252,13 @@ def _size(name: str, value: Any, source: str) -> int:
     return n
 
 
-def _validate(c: Config) -> None:
+def _validate(c: Config, sources: Mapping[str, str]) -> None:
+    """Range and consistency checks; ``sources`` says where each non-default value came from."""
+
     def need(ok: bool, name: str, message: str):
         if not ok:
-            raise ConfigError(f"{name}: {message}")
+            where = f" (from {sources[name]})" if name in sources else " (the default)"
+            raise ConfigError(f"{name}: {message}{where}")
 
     need(c.device in ("auto", "cpu", "cuda") or c.device.startswith("cuda:"), "device", f"must be auto, cpu or cuda[:N], got {c.device!r}")
     need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"must be auto, float32, bfloat16 or float16, got {c.dtype!r}")

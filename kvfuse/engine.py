@@ -33,9 +33,11 @@ KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": to
 
 @dataclass(frozen=True)
 class CacheOptions:
-    """Per-request cache behaviour (the server maps tenants and ``cache_salt`` onto ``salt``)."""
+    """Per-request cache behaviour: the server maps an API key's tenant onto ``tenant`` and the
+    request's ``cache_salt`` onto ``salt``; tenants never share entries."""
 
     enabled: bool = True
+    tenant: str = ""
     salt: str = ""
     store_generated: bool | None = None  # None -> the engine's default
 
@@ -118,10 +120,11 @@ class Engine:
 
     # ------------------------------------------------------------------------------ namespaces
 
-    def namespace(self, salt: str = "") -> Namespace:
-        """The cache namespace of this model/KV format, inside tenant/request ``salt``."""
+    def namespace(self, tenant: str = "", salt: str = "") -> Namespace:
+        """The cache namespace of this model/KV format for ``tenant``, inside request ``salt``."""
         full_salt = self.base_salt + ("\x00" + salt if salt else "")
         return Namespace(
+            tenant=tenant,
             model_fingerprint=self.model.fingerprint,
             kv_dtype=self.kv_dtype_name,
             kv_layout=self._layout,
@@ -180,7 +183,7 @@ class Engine:
         runner = self.model.runner
         kv = runner.new_cache(len(ids) + params.max_tokens, dtype=self.kv_dtype)
         use_store = self.store is not None and opts.enabled
-        ns = self.namespace(opts.salt) if use_store else None
+        ns = self.namespace(opts.tenant, opts.salt) if use_store else None
         keys = [str(k) for k in prefix_keys(ids, self.chunk_size, ns)] if use_store else []
 
         hit_tiers: tuple[str, ...] = ()
@@ -191,12 +194,13 @@ class Engine:
             found = self.store.lookup(keys[:usable])
             timings.lookup_s = time.perf_counter() - t
             t = time.perf_counter()
-            hit_tiers = self._load_prefix(kv, keys[: found.hits], found.tiers)
+            hit_tiers = self._load_prefix(kv, keys[: found.hits])
             timings.load_s = time.perf_counter() - t
         reused = kv.length
 
         if cancel is not None and cancel.is_set():  # e.g. the client left while the request was queued
             timings.total_s = time.perf_counter() - t0
+            self._count(len(ids), reused, 0, 0, hit_tiers)
             return GenerationResult("", [], "cancelled", len(ids), reused, timings, hit_tiers)
         t = time.perf_counter()
         logits = runner.forward(ids[reused:], kv)
@@ -222,14 +226,13 @@ class Engine:
         self._count(len(ids), reused, len(out_ids), stored, hit_tiers)
         return GenerationResult(text, out_ids, reason, len(ids), reused, timings, hit_tiers, stored)
 
-    def _load_prefix(self, kv: KVCache, keys: list[str], tiers: tuple[str, ...]) -> tuple[str, ...]:
+    def _load_prefix(self, kv: KVCache, keys: list[str]) -> tuple[str, ...]:
         """Append the stored chunks for ``keys`` to ``kv``; stops at the first one that is missing,
         unreadable, or not what a prefix chunk at that place must be. Returns the tiers used."""
         if not keys:
             return ()
-        blobs = self.store.get(keys)
         used = []
-        for i, (key, blob) in enumerate(zip(keys, blobs)):
+        for i, (key, (blob, tier)) in enumerate(zip(keys, self.store.get_with_tiers(keys))):
             if blob is None:
                 break
             try:
@@ -243,7 +246,7 @@ class Engine:
                 log.warning("cached chunk %s is unusable (%s); treating it as a miss", key, e)
                 self.stats.chunk_load_failures += 1
                 break
-            used.append(tiers[i] if i < len(tiers) else "unknown")
+            used.append(tier)
         return tuple(used)
 
     def _store_chunks(self, kv: KVCache, ids: list[int], keys: list[str], first: int) -> int:

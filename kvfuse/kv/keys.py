@@ -7,13 +7,16 @@ and Python versions. Builtin ``hash()`` is never used: it is salted per process.
 Encoding (``u32``/``u64`` little-endian, ``str`` = ``u32 byte length + UTF-8``)::
 
     namespace  = SHA256(b"kvfuse.ns\\0" str(model_fingerprint) str(kv_dtype) str(kv_layout)
-                        str(codec) u32(codec_level) u32(format_version) str(salt))
+                        str(codec) u32(codec_level) u32(format_version) str(tenant) str(salt))
+    tenant_tag = SHA256(b"kvfuse.tenant\\0" str(tenant)), first 8 hex chars
     h_root     = SHA256(b"kvfuse.root.v1\\0" namespace)
     h_i        = SHA256(b"kvfuse.prefix\\0" h_{i-1} u32(len_i) tokens_i as u32...)
     document   = SHA256(b"kvfuse.doc\\0" namespace u64(len) tokens as u32...)
 
-Prefix and document keys use distinct domain tags (and print as ``:p:`` / ``:d:``), so a document key
-can never equal a prefix key.
+Storage keys print as ``<tenant_tag 8 hex><namespace 16 hex>:<p|d>:<digest 64 hex>``: prefix and
+document keys use distinct domain tags (``:p:`` / ``:d:``), so a document key can never equal a
+prefix key, and every entry of one tenant (whatever its model, codec or salt) shares the readable
+prefix ``tenant_tag``, so a tenant's entries can be deleted by prefix.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ import torch
 from kvfuse.kv.format import FORMAT_VERSION
 
 _NS_TAG = b"kvfuse.ns\x00"
+_TENANT_TAG = b"kvfuse.tenant\x00"
 _ROOT_TAG = b"kvfuse.root.v1\x00"
 _PREFIX_TAG = b"kvfuse.prefix\x00"
 _DOC_TAG = b"kvfuse.doc\x00"
 
 _U32_MAX = 2**32 - 1
-_KEY_RE = re.compile(r"^([0-9a-f]{16}):([dp]):([0-9a-f]{64})$")
+_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dp]):([0-9a-f]{64})$")
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -56,7 +60,8 @@ def _str_field(value: str) -> bytes:
 @dataclass(frozen=True)
 class Namespace:
     """Everything that must match for a cached chunk to be valid: model, KV shape/dtype, codec,
-    format version, and the tenant salt (the server composes tenant + per-request cache_salt)."""
+    format version, the tenant (an API key's owner; "" = anonymous) and a salt (a namespace inside
+    the tenant: the deployment's salt and a request's ``cache_salt``)."""
 
     model_fingerprint: str
     kv_dtype: str
@@ -65,14 +70,16 @@ class Namespace:
     codec_level: int = 0
     format_version: int = FORMAT_VERSION
     salt: str = ""
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         for name in ("model_fingerprint", "kv_dtype", "kv_layout", "codec"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"Namespace.{name} must be a non-empty string, got {value!r}")
-        if not isinstance(self.salt, str):
-            raise ValueError(f"Namespace.salt must be a string (use '' for no salt), got {self.salt!r}")
+        for name in ("salt", "tenant"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"Namespace.{name} must be a string (use '' for none), got {getattr(self, name)!r}")
         for name in ("codec_level", "format_version"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _U32_MAX:
@@ -88,6 +95,7 @@ class Namespace:
                 _str_field(self.kv_layout),
                 _str_field(self.codec),
                 struct.pack("<II", self.codec_level, self.format_version),
+                _str_field(self.tenant),
                 _str_field(self.salt),
             )
         )
@@ -97,12 +105,18 @@ class Namespace:
         return hashlib.sha256(self.encode()).digest()
 
     def short_id(self) -> str:
-        """First 16 hex chars of the digest: the readable prefix of every storage key of this namespace."""
-        return self.digest().hex()[:16]
+        """The tenant tag + the first 16 hex chars of the digest: the prefix of every storage key
+        of this namespace."""
+        return tenant_tag(self.tenant) + self.digest().hex()[:16]  # digest() is cheap: a few dozen bytes
 
     def key_prefix(self) -> str:
         """The storage-key prefix shared by all keys of this namespace (for ``delete_prefix``)."""
         return self.short_id() + ":"
+
+
+def tenant_tag(tenant: str) -> str:
+    """8 hex chars shared by the storage keys of every namespace of ``tenant`` (``delete_prefix``)."""
+    return hashlib.sha256(_TENANT_TAG + _str_field(tenant)).hexdigest()[:8]
 
 
 @dataclass(frozen=True)
@@ -114,8 +128,8 @@ class ChunkKey:
     position_independent: bool
 
     def __post_init__(self) -> None:
-        if not isinstance(self.namespace_id, str) or not re.fullmatch(r"[0-9a-f]{16}", self.namespace_id):
-            raise ValueError(f"ChunkKey.namespace_id must be 16 lowercase hex chars, got {self.namespace_id!r}")
+        if not isinstance(self.namespace_id, str) or not re.fullmatch(r"[0-9a-f]{24}", self.namespace_id):
+            raise ValueError(f"ChunkKey.namespace_id must be 24 lowercase hex chars, got {self.namespace_id!r}")
         if not isinstance(self.digest, bytes) or len(self.digest) != 32:
             raise ValueError(f"ChunkKey.digest must be 32 bytes, got {self.digest!r}")
 
@@ -127,7 +141,7 @@ class ChunkKey:
         """Inverse of ``str(key)``; raises ValueError on anything not in exactly that form."""
         m = _KEY_RE.match(s) if isinstance(s, str) else None
         if m is None:
-            raise ValueError(f"not a chunk key (expected '<16 hex>:<d|p>:<64 hex>'): {s!r}")
+            raise ValueError(f"not a chunk key (expected '<24 hex>:<d|p>:<64 hex>'): {s!r}")
         return cls(m.group(1), bytes.fromhex(m.group(3)), m.group(2) == "d")
 
 
@@ -167,7 +181,7 @@ def prefix_keys(tokens: Tokens, chunk_size: int, namespace: Namespace) -> list[C
     arr = _token_bytes(tokens)
     spans = chunk_spans(len(arr), chunk_size)
     ns_digest = namespace.digest()
-    ns_id = ns_digest.hex()[:16]
+    ns_id = namespace.short_id()
     h = hashlib.sha256(_ROOT_TAG + ns_digest).digest()
     length = struct.pack("<I", chunk_size)
     keys = []
@@ -184,4 +198,4 @@ def document_key(tokens: Tokens, namespace: Namespace) -> ChunkKey:
         raise ValueError("document_key: the document has no tokens")
     ns_digest = namespace.digest()
     h = hashlib.sha256(b"".join((_DOC_TAG, ns_digest, struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
-    return ChunkKey(ns_digest.hex()[:16], h, position_independent=True)
+    return ChunkKey(namespace.short_id(), h, position_independent=True)

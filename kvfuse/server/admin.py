@@ -8,12 +8,13 @@ import dataclasses
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
+from kvfuse.kv.keys import tenant_tag
+
 from .auth import current_tenant
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
 from .state import get_state
-from .tenants import namespace_salt
 
 router = APIRouter()
 
@@ -76,9 +77,11 @@ async def kv_stats(request: Request, tenant: str = Depends(current_tenant)) -> K
 @router.delete(
     "/v1/kv", response_model=KVDeleted, tags=["kv cache"], summary="Clear the caller's cached KV",
     responses=_AUTH_ERRORS,
-    description="Deletes the cache entries of the caller's tenant from every tier: its default namespace and every "
-                "cache_salt it has used since the server started; with `cache_salt`, only that namespace. Other "
-                "tenants' entries are never touched. Without API keys there is one anonymous tenant.",
+    description="Deletes the cache entries of the caller's tenant from every tier (memory, disk, Redis): all of "
+                "them, whatever model or cache_salt they were stored under, including entries written before "
+                "the server restarted; with `cache_salt`, only that namespace. Other tenants' entries are never "
+                "touched (every storage key starts with its tenant's tag). Without API keys there is one "
+                "anonymous tenant.",
 )
 async def clear_kv(
     request: Request,
@@ -87,17 +90,8 @@ async def clear_kv(
 ) -> KVDeleted:
     state = get_state(request)
     engine = state.engine
-    salts = [cache_salt or ""] if cache_salt is not None else state.salts.salts(tenant)
     deleted: dict[str, int] = {}
     if engine.store is not None:
-        prefixes = [engine.namespace(namespace_salt(tenant, s)).key_prefix() for s in salts]
-
-        def delete_all() -> None:
-            for prefix in prefixes:
-                for tier, n in engine.store.delete_prefix(prefix).items():
-                    deleted[tier] = deleted.get(tier, 0) + n
-
-        await asyncio.to_thread(delete_all)
-    if cache_salt is None:
-        state.salts.forget(tenant)
-    return KVDeleted(tenant=tenant, namespaces=len(salts), deleted=deleted)
+        prefix = tenant_tag(tenant) if cache_salt is None else engine.namespace(tenant, cache_salt).key_prefix()
+        deleted = await asyncio.to_thread(engine.store.delete_prefix, prefix)
+    return KVDeleted(tenant=tenant, cache_salt=cache_salt, deleted=deleted)

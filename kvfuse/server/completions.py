@@ -86,8 +86,6 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
                        headers={"retry-after": "1"}) from None
     except QueueClosed:
         raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
-    if call.cache.enabled:
-        state.salts.record(tenant, body.cache_salt)
     watcher = asyncio.create_task(_watch_disconnect(request, lambda: state.scheduler.withdraw(job)))
 
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)

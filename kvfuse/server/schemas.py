@@ -204,5 +204,5 @@ class KVStats(BaseModel):
 
 class KVDeleted(BaseModel):
     tenant: str = Field(..., description="The caller's tenant ('' when the server has no API keys).")
-    namespaces: int = Field(..., description="How many cache namespaces (tenant x cache_salt) were cleared.")
+    cache_salt: str | None = Field(None, description="The one namespace cleared, or null: all of the tenant's.")
     deleted: dict[str, int] = Field(..., description="Entries removed per tier.")

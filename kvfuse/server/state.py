@@ -11,7 +11,6 @@ from kvfuse.config import Config
 from .auth import Authenticator
 from .metrics import ServerMetrics
 from .scheduler import Scheduler
-from .tenants import SaltRegistry
 from .translate import Limits
 
 log = logging.getLogger(__name__)
@@ -26,7 +25,6 @@ class ServerState:
         self.engine = engine
         self.owns_engine = engine is None
         self.auth = Authenticator(config.api_key_map())
-        self.salts = SaltRegistry()
         self.scheduler: Scheduler | None = None
         self.metrics = ServerMetrics(
             lambda: self.engine,

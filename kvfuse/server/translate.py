@@ -15,7 +15,6 @@ from kvfuse.models.tokenizer import ChatTemplateError
 
 from .errors import APIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest, KVFuseOptions, SamplingRequest
-from .tenants import namespace_salt
 
 
 
@@ -40,7 +39,7 @@ class Limits:
 
 def cache_options(opts: KVFuseOptions, tenant: str) -> CacheOptions:
     """The engine's cache behaviour for a request of ``tenant`` with extension fields ``opts``."""
-    return CacheOptions(enabled=opts.cache, salt=namespace_salt(tenant, opts.cache_salt))
+    return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "")
 
 
 def check_model(requested: str, served: str) -> None:

@@ -121,7 +121,14 @@ class TieredStore:
 
     def get(self, keys: Sequence[str]) -> list[Blob | None]:
         """One validated entry or None per key (see the module docstring); promotes lower-tier hits."""
-        out: list[Blob | None] = [None] * len(keys)
+        return [blob for blob, _ in self.get_with_tiers(keys)]
+
+    def get_with_tiers(self, keys: Sequence[str]) -> list[tuple[Blob | None, str | None]]:
+        """Like ``get``, with the name of the tier each entry was actually served from.
+
+        That can differ from ``lookup``'s answer: a corrupt copy in a faster tier is skipped and the
+        entry is served from a slower one."""
+        out: list[tuple[Blob | None, str | None]] = [(None, None)] * len(keys)
         pending = list(range(len(keys)))
         promote: list[tuple[str, Blob]] = []
         for level, tier in enumerate(self.tiers):
@@ -135,7 +142,7 @@ class TieredStore:
                 if value is None:
                     still.append(i)
                     continue
-                out[i] = value
+                out[i] = (value, tier.name)
                 if level > 0:
                     promote.append((keys[i], value))
             pending = still

@@ -18,21 +18,21 @@ from kvfuse.kv.format import FORMAT_VERSION
 from kvfuse.kv.keys import ChunkKey, Namespace, chunk_spans, document_key, layout_of, prefix_keys
 
 NS = Namespace("sha256:abc", "float16", layout_of(30, 3, 64), "raw")
-NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", "int8", 0, 1, "tenant-a")
+NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", "int8", 0, 1, "salt-a", tenant="tenant-a")
 
 # Computed once from the documented encoding; any change of the encoding must fail here.
 GOLDEN = [
     (NS, list(range(8)), 4, [
-        "7b6ba450ab00ac05:p:2108a4ca92ef44ff277a416530a031158456d9096be6fa76b1c12214c84c0143",
-        "7b6ba450ab00ac05:p:32ae56772c972a98bfd61c1ef95f0a899f65106201af2cff7915716841140edc",
+        "00f27a8aeed7ac8f5136a1ec:p:d2363091ea45c0901bce49a567b30ff13773f92c4b5c60969e65272aedd19147",
+        "00f27a8aeed7ac8f5136a1ec:p:4316cbfaea67605324bcdff92c431b722c2b9c7c2d0c8d3c09c5d92242067771",
     ]),
     (NS2, [1, 2, 3, 2**32 - 1, 0, 5, 6, 7, 9], 3, [
-        "b5145a7abf92967c:p:ed63089ef1877169c96f46bf56c11158f4893d9bddf1aecb9b01940463f2de2f",
-        "b5145a7abf92967c:p:08965b05445dcc0788bf35900f0d5dbb629812c8307770eb7fbf6200c349b458",
-        "b5145a7abf92967c:p:f922e16ceb0e58af838a4abd273aef32cac37fbc13b31daed4bf3cc072a324ab",
+        "91fe914af7e22a5b874eb00b:p:2585d4b7252bb49e09e7659eec4c3edd1aa54c34e13095361fd08f0e62b6f9c2",
+        "91fe914af7e22a5b874eb00b:p:a94eb3e82a8d5298c00339f7d0ceb54a3ae945118d08816db928e799bcfbaacd",
+        "91fe914af7e22a5b874eb00b:p:c26f4ac4edec90d2aa52c4169be754e18099fd19f30ee4ec2cf6e11ec0afb2b6",
     ]),
 ]
-GOLDEN_DOC = "7b6ba450ab00ac05:d:adac652424119e77668a0ee3ce906fa6b9a1e69a8e17601fccfd1910dbfcd373"
+GOLDEN_DOC = "00f27a8aeed7ac8f5136a1ec:d:5242c611e54b9edb95ff8956273d283648177e515931277775febb5ff8107f23"
 
 
 @pytest.mark.parametrize("ns,tokens,chunk,expected", GOLDEN)
@@ -50,12 +50,14 @@ def test_golden_matches_the_documented_encoding():
     def s(x: str) -> bytes:
         return struct.pack("<I", len(x.encode())) + x.encode()
 
-    enc = b"kvfuse.ns\0" + s("sha256:abc") + s("float16") + s("L30xH3xD64") + s("raw") + struct.pack("<II", 0, 1) + s("")
+    enc = (b"kvfuse.ns\0" + s("sha256:abc") + s("float16") + s("L30xH3xD64") + s("raw") + struct.pack("<II", 0, 1)
+           + s("") + s(""))  # tenant, salt
     ns_digest = hashlib.sha256(enc).digest()
+    tag = hashlib.sha256(b"kvfuse.tenant\0" + s("")).hexdigest()[:8]
     root = hashlib.sha256(b"kvfuse.root.v1\0" + ns_digest).digest()
     h0 = hashlib.sha256(b"kvfuse.prefix\0" + root + struct.pack("<I", 4) + struct.pack("<4I", 0, 1, 2, 3)).digest()
     assert NS.digest() == ns_digest
-    assert str(prefix_keys(range(8), 4, NS)[0]) == f"{ns_digest.hex()[:16]}:p:{h0.hex()}"
+    assert str(prefix_keys(range(8), 4, NS)[0]) == f"{tag}{ns_digest.hex()[:16]}:p:{h0.hex()}"
 
 
 def test_keys_identical_in_another_process_with_another_hash_seed():
@@ -91,7 +93,8 @@ def test_keys_identical_in_another_process_with_another_hash_seed():
         ("codec", "int8"),
         ("codec_level", 1),
         ("format_version", FORMAT_VERSION + 1),
-        ("salt", "tenant-b"),
+        ("salt", "salt-b"),
+        ("tenant", "tenant-b"),
     ],
 )
 def test_every_namespace_field_changes_every_key(field, value):
@@ -194,11 +197,24 @@ def test_chunk_key_string_round_trip_and_parse_errors():
     with pytest.raises(ValueError):
         ChunkKey("short", b"\0" * 32, False)
     with pytest.raises(ValueError):
-        ChunkKey("0" * 16, b"\0" * 31, False)
+        ChunkKey("0" * 24, b"\0" * 31, False)
+
+
+def test_tenant_tag_prefixes_every_namespace_of_a_tenant():
+    from kvfuse.kv.keys import tenant_tag
+
+    a1 = dataclasses.replace(NS, tenant="alice", salt="s1")
+    a2 = dataclasses.replace(NS, tenant="alice", codec="int8")
+    b = dataclasses.replace(NS, tenant="bob", salt="s1")
+    tag = tenant_tag("alice")
+    assert len(tag) == 8 and tag != tenant_tag("bob") and tag != tenant_tag("")
+    assert all(str(k).startswith(tag) for ns in (a1, a2) for k in prefix_keys(range(8), 4, ns))
+    assert not any(str(k).startswith(tag) for k in prefix_keys(range(8), 4, b))
+    assert a1.short_id() != a2.short_id()  # one tenant, several namespaces
 
 
 def test_key_prefix_and_layout():
-    assert NS.key_prefix() == NS.short_id() + ":" and len(NS.short_id()) == 16
+    assert NS.key_prefix() == NS.short_id() + ":" and len(NS.short_id()) == 24
     assert all(str(k).startswith(NS.key_prefix()) for k in prefix_keys(range(8), 4, NS))
     assert layout_of(30, 3, 64) == "L30xH3xD64"
     with pytest.raises(ValueError):

@@ -20,7 +20,6 @@ from kvfuse.server.metrics import ServerMetrics
 from kvfuse.server.responses import SSE_DONE, ResponseBuilder, sse_event, usage
 from kvfuse.server.scheduler import Job, JobCancelled, JobEvents, Outcome, QueueClosed, QueueFull, RequestQueue, Scheduler
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
-from kvfuse.server.tenants import SaltRegistry, namespace_salt
 from kvfuse.server.translate import (EngineCall, Limits, cache_options, chat_messages, completion_prompt, plan_chat,
                                      sampling_params)
 
@@ -38,37 +37,10 @@ def chat(**fields) -> ChatCompletionRequest:
 # ------------------------------------------------------------------------------------ tenants
 
 
-@pytest.mark.parametrize("a,b", [
-    (("alice", None), ("bob", None)),
-    (("alice", "x"), ("alice", "y")),
-    (("alice", "x"), ("alicex", "")),
-    (("a\x00b", ""), ("a", "b")),  # no separator character can be forged
-    (("", "alice"), ("alice", "")),
-    (("", "x"), ("", None)),
-])
-def test_namespace_salts_are_distinct(a, b):
-    assert namespace_salt(*a) != namespace_salt(*b)
-
-
-def test_anonymous_default_namespace_is_the_engines_plain_one():
-    assert namespace_salt("", None) == namespace_salt("", "") == ""
-    assert namespace_salt("alice", None) == namespace_salt("alice", "")
-
-
 def test_cache_options_map_tenant_salt_and_bypass():
-    assert cache_options(completion(), "alice") == CacheOptions(enabled=True, salt=namespace_salt("alice", None))
+    assert cache_options(completion(), "alice") == CacheOptions(enabled=True, tenant="alice", salt="")
     opts = cache_options(completion(cache=False, cache_salt="p1"), "bob")
-    assert opts == CacheOptions(enabled=False, salt=namespace_salt("bob", "p1"))
-
-
-def test_salt_registry_remembers_recent_salts_per_tenant():
-    reg = SaltRegistry(per_tenant=2)
-    for s in ("a", "b", "c", None, ""):
-        reg.record("t", s)
-    reg.record("u", "z")
-    assert reg.salts("t") == ["", "b", "c"]
-    reg.forget("t")
-    assert reg.salts("t") == [""] and reg.salts("u") == ["", "z"]
+    assert opts == CacheOptions(enabled=False, tenant="bob", salt="p1")
 
 
 def test_authenticator():

@@ -1,0 +1,269 @@
+"""load_config: precedence (defaults < file < KVFUSE_* env < overrides), coercion, and error messages."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kvfuse.config import CacheConfig, Config, ConfigError, ServerConfig, load_config
+
+# ------------------------------------------------------------------------------ precedence
+
+# dotted field, env var, file value, env value, override value, and what each layer yields
+LAYERS = [
+    ("model", "KVFUSE_MODEL", "gemma3-270m", "/models/x", "smollm2", ("gemma3-270m", "/models/x", "smollm2")),
+    ("home", "KVFUSE_HOME", "/h/file", "/h/env", "/h/flag", ("/h/file", "/h/env", "/h/flag")),
+    ("threads", "KVFUSE_THREADS", 2, "3", 4, (2, 3, 4)),
+    ("device", "KVFUSE_DEVICE", "cpu", "cuda", "cuda:1", ("cpu", "cuda", "cuda:1")),
+    ("cache.chunk_size", "KVFUSE_CACHE_CHUNK_SIZE", 128, "64", 512, (128, 64, 512)),
+    ("cache.memory_bytes", "KVFUSE_CACHE_MEMORY_BYTES", "1GiB", "512MiB", 1000, (2**30, 512 * 2**20, 1000)),
+    ("cache.redis_url", "KVFUSE_CACHE_REDIS_URL", "redis://a:1/0", "redis://b:2/0", "redis://c:3/0",
+     ("redis://a:1/0", "redis://b:2/0", "redis://c:3/0")),
+    ("cache.store_generated", "KVFUSE_CACHE_STORE_GENERATED", True, "0", True, (True, False, True)),
+    ("cache.redis_timeout_s", "KVFUSE_CACHE_REDIS_TIMEOUT_S", 1.5, "0.25", 2, (1.5, 0.25, 2.0)),
+    ("server.port", "KVFUSE_SERVER_PORT", 9000, "9001", 9002, (9000, 9001, 9002)),
+    ("server.api_keys", "KVFUSE_SERVER_API_KEYS", ["a:x"], "b:y, c:z", ("d:w",), (("a:x",), ("b:y", "c:z"), ("d:w",))),
+]
+
+
+def _get(config: Config, dotted: str):
+    obj = config
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _write(tmp_path: Path, data, name: str = "kvfuse.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+def _file_data(dotted: str, value) -> dict:
+    section, _, leaf = dotted.rpartition(".")
+    return {section: {leaf: value}} if section else {leaf: value}
+
+
+@pytest.mark.parametrize("dotted,var,in_file,in_env,in_flag,expected", LAYERS, ids=[row[0] for row in LAYERS])
+def test_each_layer_overrides_the_one_below(tmp_path, dotted, var, in_file, in_env, in_flag, expected):
+    default = _get(Config(), dotted)
+    path = _write(tmp_path, _file_data(dotted, in_file))
+    assert _get(load_config(), dotted) == default
+    assert _get(load_config(path), dotted) == expected[0]
+    assert _get(load_config(path, {var: in_env}), dotted) == expected[1]
+    assert _get(load_config(path, {var: in_env}, {dotted: in_flag}), dotted) == expected[2]
+    # an unset flag (None) leaves the env value; the env alone works without a file
+    assert _get(load_config(path, {var: in_env}, {dotted: None}), dotted) == expected[1]
+    assert _get(load_config(None, {var: in_env}), dotted) == expected[1]
+    assert _get(load_config(None, {}, {dotted: in_flag}), dotted) == expected[2]
+
+
+def test_layers_merge_field_by_field(tmp_path):
+    path = _write(tmp_path, {"model": "gemma3-270m", "cache": {"chunk_size": 128, "codec": "int8"}})
+    c = load_config(path, {"KVFUSE_CACHE_CODEC": "raw"}, {"server.port": 1234})
+    assert (c.model, c.cache.chunk_size, c.cache.codec, c.server.port) == ("gemma3-270m", 128, "raw", 1234)
+    # everything not mentioned keeps its default
+    assert c.cache.memory_bytes == CacheConfig().memory_bytes and c.server.host == ServerConfig().host
+    assert c.threads == 0 and c.cache.disk is True
+
+
+def test_load_config_reads_only_the_env_it_is_given(monkeypatch):
+    monkeypatch.setenv("KVFUSE_MODEL", "gemma3-270m")
+    assert load_config().model == "smollm2"
+    assert load_config(env={"KVFUSE_MODEL": "gemma3-270m"}).model == "gemma3-270m"
+
+
+def test_kvfuse_config_picks_the_file_and_an_explicit_path_wins(tmp_path):
+    a = _write(tmp_path, {"model": "from-env-file"}, "a.yaml")
+    b = _write(tmp_path, {"model": "from-explicit"}, "b.yaml")
+    assert load_config(env={"KVFUSE_CONFIG": str(a)}).model == "from-env-file"
+    assert load_config(b, env={"KVFUSE_CONFIG": str(a)}).model == "from-explicit"
+
+
+def test_env_can_unset_an_optional_value_from_the_file(tmp_path):
+    path = _write(tmp_path, {"cache": {"redis_url": "redis://h:1/0", "disk_path": "/d"}})
+    for empty in ("", "none", "null"):
+        c = load_config(path, {"KVFUSE_CACHE_REDIS_URL": empty})
+        assert c.cache.redis_url is None and c.cache.disk_path == "/d"
+
+
+def test_config_is_frozen_and_paths_derive_from_home():
+    c = load_config(overrides={"home": "/srv/kv"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.model = "x"  # type: ignore[misc]
+    assert c.home_path == Path("/srv/kv") and c.disk_path == Path("/srv/kv/kv")
+    assert load_config(overrides={"cache.disk_path": "/fast/kv"}).disk_path == Path("/fast/kv")
+    assert Config().home_path == Path.home() / ".cache" / "kvfuse"
+
+
+# ------------------------------------------------------------------------------ coercion
+
+SIZES = [
+    ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("2GiB", 2 * 2**30), ("1.5KiB", 1536), ("10 kb", 10_000),
+    ("2g", 2 * 10**9), ("123", 123), ("7b", 7), ("1TiB", 2**40), (0, 0), (1024, 1024), ("  64 MB ", 64 * 10**6),
+]
+
+
+@pytest.mark.parametrize("text,expected", SIZES, ids=[str(s) for s, _ in SIZES])
+def test_sizes(tmp_path, text, expected):
+    assert load_config(env={"KVFUSE_CACHE_DISK_BYTES": str(text)}).cache.disk_bytes == expected
+    path = _write(tmp_path, {"cache": {"memory_bytes": text}})
+    assert load_config(path).cache.memory_bytes == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "12 XB", "-5MiB", "MiB", "1e3", "", "5 MiB MiB"])
+def test_bad_sizes_name_the_field_and_the_source(text):
+    with pytest.raises(ConfigError) as e:
+        load_config(env={"KVFUSE_CACHE_DISK_BYTES": text})
+    assert "cache.disk_bytes" in str(e.value) and "KVFUSE_CACHE_DISK_BYTES" in str(e.value)
+
+
+def test_negative_and_boolean_sizes_are_rejected(tmp_path):
+    for value in (-1, True):
+        path = _write(tmp_path, {"cache": {"memory_bytes": value}})
+        with pytest.raises(ConfigError, match="cache.memory_bytes") as e:
+            load_config(path)
+        assert str(path) in str(e.value)
+
+
+BOOLS = [("true", True), ("True", True), ("1", True), ("yes", True), ("on", True),
+         ("false", False), ("0", False), ("NO", False), ("off", False), (" true ", True)]
+
+
+@pytest.mark.parametrize("text,expected", BOOLS)
+def test_bools_from_env(text, expected):
+    c = load_config(env={"KVFUSE_CACHE_DISK": text, "KVFUSE_CACHE_ENABLED": text})
+    assert c.cache.disk is expected and c.cache.enabled is expected
+
+
+def test_api_keys_parsing(tmp_path):
+    path = _write(tmp_path, {"server": {"api_keys": ["sk-alice:alice", "sk-bob:bob"]}})
+    c = load_config(path)
+    assert c.server.api_keys == ("sk-alice:alice", "sk-bob:bob")
+    assert c.api_key_map() == {"sk-alice": "alice", "sk-bob": "bob"}
+    c = load_config(env={"KVFUSE_SERVER_API_KEYS": " sk-1:t1 ,sk-2:t2,, "})
+    assert c.api_key_map() == {"sk-1": "t1", "sk-2": "t2"}
+    # only the first colon separates the key from the tenant
+    assert load_config(env={"KVFUSE_SERVER_API_KEYS": "k:team:a"}).api_key_map() == {"k": "team:a"}
+    assert load_config(env={"KVFUSE_SERVER_API_KEYS": ""}).server.api_keys == ()
+    assert load_config(_write(tmp_path, {"server": {"api_keys": "one:x"}}, "s.yaml")).server.api_keys == ("one:x",)
+
+
+# ------------------------------------------------------------------------------ errors
+
+# field, env var, a value that fails coercion, a value of the right type that fails validation
+BAD_VALUES = [
+    ("threads", "KVFUSE_THREADS", "many", "-1"),
+    ("device", "KVFUSE_DEVICE", None, "tpu"),
+    ("dtype", "KVFUSE_DTYPE", None, "int4"),
+    ("log_level", "KVFUSE_LOG_LEVEL", None, "loud"),
+    ("model", "KVFUSE_MODEL", None, ""),
+    ("cache.enabled", "KVFUSE_CACHE_ENABLED", "maybe", None),
+    ("cache.chunk_size", "KVFUSE_CACHE_CHUNK_SIZE", "big", "8"),
+    ("cache.kv_dtype", "KVFUSE_CACHE_KV_DTYPE", None, "int8"),
+    ("cache.codec", "KVFUSE_CACHE_CODEC", None, "zip"),
+    ("cache.codec_level", "KVFUSE_CACHE_CODEC_LEVEL", "high", "-1"),
+    ("cache.write_queue", "KVFUSE_CACHE_WRITE_QUEUE", "1.5", "0"),
+    ("cache.redis_timeout_s", "KVFUSE_CACHE_REDIS_TIMEOUT_S", "fast", "0"),
+    ("cache.redis_url", "KVFUSE_CACHE_REDIS_URL", None, "http://localhost:6379"),
+    ("server.port", "KVFUSE_SERVER_PORT", "80x", "70000"),
+    ("server.max_queue", "KVFUSE_SERVER_MAX_QUEUE", "lots", "0"),
+    ("server.max_body_bytes", "KVFUSE_SERVER_MAX_BODY_BYTES", "huge", "100"),
+    ("server.default_max_tokens", "KVFUSE_SERVER_DEFAULT_MAX_TOKENS", "x", "0"),
+    ("server.api_keys", "KVFUSE_SERVER_API_KEYS", None, "just-a-key"),
+]
+
+
+def _error(path=None, env=None, overrides=None) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(path, env, overrides)
+    return str(e.value)
+
+
+def _cases(kind: int):
+    return [pytest.param(row[0], row[1], row[kind], id=row[0]) for row in BAD_VALUES if row[kind] is not None]
+
+
+@pytest.mark.parametrize("dotted,var,value", _cases(3))
+def test_an_out_of_range_value_names_the_field(tmp_path, dotted, var, value):
+    path = _write(tmp_path, _file_data(dotted, value))
+    for message in (_error(path), _error(env={var: value}), _error(overrides={dotted: value})):
+        assert message.startswith(f"{dotted}:"), message
+
+
+@pytest.mark.parametrize("dotted,var,value", _cases(2))
+def test_a_value_of_the_wrong_type_names_the_field_and_its_source(tmp_path, dotted, var, value):
+    path = _write(tmp_path, _file_data(dotted, value))
+    for message, source in ((_error(path), str(path)), (_error(env={var: value}), var),
+                            (_error(overrides={dotted: value}), "command line")):
+        assert dotted in message and source in message, message
+
+
+@pytest.mark.parametrize("dotted,var,value", _cases(3))
+def test_an_out_of_range_value_names_the_field_and_its_source(tmp_path, dotted, var, value):
+    """The module promises: every error names the field, where the bad value came from, and the fix."""
+    path = _write(tmp_path, _file_data(dotted, value))
+    for message, source in ((_error(path), str(path)), (_error(env={var: value}), var),
+                            (_error(overrides={dotted: value}), "command line")):
+        assert message.startswith(dotted) or f"{dotted}:" in message, message
+        assert source in message, f"the error does not say where {dotted} came from: {message}"
+
+
+def test_unknown_setting_in_the_file_names_it_the_file_and_the_valid_ones(tmp_path):
+    path = _write(tmp_path, {"modle": "smollm2"})
+    message = _error(path)
+    assert "'modle'" in message and str(path) in message and "model" in message
+    path = _write(tmp_path, {"cache": {"chunksize": 128}}, "c.yaml")
+    message = _error(path)
+    assert "'cache.chunksize'" in message and str(path) in message and "chunk_size" in message
+
+
+def test_unknown_setting_from_overrides_names_the_command_line():
+    message = _error(overrides={"cache.chunksize": 1})
+    assert "'cache.chunksize'" in message and "command line" in message
+    message = _error(overrides={"caches.chunk_size": 1})
+    assert "unknown section 'caches'" in message and "cache" in message and "server" in message
+
+
+def test_unknown_section_in_the_file_names_it_and_the_valid_sections(tmp_path):
+    path = _write(tmp_path, {"caches": {"chunk_size": 128}})
+    message = _error(path)
+    assert "'caches'" in message and str(path) in message
+    # a user who misspelt a section must be told the sections exist
+    assert "cache" in message.replace(str(path), "") and "server" in message, message
+
+
+def test_a_section_that_is_not_a_mapping(tmp_path):
+    path = _write(tmp_path, "cache: 5\n")
+    message = _error(path)
+    assert "cache" in message and "mapping" in message and str(path) in message
+
+
+@pytest.mark.parametrize("text,kind", [("- a\n- b\n", "list"), ("just text\n", "str"), ("42\n", "int")])
+def test_a_file_that_is_not_a_mapping(tmp_path, text, kind):
+    path = _write(tmp_path, text)
+    message = _error(path)
+    assert str(path) in message and "mapping" in message and kind in message
+
+
+def test_an_empty_file_means_defaults(tmp_path):
+    assert load_config(_write(tmp_path, "")) == Config()
+    assert load_config(_write(tmp_path, "# only a comment\n", "c.yaml")) == Config()
+
+
+def test_invalid_yaml(tmp_path):
+    path = _write(tmp_path, "model: [unclosed\n")
+    message = _error(path)
+    assert str(path) in message and "YAML" in message
+
+
+def test_unreadable_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    message = _error(missing)
+    assert str(missing) in message and "cannot read" in message
+    assert str(missing) in _error(env={"KVFUSE_CONFIG": str(missing)})
+    message = _error(tmp_path)  # a directory
+    assert str(tmp_path) in message and "cannot read" in message
