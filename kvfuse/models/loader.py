@@ -74,7 +74,7 @@ def build_weights(config: ModelConfig, family: Family, tensors: Mapping[str, tor
     def get(name: str) -> torch.Tensor:
         if name not in tensors:
             raise ValueError(f"checkpoint lacks tensor {name!r} expected by a {family.name} model")
-        return tensors[name].to(device=device, dtype=dtype)
+        return _aligned(tensors[name].to(device=device, dtype=dtype))
 
     def norm(name: str) -> torch.Tensor:
         w = tensors[name].to(device=device, dtype=torch.float32)
@@ -109,6 +109,12 @@ def build_weights(config: ModelConfig, family: Family, tensors: Mapping[str, tor
     if embed.shape[0] != config.vocab_size:
         raise ValueError(f"embedding has {embed.shape[0]} rows but config.json says vocab_size={config.vocab_size}")
     return Weights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in its own 64-byte aligned memory. Tensors read from safetensors files sit at the
+    file's offsets; on this CPU a matmul with such a misaligned weight ran ~5% slower."""
+    return t.contiguous() if t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
 def load_folder(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:

