@@ -4,11 +4,15 @@ What is measured, on real KV (SmolLM2-135M prefill of MuSiQue documents, fp16, 2
 30 x 2 x 256 x 3 x 64 x 2 B = 5.9 MB), all chunks of the prompt in one batch, median of ``--runs``
 runs after ``--warmup`` untimed ones; MB/s = KV tensor bytes / 1e6 / seconds (headers not counted):
 
-- kvfuse put = ``encode_chunk`` (raw codec) + the tier's synchronous ``put_many`` (for the disk and
-  Redis tiers their own put, not the TieredStore's background queue);
-- kvfuse get = the full path of a cache hit: the tier's ``get_many`` + ``decode_chunk`` to a KVChunk,
-  with the payload checksum verified exactly once (by the tier's validator, TieredStore's, or by
-  ``decode_chunk`` itself when the tier does not validate);
+- kvfuse put = ``encode_entry`` (raw codec: the payload is not copied) + the tier's synchronous
+  ``put_many`` (for the disk and Redis tiers their own put, not the TieredStore's background
+  queue), from chunks already copied out of the KV; kvfuse get = the tier's ``get_many`` +
+  ``decode_chunk`` to KVChunks, every serialized entry's checksum verified exactly once (by the
+  tier's validator, the store's, or ``decode_chunk``). These are compared with raw file I/O;
+- kvfuse put from KV / get into KV = the same plus the copy of each chunk out of the prompt's KV
+  tensor before the put (the engine's ``KVCache.chunk``) and into a destination KV tensor after
+  the get (the engine's ``append_chunk``): the whole path, as LMCache's ``store`` / ``retrieve``
+  copy from and into the KV they are given. These are compared with LMCache;
 - raw file = the same bytes, one file per chunk, ``open(p, "wb").write`` / ``readinto`` a
   preallocated buffer, in the same file system; no fsync on either side; both sides' files are
   deleted before each put run and read back from the page cache, and raw / kvfuse-disk runs alternate
@@ -43,7 +47,7 @@ import torch
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import decode_chunk, encode_chunk
+from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
 
@@ -140,6 +144,8 @@ def build_kv(args) -> dict:
     ns = Namespace(model_fingerprint=kv["fingerprint"], kv_dtype="float16", kv_layout=kv["layout"], codec="raw")
     keys = [str(k) for k in prefix_keys(kv["tokens"], args.chunk_tokens, ns)]
     return {**kv, "chunks": chunks, "keys": keys, "split": split, "examples": examples,
+            "full": torch.cat([ch.kv for ch in chunks], dim=2), "chunk_tokens": args.chunk_tokens,
+            "dest": torch.empty_like(torch.cat([ch.kv for ch in chunks], dim=2)),
             "nbytes": sum(ch.nbytes for ch in chunks)}
 
 
@@ -173,8 +179,23 @@ class KvfuseCase:
         self.name, self.put, self.get, self.clear, self.close = name, put, get, clear, close
 
 
-def _encode_all(kv: dict, codec) -> list[tuple[str, bytes]]:
-    return [(k, encode_chunk(ch, k, codec)) for k, ch in zip(kv["keys"], kv["chunks"])]
+def _copy_out(kv: dict) -> list[KVChunk]:
+    """Each chunk copied out of the whole prompt's KV (the engine's ``KVCache.chunk``, LMCache's
+    copy in ``store``): what a put then owns."""
+    full, size = kv["full"], kv["chunk_tokens"]
+    return [KVChunk(kv=full[:, :, i * size : (i + 1) * size].contiguous(), positions=ch.positions)
+            for i, ch in enumerate(kv["chunks"])]
+
+
+def _copy_in(chunks: list[KVChunk], kv: dict) -> None:
+    """Decoded chunks copied into a destination KV (the engine's ``append_chunk``, LMCache's retrieve)."""
+    dest, size = kv["dest"], kv["chunk_tokens"]
+    for i, ch in enumerate(chunks):
+        dest[:, :, i * size : (i + 1) * size].copy_(ch.kv)
+
+
+def _encode_all(keys: list[str], chunks: list[KVChunk], codec) -> list[tuple[str, bytes]]:
+    return [(k, encode_entry(ch, k, codec)) for k, ch in zip(keys, chunks)]
 
 
 def _decode_all(keys: list[str], blobs, check_payload: bool) -> list[KVChunk]:
@@ -189,7 +210,7 @@ def tier_case(name: str, tier, kv: dict, codec) -> KvfuseCase:
     check = not tier.validates_on_get
     return KvfuseCase(
         name,
-        put=lambda: tier.put_many(_encode_all(kv, codec)),
+        put=lambda chunks: tier.put_many(_encode_all(keys, chunks, codec)),
         get=lambda: _decode_all(keys, tier.get_many(keys), check_payload=check),
         clear=tier.clear,
         close=tier.close,
@@ -200,7 +221,7 @@ def store_case(name: str, store: TieredStore, kv: dict, codec) -> KvfuseCase:
     keys = kv["keys"]
     return KvfuseCase(
         name,
-        put=lambda: store.put(_encode_all(kv, codec)),
+        put=lambda chunks: store.put(_encode_all(keys, chunks, codec)),
         get=lambda: _decode_all(keys, store.get(keys), check_payload=False),  # store.get verified them
         clear=store.clear,
         close=store.close,
@@ -214,17 +235,21 @@ def _check_exact(case_name: str, got: list[KVChunk], kv: dict) -> bool:
     return ok
 
 
-def run_case(case: KvfuseCase, kv: dict, i: int, put_s: list, get_s: list, state: dict) -> None:
-    """One put + get of all chunks; appended to the lists unless ``i`` is a warm-up run."""
+def run_case(case: KvfuseCase, kv: dict, i: int, times: dict[str, list], state: dict) -> None:
+    """One put + get of all chunks, with the copies out of and into the KV timed apart; appended to
+    ``times`` unless ``i`` is a warm-up run."""
     case.clear()
-    tp, _ = _timed(case.put)
+    t_out, own = _timed(lambda: _copy_out(kv))
+    tp, _ = _timed(lambda: case.put(own))
+    del own
     tg, got = _timed(case.get)
+    t_in, _ = _timed(lambda: _copy_in(got, kv))
     if "exact" not in state:
-        state["exact"] = _check_exact(case.name, got, kv)
+        state["exact"] = _check_exact(case.name, got, kv) and torch.equal(kv["dest"], kv["full"])
     del got
     if i >= 0:
-        put_s.append(tp)
-        get_s.append(tg)
+        for name, t in (("put", tp), ("get", tg), ("put_kv", t_out + tp), ("get_kv", tg + t_in)):
+            times[name].append(t)
 
 
 def measure_kvfuse(cases: list[KvfuseCase], raw: RawFiles, kv: dict, args, res: dict) -> None:
@@ -232,7 +257,7 @@ def measure_kvfuse(cases: list[KvfuseCase], raw: RawFiles, kv: dict, args, res: 
     (same machine load, same page-cache state) into ``res["raw_file"]``."""
     nbytes = kv["nbytes"]
     for case in cases:
-        put_s, get_s, raw_put, raw_get, state = [], [], [], [], {}
+        times, raw_put, raw_get, state = {"put": [], "get": [], "put_kv": [], "get_kv": []}, [], [], {}
         for i in range(-args.warmup, args.runs):
             if case.name == "disk":
                 raw.clear()
@@ -241,10 +266,16 @@ def measure_kvfuse(cases: list[KvfuseCase], raw: RawFiles, kv: dict, args, res: 
                 if i >= 0:
                     raw_put.append(tp)
                     raw_get.append(tg)
-            run_case(case, kv, i, put_s, get_s, state)
+            run_case(case, kv, i, times, state)
         case.clear()
-        r = res["kvfuse"][case.name] = _summary(nbytes, put_s, get_s, roundtrip_exact=state["exact"])
-        print(f"  kvfuse {case.name}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s, "
+        kv_path = _summary(nbytes, times["put_kv"], times["get_kv"])
+        r = res["kvfuse"][case.name] = _summary(
+            nbytes, times["put"], times["get"], roundtrip_exact=state["exact"],
+            **{f"{k}_kv_{unit}": v for k, unit in (("put", "s"), ("get", "s"), ("put", "mbs"), ("get", "mbs"),
+                                                   ("put", "mbs_median"), ("get", "mbs_median"))
+               for v in [kv_path[f"{k}_{unit}"]]})
+        print(f"  kvfuse {case.name}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s; "
+              f"from/into the KV: put {r['put_kv_mbs_median']:.0f}, get {r['get_kv_mbs_median']:.0f} MB/s; "
               f"exact={r['roundtrip_exact']}")
         if case.name == "disk":
             r = res["raw_file"] = _summary(nbytes, raw_put, raw_get)
@@ -427,8 +458,8 @@ def targets(res: dict) -> list[dict]:
     for row in ROWS:
         lm = res["lmcache"].get(LMCACHE_OF[row])
         for op in ("put", "get"):
-            add(f"{row} {op} >= LMCache {LMCACHE_OF[row]} {op}", res["kvfuse"][row][f"{op}_mbs_median"],
-                lm[f"{op}_mbs_median"] if lm else None)
+            add(f"{row} {op} (from/into the KV) >= LMCache {LMCACHE_OF[row]} {op}",
+                res["kvfuse"][row][f"{op}_kv_mbs_median"], lm[f"{op}_mbs_median"] if lm else None)
     return out
 
 
@@ -444,13 +475,15 @@ def report(res: dict) -> None:
         k, lm = res["kvfuse"][row], res["lmcache"].get(LMCACHE_OF[row])
         raw = res["raw_file"] if row == "disk" else None
         kp, kg = k["put_mbs_median"], k["get_mbs_median"]
+        kvp, kvg = k["put_kv_mbs_median"], k["get_kv_mbs_median"]
         rp, rg = (raw["put_mbs_median"], raw["get_mbs_median"]) if raw else (None, None)
         lp, lg = (lm["put_mbs_median"], lm["get_mbs_median"]) if lm else (None, None)
-        rows.append([f"{row} ~ LMCache {LMCACHE_OF[row]}", f(kp), f(kg), f(rp), f(rg), f(lp), f(lg),
-                     ratio(kp, rp), ratio(kg, rg), ratio(kp, lp), ratio(kg, lg)])
-    print(f"\nthroughput, MB/s (median of {res['config']['runs']} runs; 1 MB = 1e6 bytes of KV)")
-    print_table(["tier", "kvfuse put", "kvfuse get", "raw put", "raw get", "LMCache put", "LMCache get",
-                 "put/raw", "get/raw", "put/LMC", "get/LMC"], rows)
+        rows.append([f"{row} ~ LMCache {LMCACHE_OF[row]}", f(kp), f(kg), f(rp), f(rg), ratio(kp, rp), ratio(kg, rg),
+                     f(kvp), f(kvg), f(lp), f(lg), ratio(kvp, lp), ratio(kvg, lg)])
+    print(f"\nthroughput, MB/s (median of {res['config']['runs']} runs; 1 MB = 1e6 bytes of KV); "
+          "tier put/get vs raw files; put from / get into the KV vs LMCache store / retrieve")
+    print_table(["tier", "put", "get", "raw put", "raw get", "put/raw", "get/raw",
+                 "put from KV", "get into KV", "LMCache put", "LMCache get", "put/LMC", "get/LMC"], rows)
     print("\ntargets:")
     for t in res["targets"]:
         print(f"  {t['status']:4}  {t['target']}  ({t['value']} vs {t['needed']} MB/s)")
@@ -468,16 +501,19 @@ def plot(res: dict, path: Path) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    series = [("kvfuse", "tab:blue"), ("raw file", "tab:gray"), ("LMCache 0.5.6", "tab:orange")]
+    series = [("kvfuse tier", "tab:cyan"), ("kvfuse from/into KV", "tab:blue"), ("raw file", "tab:gray"),
+              ("LMCache 0.5.6", "tab:orange")]
     x = np.arange(len(ROWS))
     for ax, op in zip(axes, ("put", "get")):
         for j, (label, color) in enumerate(series):
             vals = []
             for row in ROWS:
-                src = {"kvfuse": res["kvfuse"][row], "raw file": res["raw_file"] if row == "disk" else None,
-                       "LMCache 0.5.6": res["lmcache"].get(LMCACHE_OF[row])}[label]
-                vals.append(src[f"{op}_mbs_median"] if src else 0)
-            ax.bar(x + (j - 1) * 0.27, vals, 0.27, label=label, color=color)
+                src, field = {"kvfuse tier": (res["kvfuse"][row], f"{op}_mbs_median"),
+                              "kvfuse from/into KV": (res["kvfuse"][row], f"{op}_kv_mbs_median"),
+                              "raw file": (res["raw_file"] if row == "disk" else None, f"{op}_mbs_median"),
+                              "LMCache 0.5.6": (res["lmcache"].get(LMCACHE_OF[row]), f"{op}_mbs_median")}[label]
+                vals.append(src[field] if src else 0)
+            ax.bar(x + (j - 1.5) * 0.2, vals, 0.2, label=label, color=color)
         ax.set_xticks(x, [r.replace(" (", "\n(") for r in ROWS])
         ax.set_yscale("log")
         ax.set_title(f"{op} (256-token fp16 chunks, {res['data']['chunks']} per batch)")

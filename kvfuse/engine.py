@@ -19,7 +19,7 @@ import torch
 
 from .codecs import get_codec
 from .generation import Sampler, SamplingParams, StopMatcher
-from .kv.format import FormatError, decode_chunk, encode_chunk
+from .kv.format import FormatError, decode_chunk, encode_entry
 from .kv.keys import Namespace, layout_of, prefix_keys
 from .models import LoadedModel
 from .models.cache import KVCache
@@ -256,7 +256,7 @@ class Engine:
             start, end = i * self.chunk_size, (i + 1) * self.chunk_size
             if end > kv.length:
                 break
-            items.append((keys[i], encode_chunk(kv.chunk(start, end), keys[i], self.codec)))
+            items.append((keys[i], encode_entry(kv.chunk(start, end), keys[i], self.codec)))
         if items:
             self.store.put(items)
         return len(items)

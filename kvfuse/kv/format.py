@@ -47,6 +47,73 @@ _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
+class Entry:
+    """An encoded entry kept in parts: the chunk's metadata, the codec's payload, and a header that
+    is built only when the entry is serialized (for the disk tier or Redis).
+
+    For the raw codec the payload is a view of the chunk tensor's own memory: creating an entry
+    copies and hashes nothing, and decoding one from the memory tier is a view again. The payload
+    checksum is computed with the header, in the store's background writer for the lower tiers.
+    An ``Entry`` is an in-process object: the tiered store trusts it (there is no storage between
+    its creation and its use to corrupt it) and verifies every serialized blob instead. Whoever
+    stores an ``Entry`` owns the chunk's memory from then on: it must not be modified.
+    """
+
+    __slots__ = ("key", "codec", "shape", "dtype", "positions", "payload", "header_size", "_header")
+
+    def __init__(self, key: str, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype, positions: torch.Tensor,
+                 payload: memoryview, header: bytes | None = None):
+        self.key, self.codec, self.shape, self.dtype = key, codec, tuple(shape), dtype
+        self.positions, self.payload, self._header = positions, payload, header
+        self.header_size = len(header) if header is not None else _padded_header_len(
+            len(key.encode("utf-8")), len(_position_bytes(positions)[1]))
+
+    @classmethod
+    def from_blob(cls, blob: bytes | bytearray | memoryview) -> Entry:
+        """The entry of a verified one-buffer blob, sharing its memory; FormatError if malformed."""
+        p, payload = _parse(blob)
+        return cls(p.key, _codec_of(p), p.shape, p.dtype, p.positions, payload, bytes(_as_view(blob)[: p.header_len]))
+
+    @property
+    def header(self) -> bytes:
+        if self._header is None:
+            self._header = _build_header(self)
+        return self._header
+
+    def __len__(self) -> int:
+        return self.header_size + self.payload.nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self)
+
+    def parts(self) -> tuple[bytes, memoryview]:
+        return self.header, self.payload
+
+    def join(self) -> bytearray:
+        """The serialized entry as one contiguous buffer (one copy)."""
+        out = bytearray(len(self))
+        out[: self.header_size] = self.header
+        out[self.header_size :] = self.payload
+        return out
+
+    def chunk(self) -> KVChunk:
+        """The KV chunk (for the raw codec a view of the payload: do not modify it)."""
+        return KVChunk(kv=self.codec.decode(self.payload, self.shape, self.dtype), positions=self.positions)
+
+    def __eq__(self, other) -> bool:
+        other = other.join() if isinstance(other, Entry) else other
+        try:
+            return self.join() == other
+        except TypeError:
+            return NotImplemented
+
+    __hash__ = None  # mutable memory underneath, like bytearray
+
+
+Blob = bytes | bytearray | memoryview | Entry
+
+
 class FormatError(ValueError):
     """An entry that is not exactly a valid entry of this format version (a cache miss, never used)."""
 
@@ -89,45 +156,53 @@ def _padded_header_len(key_len: int, positions_len: int) -> int:
     return -(-unpadded // _ALIGN) * _ALIGN
 
 
-def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytearray:
-    """Serialize ``chunk`` under storage key ``key`` with ``codec``.
-
-    Returns a writable ``bytearray`` assembled with a single copy of the payload, so that an
-    entry kept in memory decodes without another copy (treat it as immutable once stored).
-    """
+def encode_entry(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> Entry:
+    """Encode ``chunk`` under storage key ``key`` with ``codec``; copies nothing for the raw codec
+    and defers the header (and its payload checksum) until the entry is serialized."""
     if chunk.dtype not in _DTYPE_CODES:
         raise ValueError(f"KV dtype {chunk.dtype} is not supported; use one of {list(_DTYPE_CODES)}")
-    key_bytes = str(key).encode("utf-8")
-    if len(key_bytes) > 0xFFFF:
-        raise ValueError(f"storage key is {len(key_bytes)} bytes; at most 65535 fit in an entry")
-    payload = codec.encode(chunk.kv)
-    pos = chunk.positions.detach().cpu()
+    key = str(key)
+    if len(key.encode("utf-8")) > 0xFFFF:
+        raise ValueError(f"storage key is {len(key.encode('utf-8'))} bytes; at most 65535 fit in an entry")
+    payload = _as_view(codec.encode(chunk.kv))
+    return Entry(key, codec, tuple(chunk.kv.shape), chunk.dtype, chunk.positions.detach().cpu(), payload)
+
+
+def _position_bytes(pos: torch.Tensor) -> tuple[bool, bytes]:
+    """(contiguous?, the header's positions field): one i64 start for first + arange(n)."""
     n = pos.shape[0]
     start = int(pos[0]) if n else 0
-    contiguous = n == 0 or torch.equal(pos, torch.arange(start, start + n, dtype=torch.int64))
-    pos_bytes = struct.pack("<q", start) if contiguous else pos.numpy().astype("<i8").tobytes()
+    if n == 0 or torch.equal(pos, torch.arange(start, start + n, dtype=torch.int64)):
+        return True, struct.pack("<q", start)
+    return False, pos.numpy().astype("<i8").tobytes()
+
+
+def _build_header(e: Entry) -> bytes:
+    key_bytes = e.key.encode("utf-8")
+    contiguous, pos_bytes = _position_bytes(e.positions)
     header_len = _padded_header_len(len(key_bytes), len(pos_bytes))
     padding = bytes(header_len - _FIXED.size - len(key_bytes) - len(pos_bytes) - _CHECKSUM.size)
     fixed = _FIXED.pack(
         MAGIC,
         FORMAT_VERSION,
         header_len,
-        codec.codec_id,
-        codec.level,
-        _DTYPE_CODES[chunk.dtype],
+        e.codec.codec_id,
+        e.codec.level,
+        _DTYPE_CODES[e.dtype],
         _FLAG_CONTIGUOUS if contiguous else 0,
-        *chunk.kv.shape,
-        n,
+        *e.shape,
+        e.positions.shape[0],
         len(key_bytes),
-        len(payload),
-        xxhash.xxh3_64_intdigest(payload),
+        e.payload.nbytes,
+        xxhash.xxh3_64_intdigest(e.payload),
     )
     head = b"".join((fixed, key_bytes, pos_bytes, padding))
-    out = bytearray(header_len + len(payload))
-    out[: len(head)] = head
-    out[len(head) : header_len] = _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
-    out[header_len:] = payload
-    return out
+    return head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
+
+
+def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytearray:
+    """``encode_entry`` as one contiguous, writable buffer (what a file or a Redis value holds)."""
+    return encode_entry(chunk, key, codec).join()
 
 
 def _parse_header(mv: memoryview) -> _Parsed:
@@ -178,14 +253,27 @@ def _parse_header(mv: memoryview) -> _Parsed:
     )
 
 
-def _check_payload(mv: memoryview, p: _Parsed) -> memoryview:
-    if len(mv) != p.header_len + p.payload_len:
-        kind = "truncated" if len(mv) < p.header_len + p.payload_len else "trailing bytes after"
-        raise FormatError(f"{kind} payload ({len(mv) - p.header_len} bytes, header says {p.payload_len})")
-    payload = mv[p.header_len :]
+def _parse(blob: Blob) -> tuple[_Parsed, memoryview]:
+    """The parsed header and the payload view of a one-buffer blob or an ``Entry``; checks lengths."""
+    if isinstance(blob, Entry):
+        head = _as_view(blob.header)
+        p = _parse_header(head)
+        if len(head) != p.header_len:
+            raise FormatError(f"entry header is {len(head)} bytes, it says {p.header_len}")
+        payload = _as_view(blob.payload)
+    else:
+        mv = _as_view(blob)
+        p = _parse_header(mv)
+        payload = mv[p.header_len :]
+    if len(payload) != p.payload_len:
+        kind = "truncated" if len(payload) < p.payload_len else "trailing bytes after"
+        raise FormatError(f"{kind} payload ({len(payload)} bytes, header says {p.payload_len})")
+    return p, payload
+
+
+def _check_payload(payload: memoryview, p: _Parsed) -> None:
     if xxhash.xxh3_64_intdigest(payload) != p.payload_checksum:
         raise FormatError("payload checksum mismatch")
-    return payload
 
 
 def _codec_of(p: _Parsed) -> Codec:
@@ -211,29 +299,24 @@ def _as_view(blob: bytes | bytearray | memoryview) -> memoryview:
     return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
 
 
-def decode_chunk(
-    blob: bytes | bytearray | memoryview,
-    expected_key: ChunkKey | str | None = None,
-    *,
-    check_payload: bool = True,
-) -> KVChunk:
+def decode_chunk(blob: Blob, expected_key: ChunkKey | str | None = None, *, check_payload: bool = True) -> KVChunk:
     """Decode an entry; FormatError on anything not fully understood or not intact.
 
-    For the raw codec the returned tensor shares memory with ``blob`` when ``blob`` is writable
-    (the disk tier's fresh read buffer: zero-copy); a read-only ``bytes`` blob is copied once.
+    For the raw codec the returned tensor shares memory with ``blob`` when its payload is writable
+    (an ``Entry`` from the memory tier, the disk tier's fresh read buffer: zero-copy); a read-only
+    ``bytes`` blob is copied once. Do not modify a decoded tensor: it may be the cached entry.
     ``check_payload=False`` skips only the payload checksum, for a blob that was just checked by
     :func:`verify` (``TieredStore.get`` returns verified entries): the payload is hashed once.
     """
-    mv = _as_view(blob)
-    p = _parse_header(mv)
+    if isinstance(blob, Entry):  # an in-process entry: nothing was stored, nothing to check
+        if expected_key is not None and blob.key != str(expected_key):
+            raise FormatError(f"entry holds key {blob.key!r}, expected {str(expected_key)!r}")
+        return blob.chunk()
+    p, payload = _parse(blob)
     _check_key(p, expected_key)
     codec = _codec_of(p)
     if check_payload:
-        payload = _check_payload(mv, p)
-    elif len(mv) != p.header_len + p.payload_len:
-        raise FormatError(f"payload is {len(mv) - p.header_len} bytes, header says {p.payload_len}")
-    else:
-        payload = mv[p.header_len :]
+        _check_payload(payload, p)
     try:
         kv = codec.decode(payload, p.shape, p.dtype)
         return KVChunk(kv=kv, positions=p.positions)
@@ -241,28 +324,26 @@ def decode_chunk(
         raise FormatError(f"{codec.name} payload does not decode: {e}") from None
 
 
-def verify(blob: bytes | bytearray | memoryview, expected_key: ChunkKey | str | None = None) -> bool:
+def verify(blob: Blob, expected_key: ChunkKey | str | None = None) -> bool:
     """True when ``blob`` is an intact entry (both checksums, lengths, known codec/dtype, key);
     no tensor is decoded. The tiers' validator."""
     try:
-        mv = _as_view(blob)
-        p = _parse_header(mv)
+        p, payload = _parse(blob)
         _check_key(p, expected_key)
         _codec_of(p)
-        _check_payload(mv, p)
+        _check_payload(payload, p)
     except (FormatError, TypeError):
         return False
     return True
 
 
-def read_header(blob: bytes | bytearray | memoryview) -> EntryHeader:
+def read_header(blob: Blob) -> EntryHeader:
     """The header of an entry, for inspection; FormatError if the header itself is not intact.
     A damaged or missing payload is reported as ``payload_ok=False``."""
-    mv = _as_view(blob)
-    p = _parse_header(mv)
+    p = _parse_header(_as_view(blob.header if isinstance(blob, Entry) else blob))
     codec = _codec_of(p)
     try:
-        _check_payload(mv, p)
+        _check_payload(_parse(blob)[1], p)
         payload_ok = True
     except FormatError:
         payload_ok = False

@@ -12,9 +12,17 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
 from typing import Iterable
 
-# Tiers hand back ``bytes`` or a fresh, private, writable ``memoryview`` (the disk tier reads into
-# one so the raw codec can decode without a copy); both compare equal (==) to the bytes put.
-Blob = bytes | bytearray | memoryview
+from kvfuse.kv.format import Blob, Entry  # noqa: F401  (re-exported for the tiers)
+
+# Tiers take ``bytes``, ``bytearray``, ``memoryview`` or an ``Entry`` (header + payload, unjoined)
+# and hand back what they hold: the very object (memory), ``bytes`` (Redis) or a fresh, private,
+# writable ``memoryview`` (disk: the raw codec decodes it without a copy). All compare equal (==)
+# to the bytes of what was put.
+
+
+def nbytes(value: Blob) -> int:
+    """The size of a value in bytes, whatever its kind."""
+    return len(value) if isinstance(value, Entry) else memoryview(value).nbytes
 
 
 @dataclass
@@ -62,7 +70,7 @@ class Tier(ABC):
         """The stored bytes, or None on a miss (including any failure)."""
 
     @abstractmethod
-    def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, value: Blob) -> None:
         """Store ``value`` under ``key`` (replacing any previous value); failures drop the write."""
 
     @abstractmethod
@@ -83,7 +91,7 @@ class Tier(ABC):
     def get_many(self, keys: Iterable[str]) -> list[Blob | None]:
         return [self.get(k) for k in keys]
 
-    def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
+    def put_many(self, items: Iterable[tuple[str, Blob]]) -> None:
         for key, value in items:
             self.put(key, value)
 

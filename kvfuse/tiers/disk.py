@@ -32,7 +32,7 @@ import numpy as np
 import xxhash
 
 from kvfuse.kv.format import verify
-from kvfuse.tiers.base import Blob, Tier
+from kvfuse.tiers.base import Blob, Entry, Tier, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +43,17 @@ _SUFFIX = ".kvf"
 _MAX_NAME = 240  # file names are limited to 255 bytes on common file systems
 _TMP_RE = re.compile(r"^\.(\d+)\.[0-9a-f]+\.tmp$")
 _SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
+_CHUNK_KEY_CHARS = re.compile(r"[A-Za-z0-9.:-]+")
 
 
 def key_to_filename(key: str) -> str:
     """The file name of ``key`` (reversible, see the module docstring); ValueError if too long."""
     if not key:
         raise ValueError("DiskTier keys must be non-empty strings")
-    name = "".join(c if c in _SAFE else "".join(f"_{b:02X}" for b in c.encode("utf-8")) for c in key) + _SUFFIX
+    if _CHUNK_KEY_CHARS.fullmatch(key):  # every chunk key: only its ':' separators need escaping
+        name = key.replace(":", "_3A") + _SUFFIX
+    else:
+        name = "".join(c if c in _SAFE else "".join(f"_{b:02X}" for b in c.encode("utf-8")) for c in key) + _SUFFIX
     if len(name) > _MAX_NAME:
         raise ValueError(f"key too long for a file name ({len(name)} > {_MAX_NAME} chars): {key[:40]!r}...")
     return name
@@ -78,6 +82,19 @@ def filename_to_key(name: str) -> str | None:
     except UnicodeDecodeError:
         return None
     return key if key_to_filename(key) == name else None
+
+
+def _write_all(fd: int, parts) -> None:
+    """Write every buffer in ``parts``, in order: one ``writev`` (an ``Entry``'s header and payload
+    go out without being joined first), continuing after a partial write."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views:
+            views[0] = views[0][n:]
 
 
 def _pid_alive(pid: int) -> bool:
@@ -254,9 +271,9 @@ class DiskTier(Tier):
             except OSError:
                 pass
 
-    def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, value: Blob) -> None:
         path = self._path(key)
-        size = memoryview(value).nbytes
+        size = nbytes(value)
         if size > self.capacity_bytes:
             self.delete(key)  # never leave an older value behind a dropped write
             self.stats.add(dropped_writes=1)
@@ -269,9 +286,7 @@ class DiskTier(Tier):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
-                view, n = memoryview(value).cast("B"), 0
-                while n < size:
-                    n += os.write(fd, view[n:])
+                _write_all(fd, value.parts() if isinstance(value, Entry) else (value,))
                 t = self._now_ns()
                 os.utime(fd, ns=(t, t))
                 if self.fsync:

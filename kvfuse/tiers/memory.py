@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from kvfuse.tiers.base import Blob, Tier
+from kvfuse.tiers.base import Blob, Tier, nbytes
 
 
 class MemoryTier(Tier):
@@ -13,11 +13,11 @@ class MemoryTier(Tier):
 
     ``get`` and ``put`` make an entry most recent; ``contains`` does not (lookups are
     side-effect-free). An entry larger than the whole capacity is not stored (``dropped_writes``).
-    ``put`` takes ownership of a ``bytes``/``bytearray`` value without copying it (the entries of
-    ``encode_chunk`` are bytearrays, which then decode zero-copy: a memory hit costs no copy of
-    the KV); a caller must not mutate a value after putting it. A ``memoryview`` is copied, since
-    its owner may reuse the buffer. The tiered store checksums every entry it returns, so even a
-    mutated entry would be a miss, never a wrong KV.
+    ``put`` keeps the value it is given, without a copy: an ``Entry`` from ``encode_entry`` (whose
+    payload is the chunk tensor's memory) is stored and later decoded with no copy of the KV at
+    all. The tier takes ownership: a caller must not modify a value after putting it. The tiered
+    store checksums every entry it returns, so even a modified entry would be a miss, never a
+    wrong KV.
     """
 
     def __init__(self, capacity_bytes: int, name: str = "memory") -> None:
@@ -26,7 +26,7 @@ class MemoryTier(Tier):
             raise ValueError(f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self._data: OrderedDict[str, bytes | bytearray] = OrderedDict()
+        self._data: OrderedDict[str, Blob] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
 
@@ -42,30 +42,30 @@ class MemoryTier(Tier):
         if value is None:
             self.stats.add(misses=1)
         else:
-            self.stats.add(hits=1, bytes_out=len(value))
+            self.stats.add(hits=1, bytes_out=nbytes(value))
         return value
 
-    def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
-        value = value if isinstance(value, (bytes, bytearray)) else bytearray(value)
+    def put(self, key: str, value: Blob) -> None:
+        size = nbytes(value)
         evicted = 0
         with self._lock:
             self._remove(key)
-            if len(value) > self.capacity_bytes:
+            if size > self.capacity_bytes:
                 self.stats.add(dropped_writes=1)
                 return
             self._data[key] = value
-            self._used += len(value)
+            self._used += size
             while self._used > self.capacity_bytes:
                 _, old = self._data.popitem(last=False)
-                self._used -= len(old)
+                self._used -= nbytes(old)
                 evicted += 1
-        self.stats.add(puts=1, bytes_in=len(value), evictions=evicted)
+        self.stats.add(puts=1, bytes_in=size, evictions=evicted)
 
     def _remove(self, key: str) -> bool:
         old = self._data.pop(key, None)
         if old is None:
             return False
-        self._used -= len(old)
+        self._used -= nbytes(old)
         return True
 
     def delete(self, key: str) -> bool:

@@ -19,7 +19,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvfuse.tiers.base import Blob, Tier
+from kvfuse.tiers.base import Blob, Entry, Tier, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +137,10 @@ class RedisTier(Tier):
         self.stats.add(hits=len(hits), misses=len(keys) - len(hits), bytes_out=sum(map(len, hits)))
         return values
 
-    def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
+    def put(self, key: str, value: Blob) -> None:
         self.put_many([(key, value)])
 
-    def put_many(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
+    def put_many(self, items: Iterable[tuple[str, Blob]]) -> None:
         items = list(items)
         if not items:
             return
@@ -150,14 +150,16 @@ class RedisTier(Tier):
         try:
             pipe = self._client.pipeline(transaction=False)
             for k, v in items:
-                pipe.set(self._k(k), v, px=self.ttl_ms)  # bytes, bytearray and memoryview go as is
+                # bytes, bytearray and memoryview go as they are; a Redis value is one buffer, so
+                # an Entry's two parts are joined here (the network, not this copy, is the limit)
+                pipe.set(self._k(k), v.join() if isinstance(v, Entry) else v, px=self.ttl_ms)
             pipe.execute()
         except (redis.RedisError, OSError) as e:
             self._failed("put", e)
             self.stats.add(dropped_writes=len(items))
             return
         self._succeeded()
-        self.stats.add(puts=len(items), bytes_in=sum(memoryview(v).nbytes for _, v in items))
+        self.stats.add(puts=len(items), bytes_in=sum(nbytes(v) for _, v in items))
 
     def delete(self, key: str) -> bool:
         if not self._available():

@@ -25,10 +25,21 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from kvfuse.kv.format import verify
+from kvfuse.kv.format import Entry, FormatError, verify
 from kvfuse.tiers.base import Blob, Tier
 
 log = logging.getLogger(__name__)
+
+
+def _as_entry(blob: Blob) -> Blob:
+    """A verified blob promoted to memory, as an Entry (later hits skip verification and decode
+    zero-copy); read-only bytes (from Redis) are copied once into writable memory for that."""
+    if isinstance(blob, Entry):
+        return blob
+    try:
+        return Entry.from_blob(blob if not memoryview(blob).readonly else bytearray(blob))
+    except FormatError:  # not a kvfuse entry (a store used for other bytes): keep it as it is
+        return blob
 
 Validator = Callable[[Blob, str], bool]
 
@@ -142,9 +153,10 @@ class TieredStore:
                 if value is None:
                     still.append(i)
                     continue
-                out[i] = (value, tier.name)
                 if level > 0:
+                    value = _as_entry(value)
                     promote.append((keys[i], value))
+                out[i] = (value, tier.name)
             pending = still
         if promote:
             first = self.tiers[0]
@@ -153,7 +165,13 @@ class TieredStore:
         return out
 
     def _valid(self, tier: Tier, key: str, value: Blob) -> bool:
-        if self.validator is None or tier.validates_on_get or self.validator(value, key):
+        # An Entry never left this process (built by encode_entry, or promoted after verification):
+        # only its key is checked. Serialized blobs are verified, wherever they come from.
+        if isinstance(value, Entry):
+            ok = value.key == key
+        else:
+            ok = self.validator is None or tier.validates_on_get or self.validator(value, key)
+        if ok:
             return True
         log.warning("tier %s: corrupt entry %s removed", tier.name, key)
         tier.stats.add(hits=-1, misses=1, errors=1)  # the tier counted a hit; it was not one
@@ -162,12 +180,14 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def put(self, items: Iterable[tuple[str, bytes | bytearray | memoryview]]) -> None:
-        """Store entries: the first tier now, the lower tiers from the write queue (never blocks)."""
+    def put(self, items: Iterable[tuple[str, Blob]]) -> None:
+        """Store entries: the first tier now, the lower tiers from the write queue (never blocks).
+
+        The store takes ownership of the values, without copying them (an ``Entry`` of a chunk is
+        kept by the memory tier and written later by the lower tiers): do not modify them."""
         if self._closed:
             raise RuntimeError("TieredStore.put after close()")
-        # Lower tiers write later: keep an immutable copy in case the caller reuses its buffer.
-        items = [(k, v if isinstance(v, bytes) else bytes(v)) for k, v in items]
+        items = list(items)
         first = self.tiers[0]
         self._safe(first, "put_many", first.put_many, None, items)
         if self._worker is None:

@@ -157,3 +157,19 @@ def test_two_processes_share_entries(redis_server):
     )
     assert out.stdout.strip() == "parent-value"
     assert t.get("from-child") == b"child-value"
+
+
+def test_an_entry_round_trips_as_its_joined_bytes(redis_server):
+    import torch
+
+    from kvfuse.codecs import get_codec
+    from kvfuse.kv.chunk import KVChunk
+    from kvfuse.kv.format import decode_chunk, encode_entry
+
+    chunk = KVChunk(kv=torch.randn(2, 2, 16, 1, 8), positions=torch.arange(16))
+    t = _tier(redis_server)
+    entry = encode_entry(chunk, "ns:p:e", get_codec("raw"))
+    t.put("ns:p:e", entry)
+    got = t.get("ns:p:e")
+    assert got == entry.join() and torch.equal(decode_chunk(got, "ns:p:e").kv, chunk.kv)
+    assert t.stats.snapshot()["bytes_in"] == len(entry)

@@ -240,3 +240,15 @@ def test_two_processes_never_read_a_torn_entry(tmp_path):
         assert checked > 20 and foreign > 0, (writer, checked, foreign)
         assert stats["evictions"] > 0
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_an_entry_is_written_from_its_two_parts_as_the_same_bytes(tmp_path):
+    from kvfuse.kv.format import encode_entry
+
+    chunk = KVChunk(kv=torch.randn(3, 2, 64, 2, 32).half(), positions=torch.arange(64))
+    t = DiskTier(tmp_path, 1 << 30)
+    entry = encode_entry(chunk, "k:p:1", get_codec("raw"))
+    t.put("k:p:1", entry)
+    got = t.get("k:p:1")
+    assert got == encode_chunk(chunk, "k:p:1", get_codec("raw")) and t.used_bytes() == len(entry)
+    assert torch.equal(decode_chunk(got, "k:p:1").kv, chunk.kv)

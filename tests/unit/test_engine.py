@@ -272,7 +272,7 @@ def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
     store.flush()
     key = str(prefix_keys(ids, CH, engine.namespace())[1])
     memory = store.tiers[0]
-    bad = bytearray(memory.get(key))
+    bad = memory.get(key).join()  # an Entry in memory; a serialized copy of it is verified on use
     bad[-1] ^= 1
     memory.put(key, bytes(bad))
     result = engine.generate(ids, GREEDY)

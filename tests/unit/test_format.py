@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+
 import pytest
 import torch
 import xxhash
@@ -213,3 +215,38 @@ def test_fuzz_mutations_never_decode_to_a_wrong_tensor(case):
         return
     assert verify(mutated, KEY)
     assert _same(out, decode_chunk(original, KEY))
+
+
+def test_an_entry_is_the_same_bytes_as_the_joined_form_without_copying_the_payload():
+    from kvfuse.kv.format import Entry, encode_entry
+
+    chunk = _chunk(torch.float16, seed=3)
+    entry = encode_entry(chunk, KEY, get_codec("raw"))
+    assert isinstance(entry, Entry) and entry == encode_chunk(chunk, KEY, get_codec("raw"))
+    assert len(entry) == len(entry.join()) == entry.header_size + chunk.nbytes
+    # the raw payload is the tensor's own memory: encoding copied nothing, decoding neither
+    assert np.shares_memory(np.asarray(entry.payload), chunk.kv.numpy())
+    out = decode_chunk(entry, KEY)
+    assert np.shares_memory(out.kv.numpy(), chunk.kv.numpy()) and torch.equal(out.positions, chunk.positions)
+    assert verify(entry, KEY) and read_header(entry).payload_ok
+    with pytest.raises(FormatError, match="expected"):
+        decode_chunk(entry, OTHER_KEY)
+    # non-contiguous positions and the int8 codec take the same path
+    scattered = _chunk(torch.float32, contiguous=False, seed=5)
+    for codec in (get_codec("raw"), get_codec("int8")):
+        e = encode_entry(scattered, KEY, codec)
+        assert e == encode_chunk(scattered, KEY, codec) and len(e) == len(e.join())
+        assert _same(decode_chunk(e, KEY), decode_chunk(e.join(), KEY))
+
+
+def test_an_entry_from_a_verified_blob_shares_its_memory_and_keeps_its_header():
+    from kvfuse.kv.format import Entry
+
+    blob = encode_chunk(_chunk(torch.bfloat16, seed=6), KEY, get_codec("raw"))
+    entry = Entry.from_blob(blob)
+    assert entry.join() == blob and entry.header == bytes(blob[: entry.header_size])
+    assert np.shares_memory(np.asarray(entry.payload), np.frombuffer(blob, dtype=np.uint8))
+    damaged = bytearray(blob)
+    damaged[3] ^= 0xFF
+    with pytest.raises(FormatError):
+        Entry.from_blob(damaged)

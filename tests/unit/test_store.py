@@ -195,3 +195,28 @@ def test_stats_shape_and_bad_configuration():
         TieredStore([MemoryTier(1), MemoryTier(1)])
     with pytest.raises(ValueError, match="at least one"):
         TieredStore([])
+
+
+def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path):
+    from kvfuse.kv.format import Entry, encode_entry, verify
+
+    checked: list[str] = []
+
+    def counting_verify(value, key):
+        checked.append(key)
+        return verify(value, key)
+
+    chunk = KVChunk(torch.randn((2, 2, 4, 2, 8)).half(), torch.arange(4))
+    disk = DiskTier(tmp_path, 10**9, validator=None)  # the store verifies what the disk returns
+    with TieredStore([MemoryTier(10**9), disk], validator=counting_verify) as store:
+        store.put([(KEYS[0], encode_entry(chunk, KEYS[0], get_codec("raw")))])
+        store.flush()
+        assert isinstance(store.get([KEYS[0]])[0], Entry) and checked == []  # in-process: trusted
+        store.tiers[0].clear()
+        (promoted,) = store.get([KEYS[0]])  # from disk: verified once, then kept as an Entry
+        assert checked == [KEYS[0]] and isinstance(promoted, Entry)
+        assert isinstance(store.tiers[0].get(KEYS[0]), Entry)
+        assert torch.equal(decode_chunk(store.get([KEYS[0]])[0], KEYS[0]).kv, chunk.kv) and checked == [KEYS[0]]
+        # an Entry stored under another key is never served for this one
+        store.tiers[0].put(KEYS[1], encode_entry(chunk, KEYS[0], get_codec("raw")))
+        assert store.get([KEYS[1]]) == [None]
