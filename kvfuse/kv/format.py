@@ -324,6 +324,21 @@ def decode_chunk(blob: Blob, expected_key: ChunkKey | str | None = None, *, chec
         raise FormatError(f"{codec.name} payload does not decode: {e}") from None
 
 
+def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None) -> Entry | None:
+    """The ``Entry`` of a serialized blob after a full check (as ``verify``), sharing its memory;
+    None when the blob is not an intact entry. One parse serves the check and every later use."""
+    if isinstance(blob, Entry):
+        return blob if verify(blob, expected_key) else None
+    try:
+        p, payload = _parse(blob)
+        _check_key(p, expected_key)
+        codec = _codec_of(p)
+        _check_payload(payload, p)
+    except (FormatError, TypeError):
+        return None
+    return Entry(p.key, codec, p.shape, p.dtype, p.positions, payload, bytes(_as_view(blob)[: p.header_len]))
+
+
 def verify(blob: Blob, expected_key: ChunkKey | str | None = None) -> bool:
     """True when ``blob`` is an intact entry (both checksums, lengths, known codec/dtype, key);
     no tensor is decoded. The tiers' validator."""

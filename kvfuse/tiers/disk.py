@@ -31,12 +31,12 @@ from typing import Callable
 import numpy as np
 import xxhash
 
-from kvfuse.kv.format import verify
+from kvfuse.kv.format import open_entry
 from kvfuse.tiers.base import Blob, Entry, Tier, nbytes
 
 log = logging.getLogger(__name__)
 
-Validator = Callable[[Blob, str], bool]
+Validator = Callable[[Blob, str], "bool | Blob | None"]
 
 _SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
 _SUFFIX = ".kvf"
@@ -110,8 +110,10 @@ def _pid_alive(pid: int) -> bool:
 class DiskTier(Tier):
     """Entries as files under ``path``; see the module docstring for layout and sharing rules.
 
-    ``validator(blob, key)`` (default: the entry format's checksum check) runs on every ``get``:
-    a truncated or corrupt file is a miss, counted as an error, and removed. ``fsync=True`` makes
+    ``validator(blob, key)`` (default: ``open_entry``, the entry format's full check) runs on
+    every ``get``: a truncated or corrupt file (a falsy result) is a miss, counted as an error,
+    and removed. A validator may return the value to hand out instead of True: ``open_entry``
+    returns the checked ``Entry``, so the header is parsed once for the check and every later use. ``fsync=True`` makes
     each put durable before it returns (slower). Temp files left by dead processes, or older than
     ``stale_temp_s``, are removed at start-up.
     """
@@ -120,7 +122,7 @@ class DiskTier(Tier):
         self,
         path: str | os.PathLike,
         capacity_bytes: int,
-        validator: Validator | None = verify,
+        validator: Validator | None = open_entry,
         fsync: bool = False,
         name: str = "disk",
         stale_temp_s: float = 600.0,
@@ -245,7 +247,8 @@ class DiskTier(Tier):
             log.warning("disk tier %s: read %s failed: %s", self.root, key, e)
             self.stats.add(misses=1, errors=1)
             return None
-        if n != len(buf) or (self.validator is not None and not self.validator(buf, key)):
+        checked = True if self.validator is None or n != len(buf) else self.validator(buf, key)
+        if n != len(buf) or not checked:
             log.warning("disk tier %s: corrupt entry %s removed", self.root, key)
             self._remove_if_same(path, key, st.st_ino)
             self.stats.add(misses=1, errors=1)
@@ -259,7 +262,7 @@ class DiskTier(Tier):
             self._record_locked(key, len(buf))
             evicted = self._evict_locked()
         self.stats.add(hits=1, bytes_out=len(buf), evictions=evicted)
-        return buf
+        return buf if checked is True else checked
 
     def _remove_if_same(self, path: Path, key: str, ino: int) -> None:
         # Only unlink the very file we found corrupt: another process may have replaced it since.

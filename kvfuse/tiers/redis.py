@@ -17,11 +17,14 @@ from typing import Iterable
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import Encoder, PythonRespSerializer
 from redis.retry import Retry
 
 from kvfuse.tiers.base import Blob, Entry, Tier, nbytes
 
 log = logging.getLogger(__name__)
+
+_BUFFER_CUTOFF = 6000  # redis-py's default: values above it are sent without being copied
 
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
@@ -61,6 +64,11 @@ class RedisTier(Tier):
                 retry=Retry(NoBackoff(), 0),  # a retry would double the worst-case wait
                 retry_on_timeout=False,
                 health_check_interval=0,
+                # Replies are parsed by hiredis when it is installed (a multi-MB value through the
+                # pure-Python parser costs more than the network here), but commands are always
+                # packed in Python: it sends large values as their own buffers, hiredis's packer
+                # copies them into the command first.
+                command_packer=PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
             )
         except ValueError as e:
             raise ValueError(f"bad Redis URL {url!r}: {e} (expected e.g. redis://127.0.0.1:6379/0)") from None

@@ -16,7 +16,7 @@ import xxhash
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import decode_chunk, encode_chunk
+from kvfuse.kv.format import Entry, decode_chunk, encode_chunk
 from kvfuse.tiers import DiskTier
 from kvfuse.tiers.disk import filename_to_key, key_to_filename
 
@@ -34,7 +34,8 @@ def test_round_trip_and_file_layout(tmp_path):
     b = blob("ns:p:01")
     t.put("ns:p:01", b)
     got = t.get("ns:p:01")
-    assert got == b and not memoryview(got).readonly  # writable: raw decode is zero-copy
+    # a checked Entry over the fresh, writable read buffer: raw decode is zero-copy
+    assert got == b and isinstance(got, Entry) and not got.payload.readonly
     assert torch.equal(decode_chunk(got, "ns:p:01").kv, decode_chunk(b).kv)
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert [p.name for p in files] == ["ns_3Ap_3A01.kvf"] and len(files[0].parent.name) == 2
