@@ -187,14 +187,16 @@ class Engine:
         keys = [str(k) for k in prefix_keys(ids, self.chunk_size, ns)] if use_store else []
 
         hit_tiers: tuple[str, ...] = ()
+        stored_upto = 0  # chunks [0, stored_upto) are known to be in the store
         if use_store:
             t = time.perf_counter()
-            # At least one prompt token is always prefilled: its logits give the first token.
-            usable = min(len(keys), (len(ids) - 1) // self.chunk_size)
-            found = self.store.lookup(keys[:usable])
+            found = self.store.lookup(keys)
             timings.lookup_s = time.perf_counter() - t
             t = time.perf_counter()
-            hit_tiers = self._load_prefix(kv, keys[: found.hits])
+            # At least one prompt token is always prefilled: its logits give the first token.
+            load = min(found.hits, (len(ids) - 1) // self.chunk_size)
+            hit_tiers = self._load_prefix(kv, keys[:load])
+            stored_upto = found.hits if len(hit_tiers) == load else len(hit_tiers)
             timings.load_s = time.perf_counter() - t
         reused = kv.length
 
@@ -213,7 +215,7 @@ class Engine:
         stored = 0
         if use_store:
             t = time.perf_counter()
-            stored = self._store_chunks(kv, ids, keys, first=len(hit_tiers))
+            stored = self._store_chunks(kv, ids, keys, first=stored_upto)
             timings.store_s = time.perf_counter() - t
 
         out_ids, text, reason = self._decode(kv, token, params, sampler, on_text, cancel, timings)

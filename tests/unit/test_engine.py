@@ -144,6 +144,7 @@ def test_a_prompt_of_whole_chunks_still_prefills_its_last_chunk(model, stores):
     # the logits of the last prompt token are needed: its whole chunk is computed again
     assert hit.cached_tokens == 3 * CH and hit.prompt_tokens - hit.cached_tokens == CH
     assert hit.token_ids == baseline(model, ids)
+    assert hit.stored_chunks == 0  # the recomputed last chunk is already stored: not written again
     one = ids_of(CH, seed=2)
     engine.generate(one, GREEDY)
     assert engine.generate(one, GREEDY).cached_tokens == 0
