@@ -35,7 +35,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+from kvfuse.tiers.local_redis import LocalRedis
 
 from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
 
@@ -313,48 +313,6 @@ class RawFiles:
         return self.buffers
 
 
-# -- redis-server ---------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(executable: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen(
-        [executable, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                if s.recv(16).startswith(b"+PONG"):
-                    break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_redis(proc)
-            raise RuntimeError(f"redis-server did not start on port {port}")
-        time.sleep(0.02)
-    print(f"redis-server pid {proc.pid} on 127.0.0.1:{port}")
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
-def stop_redis(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 # -- LMCache --------------------------------------------------------------------------------------
 
 
@@ -544,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(kv['chunks'])} chunks x {kv['chunks'][0].nbytes / 1e6:.2f} MB = {nbytes / 1e6:.1f} MB of KV; "
           f"{args.runs} runs after {args.warmup} warm-up")
     workdir = Path(tempfile.mkdtemp(prefix="kvfuse-bench-store-", dir=args.dir))
-    redis_proc, redis_url = start_redis(args.redis_server)
+    redis = LocalRedis(args.redis_server).start()
+    redis_url = redis.url
+    print(f"redis-server pid {redis.proc.pid} on 127.0.0.1:{redis.port}")
     cases: list[KvfuseCase] = []
     res: dict = {"kvfuse": {}, "lmcache": {}}
     lmcache_note = None
@@ -577,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for case in cases:
             case.close()
-        stop_redis(redis_proc)
+        redis.stop()
         shutil.rmtree(workdir, ignore_errors=True)
 
     res.update(

@@ -26,15 +26,14 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from common import DATA, MUSIQUE_DEV, OUT, environment
+
+from kvfuse.tiers.local_redis import LocalRedis
 
 DEV = MUSIQUE_DEV  # musique_s.json: 0-49 dev, 50-149 test (never used here)
 TIERS = ("none", "memory", "disk", "disk-cold", "redis")
@@ -84,43 +83,6 @@ def dev_prompts(tokenizer, data_path: Path, lengths: list[int]) -> dict[int, lis
 # ----------------------------------------------------------------------------------- redis
 
 
-class RedisProcess:
-    """A redis-server on a free 127.0.0.1 port, stopped by its PID."""
-
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise FileNotFoundError("redis-server is not installed (apt-get install -y redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while not self._ping():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.05)
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def _ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, 9)
-        self.proc.wait(timeout=10)
-
-
 # ----------------------------------------------------------------------------------- measuring
 
 
@@ -159,7 +121,7 @@ def measure(args) -> dict:
     tiers = [t for t in TIERS if t != "disk-cold" or cold_note is None]
     redis = None
     try:
-        redis = RedisProcess()
+        redis = LocalRedis().start()
     except (FileNotFoundError, RuntimeError) as e:
         print(f"redis cells skipped: {e}")
         tiers.remove("redis")
