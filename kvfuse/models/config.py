@@ -8,7 +8,6 @@ Every supported family (``llama``, ``qwen2``, ``qwen3``, ``gemma3``) is parsed f
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
@@ -86,15 +85,9 @@ class ModelConfig:
         """The sliding window of ``layer``, or None for a global layer."""
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_size
-
     def to_json(self) -> str:
         """Canonical JSON (sorted keys): part of the model fingerprint."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
-
-    def digest(self) -> str:
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
 
 
 def parse_rope(d: dict, default_theta: float, max_pos: int) -> RopeConfig:
