@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvfuse.server.process import ServerProcess, ensure_model  # noqa: E402
+from kvfuse.testing import ServerProcess, ensure_model  # noqa: E402
 
 DEV = range(0, 50)  # musique_s.json: 0-49 dev, 50-149 test (never used here)
 SYSTEM = "Answer the question using the documents. Reply with a short answer only."

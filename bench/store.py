@@ -7,8 +7,8 @@ runs after ``--warmup`` untimed ones; MB/s = KV tensor bytes / 1e6 / seconds (he
 - kvfuse put = ``encode_entry`` (raw codec: the payload is not copied) + the tier's synchronous
   ``put_many`` (for the disk and Redis tiers their own put, not the TieredStore's background
   queue), from chunks already copied out of the KV; kvfuse get = the tier's ``get_many`` +
-  ``decode_chunk`` to KVChunks, every serialized entry's checksum verified exactly once (by the
-  tier's validator, the store's, or ``decode_chunk``). These are compared with raw file I/O;
+  ``open_entry`` (the one validation path: header and per-layer checksums, once per serialized
+  entry) + decoding to KVChunks. These are compared with raw file I/O;
 - kvfuse put from KV / get into KV = the same plus the copy of each chunk out of the prompt's KV
   tensor before the put (the engine's ``KVCache.chunk``) and into a destination KV tensor after
   the get (the engine's ``append_chunk``): the whole path, as LMCache's ``store`` / ``retrieve``
@@ -46,10 +46,10 @@ import torch
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry
+from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
-from kvfuse.tiers.local_redis import LocalRedis
+from kvfuse.testing import LocalRedis
 
 from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
 
@@ -141,8 +141,8 @@ def build_kv(args) -> dict:
     split = "dev" if all(i in MUSIQUE_DEV for i in examples) else "TEST"
     print(f"data: {args.data} examples {examples} ({split} split), {len(kv['tokens'])} tokens")
     chunks = [KVChunk(kv=k, positions=p) for k, p in zip(kv["kv"], kv["positions"])]
-    ns = Namespace(model_fingerprint=kv["fingerprint"], kv_dtype="float16", kv_layout=kv["layout"], codec="raw")
-    keys = [str(k) for k in prefix_keys(kv["tokens"], args.chunk_tokens, ns)]
+    ns = Namespace(model_fingerprint=kv["fingerprint"], kv_dtype="float16", kv_layout=kv["layout"])
+    keys = prefix_keys(kv["tokens"], args.chunk_tokens, ns)
     return {**kv, "chunks": chunks, "keys": keys, "split": split, "examples": examples,
             "full": torch.cat([ch.kv for ch in chunks], dim=2), "chunk_tokens": args.chunk_tokens,
             "dest": torch.empty_like(torch.cat([ch.kv for ch in chunks], dim=2)),
@@ -194,24 +194,24 @@ def _copy_in(chunks: list[KVChunk], kv: dict) -> None:
         dest[:, :, i * size : (i + 1) * size].copy_(ch.kv)
 
 
-def _encode_all(keys: list[str], chunks: list[KVChunk], codec) -> list[tuple[str, bytes]]:
+def _encode_all(keys: list, chunks: list[KVChunk], codec) -> list[tuple]:
     return [(k, encode_entry(ch, k, codec)) for k, ch in zip(keys, chunks)]
 
 
-def _decode_all(keys: list[str], blobs, check_payload: bool) -> list[KVChunk]:
-    if any(b is None for b in blobs):
-        raise RuntimeError(f"{sum(b is None for b in blobs)} of {len(blobs)} chunks missing on get (tier error?)")
-    return [decode_chunk(b, k, check_payload=check_payload) for k, b in zip(keys, blobs)]
+def _decode_all(keys: list, values) -> list[KVChunk]:
+    """KVChunks of what a tier or the store returned: serialized blobs go through ``open_entry``
+    (the store's one validation path, as ``TieredStore.fetch`` does), entries are decoded as they are."""
+    if any(v is None for v in values):
+        raise RuntimeError(f"{sum(v is None for v in values)} of {len(values)} chunks missing on get (tier error?)")
+    return [open_entry(v, k).chunk() for k, v in zip(keys, values)]
 
 
 def tier_case(name: str, tier, kv: dict, codec) -> KvfuseCase:
     keys = kv["keys"]
-    # A tier that validates on get has hashed the payload already; otherwise decode_chunk does it.
-    check = not tier.validates_on_get
     return KvfuseCase(
         name,
         put=lambda chunks: tier.put_many(_encode_all(keys, chunks, codec)),
-        get=lambda: _decode_all(keys, tier.get_many(keys), check_payload=check),
+        get=lambda: _decode_all(keys, tier.get_many(keys)),
         clear=tier.clear,
         close=tier.close,
     )
@@ -222,7 +222,7 @@ def store_case(name: str, store: TieredStore, kv: dict, codec) -> KvfuseCase:
     return KvfuseCase(
         name,
         put=lambda chunks: store.put(_encode_all(keys, chunks, codec)),
-        get=lambda: _decode_all(keys, store.get(keys), check_payload=False),  # store.get verified them
+        get=lambda: [e.chunk() for e in store.get(keys)],  # store.get validated them
         clear=store.clear,
         close=store.close,
     )
@@ -375,10 +375,8 @@ def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
         "copy payloads into fresh bytes": lambda: [bytes(v) for v in views],
         "copy payloads into reused buffers": copy_reused,
         "encode_chunk (hash + header + join)": lambda: [encode_chunk(c, k, codec) for c, k in zip(chunks, keys)],
-        "verify (header + payload checksums)": lambda: [verify(b, k) for b, k in zip(blobs, keys)],
-        "decode_chunk(bytes), checksum": lambda: [decode_chunk(b, k) for b, k in zip(blobs, keys)],
-        "decode_chunk(bytes), no checksum": lambda: [decode_chunk(b, k, check_payload=False)
-                                                     for b, k in zip(blobs, keys)],
+        "verify (header + per-layer checksums)": lambda: [verify(b, k) for b, k in zip(blobs, keys)],
+        "decode_chunk(bytes): checked, decoded": lambda: [decode_chunk(b, k) for b, k in zip(blobs, keys)],
         "readinto fresh np.empty (as DiskTier.get)": lambda: read(lambda i: np.empty(len(blobs[i]), np.uint8)),
         "readinto reused buffers (as raw file)": lambda: read(lambda i: reused[i]),
     }

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from common import DATA, MUSIQUE_DEV, OUT, environment
 
-from kvfuse.tiers.local_redis import LocalRedis
+from kvfuse.testing import LocalRedis
 
 DEV = MUSIQUE_DEV  # musique_s.json: 0-49 dev, 50-149 test (never used here)
 TIERS = ("none", "memory", "disk", "disk-cold", "redis")
@@ -100,6 +100,7 @@ def drop_page_cache() -> str | None:
 def measure(args) -> dict:
     import torch
 
+    from kvfuse.config import default_home
     from kvfuse.engine import CacheOptions, Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
@@ -109,7 +110,7 @@ def measure(args) -> dict:
     tuned = False if args.no_tune_malloc else tune_allocator()  # as open_engine does for a server
     if args.threads:
         torch.set_num_threads(args.threads)
-    home = Path(args.home or os.environ.get("KVFUSE_HOME") or Path.home() / ".cache" / "kvfuse")
+    home = Path(args.home) if args.home else default_home()
     model = load_model("smollm2", home=home, device=args.device, dtype="auto")
     chunk = 256
     one = SamplingParams(max_tokens=1, ignore_eos=True)

@@ -167,8 +167,7 @@ def cmd_generate(args, config: Config) -> int:
                 file=sys.stderr,
             )
     finally:
-        if engine.store is not None:
-            engine.store.close()  # flushes the background writes to disk / Redis
+        engine.close()  # flushes the background writes to disk / Redis
     return 0
 
 
@@ -210,14 +209,20 @@ def cmd_cache(args, config: Config) -> int:
 
 def _inspect(target: str, store) -> int:
     from .kv.format import FormatError, read_header
+    from .kv.keys import ChunkKey
 
     path = Path(target)
     if path.is_file():
         blob, where = path.read_bytes(), str(path)
     else:
+        try:
+            key = ChunkKey.parse(target)
+        except ValueError:
+            raise UserError(f"{target!r} is neither an entry file nor a storage key ('<24 hex>:<p|d|t>:<64 hex>', as "
+                            f"printed in file names with ':' written as '_3A')") from None
         blob, where = None, ""
         for tier in store.tiers[1:]:
-            blob = tier.get(target)
+            blob = tier.get(key)
             if blob is not None:
                 where = tier.name
                 break

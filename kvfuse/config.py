@@ -286,6 +286,13 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
     need(k.codec in codec_names(), "cache.codec", f"unknown codec {k.codec!r}; known codecs: {', '.join(codec_names())}")
 
 
+def default_home(env: Mapping[str, str] | None = None) -> Path:
+    """The kvfuse home when none is given: ``$KVFUSE_HOME`` (of ``env``, default this process's
+    environment) or ``~/.cache/kvfuse``. For code that loads models without a ``Config``."""
+    env = os.environ if env is None else env
+    return Path(env["KVFUSE_HOME"]).expanduser() if env.get("KVFUSE_HOME") else Path.home() / ".cache" / "kvfuse"
+
+
 def load_from_environment(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
     """``load_config`` with this process's environment (the CLI's entry point)."""
     return load_config(path, os.environ, overrides)

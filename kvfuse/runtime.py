@@ -85,4 +85,5 @@ def open_engine(config: Config, model: LoadedModel | None = None, store: TieredS
         codec_level=c.codec_level,
         store_generated=c.store_generated,
         salt=c.salt,
+        max_waiting=config.server.max_queue,
     )

@@ -42,3 +42,19 @@ def _export_kvfuse_home(kvfuse_home):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVFUSE_HOME", str(kvfuse_home))
         yield kvfuse_home
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir, tmp_path_factory):
+    """A function giving the ``LoadedModel`` of a tiny random family with a word tokenizer (loaded once)."""
+    from kvfuse_helpers import tiny_loaded_model, write_word_tokenizer
+
+    tok = write_word_tokenizer(tmp_path_factory.mktemp("word-tokenizer"), 512)
+    loaded: dict[str, object] = {}
+
+    def get(name: str = "llama"):
+        if name not in loaded:
+            loaded[name] = tiny_loaded_model(tiny_model_dir(name), tok)
+        return loaded[name]
+
+    return get

@@ -1,9 +1,17 @@
-"""The codec interface: a KV tensor <-> the payload bytes of one serialized entry."""
+"""The codec interface: a KV tensor <-> the payload bytes of one serialized entry, layer by layer.
+
+A payload is every layer's bytes back to back; the entry's layer table (``kv/format.py``) records
+each layer's size, so a reader can decode one layer, or a range of layers, without the rest. A
+codec therefore encodes and decodes layers independently; ``encode``/``decode`` of a whole
+tensor are the loop over them, which codecs override where they can do better (the raw codec:
+one zero-copy view both ways).
+"""
 
 from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
+from typing import Sequence
 
 import torch
 
@@ -12,6 +20,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Payloads are little-endian; raw tensor bytes are written as they lie in memory.
 assert sys.byteorder == "little", "kvfuse codecs assume a little-endian host"
+
+Buffer = bytes | bytearray | memoryview
 
 
 class CodecError(ValueError):
@@ -35,17 +45,38 @@ class Codec(ABC):
         self.level = level
 
     @abstractmethod
-    def encode(self, kv: torch.Tensor) -> bytes | memoryview:
-        """The payload of ``kv`` (fp16/bf16/fp32). May be a view of ``kv``'s memory: use it before
-        ``kv`` changes."""
+    def encode_layer(self, kv: torch.Tensor) -> Buffer:
+        """The bytes of one layer's KV ``(2, tokens, kv_heads, head_dim)``, contiguous on the CPU."""
 
     @abstractmethod
-    def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A tensor of ``shape`` and ``dtype`` (the chunk's original dtype). May share memory with
-        ``payload`` when the buffer is writable. Raises CodecError on a payload it cannot decode."""
+    def decode_layer(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """One layer's KV of ``shape`` ``(2, tokens, kv_heads, head_dim)`` and ``dtype`` (the chunk's
+        original dtype). Raises CodecError on bytes it cannot decode."""
 
-    def payload_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
-        """Exact payload size for ``shape``/``dtype``, or None when it depends on the data."""
+    def encode(self, kv: torch.Tensor) -> tuple[Buffer, list[int]]:
+        """The payload of ``kv`` (fp16/bf16/fp32) and the size of each layer's part. The payload may
+        be a view of ``kv``'s memory: use it before ``kv`` changes."""
+        kv = check_kv(kv)
+        parts = [memoryview(self.encode_layer(kv[i])).cast("B") for i in range(kv.shape[0])]
+        return b"".join(parts), [len(p) for p in parts]
+
+    def decode(self, data: memoryview, layer_sizes: Sequence[int], shape: tuple[int, ...],
+               dtype: torch.dtype) -> torch.Tensor:
+        """The KV of consecutive layers whose bytes are ``data`` (sizes ``layer_sizes``), each of
+        ``shape`` ``(2, tokens, kv_heads, head_dim)``: a tensor ``(len(layer_sizes), *shape)``.
+        May share memory with ``data`` when the buffer is writable."""
+        if sum(layer_sizes) != len(data):
+            raise CodecError(f"{len(data)} payload bytes for layers of {sum(layer_sizes)} bytes")
+        out = torch.empty((len(layer_sizes), *shape), dtype=dtype)
+        off = 0
+        for i, size in enumerate(layer_sizes):
+            out[i] = self.decode_layer(data[off : off + size], shape, dtype)
+            off += size
+        return out
+
+    def layer_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int | None:
+        """Exact bytes of one layer of ``shape`` ``(2, tokens, kv_heads, head_dim)``, or None when it
+        depends on the data."""
         return None
 
     def __repr__(self) -> str:

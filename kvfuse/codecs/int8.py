@@ -2,7 +2,7 @@
 
 This is the CacheGen paper's 8-bit baseline ("per (layer, token)" quantization): for each
 ``[l, kv, t]`` the ``kv_heads x head_dim`` values share one fp32 scale ``absmax / 127``.
-Payload = ``L*2*T`` fp32 scales (little-endian), then ``L*2*T*H*D`` int8 values.
+A layer's bytes = its ``2*T`` fp32 scales (little-endian), then its ``2*T*H*D`` int8 values.
 The rounding error of a value is at most ``absmax / 254`` of its (layer, K/V, token) row, i.e.
 0.39% of the row's abs-max (plus the output dtype's own rounding when decoding to fp16/bf16).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvfuse.codecs.base import Codec, CodecError, check_kv, numel
+from kvfuse.codecs.base import Codec, CodecError, numel
 
 
 class Int8Codec(Codec):
@@ -22,10 +22,9 @@ class Int8Codec(Codec):
     codec_id = 2
     is_lossless = False
 
-    def encode(self, kv: torch.Tensor) -> bytes:
-        kv = check_kv(kv)
+    def encode_layer(self, kv: torch.Tensor) -> bytes:
         x = kv.float()
-        absmax = x.abs().amax(dim=(3, 4)) if x.numel() else torch.zeros(x.shape[:3])
+        absmax = x.abs().amax(dim=(2, 3)) if x.numel() else torch.zeros(x.shape[:2])
         if not torch.isfinite(absmax).all():
             raise ValueError("int8 codec: the KV tensor contains inf or NaN; it cannot be quantized")
         # An all-zero row gets scale 1 (its values quantize to 0 either way) to avoid dividing by 0.
@@ -33,16 +32,16 @@ class Int8Codec(Codec):
         q = torch.round(x / scale[..., None, None]).clamp_(-127, 127).to(torch.int8)
         return scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
 
-    def decode(self, payload: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        expected = self.payload_size(shape, dtype)
-        if len(payload) != expected:
-            raise CodecError(f"int8 payload is {len(payload)} bytes, shape {shape} needs {expected}")
-        n_scales = numel(shape[:3])
-        scale = torch.from_numpy(np.frombuffer(payload, dtype="<f4", count=n_scales).copy()).view(shape[:3])
+    def decode_layer(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        expected = self.layer_size(shape, dtype)
+        if len(data) != expected:
+            raise CodecError(f"int8 layer is {len(data)} bytes, shape {shape} needs {expected}")
+        n_scales = numel(shape[:2])
+        scale = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=n_scales).copy()).view(shape[:2])
         if not torch.isfinite(scale).all() or (scale < 0).any():
             raise CodecError("int8 payload has invalid scales")
-        q = torch.from_numpy(np.frombuffer(payload, dtype=np.int8, offset=n_scales * 4).copy()).view(shape)
+        q = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=n_scales * 4).copy()).view(shape)
         return (q.float() * scale[..., None, None]).to(dtype)
 
-    def payload_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        return numel(shape[:3]) * 4 + numel(shape)
+    def layer_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
+        return numel(shape[:2]) * 4 + numel(shape)

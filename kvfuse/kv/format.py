@@ -2,20 +2,32 @@
 
 Layout (all integers little-endian)::
 
-    fixed header  "<4sHIHHBB5IIHQQ" (58 bytes):
+    fixed header  "<4sHIHHBB5IIHQ" (50 bytes):
                   magic b"KVFZ", format version u16, header length u32 (= payload offset),
                   codec id u16, codec level u16, dtype code u8, flags u8,
                   shape: 5 x u32 (layers, 2, tokens, kv_heads, head_dim), number of positions u32,
-                  key length u16, payload length u64, payload checksum u64 (xxh3_64)
+                  key length u16, payload length u64
     key           the storage key, UTF-8 (a reader given an expected key rejects any other key)
     positions     flags & 1 (contiguous): one i64, the first position (positions = first + arange(n));
                   otherwise n x i64
+    layer table   one (u64 size, u64 xxh3_64 of the layer's bytes) per layer, in layer order
     padding       zero bytes, so that the payload starts at a multiple of 64 (aligned tensor views)
     checksum      u64 xxh3_64 of every header byte before it
-    payload       the codec's bytes, exactly ``payload length`` of them, nothing after
+    payload       the codec's bytes of layer 0, then layer 1, ...: exactly the sizes of the table
 
-xxh3 is an integrity check (torn writes, bit rot, truncation), not an authentication: tiers are
-trusted storage. Any byte the reader does not fully understand makes the entry a ``FormatError``.
+The layer table is why an entry can be read and decoded one layer (or a range of layers) at a
+time: the header says where each layer's bytes lie and how to check them without the rest
+(layer-wise pipelined loading, vLLM's per-layer save/load). A reader that holds the whole entry
+checks every layer.
+
+The header says how the payload is encoded (codec id and level): keys name a chunk's content, not
+its encoding (``kv/keys.py``), so a reader accepts any registered codec. xxh3 is an integrity
+check (torn writes, bit rot, truncation), not an authentication: tiers are trusted storage.
+
+Validation happens in one place, :func:`open_entry`: every blob a tier hands back goes through it
+(the tiered store calls it), and so does anything read from a file. Anything the reader does not
+fully understand, or that is not what the caller expects (``EntrySpec``: dtype, KV shape, tokens,
+positions), is a ``FormatError``: a miss, never used.
 """
 
 from __future__ import annotations
@@ -34,45 +46,74 @@ if TYPE_CHECKING:
     from kvfuse.codecs.base import Codec
     from kvfuse.kv.keys import ChunkKey
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"KVFZ"
 
-_FIXED = struct.Struct("<4sHIHHBB5IIHQQ")
+_FIXED = struct.Struct("<4sHIHHBB5IIHQ")
+_LAYER = struct.Struct("<QQ")
 _CHECKSUM = struct.Struct("<Q")
 _ALIGN = 64
 _FLAG_CONTIGUOUS = 1
 _KNOWN_FLAGS = _FLAG_CONTIGUOUS
+MIN_READ = 4096  # a header read of this many bytes holds most whole headers (see header_length)
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
+class FormatError(ValueError):
+    """An entry that is not exactly a valid entry of this format version, or not the one expected
+    (a cache miss, never used)."""
+
+
+def _padded_header_len(key_len: int, positions_len: int, num_layers: int) -> int:
+    unpadded = _FIXED.size + key_len + positions_len + _LAYER.size * num_layers + _CHECKSUM.size
+    return -(-unpadded // _ALIGN) * _ALIGN
+
+
+def _as_view(blob: bytes | bytearray | memoryview) -> memoryview:
+    mv = memoryview(blob)
+    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+
+
 class Entry:
-    """An encoded entry kept in parts: the chunk's metadata, the codec's payload, and a header that
-    is built only when the entry is serialized (for the disk tier or Redis).
+    """An encoded entry kept in parts: the chunk's metadata, the codec's payload (every layer, back
+    to back) with each layer's size, and a header built only when the entry is serialized.
 
     For the raw codec the payload is a view of the chunk tensor's own memory: creating an entry
-    copies and hashes nothing, and decoding one from the memory tier is a view again. The payload
-    checksum is computed with the header, in the store's background writer for the lower tiers.
-    An ``Entry`` is an in-process object: the tiered store trusts it (there is no storage between
-    its creation and its use to corrupt it) and verifies every serialized blob instead. Whoever
-    stores an ``Entry`` owns the chunk's memory from then on: it must not be modified.
+    copies and hashes nothing, and decoding one from the memory tier is a view again. The layer
+    checksums are computed with the header, in the store's background writer for the lower tiers.
+    An entry built in this process is trusted (nothing stored it where it could be damaged); a
+    serialized one becomes an ``Entry`` only through :func:`open_entry`. Whoever stores an
+    ``Entry`` owns the chunk's memory from then on: it must not be modified.
     """
 
-    __slots__ = ("key", "codec", "shape", "dtype", "positions", "payload", "header_size", "_header")
+    __slots__ = ("key", "codec", "shape", "dtype", "positions", "payload", "layer_sizes", "header_size", "_offsets",
+                 "_header")
 
     def __init__(self, key: str, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype, positions: torch.Tensor,
-                 payload: memoryview, header: bytes | None = None):
+                 payload: memoryview, layer_sizes: tuple[int, ...], header: bytes | None = None):
         self.key, self.codec, self.shape, self.dtype = key, codec, tuple(shape), dtype
-        self.positions, self.payload, self._header = positions, payload, header
+        self.positions, self.payload, self.layer_sizes, self._header = positions, payload, tuple(layer_sizes), header
+        offsets = [0]
+        for size in self.layer_sizes:
+            offsets.append(offsets[-1] + size)
+        self._offsets = offsets
         self.header_size = len(header) if header is not None else _padded_header_len(
-            len(key.encode("utf-8")), len(_position_bytes(positions)[1]))
+            len(key.encode("utf-8")), len(_position_bytes(positions)[1]), len(self.layer_sizes))
 
     @classmethod
     def from_blob(cls, blob: bytes | bytearray | memoryview) -> Entry:
-        """The entry of a verified one-buffer blob, sharing its memory; FormatError if malformed."""
-        p, payload = _parse(blob)
-        return cls(p.key, _codec_of(p), p.shape, p.dtype, p.positions, payload, bytes(_as_view(blob)[: p.header_len]))
+        """The entry of an intact one-buffer blob, sharing its memory; FormatError otherwise."""
+        return open_entry(blob)
+
+    @property
+    def num_layers(self) -> int:
+        return self.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.shape[2]
 
     @property
     def header(self) -> bytes:
@@ -97,9 +138,27 @@ class Entry:
         out[self.header_size :] = self.payload
         return out
 
+    def layer_bytes(self, first: int, last: int) -> memoryview:
+        """The payload bytes of layers ``[first, last)`` (a view)."""
+        return self.payload[self._offsets[first] : self._offsets[last]]
+
+    def decode(self, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """The KV of layers ``[first, last)``, ``(n, 2, tokens, kv_heads, head_dim)``; for the raw
+        codec a view of the payload (do not modify it). FormatError if the codec rejects it."""
+        from kvfuse.codecs.base import CodecError
+
+        last = self.num_layers if last is None else last
+        if not 0 <= first <= last <= self.num_layers:
+            raise ValueError(f"layers [{first}, {last}) are outside [0, {self.num_layers})")
+        try:
+            return self.codec.decode(self.layer_bytes(first, last), self.layer_sizes[first:last], self.shape[1:],
+                                     self.dtype)
+        except CodecError as e:
+            raise FormatError(f"{self.codec.name} payload does not decode: {e}") from None
+
     def chunk(self) -> KVChunk:
-        """The KV chunk (for the raw codec a view of the payload: do not modify it)."""
-        return KVChunk(kv=self.codec.decode(self.payload, self.shape, self.dtype), positions=self.positions)
+        """The whole KV chunk (for the raw codec a view of the payload: do not modify it)."""
+        return KVChunk(kv=self.decode(), positions=self.positions)
 
     def __eq__(self, other) -> bool:
         other = other.join() if isinstance(other, Entry) else other
@@ -110,12 +169,39 @@ class Entry:
 
     __hash__ = None  # mutable memory underneath, like bytearray
 
+    def __repr__(self) -> str:
+        return f"Entry({self.key!r}, {self.codec!r}, shape={self.shape}, {len(self)} bytes)"
+
 
 Blob = bytes | bytearray | memoryview | Entry
 
 
-class FormatError(ValueError):
-    """An entry that is not exactly a valid entry of this format version (a cache miss, never used)."""
+@dataclass(frozen=True)
+class EntrySpec:
+    """What the reader expects of an entry beyond its integrity: the KV dtype and layout, and
+    optionally the number of tokens and the first of their (contiguous) positions."""
+
+    dtype: torch.dtype
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int | None = None
+    first_position: int | None = None
+
+    def check(self, e: Entry) -> None:
+        """FormatError naming the first mismatch."""
+        if e.dtype != self.dtype:
+            raise FormatError(f"entry KV dtype {e.dtype}, expected {self.dtype}")
+        L, _, T, H, D = e.shape
+        if (L, H, D) != (self.num_layers, self.kv_heads, self.head_dim):
+            raise FormatError(f"entry KV layout L{L}xH{H}xD{D}, expected "
+                              f"L{self.num_layers}xH{self.kv_heads}xD{self.head_dim}")
+        if self.tokens is not None and T != self.tokens:
+            raise FormatError(f"entry holds {T} tokens, expected {self.tokens}")
+        if self.first_position is not None:
+            expected = torch.arange(self.first_position, self.first_position + T)
+            if not torch.equal(e.positions, expected):
+                raise FormatError(f"entry positions do not start at {self.first_position} contiguously")
 
 
 @dataclass(frozen=True)
@@ -134,38 +220,78 @@ class EntryHeader:
     positions_contiguous: bool
     header_size: int
     payload_size: int
-    payload_ok: bool  # payload present at its declared length, checksum matches, no trailing bytes
+    layer_sizes: tuple[int, ...]
+    payload_ok: bool  # every layer present at its declared size, checksums match, no trailing bytes
 
 
-@dataclass(frozen=True)
-class _Parsed:
-    key: str
-    codec_id: int
-    level: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    positions: torch.Tensor
-    contiguous: bool
-    header_len: int
-    payload_len: int
-    payload_checksum: int
+class Header:
+    """A parsed, checked header: enough to find, check and decode any layer range of the payload.
+    (A plain slotted class: it is built for every entry read, and a frozen dataclass's
+    ``__init__`` costs several times more.)"""
 
+    __slots__ = ("key", "codec", "dtype", "shape", "positions", "contiguous", "header_len", "layer_sizes",
+                 "layer_checksums", "raw")
 
-def _padded_header_len(key_len: int, positions_len: int) -> int:
-    unpadded = _FIXED.size + key_len + positions_len + _CHECKSUM.size
-    return -(-unpadded // _ALIGN) * _ALIGN
+    def __init__(self, key: str, codec: Codec, dtype: torch.dtype, shape: tuple[int, ...], positions: torch.Tensor,
+                 contiguous: bool, header_len: int, layer_sizes: tuple[int, ...], layer_checksums: tuple[int, ...],
+                 raw: bytes):
+        self.key, self.codec, self.dtype, self.shape, self.positions = key, codec, dtype, shape, positions
+        self.contiguous, self.header_len, self.raw = contiguous, header_len, raw
+        self.layer_sizes, self.layer_checksums = layer_sizes, layer_checksums
+
+    @property
+    def payload_len(self) -> int:
+        return sum(self.layer_sizes)
+
+    def layer_span(self, first: int, last: int) -> tuple[int, int]:
+        """``[start, stop)`` byte offsets of layers ``[first, last)`` from the start of the entry."""
+        if not 0 <= first <= last <= len(self.layer_sizes):
+            raise ValueError(f"layers [{first}, {last}) are outside [0, {len(self.layer_sizes)})")
+        start = self.header_len + sum(self.layer_sizes[:first])
+        return start, start + sum(self.layer_sizes[first:last])
+
+    def check_layers(self, data: memoryview, first: int, last: int) -> None:
+        """FormatError unless ``data`` is exactly the intact bytes of layers ``[first, last)``."""
+        expected = sum(self.layer_sizes[first:last])
+        if len(data) != expected:
+            kind = "truncated" if len(data) < expected else "trailing bytes after"
+            raise FormatError(f"{kind} payload ({len(data)} bytes, header says {expected})")
+        off, digest = 0, xxhash.xxh3_64_intdigest
+        for i, size, checksum in zip(range(first, last), self.layer_sizes[first:last], self.layer_checksums[first:last]):
+            if digest(data[off : off + size]) != checksum:
+                raise FormatError(f"payload checksum mismatch in layer {i}")
+            off += size
+
+    def decode_layers(self, data: memoryview, first: int, last: int) -> torch.Tensor:
+        """Check and decode the bytes of layers ``[first, last)`` (read on their own); FormatError."""
+        from kvfuse.codecs.base import CodecError
+
+        self.check_layers(data, first, last)
+        try:
+            return self.codec.decode(data, self.layer_sizes[first:last], self.shape[1:], self.dtype)
+        except CodecError as e:
+            raise FormatError(f"{self.codec.name} payload does not decode: {e}") from None
+
+    def entry(self, payload: memoryview) -> Entry:
+        return Entry(self.key, self.codec, self.shape, self.dtype, self.positions, payload, self.layer_sizes, self.raw)
 
 
 def encode_entry(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> Entry:
     """Encode ``chunk`` under storage key ``key`` with ``codec``; copies nothing for the raw codec
-    and defers the header (and its payload checksum) until the entry is serialized."""
+    and defers the header (and its layer checksums) until the entry is serialized."""
     if chunk.dtype not in _DTYPE_CODES:
         raise ValueError(f"KV dtype {chunk.dtype} is not supported; use one of {list(_DTYPE_CODES)}")
     key = str(key)
     if len(key.encode("utf-8")) > 0xFFFF:
         raise ValueError(f"storage key is {len(key.encode('utf-8'))} bytes; at most 65535 fit in an entry")
-    payload = _as_view(codec.encode(chunk.kv))
-    return Entry(key, codec, tuple(chunk.kv.shape), chunk.dtype, chunk.positions.detach().cpu(), payload)
+    payload, sizes = codec.encode(chunk.kv)
+    return Entry(key, codec, tuple(chunk.kv.shape), chunk.dtype, chunk.positions.detach().cpu(), _as_view(payload),
+                 tuple(sizes))
+
+
+def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytearray:
+    """``encode_entry`` as one contiguous, writable buffer (what a file or a Redis value holds)."""
+    return encode_entry(chunk, key, codec).join()
 
 
 def _position_bytes(pos: torch.Tensor) -> tuple[bool, bytes]:
@@ -180,45 +306,47 @@ def _position_bytes(pos: torch.Tensor) -> tuple[bool, bytes]:
 def _build_header(e: Entry) -> bytes:
     key_bytes = e.key.encode("utf-8")
     contiguous, pos_bytes = _position_bytes(e.positions)
-    header_len = _padded_header_len(len(key_bytes), len(pos_bytes))
-    padding = bytes(header_len - _FIXED.size - len(key_bytes) - len(pos_bytes) - _CHECKSUM.size)
+    table = b"".join(_LAYER.pack(size, xxhash.xxh3_64_intdigest(e.layer_bytes(i, i + 1)))
+                     for i, size in enumerate(e.layer_sizes))
+    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes))
+    padding = bytes(header_len - _FIXED.size - len(key_bytes) - len(pos_bytes) - len(table) - _CHECKSUM.size)
     fixed = _FIXED.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        header_len,
-        e.codec.codec_id,
-        e.codec.level,
-        _DTYPE_CODES[e.dtype],
-        _FLAG_CONTIGUOUS if contiguous else 0,
-        *e.shape,
-        e.positions.shape[0],
-        len(key_bytes),
-        e.payload.nbytes,
-        xxhash.xxh3_64_intdigest(e.payload),
+        MAGIC, FORMAT_VERSION, header_len, e.codec.codec_id, e.codec.level, _DTYPE_CODES[e.dtype],
+        _FLAG_CONTIGUOUS if contiguous else 0, *e.shape, e.positions.shape[0], len(key_bytes), e.payload.nbytes,
     )
-    head = b"".join((fixed, key_bytes, pos_bytes, padding))
+    head = b"".join((fixed, key_bytes, pos_bytes, table, padding))
     return head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
-def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytearray:
-    """``encode_entry`` as one contiguous, writable buffer (what a file or a Redis value holds)."""
-    return encode_entry(chunk, key, codec).join()
+def header_length(prefix: bytes | bytearray | memoryview) -> int:
+    """The total header length announced by the first bytes of an entry (at least the fixed part),
+    so that a reader of a layer range knows how much to read first; FormatError if not an entry."""
+    mv = _as_view(prefix)
+    _check_version(mv)
+    if len(mv) < _FIXED.size:
+        raise FormatError(f"truncated header ({len(mv)} bytes)")
+    return _FIXED.unpack_from(mv)[2]
 
 
-def _parse_header(mv: memoryview) -> _Parsed:
-    """Parse and check everything up to the payload; raises FormatError."""
+def _check_version(mv: memoryview) -> None:
     if len(mv) < 6 or bytes(mv[:4]) != MAGIC:
         raise FormatError("not a kvfuse entry (bad magic)")
     (version,) = struct.unpack_from("<H", mv, 4)
     if version != FORMAT_VERSION:
         raise FormatError(f"entry format version {version}; this build reads version {FORMAT_VERSION}")
+
+
+def parse_header(blob: bytes | bytearray | memoryview) -> Header:
+    """Parse and check everything up to the payload (``blob`` may hold only the header); FormatError."""
+    mv = _as_view(blob)
+    _check_version(mv)
     if len(mv) < _FIXED.size:
         raise FormatError(f"truncated header ({len(mv)} bytes)")
     (_, _, header_len, codec_id, level, dtype_code, flags, *rest) = _FIXED.unpack_from(mv)
-    shape, (n_pos, key_len, payload_len, payload_checksum) = tuple(rest[:5]), rest[5:]
+    shape, (n_pos, key_len, payload_len) = tuple(rest[:5]), rest[5:]
     contiguous = bool(flags & _FLAG_CONTIGUOUS)
     pos_len = 8 if contiguous else 8 * n_pos
-    if header_len != _padded_header_len(key_len, pos_len):
+    if header_len != _padded_header_len(key_len, pos_len, shape[0]):
         raise FormatError(f"inconsistent header length {header_len}")
     if len(mv) < header_len:
         raise FormatError(f"truncated header ({len(mv)} of {header_len} bytes)")
@@ -245,136 +373,108 @@ def _parse_header(mv: memoryview) -> _Parsed:
         positions = torch.arange(start, start + n_pos, dtype=torch.int64)
     else:
         positions = torch.from_numpy(np.frombuffer(mv, dtype="<i8", count=n_pos, offset=off).astype(np.int64))
-    if any(mv[off + pos_len : header_len - _CHECKSUM.size]):
+    off += pos_len
+    table = struct.unpack_from(f"<{2 * shape[0]}Q", mv, off)  # (size, checksum) per layer
+    off += _LAYER.size * shape[0]
+    padding = bytes(mv[off : header_len - _CHECKSUM.size])
+    if padding != bytes(len(padding)):
         raise FormatError("non-zero header padding")
-    return _Parsed(
-        key, codec_id, level, _CODE_DTYPES[dtype_code], shape, positions, contiguous, header_len, payload_len,
-        payload_checksum,
-    )
+    sizes = table[0::2]
+    if sum(sizes) != payload_len:
+        raise FormatError(f"layer sizes add up to {sum(sizes)}, payload length says {payload_len}")
+    dtype = _CODE_DTYPES[dtype_code]
+    codec = _codec_of(codec_id, level)
+    expected = codec.layer_size(shape[1:], dtype)
+    if expected is not None and sizes.count(expected) != len(sizes):
+        raise FormatError(f"payload length {payload_len} does not match {codec.name} {shape} ({expected} per layer)")
+    return Header(key, codec, dtype, shape, positions, contiguous, header_len, sizes, table[1::2],
+                  bytes(mv[:header_len]))
 
 
-def _parse(blob: Blob) -> tuple[_Parsed, memoryview]:
-    """The parsed header and the payload view of a one-buffer blob or an ``Entry``; checks lengths."""
-    if isinstance(blob, Entry):
-        head = _as_view(blob.header)
-        p = _parse_header(head)
-        if len(head) != p.header_len:
-            raise FormatError(f"entry header is {len(head)} bytes, it says {p.header_len}")
-        payload = _as_view(blob.payload)
-    else:
-        mv = _as_view(blob)
-        p = _parse_header(mv)
-        payload = mv[p.header_len :]
-    if len(payload) != p.payload_len:
-        kind = "truncated" if len(payload) < p.payload_len else "trailing bytes after"
-        raise FormatError(f"{kind} payload ({len(payload)} bytes, header says {p.payload_len})")
-    return p, payload
-
-
-def _check_payload(payload: memoryview, p: _Parsed) -> None:
-    if xxhash.xxh3_64_intdigest(payload) != p.payload_checksum:
-        raise FormatError("payload checksum mismatch")
-
-
-def _codec_of(p: _Parsed) -> Codec:
+def _codec_of(codec_id: int, level: int) -> Codec:
     from kvfuse.codecs import get_codec_by_id  # imported here: codecs -> format is the other direction
 
     try:
-        codec = get_codec_by_id(p.codec_id, p.level)
+        return get_codec_by_id(codec_id, level)
     except ValueError as e:
         raise FormatError(str(e)) from None
-    expected = codec.payload_size(p.shape, p.dtype)
-    if expected is not None and expected != p.payload_len:
-        raise FormatError(f"payload length {p.payload_len} does not match {codec.name} {p.shape} ({expected})")
-    return codec
 
 
-def _check_key(p: _Parsed, expected_key: ChunkKey | str | None) -> None:
-    if expected_key is not None and p.key != str(expected_key):
-        raise FormatError(f"entry holds key {p.key!r}, expected {str(expected_key)!r}")
+def _check_key(key: str, expected_key: ChunkKey | str | None) -> None:
+    if expected_key is not None and key != str(expected_key):
+        raise FormatError(f"entry holds key {key!r}, expected {str(expected_key)!r}")
 
 
-def _as_view(blob: bytes | bytearray | memoryview) -> memoryview:
-    mv = memoryview(blob)
-    return mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: EntrySpec | None = None) -> Entry:
+    """The one validation path: the checked ``Entry`` of ``blob`` (sharing its memory), or a
+    FormatError saying what is wrong.
 
-
-def decode_chunk(blob: Blob, expected_key: ChunkKey | str | None = None, *, check_payload: bool = True) -> KVChunk:
-    """Decode an entry; FormatError on anything not fully understood or not intact.
-
-    For the raw codec the returned tensor shares memory with ``blob`` when its payload is writable
-    (an ``Entry`` from the memory tier, the disk tier's fresh read buffer: zero-copy); a read-only
-    ``bytes`` blob is copied once. Do not modify a decoded tensor: it may be the cached entry.
-    ``check_payload=False`` skips only the payload checksum, for a blob that was just checked by
-    :func:`verify` (``TieredStore.get`` returns verified entries): the payload is hashed once.
+    A serialized blob is fully checked: header, every layer's checksum, lengths, a known codec
+    and dtype, the key. An ``Entry`` built in this process is trusted and only its key is checked.
+    Either way ``spec``, when given, must match. For the raw codec, decoding the result is
+    zero-copy when the blob's memory is writable (a fresh read buffer); a read-only ``bytes``
+    blob is decoded through one private copy.
     """
-    if isinstance(blob, Entry):  # an in-process entry: nothing was stored, nothing to check
-        if expected_key is not None and blob.key != str(expected_key):
-            raise FormatError(f"entry holds key {blob.key!r}, expected {str(expected_key)!r}")
-        return blob.chunk()
-    p, payload = _parse(blob)
-    _check_key(p, expected_key)
-    codec = _codec_of(p)
-    if check_payload:
-        _check_payload(payload, p)
-    try:
-        kv = codec.decode(payload, p.shape, p.dtype)
-        return KVChunk(kv=kv, positions=p.positions)
-    except ValueError as e:
-        raise FormatError(f"{codec.name} payload does not decode: {e}") from None
-
-
-def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None) -> Entry | None:
-    """The ``Entry`` of a serialized blob after a full check (as ``verify``), sharing its memory;
-    None when the blob is not an intact entry. One parse serves the check and every later use."""
     if isinstance(blob, Entry):
-        return blob if verify(blob, expected_key) else None
-    try:
-        p, payload = _parse(blob)
-        _check_key(p, expected_key)
-        codec = _codec_of(p)
-        _check_payload(payload, p)
-    except (FormatError, TypeError):
-        return None
-    return Entry(p.key, codec, p.shape, p.dtype, p.positions, payload, bytes(_as_view(blob)[: p.header_len]))
+        entry = blob
+        _check_key(entry.key, expected_key)
+    else:
+        try:
+            mv = _as_view(blob)
+        except TypeError:
+            raise FormatError(f"not a buffer: {type(blob).__name__}") from None
+        h = parse_header(mv)
+        _check_key(h.key, expected_key)
+        payload = mv[h.header_len :]
+        h.check_layers(payload, 0, len(h.layer_sizes))
+        entry = h.entry(payload)
+    if spec is not None:
+        spec.check(entry)
+    return entry
 
 
 def verify(blob: Blob, expected_key: ChunkKey | str | None = None) -> bool:
-    """True when ``blob`` is an intact entry (both checksums, lengths, known codec/dtype, key);
-    no tensor is decoded. The tiers' validator."""
+    """True when ``blob`` is an intact entry (as :func:`open_entry` checks it); decodes nothing."""
     try:
-        p, payload = _parse(blob)
-        _check_key(p, expected_key)
-        _codec_of(p)
-        _check_payload(payload, p)
-    except (FormatError, TypeError):
+        open_entry(blob, expected_key)
+    except FormatError:
         return False
     return True
+
+
+def decode_chunk(blob: Blob, expected_key: ChunkKey | str | None = None) -> KVChunk:
+    """The KV chunk of an entry after the full check of :func:`open_entry`; FormatError otherwise.
+
+    Do not modify the returned tensor: for the raw codec it may be the cached entry's memory.
+    """
+    return open_entry(blob, expected_key).chunk()
 
 
 def read_header(blob: Blob) -> EntryHeader:
     """The header of an entry, for inspection; FormatError if the header itself is not intact.
     A damaged or missing payload is reported as ``payload_ok=False``."""
-    p = _parse_header(_as_view(blob.header if isinstance(blob, Entry) else blob))
-    codec = _codec_of(p)
+    mv = _as_view(blob.header if isinstance(blob, Entry) else blob)
+    h = parse_header(mv)
     try:
-        _check_payload(_parse(blob)[1], p)
+        payload = _as_view(blob.payload) if isinstance(blob, Entry) else mv[h.header_len :]
+        h.check_layers(payload, 0, len(h.layer_sizes))
         payload_ok = True
     except FormatError:
         payload_ok = False
-    n = p.positions.shape[0]
+    n = h.positions.shape[0]
     return EntryHeader(
-        key=p.key,
-        codec=codec.name,
-        codec_id=p.codec_id,
-        level=p.level,
-        dtype=str(p.dtype).removeprefix("torch."),
-        shape=p.shape,
+        key=h.key,
+        codec=h.codec.name,
+        codec_id=h.codec.codec_id,
+        level=h.codec.level,
+        dtype=str(h.dtype).removeprefix("torch."),
+        shape=h.shape,
         num_positions=n,
-        first_position=int(p.positions[0]) if n else None,
-        last_position=int(p.positions[-1]) if n else None,
-        positions_contiguous=p.contiguous,
-        header_size=p.header_len,
-        payload_size=p.payload_len,
+        first_position=int(h.positions[0]) if n else None,
+        last_position=int(h.positions[-1]) if n else None,
+        positions_contiguous=h.contiguous,
+        header_size=h.header_len,
+        payload_size=h.payload_len,
+        layer_sizes=h.layer_sizes,
         payload_ok=payload_ok,
     )

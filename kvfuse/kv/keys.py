@@ -1,4 +1,4 @@
-"""Deterministic chunk keys: a namespace digest, a hash chain over full chunks, document keys.
+"""Deterministic chunk keys: a namespace digest, a hash chain over full chunks, document and tail keys.
 
 Everything here is a pure function of its inputs and of an explicit byte encoding (length-prefixed
 UTF-8 strings, little-endian integers, SHA-256), so keys are identical across processes, machines
@@ -6,21 +6,29 @@ and Python versions. Builtin ``hash()`` is never used: it is salted per process.
 
 Encoding (``u32``/``u64`` little-endian, ``str`` = ``u32 byte length + UTF-8``)::
 
-    namespace  = SHA256(b"kvfuse.ns\\0" str(model_fingerprint) str(kv_dtype) str(kv_layout)
-                        str(codec) u32(codec_level) u32(format_version) str(tenant) str(salt))
+    namespace  = SHA256(b"kvfuse.ns.v2\\0" str(model_fingerprint) str(kv_dtype) str(kv_layout)
+                        u32(format_version) str(tenant) str(salt))
     tenant_tag = SHA256(b"kvfuse.tenant\\0" str(tenant)), first 8 hex chars
     h_root     = SHA256(b"kvfuse.root.v1\\0" namespace)
     h_i        = SHA256(b"kvfuse.prefix\\0" h_{i-1} u32(len_i) tokens_i as u32...)
     document   = SHA256(b"kvfuse.doc\\0" namespace u64(len) tokens as u32...)
+    tail       = SHA256(b"kvfuse.tail\\0" h_parent u64(len) tokens as u32...)   (h_parent: h_root or a prefix h_i)
 
-Storage keys print as ``<tenant_tag 8 hex><namespace 16 hex>:<p|d>:<digest 64 hex>``: prefix and
-document keys use distinct domain tags (``:p:`` / ``:d:``), so a document key can never equal a
-prefix key, and every entry of one tenant (whatever its model, codec or salt) shares the readable
-prefix ``tenant_tag``, so a tenant's entries can be deleted by prefix.
+A key names a chunk's *content*, not its encoding: the codec and its level are not in the
+namespace. The entry header says how an entry is encoded (``kv/format.py``), a lookup accepts any
+registered codec, and one chunk may be stored at several levels (CacheGen) under one key. What
+must match for KV to be valid (the model, the KV dtype and layout, the format version, the
+tenant and salt) is in the namespace, so a different model or format is a different key: a miss.
+
+Storage keys print as ``<tenant_tag 8 hex><namespace 16 hex>:<kind>:<digest 64 hex>`` with kind
+``p`` (prefix), ``d`` (document) or ``t`` (tail): distinct domain tags make the kinds' digests
+disjoint, and every entry of one tenant (whatever its model or salt) shares the readable prefix
+``tenant_tag``, so a tenant's entries can be deleted by prefix.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import re
 import struct
@@ -32,16 +40,27 @@ import torch
 
 from kvfuse.kv.format import FORMAT_VERSION
 
-_NS_TAG = b"kvfuse.ns\x00"
+_NS_TAG = b"kvfuse.ns.v2\x00"
 _TENANT_TAG = b"kvfuse.tenant\x00"
 _ROOT_TAG = b"kvfuse.root.v1\x00"
 _PREFIX_TAG = b"kvfuse.prefix\x00"
 _DOC_TAG = b"kvfuse.doc\x00"
+_TAIL_TAG = b"kvfuse.tail\x00"
 
 _U32_MAX = 2**32 - 1
-_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dp]):([0-9a-f]{64})$")
+_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dpt]):([0-9a-f]{64})$")
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
+
+
+class ChunkKind(enum.Enum):
+    """What a key names: a chunk of a prompt's prefix (its key chains over every earlier chunk), a
+    document cached on its own (reusable at any position), or the partial last chunk after a
+    prefix chain (a conversation's tail)."""
+
+    PREFIX = "p"
+    DOCUMENT = "d"
+    TAIL = "t"
 
 
 def layout_of(num_layers: int, kv_heads: int, head_dim: int) -> str:
@@ -59,31 +78,28 @@ def _str_field(value: str) -> bytes:
 
 @dataclass(frozen=True)
 class Namespace:
-    """Everything that must match for a cached chunk to be valid: model, KV shape/dtype, codec,
-    format version, the tenant (an API key's owner; "" = anonymous) and a salt (a namespace inside
-    the tenant: the deployment's salt and a request's ``cache_salt``)."""
+    """Everything that must match for a cached chunk to be valid: the model, the KV shape and dtype,
+    the format version, the tenant (an API key's owner; "" = anonymous) and a salt (a namespace
+    inside the tenant: the deployment's salt and a request's ``cache_salt``)."""
 
     model_fingerprint: str
     kv_dtype: str
     kv_layout: str
-    codec: str
-    codec_level: int = 0
     format_version: int = FORMAT_VERSION
     salt: str = ""
     tenant: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("model_fingerprint", "kv_dtype", "kv_layout", "codec"):
+        for name in ("model_fingerprint", "kv_dtype", "kv_layout"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"Namespace.{name} must be a non-empty string, got {value!r}")
         for name in ("salt", "tenant"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"Namespace.{name} must be a string (use '' for none), got {getattr(self, name)!r}")
-        for name in ("codec_level", "format_version"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _U32_MAX:
-                raise ValueError(f"Namespace.{name} must be an int in [0, 2**32), got {value!r}")
+        v = self.format_version
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _U32_MAX:
+            raise ValueError(f"Namespace.format_version must be an int in [0, 2**32), got {v!r}")
 
     def encode(self) -> bytes:
         """The unambiguous byte encoding the digest is computed over."""
@@ -93,8 +109,7 @@ class Namespace:
                 _str_field(self.model_fingerprint),
                 _str_field(self.kv_dtype),
                 _str_field(self.kv_layout),
-                _str_field(self.codec),
-                struct.pack("<II", self.codec_level, self.format_version),
+                struct.pack("<I", self.format_version),
                 _str_field(self.tenant),
                 _str_field(self.salt),
             )
@@ -119,30 +134,36 @@ def tenant_tag(tenant: str) -> str:
     return hashlib.sha256(_TENANT_TAG + _str_field(tenant)).hexdigest()[:8]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkKey:
-    """A chunk's identity. ``str(key)`` is the storage key in every tier (file names, Redis keys)."""
+    """A chunk's identity, passed unchanged from the planner down to the tiers. ``str(key)`` is
+    the storage key in every tier (file names, Redis keys) and inside every entry's header."""
 
     namespace_id: str
     digest: bytes
-    position_independent: bool
+    kind: ChunkKind
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace_id, str) or not re.fullmatch(r"[0-9a-f]{24}", self.namespace_id):
             raise ValueError(f"ChunkKey.namespace_id must be 24 lowercase hex chars, got {self.namespace_id!r}")
         if not isinstance(self.digest, bytes) or len(self.digest) != 32:
             raise ValueError(f"ChunkKey.digest must be 32 bytes, got {self.digest!r}")
+        if not isinstance(self.kind, ChunkKind):
+            raise ValueError(f"ChunkKey.kind must be a ChunkKind, got {self.kind!r}")
 
     def __str__(self) -> str:
-        return f"{self.namespace_id}:{'d' if self.position_independent else 'p'}:{self.digest.hex()}"
+        return f"{self.namespace_id}:{self.kind.value}:{self.digest.hex()}"
+
+    def __repr__(self) -> str:
+        return f"ChunkKey({self.kind.name.lower()} {self.namespace_id}:{self.digest.hex()[:12]}...)"
 
     @classmethod
     def parse(cls, s: str) -> ChunkKey:
         """Inverse of ``str(key)``; raises ValueError on anything not in exactly that form."""
         m = _KEY_RE.match(s) if isinstance(s, str) else None
         if m is None:
-            raise ValueError(f"not a chunk key (expected '<24 hex>:<d|p>:<64 hex>'): {s!r}")
-        return cls(m.group(1), bytes.fromhex(m.group(3)), m.group(2) == "d")
+            raise ValueError(f"not a chunk key (expected '<24 hex>:<p|d|t>:<64 hex>'): {s!r}")
+        return cls(m.group(1), bytes.fromhex(m.group(3)), ChunkKind(m.group(2)))
 
 
 def _token_bytes(tokens: Tokens) -> np.ndarray:
@@ -173,6 +194,10 @@ def chunk_spans(n_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(i * chunk_size, (i + 1) * chunk_size) for i in range(n_tokens // chunk_size)]
 
 
+def _root(namespace: Namespace) -> bytes:
+    return hashlib.sha256(_ROOT_TAG + namespace.digest()).digest()
+
+
 def prefix_keys(tokens: Tokens, chunk_size: int, namespace: Namespace) -> list[ChunkKey]:
     """Keys of the full chunks of ``tokens``; key i depends on every token of chunks 0..i.
 
@@ -180,14 +205,13 @@ def prefix_keys(tokens: Tokens, chunk_size: int, namespace: Namespace) -> list[C
     """
     arr = _token_bytes(tokens)
     spans = chunk_spans(len(arr), chunk_size)
-    ns_digest = namespace.digest()
     ns_id = namespace.short_id()
-    h = hashlib.sha256(_ROOT_TAG + ns_digest).digest()
+    h = _root(namespace)
     length = struct.pack("<I", chunk_size)
     keys = []
     for start, end in spans:
         h = hashlib.sha256(b"".join((_PREFIX_TAG, h, length, arr[start:end].tobytes()))).digest()
-        keys.append(ChunkKey(ns_id, h, position_independent=False))
+        keys.append(ChunkKey(ns_id, h, ChunkKind.PREFIX))
     return keys
 
 
@@ -196,6 +220,19 @@ def document_key(tokens: Tokens, namespace: Namespace) -> ChunkKey:
     arr = _token_bytes(tokens)
     if len(arr) == 0:
         raise ValueError("document_key: the document has no tokens")
-    ns_digest = namespace.digest()
-    h = hashlib.sha256(b"".join((_DOC_TAG, ns_digest, struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
-    return ChunkKey(namespace.short_id(), h, position_independent=True)
+    h = hashlib.sha256(b"".join((_DOC_TAG, namespace.digest(), struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
+    return ChunkKey(namespace.short_id(), h, ChunkKind.DOCUMENT)
+
+
+def tail_key(parent: ChunkKey | None, tokens: Tokens, namespace: Namespace) -> ChunkKey:
+    """Key of the partial chunk ``tokens`` that follows the prefix chunk ``parent`` (None: the
+    tail is the whole prompt). Like a prefix key it depends on every earlier token, through the
+    parent's chain; its own tokens are length-prefixed, so no tail equals another's extension."""
+    arr = _token_bytes(tokens)
+    if len(arr) == 0:
+        raise ValueError("tail_key: the tail has no tokens")
+    if parent is not None and (parent.kind is not ChunkKind.PREFIX or parent.namespace_id != namespace.short_id()):
+        raise ValueError("tail_key: the parent must be a prefix key of the same namespace")
+    h = _root(namespace) if parent is None else parent.digest
+    digest = hashlib.sha256(b"".join((_TAIL_TAG, h, struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
+    return ChunkKey(namespace.short_id(), digest, ChunkKind.TAIL)

@@ -67,15 +67,30 @@ class KVCache:
         kv = self.kv[:, :, :, start:end].transpose(2, 3).to("cpu", copy=True).contiguous()
         return KVChunk(kv=kv, positions=self.positions[start:end].to("cpu", copy=True))
 
+    def write(self, start: int, kv: torch.Tensor, positions: torch.Tensor, first_layer: int = 0) -> None:
+        """Put ``kv`` (chunk layout ``(layers, 2, tokens, kv_heads, head_dim)``, any device) into slots
+        ``[start, start + tokens)`` of layers ``first_layer..``, at ``positions``; the valid slots
+        grow to cover them. Keys are taken as they are: moving them is ``Transformer.move_keys``."""
+        c = self.config
+        n_layers, _, n, heads, dim = kv.shape
+        if kv.dim() != 5 or kv.shape[1] != 2 or (heads, dim) != (c.num_kv_heads, c.head_dim) or \
+                not 0 <= first_layer <= first_layer + n_layers <= c.num_layers:
+            raise ValueError(f"KV of shape {tuple(kv.shape)} at layer {first_layer} does not fit this model's KV "
+                             f"({c.num_layers} layers, {c.num_kv_heads} heads, dim {c.head_dim})")
+        if positions.shape != (n,):
+            raise ValueError(f"{n} tokens but positions of shape {tuple(positions.shape)}")
+        if not 0 <= start <= self.length:
+            raise ValueError(f"slot {start} would leave a gap after the {self.length} valid slots")
+        end = start + n
+        self.reserve(end)
+        self.kv[first_layer : first_layer + n_layers, :, :, start:end] = kv.transpose(2, 3).to(self.device, self.dtype)
+        self.positions[start:end] = positions.to(self.device)
+        self.length = max(self.length, end)
+
     def append_chunk(self, chunk: KVChunk) -> None:
         """Append a chunk's KV and positions after the valid slots."""
         c = self.config
         expected = (c.num_layers, 2, chunk.num_tokens, c.num_kv_heads, c.head_dim)
         if tuple(chunk.kv.shape) != expected:
             raise ValueError(f"chunk shape {tuple(chunk.kv.shape)} does not fit this model's KV {expected}")
-        start = self.length
-        self.reserve(start + chunk.num_tokens)
-        end = start + chunk.num_tokens
-        self.kv[:, :, :, start:end] = chunk.kv.transpose(2, 3).to(self.device, self.dtype)
-        self.positions[start:end] = chunk.positions.to(self.device)
-        self.length = end
+        self.write(self.length, chunk.kv, chunk.positions)

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import default_home
 from .loader import sha256_file
 
 log = logging.getLogger(__name__)
@@ -121,11 +122,6 @@ BUILTIN: dict[str, BuiltinModel] = {
         ),
     )
 }
-
-
-def default_home() -> Path:
-    """``$KVFUSE_HOME`` or ``~/.cache/kvfuse`` (the configuration layer passes it explicitly)."""
-    return Path(os.environ.get("KVFUSE_HOME") or Path.home() / ".cache" / "kvfuse")
 
 
 def builtin(name: str) -> BuiltinModel:

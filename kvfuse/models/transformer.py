@@ -26,7 +26,6 @@ import torch.nn.functional as F
 
 from . import rope
 from .attention import attend
-from ..kv.chunk import KVChunk
 from .cache import KVCache
 from .config import ModelConfig
 
@@ -90,10 +89,14 @@ class Transformer:
         cache: KVCache,
         positions: torch.Tensor | None = None,
         logits: str = "last",
+        start: int | None = None,
     ) -> torch.Tensor | None:
-        """Run all layers over ``tokens``, appended after the cache's valid slots.
+        """Run all layers over ``tokens``, written to slots ``start..`` (default: after the cache's
+        valid slots; an earlier ``start`` replaces what those slots held).
 
-        ``positions`` default to continuing the cache (``cache.next_position``). ``logits`` is
+        ``positions`` default to continuing the cache (``cache.next_position``). Queries attend to
+        every valid slot by position, so tokens computed in the middle of a prompt see exactly the
+        keys before them. ``logits`` is
         ``"last"`` (a ``(vocab,)`` vector for the last token), ``"all"`` (``(n, vocab)``) or
         ``"none"``: the vocabulary projection is most of a small model's prefill cost, so a
         prefill only pays for the row it samples from.
@@ -104,7 +107,9 @@ class Transformer:
             raise ValueError("forward() needs at least one token")
         if logits not in ("last", "all", "none"):
             raise ValueError(f"logits must be 'last', 'all' or 'none', got {logits!r}")
-        start = cache.length
+        start = cache.length if start is None else start
+        if not 0 <= start <= cache.length:
+            raise ValueError(f"slot {start} would leave a gap after the {cache.length} valid slots")
         if positions is None:
             positions = torch.arange(cache.next_position, cache.next_position + n, device=self.device)
         positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).reshape(-1)
@@ -113,16 +118,17 @@ class Transformer:
         cache.reserve(start + n)
         cache.positions[start : start + n] = positions
         slots = slice(start, start + n)
-        sorted_keys = cache.keys_sorted(start + n)
+        kv_len = max(cache.length, start + n)
+        sorted_keys = cache.keys_sorted(kv_len)
         tables = self.rope_tables(positions, self.dtype)
         h = self.embed(ids)
         last = self.config.num_layers - 1
         # The last layer's K/V are needed for every token, its outputs only where logits are asked.
         needed = {"all": None, "last": slice(n - 1, n), "none": slice(0, 0)}[logits]
         for layer in range(self.config.num_layers):
-            h = self.layer(layer, h, cache, slots, kv_len=start + n, keys_sorted=sorted_keys, tables=tables,
+            h = self.layer(layer, h, cache, slots, kv_len=kv_len, keys_sorted=sorted_keys, tables=tables,
                            outputs=needed if layer == last else None)
-        cache.length = start + n
+        cache.length = kv_len
         if logits == "none":
             return None
         return self.logits(h)[0] if logits == "last" else self.logits(h)
@@ -231,10 +237,26 @@ class Transformer:
         """Keys ``(n, kv_heads, head_dim)`` of ``layer`` rotated at ``from_positions``, moved to ``to_positions``."""
         return rope.rerotate(keys, from_positions, to_positions, self._freqs[self.config.layer_types[layer]])
 
-    def reposition(self, chunk: KVChunk, positions: torch.Tensor) -> KVChunk:
-        """A copy of ``chunk`` whose keys are moved to ``positions`` (values do not depend on position)."""
-        positions = torch.as_tensor(positions, dtype=torch.int64)
-        kv = chunk.kv.clone()
+    @torch.inference_mode()
+    def move_keys(self, cache: KVCache, start: int, end: int, to_start: int) -> None:
+        """Move the keys in slots ``[start, end)`` of ``cache`` (contiguous positions) so that they
+        start at position ``to_start``: one rotation by the shift, in place on the cache's device
+        (values do not depend on position). Exact to float rounding: see ``rope``."""
+        if not 0 <= start <= end <= cache.length:
+            raise ValueError(f"slots [{start}, {end}) are outside the valid range [0, {cache.length})")
+        if end == start:
+            return
+        pos = cache.positions[start:end]
+        shift = to_start - int(pos[0])
+        if not torch.equal(pos, torch.arange(int(pos[0]), int(pos[0]) + end - start, device=pos.device)):
+            raise ValueError("move_keys needs contiguous positions in the moved slots")
+        if shift == 0:
+            return
+        work = torch.promote_types(cache.dtype, torch.float32)
+        delta = torch.tensor([shift], dtype=torch.int64, device=cache.device)
+        tables = {t: rope.cos_sin(f, delta, work) for t, f in self._freqs.items()}  # one rotation per layer type
         for layer in range(self.config.num_layers):
-            kv[layer, 0] = self.rerotate_keys(layer, chunk.kv[layer, 0].to(self.device), chunk.positions, positions).cpu()
-        return KVChunk(kv=kv, positions=positions.clone())
+            cos, sin = tables[self.config.layer_types[layer]]
+            keys = cache.kv[layer, 0, :, start:end]  # (kv_heads, n, head_dim), a view
+            keys.copy_(rope.apply(keys.transpose(0, 1).to(work), cos, sin).transpose(0, 1))
+        cache.positions[start:end] = pos + shift

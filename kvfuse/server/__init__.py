@@ -3,13 +3,16 @@
 Layout (the request's path through it):
 
 - ``middleware``  request id, JSON request log, request metrics, body-size limit
-- ``auth``        API key -> tenant; ``tenants``: the tenant's cache namespace salt
+- ``auth``        API key -> tenant; ``deps``: the FastAPI dependencies (app state, caller's tenant)
 - ``schemas``     request/response bodies (kvfuse's extension fields: ``KVFuseOptions``)
-- ``translate``   request -> one engine call (token ids, SamplingParams, CacheOptions); all 4xx checks
-- ``scheduler``   the bounded request queue and the single engine worker thread
-- ``completions`` the generation endpoints (JSON and server-sent events); ``responses``: their bodies
+- ``translate``   request -> one engine request (token ids, SamplingParams, CacheOptions); all 4xx checks
+- ``completions`` the generation endpoints: submit to the engine's queue, relay JSON or server-sent
+                  events; ``events``: engine thread -> event loop; ``responses``: the bodies
 - ``admin``       models, health, metrics, KV cache stats and clearing; ``metrics``: Prometheus
-- ``errors``      OpenAI-style error bodies; ``state``: what one app holds; ``app``: factory and ``serve``
+- ``errors``      OpenAI-style error bodies; ``records``: the request log record; ``state``: what one
+                  app holds; ``app``: factory and ``serve``
+
+The server schedules nothing itself: the queue, its worker and cancellation live in the engine.
 """
 
 from .app import create_app, serve

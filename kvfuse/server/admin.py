@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from kvfuse.kv.keys import tenant_tag
-
-from .auth import current_tenant
+from .deps import current_tenant, get_state
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
-from .state import get_state
 
 router = APIRouter()
 
@@ -25,8 +21,8 @@ _AUTH_ERRORS = {401: {"model": ErrorResponse, "description": "Missing or wrong A
             description="No API key needed. 200 while the server accepts requests.")
 async def health(request: Request) -> Health:
     state = get_state(request)
-    s = state.scheduler
-    return Health(model=state.model_name, waiting=len(s.queue), running=int(s.running is not None))
+    q = state.engine.queue_state()
+    return Health(model=state.model_name, waiting=q["waiting"], running=q["running"])
 
 
 @router.get("/metrics", tags=["operations"], summary="Prometheus metrics", response_class=Response,
@@ -62,16 +58,10 @@ async def get_model(model: str, request: Request, tenant: str = Depends(current_
             responses=_AUTH_ERRORS,
             description="Counters of every cache tier and of the engine (server-wide, not per tenant).")
 async def kv_stats(request: Request, tenant: str = Depends(current_tenant)) -> KVStats:
-    state = get_state(request)
-    engine = state.engine
-    tiers = await asyncio.to_thread(engine.store.stats) if engine.store is not None else {}
-    return KVStats(
-        cache_enabled=engine.store is not None,
-        tiers=tiers,
-        engine=dataclasses.asdict(engine.stats),
-        queue={"waiting": len(state.scheduler.queue), "running": int(state.scheduler.running is not None),
-               "max_queue": state.scheduler.queue.max_waiting, "skipped": state.scheduler.queue.skipped},
-    )
+    engine = get_state(request).engine
+    tiers = await asyncio.to_thread(engine.cache_stats)  # the store's tiers may be remote (Redis)
+    return KVStats(cache_enabled=engine.cache_enabled, tiers=tiers, engine=engine.stats_snapshot(),
+                   queue=engine.queue_state())
 
 
 @router.delete(
@@ -88,10 +78,5 @@ async def clear_kv(
     tenant: str = Depends(current_tenant),
     cache_salt: str | None = Query(None, max_length=256, description="Clear only this namespace of the tenant."),
 ) -> KVDeleted:
-    state = get_state(request)
-    engine = state.engine
-    deleted: dict[str, int] = {}
-    if engine.store is not None:
-        prefix = tenant_tag(tenant) if cache_salt is None else engine.namespace(tenant, cache_salt).key_prefix()
-        deleted = await asyncio.to_thread(engine.store.delete_prefix, prefix)
+    deleted = await asyncio.to_thread(get_state(request).engine.clear_cache, tenant, cache_salt)
     return KVDeleted(tenant=tenant, cache_salt=cache_salt, deleted=deleted)

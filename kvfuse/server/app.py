@@ -48,7 +48,7 @@ prefixes across memory, disk and Redis tiers.
 def create_app(config: Config, engine=None) -> FastAPI:
     """The app serving ``engine`` (None: opened from ``config`` at start-up and closed at shutdown).
 
-    A given engine is not closed by the app; its store is flushed at shutdown.
+    A given engine is not closed by the app: its loop is stopped and its store flushed at shutdown.
     """
     state = ServerState(config, engine)
 
@@ -145,5 +145,4 @@ def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None
         )
         _Server(uv_config, on_ready).run()
     finally:
-        if engine.store is not None:
-            engine.store.close()  # flushes whatever is still queued for disk / Redis
+        engine.close()  # flushes whatever is still queued for disk / Redis

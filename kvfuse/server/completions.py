@@ -1,8 +1,9 @@
 """POST /v1/completions and POST /v1/chat/completions, streaming and not.
 
-A request is planned (tokenized and checked: any 4xx happens here), queued, and then either
-awaited (JSON body) or relayed chunk by chunk (server-sent events). A client that disconnects
-withdraws its job: a waiting job is dropped, a running one stops at the next decode step.
+A request is translated (tokenized and checked: any 4xx happens here) into an engine request,
+submitted to the engine's queue, and then either awaited (JSON body) or relayed chunk by chunk
+(server-sent events). A client that disconnects withdraws its request: a waiting one is dropped,
+a running one stops at the engine's next step.
 """
 
 from __future__ import annotations
@@ -14,13 +15,15 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from .auth import current_tenant
+from kvfuse.engine import Outcome, QueueClosed, QueueFull, Request as EngineRequest, RequestCancelled
+
+from .deps import current_tenant, get_state
 from .errors import APIError, internal_error
+from .events import RequestEvents
 from .records import RECORD_KEY, RequestRecord
 from .responses import SSE_DONE, ResponseBuilder, sse_event
-from .scheduler import Job, JobCancelled, JobEvents, Outcome, QueueClosed, QueueFull
 from .schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse
-from .state import ServerState, get_state
+from .state import ServerState
 from .translate import check_model, plan_chat, plan_completion
 
 router = APIRouter(tags=["generation"])
@@ -71,22 +74,22 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
     call = await asyncio.to_thread(plan, state.engine, body, tenant, state.limits)
     record.prompt_tokens = len(call.prompt_ids)
 
-    events = JobEvents()
+    events = RequestEvents()
 
-    def on_done(outcome: Outcome) -> None:  # worker thread (or the loop, for a withdrawn job)
+    def on_done(outcome: Outcome) -> None:  # engine thread (or the loop, for a withdrawn request)
         state.metrics.observe_outcome(outcome)
         events.on_done(outcome)
 
-    job = Job(record.request_id, tenant, call, on_text=events.on_text if body.stream else None, on_done=on_done)
+    job = call.request(record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done)
     try:
-        state.scheduler.submit(job)
+        state.engine.submit(job)
     except QueueFull as e:
         state.metrics.rejected.inc()
         raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",
                        headers={"retry-after": "1"}) from None
     except QueueClosed:
         raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
-    watcher = asyncio.create_task(_watch_disconnect(request, lambda: state.scheduler.withdraw(job)))
+    watcher = asyncio.create_task(_watch_disconnect(request, lambda: state.engine.withdraw(job)))
 
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     builder = ResponseBuilder(record.request_id, state.model_name, int(time.time()), chat, include_usage)
@@ -98,14 +101,14 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
     try:
         outcome = await events.outcome()
     except BaseException:  # this task was cancelled (e.g. at shutdown): stop the work too
-        state.scheduler.withdraw(job)
+        state.engine.withdraw(job)
         raise
     finally:
         watcher.cancel()
     return JSONResponse(builder.body(_result(outcome, record)))
 
 
-async def _stream(state: ServerState, record: RequestRecord, job: Job, events: JobEvents,
+async def _stream(state: ServerState, record: RequestRecord, job: EngineRequest, events: RequestEvents,
                   watcher: asyncio.Task, builder: ResponseBuilder) -> AsyncIterator[str]:
     finished = False
     try:
@@ -125,7 +128,7 @@ async def _stream(state: ServerState, record: RequestRecord, job: Job, events: J
     finally:
         watcher.cancel()
         if not finished:  # the client went away (the response task was cancelled): stop the work
-            state.scheduler.withdraw(job)
+            state.engine.withdraw(job)
             record.finish_reason, record.error = "cancelled", "client_disconnected"
 
 
@@ -133,7 +136,7 @@ def _result(outcome: Outcome, record: RequestRecord):
     """The GenerationResult of ``outcome`` (noted in the log record), or the APIError to answer."""
     if outcome.error is not None:
         e = outcome.error
-        if isinstance(e, JobCancelled):
+        if isinstance(e, RequestCancelled):
             record.error = "cancelled"
             raise APIError(503, f"the request was cancelled: {e}", code="cancelled")
         if isinstance(e, ValueError):

@@ -1,9 +1,10 @@
 """Prometheus metrics of one server app, in a registry of its own (never the process-global one).
 
 Request-time metrics (latency histograms, requests by endpoint/status, cancellations) are
-observed as requests finish. Cache and engine counters are read at scrape time from
-``store.stats()`` and ``engine.stats`` by a custom collector, so the tiers need no knowledge of
-Prometheus and the numbers can never drift from the ones ``GET /v1/kv/stats`` reports.
+observed as requests finish. Cache and engine counters are read at scrape time through the
+engine's narrow API (``engine.stats_snapshot()``, ``engine.cache_stats()``) by a custom
+collector, so the tiers need no knowledge of Prometheus and the numbers can never drift from the
+ones ``GET /v1/kv/stats`` reports.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvfuse.engine import GenerationResult
-
-from .scheduler import JobCancelled, Outcome
+from kvfuse.engine import GenerationResult, Outcome, RequestCancelled
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -40,6 +39,8 @@ _STORE_COUNTERS = {
     "lookup_keys": ("kvfuse_store_lookup_chunks", "Chunks asked for by lookups."),
     "lookup_hits": ("kvfuse_store_lookup_hit_chunks", "Chunks found by lookups."),
     "promotions": ("kvfuse_store_promotions", "Chunks copied up into the first tier after a lower-tier hit."),
+    "unusable_entries": ("kvfuse_store_unusable_entries", "Entries read back damaged or not as expected (removed; "
+                                                          "each a miss, never used)."),
     "queue_full_drops": ("kvfuse_store_write_queue_drops", "Lower-tier writes dropped because the write queue was full."),
 }
 
@@ -54,24 +55,26 @@ class CacheCollector(Collector):
         engine = self._engine()
         if engine is None:
             return
-        s = engine.stats
+        s = engine.stats_snapshot()
         tokens = CounterMetricFamily("kvfuse_prompt_tokens", "Prompt tokens, by whether their KV was reused from "
                                      "the cache or prefilled.", labels=["source"])
-        tokens.add_metric(["cached"], s.tokens_reused)
-        tokens.add_metric(["prefilled"], s.tokens_prefilled)
+        tokens.add_metric(["cached"], s["tokens_reused"])
+        tokens.add_metric(["prefilled"], s["tokens_prefilled"])
         yield tokens
-        yield CounterMetricFamily("kvfuse_generation_tokens", "Tokens generated.", value=s.tokens_generated)
-        yield CounterMetricFamily("kvfuse_engine_requests", "Requests the engine completed.", value=s.requests)
-        yield CounterMetricFamily("kvfuse_chunks_stored", "KV chunks written to the store.", value=s.chunks_stored)
+        yield CounterMetricFamily("kvfuse_generation_tokens", "Tokens generated.", value=s["tokens_generated"])
+        yield CounterMetricFamily("kvfuse_engine_requests", "Requests the engine finished.", value=s["requests"])
+        yield CounterMetricFamily("kvfuse_engine_requests_skipped", "Requests cancelled while they waited (never run).",
+                                  value=s["requests_skipped"])
+        yield CounterMetricFamily("kvfuse_chunks_stored", "KV chunks written to the store.", value=s["chunks_stored"])
         yield CounterMetricFamily("kvfuse_chunk_load_failures", "Cached chunks that could not be used.",
-                                  value=s.chunk_load_failures)
+                                  value=s["chunk_load_failures"])
         reused = CounterMetricFamily("kvfuse_reused_chunks", "Chunks reused by requests, by the tier they came from.",
                                      labels=["tier"])
-        for tier, n in sorted(s.hits_by_tier.items()):
+        for tier, n in sorted(s["hits_by_tier"].items()):
             reused.add_metric([tier], n)
         yield reused
-        if engine.store is not None:
-            yield from _store_metrics(engine.store.stats())
+        if engine.cache_enabled:
+            yield from _store_metrics(engine.cache_stats())
 
 
 def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
@@ -98,8 +101,7 @@ def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
 class ServerMetrics:
     """The metrics of one app. ``render()`` gives the Prometheus text exposition."""
 
-    def __init__(self, engine_getter: Callable[[], object | None], waiting: Callable[[], int],
-                 running: Callable[[], int]):
+    def __init__(self, engine_getter: Callable[[], object | None], queue: Callable[[], dict[str, int]]):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvfuse_http_requests", "HTTP requests by endpoint and status.",
                                 ["endpoint", "status"], registry=r)
@@ -115,15 +117,17 @@ class ServerMetrics:
                                  "Requests whose client left: skipped while queued, or stopped while generating.",
                                  ["stage"], registry=r)
         self.rejected = Counter("kvfuse_requests_rejected", "Requests refused because the queue was full.", registry=r)
-        Gauge("kvfuse_queue_depth", "Requests waiting in the queue.", registry=r).set_function(waiting)
-        Gauge("kvfuse_requests_running", "Requests being generated.", registry=r).set_function(running)
+        Gauge("kvfuse_queue_depth", "Requests waiting in the queue.", registry=r).set_function(
+            lambda: queue().get("waiting", 0))
+        Gauge("kvfuse_requests_running", "Requests being generated.", registry=r).set_function(
+            lambda: queue().get("running", 0))
         r.register(CacheCollector(engine_getter))
 
     def observe_outcome(self, outcome: Outcome) -> None:
-        """Count one finished job (called on the worker thread; prometheus_client is thread-safe)."""
+        """Count one finished request (called on the engine thread; prometheus_client is thread-safe)."""
         if outcome.result is not None:
             self.observe_result(outcome.result)
-        elif isinstance(outcome.error, JobCancelled):
+        elif isinstance(outcome.error, RequestCancelled):
             self.cancelled.labels(stage="queued").inc()
 
     def observe_result(self, result: GenerationResult) -> None:

@@ -7,9 +7,10 @@ streaming response never has to report a bad request after its 200 went out. Eve
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvfuse.engine import CacheOptions
+from kvfuse.engine import CacheOptions, Outcome, Prompt, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
 
@@ -17,15 +18,19 @@ from .errors import APIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest, KVFuseOptions, SamplingRequest
 
 
-
-
 @dataclass(frozen=True)
 class EngineCall:
-    """The arguments of one ``Engine.generate`` call."""
+    """What one HTTP request asks the engine for."""
 
     prompt_ids: list[int]
     params: SamplingParams
     cache: CacheOptions
+
+    def request(self, request_id: str, on_text: Callable[[str], None] | None = None,
+                on_done: Callable[[Outcome], None] | None = None) -> Request:
+        """The engine request (its callbacks run on the engine thread)."""
+        return Request(Prompt.plain(self.prompt_ids), self.params, self.cache, request_id=request_id,
+                       on_text=on_text, on_done=on_done)
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,18 @@
 """The disk tier: one file per entry, atomic writes, LRU by bytes, shareable between processes.
 
 Files live at ``<root>/<xx>/<name>.kvf`` where ``xx`` is the low byte of ``xxh3_64(key)`` in hex
-(256 fan-out directories keep directories small) and ``name`` is the key with every character
-outside ``[A-Za-z0-9.-]`` written as ``_XX`` (the hex of its UTF-8 bytes), a reversible mapping:
-``ab:p:cd`` -> ``ab_3Ap_3Acd.kvf``. Keys are case-sensitive, so the directory must be on a
+(256 fan-out directories keep directories small) and ``name`` is the chunk key with its ``:``
+separators written as ``_3A``: ``<ns>:p:<digest>`` -> ``<ns>_3Ap_3A<digest>.kvf`` (the mapping of
+earlier versions, so their files are still indexed, counted and evicted by LRU, while their old
+namespaces make them misses). Keys are case-sensitive, so the directory must be on a
 case-sensitive file system.
 
 Writes go to a unique ``.<pid>.<random>.tmp`` file in the target directory and are renamed into
 place (``os.replace``): a reader sees the old file, the new file or none, never a torn one. A file's
 mtime is its recency (set on every put and hit), so a restart rebuilds the LRU order by scanning.
 
-Several processes may share one directory. Each keeps its own index (for LRU and capacity); the
+The tier does not check what it reads: the tiered store validates every entry and discards a
+damaged one through ``delete``. Several processes may share one directory. Each keeps its own index (for LRU and capacity); the
 file system is the truth: ``contains``/``get`` consult it directly, a file another process wrote
 is found, a file another process evicted is a plain miss. The capacity is enforced by each process
 over the files it knows, so a shared directory can briefly exceed it.
@@ -26,60 +28,33 @@ import threading
 import time
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import xxhash
 
-from kvfuse.kv.format import open_entry
-from kvfuse.tiers.base import Blob, Entry, Tier, nbytes
+from kvfuse.kv.keys import ChunkKey
+from kvfuse.tiers.base import Blob, Entry, Tier, check_key, nbytes
 
 log = logging.getLogger(__name__)
 
-Validator = Callable[[Blob, str], "bool | Blob | None"]
-
-_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
 _SUFFIX = ".kvf"
-_MAX_NAME = 240  # file names are limited to 255 bytes on common file systems
+_SEP = "_3A"  # ":" in file names
 _TMP_RE = re.compile(r"^\.(\d+)\.[0-9a-f]+\.tmp$")
 _SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
-_CHUNK_KEY_CHARS = re.compile(r"[A-Za-z0-9.:-]+")
 
 
-def key_to_filename(key: str) -> str:
-    """The file name of ``key`` (reversible, see the module docstring); ValueError if too long."""
-    if not key:
-        raise ValueError("DiskTier keys must be non-empty strings")
-    if _CHUNK_KEY_CHARS.fullmatch(key):  # every chunk key: only its ':' separators need escaping
-        name = key.replace(":", "_3A") + _SUFFIX
-    else:
-        name = "".join(c if c in _SAFE else "".join(f"_{b:02X}" for b in c.encode("utf-8")) for c in key) + _SUFFIX
-    if len(name) > _MAX_NAME:
-        raise ValueError(f"key too long for a file name ({len(name)} > {_MAX_NAME} chars): {key[:40]!r}...")
-    return name
+def key_to_filename(key: ChunkKey) -> str:
+    """The file name of ``key`` (see the module docstring)."""
+    return str(check_key(key)).replace(":", _SEP) + _SUFFIX
 
 
-def filename_to_key(name: str) -> str | None:
+def filename_to_key(name: str) -> ChunkKey | None:
     """Inverse of :func:`key_to_filename`; None for a name it did not produce."""
-    if not name.endswith(_SUFFIX) or len(name) == len(_SUFFIX):
+    if not name.endswith(_SUFFIX):
         return None
-    out, stem, i = bytearray(), name[: -len(_SUFFIX)], 0
-    while i < len(stem):
-        c = stem[i]
-        if c == "_":
-            try:
-                out.append(int(stem[i + 1 : i + 3], 16))
-            except ValueError:
-                return None
-            i += 3
-        elif c in _SAFE:
-            out += c.encode("ascii")
-            i += 1
-        else:
-            return None
     try:
-        key = out.decode("utf-8")
-    except UnicodeDecodeError:
+        key = ChunkKey.parse(name[: -len(_SUFFIX)].replace(_SEP, ":"))
+    except ValueError:
         return None
     return key if key_to_filename(key) == name else None
 
@@ -110,19 +85,14 @@ def _pid_alive(pid: int) -> bool:
 class DiskTier(Tier):
     """Entries as files under ``path``; see the module docstring for layout and sharing rules.
 
-    ``validator(blob, key)`` (default: ``open_entry``, the entry format's full check) runs on
-    every ``get``: a truncated or corrupt file (a falsy result) is a miss, counted as an error,
-    and removed. A validator may return the value to hand out instead of True: ``open_entry``
-    returns the checked ``Entry``, so the header is parsed once for the check and every later use. ``fsync=True`` makes
-    each put durable before it returns (slower). Temp files left by dead processes, or older than
-    ``stale_temp_s``, are removed at start-up.
+    ``fsync=True`` makes each put durable before it returns (slower). Temp files left by dead
+    processes, or older than ``stale_temp_s``, are removed at start-up.
     """
 
     def __init__(
         self,
         path: str | os.PathLike,
         capacity_bytes: int,
-        validator: Validator | None = open_entry,
         fsync: bool = False,
         name: str = "disk",
         stale_temp_s: float = 600.0,
@@ -133,10 +103,8 @@ class DiskTier(Tier):
         self.name = name
         self.root = Path(path)
         self.capacity_bytes = capacity_bytes
-        self.validator = validator
-        self.validates_on_get = validator is not None
         self.fsync = fsync
-        self._index: OrderedDict[str, int] = OrderedDict()  # key -> size, least recent first
+        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> size, least recent first
         self._used = 0
         self._lock = threading.Lock()
         self._last_ns = 0
@@ -145,9 +113,10 @@ class DiskTier(Tier):
 
     # -- paths and bookkeeping ------------------------------------------------------------------
 
-    def _path(self, key: str) -> Path:
-        sub = f"{xxhash.xxh3_64_intdigest(key.encode('utf-8')) & 0xFF:02x}"
-        return self.root / sub / key_to_filename(key)
+    def _path(self, key: ChunkKey) -> Path:
+        name = key_to_filename(key)
+        sub = f"{xxhash.xxh3_64_intdigest(str(key).encode('utf-8')) & 0xFF:02x}"
+        return self.root / sub / name
 
     def _now_ns(self) -> int:
         # Strictly increasing within the process: coarse file-system clocks would otherwise give
@@ -157,7 +126,7 @@ class DiskTier(Tier):
             return self._last_ns
 
     def _scan(self, stale_temp_s: float) -> None:
-        found: list[tuple[int, str, int]] = []
+        found: list[tuple[int, ChunkKey, int]] = []
         now = time.time()
         for sub in os.scandir(self.root):
             if not (sub.is_dir() and _SUBDIR_RE.match(sub.name)):
@@ -174,7 +143,7 @@ class DiskTier(Tier):
                 key = filename_to_key(entry.name)
                 if key is not None and entry.is_file():
                     found.append((st.st_mtime_ns, key, st.st_size))
-        found.sort()
+        found.sort(key=lambda f: f[0])
         with self._lock:
             for _, key, size in found:
                 self._index[key] = size
@@ -182,12 +151,12 @@ class DiskTier(Tier):
             evicted = self._evict_locked()
         self.stats.add(evictions=evicted)
 
-    def _forget_locked(self, key: str) -> None:
+    def _forget_locked(self, key: ChunkKey) -> None:
         size = self._index.pop(key, None)
         if size is not None:
             self._used -= size
 
-    def _record_locked(self, key: str, size: int) -> None:
+    def _record_locked(self, key: ChunkKey, size: int) -> None:
         self._forget_locked(key)
         self._index[key] = size
         self._used += size
@@ -208,9 +177,26 @@ class DiskTier(Tier):
             evicted += 1
         return evicted
 
+    def _touch(self, path: Path, key: ChunkKey, size: int) -> None:
+        """Make ``key`` the most recent entry, in the index and in the file's mtime."""
+        t = self._now_ns()
+        try:
+            os.utime(path, ns=(t, t))  # the file's mtime is its recency across restarts
+        except OSError:
+            pass  # replaced or evicted meanwhile: the data we read is still valid
+        with self._lock:
+            self._record_locked(key, size)
+            evicted = self._evict_locked()
+        self.stats.add(evictions=evicted)
+
+    def _missing(self, key: ChunkKey) -> None:
+        with self._lock:
+            self._forget_locked(key)
+        self.stats.add(misses=1)
+
     # -- the Tier interface ---------------------------------------------------------------------
 
-    def contains(self, key: str) -> bool:
+    def contains(self, key: ChunkKey) -> bool:
         # Always ask the file system (one stat): another process may have added or evicted it.
         try:
             os.stat(self._path(key))
@@ -224,57 +210,66 @@ class DiskTier(Tier):
             self.stats.add(errors=1)
             return False
 
-    def get(self, key: str) -> Blob | None:
+    def get(self, key: ChunkKey) -> Blob | None:
         path = self._path(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                st = os.fstat(f.fileno())
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                size = os.fstat(fd).st_size
                 # One read into an uninitialised buffer (a bytearray would be zero-filled first):
                 # the returned view is writable, so the raw codec decodes it without a copy.
-                buf = memoryview(np.empty(st.st_size, dtype=np.uint8))
+                buf = memoryview(np.empty(size, dtype=np.uint8))
                 n = 0
-                while n < len(buf):
-                    got = f.readinto(buf[n:])
+                while n < size:
+                    got = os.readv(fd, [buf[n:]])
                     if not got:
                         break
                     n += got
+            finally:
+                os.close(fd)
         except FileNotFoundError:
-            with self._lock:
-                self._forget_locked(key)
-            self.stats.add(misses=1)
+            self._missing(key)
             return None
         except OSError as e:
             log.warning("disk tier %s: read %s failed: %s", self.root, key, e)
             self.stats.add(misses=1, errors=1)
             return None
-        checked = True if self.validator is None or n != len(buf) else self.validator(buf, key)
-        if n != len(buf) or not checked:
-            log.warning("disk tier %s: corrupt entry %s removed", self.root, key)
-            self._remove_if_same(path, key, st.st_ino)
+        self._touch(path, key, size)
+        self.stats.add(hits=1, bytes_out=n)
+        return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
+
+    def read_range(self, key: ChunkKey, start: int, stop: int) -> memoryview | None:
+        path = self._path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            self._missing(key)
+            return None
+        except OSError as e:
+            log.warning("disk tier %s: open %s failed: %s", self.root, key, e)
             self.stats.add(misses=1, errors=1)
             return None
-        t = self._now_ns()
         try:
-            os.utime(path, ns=(t, t))  # the file's mtime is its recency across restarts
-        except OSError:
-            pass  # replaced or evicted meanwhile: the data we read is still valid
-        with self._lock:
-            self._record_locked(key, len(buf))
-            evicted = self._evict_locked()
-        self.stats.add(hits=1, bytes_out=len(buf), evictions=evicted)
-        return buf if checked is True else checked
+            size = os.fstat(fd).st_size
+            buf = memoryview(np.empty(max(0, min(stop, size) - start), dtype=np.uint8))
+            n = 0
+            while n < len(buf):
+                got = os.preadv(fd, [buf[n:]], start + n)
+                if not got:
+                    break
+                n += got
+        except OSError as e:
+            log.warning("disk tier %s: read %s failed: %s", self.root, key, e)
+            self.stats.add(misses=1, errors=1)
+            return None
+        finally:
+            os.close(fd)
+        if start == 0:  # the first read of an entry counts as its use
+            self._touch(path, key, size)
+        self.stats.add(hits=1, bytes_out=n)
+        return buf[:n]
 
-    def _remove_if_same(self, path: Path, key: str, ino: int) -> None:
-        # Only unlink the very file we found corrupt: another process may have replaced it since.
-        with self._lock:
-            self._forget_locked(key)
-            try:
-                if os.stat(path).st_ino == ino:
-                    os.unlink(path)
-            except OSError:
-                pass
-
-    def put(self, key: str, value: Blob) -> None:
+    def put(self, key: ChunkKey, value: Blob) -> None:
         path = self._path(key)
         size = nbytes(value)
         if size > self.capacity_bytes:
@@ -320,7 +315,7 @@ class DiskTier(Tier):
         finally:
             os.close(fd)
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: ChunkKey) -> bool:
         path = self._path(key)
         with self._lock:
             self._forget_locked(key)
@@ -341,11 +336,11 @@ class DiskTier(Tier):
                 continue
             for entry in os.scandir(sub.path):
                 key = filename_to_key(entry.name)
-                if key is not None and key.startswith(prefix):
+                if key is not None and str(key).startswith(prefix):
                     removed += self.delete(key)
         return removed
 
-    def keys_lru(self) -> list[str]:
+    def keys_lru(self) -> list[ChunkKey]:
         """Keys this process knows, from least to most recently used (the eviction order)."""
         with self._lock:
             return list(self._index)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from kvfuse.tiers.base import Blob, Tier, nbytes
+from kvfuse.kv.keys import ChunkKey
+from kvfuse.tiers.base import Blob, Tier, check_key, nbytes
 
 
 class MemoryTier(Tier):
@@ -15,10 +16,10 @@ class MemoryTier(Tier):
     side-effect-free). An entry larger than the whole capacity is not stored (``dropped_writes``).
     ``put`` keeps the value it is given, without a copy: an ``Entry`` from ``encode_entry`` (whose
     payload is the chunk tensor's memory) is stored and later decoded with no copy of the KV at
-    all. The tier takes ownership: a caller must not modify a value after putting it. The tiered
-    store checksums every entry it returns, so even a modified entry would be a miss, never a
-    wrong KV.
+    all. The tier takes ownership: a caller must not modify a value after putting it.
     """
+
+    holds_entries = True
 
     def __init__(self, capacity_bytes: int, name: str = "memory") -> None:
         super().__init__()
@@ -26,15 +27,15 @@ class MemoryTier(Tier):
             raise ValueError(f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self._data: OrderedDict[str, Blob] = OrderedDict()
+        self._data: OrderedDict[ChunkKey, Blob] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
 
-    def contains(self, key: str) -> bool:
+    def contains(self, key: ChunkKey) -> bool:
         with self._lock:
             return key in self._data
 
-    def get(self, key: str) -> Blob | None:
+    def get(self, key: ChunkKey) -> Blob | None:
         with self._lock:
             value = self._data.get(key)
             if value is not None:
@@ -45,7 +46,8 @@ class MemoryTier(Tier):
             self.stats.add(hits=1, bytes_out=nbytes(value))
         return value
 
-    def put(self, key: str, value: Blob) -> None:
+    def put(self, key: ChunkKey, value: Blob) -> None:
+        check_key(key)
         size = nbytes(value)
         evicted = 0
         with self._lock:
@@ -61,25 +63,25 @@ class MemoryTier(Tier):
                 evicted += 1
         self.stats.add(puts=1, bytes_in=size, evictions=evicted)
 
-    def _remove(self, key: str) -> bool:
+    def _remove(self, key: ChunkKey) -> bool:
         old = self._data.pop(key, None)
         if old is None:
             return False
         self._used -= nbytes(old)
         return True
 
-    def delete(self, key: str) -> bool:
+    def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             return self._remove(key)
 
     def delete_prefix(self, prefix: str) -> int:
         with self._lock:
-            doomed = [k for k in self._data if k.startswith(prefix)]
+            doomed = [k for k in self._data if str(k).startswith(prefix)]
             for k in doomed:
                 self._remove(k)
         return len(doomed)
 
-    def keys_lru(self) -> list[str]:
+    def keys_lru(self) -> list[ChunkKey]:
         """Keys from least to most recently used (the eviction order)."""
         with self._lock:
             return list(self._data)

@@ -3,18 +3,24 @@
 Semantics in brief:
 
 - ``lookup(keys)`` is side-effect-free (no recency update, no promotion, no tier hit/miss counts):
-  it reports how many leading keys some tier holds, and which tier holds each.
-- ``get(keys)`` fetches every key from the fastest tier holding it, validates it (an invalid entry
-  is deleted from that tier, counted as an error there, and the next tier is tried), and promotes
-  lower-tier hits into the first tier. It returns one entry or None per key. Entries can vanish
-  between ``lookup`` and ``get`` (evicted, expired, another process): callers use the contiguous
-  prefix of non-None results, so ``get(keys[:lookup(keys).hits])`` may still come back shorter.
+  it reports, for every key, the fastest tier holding it, and how many leading keys are held.
+- ``fetch(keys, specs)`` reads every key from the fastest tier holding it and validates it, in
+  the one place where anything read back from storage is checked (``kv.format.open_entry``:
+  integrity, the key, and the caller's ``EntrySpec``). An unusable entry is deleted from its
+  tier, counted (``unusable_entries``, and as an error of that tier) and the next tier is
+  tried. Lower-tier hits are promoted into the first tier as ``Entry`` objects, so later memory
+  hits are neither re-checked nor copied. Entries can vanish between ``lookup`` and ``fetch``
+  (evicted, expired, another process): the planner replans around what ``fetch`` could not give.
+- ``fetch_layers(key, first, last)`` reads and checks only the bytes of a layer range (the
+  entry's layer table says where they are), for loading layer by layer.
 - ``put(items)`` writes the first tier synchronously and queues the writes to the lower tiers for a
   background thread. The queue holds at most ``write_queue_size`` entries; when it is full, the
   lower-tier write is dropped and counted (the caller is never blocked: the entry is in memory).
   ``flush()`` waits for the queued writes.
 - A tier that raises (it should not: tiers count their own failures) is logged, counted, and
   treated as a miss.
+- ``upcoming()`` is what the engine's queue will ask for next (``set_lookahead``), in order: the
+  seam for prefetching lower-tier entries before the requests that need them run.
 """
 
 from __future__ import annotations
@@ -25,23 +31,13 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from kvfuse.kv.format import Entry, FormatError, verify
+import torch
+
+from kvfuse.kv.format import MIN_READ, Entry, EntrySpec, FormatError, Header, header_length, open_entry, parse_header
+from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Blob, Tier
 
 log = logging.getLogger(__name__)
-
-
-def _as_entry(blob: Blob) -> Blob:
-    """A verified blob promoted to memory, as an Entry (later hits skip verification and decode
-    zero-copy); read-only bytes (from Redis) are copied once into writable memory for that."""
-    if isinstance(blob, Entry):
-        return blob
-    try:
-        return Entry.from_blob(blob if not memoryview(blob).readonly else bytearray(blob))
-    except FormatError:  # not a kvfuse entry (a store used for other bytes): keep it as it is
-        return blob
-
-Validator = Callable[[Blob, str], bool]
 
 _STOP = object()
 _STORE = "store"  # the name of the store's own counters in stats()
@@ -49,23 +45,47 @@ _STORE = "store"  # the name of the store's own counters in stats()
 
 @dataclass(frozen=True)
 class LookupResult:
-    """``hits`` = the length of the longest prefix of keys held by some tier;
-    ``tiers[i]`` = the name of the fastest tier holding chunk ``i`` (``len(tiers) == hits``)."""
+    """``where[i]`` = the name of the fastest tier holding key ``i`` (None: no tier has it)."""
 
-    hits: int
-    tiers: tuple[str, ...]
+    where: tuple[str | None, ...]
+
+    @property
+    def hits(self) -> int:
+        """The length of the longest prefix of keys held by some tier."""
+        return next((i for i, w in enumerate(self.where) if w is None), len(self.where))
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The tier of each of the first ``hits`` keys."""
+        return self.where[: self.hits]  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What ``fetch`` got for one key: the checked entry and the tier that served it (None, None
+    on a miss), and how many unusable copies were found (and removed) on the way."""
+
+    entry: Entry | None
+    tier: str | None
+    rejected: int = 0
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    """The decoded KV of layers ``[first, last)`` of one entry, ``(n, 2, tokens, kv_heads,
+    head_dim)``, with the entry's positions and the tier it came from."""
+
+    kv: torch.Tensor
+    positions: torch.Tensor
+    first: int
+    last: int
+    tier: str
 
 
 class TieredStore:
     """Tiers ordered fastest first; see the module docstring for the semantics."""
 
-    def __init__(
-        self,
-        tiers: Sequence[Tier],
-        write_queue_size: int = 64,
-        validator: Validator | None = verify,
-        write_batch: int = 16,
-    ) -> None:
+    def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64, write_batch: int = 16) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier (e.g. a MemoryTier)")
         names = [t.name for t in tiers]
@@ -74,17 +94,18 @@ class TieredStore:
         if write_queue_size < 1 or write_batch < 1:
             raise ValueError("write_queue_size and write_batch must be >= 1")
         self.tiers = list(tiers)
-        self.validator = validator
         self._write_batch = write_batch
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue_size)
         self._idle = threading.Condition()
         self._inflight = 0
         self._closed = False
+        self._lookahead: Callable[[], list[ChunkKey]] | None = None
         self._counts = {
             "lookups": 0,
             "lookup_keys": 0,
             "lookup_hits": 0,
             "promotions": 0,
+            "unusable_entries": 0,
             "queued_writes": 0,
             "queue_full_drops": 0,
         }
@@ -110,8 +131,8 @@ class TieredStore:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[str]) -> LookupResult:
-        """Which leading keys are stored, and where; touches no recency and moves no data."""
+    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
+        """Where each key is stored; touches no recency and moves no data."""
         holder: list[str | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
@@ -126,61 +147,109 @@ class TieredStore:
                 else:
                     still.append(i)
             pending = still
-        hits = next((i for i, h in enumerate(holder) if h is None), len(keys))
-        self._count(lookups=1, lookup_keys=len(keys), lookup_hits=hits)
-        return LookupResult(hits=hits, tiers=tuple(holder[:hits]))  # type: ignore[arg-type]
+        result = LookupResult(tuple(holder))
+        self._count(lookups=1, lookup_keys=len(keys), lookup_hits=result.hits)
+        return result
 
-    def get(self, keys: Sequence[str]) -> list[Blob | None]:
-        """One validated entry or None per key (see the module docstring); promotes lower-tier hits."""
-        return [blob for blob, _ in self.get_with_tiers(keys)]
+    def get(self, keys: Sequence[ChunkKey]) -> list[Entry | None]:
+        """One checked entry or None per key (see ``fetch``)."""
+        return [f.entry for f in self.fetch(keys)]
 
-    def get_with_tiers(self, keys: Sequence[str]) -> list[tuple[Blob | None, str | None]]:
-        """Like ``get``, with the name of the tier each entry was actually served from.
-
-        That can differ from ``lookup``'s answer: a corrupt copy in a faster tier is skipped and the
-        entry is served from a slower one."""
-        out: list[tuple[Blob | None, str | None]] = [(None, None)] * len(keys)
+    def fetch(self, keys: Sequence[ChunkKey], specs: Sequence[EntrySpec | None] | None = None) -> list[Fetched]:
+        """Per key, the checked entry and the tier that served it, which can differ from what
+        ``lookup`` said: a damaged copy in a faster tier is removed and a slower one serves."""
+        specs = [None] * len(keys) if specs is None else list(specs)
+        if len(specs) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(specs)} specs")
+        entries: list[Entry | None] = [None] * len(keys)
+        served: list[str | None] = [None] * len(keys)
+        rejected = [0] * len(keys)
         pending = list(range(len(keys)))
-        promote: list[tuple[str, Blob]] = []
+        promote: list[tuple[ChunkKey, Entry]] = []
         for level, tier in enumerate(self.tiers):
             if not pending:
                 break
-            values = self._safe(tier, "get_many", tier.get_many, [None] * len(pending), [keys[i] for i in pending])
+            if tier.batch_reads:
+                values = self._safe(tier, "get_many", tier.get_many, [None] * len(pending), [keys[i] for i in pending])
+            else:
+                values = (self._safe(tier, "get", tier.get, None, keys[i]) for i in pending)  # checked one by one
             still = []
             for i, value in zip(pending, values):
-                if value is not None and not self._valid(tier, keys[i], value):
-                    value = None
-                if value is None:
+                entry = None if value is None else self._open(tier, keys[i], value, specs[i], promoted=level > 0)
+                if entry is None:
+                    rejected[i] += value is not None
                     still.append(i)
                     continue
                 if level > 0:
-                    value = _as_entry(value)
-                    promote.append((keys[i], value))
-                out[i] = (value, tier.name)
+                    promote.append((keys[i], entry))
+                entries[i], served[i] = entry, tier.name
             pending = still
         if promote:
             first = self.tiers[0]
             self._safe(first, "put_many", first.put_many, None, promote)
             self._count(promotions=len(promote))
-        return out
+        return [Fetched(e, t, r) for e, t, r in zip(entries, served, rejected)]
 
-    def _valid(self, tier: Tier, key: str, value: Blob) -> bool:
-        # An Entry never left this process (built by encode_entry, or promoted after verification):
-        # only its key is checked. Serialized blobs are verified, wherever they come from.
-        if isinstance(value, Entry):
-            ok = value.key == key
-        else:
-            ok = self.validator is None or tier.validates_on_get or self.validator(value, key)
-        if ok:
-            return True
-        log.warning("tier %s: corrupt entry %s removed", tier.name, key)
+    def _open(self, tier: Tier, key: ChunkKey, value: Blob, spec: EntrySpec | None, promoted: bool) -> Entry | None:
+        """The checked entry of ``value`` from ``tier``, or None after removing and counting it."""
+        if promoted and not isinstance(value, Entry) and memoryview(value).readonly:
+            # Read-only bytes (Redis) are copied once into writable memory: the entry kept in the
+            # first tier then decodes without a copy at every later hit.
+            value = bytearray(value)
+        try:
+            return open_entry(value, key, spec)
+        except FormatError as e:
+            self._reject(tier, key, e)
+            return None
+
+    def _reject(self, tier: Tier, key: ChunkKey, error: Exception) -> None:
+        log.warning("tier %s: unusable entry %s removed (%s)", tier.name, key, error)
         tier.stats.add(hits=-1, misses=1, errors=1)  # the tier counted a hit; it was not one
+        self._count(unusable_entries=1)
         self._safe(tier, "delete", tier.delete, False, key)
-        return False
+
+    def fetch_layers(self, key: ChunkKey, first: int, last: int, spec: EntrySpec | None = None) -> LayerRange | None:
+        """The KV of layers ``[first, last)`` of ``key`` from the fastest tier holding a usable
+        copy, reading (from disk or Redis) only the header and those layers' bytes; None if no
+        tier has one. Nothing is promoted: a layer range is not a whole entry."""
+        for tier in self.tiers:
+            got = self._safe(tier, "read layers", self._read_layers, None, tier, key, first, last, spec)
+            if got is not None:
+                return got
+        return None
+
+    def _read_layers(self, tier: Tier, key: ChunkKey, first: int, last: int, spec: EntrySpec | None):
+        try:
+            if tier.holds_entries:  # in-process entries: no bytes to read, decode the layers
+                value = tier.get(key)
+                if value is None:
+                    return None
+                entry = open_entry(value, key, spec)
+                return LayerRange(entry.decode(first, last), entry.positions, first, last, tier.name)
+            head = tier.read_range(key, 0, MIN_READ)
+            if head is None:
+                return None
+            need = header_length(head)
+            if need > len(head):
+                head = bytes(head) + bytes(tier.read_range(key, len(head), need) or b"")
+            h: Header = parse_header(head)
+            if h.key != str(key):
+                raise FormatError(f"entry holds key {h.key!r}, expected {str(key)!r}")
+            if spec is not None:
+                spec.check(h)
+            start, stop = h.layer_span(first, last)
+            data = memoryview(head)[start:stop] if stop <= len(head) else tier.read_range(key, start, stop)
+            if data is None:
+                raise FormatError("the entry vanished while it was read")
+            kv = h.decode_layers(memoryview(data), first, last)
+        except FormatError as e:
+            self._reject(tier, key, e)
+            return None
+        return LayerRange(kv, h.positions, first, last, tier.name)
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def put(self, items: Iterable[tuple[str, Blob]]) -> None:
+    def put(self, items: Iterable[tuple[ChunkKey, Blob]]) -> None:
         """Store entries: the first tier now, the lower tiers from the write queue (never blocks).
 
         The store takes ownership of the values, without copying them (an ``Entry`` of a chunk is
@@ -235,6 +304,16 @@ class TieredStore:
         with self._idle:
             return self._idle.wait_for(lambda: self._inflight == 0, timeout)
 
+    # -- look-ahead -----------------------------------------------------------------------------
+
+    def set_lookahead(self, provider: Callable[[], list[ChunkKey]] | None) -> None:
+        """Tell the store where to learn which keys queued requests will ask for next."""
+        self._lookahead = provider
+
+    def upcoming(self) -> list[ChunkKey]:
+        """The keys queued requests will ask for, in the order they will run ([] if unknown)."""
+        return list(self._lookahead()) if self._lookahead is not None else []
+
     # -- maintenance ----------------------------------------------------------------------------
 
     def delete_prefix(self, prefix: str) -> dict[str, int]:
@@ -250,7 +329,7 @@ class TieredStore:
 
     def stats(self) -> dict[str, dict]:
         """Counters per tier name (plus ``entries``/``used_bytes`` where tracked), and the store's
-        own under ``"store"`` (lookups, promotions, queue drops, queue depth)."""
+        own under ``"store"`` (lookups, promotions, unusable entries, queue drops, queue depth)."""
         out: dict[str, dict] = {}
         for t in self.tiers:
             out[t.name] = {**t.stats.snapshot(), "entries": t.entries(), "used_bytes": t.used_bytes()}

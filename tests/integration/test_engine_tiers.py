@@ -74,7 +74,7 @@ def test_int8_hits_run_and_their_output_is_reported(smollm2, prompt, expected, r
         assert first.token_ids == expected  # no hit yet: a plain prefill
         hit = engine.generate(prompt, GREEDY)
     assert hit.cached_tokens == 512 and hit.hit_tiers == ("memory", "memory")
-    assert engine.stats.chunk_load_failures == 0 and len(hit.token_ids) == GREEDY.max_tokens
+    assert engine.stats_snapshot()["chunk_load_failures"] == 0 and len(hit.token_ids) == GREEDY.max_tokens
     same = hit.token_ids == expected
     record_property("int8_same_as_fp16", same)
     with capsys.disabled():

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import redis
 
+from keyed import K, Ks, ns_prefix
+
 from kvfuse.tiers import RedisTier
 
 pytestmark = pytest.mark.integration
@@ -32,77 +34,86 @@ def _timed(fn, *args):
 def test_round_trip_stats_and_prefix(redis_server):
     t = _tier(redis_server)
     value = os.urandom(100_000)
-    t.put("ns:p:1", value)
-    assert t.contains("ns:p:1") and t.get("ns:p:1") == value
-    assert t.get("ns:p:2") is None and not t.contains("ns:p:2")
+    t.put(K("1"), value)
+    assert t.contains(K("1")) and t.get(K("1")) == value
+    assert t.get(K("2")) is None and not t.contains(K("2"))
     raw = redis.Redis.from_url(redis_server.url)
-    assert raw.get("kvfuse:ns:p:1") == value  # stored under the key prefix
+    assert raw.get(f"kvfuse:{K('1')}") == value  # stored under the key prefix
     s = t.stats.snapshot()
     assert (s["puts"], s["bytes_in"], s["hits"], s["misses"], s["bytes_out"], s["errors"]) == (
         1, 100_000, 1, 1, 100_000, 0,
     )
-    assert t.delete("ns:p:1") and not t.delete("ns:p:1") and t.get("ns:p:1") is None
-    t.put_many([("mv", memoryview(value)), ("ba", bytearray(b"abc"))])  # any bytes-like value
-    assert t.get_many(["mv", "ba"]) == [value, b"abc"]
+    assert t.delete(K("1")) and not t.delete(K("1")) and t.get(K("1")) is None
+    t.put_many([(K("mv"), memoryview(value)), (K("ba"), bytearray(b"abc"))])  # any bytes-like value
+    assert t.get_many(Ks("mv", "ba")) == [value, b"abc"]
+    assert t.read_range(K("mv"), 10, 20) == value[10:20] and t.read_range(K("ba"), 1, 99) == b"bc"
+    assert t.read_range(K("nope"), 0, 5) is None
+    with pytest.raises(TypeError, match="ChunkKey"):
+        t.put("ns:p:1", value)
 
 
 def test_batched_pipeline(redis_server):
     t = _tier(redis_server)
-    items = [(f"k{i}", os.urandom(1000 + i)) for i in range(50)]
+    items = [(K(f"k{i}"), os.urandom(1000 + i)) for i in range(50)]
     t.put_many(items)
     keys = [k for k, _ in items]
-    asked = keys[::2] + ["missing"] + keys[1::2]
+    asked = keys[::2] + [K("missing")] + keys[1::2]
     expected = [v for _, v in items[::2]] + [None] + [v for _, v in items[1::2]]
     assert t.get_many(asked) == expected
-    assert t.contains_many(["missing", "k3", "k49"]) == [False, True, True]
+    assert t.contains_many(Ks("missing", "k3", "k49")) == [False, True, True]
     assert t.get_many([]) == [] and t.contains_many([]) == []
     assert t.stats.snapshot()["puts"] == 50
 
 
 def test_ttl_expires_entries(redis_server):
     t = _tier(redis_server, ttl_s=0.2)
-    t.put("k", b"v")
-    assert t.get("k") == b"v"
+    t.put(K("k"), b"v")
+    assert t.get(K("k")) == b"v"
     time.sleep(0.35)
-    assert t.get("k") is None
+    assert t.get(K("k")) is None
 
 
 def test_delete_prefix_scans_only_the_prefix_literally(redis_server):
     t, other = _tier(redis_server), _tier(redis_server, key_prefix="other:")
-    t.put_many([("a*:1", b"1"), ("a*b:2", b"2"), ("ab:3", b"3"), ("a?:4", b"4")] + [(f"n:{i}", b"x") for i in range(2500)])
-    other.put("a*:1", b"kept")
-    assert t.delete_prefix("a*") == 2  # '*' is a literal here, not a glob
-    assert t.get_many(["a*:1", "a*b:2", "ab:3", "a?:4"]) == [None, None, b"3", b"4"]
-    assert t.delete_prefix("n:") == 2500  # several SCAN / UNLINK batches
-    assert t.clear() == 2 and other.get("a*:1") == b"kept"
+    glob = _tier(redis_server, key_prefix="a*")  # a key prefix with glob characters, taken literally
+    near = _tier(redis_server, key_prefix="ab")
+    a1, a2 = K("1", "a"), K("2", "a")
+    glob.put_many([(a1, b"1"), (a2, b"2")])
+    near.put(a1, b"3")
+    t.put_many([(K(f"{i}", "n"), b"x") for i in range(2500)] + [(K("x", "m"), b"m")])
+    other.put(a1, b"kept")
+    assert glob.delete_prefix("") == 2  # '*' is a literal here, not a glob: "ab..." stays
+    assert glob.get_many([a1, a2]) == [None, None] and near.get(a1) == b"3"
+    assert t.delete_prefix(ns_prefix("n")) == 2500  # several SCAN / UNLINK batches
+    assert t.clear() == 1 and other.get(a1) == b"kept" and near.get(a1) == b"3"
 
 
 def test_server_down_gives_fast_misses_dropped_writes_and_recovery(redis_server):
     t = _tier(redis_server)
-    t.put("k", b"v")
-    assert t.get("k") == b"v"
+    t.put(K("k"), b"v")
+    assert t.get(K("k")) == b"v"
     redis_server.stop()
-    value, took = _timed(t.get, "k")
+    value, took = _timed(t.get, K("k"))
     assert value is None and took < TIMEOUT + 0.2
     assert t.is_backing_off()
     # During the back-off nothing touches the network: answers are immediate.
-    (_, took_put), (miss, took_get) = _timed(t.put, "k2", b"v2"), _timed(t.get_many, ["k", "k2"])
+    (_, took_put), (miss, took_get) = _timed(t.put, K("k2"), b"v2"), _timed(t.get_many, Ks("k", "k2"))
     assert miss == [None, None] and took_put < 0.01 and took_get < 0.01
-    assert t.contains_many(["k"]) == [False] and t.delete_prefix("") == 0
+    assert t.contains_many(Ks("k")) == [False] and t.delete_prefix("") == 0
     s = t.stats.snapshot()
     assert s["errors"] == 1 and s["dropped_writes"] == 1 and s["misses"] == 3
     redis_server.start()
     time.sleep(BACKOFF + 0.05)
     assert not t.is_backing_off()
-    t.put("k3", b"v3")  # the server restarted empty; the tier reconnects by itself
-    assert t.get("k3") == b"v3" and t.get("k") is None
+    t.put(K("k3"), b"v3")  # the server restarted empty; the tier reconnects by itself
+    assert t.get(K("k3")) == b"v3" and t.get(K("k")) is None
     assert t.stats.snapshot()["errors"] == 1
 
 
 def test_calls_while_the_server_is_down_fail_within_the_timeout(redis_server):
     t = _tier(redis_server, backoff_s=0.0)  # no back-off: every call tries the network
     redis_server.stop()
-    for fn, args in [(t.get, ("k",)), (t.put, ("k", b"v")), (t.contains, ("k",)), (t.delete_prefix, ("",))]:
+    for fn, args in [(t.get, (K("k"),)), (t.put, (K("k"), b"v")), (t.contains, (K("k"),)), (t.delete_prefix, ("",))]:
         _, took = _timed(fn, *args)
         assert took < TIMEOUT + 0.2, fn
     assert t.stats.snapshot()["errors"] == 4
@@ -110,24 +121,24 @@ def test_calls_while_the_server_is_down_fail_within_the_timeout(redis_server):
 
 def test_a_hung_server_times_out_then_recovers(redis_server):
     t = _tier(redis_server)
-    t.put("k", b"v" * 1000)
+    t.put(K("k"), b"v" * 1000)
     os.kill(redis_server.proc.pid, signal.SIGSTOP)  # alive but not answering
     try:
-        value, took = _timed(t.get, "k")
+        value, took = _timed(t.get, K("k"))
         assert value is None and TIMEOUT * 0.8 < took < TIMEOUT + 0.3
-        _, took = _timed(t.put, "k2", b"x")  # in back-off: dropped at once
+        _, took = _timed(t.put, K("k2"), b"x")  # in back-off: dropped at once
         assert took < 0.01
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
     time.sleep(BACKOFF + 0.05)
-    assert t.get("k") == b"v" * 1000
+    assert t.get(K("k")) == b"v" * 1000
     s = t.stats.snapshot()
     assert s["errors"] == 1 and s["dropped_writes"] == 1
 
 
 def test_unreachable_from_the_start_is_not_an_exception():
     t = RedisTier("redis://127.0.0.1:1/0", timeout_s=0.2, backoff_s=0.1)
-    assert t.get("k") is None and t.put("k", b"v") is None and t.stats.snapshot()["errors"] == 1
+    assert t.get(K("k")) is None and t.put(K("k"), b"v") is None and t.stats.snapshot()["errors"] == 1
     t.close()
 
 
@@ -140,23 +151,25 @@ def test_bad_configuration():
 
 _CHILD = """
 import sys
+from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers import RedisTier
 t = RedisTier(sys.argv[1], timeout_s=2)
-t.put("from-child", b"child-value")
-print(t.get("from-parent").decode())
+t.put(ChunkKey.parse(sys.argv[2]), b"child-value")
+print(t.get(ChunkKey.parse(sys.argv[3])).decode())
 """
 
 
 def test_two_processes_share_entries(redis_server):
     t = _tier(redis_server)
-    t.put("from-parent", b"parent-value")
+    t.put(K("from-parent"), b"parent-value")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, redis_server.url], env=env, capture_output=True, text=True, timeout=60, check=True
+        [sys.executable, "-c", _CHILD, redis_server.url, str(K("from-child")), str(K("from-parent"))], env=env,
+        capture_output=True, text=True, timeout=60, check=True,
     )
     assert out.stdout.strip() == "parent-value"
-    assert t.get("from-child") == b"child-value"
+    assert t.get(K("from-child")) == b"child-value"
 
 
 def test_an_entry_round_trips_as_its_joined_bytes(redis_server):
@@ -168,8 +181,8 @@ def test_an_entry_round_trips_as_its_joined_bytes(redis_server):
 
     chunk = KVChunk(kv=torch.randn(2, 2, 16, 1, 8), positions=torch.arange(16))
     t = _tier(redis_server)
-    entry = encode_entry(chunk, "ns:p:e", get_codec("raw"))
-    t.put("ns:p:e", entry)
-    got = t.get("ns:p:e")
-    assert got == entry.join() and torch.equal(decode_chunk(got, "ns:p:e").kv, chunk.kv)
+    entry = encode_entry(chunk, K("e"), get_codec("raw"))
+    t.put(K("e"), entry)
+    got = t.get(K("e"))
+    assert got == entry.join() and torch.equal(decode_chunk(got, K("e")).kv, chunk.kv)
     assert t.stats.snapshot()["bytes_in"] == len(entry)

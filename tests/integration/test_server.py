@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvfuse.server.process import ServerProcess, ensure_model
+from kvfuse.testing import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 

@@ -25,20 +25,10 @@ CH = 32  # chunk size of every engine here
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def models(tiny_model_dir, tmp_path_factory):
-    """A function giving the LoadedModel of a tiny family (built and loaded once per module)."""
-    from kvfuse_helpers import tiny_loaded_model, write_word_tokenizer
-
-    tok = write_word_tokenizer(tmp_path_factory.mktemp("word-tokenizer"), 512)
-    loaded: dict[str, LoadedModel] = {}
-
-    def get(name: str = "llama") -> LoadedModel:
-        if name not in loaded:
-            loaded[name] = tiny_loaded_model(tiny_model_dir(name), tok)
-        return loaded[name]
-
-    return get
+@pytest.fixture
+def models(tiny_loaded):
+    """A function giving the LoadedModel of a tiny family (built and loaded once per session)."""
+    return tiny_loaded
 
 
 @pytest.fixture
@@ -157,7 +147,7 @@ def test_the_tail_chunk_is_never_stored(model, stores):
     result = engine.generate(ids, GREEDY)
     assert result.stored_chunks == 3
     memory = store.tiers[0]
-    assert set(memory.keys_lru()) == {str(k) for k in prefix_keys(ids, CH, engine.namespace())}
+    assert set(memory.keys_lru()) == set(prefix_keys(ids, CH, engine.namespace()))
     store.flush()
     assert store.tiers[1].entries() == 3
 
@@ -232,10 +222,42 @@ def test_store_generated_stores_the_answer_chunks_for_the_follow_up(model, store
     assert plain.generate(ids_of(2 * CH + 6, seed=11), params, cache=CacheOptions(store_generated=True)).stored_chunks == 3
 
 
+# ------------------------------------------------------------------------------ documents
+
+
+def test_a_document_is_computed_alone_once_then_loaded_at_any_position(model, stores):
+    from kvfuse.engine import Prompt
+    from kvfuse.kv.keys import document_key
+
+    store = stores.fresh()
+    engine = Engine(model, store, chunk_size=CH)
+    prefix, d1, d2, q = ids_of(40, seed=30), ids_of(23, seed=31), ids_of(17, seed=32), ids_of(6, seed=33)
+    first = engine.generate(Prompt.of(prefix, [d1, d2], q), GREEDY)
+    assert first.cached_tokens == 0 and first.stored_chunks == 1 + 2  # the prefix's whole chunk, two documents
+    ns = engine.namespace()
+    assert {store.tiers[0].get(document_key(d, ns)).num_tokens for d in (d1, d2)} == {23, 17}
+    again = engine.generate(Prompt.of(prefix, [d1, d2], q), GREEDY)
+    assert again.cached_tokens == CH + 23 + 17 and again.stored_chunks == 0
+    assert again.token_ids == first.token_ids  # precomputed-then-loaded and loaded are the same KV
+    swapped = engine.generate(Prompt.of(prefix, [d2, d1], q), GREEDY)  # other positions: keys moved
+    assert swapped.cached_tokens == CH + 23 + 17 and swapped.hit_tiers == ("memory",) * 3
+
+
+def test_one_document_at_the_start_is_exactly_a_prefix(model, stores):
+    from kvfuse.engine import Prompt
+
+    engine = Engine(model, stores.fresh(), chunk_size=CH)
+    doc, q = ids_of(45, seed=34), ids_of(7, seed=35)
+    for _ in range(2):  # precomputed, then loaded: both exact
+        result = engine.generate(Prompt.of(documents=[doc], suffix=q), GREEDY)
+        assert result.token_ids == baseline(model, doc + q)
+    assert result.cached_tokens == 45
+
+
 # ------------------------------------------------------------------------------ bad entries
 
 
-def _entry_file(store: TieredStore, key: str):
+def _entry_file(store: TieredStore, key):
     disk = store.tiers[1]
     (path,) = disk.root.glob(f"*/{key_to_filename(key)}")
     return path
@@ -248,7 +270,7 @@ def test_a_corrupted_disk_entry_is_a_miss_and_is_replaced(model, stores, where):
     engine = Engine(model, store, chunk_size=CH)
     engine.generate(ids, GREEDY)
     store.flush()
-    key = str(prefix_keys(ids, CH, engine.namespace())[2])
+    key = prefix_keys(ids, CH, engine.namespace())[2]
     path = _entry_file(store, key)
     data = bytearray(path.read_bytes())
     data[20 if where == "header" else len(data) - 5] ^= 0x40
@@ -271,7 +293,7 @@ def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
     engine = Engine(model, store, chunk_size=CH)
     engine.generate(ids, GREEDY)
     store.flush()
-    key = str(prefix_keys(ids, CH, engine.namespace())[1])
+    key = prefix_keys(ids, CH, engine.namespace())[1]
     memory = store.tiers[0]
     bad = memory.get(key).join()  # an Entry in memory; a serialized copy of it is verified on use
     bad[-1] ^= 1
@@ -284,14 +306,13 @@ def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
     assert engine.stats.hits_by_tier == {"memory": 2, "disk": 1}
 
 
-def test_entries_of_another_codec_dtype_or_model_are_never_used(model, stores):
+def test_entries_of_another_dtype_or_model_are_never_used(model, stores):
     store = stores.fresh()
     ids = ids_of(3 * CH + 9, seed=14)
     writer = Engine(model, store, chunk_size=CH)
     writer.generate(ids, GREEDY)
     fingerprint_changed = LoadedModel(model.name, model.folder, model.runner, model.tokenizer, "0" * 32)
     readers = {
-        "int8": Engine(model, store, chunk_size=CH, codec="int8"),
         "bfloat16": Engine(model, store, chunk_size=CH, kv_dtype="bfloat16"),
         "float32": Engine(model, store, chunk_size=CH, kv_dtype="float32"),
         "fingerprint": Engine(fingerprint_changed, store, chunk_size=CH),
@@ -309,12 +330,29 @@ def test_entries_of_another_codec_dtype_or_model_are_never_used(model, stores):
     mine = prefix_keys(ids, CH, writer.namespace())
     theirs = prefix_keys(ids, CH, reader.namespace())
     for a, b in zip(mine, theirs):
-        memory.put(str(b), memory.get(str(a)))
+        memory.put(b, memory.get(a))
     store.flush()
     store.tiers[1].clear()
     result = reader.generate(ids, GREEDY)
     assert result.cached_tokens == 0
     assert result.token_ids == baseline(model, ids, kv_dtype="float32")
+
+
+def test_a_key_names_content_not_encoding_so_entries_of_any_codec_are_read(model, stores):
+    """The codec is not part of a chunk's identity: the entry header says how it is encoded."""
+    store = stores.fresh()
+    ids = ids_of(3 * CH + 9, seed=14)
+    raw, int8 = Engine(model, store, chunk_size=CH), Engine(model, store, chunk_size=CH, codec="int8")
+    assert raw.namespace() == int8.namespace()
+    raw.generate(ids, GREEDY)
+    result = int8.generate(ids, GREEDY)  # lossless raw entries: the exact answer
+    assert result.cached_tokens == 3 * CH and result.token_ids == baseline(model, ids)
+    other = ids_of(3 * CH + 9, seed=21)
+    assert int8.generate(other, GREEDY).stored_chunks == 3  # written as int8 ...
+    assert {store.tiers[0].get(k).codec.name for k in prefix_keys(other, CH, raw.namespace())} == {"int8"}
+    hit = raw.generate(other, GREEDY)  # ... and read by an engine that writes raw
+    assert hit.cached_tokens == 3 * CH and hit.hit_tiers == ("memory",) * 3
+    assert raw.stats.chunk_load_failures == 0
 
 
 def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, stores):
@@ -323,18 +361,20 @@ def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, sto
     fp16 = Engine(model, store, chunk_size=CH)
     fp16.generate(ids, GREEDY)
     memory = store.tiers[0]
-    keys16 = [str(k) for k in prefix_keys(ids, CH, fp16.namespace())]
+    keys16 = prefix_keys(ids, CH, fp16.namespace())
     chunk0 = decode_chunk(memory.get(keys16[0]))
 
     # a valid fp16 entry under the fp32 engine's own key: the engine checks the dtype
     fp32 = Engine(model, store, chunk_size=CH, kv_dtype="float32")
-    key32 = str(prefix_keys(ids, CH, fp32.namespace())[0])
+    key32 = prefix_keys(ids, CH, fp32.namespace())[0]
     memory.put(key32, encode_chunk(chunk0, key32, get_codec("raw")))
     result = fp32.generate(ids, GREEDY)
     assert result.cached_tokens == 0 and fp32.stats.chunk_load_failures == 1
     assert result.token_ids == baseline(model, ids, kv_dtype="float32")
 
     # chunk 0's KV (positions 0..31) stored as chunk 1: the engine checks the positions
+    store.flush()
+    store.tiers[1].clear()  # no good copy of chunk 1 on disk to fall back to
     memory.put(keys16[1], encode_chunk(chunk0, keys16[1], get_codec("raw")))
     result = fp16.generate(ids, GREEDY)
     assert result.cached_tokens == CH and fp16.stats.chunk_load_failures == 1
@@ -351,16 +391,20 @@ def test_a_set_cancel_event_stops_before_any_token(model, stores):
     assert result.finish_reason == "cancelled" and result.token_ids == [] and result.text == ""
 
 
-def test_a_request_cancelled_before_its_prefill_is_still_counted(model, stores):
-    engine = Engine(model, stores.fresh(), chunk_size=CH)
+def test_a_request_cancelled_before_it_starts_does_no_work_and_is_counted(model, stores):
+    store = stores.fresh()
+    engine = Engine(model, store, chunk_size=CH)
     ids = ids_of(2 * CH + 5, seed=20)
     engine.generate(ids, GREEDY)
+    lookups = store.stats()["store"]["lookups"]
     cancel = threading.Event()
     cancel.set()
     result = engine.generate(ids, GREEDY, cancel=cancel)
-    assert result.cached_tokens == 2 * CH  # the prefix was loaded before the cancel was noticed
-    assert engine.stats.requests == 2
-    assert engine.stats.tokens_reused == 2 * CH and engine.stats.hits_by_tier == {"memory": 2}
+    assert result.finish_reason == "cancelled" and result.cached_tokens == 0 and result.token_ids == []
+    assert store.stats()["store"]["lookups"] == lookups  # skipped in the queue: not even looked up
+    s = engine.stats_snapshot()
+    assert (s["requests"], s["requests_skipped"]) == (2, 1)
+    assert s["tokens_reused"] == 0 and s["prompt_tokens"] == len(ids) and s["hits_by_tier"] == {}
 
 
 def test_cancelling_mid_generation_stops_after_the_current_token(model, stores):

@@ -17,13 +17,13 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import FORMAT_VERSION, FormatError, decode_chunk, encode_chunk, read_header, verify
 from kvfuse.kv.keys import Namespace, prefix_keys
 
-NS = Namespace("m", "float16", "L2xH2xD8", "raw")
+NS = Namespace("m", "float16", "L2xH2xD8")
 KEY = str(prefix_keys(range(4), 4, NS)[0])
 OTHER_KEY = str(prefix_keys(range(1, 5), 4, NS)[0])
 
-# Offsets of the fixed header fields ("<4sHIHHBB5IIHQQ").
+# Offsets of the fixed header fields ("<4sHIHHBB5IIHQ").
 VERSION, HEADER_LEN, CODEC_ID, DTYPE, FLAGS, SHAPE, KEY_LEN, PAYLOAD_LEN = 4, 6, 10, 14, 15, 16, 40, 42
-FIXED = 58
+FIXED = 50
 
 
 def _chunk(dtype=torch.float16, tokens=5, contiguous=True, seed=0):
@@ -109,7 +109,8 @@ def test_key_mismatch_is_an_error():
         (lambda b: b"", "magic"),
         (lambda b: b + b"\0", "trailing"),
         (lambda b: b"KVFX" + b[4:], "magic"),
-        (lambda b: _patch(b, VERSION, "<H", FORMAT_VERSION + 1), "version 2"),
+        (lambda b: _patch(b, VERSION, "<H", FORMAT_VERSION + 1), f"version {FORMAT_VERSION + 1}"),
+        (lambda b: _patch(b, VERSION, "<H", 1), "version 1; this build reads version 2"),
         (lambda b: _patch(b, VERSION, "<H", 0), "version 0"),
         (lambda b: _patch(b, CODEC_ID, "<H", 999), "unknown codec"),
         (lambda b: _patch(b, DTYPE, "<B", 77), "unknown dtype"),
@@ -130,14 +131,15 @@ def test_damaged_or_foreign_entries_are_format_errors(mutate, match):
 
 
 def test_flipped_byte_anywhere_is_detected():
-    """One flipped bit in each region: fixed header, key, positions, padding, header checksum, payload."""
+    """One flipped bit in each region: fixed header, key, positions, layer table + padding, header
+    checksum, payload."""
     blob = encode_chunk(_chunk(contiguous=False), KEY, get_codec("raw"))
     hl = _header_len(blob)
     regions = {
         "fixed": range(0, FIXED),
         "key": range(FIXED, FIXED + len(KEY)),
         "positions": range(FIXED + len(KEY), FIXED + len(KEY) + 40),
-        "padding": range(FIXED + len(KEY) + 40, hl - 8),
+        "layer table, padding": range(FIXED + len(KEY) + 40, hl - 8),
         "header checksum": range(hl - 8, hl),
         "payload": range(hl, len(blob)),
     }
@@ -163,11 +165,29 @@ def test_read_header_reports_a_bad_payload_without_failing():
     assert h.payload_ok and h.first_position == 100 and h.last_position == 104
 
 
-def test_skipping_the_payload_check_still_checks_lengths():
-    blob = encode_chunk(_chunk(), KEY, get_codec("raw"))
-    assert _same(decode_chunk(blob, KEY, check_payload=False), decode_chunk(blob, KEY))
-    with pytest.raises(FormatError):
-        decode_chunk(blob[:-2], KEY, check_payload=False)
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_a_layer_range_is_read_and_checked_without_the_rest(codec):
+    from kvfuse.kv.format import header_length, parse_header
+
+    chunk = KVChunk(torch.randn((5, 2, 7, 2, 8), generator=torch.Generator().manual_seed(4)).half(), torch.arange(7))
+    blob = bytes(encode_chunk(chunk, KEY, get_codec(codec)))
+    full = decode_chunk(blob, KEY).kv
+    need = header_length(blob[:FIXED])  # the fixed part says how much header to read
+    h = parse_header(blob[:need])  # the header alone: no payload byte needed
+    assert h.layer_sizes == read_header(blob).layer_sizes and len(h.layer_sizes) == 5
+    start, stop = h.layer_span(1, 4)
+    part = h.decode_layers(memoryview(blob)[start:stop], 1, 4)
+    assert torch.equal(part, full[1:4])
+    assert torch.equal(decode_chunk(blob).kv[2:3], h.decode_layers(memoryview(blob)[slice(*h.layer_span(2, 3))], 2, 3))
+    damaged = bytearray(blob)
+    damaged[stop - 1] ^= 1  # in layer 3
+    with pytest.raises(FormatError, match="layer 3"):
+        h.decode_layers(memoryview(damaged)[start:stop], 1, 4)
+    assert torch.equal(h.decode_layers(memoryview(damaged)[slice(*h.layer_span(0, 3))], 0, 3), full[:3])
+    with pytest.raises(FormatError, match="truncated"):
+        h.decode_layers(memoryview(blob)[start : stop - 1], 1, 4)
+    with pytest.raises(FormatError, match="truncated"):
+        parse_header(blob[: need - 1])
 
 
 def test_key_is_stored_as_given():

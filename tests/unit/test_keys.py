@@ -15,24 +15,25 @@ import pytest
 import torch
 
 from kvfuse.kv.format import FORMAT_VERSION
-from kvfuse.kv.keys import ChunkKey, Namespace, chunk_spans, document_key, layout_of, prefix_keys
+from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, chunk_spans, document_key, layout_of, prefix_keys, tail_key
 
-NS = Namespace("sha256:abc", "float16", layout_of(30, 3, 64), "raw")
-NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", "int8", 0, 1, "salt-a", tenant="tenant-a")
+NS = Namespace("sha256:abc", "float16", layout_of(30, 3, 64))
+NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", 1, "salt-a", tenant="tenant-a")
 
 # Computed once from the documented encoding; any change of the encoding must fail here.
 GOLDEN = [
     (NS, list(range(8)), 4, [
-        "00f27a8aeed7ac8f5136a1ec:p:d2363091ea45c0901bce49a567b30ff13773f92c4b5c60969e65272aedd19147",
-        "00f27a8aeed7ac8f5136a1ec:p:4316cbfaea67605324bcdff92c431b722c2b9c7c2d0c8d3c09c5d92242067771",
+        "00f27a8af7cbf219669e5d64:p:e26ff5268439eab3f5db00be021011cf228f2368ba6cb22984a087ba77567c0a",
+        "00f27a8af7cbf219669e5d64:p:f04a45b07c68a3eba11d4ac1e1fcedc2a782a35c572839227ec911bab6580352",
     ]),
     (NS2, [1, 2, 3, 2**32 - 1, 0, 5, 6, 7, 9], 3, [
-        "91fe914af7e22a5b874eb00b:p:2585d4b7252bb49e09e7659eec4c3edd1aa54c34e13095361fd08f0e62b6f9c2",
-        "91fe914af7e22a5b874eb00b:p:a94eb3e82a8d5298c00339f7d0ceb54a3ae945118d08816db928e799bcfbaacd",
-        "91fe914af7e22a5b874eb00b:p:c26f4ac4edec90d2aa52c4169be754e18099fd19f30ee4ec2cf6e11ec0afb2b6",
+        "91fe914ac78e3e7b18e4a6d9:p:bdd59ae48a0cc5c827ac0e5ffcaf6bd3c7af79a123496f7e7d9e726e06c0afd6",
+        "91fe914ac78e3e7b18e4a6d9:p:f54bcc049157c7b0f28c65c210cf8601e85c7d00879db9efd35cb29232617564",
+        "91fe914ac78e3e7b18e4a6d9:p:88e5a99b8c594f352dbfac921cb644655afa6ee05b175e03ced72c56ea7f036c",
     ]),
 ]
-GOLDEN_DOC = "00f27a8aeed7ac8f5136a1ec:d:5242c611e54b9edb95ff8956273d283648177e515931277775febb5ff8107f23"
+GOLDEN_DOC = "00f27a8af7cbf219669e5d64:d:1398a79b06050e503bc87f70525de69ffbd2744a81047832bfcdaf3ab314876c"
+GOLDEN_TAIL = "00f27a8af7cbf219669e5d64:t:0f4d5f8bb756d21e4712d21c2fb774ae5fe283c57fe96f720d638840fd2f6a57"
 
 
 @pytest.mark.parametrize("ns,tokens,chunk,expected", GOLDEN)
@@ -44,13 +45,17 @@ def test_golden_document_key():
     assert str(document_key([10, 20, 30], NS)) == GOLDEN_DOC
 
 
+def test_golden_tail_key():
+    assert str(tail_key(prefix_keys(range(8), 4, NS)[1], [8, 9], NS)) == GOLDEN_TAIL
+
+
 def test_golden_matches_the_documented_encoding():
     """Recompute the first golden key from the module docstring's recipe, independently."""
 
     def s(x: str) -> bytes:
         return struct.pack("<I", len(x.encode())) + x.encode()
 
-    enc = (b"kvfuse.ns\0" + s("sha256:abc") + s("float16") + s("L30xH3xD64") + s("raw") + struct.pack("<II", 0, 1)
+    enc = (b"kvfuse.ns.v2\0" + s("sha256:abc") + s("float16") + s("L30xH3xD64") + struct.pack("<I", FORMAT_VERSION)
            + s("") + s(""))  # tenant, salt
     ns_digest = hashlib.sha256(enc).digest()
     tag = hashlib.sha256(b"kvfuse.tenant\0" + s("")).hexdigest()[:8]
@@ -58,12 +63,16 @@ def test_golden_matches_the_documented_encoding():
     h0 = hashlib.sha256(b"kvfuse.prefix\0" + root + struct.pack("<I", 4) + struct.pack("<4I", 0, 1, 2, 3)).digest()
     assert NS.digest() == ns_digest
     assert str(prefix_keys(range(8), 4, NS)[0]) == f"{tag}{ns_digest.hex()[:16]}:p:{h0.hex()}"
+    tail = hashlib.sha256(b"kvfuse.tail\0" + h0 + struct.pack("<Q", 2) + struct.pack("<2I", 4, 5)).digest()
+    assert str(tail_key(prefix_keys(range(4), 4, NS)[0], [4, 5], NS)) == f"{tag}{ns_digest.hex()[:16]}:t:{tail.hex()}"
+    no_parent = hashlib.sha256(b"kvfuse.tail\0" + root + struct.pack("<Q", 1) + struct.pack("<I", 7)).digest()
+    assert tail_key(None, [7], NS).digest == no_parent
 
 
 def test_keys_identical_in_another_process_with_another_hash_seed():
     code = (
         "from kvfuse.kv.keys import *; import numpy as np\n"
-        "ns = Namespace('m', 'float16', 'L2xH1xD4', 'raw', salt='t')\n"
+        "ns = Namespace('m', 'float16', 'L2xH1xD4', salt='t')\n"
         "print(','.join(str(k) for k in prefix_keys(np.arange(1000) * 7, 64, ns)))\n"
         "print(document_key([5, 6, 7], ns))\n"
     )
@@ -79,7 +88,7 @@ def test_keys_identical_in_another_process_with_another_hash_seed():
     ]
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
-    ns = Namespace("m", "float16", "L2xH1xD4", "raw", salt="t")
+    ns = Namespace("m", "float16", "L2xH1xD4", salt="t")
     here = ",".join(str(k) for k in prefix_keys(np.arange(1000) * 7, 64, ns)) + "\n" + str(document_key([5, 6, 7], ns)) + "\n"
     assert outs[0] == outs[1] == here
 
@@ -90,8 +99,6 @@ def test_keys_identical_in_another_process_with_another_hash_seed():
         ("model_fingerprint", "sha256:abd"),
         ("kv_dtype", "bfloat16"),
         ("kv_layout", "L30xH3xD128"),
-        ("codec", "int8"),
-        ("codec_level", 1),
         ("format_version", FORMAT_VERSION + 1),
         ("salt", "salt-b"),
         ("tenant", "tenant-b"),
@@ -108,8 +115,8 @@ def test_every_namespace_field_changes_every_key(field, value):
 
 def test_field_boundaries_are_unambiguous():
     # Length prefixes: moving a character from one field to the next must change the digest.
-    a = Namespace("ab", "c", "L1xH1xD1", "raw")
-    b = Namespace("a", "bc", "L1xH1xD1", "raw")
+    a = Namespace("ab", "c", "L1xH1xD1")
+    b = Namespace("a", "bc", "L1xH1xD1")
     assert a.digest() != b.digest()
 
 
@@ -144,11 +151,30 @@ def test_input_types_give_the_same_keys():
     assert prefix_keys(range(64), 32, NS) == ref
 
 
+def test_tail_keys_follow_their_parent_chain_and_differ_from_other_kinds():
+    tokens = list(range(40))
+    keys = prefix_keys(tokens, 16, NS)
+    tail = tail_key(keys[-1], tokens[32:], NS)
+    assert tail.kind is ChunkKind.TAIL and ChunkKey.parse(str(tail)) == tail
+    assert tail_key(keys[-1], tokens[32:], NS) == tail  # deterministic
+    assert tail_key(keys[0], tokens[32:], NS) != tail  # another history, another key
+    assert tail_key(keys[-1], tokens[32:39], NS) != tail  # a shorter tail is not the same entry
+    other = dataclasses.replace(NS, salt="x")
+    assert tail_key(prefix_keys(tokens, 16, other)[-1], tokens[32:], other) != tail
+    assert tail.digest != document_key(tokens[32:], NS).digest
+    with pytest.raises(ValueError, match="no tokens"):
+        tail_key(keys[-1], [], NS)
+    with pytest.raises(ValueError, match="parent"):
+        tail_key(document_key(tokens, NS), [1], NS)
+    with pytest.raises(ValueError, match="parent"):
+        tail_key(keys[0], [1], other)
+
+
 def test_document_keys_never_equal_prefix_keys():
     tokens = list(range(256))
     doc = document_key(tokens, NS)
     pre = prefix_keys(tokens, 256, NS)[0]
-    assert doc.position_independent and not pre.position_independent
+    assert doc.kind is ChunkKind.DOCUMENT and pre.kind is ChunkKind.PREFIX
     assert doc.digest != pre.digest and str(doc) != str(pre)
     assert document_key(tokens, NS) == doc
     assert document_key(tokens[:-1], NS) != doc
@@ -176,7 +202,7 @@ def test_empty_document_rejected():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"model_fingerprint": ""}, {"codec": ""}, {"codec_level": -1}, {"format_version": 2**32}, {"salt": None}],
+    [{"model_fingerprint": ""}, {"kv_layout": ""}, {"format_version": -1}, {"format_version": 2**32}, {"salt": None}],
 )
 def test_bad_namespace_rejected(kwargs):
     with pytest.raises(ValueError):
@@ -195,16 +221,18 @@ def test_chunk_key_string_round_trip_and_parse_errors():
     with pytest.raises(ValueError):
         ChunkKey.parse(None)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        ChunkKey("short", b"\0" * 32, False)
+        ChunkKey("short", b"\0" * 32, ChunkKind.PREFIX)
     with pytest.raises(ValueError):
-        ChunkKey("0" * 24, b"\0" * 31, False)
+        ChunkKey("0" * 24, b"\0" * 31, ChunkKind.PREFIX)
+    with pytest.raises(ValueError):
+        ChunkKey("0" * 24, b"\0" * 32, False)  # a kind, not a bool
 
 
 def test_tenant_tag_prefixes_every_namespace_of_a_tenant():
     from kvfuse.kv.keys import tenant_tag
 
     a1 = dataclasses.replace(NS, tenant="alice", salt="s1")
-    a2 = dataclasses.replace(NS, tenant="alice", codec="int8")
+    a2 = dataclasses.replace(NS, tenant="alice", kv_dtype="bfloat16")
     b = dataclasses.replace(NS, tenant="bob", salt="s1")
     tag = tenant_tag("alice")
     assert len(tag) == 8 and tag != tenant_tag("bob") and tag != tenant_tag("")

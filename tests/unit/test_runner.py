@@ -350,6 +350,55 @@ def test_rerotated_cached_layer0_keys_equal_prefill_at_new_positions(family, src
     assert torch.equal(a.kv[0, 1, :, :40], b.kv[0, 1, :, :40])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
+def test_move_keys_rotates_in_place_to_a_prefill_at_the_new_positions(family, kv_dtype, tiny_runner):
+    """A document's layer-0 KV computed at positions 0.. and moved to 300.. equals computing it at 300..
+    (deeper layers differ only through attention, which sees the same relative positions)."""
+    runner = tiny_runner(family)
+    ids = prompt(40, seed=7)
+    here, there = runner.new_cache(dtype=kv_dtype), runner.new_cache(dtype=kv_dtype)
+    runner.forward(ids, here, positions=torch.arange(0, 40), logits="none")
+    runner.forward(ids, there, positions=torch.arange(300, 340), logits="none")
+    storage = here.kv.data_ptr()
+    before_values, before_keys = here.kv[:, 1, :, :40].clone(), here.kv[:, 0, :, :40].clone()
+    runner.move_keys(here, 0, 40, 300)
+    assert here.kv.data_ptr() == storage  # in the live cache, no copy of it
+    assert torch.equal(here.positions[:40], torch.arange(300, 340))
+    assert torch.equal(here.kv[:, 1, :, :40], before_values)  # values carry no position
+    k_moved, k_ref = here.kv[0, 0, :, :40].float(), there.kv[0, 0, :, :40].float()
+    tol = TOL if kv_dtype == torch.float32 else 4 * FP16_EPS * float(k_ref.abs().max())
+    assert_close(k_moved, k_ref, tol, "layer 0 keys moved")
+    for layer in range(runner.config.num_layers):  # every layer's keys are rotated
+        assert (here.kv[layer, 0, :, :40].float() - before_keys[layer].float()).abs().max() > 0.01
+    runner.move_keys(here, 0, 40, 0)  # and back
+    back = runner.new_cache(dtype=kv_dtype)
+    runner.forward(ids, back, positions=torch.arange(0, 40), logits="none")
+    assert_close(here.kv[0, 0, :, :40].float(), back.kv[0, 0, :, :40].float(), 2 * tol, "moved back")
+    with pytest.raises(ValueError, match="outside"):
+        runner.move_keys(here, 0, 41, 5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_span_computed_in_the_middle_sees_only_the_keys_before_it(family, tiny_runner):
+    """``forward(start=...)`` writes slots in the middle of a cache whose later slots are already full
+    (a prefix computed after documents were loaded behind it): it equals a plain prefill."""
+    runner = tiny_runner(family)
+    ids = prompt(60, seed=9)
+    ref = runner.new_cache()
+    runner.forward(ids, ref, logits="none")
+    cache = runner.new_cache()
+    runner.forward(ids[:20], cache, logits="none")
+    cache.write(20, ref.chunk(20, 60).kv, torch.arange(20, 60))  # slots 20..59 hold their exact KV
+    runner.forward(ids[20:30], cache, positions=torch.arange(20, 30), logits="none", start=10)  # wrong on purpose
+    runner.forward(ids[10:20], cache, positions=torch.arange(10, 20), logits="none", start=10)  # and fixed
+    runner.forward(ids[20:40], cache, positions=torch.arange(20, 40), logits="none", start=20)
+    assert cache.length == 60
+    assert_close(cache.kv[:, :, :, :60], ref.kv[:, :, :, :60], TOL, "middle span")
+    with pytest.raises(ValueError, match="gap"):
+        runner.forward(ids[:2], cache, start=61)
+
+
 def test_gemma3_local_and_global_layers_rotate_differently(tiny_runner):
     runner = tiny_runner("gemma3")
     assert runner.config.layer_types[0] == SLIDING and runner.config.layer_types[5] == FULL

@@ -1,24 +1,21 @@
-"""The server's pure parts, without a model: request -> engine call mapping, tenant salts, error
-bodies, response chunks, the queue's limit and cancellation, the scheduler's worker (with a fake engine)."""
+"""The server's pure parts, without a model: request -> engine request mapping, tenant salts, error
+bodies, response chunks, metrics. (The queue and its worker are the engine's: test_scheduler.py,
+test_engine_loop.py.)"""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
-import time
 from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
-from kvfuse.engine import CacheOptions, EngineStats, GenerationResult, Timings
+from kvfuse.engine import CacheOptions, EngineStats, GenerationResult, Outcome, RequestCancelled, Timings
 from kvfuse.models.tokenizer import ChatTemplateError
 from kvfuse.server.auth import Authenticator
 from kvfuse.server.errors import APIError, error_body, validation_error
 from kvfuse.server.metrics import ServerMetrics
 from kvfuse.server.responses import SSE_DONE, ResponseBuilder, sse_event, usage
-from kvfuse.server.scheduler import Job, JobCancelled, JobEvents, Outcome, QueueClosed, QueueFull, RequestQueue, Scheduler
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvfuse.server.translate import (EngineCall, Limits, cache_options, chat_messages, completion_prompt, plan_chat,
                                      sampling_params)
@@ -202,154 +199,17 @@ def test_sse_framing():
     assert json.loads(sse_event({"x": [1]})[6:]) == {"x": [1]}
 
 
-# --------------------------------------------------------------------------------- queue and worker
-
-
-def job(name: str, **kw) -> Job:
-    return Job(name, "", EngineCall([1], None, CacheOptions()), **kw)
-
-
-def test_queue_limit_order_and_close():
-    q = RequestQueue(max_waiting=2)
-    a, b, c = job("a"), job("b"), job("c")
-    q.put(a)
-    q.put(b)
-    with pytest.raises(QueueFull):
-        q.put(c)
-    assert [j.request_id for j in q.waiting()] == ["a", "b"] and len(q) == 2
-    assert q.take() is a
-    q.put(c)  # a slot freed up
-    assert q.close() == [b, c]
-    with pytest.raises(QueueClosed):
-        q.put(job("d"))
-    assert q.take() is None
-
-
-def test_queue_skips_cancelled_jobs_and_reports_them():
-    outcomes = {}
-    q = RequestQueue(max_waiting=4)
-    a, b = job("a", on_done=lambda o: outcomes.setdefault("a", o)), job("b")
-    q.put(a)
-    q.put(b)
-    a.cancel.set()  # a's client left while it waited
-    assert q.take() is b
-    assert isinstance(outcomes["a"].error, JobCancelled) and q.skipped == 1
-    assert q.take(timeout=0.05) is None
-
-
-def test_queue_remove_frees_the_slot():
-    q = RequestQueue(max_waiting=1)
-    a = job("a")
-    q.put(a)
-    assert q.remove(a) and not q.remove(a)
-    q.put(job("b"))
-
-
-class FakeEngine:
-    """Records calls; each generation emits two pieces and honours cancel between them."""
-
-    def __init__(self, gate: threading.Event | None = None, fail_on: str | None = None):
-        self.calls, self.gate, self.fail_on = [], gate, fail_on
-        self.stats, self.store = EngineStats(), None
-
-    def generate(self, ids, params, *, cache, on_text=None, cancel=None):
-        self.calls.append(ids)
-        if ids == [13]:
-            raise RuntimeError("boom")
-        if on_text:
-            on_text("a")
-        if self.gate is not None:
-            self.gate.wait(5)
-        if cancel is not None and cancel.is_set():
-            return result(text="a", ids=(1,), reason="cancelled")
-        if on_text:
-            on_text("b")
-        return result()
-
-
-def run_job(scheduler, ids, stream=True):
-    async def go():
-        events = JobEvents()
-        j = Job("r", "", EngineCall(ids, None, CacheOptions()), on_text=events.on_text if stream else None,
-                on_done=events.on_done)
-        scheduler.submit(j)
-        items = []
-        while not isinstance(item := await events.next(), Outcome):
-            items.append(item)
-        return items, item
-
-    return asyncio.run(go())
-
-
-def test_scheduler_runs_jobs_and_delivers_text_and_outcome_to_the_loop():
-    s = Scheduler(FakeEngine(), max_waiting=4)
-    s.start()
-    try:
-        pieces, outcome = run_job(s, [1, 2])
-        assert pieces == ["a", "b"] and outcome.result.text == "ab"
-        assert outcome.result.timings.queued_s >= 0
-        pieces, outcome = run_job(s, [13])  # an engine failure is this job's outcome; the worker survives
-        assert isinstance(outcome.error, RuntimeError)
-        assert run_job(s, [3], stream=False)[1].result is not None
-    finally:
-        s.stop()
-
-
-def test_withdraw_stops_the_running_job_and_drops_the_waiting_one():
-    gate = threading.Event()
-    engine = FakeEngine(gate)
-    s = Scheduler(engine, max_waiting=4)
-    s.start()
-    done: dict[str, Outcome] = {}
-    running = job("run", on_done=lambda o: done.setdefault("run", o))
-    waiting = job("wait", on_done=lambda o: done.setdefault("wait", o))
-    try:
-        s.submit(running)
-        s.submit(waiting)
-        deadline = time.monotonic() + 5
-        while s.running is not running and time.monotonic() < deadline:
-            time.sleep(0.01)
-        s.withdraw(waiting)
-        s.withdraw(running)
-        gate.set()
-        deadline = time.monotonic() + 5
-        while len(done) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert isinstance(done["wait"].error, JobCancelled)
-        assert done["run"].result.finish_reason == "cancelled"
-        assert len(engine.calls) == 1  # the withdrawn job never reached the engine
-    finally:
-        gate.set()
-        s.stop()
-
-
-def test_stop_cancels_waiting_jobs():
-    gate = threading.Event()
-    s = Scheduler(FakeEngine(gate), max_waiting=4)
-    s.start()
-    done = {}
-    first, second = job("1", on_done=lambda o: done.setdefault("1", o)), job("2", on_done=lambda o: done.setdefault("2", o))
-    s.submit(first)
-    s.submit(second)
-    time.sleep(0.05)
-    gate.set()
-    s.stop()
-    assert "2" in done and "1" in done
-    with pytest.raises(QueueClosed):
-        s.submit(job("3"))
-
-
 # ------------------------------------------------------------------------------------------- metrics
 
 
 def test_metrics_render_and_count_outcomes():
     from prometheus_client.parser import text_string_to_metric_families
 
-    engine = SimpleNamespace(stats=EngineStats(requests=2, tokens_reused=256, tokens_prefilled=10,
-                                               hits_by_tier={"memory": 1}), store=None)
-    m = ServerMetrics(lambda: engine, waiting=lambda: 3, running=lambda: 1)
+    stats = EngineStats(requests=2, tokens_reused=256, tokens_prefilled=10, hits_by_tier={"memory": 1})
+    engine = SimpleNamespace(stats_snapshot=stats.snapshot, cache_enabled=False)
+    m = ServerMetrics(lambda: engine, queue=lambda: {"waiting": 3, "running": 1})
     m.observe_outcome(Outcome(result=result(reason="cancelled")))
-    m.observe_outcome(Outcome(error=JobCancelled("left")))
+    m.observe_outcome(Outcome(error=RequestCancelled("left")))
     m.observe_outcome(Outcome(result=result()))
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
@@ -359,5 +219,5 @@ def test_metrics_render_and_count_outcomes():
     assert samples[("kvfuse_prompt_tokens_total", (("source", "cached"),))] == 256
     assert samples[("kvfuse_queue_depth", ())] == 3
     # a registry per app: a second app's metrics start from zero
-    other = ServerMetrics(lambda: None, waiting=lambda: 0, running=lambda: 0)
+    other = ServerMetrics(lambda: None, queue=lambda: {})
     assert b"kvfuse_requests_cancelled_total{" not in other.render()

@@ -8,15 +8,17 @@ import time
 import pytest
 import torch
 
+from keyed import K, ns_prefix
+
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk
 from kvfuse.tiers import DiskTier, LookupResult, MemoryTier, TieredStore
 
-KEYS = [f"ns:p:{i:02d}" for i in range(6)]
+KEYS = [K(f"{i:02d}") for i in range(6)]
 
 
-def blob(key: str, seed: int = 0) -> bytes:
+def blob(key, seed: int = 0) -> bytes:
     kv = torch.randn((2, 2, 4, 2, 8), generator=torch.Generator().manual_seed(seed)).half()
     return encode_chunk(KVChunk(kv, torch.arange(4)), key, get_codec("raw"))
 
@@ -40,6 +42,9 @@ class BrokenTier(MemoryTier):
     def contains_many(self, keys):
         raise RuntimeError("boom")
 
+    def get(self, key):
+        raise RuntimeError("boom")
+
     def get_many(self, keys):
         raise RuntimeError("boom")
 
@@ -60,20 +65,22 @@ def test_lookup_reports_the_contiguous_prefix_and_the_tier_of_each(three):
     disk.put(KEYS[3], blob(KEYS[3]))
     remote.put(KEYS[3], blob(KEYS[3]))  # in two tiers: the faster one is reported
     mem.put(KEYS[5], blob(KEYS[5]))  # after the gap at 4: not part of the hit
-    assert store.lookup(KEYS) == LookupResult(hits=4, tiers=("memory", "disk", "remote", "disk"))
-    assert store.lookup(KEYS[1:]) == LookupResult(hits=3, tiers=("disk", "remote", "disk"))
-    assert store.lookup(KEYS[4:]) == LookupResult(hits=0, tiers=())
-    assert store.lookup([]) == LookupResult(0, ())
+    found = store.lookup(KEYS)
+    assert (found.hits, found.tiers) == (4, ("memory", "disk", "remote", "disk"))
+    assert found == LookupResult(("memory", "disk", "remote", "disk", None, "memory"))  # every key's holder
+    assert (store.lookup(KEYS[1:]).hits, store.lookup(KEYS[1:]).tiers) == (3, ("disk", "remote", "disk"))
+    assert (store.lookup(KEYS[4:]).hits, store.lookup(KEYS[4:]).tiers) == (0, ())
+    assert store.lookup([]) == LookupResult(())
 
 
 def test_lookup_is_side_effect_free(three):
     store, mem, disk, remote = three
-    mem.put("a", blob("a"))
-    mem.put("b", blob("b"))
+    mem.put(K("a"), blob(K("a")))
+    mem.put(K("b"), blob(K("b")))
     disk.put(KEYS[0], blob(KEYS[0]))
     before = {name: s for name, s in store.stats().items() if name != "store"}
-    assert store.lookup(["a", KEYS[0]]).hits == 2
-    assert mem.keys_lru() == ["a", "b"] and not mem.contains(KEYS[0])  # no recency, no promotion
+    assert store.lookup([K("a"), KEYS[0]]).hits == 2
+    assert mem.keys_lru() == [K("a"), K("b")] and not mem.contains(KEYS[0])  # no recency, no promotion
     assert {name: s for name, s in store.stats().items() if name != "store"} == before
     assert store.stats()["store"]["lookups"] == 1
 
@@ -161,7 +168,7 @@ def test_a_raising_tier_is_a_counted_miss():
     mem, broken = MemoryTier(10**6), BrokenTier(10**6, name="broken")
     with TieredStore([mem, broken]) as store:
         mem.put(KEYS[0], blob(KEYS[0]))
-        assert store.lookup(KEYS[:2]) == LookupResult(1, ("memory",))
+        assert store.lookup(KEYS[:2]) == LookupResult(("memory", None))
         assert store.get(KEYS[:2]) == [blob(KEYS[0]), None]
         assert broken.stats.snapshot()["errors"] == 2
 
@@ -169,14 +176,15 @@ def test_a_raising_tier_is_a_counted_miss():
 def test_delete_prefix_and_clear_reach_every_tier_after_queued_writes(tmp_path):
     mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
     store = TieredStore([mem, disk])
-    store.put([("a:1", blob("a:1")), ("a:2", blob("a:2")), ("b:1", blob("b:1"))])
-    assert store.delete_prefix("a:") == {"memory": 2, "disk": 2}
-    assert store.lookup(["a:1"]).hits == 0 and store.lookup(["b:1"]).tiers == ("memory",)
+    a1, a2, b1 = K("1", "a"), K("2", "a"), K("1", "b")
+    store.put([(a1, blob(a1)), (a2, blob(a2)), (b1, blob(b1))])
+    assert store.delete_prefix(ns_prefix("a")) == {"memory": 2, "disk": 2}
+    assert store.lookup([a1]).hits == 0 and store.lookup([b1]).tiers == ("memory",)
     assert store.clear() == {"memory": 1, "disk": 1}
     store.close()
     store.close()  # idempotent
     with pytest.raises(RuntimeError):
-        store.put([("c", b"x")])
+        store.put([(K("c"), b"x")])
 
 
 def test_close_flushes_pending_writes(tmp_path):
@@ -197,18 +205,21 @@ def test_stats_shape_and_bad_configuration():
         TieredStore([])
 
 
-def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path):
-    from kvfuse.kv.format import Entry, encode_entry, verify
+def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path, monkeypatch):
+    import kvfuse.tiers.store as store_module
+    from kvfuse.kv.format import Entry, encode_entry, open_entry
 
-    checked: list[str] = []
+    checked: list = []
 
-    def counting_verify(value, key):
-        checked.append(key)
-        return verify(value, key)
+    def counting_open(value, key=None, spec=None):
+        if not isinstance(value, Entry):
+            checked.append(key)
+        return open_entry(value, key, spec)
 
+    monkeypatch.setattr(store_module, "open_entry", counting_open)  # the one validation path, counted
     chunk = KVChunk(torch.randn((2, 2, 4, 2, 8)).half(), torch.arange(4))
-    disk = DiskTier(tmp_path, 10**9, validator=None)  # the store verifies what the disk returns
-    with TieredStore([MemoryTier(10**9), disk], validator=counting_verify) as store:
+    disk = DiskTier(tmp_path, 10**9)
+    with TieredStore([MemoryTier(10**9), disk]) as store:
         store.put([(KEYS[0], encode_entry(chunk, KEYS[0], get_codec("raw")))])
         store.flush()
         assert isinstance(store.get([KEYS[0]])[0], Entry) and checked == []  # in-process: trusted
@@ -220,3 +231,49 @@ def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_pa
         # an Entry stored under another key is never served for this one
         store.tiers[0].put(KEYS[1], encode_entry(chunk, KEYS[0], get_codec("raw")))
         assert store.get([KEYS[1]]) == [None]
+        assert store.stats()["store"]["unusable_entries"] == 1
+
+
+def test_fetch_checks_the_callers_spec_and_reports_what_it_rejected(tmp_path):
+    from kvfuse.kv.format import EntrySpec
+
+    mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
+    with TieredStore([mem, disk]) as store:
+        disk.put(KEYS[0], blob(KEYS[0]))
+        mem.put(KEYS[0], encode_chunk(KVChunk(torch.zeros((2, 2, 4, 2, 8)).float(), torch.arange(4)), KEYS[0],
+                                      get_codec("raw")))  # intact, but fp32: not what the reader expects
+        spec = EntrySpec(torch.float16, num_layers=2, kv_heads=2, head_dim=8, tokens=4, first_position=0)
+        (f,) = store.fetch([KEYS[0]], [spec])
+        assert f.tier == "disk" and f.rejected == 1 and f.entry.dtype == torch.float16
+        assert store.stats()["store"]["unusable_entries"] == 1 and store.stats()["memory"]["errors"] == 1
+        (g,) = store.fetch([KEYS[0]], [EntrySpec(torch.float16, 2, 2, 8, tokens=4, first_position=7)])
+        assert (g.entry, g.tier, g.rejected) == (None, None, 2)  # the promoted copy and the disk copy
+        with pytest.raises(ValueError, match="specs"):
+            store.fetch(KEYS[:2], [spec])
+
+
+@pytest.mark.parametrize("where", ["memory", "disk", "redis"])
+def test_a_layer_range_is_read_without_the_rest_of_the_entry(tmp_path, where, request):
+    from kvfuse.kv.format import EntrySpec
+    from kvfuse.tiers import RedisTier
+
+    chunk = KVChunk(torch.randn((6, 2, 64, 2, 32), generator=torch.Generator().manual_seed(2)).half(),
+                    torch.arange(8, 72))
+    data = encode_chunk(chunk, KEYS[0], get_codec("int8"))
+    full = decode_chunk(data, KEYS[0]).kv
+    if where == "redis":
+        tier = RedisTier(request.getfixturevalue("redis_server").url, timeout_s=2.0)
+    else:
+        tier = MemoryTier(10**6) if where == "memory" else DiskTier(tmp_path, 10**6)
+    with TieredStore([tier] if where == "memory" else [MemoryTier(10**6), tier]) as store:
+        tier.put(KEYS[0], data)
+        read = tier.stats.snapshot()["bytes_out"]
+        got = store.fetch_layers(KEYS[0], 2, 4, EntrySpec(torch.float16, 6, 2, 32, tokens=64, first_position=8))
+        assert got.tier == where and (got.first, got.last) == (2, 4)
+        assert torch.equal(got.kv, full[2:4]) and torch.equal(got.positions, torch.arange(8, 72))
+        if where != "memory":
+            assert tier.stats.snapshot()["bytes_out"] - read < len(data) / 2  # the header and two layers of six
+            assert not store.tiers[0].contains(KEYS[0])  # a layer range is not promoted
+        assert store.fetch_layers(KEYS[1], 0, 1) is None
+        assert store.fetch_layers(KEYS[0], 0, 1, EntrySpec(torch.float32, 6, 2, 32)) is None  # not as expected
+        assert not tier.contains(KEYS[0]) and store.stats()["store"]["unusable_entries"] == 1

@@ -1,0 +1,364 @@
+"""The engine: requests in, a step at a time (schedule -> run -> post-process), results out.
+
+``submit`` queues a request (its prompt checked and its keys computed on the caller's thread);
+``step`` runs one engine step: the scheduler picks the work, the engine prefills the admitted
+sequence (lookup -> plan -> fetch -> replan around unusable entries -> precompute -> load and
+compute in slot order -> first token -> store) or decodes one token of the running ones, and
+post-processing accepts the sampled tokens, streams their text and finishes sequences (stop,
+length, cancel; the answer's chunks stored when asked). ``generate`` is submit + steps until that
+request is done, on the caller's thread or, after ``start()``, on the engine's own loop thread.
+
+Greedy output with a cache hit is token-for-token the output without one: the live KV has the
+stored dtype, so a loaded chunk holds exactly what a prefill writes, and moved keys are rotated
+exactly (``rope``). The server reads statistics and clears tenants only through the narrow API at
+the end of this class (``stats_snapshot``, ``cache_stats``, ``clear_cache``, ``queue_state``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence as Seq
+
+import torch
+
+from kvfuse.codecs import get_codec
+from kvfuse.generation import Sampler, SamplingParams, StopMatcher
+from kvfuse.kv.keys import Namespace, layout_of, tenant_tag
+from kvfuse.models import LoadedModel
+from kvfuse.models.tokenizer import StreamDecoder
+from kvfuse.tiers.store import TieredStore
+
+from . import executor
+from .loop import EngineLoop
+from .planner import full_prefill, generated_stores, make_plan, prompt_keys, replan
+from .prompt import Prompt
+from .request import CacheOptions, GenerationResult, Outcome, Request, RequestCancelled, Timings
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class Engine:
+    """Generation over one model with an optional tiered KV store."""
+
+    def __init__(
+        self,
+        model: LoadedModel,
+        store: TieredStore | None = None,
+        *,
+        chunk_size: int = 256,
+        kv_dtype: str = "float16",
+        codec: str = "raw",
+        codec_level: int = 0,
+        store_generated: bool = False,
+        salt: str = "",
+        max_waiting: int = 64,
+    ):
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        self.model = model
+        self.store = store
+        self.chunk_size = chunk_size
+        self.kv_dtype_name = kv_dtype
+        self.kv_dtype = KV_DTYPES[kv_dtype]
+        self.codec = get_codec(codec, codec_level)  # how this engine writes entries; any codec is read
+        self.store_generated = store_generated
+        self.base_salt = salt
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(max_waiting)
+        self._active: dict[Request, Sequence] = {}
+        self._active_lock = threading.Lock()
+        self._step_lock = threading.Lock()
+        self._loop: EngineLoop | None = None
+        self._closed = False
+        c = model.config
+        self._layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
+        if store is not None:
+            store.set_lookahead(self.scheduler.upcoming_keys)
+
+    # ------------------------------------------------------------------------------ namespaces
+
+    def namespace(self, tenant: str = "", salt: str = "") -> Namespace:
+        """The cache namespace of this model/KV format for ``tenant``, inside request ``salt``."""
+        full_salt = self.base_salt + ("\x00" + salt if salt else "")
+        return Namespace(
+            tenant=tenant,
+            model_fingerprint=self.model.fingerprint,
+            kv_dtype=self.kv_dtype_name,
+            kv_layout=self._layout,
+            salt=full_salt,
+        )
+
+    # ------------------------------------------------------------------------------ prompting
+
+    def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids for a text prompt, a list of ids, or chat ``messages`` (rendered by the chat template)."""
+        tok = self.model.tokenizer
+        if messages is not None:
+            return tok.encode_chat(messages)
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        if prompt is None:
+            raise ValueError("give a prompt or messages")
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def check(self, prompt: Prompt, params: SamplingParams) -> None:
+        """ValueError when prompt + max_tokens exceeds the model's context window."""
+        limit = self.model.config.max_position_embeddings
+        if len(prompt) + params.max_tokens > limit:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context window "
+                f"of {limit} tokens"
+            )
+
+    # ------------------------------------------------------------------------------ requests
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``. ValueError for a prompt that cannot run; QueueFull / QueueClosed."""
+        self.check(request.prompt, request.params)
+        use_store = self.store is not None and request.cache.enabled
+        ns = self.namespace(request.cache.tenant, request.cache.salt) if use_store else None
+        keys = prompt_keys(request.prompt, self.chunk_size, ns) if use_store else None
+        seq = Sequence(request, ns, keys)
+        with self._active_lock:
+            self._active[request] = seq
+        try:
+            self.scheduler.add(seq)
+        except Exception:
+            with self._active_lock:
+                self._active.pop(request, None)
+            raise
+
+    def withdraw(self, request: Request) -> None:
+        """The client of ``request`` left: drop it if it waits, stop it at its next step if it runs."""
+        request.cancel.set()
+        with self._active_lock:
+            seq = self._active.get(request)
+        if seq is not None and self.scheduler.remove(seq):
+            self._skip(seq, "the client left while the request was queued")
+        self.scheduler.wake()
+
+    def generate(
+        self,
+        prompt: Seq[int] | Prompt,
+        params: SamplingParams = SamplingParams(),
+        *,
+        cache: CacheOptions = CacheOptions(),
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> GenerationResult:
+        """Generate from ``prompt`` (token ids or a ``Prompt``) and wait for the result;
+        ``on_text`` receives text pieces as they are decoded.
+
+        ``cancel`` is checked between steps (finish reason "cancelled"). Raises ValueError when
+        the prompt is empty or prompt + max_tokens exceeds the model's context window.
+        """
+        if not isinstance(prompt, Prompt):
+            ids = list(prompt)
+            if not ids:
+                raise ValueError("the prompt is empty")
+            prompt = Prompt.plain(ids)
+        done = threading.Event()
+        outcome: list[Outcome] = []
+
+        def on_done(o: Outcome) -> None:
+            outcome.append(o)
+            done.set()
+
+        request = Request(prompt, params, cache, on_text=on_text, on_done=on_done,
+                          cancel=cancel if cancel is not None else threading.Event())
+        self.submit(request)
+        while not done.is_set():
+            if self._loop is not None and self._loop.is_alive():
+                done.wait(0.1)
+            else:
+                self.step()
+        o = outcome[0]
+        if isinstance(o.error, RequestCancelled):
+            return GenerationResult("", [], "cancelled", len(prompt), 0, Timings())
+        if o.error is not None:
+            raise o.error
+        return o.result
+
+    # ------------------------------------------------------------------------------ steps
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Request]:
+        """One engine step: schedule, run, post-process. Returns the requests it finished."""
+        with self._step_lock:
+            scheduled = self.scheduler.schedule()
+            finished: list[Sequence] = []
+            for seq in scheduled.skipped:
+                self._skip(seq, "the client left while the request was queued")
+                finished.append(seq)
+            ran = []
+            if scheduled.prefill is not None and self._guard(scheduled.prefill, self._prefill):
+                ran.append(scheduled.prefill)
+            ran += [seq for seq in scheduled.decode if self._guard(seq, self._decode)]
+            for seq in ran:
+                if seq.finish_reason is None:
+                    seq.accept_pending()
+                if seq.finish_reason is not None:
+                    self._guard(seq, self._complete)
+                    finished.append(seq)
+            return [s.request for s in finished]
+
+    def _guard(self, seq: Sequence, fn: Callable[[Sequence], None]) -> bool:
+        """Run one part of a step for ``seq``; an exception ends that request, not the engine."""
+        try:
+            fn(seq)
+            return True
+        except Exception as e:
+            if not isinstance(e, ValueError):
+                log.exception("request %s failed in the engine", seq.request.request_id)
+            self._end(seq, Outcome(error=e))
+            return False
+
+    def _prefill(self, seq: Sequence) -> None:
+        seq.start_clock()
+        req, t = seq.request, seq.timings
+        prompt, runner = req.prompt, self.model.runner
+        entries: dict = {}
+        if seq.keys is None:
+            plan = full_prefill(prompt)
+        else:
+            t0 = time.perf_counter()
+            where = self.store.lookup(seq.keys.all()).where
+            t.lookup_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            plan = make_plan(prompt, seq.keys, where)
+            fetched = executor.fetch(self.store, runner, self.kv_dtype, plan)
+            if fetched.unusable:
+                plan = replan(prompt, seq.keys, where, fetched.unusable)
+            t.load_s = time.perf_counter() - t0
+            entries = fetched.entries
+            seq.hit_tiers = tuple(fetched.served[x.key] for x in plan.loads if x.tier is not None)
+            self.stats.add(chunk_load_failures=fetched.rejected)
+        seq.plan = plan
+        if req.cancel.is_set():  # e.g. the client left just as the request was admitted
+            seq.finish_reason = "cancelled"
+            return
+        for pre in plan.precomputes:
+            entries[pre.key] = executor.precompute(runner, self.kv_dtype, self.codec, pre)
+            self.store.put([(pre.key, entries[pre.key])])
+            seq.stored += 1
+        seq.kv = runner.new_cache(len(prompt) + req.params.max_tokens, dtype=self.kv_dtype)
+        filled = executor.prefill(runner, seq.kv, prompt.ids, plan, entries)
+        seq.reused, seq.started = plan.reused_tokens, True
+        t.load_s += filled.load_s
+        t.prefill_s = filled.compute_s
+        seq.sampler = Sampler(req.params)
+        seq.pending = seq.sampler(filled.logits)
+        t.ttft_s = time.perf_counter() - seq.t_start
+        if plan.stores:
+            t0 = time.perf_counter()
+            seq.stored += executor.store(self.store, seq.kv, self.codec, plan.stores)
+            t.store_s = time.perf_counter() - t0
+        p = req.params
+        seq.eos = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.model.eos_token_ids))
+        seq.decoder, seq.stops = StreamDecoder(self.model.tokenizer), StopMatcher(p.stop)
+        seq.t_decode = time.perf_counter()
+
+    def _decode(self, seq: Sequence) -> None:
+        seq.pending = seq.sampler(self.model.runner.forward([seq.token_ids[-1]], seq.kv))
+
+    def _complete(self, seq: Sequence) -> None:
+        req, t = seq.request, seq.timings
+        if seq.started:
+            t.decode_s = time.perf_counter() - seq.t_decode
+            store_generated = req.cache.store_generated if req.cache.store_generated is not None else self.store_generated
+            if seq.keys is not None and store_generated and req.prompt.is_plain:
+                n = seq.prompt_len
+                full = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
+                spans = generated_stores(full, seq.kv.length, self.chunk_size, seq.namespace, len(seq.keys.prefix))
+                seq.stored += executor.store(self.store, seq.kv, self.codec, spans)
+            self.stats.add(prompt_tokens=seq.prompt_len, tokens_reused=seq.reused,
+                           tokens_prefilled=seq.prompt_len - seq.reused,
+                           hits_by_tier={tier: seq.hit_tiers.count(tier) for tier in set(seq.hit_tiers)})
+        t.total_s = time.perf_counter() - seq.t_start
+        self.stats.add(requests=1, tokens_generated=len(seq.token_ids), chunks_stored=seq.stored)
+        result = GenerationResult(seq.text, seq.token_ids, seq.finish_reason, seq.prompt_len, seq.reused, t,
+                                  seq.hit_tiers, seq.stored)
+        self._end(seq, Outcome(result=result))
+
+    def _skip(self, seq: Sequence, why: str) -> None:
+        self.stats.add(requests=1, requests_skipped=1)
+        self._end(seq, Outcome(error=RequestCancelled(why)))
+
+    def _end(self, seq: Sequence, outcome: Outcome) -> None:
+        self.scheduler.finish(seq)
+        seq.kv = None  # the live KV is freed as soon as the request is done
+        with self._active_lock:
+            self._active.pop(seq.request, None)
+        seq.request.finish(outcome)
+
+    # ------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Run steps on a loop thread of the engine's own (what a server does)."""
+        if self._loop is None or not self._loop.is_alive():
+            self._loop = EngineLoop(self)
+            self._loop.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new requests, cancel the waiting ones and the running ones, stop the loop."""
+        for seq in self.scheduler.close():
+            seq.request.cancel.set()
+            self._skip(seq, "the engine is shutting down")
+        for seq in self.scheduler.running():
+            seq.request.cancel.set()
+        self.scheduler.wake()
+        if self._loop is not None:
+            self._loop.join(timeout)
+            if self._loop.is_alive():
+                log.warning("the engine loop did not stop within %.0f s", timeout)
+
+    def close(self) -> None:
+        """``stop()``, then flush and close the store. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.stop()
+        if self.store is not None:
+            self.store.close()  # flushes the queued writes to disk / Redis
+
+    # ------------------------------------------------------------------------------ the server's view
+
+    @property
+    def cache_enabled(self) -> bool:
+        return self.store is not None
+
+    def stats_snapshot(self) -> dict:
+        """The engine's counters (a consistent copy)."""
+        return self.stats.snapshot()
+
+    def cache_stats(self) -> dict[str, dict]:
+        """Counters of every tier and of the store ({} without a cache)."""
+        return self.store.stats() if self.store is not None else {}
+
+    def queue_state(self) -> dict[str, int]:
+        return {"waiting": len(self.scheduler), "running": len(self.scheduler.running()),
+                "max_queue": self.scheduler.max_waiting, "skipped": self.scheduler.skipped}
+
+    def clear_cache(self, tenant: str, salt: str | None = None) -> dict[str, int]:
+        """Delete ``tenant``'s entries from every tier: all of them, or only namespace ``salt``."""
+        if self.store is None:
+            return {}
+        prefix = tenant_tag(tenant) if salt is None else self.namespace(tenant, salt).key_prefix()
+        return self.store.delete_prefix(prefix)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for the store's queued lower-tier writes; False if ``timeout`` passed first."""
+        return self.store.flush(timeout) if self.store is not None else True

@@ -1,0 +1,182 @@
+"""The planner: a prompt's segments + where the tiers hold its keys -> a ``Plan``. Pure functions.
+
+A plan says, per span of the prompt (a span's cache slots are its positions in the prompt):
+
+- ``Load``: take the entry ``key`` (from the tier lookup named) into slots ``[start, end)``; its
+  keys were stored at positions ``source..`` and are moved to ``start..`` (exact RoPE
+  re-rotation; a no-op for prefix chunks, whose positions never change);
+- ``Precompute``: compute a document that no tier holds on its own, store it under its key, and
+  then load it like a hit (a ``Load`` with ``tier=None`` follows it);
+- ``Compute``: run the model over ``[start, end)`` in the prompt's context, writing those slots
+  (whatever a load put there is replaced);
+- ``Store``: after computing, save slots ``[start, end)`` under ``key``.
+
+The engine carries a plan out and does nothing the plan does not say. Entries that lookup found
+but that turn out unusable when fetched are planned around with :func:`replan`: the same inputs
+with those keys marked missing. Everything here is a pure function of its arguments, so the
+planner is tested with exact expected plans (``tests/unit/test_planner.py``), no model needed.
+
+Rules:
+
+- prefix chunks are reused as the longest run of hits from the first chunk (a chain: chunk i is
+  only valid after chunks 0..i-1), and only whole chunks; the rest of the prefix is computed and
+  its whole chunks that no tier holds are stored;
+- the prompt's last token is always computed: its logits give the first generated token. For a
+  plain prompt of whole chunks that are all cached, the last chunk is computed (and not stored
+  again); a prompt ending in a document recomputes that document's last token;
+- documents are loaded whenever an entry exists, else precomputed once per distinct document;
+- the suffix is always computed and never stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, document_key, prefix_keys
+
+from .prompt import Prompt, SegmentKind
+
+
+@dataclass(frozen=True)
+class Load:
+    key: ChunkKey
+    tier: str | None  # where lookup found it; None: made by this plan's Precompute
+    start: int
+    end: int
+    source: int  # the position the entry's first token was stored at
+
+    @property
+    def moved(self) -> bool:
+        return self.source != self.start
+
+
+@dataclass(frozen=True)
+class Precompute:
+    key: ChunkKey
+    ids: tuple[int, ...]
+    context: tuple[int, ...] = ()  # tokens it is computed behind (e.g. BOS), not part of the entry
+
+
+@dataclass(frozen=True)
+class Compute:
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Store:
+    key: ChunkKey
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_tokens: int
+    precomputes: tuple[Precompute, ...] = ()
+    loads: tuple[Load, ...] = ()
+    computes: tuple[Compute, ...] = ()
+    stores: tuple[Store, ...] = ()
+
+    def in_order(self) -> list[Load | Compute]:
+        """Loads and computes by first slot, loads first on a tie: each step then only needs the
+        slots before it, and a compute replaces what a load put in its slots."""
+        steps: list[Load | Compute] = [*self.loads, *self.computes]
+        return sorted(steps, key=lambda s: (s.start, isinstance(s, Compute)))
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose KV comes from a stored entry (loaded, not computed for this request)."""
+        covered = [False] * self.num_tokens
+        for load in self.loads:
+            if load.tier is not None:
+                covered[load.start : load.end] = [True] * (load.end - load.start)
+        for c in self.computes:
+            covered[c.start : c.end] = [False] * (c.end - c.start)
+        return sum(covered)
+
+    @property
+    def has_documents(self) -> bool:
+        return any(load.key.kind is ChunkKind.DOCUMENT for load in self.loads)
+
+    @property
+    def computed_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.computes)
+
+
+@dataclass(frozen=True)
+class PromptKeys:
+    """Every key a prompt can be served from: its prefix chunks' chain, one key per document."""
+
+    chunk_size: int
+    prefix: tuple[ChunkKey, ...]
+    documents: tuple[ChunkKey, ...]
+    document_context: tuple[int, ...] = ()
+
+    def all(self) -> list[ChunkKey]:
+        """The keys to look up, prefix chunks first (their order is the lookup's hit order)."""
+        return list(self.prefix) + list(self.documents)
+
+
+def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace,
+                document_context: Sequence[int] = ()) -> PromptKeys:
+    """The keys of ``prompt``'s prefix chunks and documents in ``namespace`` (hashing only)."""
+    return PromptKeys(
+        chunk_size,
+        tuple(prefix_keys(prompt.prefix, chunk_size, namespace)),
+        tuple(document_key(ids, namespace) for _, ids in prompt.documents),
+        tuple(document_context),
+    )
+
+
+def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> Plan:
+    """The plan for ``prompt`` given ``where[i]``, the tier holding ``keys.all()[i]`` (None: none)."""
+    all_keys = keys.all()
+    if len(where) != len(all_keys):
+        raise ValueError(f"{len(all_keys)} keys but {len(where)} lookup answers")
+    n, ch = len(prompt), keys.chunk_size
+    prefix_where = list(where[: len(keys.prefix)])
+    doc_where = list(where[len(keys.prefix) :])
+    p = len(prompt.prefix)
+
+    hits = next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
+    loadable = min(hits, (n - 1) // ch) if p == n else hits  # the last token must be computed
+    loads = [Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(loadable)]
+    computes = [Compute(loadable * ch, p)] if loadable * ch < p else []
+    stores = [Store(keys.prefix[i], i * ch, (i + 1) * ch)
+              for i in range(loadable, len(keys.prefix)) if prefix_where[i] is None]
+
+    precomputes: list[Precompute] = []
+    planned: set[ChunkKey] = set()
+    source = len(keys.document_context)
+    for (offset, ids), key, tier in zip(prompt.documents, keys.documents, doc_where):
+        if tier is None and key not in planned:
+            precomputes.append(Precompute(key, ids, keys.document_context))
+            planned.add(key)
+        loads.append(Load(key, tier, offset, offset + len(ids), source))
+
+    last = prompt.segments[-1]
+    if last.kind is SegmentKind.SUFFIX:
+        computes.append(Compute(n - len(last), n))
+    elif last.kind is SegmentKind.DOCUMENT:
+        computes.append(Compute(n - 1, n))
+    return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(stores))
+
+
+def full_prefill(prompt: Prompt) -> Plan:
+    """The plan without a cache: compute every token, store nothing."""
+    return Plan(len(prompt), computes=(Compute(0, len(prompt)),))
+
+
+def replan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None], unusable: set[ChunkKey]) -> Plan:
+    """The plan after fetching: ``unusable`` keys (missing or damaged when read) count as misses."""
+    return make_plan(prompt, keys, [None if k in unusable else w for k, w in zip(keys.all(), where)])
+
+
+def generated_stores(ids: Sequence[int], kv_length: int, chunk_size: int, namespace: Namespace,
+                     first_chunk: int) -> list[Store]:
+    """Stores for the whole chunks ``first_chunk..`` of ``ids`` (prompt + generated tokens) whose
+    KV is in the cache (``kv_length`` slots): a follow-up turn then reuses the answer too."""
+    keys = prefix_keys(list(ids[:kv_length]), chunk_size, namespace)
+    return [Store(k, i * chunk_size, (i + 1) * chunk_size) for i, k in enumerate(keys) if i >= first_chunk]

@@ -1,0 +1,124 @@
+"""What goes into the engine and what comes out: requests, their options, results and outcomes."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvfuse.generation import SamplingParams
+
+from .prompt import Prompt
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Per-request cache behaviour: the server maps an API key's tenant onto ``tenant`` and the
+    request's ``cache_salt`` onto ``salt``; tenants never share entries."""
+
+    enabled: bool = True
+    tenant: str = ""
+    salt: str = ""
+    store_generated: bool | None = None  # None -> the engine's default
+
+
+@dataclass
+class Timings:
+    queued_s: float = 0.0
+    lookup_s: float = 0.0
+    load_s: float = 0.0
+    prefill_s: float = 0.0
+    ttft_s: float = 0.0  # request start (after queueing) -> first token sampled
+    decode_s: float = 0.0
+    store_s: float = 0.0
+    total_s: float = 0.0
+
+    def decode_tokens_per_s(self, completion_tokens: int) -> float:
+        steps = completion_tokens - 1  # the first token comes from the prefill
+        return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    prompt_tokens: int
+    cached_tokens: int
+    timings: Timings
+    hit_tiers: tuple[str, ...] = ()  # the tier each reused entry came from
+    stored_chunks: int = 0
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class QueueFull(Exception):
+    """The queue already holds ``max_waiting`` requests."""
+
+
+class QueueClosed(Exception):
+    """The engine is shutting down and takes no more requests."""
+
+
+class RequestCancelled(Exception):
+    """The request never ran: its client left while it waited, or the engine shut down."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a request ended: a result, or the error that prevented one."""
+
+    result: GenerationResult | None = None
+    error: BaseException | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation request as the engine takes it.
+
+    ``on_text`` receives text pieces as they are decoded and ``on_done`` the ``Outcome``, exactly
+    once; both are called on the engine's thread. Setting ``cancel`` stops the request: a waiting
+    one is skipped, a running one stops at its next step (finish reason "cancelled").
+    """
+
+    prompt: Prompt
+    params: SamplingParams = field(default_factory=SamplingParams)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    on_text: Callable[[str], None] | None = None
+    on_done: Callable[[Outcome], None] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    _done: bool = field(default=False, repr=False)
+
+    @property
+    def tenant(self) -> str:
+        return self.cache.tenant
+
+    def finish(self, outcome: Outcome) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self.on_done is not None:
+            try:
+                self.on_done(outcome)
+            except Exception:  # e.g. the event loop is already closed at shutdown
+                log.debug("request %s: could not deliver its outcome", self.request_id, exc_info=True)
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    @property
+    def queue_wait_s(self) -> float:
+        return (self.started_at or time.monotonic()) - self.enqueued_at

@@ -1,0 +1,93 @@
+"""A request's state inside the engine, from queued to finished.
+
+``WAITING`` (in the queue, its keys computed) -> ``RUNNING`` (admitted: planned, loaded, prefilled;
+then one token per step) -> ``FINISHED``. A sampled token is first *pending*; ``accept_pending``
+is the post-processing half of a step: end-of-sequence, stop strings, length and cancellation
+are decided there, and the text it produces is handed to the request's ``on_text``.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvfuse.generation import Sampler, StopMatcher
+from kvfuse.kv.keys import Namespace
+from kvfuse.models.cache import KVCache
+from kvfuse.models.tokenizer import StreamDecoder
+
+from .planner import Plan, PromptKeys
+from .request import Request, Timings
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request: Request
+    namespace: Namespace | None  # None: this request does not use the cache
+    keys: PromptKeys | None
+    status: SequenceStatus = SequenceStatus.WAITING
+    plan: Plan | None = None
+    kv: KVCache | None = None
+    sampler: Sampler | None = None
+    decoder: StreamDecoder | None = None
+    stops: StopMatcher | None = None
+    eos: frozenset[int] = frozenset()
+    pending: int | None = None  # sampled, not yet accepted
+    token_ids: list[int] = field(default_factory=list)
+    pieces: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    reused: int = 0
+    hit_tiers: tuple[str, ...] = ()
+    stored: int = 0
+    started: bool = False  # planned and loaded (counted in the token statistics)
+    timings: Timings = field(default_factory=Timings)
+    t_start: float = 0.0
+    t_decode: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt)
+
+    def start_clock(self) -> None:
+        self.t_start = time.perf_counter()
+        self.timings.queued_s = self.request.queue_wait_s
+
+    def emit(self, piece: str) -> None:
+        if piece:
+            self.pieces.append(piece)
+            if self.request.on_text is not None:
+                self.request.on_text(piece)
+
+    def accept_pending(self) -> None:
+        """Take the pending token: finish on end-of-sequence, a stop string, the length limit or
+        cancellation; otherwise the sequence stays running for another decode step."""
+        token, self.pending = self.pending, None
+        params = self.request.params
+        if token in self.eos:
+            self._finish("stop")
+            return
+        self.token_ids.append(token)
+        self.emit(self.stops.feed(self.decoder.push(token)))
+        if self.stops.stopped:
+            self._finish("stop")
+        elif len(self.token_ids) >= params.max_tokens:
+            self._finish("length")
+        elif self.request.cancel.is_set():
+            self._finish("cancelled")
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        if not self.stops.stopped:  # text held back by the stop matcher or the decoder is final now
+            self.emit(self.stops.feed(self.decoder.flush()))
+            self.emit(self.stops.flush())
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)

@@ -1,0 +1,22 @@
+"""The engine's counters (read by ``/metrics`` and ``/v1/kv/stats`` while the engine runs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvfuse.counters import Counters
+
+
+@dataclass
+class EngineStats(Counters):
+    """Monotonic counters of the requests the engine finished."""
+
+    requests: int = 0
+    requests_skipped: int = 0  # cancelled while they waited: never started
+    prompt_tokens: int = 0
+    tokens_reused: int = 0
+    tokens_prefilled: int = 0
+    tokens_generated: int = 0
+    chunks_stored: int = 0
+    chunk_load_failures: int = 0  # entries found by lookup but unusable when fetched
+    hits_by_tier: dict[str, int] = field(default_factory=dict)

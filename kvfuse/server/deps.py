@@ -1,0 +1,33 @@
+"""FastAPI dependencies: the app's state and the caller's tenant."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from .records import record_of
+
+if TYPE_CHECKING:
+    from .state import ServerState
+
+
+def get_state(request: Request) -> ServerState:
+    """The state of the app serving ``request``."""
+    return request.app.state.kvfuse
+
+
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="An API key configured with `--api-key KEY:TENANT` (server.api_keys). Only required when the "
+                "server has API keys; each key's tenant gets its own KV cache namespace.",
+)
+
+
+async def current_tenant(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str:
+    """The caller's tenant (also noted in the request's log record)."""
+    tenant = get_state(request).auth.tenant(credentials.credentials if credentials else None)
+    if (record := record_of(request)) is not None:
+        record.tenant = tenant
+    return tenant

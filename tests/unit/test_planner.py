@@ -1,0 +1,145 @@
+"""The planner, without a model: exact expected plans for hits, partial hits, misses, damaged entries
+and documents (as vLLM tests its block manager: the plan is data, every field asserted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvfuse.engine.planner import (Compute, Load, Plan, Precompute, Store, full_prefill, generated_stores, make_plan,
+                                   prompt_keys, replan)
+from kvfuse.engine.prompt import Prompt
+from kvfuse.kv.keys import Namespace, document_key, prefix_keys
+
+CH = 4
+NS = Namespace("model", "float16", "L2xH1xD4")
+M, D = "memory", "disk"
+
+
+def plain(n: int) -> tuple[Prompt, list]:
+    prompt = Prompt.plain(range(100, 100 + n))
+    return prompt, prefix_keys(prompt.ids, CH, NS)
+
+
+def plan_of(prompt: Prompt, where, context=()) -> Plan:
+    return make_plan(prompt, prompt_keys(prompt, CH, NS, context), where)
+
+
+# ------------------------------------------------------------------------------- plain prompts
+
+P10, K10 = plain(10)  # chunks [0, 4) [4, 8), tail [8, 10)
+P8, K8 = plain(8)  # whole chunks only
+P4, K4 = plain(4)
+
+CASES = {
+    "miss: compute all, store every whole chunk": (
+        P10, [None, None],
+        Plan(10, computes=(Compute(0, 10),), stores=(Store(K10[0], 0, 4), Store(K10[1], 4, 8)))),
+    "hit: load the chunks, compute the tail": (
+        P10, [M, D],
+        Plan(10, loads=(Load(K10[0], M, 0, 4, 0), Load(K10[1], D, 4, 8, 4)), computes=(Compute(8, 10),))),
+    "partial hit: load the first, compute and store the rest": (
+        P10, [M, None],
+        Plan(10, loads=(Load(K10[0], M, 0, 4, 0),), computes=(Compute(4, 10),), stores=(Store(K10[1], 4, 8),))),
+    "a later hit after a miss is not a prefix: nothing loads, the hit is not stored again": (
+        P10, [None, M],
+        Plan(10, computes=(Compute(0, 10),), stores=(Store(K10[0], 0, 4),))),
+    "whole chunks all cached: the last chunk is computed for its logits, and not stored again": (
+        P8, [M, M],
+        Plan(8, loads=(Load(K8[0], M, 0, 4, 0),), computes=(Compute(4, 8),))),
+    "whole chunks, the last one missing: computed and stored": (
+        P8, [D, None],
+        Plan(8, loads=(Load(K8[0], D, 0, 4, 0),), computes=(Compute(4, 8),), stores=(Store(K8[1], 4, 8),))),
+    "one cached chunk is the whole prompt: computed, not stored": (
+        P4, [M], Plan(4, computes=(Compute(0, 4),))),
+    "a prompt shorter than a chunk has no keys": (
+        Prompt.plain([1, 2, 3]), [], Plan(3, computes=(Compute(0, 3),))),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plain_prompt_plans(name):
+    prompt, where, expected = CASES[name]
+    assert plan_of(prompt, where) == expected
+
+
+def test_unusable_entries_are_planned_around_as_misses():
+    prompt, keys = plain(14)  # 3 chunks + 2
+    where = [M, M, D]
+    assert plan_of(prompt, where).loads == tuple(Load(keys[i], where[i], 4 * i, 4 * i + 4, 4 * i) for i in range(3))
+    # chunk 1 turned out damaged when fetched (the store removed it): the chain stops there, chunk 1 is
+    # computed and stored again; chunk 2 is computed (it follows a miss) but still held by disk: not stored
+    after = replan(prompt, prompt_keys(prompt, CH, NS), where, {keys[1]})
+    assert after == Plan(14, loads=(Load(keys[0], M, 0, 4, 0),), computes=(Compute(4, 14),),
+                         stores=(Store(keys[1], 4, 8),))
+    # the first chunk damaged: nothing is loaded
+    assert replan(prompt, prompt_keys(prompt, CH, NS), where, {keys[0]}) == Plan(
+        14, computes=(Compute(0, 14),), stores=(Store(keys[0], 0, 4),))
+    assert replan(prompt, prompt_keys(prompt, CH, NS), where, set()) == plan_of(prompt, where)
+
+
+# ------------------------------------------------------------------------------- documents
+
+PREFIX, DOC1, DOC2, SUFFIX = list(range(1, 7)), [20, 21, 22, 23, 24], [30, 31, 32], [40, 41]
+BLENDED = Prompt.of(PREFIX, [DOC1, DOC2], SUFFIX)  # prefix [0, 6), doc1 [6, 11), doc2 [11, 14), suffix [14, 16)
+KP = prefix_keys(PREFIX, CH, NS)
+KD1, KD2 = document_key(DOC1, NS), document_key(DOC2, NS)
+
+
+def test_prompt_keys_are_the_prefix_chain_then_one_key_per_document():
+    keys = prompt_keys(BLENDED, CH, NS)
+    assert keys.all() == [KP[0], KD1, KD2] and keys.prefix == (KP[0],) and keys.documents == (KD1, KD2)
+
+
+def test_documents_load_wherever_they_are_and_move_to_their_place():
+    plan = plan_of(BLENDED, [M, D, M])
+    assert plan == Plan(16, loads=(Load(KP[0], M, 0, 4, 0), Load(KD1, D, 6, 11, 0), Load(KD2, M, 11, 14, 0)),
+                        computes=(Compute(4, 6), Compute(14, 16)))
+    assert [x.moved for x in plan.loads] == [False, True, True]
+    # the steps in slot order: a compute only needs the slots before it
+    assert plan.in_order() == [Load(KP[0], M, 0, 4, 0), Compute(4, 6), Load(KD1, D, 6, 11, 0),
+                               Load(KD2, M, 11, 14, 0), Compute(14, 16)]
+    assert plan.reused_tokens == 4 + 5 + 3 and plan.computed_tokens == 4 and plan.has_documents
+
+
+def test_a_missing_document_is_precomputed_on_its_own_once_then_loaded():
+    prompt = Prompt.of(PREFIX, [DOC1, DOC2, DOC1], SUFFIX)  # doc1 twice: [6, 11) and [14, 19)
+    plan = plan_of(prompt, [None, None, M, None], context=(1,))
+    assert plan.precomputes == (Precompute(KD1, tuple(DOC1), (1,)),)
+    assert plan.loads == (Load(KD1, None, 6, 11, 1), Load(KD2, M, 11, 14, 1), Load(KD1, None, 14, 19, 1))
+    assert plan.computes == (Compute(0, 6), Compute(19, 21)) and plan.stores == (Store(KP[0], 0, 4),)
+    assert plan.reused_tokens == 3  # only the stored doc2 was reused; doc1 was computed for this request
+
+
+def test_a_prompt_ending_in_a_document_recomputes_its_last_token():
+    prompt = Prompt.of(documents=[DOC1])
+    plan = plan_of(prompt, [M])
+    assert plan == Plan(5, loads=(Load(KD1, M, 0, 5, 0),), computes=(Compute(4, 5),))
+    assert plan.in_order() == [Load(KD1, M, 0, 5, 0), Compute(4, 5)] and plan.reused_tokens == 4
+
+
+def test_a_damaged_document_becomes_a_precompute():
+    plan = replan(BLENDED, prompt_keys(BLENDED, CH, NS), [M, D, M], {KD1})
+    assert plan.precomputes == (Precompute(KD1, tuple(DOC1)),) and plan.loads[1] == Load(KD1, None, 6, 11, 0)
+
+
+# ------------------------------------------------------------------------------- the rest
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="lookup answers"):
+        plan_of(P10, [M])
+    with pytest.raises(ValueError, match="empty"):
+        Prompt.of(documents=[[1], []])
+    with pytest.raises(ValueError):
+        Prompt(())
+
+
+def test_without_a_cache_everything_is_computed():
+    assert full_prefill(BLENDED) == Plan(16, computes=(Compute(0, 16),))
+
+
+def test_generated_stores_cover_the_answer_chunks_whose_kv_exists():
+    ids = list(range(100, 100 + 13))  # a 6-token prompt (1 whole chunk) + 7 generated tokens
+    keys = prefix_keys(ids[:12], CH, NS)
+    assert generated_stores(ids, 12, CH, NS, first_chunk=1) == [Store(keys[1], 4, 8), Store(keys[2], 8, 12)]
+    assert generated_stores(ids, 11, CH, NS, first_chunk=1) == [Store(keys[1], 4, 8)]  # chunk 2's KV is not all there

@@ -1,0 +1,144 @@
+"""The engine's scheduler, without a model: admission, the queue limit, cancellation while queued and
+while running, removal, and the look-ahead order the store prefetches by."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from kvfuse.engine import Prompt, QueueClosed, QueueFull, Request, Scheduler, Sequence, SequenceStatus
+from kvfuse.engine.planner import prompt_keys
+from kvfuse.kv.keys import Namespace
+
+NS = Namespace("model", "float16", "L2xH1xD4")
+
+
+def seq(name: str, ids=(1, 2, 3), keyed: bool = False) -> Sequence:
+    prompt = Prompt.plain(ids)
+    return Sequence(Request(prompt, request_id=name), NS if keyed else None,
+                    prompt_keys(prompt, 4, NS) if keyed else None)
+
+
+def names(seqs) -> list[str]:
+    return [s.request.request_id for s in seqs]
+
+
+def test_admission_is_first_come_first_served_one_at_a_time():
+    s = Scheduler(max_waiting=4)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    for x in (a, b, c):
+        s.add(x)
+    assert names(s.waiting()) == ["a", "b", "c"] and all(x.status is SequenceStatus.WAITING for x in (a, b, c))
+    step = s.schedule()
+    assert step.prefill is a and step.decode == [] and step.skipped == [] and a.status is SequenceStatus.RUNNING
+    assert a.request.started_at is not None and names(s.waiting()) == ["b", "c"]
+    step = s.schedule()  # a runs: b waits for it
+    assert step.prefill is None and step.decode == [a]
+    s.finish(a)
+    assert a.status is SequenceStatus.FINISHED and s.running() == []
+    assert s.schedule().prefill is b
+    s.finish(b)
+    assert s.schedule().prefill is c
+    s.finish(c)
+    assert s.schedule().empty and not s.has_work()
+
+
+def test_max_running_admits_several():
+    s = Scheduler(max_waiting=4, max_running=2)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    for x in (a, b, c):
+        s.add(x)
+    assert s.schedule().prefill is a
+    step = s.schedule()
+    assert step.prefill is b and step.decode == [a]
+    step = s.schedule()
+    assert step.prefill is None and step.decode == [a, b]
+
+
+def test_queue_limit_order_and_close():
+    s = Scheduler(max_waiting=2)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    s.add(a)
+    s.add(b)
+    with pytest.raises(QueueFull, match="max_queue = 2"):
+        s.add(c)
+    assert names(s.waiting()) == ["a", "b"] and len(s) == 2
+    assert s.schedule().prefill is a  # admitted: a slot in the queue freed up
+    s.add(c)
+    assert s.close() == [b, c] and s.closed
+    with pytest.raises(QueueClosed):
+        s.add(seq("d"))
+    assert s.waiting() == [] and s.running() == [a]
+
+
+def test_cancelled_while_queued_is_skipped_and_reported():
+    s = Scheduler(max_waiting=4)
+    a, b, c = seq("a"), seq("b"), seq("c")
+    for x in (a, b, c):
+        s.add(x)
+    a.request.cancel.set()  # a's client left while it waited
+    c.request.cancel.set()
+    step = s.schedule()
+    assert step.skipped == [a, c] and step.prefill is b and s.skipped == 2 and s.waiting() == []
+
+
+def test_cancelled_while_running_keeps_its_place_until_the_engine_ends_it():
+    s = Scheduler(max_waiting=4)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.add(b)
+    assert s.schedule().prefill is a
+    a.request.cancel.set()  # the engine sees it at a's next step and finishes it
+    step = s.schedule()
+    assert step.decode == [a] and step.prefill is None
+    s.finish(a)
+    assert s.schedule().prefill is b
+
+
+def test_remove_frees_the_slot_and_counts():
+    s = Scheduler(max_waiting=1)
+    a = seq("a")
+    s.add(a)
+    assert s.remove(a) and not s.remove(a) and s.skipped == 1
+    s.add(seq("b"))
+
+
+def test_lookahead_lists_waiting_requests_in_run_order_with_their_keys():
+    s = Scheduler(max_waiting=4)
+    shared = list(range(8))
+    a, b, c = seq("a", shared + [9], keyed=True), seq("b", shared + [7, 7, 7, 7], keyed=True), seq("c")
+    for x in (a, b, c):
+        s.add(x)
+    look = s.lookahead()
+    assert [name for name, _ in look] == ["a", "b", "c"]
+    assert look[0][1] == a.keys.all() and len(look[1][1]) == 3 and look[2][1] == []
+    # every key once, in the order the requests will need them
+    assert s.upcoming_keys() == a.keys.all() + [b.keys.all()[2]]
+    s.schedule()  # a runs: it is no longer ahead
+    assert [name for name, _ in s.lookahead()] == ["b", "c"]
+
+
+def test_wait_for_work_wakes_on_add_and_on_close():
+    s = Scheduler(max_waiting=4)
+    assert s.wait_for_work(timeout=0.01) is False
+    got = []
+    t = threading.Thread(target=lambda: got.append(s.wait_for_work(timeout=10)))
+    t.start()
+    s.add(seq("a"))
+    t.join(5)
+    assert got == [True]
+    s.schedule()
+    s.finish(s.running()[0])
+    t = threading.Thread(target=lambda: got.append(s.wait_for_work(timeout=10)))
+    t.start()
+    s.close()
+    t.join(5)
+    assert got == [True, False]
+
+
+def test_bad_limits():
+    with pytest.raises(ValueError):
+        Scheduler(max_waiting=0)
+    with pytest.raises(ValueError):
+        Scheduler(max_running=0)
