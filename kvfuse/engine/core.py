@@ -23,9 +23,10 @@ from collections.abc import Callable, Sequence as Seq
 
 import torch
 
+from kvfuse.blend import BlendOptions, LayerLoadFailed
 from kvfuse.codecs import get_codec
 from kvfuse.generation import Sampler, SamplingParams, StopMatcher
-from kvfuse.kv.keys import Namespace, layout_of, tenant_tag
+from kvfuse.kv.keys import ChunkKey, Namespace, layout_of, tenant_tag
 from kvfuse.models import LoadedModel
 from kvfuse.models.tokenizer import StreamDecoder
 from kvfuse.tiers.store import TieredStore
@@ -59,6 +60,7 @@ class Engine:
         store_generated: bool = False,
         salt: str = "",
         max_waiting: int = 64,
+        blend: BlendOptions = BlendOptions(),
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -70,6 +72,10 @@ class Engine:
         self.codec = get_codec(codec, codec_level)  # how this engine writes entries; any codec is read
         self.store_generated = store_generated
         self.base_salt = salt
+        self.blend = blend
+        if blend.check_layer >= model.config.num_layers:
+            raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model "
+                             f"({model.config.num_layers} layers)")
         self.stats = EngineStats()
         self.scheduler = Scheduler(max_waiting)
         self._active: dict[Request, Sequence] = {}
@@ -84,9 +90,10 @@ class Engine:
 
     # ------------------------------------------------------------------------------ namespaces
 
-    def namespace(self, tenant: str = "", salt: str = "") -> Namespace:
-        """The cache namespace of this model/KV format for ``tenant``, inside request ``salt``."""
-        full_salt = self.base_salt + ("\x00" + salt if salt else "")
+    def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None) -> Namespace:
+        """The cache namespace of this model/KV format for ``tenant``, inside request ``salt``; with
+        ``blend``, the namespace of prompts blended with those options (``BlendOptions.identity``)."""
+        full_salt = self.base_salt + ("\x00" + salt if salt else "") + ("\x00" + blend.identity() if blend else "")
         return Namespace(
             tenant=tenant,
             model_fingerprint=self.model.fingerprint,
@@ -112,6 +119,20 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {vocab})")
         return ids
 
+    def encode_document(self, text: str) -> list[int]:
+        """A document's token ids, the same wherever it is used (a prompt, ``kvfuse precompute``):
+        its text without surrounding whitespace, then a blank line, with no special tokens.
+        ValueError for an empty document."""
+        text = text.strip()
+        if not text:
+            raise ValueError("the document is empty")
+        return self.model.tokenizer.encode(text + "\n\n", add_special_tokens=False)
+
+    def document_context(self, blend: BlendOptions | None = None) -> tuple[int, ...]:
+        """What documents' KV is computed behind when cached on their own (``document_context``)."""
+        bos = self.model.tokenizer.bos_token_id
+        return (bos,) if (blend or self.blend).document_context == "bos" and bos is not None else ()
+
     def check(self, prompt: Prompt, params: SamplingParams) -> None:
         """ValueError when prompt + max_tokens exceeds the model's context window."""
         limit = self.model.config.max_position_embeddings
@@ -126,10 +147,19 @@ class Engine:
     def submit(self, request: Request) -> None:
         """Queue ``request``. ValueError for a prompt that cannot run; QueueFull / QueueClosed."""
         self.check(request.prompt, request.params)
+        blend = request.blend or self.blend
+        if blend.check_layer >= self.model.config.num_layers:
+            raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model")
         use_store = self.store is not None and request.cache.enabled
-        ns = self.namespace(request.cache.tenant, request.cache.salt) if use_store else None
-        keys = prompt_keys(request.prompt, self.chunk_size, ns) if use_store else None
-        seq = Sequence(request, ns, keys)
+        if request.prompt.documents and not use_store:
+            raise ValueError("documents need the KV cache: it is disabled for this request")
+        ns, keys = None, None
+        if use_store:
+            c = request.cache
+            ns = self.namespace(c.tenant, c.salt)
+            blend_ns = self.namespace(c.tenant, c.salt, blend) if blend.store_blended else None
+            keys = prompt_keys(request.prompt, self.chunk_size, ns, self.document_context(blend), blend_ns)
+        seq = Sequence(request, ns, keys, blend)
         with self._active_lock:
             self._active[request] = seq
         try:
@@ -230,42 +260,73 @@ class Engine:
         seq.start_clock()
         req, t = seq.request, seq.timings
         prompt, runner = req.prompt, self.model.runner
-        entries: dict = {}
-        if seq.keys is None:
-            plan = full_prefill(prompt)
+        unusable: set[ChunkKey] = set()
+        where = None
+        for _ in range(4):  # a document unreadable mid-blend: plan around it and start again
+            entries: dict = {}
+            served: dict[ChunkKey, str] = {}
+            if seq.keys is None:
+                plan = full_prefill(prompt)
+            else:
+                t0 = time.perf_counter()
+                if where is None:
+                    where = self.store.lookup(seq.keys.all()).where
+                    t.lookup_s = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                plan = replan(prompt, seq.keys, where, unusable)
+                fetched = executor.fetch(self.store, runner, self.kv_dtype, plan, pipelined=plan.has_documents)
+                if fetched.unusable:
+                    unusable |= fetched.unusable
+                    plan = replan(prompt, seq.keys, where, unusable)
+                t.load_s += time.perf_counter() - t0
+                entries, served = fetched.entries, fetched.served
+                self.stats.add(chunk_load_failures=fetched.rejected)
+            seq.plan = plan
+            if req.cancel.is_set():  # e.g. the client left just as the request was admitted
+                seq.finish_reason = "cancelled"
+                return
+            for pre in plan.precomputes:
+                if pre.key not in entries:
+                    entries[pre.key] = executor.precompute(runner, self.kv_dtype, self.codec, pre)
+                    self.store.put([(pre.key, entries[pre.key])])
+                    seq.stored += 1
+            seq.kv = runner.new_cache(len(prompt) + req.params.max_tokens, dtype=self.kv_dtype)
+            if not plan.has_documents:
+                filled = executor.prefill(runner, seq.kv, prompt.ids, plan, entries)
+                break
+            try:
+                filled = executor.prefill_blended(runner, seq.kv, prompt.ids, plan, entries, self.store,
+                                                  self.kv_dtype, seq.blend)
+            except LayerLoadFailed as e:
+                log.warning("request %s: %s; computing it instead", req.request_id, e)
+                self.stats.add(chunk_load_failures=1)
+                unusable.add(e.key)
+                continue
+            served.update({d.key: d.tier for d in filled.loader.docs if d.tier is not None})
+            break
         else:
-            t0 = time.perf_counter()
-            where = self.store.lookup(seq.keys.all()).where
-            t.lookup_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            plan = make_plan(prompt, seq.keys, where)
-            fetched = executor.fetch(self.store, runner, self.kv_dtype, plan)
-            if fetched.unusable:
-                plan = replan(prompt, seq.keys, where, fetched.unusable)
-            t.load_s = time.perf_counter() - t0
-            entries = fetched.entries
-            seq.hit_tiers = tuple(fetched.served[x.key] for x in plan.loads if x.tier is not None)
-            self.stats.add(chunk_load_failures=fetched.rejected)
-        seq.plan = plan
-        if req.cancel.is_set():  # e.g. the client left just as the request was admitted
-            seq.finish_reason = "cancelled"
-            return
-        for pre in plan.precomputes:
-            entries[pre.key] = executor.precompute(runner, self.kv_dtype, self.codec, pre)
-            self.store.put([(pre.key, entries[pre.key])])
-            seq.stored += 1
-        seq.kv = runner.new_cache(len(prompt) + req.params.max_tokens, dtype=self.kv_dtype)
-        filled = executor.prefill(runner, seq.kv, prompt.ids, plan, entries)
+            raise RuntimeError("documents could not be loaded after several attempts")
+        from_store = [x for x in plan.loads if x.tier is not None]
+        seq.hit_tiers = tuple(served[x.key] for x in from_store)
         seq.reused, seq.started = plan.reused_tokens, True
+        if plan.has_documents:
+            recomputed = filled.recomputed_positions
+            cached_slots = torch.zeros(len(prompt), dtype=torch.bool)
+            for x in from_store:
+                cached_slots[x.start : x.end] = True
+            seq.recomputed = int(recomputed.numel())
+            seq.reused -= int(cached_slots[recomputed].sum())  # recomputed in context: not reused
         t.load_s += filled.load_s
         t.prefill_s = filled.compute_s
         seq.sampler = Sampler(req.params)
         seq.pending = seq.sampler(filled.logits)
         t.ttft_s = time.perf_counter() - seq.t_start
+        t0 = time.perf_counter()
+        if plan.has_documents:
+            self.store.promote(filled.loader.promotions(self.codec))  # documents read from below, after the TTFT
         if plan.stores:
-            t0 = time.perf_counter()
             seq.stored += executor.store(self.store, seq.kv, self.codec, plan.stores)
-            t.store_s = time.perf_counter() - t0
+        t.store_s = time.perf_counter() - t0
         p = req.params
         seq.eos = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.model.eos_token_ids))
         seq.decoder, seq.stops = StreamDecoder(self.model.tokenizer), StopMatcher(p.stop)
@@ -285,12 +346,13 @@ class Engine:
                 spans = generated_stores(full, seq.kv.length, self.chunk_size, seq.namespace, len(seq.keys.prefix))
                 seq.stored += executor.store(self.store, seq.kv, self.codec, spans)
             self.stats.add(prompt_tokens=seq.prompt_len, tokens_reused=seq.reused,
-                           tokens_prefilled=seq.prompt_len - seq.reused,
+                           tokens_prefilled=seq.prompt_len - seq.reused, tokens_recomputed=seq.recomputed,
+                           blended_requests=int(seq.plan.has_documents),
                            hits_by_tier={tier: seq.hit_tiers.count(tier) for tier in set(seq.hit_tiers)})
         t.total_s = time.perf_counter() - seq.t_start
         self.stats.add(requests=1, tokens_generated=len(seq.token_ids), chunks_stored=seq.stored)
         result = GenerationResult(seq.text, seq.token_ids, seq.finish_reason, seq.prompt_len, seq.reused, t,
-                                  seq.hit_tiers, seq.stored)
+                                  seq.hit_tiers, seq.stored, seq.recomputed)
         self._end(seq, Outcome(result=result))
 
     def _skip(self, seq: Sequence, why: str) -> None:

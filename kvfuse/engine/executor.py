@@ -13,14 +13,15 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfuse.blend import BlendOptions, BlendStats, DocumentLoad, LayerLoader, blend_prefill
 from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import Entry, EntrySpec, encode_entry
-from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.models.cache import KVCache
 from kvfuse.models.transformer import Transformer
 from kvfuse.tiers.store import TieredStore
 
-from .planner import Load, Plan, Precompute, Store
+from .planner import Compute, Load, Plan, Precompute, Store
 
 
 @dataclass
@@ -39,11 +40,18 @@ def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load) -> EntryS
                      first_position=load.source)
 
 
-def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: Plan) -> Fetch:
-    """Read every entry the plan loads from a tier (each distinct key once)."""
+def layer_by_layer(store: TieredStore, load: Load) -> bool:
+    """Whether a blend reads this load's entry one layer at a time while it computes (a document
+    in a tier below memory) instead of fetching it whole first."""
+    return load.key.kind is ChunkKind.DOCUMENT and load.tier is not None and load.tier != store.tiers[0].name
+
+
+def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: Plan, pipelined: bool = False) -> Fetch:
+    """Read every entry the plan loads from a tier (each distinct key once); with ``pipelined``,
+    not the documents a blend will read layer by layer."""
     wanted: dict[ChunkKey, Load] = {}
     for load in plan.loads:
-        if load.tier is not None:
+        if load.tier is not None and not (pipelined and layer_by_layer(store, load)):
             wanted.setdefault(load.key, load)
     keys = list(wanted)
     got = store.fetch(keys, [entry_spec(runner, kv_dtype, wanted[k]) for k in keys]) if keys else []
@@ -97,6 +105,62 @@ def prefill(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan, entrie
     if logits is None:
         raise RuntimeError("a plan must compute at least the prompt's last token")
     return Prefilled(logits, load_s, compute_s)
+
+
+@dataclass
+class Blended(Prefilled):
+    stats: BlendStats
+    loader: LayerLoader
+    recomputed_positions: torch.Tensor
+
+
+def prefill_blended(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan, entries: dict[ChunkKey, Entry],
+                    store: TieredStore, kv_dtype: torch.dtype, options: BlendOptions) -> Blended:
+    """Fill ``kv`` for a prompt with documents: the steps before the documents in slot order, then
+    the blend over the documents and the suffix, the documents' KV arriving layer by layer from a
+    ``LayerLoader`` (entries in hand, or read from their tier). ``LayerLoadFailed`` if a document
+    cannot be read; the caller replans around it."""
+    steps = plan.in_order()
+    docs = [s for s in steps if isinstance(s, Load) and s.key.kind is ChunkKind.DOCUMENT]
+    region, suffix = docs[0].start, plan.computes[-1]
+    if any(isinstance(s, Compute) and s.start >= region and s is not suffix for s in steps):
+        raise RuntimeError("a blended plan computes nothing between its documents")
+    load_s = compute_s = 0.0
+    for step in steps:  # the prefix: loads and computes before the documents
+        if step.start >= region:
+            break
+        t = time.perf_counter()
+        if isinstance(step, Load):
+            load(runner, kv, step, entries[step.key])
+            load_s += time.perf_counter() - t
+        else:
+            runner.forward(ids[step.start : step.end], kv, positions=torch.arange(step.start, step.end), logits="none",
+                           start=step.start)
+            compute_s += time.perf_counter() - t
+    n = len(ids)
+    kv.reserve(n)
+    kv.positions[region:n] = torch.arange(region, n, device=kv.device)  # the slots' positions, set once
+    kv.kv[:, :, :, suffix.start : n] = 0  # not computed yet: never garbage under an attention mask
+    kv.length = n
+    loads = [DocumentLoad(d.key, d.start, d.end, shift=d.start - d.source, entry=entries.get(d.key),
+                          spec=entry_spec(runner, kv_dtype, d)) for d in docs]
+    loader = LayerLoader(runner, kv, loads, store).start()
+    waited = 0.0
+
+    def ready(layer: int) -> None:
+        nonlocal waited
+        t0 = time.perf_counter()
+        loader.wait(layer)
+        waited += time.perf_counter() - t0
+
+    t = time.perf_counter()
+    try:
+        logits, stats = blend_prefill(runner, kv, ids, region, suffix.start, [(d.start, d.end) for d in docs], options,
+                                      ready)
+    finally:
+        loader.close()
+    compute_s += time.perf_counter() - t - waited
+    return Blended(logits, load_s + waited, compute_s, stats, loader, stats.recomputed)
 
 
 def store(store: TieredStore, kv: KVCache, codec: Codec, spans: list[Store] | tuple[Store, ...]) -> int:

@@ -25,7 +25,11 @@ Rules:
   plain prompt of whole chunks that are all cached, the last chunk is computed (and not stored
   again); a prompt ending in a document recomputes that document's last token;
 - documents are loaded whenever an entry exists, else precomputed once per distinct document;
-- the suffix is always computed and never stored.
+- the suffix is always computed and never stored;
+- a prompt with documents also has a *blended chain*: prefix keys over everything before the
+  suffix, in a namespace of the blend settings. When all its chunks are stored (the same
+  documents were blended before, with whatever question), the prompt is planned as a plain
+  prefix hit on them; otherwise the blend's result is stored under them.
 """
 
 from __future__ import annotations
@@ -113,20 +117,32 @@ class PromptKeys:
     prefix: tuple[ChunkKey, ...]
     documents: tuple[ChunkKey, ...]
     document_context: tuple[int, ...] = ()
+    blended: tuple[ChunkKey, ...] = ()  # the blended chain (see the module docstring)
 
     def all(self) -> list[ChunkKey]:
         """The keys to look up, prefix chunks first (their order is the lookup's hit order)."""
-        return list(self.prefix) + list(self.documents)
+        return list(self.prefix) + list(self.documents) + list(self.blended)
 
 
-def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace,
-                document_context: Sequence[int] = ()) -> PromptKeys:
-    """The keys of ``prompt``'s prefix chunks and documents in ``namespace`` (hashing only)."""
+def suffix_start(prompt: Prompt) -> int:
+    """Where the always-computed tail of a prompt starts: its suffix, or its last token."""
+    last = prompt.segments[-1]
+    return len(prompt) - (len(last) if last.kind is SegmentKind.SUFFIX else 1)
+
+
+def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace, document_context: Sequence[int] = (),
+                blend_namespace: Namespace | None = None) -> PromptKeys:
+    """The keys of ``prompt``'s prefix chunks and documents in ``namespace`` (hashing only), and
+    its blended chain in ``blend_namespace`` when given and the prompt has documents."""
+    blended = ()
+    if blend_namespace is not None and prompt.documents:
+        blended = tuple(prefix_keys(prompt.ids[: suffix_start(prompt)], chunk_size, blend_namespace))
     return PromptKeys(
         chunk_size,
         tuple(prefix_keys(prompt.prefix, chunk_size, namespace)),
-        tuple(document_key(ids, namespace) for _, ids in prompt.documents),
+        tuple(document_key(ids, namespace, document_context) for _, ids in prompt.documents),
         tuple(document_context),
+        blended,
     )
 
 
@@ -136,8 +152,14 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
     if len(where) != len(all_keys):
         raise ValueError(f"{len(all_keys)} keys but {len(where)} lookup answers")
     n, ch = len(prompt), keys.chunk_size
-    prefix_where = list(where[: len(keys.prefix)])
-    doc_where = list(where[len(keys.prefix) :])
+    n_pre, n_doc = len(keys.prefix), len(keys.documents)
+    prefix_where = list(where[:n_pre])
+    doc_where = list(where[n_pre : n_pre + n_doc])
+    blended_where = list(where[n_pre + n_doc :])
+    if blended_where and all(w is not None for w in blended_where):  # blended before: an exact prefix hit
+        loads = tuple(Load(k, w, i * ch, (i + 1) * ch, i * ch) for i, (k, w) in enumerate(zip(keys.blended,
+                                                                                                 blended_where)))
+        return Plan(n, loads=loads, computes=(Compute(len(loads) * ch, n),))
     p = len(prompt.prefix)
 
     hits = next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
@@ -156,11 +178,11 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
             planned.add(key)
         loads.append(Load(key, tier, offset, offset + len(ids), source))
 
-    last = prompt.segments[-1]
-    if last.kind is SegmentKind.SUFFIX:
-        computes.append(Compute(n - len(last), n))
-    elif last.kind is SegmentKind.DOCUMENT:
-        computes.append(Compute(n - 1, n))
+    if prompt.documents:
+        computes.append(Compute(suffix_start(prompt), n))
+        stores += [Store(k, i * ch, (i + 1) * ch) for i, k in enumerate(keys.blended)]  # after the blend
+    elif prompt.segments[-1].kind is SegmentKind.SUFFIX:
+        computes.append(Compute(suffix_start(prompt), n))
     return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(stores))
 
 

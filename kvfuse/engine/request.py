@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvfuse.blend.options import BlendOptions
 from kvfuse.generation import SamplingParams
 
 from .prompt import Prompt
@@ -55,6 +56,7 @@ class GenerationResult:
     timings: Timings
     hit_tiers: tuple[str, ...] = ()  # the tier each reused entry came from
     stored_chunks: int = 0
+    recomputed_tokens: int = 0  # document tokens recomputed in context by a blend
 
     @property
     def completion_tokens(self) -> int:
@@ -93,6 +95,7 @@ class Request:
     prompt: Prompt
     params: SamplingParams = field(default_factory=SamplingParams)
     cache: CacheOptions = field(default_factory=CacheOptions)
+    blend: BlendOptions | None = None  # None: the engine's blend options (prompts with documents)
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     on_text: Callable[[str], None] | None = None
     on_done: Callable[[Outcome], None] | None = None

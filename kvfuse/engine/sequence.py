@@ -12,6 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvfuse.blend.options import BlendOptions
 from kvfuse.generation import Sampler, StopMatcher
 from kvfuse.kv.keys import Namespace
 from kvfuse.models.cache import KVCache
@@ -32,6 +33,7 @@ class Sequence:
     request: Request
     namespace: Namespace | None  # None: this request does not use the cache
     keys: PromptKeys | None
+    blend: BlendOptions = field(default_factory=BlendOptions)  # for prompts with documents
     status: SequenceStatus = SequenceStatus.WAITING
     plan: Plan | None = None
     kv: KVCache | None = None
@@ -44,6 +46,7 @@ class Sequence:
     pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     reused: int = 0
+    recomputed: int = 0
     hit_tiers: tuple[str, ...] = ()
     stored: int = 0
     started: bool = False  # planned and loaded (counted in the token statistics)

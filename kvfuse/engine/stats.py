@@ -17,6 +17,8 @@ class EngineStats(Counters):
     tokens_reused: int = 0
     tokens_prefilled: int = 0
     tokens_generated: int = 0
+    tokens_recomputed: int = 0  # document tokens a blend recomputed in context
+    blended_requests: int = 0
     chunks_stored: int = 0
     chunk_load_failures: int = 0  # entries found by lookup but unusable when fetched
     hits_by_tier: dict[str, int] = field(default_factory=dict)

@@ -11,7 +11,7 @@ Encoding (``u32``/``u64`` little-endian, ``str`` = ``u32 byte length + UTF-8``):
     tenant_tag = SHA256(b"kvfuse.tenant\\0" str(tenant)), first 8 hex chars
     h_root     = SHA256(b"kvfuse.root.v1\\0" namespace)
     h_i        = SHA256(b"kvfuse.prefix\\0" h_{i-1} u32(len_i) tokens_i as u32...)
-    document   = SHA256(b"kvfuse.doc\\0" namespace u64(len) tokens as u32...)
+    document   = SHA256(b"kvfuse.doc\\0" namespace u64(len ctx) ctx as u32... u64(len) tokens as u32...)
     tail       = SHA256(b"kvfuse.tail\\0" h_parent u64(len) tokens as u32...)   (h_parent: h_root or a prefix h_i)
 
 A key names a chunk's *content*, not its encoding: the codec and its level are not in the
@@ -215,12 +215,15 @@ def prefix_keys(tokens: Tokens, chunk_size: int, namespace: Namespace) -> list[C
     return keys
 
 
-def document_key(tokens: Tokens, namespace: Namespace) -> ChunkKey:
-    """Position-independent key of a document's own tokens (CacheBlend), whatever precedes it."""
-    arr = _token_bytes(tokens)
+def document_key(tokens: Tokens, namespace: Namespace, context: Tokens = ()) -> ChunkKey:
+    """Position-independent key of a document's own tokens (CacheBlend), reusable wherever it
+    appears in a prompt. ``context`` is what its KV was computed behind (e.g. ``[BOS]``): part of
+    the key, since the KV depends on it, but not part of the entry."""
+    arr, ctx = _token_bytes(tokens), _token_bytes(context)
     if len(arr) == 0:
         raise ValueError("document_key: the document has no tokens")
-    h = hashlib.sha256(b"".join((_DOC_TAG, namespace.digest(), struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
+    h = hashlib.sha256(b"".join((_DOC_TAG, namespace.digest(), struct.pack("<Q", len(ctx)), ctx.tobytes(),
+                                 struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
     return ChunkKey(namespace.short_id(), h, ChunkKind.DOCUMENT)
 
 

@@ -87,6 +87,16 @@ class KVCache:
         self.positions[start:end] = positions.to(self.device)
         self.length = max(self.length, end)
 
+    def write_layers(self, start: int, kv: torch.Tensor, first_layer: int) -> None:
+        """Put the KV of layers ``first_layer..`` (chunk layout) into reserved slots ``start..``,
+        leaving positions and the valid length alone: for loading layer by layer into slots whose
+        positions were set once, while other layers are in use."""
+        n = kv.shape[2]
+        if start + n > self.capacity or first_layer + kv.shape[0] > self.config.num_layers:
+            raise ValueError(f"layers {first_layer}.. of slots [{start}, {start + n}) are outside this cache")
+        self.kv[first_layer : first_layer + kv.shape[0], :, :, start : start + n] = \
+            kv.transpose(2, 3).to(self.device, self.dtype)
+
     def append_chunk(self, chunk: KVChunk) -> None:
         """Append a chunk's KV and positions after the valid slots."""
         c = self.config

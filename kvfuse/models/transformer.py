@@ -185,7 +185,7 @@ class Transformer:
         kv_len: int | None = None,
         keys_sorted: bool | None = None,
         tables=None,
-        outputs: slice | None = None,
+        outputs: slice | torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run ``layer`` for the tokens whose hidden inputs are ``h`` and whose cache slots are ``slots``.
 
@@ -194,18 +194,36 @@ class Transformer:
         ``[0, kv_len)`` (default ``cache.length``) with the position mask. Returns the layer's
         output hidden states for those tokens. ``tables``: see ``project``.
 
-        ``outputs`` selects the rows of ``h`` whose outputs are wanted (default: all). K/V are
-        written for every row either way, but attention and the MLP run only for the selected
-        rows: the last layer of a prefill needs the output of its last token alone.
+        ``outputs`` selects the rows of ``h`` whose outputs are wanted (default: all; a slice or
+        sorted row indices). K/V are written for every row either way, but attention and the MLP
+        run only for the selected rows: the last layer of a prefill needs the output of its last
+        token alone, and CacheBlend recomputes only the tokens it selected. The two halves are
+        ``write_kv`` and ``attend_mlp``, for callers that look at the fresh K/V in between.
         """
+        q = self.write_kv(layer, h, cache, slots, tables)
+        return self.attend_mlp(layer, q, h, cache, slots, kv_len, keys_sorted, outputs)
+
+    @torch.inference_mode()
+    def write_kv(self, layer: int, h: torch.Tensor, cache: KVCache, slots: slice | torch.Tensor,
+                 tables=None) -> torch.Tensor:
+        """The first half of ``layer``: project ``h`` (tokens at ``slots``), write their fresh K/V
+        into the cache, and return their queries ``(n, heads, head_dim)``."""
+        q, k, v = self.project(layer, h, cache.positions[slots], tables)
+        cache.kv[layer, 0][:, slots] = k.transpose(0, 1).to(cache.dtype)
+        cache.kv[layer, 1][:, slots] = v.transpose(0, 1).to(cache.dtype)
+        return q
+
+    @torch.inference_mode()
+    def attend_mlp(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache: KVCache, slots: slice | torch.Tensor,
+                   kv_len: int | None = None, keys_sorted: bool | None = None,
+                   rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """The second half of ``layer``: attention of the queries ``q`` (tokens at ``slots``, inputs
+        ``h``) over slots ``[0, kv_len)`` by position, then the MLP; only for ``rows`` if given."""
         c, w = self.config, self.weights.layers[layer]
         kv_len = cache.length if kv_len is None else kv_len
         q_pos = cache.positions[slots]
-        q, k, v = self.project(layer, h, q_pos, tables)
-        cache.kv[layer, 0][:, slots] = k.transpose(0, 1).to(cache.dtype)
-        cache.kv[layer, 1][:, slots] = v.transpose(0, 1).to(cache.dtype)
-        if outputs is not None:
-            q, q_pos, h = q[outputs], q_pos[outputs], h[outputs]
+        if rows is not None:
+            q, q_pos, h = q[rows], q_pos[rows], h[rows]
             if h.shape[0] == 0:
                 return h
         if keys_sorted is None:
@@ -241,22 +259,32 @@ class Transformer:
     def move_keys(self, cache: KVCache, start: int, end: int, to_start: int) -> None:
         """Move the keys in slots ``[start, end)`` of ``cache`` (contiguous positions) so that they
         start at position ``to_start``: one rotation by the shift, in place on the cache's device
-        (values do not depend on position). Exact to float rounding: see ``rope``."""
+        (values do not depend on position), and the slots' positions updated. Exact to float
+        rounding: see ``rope``."""
         if not 0 <= start <= end <= cache.length:
             raise ValueError(f"slots [{start}, {end}) are outside the valid range [0, {cache.length})")
         if end == start:
             return
         pos = cache.positions[start:end]
-        shift = to_start - int(pos[0])
         if not torch.equal(pos, torch.arange(int(pos[0]), int(pos[0]) + end - start, device=pos.device)):
             raise ValueError("move_keys needs contiguous positions in the moved slots")
-        if shift == 0:
+        shift = to_start - int(pos[0])
+        self.rotate_keys(cache, range(self.config.num_layers), start, end, shift)
+        cache.positions[start:end] = pos + shift
+
+    @torch.inference_mode()
+    def rotate_keys(self, cache: KVCache, layers: range, start: int, end: int, shift: int) -> None:
+        """Rotate the keys of ``layers`` in slots ``[start, end)`` by ``shift`` positions, in place;
+        positions are left as they are (a caller loading layer by layer sets them once)."""
+        if shift == 0 or end == start:
             return
         work = torch.promote_types(cache.dtype, torch.float32)
         delta = torch.tensor([shift], dtype=torch.int64, device=cache.device)
-        tables = {t: rope.cos_sin(f, delta, work) for t, f in self._freqs.items()}  # one rotation per layer type
-        for layer in range(self.config.num_layers):
-            cos, sin = tables[self.config.layer_types[layer]]
+        tables = {}  # one rotation table per layer type (sliding and global layers have their own base)
+        for layer in layers:
+            kind = self.config.layer_types[layer]
+            if kind not in tables:
+                tables[kind] = rope.cos_sin(self._freqs[kind], delta, work)
+            cos, sin = tables[kind]
             keys = cache.kv[layer, 0, :, start:end]  # (kv_heads, n, head_dim), a view
             keys.copy_(rope.apply(keys.transpose(0, 1).to(work), cos, sin).transpose(0, 1))
-        cache.positions[start:end] = pos + shift

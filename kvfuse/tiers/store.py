@@ -249,6 +249,14 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------------
 
+    def promote(self, items: Iterable[tuple[ChunkKey, Entry]]) -> None:
+        """Put entries read from a lower tier into the first tier only (they are stored below already)."""
+        items = list(items)
+        if items:
+            first = self.tiers[0]
+            self._safe(first, "put_many", first.put_many, None, items)
+            self._count(promotions=len(items))
+
     def put(self, items: Iterable[tuple[ChunkKey, Blob]]) -> None:
         """Store entries: the first tier now, the lower tiers from the write queue (never blocks).
 

@@ -222,38 +222,6 @@ def test_store_generated_stores_the_answer_chunks_for_the_follow_up(model, store
     assert plain.generate(ids_of(2 * CH + 6, seed=11), params, cache=CacheOptions(store_generated=True)).stored_chunks == 3
 
 
-# ------------------------------------------------------------------------------ documents
-
-
-def test_a_document_is_computed_alone_once_then_loaded_at_any_position(model, stores):
-    from kvfuse.engine import Prompt
-    from kvfuse.kv.keys import document_key
-
-    store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
-    prefix, d1, d2, q = ids_of(40, seed=30), ids_of(23, seed=31), ids_of(17, seed=32), ids_of(6, seed=33)
-    first = engine.generate(Prompt.of(prefix, [d1, d2], q), GREEDY)
-    assert first.cached_tokens == 0 and first.stored_chunks == 1 + 2  # the prefix's whole chunk, two documents
-    ns = engine.namespace()
-    assert {store.tiers[0].get(document_key(d, ns)).num_tokens for d in (d1, d2)} == {23, 17}
-    again = engine.generate(Prompt.of(prefix, [d1, d2], q), GREEDY)
-    assert again.cached_tokens == CH + 23 + 17 and again.stored_chunks == 0
-    assert again.token_ids == first.token_ids  # precomputed-then-loaded and loaded are the same KV
-    swapped = engine.generate(Prompt.of(prefix, [d2, d1], q), GREEDY)  # other positions: keys moved
-    assert swapped.cached_tokens == CH + 23 + 17 and swapped.hit_tiers == ("memory",) * 3
-
-
-def test_one_document_at_the_start_is_exactly_a_prefix(model, stores):
-    from kvfuse.engine import Prompt
-
-    engine = Engine(model, stores.fresh(), chunk_size=CH)
-    doc, q = ids_of(45, seed=34), ids_of(7, seed=35)
-    for _ in range(2):  # precomputed, then loaded: both exact
-        result = engine.generate(Prompt.of(documents=[doc], suffix=q), GREEDY)
-        assert result.token_ids == baseline(model, doc + q)
-    assert result.cached_tokens == 45
-
-
 # ------------------------------------------------------------------------------ bad entries
 
 

@@ -32,7 +32,7 @@ GOLDEN = [
         "91fe914ac78e3e7b18e4a6d9:p:88e5a99b8c594f352dbfac921cb644655afa6ee05b175e03ced72c56ea7f036c",
     ]),
 ]
-GOLDEN_DOC = "00f27a8af7cbf219669e5d64:d:1398a79b06050e503bc87f70525de69ffbd2744a81047832bfcdaf3ab314876c"
+GOLDEN_DOC = "00f27a8af7cbf219669e5d64:d:1f3bd0b1877d97af0cbf1555f21ce59c94f2f8d379bc8d2f8b0991f83c77da57"
 GOLDEN_TAIL = "00f27a8af7cbf219669e5d64:t:0f4d5f8bb756d21e4712d21c2fb774ae5fe283c57fe96f720d638840fd2f6a57"
 
 
@@ -67,6 +67,8 @@ def test_golden_matches_the_documented_encoding():
     assert str(tail_key(prefix_keys(range(4), 4, NS)[0], [4, 5], NS)) == f"{tag}{ns_digest.hex()[:16]}:t:{tail.hex()}"
     no_parent = hashlib.sha256(b"kvfuse.tail\0" + root + struct.pack("<Q", 1) + struct.pack("<I", 7)).digest()
     assert tail_key(None, [7], NS).digest == no_parent
+    doc = hashlib.sha256(b"kvfuse.doc\0" + ns_digest + struct.pack("<QI", 1, 2) + struct.pack("<Q3I", 3, 10, 20, 30))
+    assert document_key([10, 20, 30], NS, context=[2]).digest == doc.digest()
 
 
 def test_keys_identical_in_another_process_with_another_hash_seed():
@@ -178,6 +180,8 @@ def test_document_keys_never_equal_prefix_keys():
     assert doc.digest != pre.digest and str(doc) != str(pre)
     assert document_key(tokens, NS) == doc
     assert document_key(tokens[:-1], NS) != doc
+    assert document_key(tokens, NS, context=[1]) != doc  # KV computed behind another context: another entry
+    assert document_key(tokens[1:], NS, context=tokens[:1]) != document_key(tokens, NS)  # no ambiguity
 
 
 @pytest.mark.parametrize(

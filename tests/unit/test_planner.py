@@ -104,8 +104,9 @@ def test_documents_load_wherever_they_are_and_move_to_their_place():
 def test_a_missing_document_is_precomputed_on_its_own_once_then_loaded():
     prompt = Prompt.of(PREFIX, [DOC1, DOC2, DOC1], SUFFIX)  # doc1 twice: [6, 11) and [14, 19)
     plan = plan_of(prompt, [None, None, M, None], context=(1,))
-    assert plan.precomputes == (Precompute(KD1, tuple(DOC1), (1,)),)
-    assert plan.loads == (Load(KD1, None, 6, 11, 1), Load(KD2, M, 11, 14, 1), Load(KD1, None, 14, 19, 1))
+    kd1, kd2 = document_key(DOC1, NS, (1,)), document_key(DOC2, NS, (1,))  # computed behind BOS: other keys
+    assert plan.precomputes == (Precompute(kd1, tuple(DOC1), (1,)),)
+    assert plan.loads == (Load(kd1, None, 6, 11, 1), Load(kd2, M, 11, 14, 1), Load(kd1, None, 14, 19, 1))
     assert plan.computes == (Compute(0, 6), Compute(19, 21)) and plan.stores == (Store(KP[0], 0, 4),)
     assert plan.reused_tokens == 3  # only the stored doc2 was reused; doc1 was computed for this request
 
@@ -115,6 +116,24 @@ def test_a_prompt_ending_in_a_document_recomputes_its_last_token():
     plan = plan_of(prompt, [M])
     assert plan == Plan(5, loads=(Load(KD1, M, 0, 5, 0),), computes=(Compute(4, 5),))
     assert plan.in_order() == [Load(KD1, M, 0, 5, 0), Compute(4, 5)] and plan.reused_tokens == 4
+
+
+BLEND_NS = Namespace("model", "float16", "L2xH1xD4", salt="blend:test")
+
+
+def test_a_blended_prompt_is_stored_as_a_chain_and_then_an_exact_prefix_hit():
+    keys = prompt_keys(BLENDED, CH, NS, blend_namespace=BLEND_NS)
+    chain = prefix_keys(BLENDED.ids[:14], CH, BLEND_NS)  # everything before the suffix: 3 whole chunks
+    assert keys.blended == tuple(chain) and keys.all()[-3:] == chain
+    plan = make_plan(BLENDED, keys, [M, M, M, None, None, None])
+    assert plan.stores == tuple(Store(k, 4 * i, 4 * i + 4) for i, k in enumerate(chain))  # after the blend
+    assert plan.computes == (Compute(4, 6), Compute(14, 16)) and plan.has_documents
+    hit = make_plan(BLENDED, keys, [M, None, None, M, D, D])  # blended before: the documents are not needed
+    assert hit == Plan(16, loads=(Load(chain[0], M, 0, 4, 0), Load(chain[1], D, 4, 8, 4), Load(chain[2], D, 8, 12, 8)),
+                       computes=(Compute(12, 16),))
+    partial = make_plan(BLENDED, keys, [M, M, M, M, None, D])  # a partial chain is not used
+    assert partial.has_documents and len(partial.stores) == 3
+    assert prompt_keys(Prompt.plain(range(20)), CH, NS, blend_namespace=BLEND_NS).blended == ()  # no documents
 
 
 def test_a_damaged_document_becomes_a_precompute():
