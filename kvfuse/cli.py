@@ -1,4 +1,4 @@
-"""``kvfuse`` command line: models | generate | serve | cache.
+"""``kvfuse`` command line: models | generate | serve | precompute | cache.
 
 Every command reads the configuration as ``defaults < --config FILE < KVFUSE_* env < flags``.
 User errors (a wrong model name, a bad flag value, a missing package) print one line naming
@@ -66,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the KV cache")
+    p.add_argument("--document", action="append", default=[], metavar="FILE",
+                   help="a document placed before the prompt (a .txt file, or a .jsonl file of {\"text\": ...} "
+                        "lines); its KV is cached on its own and blended (repeatable)")
+    p.add_argument("--recompute-ratio", type=float, metavar="R",
+                   help="fraction of document tokens recomputed in context, 0..1 (default: blend.recompute_ratio)")
+    _common(p)
+
+    p = sub.add_parser("precompute", help="compute and cache documents' KV ahead of requests that use them")
+    p.add_argument("paths", nargs="+", metavar="FILE|DIR",
+                   help=".txt files (one document each), .jsonl files (one {\"text\": ...} per line), or folders of them")
+    p.add_argument("--tenant", default="", help="the tenant whose requests will use them (its API key's name)")
+    p.add_argument("--cache-salt", default="", help="the cache_salt the requests will send")
     _common(p)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -141,26 +153,36 @@ def cmd_generate(args, config: Config) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop),
     )
+    documents = [doc for path in args.document for doc in read_documents(Path(path))]
+    if args.recompute_ratio is not None and not documents:
+        raise UserError("--recompute-ratio applies to prompts with --document")
+    if documents and args.no_cache:
+        raise UserError("--document needs the KV cache: remove --no-cache")
     engine = open_engine(config)
     try:
+        messages = None
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": prompt}]
-            ids = engine.encode_prompt(messages=messages)
+        blend = None
+        if documents:
+            ids = engine.document_prompt(documents, prompt=None if args.chat else prompt, messages=messages)
+            blend = engine.blend.with_ratio(args.recompute_ratio)
         else:
-            ids = engine.encode_prompt(prompt)
+            ids = engine.encode_prompt(messages=messages) if args.chat else engine.encode_prompt(prompt)
 
         def write(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = engine.generate(ids, params, on_text=write)
+        result = engine.generate(ids, params, on_text=write, blend=blend)
         sys.stdout.write("\n")
         if args.verbose:
             t = result.timings
             print(
                 f"[kvfuse] prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached"
-                f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}), "
+                f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}"
+                f"{f', {result.recomputed_tokens} document tokens recomputed' if documents else ''}), "
                 f"{result.completion_tokens} generated, finish={result.finish_reason}\n"
                 f"[kvfuse] time to first token {t.ttft_s * 1000:.0f} ms (load {t.load_s * 1000:.0f} ms, "
                 f"prefill {t.prefill_s * 1000:.0f} ms), decode {t.decode_tokens_per_s(result.completion_tokens):.1f} tokens/s",
@@ -168,6 +190,61 @@ def cmd_generate(args, config: Config) -> int:
             )
     finally:
         engine.close()  # flushes the background writes to disk / Redis
+    return 0
+
+
+def read_documents(path: Path) -> list[str]:
+    """The documents of a .txt file (one), a .jsonl file (one ``{"text": ...}`` or JSON string per
+    line) or a folder of them (sorted by name); UserError naming the file and the fix."""
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in (".txt", ".jsonl") and p.is_file())
+        if not files:
+            raise UserError(f"{path}: no .txt or .jsonl files in this folder")
+        return [doc for f in files for doc in read_documents(f)]
+    if not path.is_file():
+        raise UserError(f"{path}: no such file or folder")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    if path.suffix != ".jsonl":
+        return [text]
+    docs = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{n}: not JSON ({e.msg}); write one {{\"text\": ...}} object per line") from None
+        doc = item.get("text") if isinstance(item, dict) else item
+        if not isinstance(doc, str):
+            raise UserError(f"{path}:{n}: expected a string or an object with a \"text\" string")
+        docs.append(doc)
+    return docs
+
+
+def cmd_precompute(args, config: Config) -> int:
+    from .engine import CacheOptions
+    from .runtime import open_engine
+
+    documents = [doc for path in args.paths for doc in read_documents(Path(path))]
+    if not config.cache.enabled:
+        raise UserError("the cache is disabled in this configuration (cache.enabled: false)")
+    engine = open_engine(config)
+    try:
+        from tqdm import tqdm
+
+        with tqdm(total=len(documents), unit="doc", file=sys.stderr, disable=None) as bar:
+            def progress(tokens: int, computed: bool) -> None:
+                bar.update(1)
+
+            counts = engine.precompute_documents(documents, CacheOptions(tenant=args.tenant, salt=args.cache_salt),
+                                                 on_document=progress)
+    finally:
+        engine.close()  # flushes the writes to disk / Redis
+    print(f"{counts['documents']} documents ({counts['tokens']} tokens): {counts['computed']} computed and stored, "
+          f"{counts['cached']} already cached")
     return 0
 
 
@@ -237,7 +314,8 @@ def _inspect(target: str, store) -> int:
     return 0
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "cache": cmd_cache}
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "precompute": cmd_precompute,
+            "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,12 +7,15 @@ The file mirrors the dataclasses::
       chunk_size: 256
       memory_bytes: 2GiB
       redis_url: redis://127.0.0.1:6379/0
+    blend:
+      recompute_ratio: 0.15
     server:
       port: 8000
       api_keys: ["sk-alice:alice", "sk-bob:bob"]
 
 Environment variables: ``KVFUSE_<FIELD>`` for top-level fields (``KVFUSE_MODEL``, ``KVFUSE_HOME``),
-``KVFUSE_CACHE_<FIELD>`` and ``KVFUSE_SERVER_<FIELD>`` for the sections (``KVFUSE_CACHE_REDIS_URL``),
+``KVFUSE_CACHE_<FIELD>``, ``KVFUSE_BLEND_<FIELD>`` and ``KVFUSE_SERVER_<FIELD>`` for the sections
+(``KVFUSE_CACHE_REDIS_URL``),
 ``KVFUSE_CONFIG`` for the file. Only this module reads the environment, and only when asked to.
 Every error names the field, where the bad value came from, and what to write instead.
 """
@@ -63,6 +66,25 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class BlendConfig:
+    """How prompts with documents are blended (CacheBlend); see ``kvfuse.blend.options``."""
+
+    recompute_ratio: float = 0.15
+    method: str = "hkvd"
+    check_layer: int = 1
+    deviation: str = "v"
+    gradual: bool = False
+    sink_tokens: int = 4
+    document_context: str = "bos"
+    store_blended: bool = True
+
+    def options(self):
+        from .blend.options import BlendOptions
+
+        return BlendOptions(**dataclasses.asdict(self))
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server."""
 
@@ -87,6 +109,7 @@ class Config:
     tune_malloc: bool = True  # keep freed multi-MB buffers for reuse (see runtime.tune_allocator)
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
+    blend: BlendConfig = field(default_factory=BlendConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     @property
@@ -101,7 +124,7 @@ class Config:
         return dict(entry.split(":", 1) for entry in self.server.api_keys)
 
 
-_SECTIONS = {"cache": CacheConfig, "server": ServerConfig}
+_SECTIONS = {"cache": CacheConfig, "blend": BlendConfig, "server": ServerConfig}
 
 
 def load_config(
@@ -273,6 +296,16 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
     need(k.redis_timeout_s > 0, "cache.redis_timeout_s", "must be > 0 seconds")
     need(k.redis_url is None or k.redis_url.startswith(("redis://", "rediss://", "unix://")), "cache.redis_url",
          f"must start with redis://, rediss:// or unix://, got {k.redis_url!r}")
+    b = c.blend
+    from .blend.options import CONTEXTS, DEVIATIONS, METHODS
+
+    need(0.0 <= b.recompute_ratio <= 1.0, "blend.recompute_ratio", f"must be in [0, 1], got {b.recompute_ratio}")
+    need(b.method in METHODS, "blend.method", f"must be one of {', '.join(METHODS)}, got {b.method!r}")
+    need(b.deviation in DEVIATIONS, "blend.deviation", f"must be k or v, got {b.deviation!r}")
+    need(b.check_layer >= 0, "blend.check_layer", "must be >= 0 (a layer index)")
+    need(b.sink_tokens >= 0, "blend.sink_tokens", "must be >= 0")
+    need(b.document_context in CONTEXTS, "blend.document_context",
+         f"must be one of {', '.join(CONTEXTS)}, got {b.document_context!r}")
     s = c.server
     need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")

@@ -86,4 +86,5 @@ def open_engine(config: Config, model: LoadedModel | None = None, store: TieredS
         store_generated=c.store_generated,
         salt=c.salt,
         max_waiting=config.server.max_queue,
+        blend=config.blend.options(),
     )

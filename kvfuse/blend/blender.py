@@ -46,6 +46,23 @@ class BlendStats:
         return int(self.recomputed.numel())
 
 
+def _attention_mass(runner: Transformer, layer: int, q: torch.Tensor, q_slots: torch.Tensor, kv: KVCache,
+                    n: int, doc_slots: torch.Tensor) -> torch.Tensor:
+    """How much attention the queries ``q`` (the suffix's, ``(m, heads, head_dim)`` at ``q_slots``)
+    give each document slot at ``layer``, summed over queries and heads: ``(len(doc_slots),)``."""
+    from kvfuse.models.attention import position_mask
+
+    c = runner.config
+    keys = kv.kv[layer, 0, :, :n].float()  # (kv_heads, n, d)
+    groups = c.num_heads // c.num_kv_heads
+    scores = torch.einsum("mhd,hnd->hmn", q.float(), keys.repeat_interleave(groups, dim=0)) * c.scaling
+    if c.attn_logit_softcap is not None:
+        scores = torch.tanh(scores / c.attn_logit_softcap) * c.attn_logit_softcap
+    mask = position_mask(kv.positions[q_slots], kv.positions[:n], c.window(layer))
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return probs[:, :, doc_slots].sum(dim=(0, 1))
+
+
 def _deviation(fresh: torch.Tensor, cached: torch.Tensor, per_head: bool) -> torch.Tensor:
     """Squared L2 distance per token between ``(heads, n, head_dim)`` tensors: ``(n,)``, or
     ``(n, heads)`` per head."""
@@ -112,6 +129,9 @@ def blend_prefill(
         cached = kv.kv[layer, which][:, doc_slots].clone()
         q = runner.write_kv(layer, h, kv, slots, tables)
         deviation = _deviation(kv.kv[layer, which][:, doc_slots], cached, per_head)
+        if options.method in ("attn", "hkvd-attn"):
+            mass = _attention_mass(runner, layer, q[n_active_docs:], slots[n_active_docs:], kv, n, doc_slots)
+            deviation = mass if options.method == "attn" else deviation * mass
         # the budget counts all document tokens; the active ones (after an earlier filter) are
         # ranked among themselves, each document still known by its span
         k = sel.budget(n_doc, schedule[step])

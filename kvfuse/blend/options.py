@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd")
+METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd", "attn", "hkvd-attn")
+QUERY_AWARE = ("attn", "hkvd-attn")  # selections that look at the suffix: their blend depends on it
 DEVIATIONS = ("k", "v")
 CONTEXTS = ("bos", "none")
 
@@ -24,7 +25,9 @@ class BlendOptions:
       K or V at the check layer (CacheBlend); ``hkvd-head``: the same, scored by the head that
       deviates most (each head's deviations scaled to its mean); ``sinks``: the first tokens of
       every document (EPIC); ``sinks+hkvd``: the first ``sink_tokens`` of every document, the rest
-      of the budget by deviation.
+      of the budget by deviation; ``attn``: the document tokens the suffix (the question) attends
+      to most at the check layer; ``hkvd-attn``: deviation times that attention. The last two
+      depend on the question, so their blended prompt is stored under keys of the whole prompt.
     - ``check_layer``: the layer whose deviation ranks tokens; layers before it ("full" layers)
       are computed for every document token, later ones only for the selected tokens.
     - ``deviation``: compare K or V.
@@ -64,6 +67,10 @@ class BlendOptions:
     def with_ratio(self, ratio: float | None) -> BlendOptions:
         """These options with another recompute ratio (None: unchanged)."""
         return self if ratio is None else replace(self, recompute_ratio=ratio)
+
+    @property
+    def query_aware(self) -> bool:
+        return self.method in QUERY_AWARE and not self.full_reuse
 
     @property
     def full_reuse(self) -> bool:

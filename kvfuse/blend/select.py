@@ -64,7 +64,7 @@ def select(method: str, deviation: torch.Tensor, spans: Spans, ratio: float, sin
     if sum(e - s for s, e in spans) != n:
         raise ValueError(f"spans cover {sum(e - s for s, e in spans)} tokens, deviation has {n}")
     k = budget(n, ratio)
-    if method == "hkvd":
+    if method in ("hkvd", "attn", "hkvd-attn"):  # the scores are the deviation, or what the blend combined
         return top_k(deviation, k)
     if method == "hkvd-head":
         return top_k(head_scores(deviation) if deviation.dim() == 2 else deviation, k)

@@ -26,14 +26,14 @@ import torch
 from kvfuse.blend import BlendOptions, LayerLoadFailed
 from kvfuse.codecs import get_codec
 from kvfuse.generation import Sampler, SamplingParams, StopMatcher
-from kvfuse.kv.keys import ChunkKey, Namespace, layout_of, tenant_tag
+from kvfuse.kv.keys import ChunkKey, Namespace, document_key, layout_of, tenant_tag
 from kvfuse.models import LoadedModel
 from kvfuse.models.tokenizer import StreamDecoder
 from kvfuse.tiers.store import TieredStore
 
-from . import executor
+from . import encode, executor
 from .loop import EngineLoop
-from .planner import full_prefill, generated_stores, make_plan, prompt_keys, replan
+from .planner import Precompute, full_prefill, generated_stores, prompt_keys, replan
 from .prompt import Prompt
 from .request import CacheOptions, GenerationResult, Outcome, Request, RequestCancelled, Timings
 from .scheduler import Scheduler
@@ -120,13 +120,18 @@ class Engine:
         return ids
 
     def encode_document(self, text: str) -> list[int]:
-        """A document's token ids, the same wherever it is used (a prompt, ``kvfuse precompute``):
-        its text without surrounding whitespace, then a blank line, with no special tokens.
-        ValueError for an empty document."""
-        text = text.strip()
-        if not text:
-            raise ValueError("the document is empty")
-        return self.model.tokenizer.encode(text + "\n\n", add_special_tokens=False)
+        """A document's token ids, the same wherever it is used (``engine.encode``)."""
+        return encode.encode_document(self.model.tokenizer, text)
+
+    def document_prompt(self, documents: Seq[str], prompt: str | None = None,
+                        messages: list[dict] | None = None) -> Prompt:
+        """A prompt with ``documents``: before a completion ``prompt``, or at the start of the last
+        user message of chat ``messages``. ValueError (naming the document) for bad input."""
+        if messages is not None:
+            return encode.chat_prompt(self.model.tokenizer, documents, messages)
+        if not isinstance(prompt, str):
+            raise ValueError("documents need a text prompt, not token ids")
+        return encode.completion_prompt(self.model.tokenizer, documents, prompt)
 
     def document_context(self, blend: BlendOptions | None = None) -> tuple[int, ...]:
         """What documents' KV is computed behind when cached on their own (``document_context``)."""
@@ -144,22 +149,32 @@ class Engine:
 
     # ------------------------------------------------------------------------------ requests
 
-    def submit(self, request: Request) -> None:
-        """Queue ``request``. ValueError for a prompt that cannot run; QueueFull / QueueClosed."""
+    def submit_check(self, request: Request) -> None:
+        """ValueError for a request that cannot run (context window, blend options, documents
+        without a cache)."""
         self.check(request.prompt, request.params)
         blend = request.blend or self.blend
         if blend.check_layer >= self.model.config.num_layers:
             raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model")
-        use_store = self.store is not None and request.cache.enabled
-        if request.prompt.documents and not use_store:
+        if request.prompt.documents and (self.store is None or not request.cache.enabled):
             raise ValueError("documents need the KV cache: it is disabled for this request")
+
+    def _sequence(self, request: Request) -> Sequence:
+        """A request's sequence, with its keys computed (hashing only)."""
+        blend = request.blend or self.blend
         ns, keys = None, None
-        if use_store:
+        if self.store is not None and request.cache.enabled:
             c = request.cache
             ns = self.namespace(c.tenant, c.salt)
             blend_ns = self.namespace(c.tenant, c.salt, blend) if blend.store_blended else None
-            keys = prompt_keys(request.prompt, self.chunk_size, ns, self.document_context(blend), blend_ns)
-        seq = Sequence(request, ns, keys, blend)
+            keys = prompt_keys(request.prompt, self.chunk_size, ns, self.document_context(blend), blend_ns,
+                               chain_over_suffix=blend.query_aware)
+        return Sequence(request, ns, keys, blend)
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``. ValueError for a prompt that cannot run; QueueFull / QueueClosed."""
+        self.submit_check(request)
+        seq = self._sequence(request)
         with self._active_lock:
             self._active[request] = seq
         try:
@@ -186,6 +201,7 @@ class Engine:
         cache: CacheOptions = CacheOptions(),
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
+        blend: BlendOptions | None = None,
     ) -> GenerationResult:
         """Generate from ``prompt`` (token ids or a ``Prompt``) and wait for the result;
         ``on_text`` receives text pieces as they are decoded.
@@ -205,7 +221,7 @@ class Engine:
             outcome.append(o)
             done.set()
 
-        request = Request(prompt, params, cache, on_text=on_text, on_done=on_done,
+        request = Request(prompt, params, cache, blend=blend, on_text=on_text, on_done=on_done,
                           cancel=cancel if cancel is not None else threading.Event())
         self.submit(request)
         while not done.is_set():
@@ -219,6 +235,65 @@ class Engine:
         if o.error is not None:
             raise o.error
         return o.result
+
+    def precompute_documents(self, texts: Seq[str], cache: CacheOptions = CacheOptions(),
+                             blend: BlendOptions | None = None,
+                             on_document: Callable[[int, bool], None] | None = None) -> dict[str, int]:
+        """Compute and store the KV of each document not cached yet (as a blended prompt would:
+        alone, behind the document context); ``on_document(tokens, computed)`` after each one.
+        Returns counts: documents, computed, already cached, tokens. Runs between engine steps."""
+        if self.store is None:
+            raise ValueError("precompute needs the KV cache, and it is disabled in this configuration")
+        ns = self.namespace(cache.tenant, cache.salt)
+        context = self.document_context(blend)
+        counts = {"documents": 0, "computed": 0, "cached": 0, "tokens": 0}
+        for i, text in enumerate(texts):
+            try:
+                ids = self.encode_document(text)
+            except ValueError as e:
+                raise ValueError(f"document {i}: {e}") from None
+            if len(context) + len(ids) > self.model.config.max_position_embeddings:
+                raise ValueError(f"document {i} has {len(ids)} tokens: more than the model's context window")
+            key = document_key(ids, ns, context)
+            computed = self.store.lookup([key]).where[0] is None
+            if computed:
+                with self._step_lock:
+                    entry = executor.precompute(self.model.runner, self.kv_dtype, self.codec,
+                                                Precompute(key, tuple(ids), context))
+                self.store.put([(key, entry)])
+            counts["documents"] += 1
+            counts["computed" if computed else "cached"] += 1
+            counts["tokens"] += len(ids)
+            if on_document is not None:
+                on_document(len(ids), computed)
+        self.stats.add(chunks_stored=counts["computed"])
+        return counts
+
+    def score(self, prompt: Seq[int] | Prompt, continuations: Seq[Seq[int]] = (), *,
+              cache: CacheOptions = CacheOptions(), blend: BlendOptions | None = None) -> list[torch.Tensor]:
+        """Teacher-forced logits after ``prompt`` prefilled exactly as a request would be (lookup,
+        plan, loads, blend): for each continuation, a ``(len + 1, vocab)`` tensor of the logits
+        predicting its tokens and the one after (the first row predicts its first token). Nothing
+        is generated and the answers are not stored. For measuring lossy reuse (blends, codecs)
+        against a full prefill: KL of next-token distributions, NLL of reference answers."""
+        if not isinstance(prompt, Prompt):
+            prompt = Prompt.plain(list(prompt))
+        request = Request(prompt, SamplingParams(max_tokens=1 + max((len(c) for c in continuations), default=0)),
+                          cache, blend=blend)
+        self.submit_check(request)
+        seq = self._sequence(request)
+        with self._step_lock:
+            request.started_at = request.enqueued_at
+            self._prefill(seq)
+            out, n = [], len(prompt)
+            for cont in continuations:
+                seq.kv.truncate(n)
+                rows = [seq.logits[None]]
+                if len(cont):
+                    rows.append(self.model.runner.forward(list(cont), seq.kv, logits="all").to(seq.logits.dtype))
+                out.append(torch.cat(rows))
+            seq.kv = None
+        return out if continuations else [seq.logits[None]]
 
     # ------------------------------------------------------------------------------ steps
 
@@ -318,7 +393,7 @@ class Engine:
             seq.reused -= int(cached_slots[recomputed].sum())  # recomputed in context: not reused
         t.load_s += filled.load_s
         t.prefill_s = filled.compute_s
-        seq.sampler = Sampler(req.params)
+        seq.sampler, seq.logits = Sampler(req.params), filled.logits
         seq.pending = seq.sampler(filled.logits)
         t.ttft_s = time.perf_counter() - seq.t_start
         t0 = time.perf_counter()

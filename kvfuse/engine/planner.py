@@ -34,7 +34,9 @@ Rules:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import struct
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, document_key, prefix_keys
@@ -131,12 +133,18 @@ def suffix_start(prompt: Prompt) -> int:
 
 
 def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace, document_context: Sequence[int] = (),
-                blend_namespace: Namespace | None = None) -> PromptKeys:
+                blend_namespace: Namespace | None = None, chain_over_suffix: bool = False) -> PromptKeys:
     """The keys of ``prompt``'s prefix chunks and documents in ``namespace`` (hashing only), and
-    its blended chain in ``blend_namespace`` when given and the prompt has documents."""
+    its blended chain in ``blend_namespace`` when given and the prompt has documents: over
+    everything before the suffix; with ``chain_over_suffix`` (a blend that depends on the
+    question) in a namespace of that suffix too."""
     blended = ()
     if blend_namespace is not None and prompt.documents:
-        blended = tuple(prefix_keys(prompt.ids[: suffix_start(prompt)], chunk_size, blend_namespace))
+        start = suffix_start(prompt)
+        if chain_over_suffix:
+            digest = hashlib.sha256(struct.pack(f"<{len(prompt) - start}I", *prompt.ids[start:])).hexdigest()
+            blend_namespace = replace(blend_namespace, salt=blend_namespace.salt + "\x00question:" + digest)
+        blended = tuple(prefix_keys(prompt.ids[:start], chunk_size, blend_namespace))
     return PromptKeys(
         chunk_size,
         tuple(prefix_keys(prompt.prefix, chunk_size, namespace)),

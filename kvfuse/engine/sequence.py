@@ -42,6 +42,7 @@ class Sequence:
     stops: StopMatcher | None = None
     eos: frozenset[int] = frozenset()
     pending: int | None = None  # sampled, not yet accepted
+    logits: object = None  # the prompt's last logits (kept for Engine.score)
     token_ids: list[int] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None

@@ -68,6 +68,10 @@ class CacheCollector(Collector):
         yield CounterMetricFamily("kvfuse_chunks_stored", "KV chunks written to the store.", value=s["chunks_stored"])
         yield CounterMetricFamily("kvfuse_chunk_load_failures", "Cached chunks that could not be used.",
                                   value=s["chunk_load_failures"])
+        yield CounterMetricFamily("kvfuse_blend_requests", "Requests with documents (blended).",
+                                  value=s["blended_requests"])
+        yield CounterMetricFamily("kvfuse_blend_recomputed_tokens", "Document tokens recomputed in context by blends.",
+                                  value=s["tokens_recomputed"])
         reused = CounterMetricFamily("kvfuse_reused_chunks", "Chunks reused by requests, by the tier they came from.",
                                      labels=["tier"])
         for tier, n in sorted(s["hits_by_tier"].items()):

@@ -31,7 +31,7 @@ def usage(result: GenerationResult) -> dict[str, Any]:
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens, "recomputed_tokens": result.recomputed_tokens},
     }
 
 

@@ -8,9 +8,9 @@ composed of three layers::
     SamplingRequest      the OpenAI fields shared by /v1/completions and /v1/chat/completions
     CompletionRequest / ChatCompletionRequest   the prompt or the messages
 
-A later extension (RAG ``documents``, a multi-turn ``session_id``, a ``ttft_slo_ms`` target) is a
-field added to ``KVFuseOptions`` plus a line in ``translate.cache_options``: both endpoints and the
-OpenAPI schema pick it up unchanged. Values that depend on the configuration (max_tokens above
+An extension (RAG ``documents`` and ``recompute_ratio``; later a multi-turn ``session_id``, a
+``ttft_slo_ms`` target) is a field added to ``KVFuseOptions`` plus its mapping in ``translate``:
+both endpoints and the OpenAPI schema pick it up unchanged. Values that depend on the configuration (max_tokens above
 ``server.max_tokens_limit``, the model name) are checked in ``translate``.
 """
 
@@ -41,6 +41,19 @@ class KVFuseOptions(_Strict):
         True,
         description="kvfuse extension: false bypasses the KV cache for this request (nothing is read from it "
                     "and nothing is written to it).",
+    )
+    documents: list[str] | None = Field(
+        None, max_length=128,
+        description="kvfuse extension (CacheBlend): retrieved documents placed before the prompt (completions) or "
+                    "at the start of the last user message (chat). Each document's KV is computed on its own once, "
+                    "cached, and reused at any position in any later prompt; the tokens that deviate most are "
+                    "recomputed in context (recompute_ratio).",
+        examples=[["Velmora is a harbour town on the river Aske.", "Its lighthouse was built in 1847."]],
+    )
+    recompute_ratio: float | None = Field(
+        None, ge=0.0, le=1.0, allow_inf_nan=False,
+        description="kvfuse extension: the fraction of document tokens recomputed in context, in [0, 1] (0: reuse "
+                    "the documents' KV as it is; 1: a full prefill). Default: the server's blend.recompute_ratio.",
     )
 
 
@@ -114,6 +127,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(..., description="Prompt tokens whose KV was reused from the cache (not prefilled).")
+    recomputed_tokens: int = Field(0, description="kvfuse extension: document tokens whose cached KV was recomputed "
+                                                  "in context (documents requests).")
 
 
 class Usage(BaseModel):

@@ -1,4 +1,5 @@
-"""Request bodies -> one engine call: the prompt's token ids, ``SamplingParams`` and ``CacheOptions``.
+"""Request bodies -> one engine call: the prompt (token ids, or segments with ``documents``),
+``SamplingParams``, ``CacheOptions`` and the blend options.
 
 Everything a request can get wrong is found here, before the request is queued, so that a
 streaming response never has to report a bad request after its 200 went out. Every failure is an
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvfuse.blend import BlendOptions
 from kvfuse.engine import CacheOptions, Outcome, Prompt, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
@@ -22,14 +24,19 @@ from .schemas import ChatCompletionRequest, CompletionRequest, KVFuseOptions, Sa
 class EngineCall:
     """What one HTTP request asks the engine for."""
 
-    prompt_ids: list[int]
+    prompt: Prompt
     params: SamplingParams
     cache: CacheOptions
+    blend: BlendOptions | None = None  # None: the engine's default
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.prompt.ids
 
     def request(self, request_id: str, on_text: Callable[[str], None] | None = None,
                 on_done: Callable[[Outcome], None] | None = None) -> Request:
         """The engine request (its callbacks run on the engine thread)."""
-        return Request(Prompt.plain(self.prompt_ids), self.params, self.cache, request_id=request_id,
+        return Request(self.prompt, self.params, self.cache, blend=self.blend, request_id=request_id,
                        on_text=on_text, on_done=on_done)
 
 
@@ -129,24 +136,59 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) ->
         raise bad_request(f"{e}", param=field_name) from None
 
 
+def blend_options(engine, opts: KVFuseOptions) -> BlendOptions | None:
+    """The request's blend options (its ``recompute_ratio`` over the server's), None without documents."""
+    if opts.documents is None:
+        if opts.recompute_ratio is not None:
+            raise bad_request("recompute_ratio: applies to requests with documents; add documents or remove it",
+                              param="recompute_ratio")
+        return None
+    if not opts.cache:
+        raise bad_request("documents: need the KV cache; remove \"cache\": false", param="documents")
+    return engine.blend.with_ratio(opts.recompute_ratio)
+
+
+def _engine_call(req: SamplingRequest, prompt: Prompt, tenant: str, limits: Limits, engine) -> EngineCall:
+    return EngineCall(prompt, sampling_params(req, len(prompt), limits), cache_options(req, tenant),
+                      blend_options(engine, req))
+
+
+def _document_prompt(engine, req: SamplingRequest, **prompt) -> Prompt:
+    try:
+        return engine.document_prompt(req.documents, **prompt)
+    except ChatTemplateError as e:
+        raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
+    except ValueError as e:
+        param = "documents" if str(e).startswith(("document", "documents")) else \
+            ("messages" if "messages" in prompt else "prompt")
+        raise bad_request(f"{param}: {e}", param=param) from None
+
+
 def plan_completion(engine, req: CompletionRequest, tenant: str, limits: Limits) -> EngineCall:
     """Tokenize and check a completion request (runs the tokenizer: call it off the event loop)."""
     prompt = completion_prompt(req)
+    if req.documents is not None:
+        if not isinstance(prompt, str):
+            raise bad_request("documents: need a text prompt; token-id prompts cannot be combined with documents",
+                              param="documents")
+        return _engine_call(req, _document_prompt(engine, req, prompt=prompt), tenant, limits, engine)
     try:
         ids = engine.encode_prompt(prompt)
     except ValueError as e:  # token ids outside the vocabulary
         raise bad_request(f"prompt: {e}", param="prompt") from None
     if not ids:
         raise bad_request("prompt: the prompt is empty", param="prompt")
-    return EngineCall(ids, sampling_params(req, len(ids), limits), cache_options(req, tenant))
+    return _engine_call(req, Prompt.plain(ids), tenant, limits, engine)
 
 
 def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -> EngineCall:
     """Render, tokenize and check a chat request (call it off the event loop)."""
+    if req.documents is not None:
+        return _engine_call(req, _document_prompt(engine, req, messages=chat_messages(req)), tenant, limits, engine)
     try:
         ids = engine.encode_prompt(messages=chat_messages(req))
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
-    return EngineCall(ids, sampling_params(req, len(ids), limits), cache_options(req, tenant))
+    return _engine_call(req, Prompt.plain(ids), tenant, limits, engine)

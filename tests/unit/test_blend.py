@@ -11,7 +11,7 @@ import torch
 from kvfuse.blend import BlendOptions, blend_prefill
 from kvfuse.engine import CacheOptions, Engine, Prompt
 from kvfuse.generation import SamplingParams
-from kvfuse.kv.keys import document_key
+from kvfuse.kv.keys import document_key, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 from kvfuse.tiers.disk import key_to_filename
 
@@ -66,7 +66,7 @@ def runner(tiny_loaded):
 def test_ratio_one_reproduces_a_full_prefill(family, kv_dtype, tol, runner):
     r = runner(family)
     ids = PREFIX + sum(DOCS, []) + SUFFIX
-    for method in ("hkvd", "sinks+hkvd", "hkvd-head"):
+    for method in ("hkvd", "sinks+hkvd", "hkvd-head", "attn", "hkvd-attn"):
         kv, spans, s = blended_cache(r, PREFIX, DOCS, len(SUFFIX), kv_dtype)
         opts = BlendOptions(recompute_ratio=1.0, method=method)
         logits, stats = blend_prefill(r, kv, ids, spans[0][0], s, spans, opts)
@@ -179,14 +179,46 @@ def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
     other_question = ids_of(12, 8)
     hit = engine.generate(Prompt.of(PREFIX, DOCS, other_question), GREEDY)
     assert hit.hit_tiers == ("memory",) * 8 and hit.recomputed_tokens == 0 and hit.cached_tokens == 128
-    # the same KV as blending again for that question, without the chain
-    plain = engine_with(model, TieredStore([MemoryTier(1 << 26)]), recompute_ratio=0.2)
-    assert plain.generate(Prompt.of(PREFIX, DOCS, other_question), GREEDY).token_ids == hit.token_ids
+    # the chain: the prefix keys of everything before the question, in the namespace of the blend settings
+    chain = prefix_keys(PREFIX + sum(DOCS, []), CH, engine.namespace(blend=engine.blend))
+    assert all(store.tiers[0].get(k) is not None for k in chain)
     # other blend settings or a plain prompt with the same tokens never see the blended KV
     other = Engine(model, store, chunk_size=CH, blend=BlendOptions(recompute_ratio=0.5))
     assert other.generate(Prompt.of(PREFIX, DOCS, other_question), GREEDY).recomputed_tokens == 55
     flat = engine.generate(PREFIX + sum(DOCS, []) + other_question, GREEDY)
     assert flat.cached_tokens == 16 and flat.token_ids == baseline(model, PREFIX + sum(DOCS, []) + other_question)
+
+
+def test_a_question_aware_blend_is_stored_for_its_question_only(tiny_loaded):
+    model = tiny_loaded("llama")
+    store = TieredStore([MemoryTier(1 << 26)])
+    engine = engine_with(model, store, recompute_ratio=0.2, method="hkvd-attn", store_blended=True)
+    first = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
+    assert first.recomputed_tokens == 22 and first.stored_chunks == 1 + 3 + 8
+    other = engine.generate(Prompt.of(PREFIX, DOCS, ids_of(9, 12)), GREEDY)  # the selection follows the question
+    assert other.recomputed_tokens == 22
+    same = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)  # the very same prompt: an exact prefix hit
+    assert same.recomputed_tokens == 0 and same.cached_tokens == 128 and same.hit_tiers == ("memory",) * 8
+
+
+def test_attention_selection_picks_what_the_question_attends_to(runner):
+    from kvfuse.blend.blender import _attention_mass
+
+    r = runner("llama")
+    ids = PREFIX + sum(DOCS, []) + SUFFIX
+    kv, spans, s = blended_cache(r, PREFIX, DOCS, len(SUFFIX), torch.float32)
+    r.forward(SUFFIX, kv, positions=torch.arange(s, len(ids)), logits="none", start=s)
+    h = r.embed(torch.tensor(SUFFIX))
+    for layer in range(1):
+        h_next = r.layer(layer, h, kv, slice(s, len(ids)), kv_len=len(ids))
+    q, _, _ = r.project(1, h_next, kv.positions[s : len(ids)])
+    doc_slots = torch.arange(spans[0][0], s)
+    mass = _attention_mass(r, 1, q, torch.arange(s, len(ids)), kv, len(ids), doc_slots)
+    assert mass.shape == (110,) and (mass >= 0).all()
+    # the whole distribution of every head and query sums to 1: the documents get part of it
+    total = _attention_mass(r, 1, q, torch.arange(s, len(ids)), kv, len(ids), torch.arange(len(ids)))
+    assert float(total.sum()) == pytest.approx(r.config.num_heads * len(SUFFIX), rel=1e-4)
+    assert 0 < float(mass.sum()) < float(total.sum())
 
 
 def test_documents_on_disk_load_layer_by_layer_and_are_promoted(tiny_loaded, tmp_path):
@@ -237,3 +269,19 @@ def test_documents_need_the_cache_and_tokens(tiny_loaded):
         engine.generate(Prompt.of(PREFIX, [ids_of(4090, 9)], SUFFIX), GREEDY)
     with pytest.raises(ValueError, match="check_layer"):
         Engine(model, None, blend=BlendOptions(check_layer=3))  # the tiny llama has 3 layers
+
+
+def test_score_gives_teacher_forced_logits_through_the_request_path(tiny_loaded):
+    model = tiny_loaded("gemma3")
+    r = model.runner
+    cont_a, cont_b = ids_of(5, 10), ids_of(3, 11)
+    prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
+    ref = r.forward(prompt.ids + cont_a, r.new_cache(dtype=torch.float16), logits="all")[len(prompt) - 1 :]
+    engine = engine_with(model, TieredStore([MemoryTier(1 << 26)]), recompute_ratio=1.0)
+    a, b = engine.score(prompt, [cont_a, cont_b])
+    assert a.shape == (6, r.config.vocab_size) and b.shape == (4, r.config.vocab_size)
+    assert (a - ref).abs().max() <= 1e-3 and torch.equal(a[0], b[0])
+    reuse_a, = engine.score(prompt, [cont_a], blend=BlendOptions(recompute_ratio=0.0, store_blended=False))
+    assert (reuse_a - ref).abs().max() > 1e-3  # full reuse is not a prefill ...
+    plain = Engine(model, None).score(prompt.ids, [cont_a])[0]  # ... and a plain prompt without a cache is
+    assert (plain - ref).abs().max() <= 1e-3

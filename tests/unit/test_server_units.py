@@ -166,7 +166,7 @@ def result(text="ab", ids=(1, 2), reason="length", prompt=5, cached=0) -> Genera
 def test_usage_reports_cached_tokens():
     assert usage(result(prompt=300, cached=256)) == {
         "prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302,
-        "prompt_tokens_details": {"cached_tokens": 256}}
+        "prompt_tokens_details": {"cached_tokens": 256, "recomputed_tokens": 0}}
 
 
 def test_completion_stream_chunks():

@@ -1,0 +1,380 @@
+"""CacheBlend: answer quality and time to first token of blended prompts vs full prefill.
+
+Quality, on fictional QA (``bench/fictional_qa.py``: facts no model knows, 5 documents per item,
+single- and cross-document questions, distractors; ``--split dev`` to tune, ``test`` to report):
+
+- ``accuracy``: the gold answer appears in the greedy answer (normalised text), as a fraction of
+  full prefill's accuracy on the same items (the target: >= 95% at ratio 0.15);
+- ``KL``: mean KL(full prefill || method) of the next-token distributions over the full-prefill
+  answer's tokens, teacher-forced (the target: at least 2x lower than full reuse's);
+- ``NLL``: mean negative log-likelihood per token of the gold answer;
+- ``F1``: token F1 of the greedy answer against full prefill's answer (agreement).
+
+Speed, on MuSiQue (``../shared/data/musique_s.json``, dev examples only unless ``--split test``;
+10 documents cut to ``--words`` words each, about 2.7k tokens): TTFT of full prefill, an exact
+prefix hit (the same prompt again), full reuse, and the methods, with the documents in memory and
+on disk after dropping the page cache (median of ``--runs``), and F1 agreement with full prefill.
+
+Every method is run at each ``--ratios`` (recompute budgets): ``hkvd`` (CacheBlend), ``hkvd-head``,
+``sinks`` (EPIC), ``sinks+hkvd``, and the variants given with ``--variants`` (check layer, K/V,
+gradual filtering). Results go to ``docs/bench/blend.json`` and ``blend.png`` (quality vs TTFT).
+
+    python bench/blend.py --part quality --items 40          # dev split, both models
+    python bench/blend.py --part speed --examples 3 --runs 3
+    python bench/blend.py --split test --items 100            # the reported numbers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import string
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import DATA, OUT, environment, print_table  # noqa: E402
+import fictional_qa  # noqa: E402
+
+from kvfuse.blend import BlendOptions  # noqa: E402
+from kvfuse.engine import CacheOptions, Engine, Prompt  # noqa: E402
+from kvfuse.generation import SamplingParams  # noqa: E402
+
+MODELS = ("smollm2", "gemma3-270m")
+METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd")
+RATIOS = (0.05, 0.1, 0.15, 0.3)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("quality", "speed", "all"), default="all")
+    p.add_argument("--split", choices=("dev", "test"), default="dev")
+    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--items", type=int, default=40, help="fictional QA items (default 40)")
+    p.add_argument("--documents", type=int, default=5, help="documents per fictional QA item (default 5)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--ratios", default=",".join(map(str, RATIOS)))
+    p.add_argument("--variants", default="",
+                   help="extra configurations, ';'-separated key=value lists over the default method, e.g. "
+                        "'check_layer=2;deviation=k;gradual=true;document_context=none'")
+    p.add_argument("--default", default="", help="key=value list of the options tested as the default")
+    p.add_argument("--examples", type=int, default=3, help="MuSiQue examples for the speed part (default 3)")
+    p.add_argument("--words", type=int, default=200, help="words per MuSiQue document (default 200)")
+    p.add_argument("--speed-ratios", default="0.05,0.1,0.15,0.3")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per speed cell (default 3)")
+    p.add_argument("--max-tokens", type=int, default=16, help="answer tokens (default 16)")
+    p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
+    p.add_argument("--out", default=str(OUT / "blend"), help="output path without suffix")
+    p.add_argument("--no-drop-caches", action="store_true")
+    return p.parse_args(argv)
+
+
+def parse_kv(text: str) -> dict:
+    out = {}
+    for part in filter(None, (x.strip() for x in text.split(","))):
+        k, _, v = part.partition("=")
+        out[k] = (v.lower() == "true") if v.lower() in ("true", "false") else \
+            (float(v) if "." in v else int(v)) if re.fullmatch(r"[0-9.]+", v) else v
+    return out
+
+
+# ------------------------------------------------------------------------------------ scoring
+
+
+def normalize(text: str) -> str:
+    text = text.lower()
+    text = "".join(c for c in text if c not in string.punctuation)
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def f1(pred: str, ref: str) -> float:
+    p, r = normalize(pred).split(), normalize(ref).split()
+    if not p and not r:
+        return 1.0
+    common = sum((Counter(p) & Counter(r)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(p), common / len(r)
+    return 2 * precision * recall / (precision + recall)
+
+
+def correct(answer: str, gold: str) -> bool:
+    return normalize(gold) in normalize(answer)
+
+
+def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean over rows of KL(softmax(ref) || softmax(logits))."""
+    p = F.log_softmax(ref_logits.float(), dim=-1)
+    q = F.log_softmax(logits.float(), dim=-1)
+    return float((p.exp() * (p - q)).sum(dim=-1).mean())
+
+
+def nll(logits: torch.Tensor, ids: list[int]) -> float:
+    """Mean NLL per token of ``ids`` given the rows predicting them (row i predicts ids[i])."""
+    logp = F.log_softmax(logits[: len(ids)].float(), dim=-1)
+    return float(-logp[torch.arange(len(ids)), torch.tensor(ids)].mean())
+
+
+# ------------------------------------------------------------------------------------ setup
+
+
+def open_engine(name: str, home: Path, store_dir: Path | None = None) -> Engine:
+    from kvfuse.models import load_model
+    from kvfuse.runtime import tune_allocator
+    from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+
+    tune_allocator()
+    model = load_model(name, home=home, device="cpu", dtype="auto")
+    tiers = [MemoryTier(8 << 30)] + ([DiskTier(store_dir, 64 << 30)] if store_dir else [])
+    return Engine(model, TieredStore(tiers), chunk_size=256, blend=BlendOptions(store_blended=False))
+
+
+def qa_prompt(engine: Engine, model: str, it: fictional_qa.Item) -> Prompt:
+    if model == "smollm2":  # an instruct model: a chat turn, documents before the question
+        text = f"Answer the question using the passages above, in a few words.\nQuestion: {it.question}"
+        return engine.document_prompt(list(it.documents), messages=[{"role": "user", "content": text}])
+    return engine.document_prompt(list(it.documents), prompt=f"Question: {it.question}\nAnswer:")
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=("\n",))
+
+
+def configurations(args) -> list[tuple[str, BlendOptions]]:
+    base = BlendOptions(store_blended=False, **parse_kv(args.default))
+    out = [("full reuse", base.with_ratio(0.0))]
+    ratios = [float(r) for r in args.ratios.split(",") if r]
+    for method in filter(None, args.methods.split(",")):
+        for r in ratios:
+            out.append((f"{method} {r:g}", BlendOptions(**{**base.__dict__, "method": method, "recompute_ratio": r})))
+    for variant in filter(None, args.variants.split(";")):
+        kv = parse_kv(variant)
+        label = " ".join(f"{k}={v}" for k, v in kv.items())
+        for r in ratios:
+            out.append((f"{base.method} {label} {r:g}", BlendOptions(**{**base.__dict__, **kv, "recompute_ratio": r})))
+    return out
+
+
+# ------------------------------------------------------------------------------------ quality
+
+
+def quality(args, model: str, home: Path) -> dict:
+    engine = open_engine(model, home)
+    tok = engine.model.tokenizer
+    data = fictional_qa.items(args.split, args.items, args.documents)
+    configs = configurations(args)
+    params = greedy(args.max_tokens)
+    off = CacheOptions(enabled=False)
+    rows: dict[str, list[dict]] = {name: [] for name, _ in [("full prefill", None), *configs]}
+    t0 = time.perf_counter()
+    for n, it in enumerate(data):
+        prompt = qa_prompt(engine, model, it)
+        ref = engine.generate(prompt.ids, params, cache=off)
+        ref_ids = ref.token_ids or [tok.eos_token_id or 0]
+        # a chat answer starts a new turn (no leading space); a completion continues "Answer:"
+        gold_ids = tok.encode(it.answer if model == "smollm2" else " " + it.answer, add_special_tokens=False)
+        engine.precompute_documents(it.documents)  # outside the timed requests
+        ref_logits, ref_gold = engine.score(prompt.ids, [ref_ids, gold_ids], cache=off)
+        rows["full prefill"].append({"correct": correct(ref.text, it.answer), "f1": 1.0, "kl": 0.0,
+                                     "nll": nll(ref_gold, gold_ids), "ttft_s": ref.timings.ttft_s,
+                                     "kind": it.kind, "answer": ref.text})
+        for name, opts in configs:
+            got = engine.generate(prompt, params, blend=opts)
+            logits, gold = engine.score(prompt, [ref_ids, gold_ids], blend=opts)
+            rows[name].append({"correct": correct(got.text, it.answer), "f1": f1(got.text, ref.text),
+                               "kl": kl(ref_logits[: len(ref_ids)], logits[: len(ref_ids)]),
+                               "nll": nll(gold, gold_ids), "ttft_s": got.timings.ttft_s, "kind": it.kind,
+                               "recomputed": got.recomputed_tokens, "answer": got.text})
+        if (n + 1) % 5 == 0:
+            print(f"  {model}: {n + 1}/{len(data)} items ({time.perf_counter() - t0:.0f}s)", flush=True)
+    engine.close()
+    full_acc = statistics.mean(r["correct"] for r in rows["full prefill"])
+    summary = {}
+    for name, rs in rows.items():
+        acc = statistics.mean(r["correct"] for r in rs)
+        summary[name] = {
+            "accuracy": acc, "accuracy_vs_full": acc / full_acc if full_acc else None,
+            "accuracy_single": statistics.mean([r["correct"] for r in rs if r["kind"] == "single"] or [0]),
+            "accuracy_cross": statistics.mean([r["correct"] for r in rs if r["kind"] == "cross"] or [0]),
+            "f1_vs_full": statistics.mean(r["f1"] for r in rs), "kl": statistics.mean(r["kl"] for r in rs),
+            "nll_gold": statistics.mean(r["nll"] for r in rs),
+            "ttft_ms_median": 1000 * statistics.median(r["ttft_s"] for r in rs),
+        }
+    reuse_kl = summary["full reuse"]["kl"]
+    for s in summary.values():
+        s["kl_vs_full_reuse"] = s["kl"] / reuse_kl if reuse_kl else None
+    return {"model": model, "split": args.split, "items": len(data), "documents": args.documents,
+            "summary": summary, "per_item": rows,
+            "configurations": {name: opts.__dict__ for name, opts in configs}}
+
+
+# ------------------------------------------------------------------------------------ speed
+
+
+def drop_page_cache() -> str | None:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+
+
+def musique_prompt(engine: Engine, model: str, example: dict, words: int) -> Prompt:
+    docs = [" ".join(c["text"].split()[:words]) for c in example["ctxs"]]
+    q = example["question"]
+    if model == "smollm2":
+        text = f"Answer the question using the passages above, within 5 words.\nQuestion: {q}"
+        return engine.document_prompt(docs, messages=[{"role": "user", "content": text}])
+    return engine.document_prompt(docs, prompt=f"Question: {q}\nAnswer:")
+
+
+def speed(args, model: str, home: Path) -> dict:
+    rows = json.loads((DATA / "musique_s.json").read_text())
+    examples = list(range(0, 50) if args.split == "dev" else range(50, 150))[: args.examples]
+    base = BlendOptions(store_blended=False, **parse_kv(args.default))
+    ratios = [float(r) for r in args.speed_ratios.split(",") if r]
+    blends = [("full reuse", base.with_ratio(0.0))] + [(f"{base.method} {r:g}", base.with_ratio(r)) for r in ratios]
+    params = greedy(args.max_tokens)
+    cold_note = None if not args.no_drop_caches else "skipped"
+    cells = []
+    with tempfile.TemporaryDirectory(prefix="kvfuse-blend-") as d:
+        engine = open_engine(model, home, Path(d))
+        for ex in examples:
+            prompt = musique_prompt(engine, model, rows[ex], args.words)
+            ref = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))
+            full = [engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False)).timings.ttft_s
+                    for _ in range(args.runs)]
+            engine.generate(prompt.ids, greedy(1))  # stores the plain prompt's chunks
+            prefix = [engine.generate(prompt.ids, params).timings.ttft_s for _ in range(args.runs)]
+            engine.generate(prompt, greedy(1), blend=blends[0][1])  # precomputes the documents
+            engine.flush()
+            cells.append({"example": ex, "tokens": len(prompt), "config": "full prefill", "tier": "-",
+                          "ttft_s": full, "f1": 1.0})
+            cells.append({"example": ex, "tokens": len(prompt), "config": "prefix hit", "tier": "memory",
+                          "ttft_s": prefix, "f1": 1.0})
+            for name, opts in blends:
+                for tier in ("memory", "disk"):
+                    times, answer = [], None
+                    for _ in range(args.runs):
+                        if tier == "disk":
+                            engine.store.tiers[0].clear()
+                            if cold_note is None:
+                                cold_note = drop_page_cache()
+                                if cold_note is None:
+                                    cold_note = "dropped before every disk run"
+                            if cold_note.startswith("dropped"):
+                                drop_page_cache()
+                        r = engine.generate(prompt, params, blend=opts)
+                        if tier == "disk" and set(r.hit_tiers) != {"disk"}:
+                            raise RuntimeError(f"disk cell served from {r.hit_tiers}")
+                        times.append(r.timings.ttft_s)
+                        answer = r.text
+                    cells.append({"example": ex, "tokens": len(prompt), "config": name, "tier": tier,
+                                  "ttft_s": times, "f1": f1(answer, ref.text), "recomputed": r.recomputed_tokens})
+                print(f"  {model} example {ex}: {name} done", flush=True)
+        engine.close()
+    summary = {}
+    for c in cells:
+        s = summary.setdefault(f"{c['config']} | {c['tier']}", {"ttft_s": [], "f1": []})
+        s["ttft_s"].append(statistics.median(c["ttft_s"]))
+        s["f1"].append(c["f1"])
+    full = statistics.median(summary["full prefill | -"]["ttft_s"])
+    out = {}
+    for key, s in summary.items():
+        med = statistics.median(s["ttft_s"])
+        out[key] = {"ttft_ms_median": 1000 * med, "ttft_ms_min": 1000 * min(s["ttft_s"]),
+                    "ttft_ms_max": 1000 * max(s["ttft_s"]), "speedup_vs_full_prefill": full / med,
+                    "f1_vs_full": statistics.mean(s["f1"])}
+    return {"model": model, "split": args.split, "examples": examples, "words_per_document": args.words,
+            "tokens": [c["tokens"] for c in cells if c["config"] == "full prefill"], "drop_caches": cold_note,
+            "summary": out, "cells": cells}
+
+
+# ------------------------------------------------------------------------------------ report
+
+
+def report(result: dict) -> None:
+    for q in result.get("quality", []):
+        print(f"\nquality: {q['model']}, fictional QA {q['split']} split, {q['items']} items x {q['documents']} documents")
+        rows = [[name, s["accuracy"], s["accuracy_vs_full"], s["f1_vs_full"], s["kl"], s["kl_vs_full_reuse"],
+                 s["nll_gold"], s["ttft_ms_median"]] for name, s in q["summary"].items()]
+        print_table(["config", "acc", "acc/full", "F1 vs full", "KL", "KL/reuse", "NLL gold", "TTFT ms"], rows)
+    for sp in result.get("speed", []):
+        print(f"\nspeed: {sp['model']}, MuSiQue {sp['split']} examples {sp['examples']}, tokens {sp['tokens']}, "
+              f"page cache: {sp['drop_caches']}")
+        rows = [[k, s["ttft_ms_median"], s["ttft_ms_min"], s["ttft_ms_max"], s["speedup_vs_full_prefill"],
+                 s["f1_vs_full"]] for k, s in sp["summary"].items()]
+        print_table(["config | tier", "TTFT ms", "min", "max", "speed-up", "F1 vs full"], rows)
+
+
+def plot(result: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    qs = result.get("quality", [])
+    if not qs:
+        return
+    fig, axes = plt.subplots(1, len(qs), figsize=(6.5 * len(qs), 4.8), squeeze=False)
+    for ax, q in zip(axes[0], qs):
+        sp = next((s for s in result.get("speed", []) if s["model"] == q["model"]), None)
+        for name, s in q["summary"].items():
+            method = name.rsplit(" ", 1)[0] if name[-1].isdigit() else name
+            x = s["ttft_ms_median"]
+            if sp:  # the MuSiQue TTFT of the same configuration (memory), where measured
+                key = f"{name} | memory" if f"{name} | memory" in sp["summary"] else (
+                    "full prefill | -" if name == "full prefill" else None)
+                x = sp["summary"][key]["ttft_ms_median"] if key else None
+            if x is None or s["accuracy_vs_full"] is None:
+                continue
+            ax.scatter(x, s["accuracy_vs_full"], label=method)
+            ax.annotate(name.split()[-1] if name[-1].isdigit() else name, (x, s["accuracy_vs_full"]), fontsize=7)
+        ax.set_xlabel("TTFT ms (MuSiQue, memory)" if sp else "TTFT ms (fictional QA)")
+        ax.set_ylabel("QA accuracy / full prefill's")
+        ax.set_title(f"{q['model']}: quality vs TTFT ({q['split']})")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from kvfuse.config import default_home
+
+    home = Path(args.home) if args.home else default_home()
+    result = {"benchmark": "blend", "environment": environment(), "split": args.split, "quality": [], "speed": []}
+    for model in filter(None, args.models.split(",")):
+        if args.part in ("quality", "all"):
+            result["quality"].append(quality(args, model, home))
+        if args.part in ("speed", "all"):
+            result["speed"].append(speed(args, model, home))
+    report(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out.with_suffix('.json')}")
+    plot(result, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

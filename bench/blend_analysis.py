@@ -1,0 +1,133 @@
+"""Why blending loses quality on small models: where cached document KV deviates from a prefill.
+
+On fictional QA dev items (``bench/fictional_qa.py``), for each model, this compares the KV of the
+documents as a blend starts (each computed alone behind BOS, keys moved into place) with the KV a
+full prefill of the same prompt computes, and reports:
+
+- the relative deviation ``|KV_reuse - KV_prefill| / |KV_prefill|`` of K and V per layer
+  (how fast the missing cross-document attention builds up with depth);
+- the deviation by a token's place in its document (first tokens vs the rest);
+- how well the check-layer signals (V deviation at layers 1-3, the question's attention) find the
+  tokens that deviate most in the deeper layers (recall of the true top 15%).
+
+    python bench/blend_analysis.py --items 10        # dev split; writes docs/bench/blend_analysis.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fictional_qa  # noqa: E402
+from blend import open_engine, qa_prompt  # noqa: E402
+from common import OUT, environment, print_table  # noqa: E402
+
+from kvfuse.blend import select as sel  # noqa: E402
+from kvfuse.blend.blender import _attention_mass  # noqa: E402
+
+
+def kv_caches(engine, prompt):
+    """(the prompt's prefill KV, the KV a blend starts from, the document spans, the suffix start)."""
+    r, dtype = engine.model.runner, engine.kv_dtype
+    n = len(prompt)
+    full = r.new_cache(n, dtype=dtype)
+    r.forward(prompt.ids, full, logits="none")
+    reuse = r.new_cache(n, dtype=dtype)
+    prefix = list(prompt.prefix)
+    if prefix:
+        r.forward(prefix, reuse, logits="none")
+    context = list(engine.document_context())
+    spans = []
+    for start, ids in prompt.documents:
+        alone = r.new_cache(dtype=dtype)
+        r.forward(context + list(ids), alone, logits="none")
+        chunk = alone.chunk(len(context), len(context) + len(ids))
+        reuse.write(start, chunk.kv, chunk.positions)
+        r.move_keys(reuse, start, start + len(ids), start)
+        spans.append((start, start + len(ids)))
+    return full, reuse, spans, spans[-1][1]
+
+
+def analyse(engine, model: str, items: list) -> dict:
+    r = engine.model.runner
+    L = r.config.num_layers
+    per_layer = {"k": [[] for _ in range(L)], "v": [[] for _ in range(L)]}
+    by_place = {"first 4 tokens": [], "rest": []}
+    recall = {f"V deviation at layer {c}": [] for c in (1, 2, 3)}
+    recall["question attention at layer 1"] = []
+    for it in items:
+        prompt = qa_prompt(engine, model, it)
+        full, reuse, spans, s = kv_caches(engine, prompt)
+        d0, n = spans[0][0], len(prompt)
+        doc = slice(d0, s)
+        dev = {}
+        for which, name in ((0, "k"), (1, "v")):
+            a, b = reuse.kv[:, which, :, doc].float(), full.kv[:, which, :, doc].float()
+            err = (a - b).norm(dim=(1, 3)) / b.norm(dim=(1, 3)).clamp_min(1e-6)  # (layers, tokens)
+            dev[name] = err
+            for layer in range(L):
+                per_layer[name][layer].append(float(err[layer].mean()))
+        deep = dev["v"][L // 2 :].mean(dim=0)  # what the deeper layers get wrong, per token
+        first = torch.zeros(s - d0, dtype=torch.bool)
+        for a, b in spans:
+            first[a - d0 : min(b, a + 4) - d0] = True
+        by_place["first 4 tokens"].append(float(deep[first].mean()))
+        by_place["rest"].append(float(deep[~first].mean()))
+        k = sel.budget(s - d0, 0.15)
+        truth = set(sel.top_k(deep, k).tolist())
+        for c in (1, 2, 3):
+            if c < L:
+                got = set(sel.top_k(dev["v"][c], k).tolist())
+                recall[f"V deviation at layer {c}"].append(len(got & truth) / k)
+        # the question's attention at layer 1 over the prefill KV (what attn and hkvd-attn weigh by)
+        h = r.embed(torch.tensor(prompt.ids[s:n]))
+        h = r.layer(0, h, full, torch.arange(s, n), kv_len=n)
+        q, _, _ = r.project(1, h, full.positions[s:n])
+        mass = _attention_mass(r, 1, q, torch.arange(s, n), full, n, torch.arange(d0, s))
+        recall["question attention at layer 1"].append(len(set(sel.top_k(mass, k).tolist()) & truth) / k)
+    return {
+        "model": model, "items": len(items),
+        "relative_deviation_by_layer": {name: [statistics.mean(x) for x in v] for name, v in per_layer.items()},
+        "deep_v_deviation_by_place": {k: statistics.mean(v) for k, v in by_place.items()},
+        "recall_of_the_top_15_percent": {k: statistics.mean(v) for k, v in recall.items() if v},
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--items", type=int, default=10)
+    p.add_argument("--models", default="smollm2,gemma3-270m")
+    p.add_argument("--home")
+    p.add_argument("--out", default=str(OUT / "blend_analysis.json"))
+    args = p.parse_args(argv)
+    from kvfuse.config import default_home
+
+    home = Path(args.home) if args.home else default_home()
+    items = fictional_qa.items("dev", args.items)
+    results = []
+    for model in args.models.split(","):
+        engine = open_engine(model, home)
+        res = analyse(engine, model, items)
+        engine.close()
+        results.append(res)
+        print(f"\n{model}: relative deviation of the reused documents' KV from a prefill, by layer "
+              f"(dev split, {args.items} items)")
+        rows = [[layer, k, v] for layer, (k, v) in enumerate(zip(res["relative_deviation_by_layer"]["k"],
+                                                                res["relative_deviation_by_layer"]["v"]))]
+        print_table(["layer", "K", "V"], rows)
+        print("deep-layer V deviation by place in the document:", res["deep_v_deviation_by_place"])
+        print("recall of the tokens that deviate most in the deep layers (top 15%):",
+              res["recall_of_the_top_15_percent"])
+    Path(args.out).write_text(json.dumps({"benchmark": "blend_analysis", "environment": environment(),
+                                          "split": "dev", "results": results}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
