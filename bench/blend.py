@@ -22,6 +22,7 @@ gradual filtering). Results go to ``docs/bench/blend.json`` and ``blend.png`` (q
     python bench/blend.py --part quality --items 40          # dev split, both models
     python bench/blend.py --part speed --examples 3 --runs 3
     python bench/blend.py --split test --items 100            # the reported numbers
+    python bench/blend.py --combine a.json b.json             # merge runs (e.g. one process per model)
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
     p.add_argument("--out", default=str(OUT / "blend"), help="output path without suffix")
     p.add_argument("--no-drop-caches", action="store_true")
+    p.add_argument("--combine", nargs="+", metavar="JSON",
+                   help="measure nothing: merge these runs' JSON into --out (table, JSON and plot)")
     return p.parse_args(argv)
 
 
@@ -254,20 +257,23 @@ def speed(args, model: str, home: Path) -> dict:
         for ex in examples:
             prompt = musique_prompt(engine, model, rows[ex], args.words)
             ref = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))
-            full = [engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False)).timings.ttft_s
-                    for _ in range(args.runs)]
-            engine.generate(prompt.ids, greedy(1))  # stores the plain prompt's chunks
-            prefix = [engine.generate(prompt.ids, params).timings.ttft_s for _ in range(args.runs)]
             engine.generate(prompt, greedy(1), blend=blends[0][1])  # precomputes the documents
             engine.flush()
-            cells.append({"example": ex, "tokens": len(prompt), "config": "full prefill", "tier": "-",
-                          "ttft_s": full, "f1": 1.0})
-            cells.append({"example": ex, "tokens": len(prompt), "config": "prefix hit", "tier": "memory",
-                          "ttft_s": prefix, "f1": 1.0})
-            for name, opts in blends:
-                for tier in ("memory", "disk"):
-                    times, answer = [], None
-                    for _ in range(args.runs):
+            # Rounds interleave every configuration, so a slow stretch of the machine hits them all.
+            times: dict[tuple[str, str], list[float]] = {}
+            answers: dict[tuple[str, str], str] = {}
+            recomputed: dict[str, int] = {}
+            for _ in range(args.runs):
+                off = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))
+                times.setdefault(("full prefill", "-"), []).append(off.timings.ttft_s)
+                engine.generate(prompt.ids, greedy(1))  # stores / promotes the plain prompt's chunks
+                hit = engine.generate(prompt.ids, params)
+                if set(hit.hit_tiers) != {"memory"}:
+                    raise RuntimeError(f"prefix hit served from {hit.hit_tiers}")
+                times.setdefault(("prefix hit", "memory"), []).append(hit.timings.ttft_s)
+                answers[("prefix hit", "memory")] = hit.text
+                for name, opts in blends:
+                    for tier in ("memory", "disk"):
                         if tier == "disk":
                             engine.store.tiers[0].clear()
                             if cold_note is None:
@@ -276,14 +282,17 @@ def speed(args, model: str, home: Path) -> dict:
                                     cold_note = "dropped before every disk run"
                             if cold_note.startswith("dropped"):
                                 drop_page_cache()
-                        r = engine.generate(prompt, params, blend=opts)
-                        if tier == "disk" and set(r.hit_tiers) != {"disk"}:
-                            raise RuntimeError(f"disk cell served from {r.hit_tiers}")
-                        times.append(r.timings.ttft_s)
-                        answer = r.text
-                    cells.append({"example": ex, "tokens": len(prompt), "config": name, "tier": tier,
-                                  "ttft_s": times, "f1": f1(answer, ref.text), "recomputed": r.recomputed_tokens})
-                print(f"  {model} example {ex}: {name} done", flush=True)
+                        r = engine.generate(prompt, params, blend=opts)  # a disk hit is promoted to memory
+                        if set(r.hit_tiers) != {tier}:
+                            raise RuntimeError(f"{tier} cell served from {r.hit_tiers}")
+                        times.setdefault((name, tier), []).append(r.timings.ttft_s)
+                        answers[(name, tier)] = r.text
+                        recomputed[name] = r.recomputed_tokens
+            for (name, tier), ts in times.items():
+                answer = answers.get((name, tier), ref.text)
+                cells.append({"example": ex, "tokens": len(prompt), "config": name, "tier": tier, "ttft_s": ts,
+                              "f1": f1(answer, ref.text), "recomputed": recomputed.get(name), "answer": answer})
+            print(f"  {model} example {ex} done", flush=True)
         engine.close()
     summary = {}
     for c in cells:
@@ -319,7 +328,19 @@ def report(result: dict) -> None:
         print_table(["config | tier", "TTFT ms", "min", "max", "speed-up", "F1 vs full"], rows)
 
 
+def _method_of(name: str) -> tuple[str, float | None]:
+    """("hkvd", 0.15) for "hkvd 0.15"; (name, None) for the baselines."""
+    head, _, tail = name.rpartition(" ")
+    try:
+        return head, float(tail)
+    except ValueError:
+        return name, None
+
+
 def plot(result: dict, path: Path) -> None:
+    """Per model: QA accuracy (vs full prefill's) and mean KL (vs full reuse's) against TTFT, one
+    line per method through its ratios. TTFT is the MuSiQue one (memory) where the speed part
+    measured the configuration, else the fictional QA one."""
     try:
         import matplotlib
 
@@ -331,30 +352,42 @@ def plot(result: dict, path: Path) -> None:
     qs = result.get("quality", [])
     if not qs:
         return
-    fig, axes = plt.subplots(1, len(qs), figsize=(6.5 * len(qs), 4.8), squeeze=False)
-    for ax, q in zip(axes[0], qs):
-        sp = next((s for s in result.get("speed", []) if s["model"] == q["model"]), None)
+    fig, axes = plt.subplots(2, len(qs), figsize=(6.5 * len(qs), 9), squeeze=False)
+    for col, q in enumerate(qs):
+        lines: dict[str, list[tuple[float, float, float, float | None]]] = {}
         for name, s in q["summary"].items():
-            method = name.rsplit(" ", 1)[0] if name[-1].isdigit() else name
-            x = s["ttft_ms_median"]
-            if sp:  # the MuSiQue TTFT of the same configuration (memory), where measured
-                key = f"{name} | memory" if f"{name} | memory" in sp["summary"] else (
-                    "full prefill | -" if name == "full prefill" else None)
-                x = sp["summary"][key]["ttft_ms_median"] if key else None
-            if x is None or s["accuracy_vs_full"] is None:
-                continue
-            ax.scatter(x, s["accuracy_vs_full"], label=method)
-            ax.annotate(name.split()[-1] if name[-1].isdigit() else name, (x, s["accuracy_vs_full"]), fontsize=7)
-        ax.set_xlabel("TTFT ms (MuSiQue, memory)" if sp else "TTFT ms (fictional QA)")
-        ax.set_ylabel("QA accuracy / full prefill's")
-        ax.set_title(f"{q['model']}: quality vs TTFT ({q['split']})")
-        handles, labels = ax.get_legend_handles_labels()
-        uniq = dict(zip(labels, handles))
-        ax.legend(uniq.values(), uniq.keys(), fontsize=7)
-        ax.grid(alpha=0.3)
+            method, ratio = _method_of(name)
+            lines.setdefault(method, []).append((s["ttft_ms_median"], s["accuracy_vs_full"] or 0.0,
+                                                 s["kl_vs_full_reuse"] or 0.0, ratio))
+        for row, (metric, label) in enumerate(((1, "QA accuracy / full prefill's"), (2, "mean KL / full reuse's"))):
+            ax = axes[row][col]
+            for method, pts in lines.items():
+                pts.sort(key=lambda p: (p[3] is None, p[3]))
+                ax.plot([p[0] for p in pts], [p[metric] for p in pts], marker="o", label=method,
+                        linestyle="-" if len(pts) > 1 else "none")
+                for p in pts:
+                    if p[3] is not None:
+                        ax.annotate(f"{p[3]:g}", (p[0], p[metric]), fontsize=6)
+            ax.set_xlabel("TTFT ms (fictional QA prompts, documents in memory)")
+            ax.set_ylabel(label)
+            ax.set_title(f"{q['model']}: {label} ({q['split']} split, {q['items']} items)")
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"wrote {path}")
+
+
+def combine(paths: list[str]) -> dict:
+    """One result from several runs' JSON (e.g. one process per model): their quality and speed
+    parts side by side."""
+    out = {"benchmark": "blend", "environment": environment(), "runs": [], "quality": [], "speed": []}
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        out["runs"].append({"file": p, "environment": r["environment"], "split": r.get("split")})
+        out["quality"] += r.get("quality", [])
+        out["speed"] += r.get("speed", [])
+    return out
 
 
 def main(argv=None) -> None:
@@ -363,7 +396,9 @@ def main(argv=None) -> None:
 
     home = Path(args.home) if args.home else default_home()
     result = {"benchmark": "blend", "environment": environment(), "split": args.split, "quality": [], "speed": []}
-    for model in filter(None, args.models.split(",")):
+    if args.combine:
+        result = combine(args.combine)
+    for model in filter(None, args.models.split(",") if not args.combine else ()):
         if args.part in ("quality", "all"):
             result["quality"].append(quality(args, model, home))
         if args.part in ("speed", "all"):

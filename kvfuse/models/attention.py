@@ -7,7 +7,10 @@ prompt (the original CacheBlend code used an index-aligned causal mask that let 
 tokens see later ones; this cannot happen here).
 
 When key positions are sorted (the usual case) each block of queries only looks at the key range
-it can see, so sliding-window layers cost O(n * window) instead of O(n^2).
+it can see, so sliding-window layers cost O(n * window) instead of O(n^2). The same holds for a
+sparse set of queries spread over a long prompt (CacheBlend's recomputed tokens): split into
+blocks by position, an early block does not pay for the keys after it, which roughly halves the
+attention work a single masked call would do over every key.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import torch.nn.functional as F
 # Queries per block on sliding layers: small enough to skip most out-of-window keys, large enough
 # to keep the matmuls efficient.
 _SLIDING_BLOCK = 256
+# Sparse queries (spread over more than twice their number of positions): about this many blocks,
+# each of at least _SPARSE_MIN_BLOCK queries.
+_SPARSE_BLOCKS = 8
+_SPARSE_MIN_BLOCK = 32
 
 
 def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -48,10 +55,11 @@ def attend(
     is ascending, which allows restricting each query block to its visible key range.
     """
     n_q = q.shape[1]
-    if keys_sorted and window is not None and n_q > _SLIDING_BLOCK:
+    block = _block_size(q_pos, window) if keys_sorted else None
+    if block is not None:
         outs = [
-            _attend_range(q[:, i : i + _SLIDING_BLOCK], k, v, q_pos[i : i + _SLIDING_BLOCK], k_pos, scale, window, softcap)
-            for i in range(0, n_q, _SLIDING_BLOCK)
+            _attend_range(q[:, i : i + block], k, v, q_pos[i : i + block], k_pos, scale, window, softcap)
+            for i in range(0, n_q, block)
         ]
         out = torch.cat(outs, dim=1)
     elif keys_sorted:
@@ -59,6 +67,20 @@ def attend(
     else:
         out = _sdpa(q, k, v, position_mask(q_pos, k_pos, window), scale, softcap)
     return out.transpose(0, 1).reshape(n_q, -1)
+
+
+def _block_size(q_pos: torch.Tensor, window: int | None) -> int | None:
+    """Queries per block, or None for one call: blocks of _SLIDING_BLOCK on sliding layers; on
+    global layers, about _SPARSE_BLOCKS blocks when ascending queries are spread over more than twice
+    as many positions (a dense run of queries sees nearly the same keys in every block)."""
+    n_q = q_pos.shape[0]
+    if window is not None:
+        return _SLIDING_BLOCK if n_q > _SLIDING_BLOCK else None
+    if n_q < 2 * _SPARSE_MIN_BLOCK or int(q_pos[-1]) - int(q_pos[0]) < 2 * n_q:
+        return None
+    if not bool((q_pos[1:] >= q_pos[:-1]).all()):
+        return None
+    return max(_SPARSE_MIN_BLOCK, -(-n_q // _SPARSE_BLOCKS))
 
 
 def _attend_range(q, k, v, q_pos, k_pos, scale, window, softcap):

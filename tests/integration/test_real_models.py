@@ -368,3 +368,42 @@ def test_corrupt_converted_folder_is_detected_and_converted_again(corruption, ho
     assert model.fingerprint == smollm2.fingerprint
     assert torch.equal(model.runner.forward(ids, model.runner.new_cache(), logits="all"), expected)
     assert not list((home / "models").glob(".smollm2.*")), "temporary conversion folder left behind"
+
+
+# --------------------------------------------------------- 4. CacheBlend with the real weights
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, both):
+    """Six documents (~700 tokens: past Gemma 3's 512-token sliding window) cached alone, moved
+    into place and fully recomputed give the greedy answer of a plain prefill and its logits within
+    1e-3 (fp32 KV). With fp16 KV the bound is looser for Gemma 3 only because its K/V reach ~130,
+    where one fp16 step is 0.125: a float32 rounding difference between two matmul shapes can flip
+    a stored value by that step. Ratio 0 (full reuse) is far off, so the comparison can tell them
+    apart."""
+    from kvfuse.blend import BlendOptions
+    from kvfuse.engine import CacheOptions, Engine
+    from kvfuse.generation import SamplingParams
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    model = both[name]
+    sentences = TEXT.split(". ")
+    docs = [". ".join(sentences[i::3]) + "." for i in range(3)] * 2  # each document twice: 6 in all
+    engine = Engine(model, TieredStore([MemoryTier(1 << 30)]), chunk_size=256, kv_dtype=kv_dtype,
+                    blend=BlendOptions(recompute_ratio=1.0, store_blended=False))
+    prompt = engine.document_prompt(docs, prompt="Question: when did the trams stop running?\nAnswer:")
+    assert len(prompt) > 600
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    off = CacheOptions(enabled=False)
+    expected = engine.generate(prompt.ids, params, cache=off)
+    engine.precompute_documents(docs)
+    got = engine.generate(prompt, params)
+    assert got.token_ids == expected.token_ids
+    assert got.recomputed_tokens == sum(len(ids) for _, ids in prompt.documents)
+    (ref,) = engine.score(prompt.ids, [expected.token_ids], cache=off)
+    (blended,) = engine.score(prompt, [expected.token_ids])
+    tol = 1e-3 if kv_dtype == "float32" else 1e-2
+    assert_close(blended, ref, tol, f"{name} ratio 1, {kv_dtype} KV")
+    (reuse,) = engine.score(prompt, [expected.token_ids], blend=BlendOptions(recompute_ratio=0.0, store_blended=False))
+    assert (reuse - ref).abs().max() > 0.1

@@ -483,6 +483,31 @@ def test_position_mask(q_pos, k_pos, window, expected):
     assert mask.tolist() == expected
 
 
+@pytest.mark.parametrize("window", [None, 300])
+@pytest.mark.parametrize("spread", ["sparse", "dense", "unsorted"])
+def test_blocked_attention_equals_one_masked_call(window, spread):
+    """Sparse queries (CacheBlend's recomputed tokens) are attended in blocks by position, each over
+    the keys it can see; the result equals one eager pass with the full position mask."""
+    from kvfuse.models.attention import attend
+
+    g = torch.Generator().manual_seed(0)
+    n_k = 900
+    if spread == "dense":
+        q_pos = torch.arange(n_k - 200, n_k)
+    else:
+        q_pos = torch.sort(torch.randperm(n_k, generator=g)[:200]).values
+        if spread == "unsorted":
+            q_pos = q_pos[torch.randperm(200, generator=g)]
+    k_pos = torch.arange(n_k)
+    q = torch.randn(4, len(q_pos), 16, generator=g)
+    k, v = torch.randn(2, n_k, 16, generator=g), torch.randn(2, n_k, 16, generator=g)
+    got = attend(q, k, v, q_pos, k_pos, scale=0.25, window=window, keys_sorted=True)
+    scores = torch.matmul(q, k.repeat_interleave(2, 0).transpose(1, 2)) * 0.25
+    scores = scores.masked_fill(~position_mask(q_pos, k_pos, window), float("-inf"))
+    ref = torch.matmul(torch.softmax(scores, -1), v.repeat_interleave(2, 0)).transpose(0, 1).reshape(len(q_pos), -1)
+    assert (got - ref).abs().max() < 1e-5
+
+
 # ---------------------------------------------------------------------------- 8. API errors
 
 
