@@ -9,8 +9,8 @@ tokens see later ones; this cannot happen here).
 When key positions are sorted (the usual case) each block of queries only looks at the key range
 it can see, so sliding-window layers cost O(n * window) instead of O(n^2). The same holds for a
 sparse set of queries spread over a long prompt (CacheBlend's recomputed tokens): split into
-blocks by position, an early block does not pay for the keys after it, which roughly halves the
-attention work a single masked call would do over every key.
+blocks by position, an early block does not pay for the keys after it (measured: 420 queries
+spread over 2.7k keys take ~30% less time than one masked call over every key).
 """
 
 from __future__ import annotations
