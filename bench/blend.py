@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import statistics
 import string
@@ -43,7 +42,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, OUT, environment, print_table  # noqa: E402
+from common import DATA, OUT, drop_page_cache, environment, print_table  # noqa: E402
 import fictional_qa  # noqa: E402
 
 from kvfuse.blend import BlendOptions  # noqa: E402
@@ -222,16 +221,6 @@ def quality(args, model: str, home: Path) -> dict:
 
 
 # ------------------------------------------------------------------------------------ speed
-
-
-def drop_page_cache() -> str | None:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return None
-    except OSError as e:
-        return f"{type(e).__name__}: {e.strerror or e}"
 
 
 def musique_prompt(engine: Engine, model: str, example: dict, words: int) -> Prompt:

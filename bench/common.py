@@ -17,6 +17,17 @@ OUT = REPO / "docs" / "bench"
 MUSIQUE_DEV = range(0, 50)  # examples 50-149 are the test split: final numbers only
 
 
+def drop_page_cache() -> str | None:
+    """Drop the page cache (root only); None on success, else why it was not possible."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return None
+    except OSError as e:
+        return f"{type(e).__name__}: {e.strerror or e}"
+
+
 def musique(split: str = "dev") -> list[dict]:
     """MuSiQue examples of one split (``dev`` = 0-49, ``test`` = 50-149)."""
     rows = json.loads((DATA / "musique_s.json").read_text())

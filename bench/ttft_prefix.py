@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from common import DATA, MUSIQUE_DEV, OUT, environment
+from common import DATA, MUSIQUE_DEV, OUT, drop_page_cache, environment
 
 from kvfuse.testing import LocalRedis
 
@@ -84,17 +83,6 @@ def dev_prompts(tokenizer, data_path: Path, lengths: list[int]) -> dict[int, lis
 
 
 # ----------------------------------------------------------------------------------- measuring
-
-
-def drop_page_cache() -> str | None:
-    """Drop the page cache; None on success, else why it was not possible."""
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return None
-    except OSError as e:
-        return f"{type(e).__name__}: {e.strerror or e}"
 
 
 def measure(args) -> dict:

@@ -67,7 +67,10 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class BlendConfig:
-    """How prompts with documents are blended (CacheBlend); see ``kvfuse.blend.options``."""
+    """How prompts with documents are blended (CacheBlend); see ``kvfuse.blend.options``.
+
+    The same fields and defaults as ``BlendOptions``, written out because this module cannot import
+    the blend package at import time (``models.registry`` imports it); a unit test keeps them equal."""
 
     recompute_ratio: float = 0.15
     method: str = "hkvd"

@@ -94,6 +94,15 @@ SENTENCES = [
 ]
 
 
+def uncached_engine(home: Path, model: str):
+    """An in-process engine on ``model`` from ``home`` with the cache off: the full-prefill
+    reference that server answers are compared against."""
+    from kvfuse.config import load_config
+    from kvfuse.runtime import open_engine
+
+    return open_engine(load_config(overrides={"home": str(home), "model": model, "cache.enabled": False}))
+
+
 def long_text(paragraphs: int = 6) -> str:
     """About 100 tokens per paragraph; each paragraph is numbered so no chunk repeats."""
     return "\n\n".join(f"Part {i + 1}. " + " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(5))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvfuse_helpers import uncached_engine
 from openai import OpenAI
 
 from kvfuse.testing import ServerProcess, ensure_model
@@ -57,10 +58,7 @@ def client(server) -> OpenAI:
 @pytest.fixture(scope="module")
 def local_engine(home):
     """The in-process engine on the same model, without a cache (the reference for greedy output)."""
-    from kvfuse.config import load_config
-    from kvfuse.runtime import open_engine
-
-    return open_engine(load_config(overrides={"home": str(home), "model": MODEL, "cache.enabled": False}))
+    return uncached_engine(home, MODEL)
 
 
 def local_greedy(engine, max_tokens: int, prompt: str | None = None, messages: list | None = None) -> str:

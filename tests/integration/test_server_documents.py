@@ -10,6 +10,7 @@ import sys
 import httpx
 import openai
 import pytest
+from kvfuse_helpers import uncached_engine
 from openai import OpenAI
 
 from kvfuse.testing import ServerProcess, ensure_model
@@ -55,10 +56,7 @@ def client(server) -> OpenAI:
 @pytest.fixture(scope="module")
 def engine(home):
     """The in-process engine on the same model without a cache: the full-prefill reference."""
-    from kvfuse.config import load_config
-    from kvfuse.runtime import open_engine
-
-    return open_engine(load_config(overrides={"home": str(home), "model": MODEL, "cache.enabled": False}))
+    return uncached_engine(home, MODEL)
 
 
 def reference(engine, max_tokens: int, **prompt) -> str:

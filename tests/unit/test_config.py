@@ -267,3 +267,15 @@ def test_unreadable_file(tmp_path):
     assert str(missing) in _error(env={"KVFUSE_CONFIG": str(missing)})
     message = _error(tmp_path)  # a directory
     assert str(tmp_path) in message and "cannot read" in message
+
+
+def test_the_blend_section_defaults_are_the_blend_options_defaults():
+    """``BlendConfig`` mirrors ``BlendOptions`` field by field (config.py cannot import the blend
+    package when it is imported: ``models.registry`` imports ``kvfuse.config``); this keeps the two
+    from drifting apart."""
+    from kvfuse.blend import BlendOptions
+    from kvfuse.config import BlendConfig
+
+    assert [f.name for f in dataclasses.fields(BlendConfig)] == [f.name for f in dataclasses.fields(BlendOptions)]
+    assert BlendConfig().options() == BlendOptions()
+    assert load_config(env={}).blend.options() == BlendOptions()
