@@ -123,7 +123,10 @@ def measure(args) -> dict:
             disk_dir = workdir / f"kv-{n}"
             lower = [DiskTier(disk_dir, 1 << 34)] + ([RedisTier(redis.url, timeout_s=5.0)] if redis else [])
             warm = TieredStore([MemoryTier(1 << 32), *lower])
-            first = Engine(model, warm).generate(ids, one)  # populates every tier
+            # Prefix chunks only (history=False): this measures chunk hits; whole-history reuse
+            # (a repeated prompt reuses all but its last token) is bench/multiturn.py's subject.
+            writer = Engine(model, warm, history=False, async_save=False)
+            first = writer.generate(ids, one)  # populates every tier
             warm.flush()
             reference = first.token_ids
 
@@ -140,7 +143,8 @@ def measure(args) -> dict:
                     if kind == "disk-cold":
                         drop_page_cache()
                     opts = CacheOptions(enabled=kind != "none", store_generated=False)
-                    r = Engine(model, store).generate(ids, one, cache=opts)
+                    r = Engine(model, store, history=False, async_save=False, prefetch=False).generate(ids, one,
+                                                                                              cache=opts)
                     if store is not None and store is not warm:
                         store.close()
                     expected_tier = "disk" if kind == "disk-cold" else kind

@@ -73,6 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of document tokens recomputed in context, 0..1 (default: blend.recompute_ratio)")
     _common(p)
 
+    p = sub.add_parser("chat", help="a multi-turn conversation: one user turn per line of stdin, the whole history "
+                                    "reused turn after turn")
+    p.add_argument("--system", help="system message")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--truncation", choices=("reuse", "recompute", "off"),
+                   help="a conversation beyond the context window: drop its oldest turns and reuse the rest's KV at "
+                        "their new positions, or recompute it, or stop (default: cache.truncation)")
+    p.add_argument("--context-tokens", type=int, metavar="N",
+                   help="the context window in tokens (default: the model's)")
+    p.add_argument("--no-cache", action="store_true", help="neither read nor write the KV cache")
+    _common(p)
+
     p = sub.add_parser("precompute", help="compute and cache documents' KV ahead of requests that use them")
     p.add_argument("paths", nargs="+", metavar="FILE|DIR",
                    help=".txt files (one document each), .jsonl files (one {\"text\": ...} per line), or folders of them")
@@ -116,6 +129,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "server.host": getattr(args, "host", None),
         "server.port": getattr(args, "port", None),
         "server.api_keys": tuple(args.api_key) if getattr(args, "api_key", None) else None,
+        "cache.truncation": getattr(args, "truncation", None),
+        "context_tokens": getattr(args, "context_tokens", None),
     }
     return load_from_environment(getattr(args, "config", None), overrides)
 
@@ -191,6 +206,49 @@ def cmd_generate(args, config: Config) -> int:
     finally:
         engine.close()  # flushes the background writes to disk / Redis
     return 0
+
+
+def cmd_chat(args, config: Config) -> int:
+    from .generation import SamplingParams
+    from .runtime import open_engine
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    engine = open_engine(config)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    try:
+        while True:
+            if interactive:
+                print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            if not line:
+                break
+            if not line.strip():
+                continue
+            messages.append({"role": "user", "content": line.rstrip("\n")})
+            ids, dropped = engine.encode_chat(messages, reserve=params.max_tokens)
+            if dropped:  # the next turns go on from what is left
+                messages = _kept(messages, dropped)
+            result = engine.generate(ids, params, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+            sys.stdout.write("\n")
+            messages.append({"role": "assistant", "content": result.text})
+            if args.verbose:
+                t = result.timings
+                print(f"[kvfuse] turn {sum(m['role'] == 'user' for m in messages)}: prompt {result.prompt_tokens} tokens "
+                      f"({result.cached_tokens} cached"
+                      f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}"
+                      f"{f', {dropped} oldest messages dropped' if dropped else ''}), {result.completion_tokens} "
+                      f"generated; time to first token {t.ttft_s * 1000:.0f} ms", file=sys.stderr)
+    finally:
+        engine.close()
+    return 0
+
+
+def _kept(messages: list[dict], dropped: int) -> list[dict]:
+    """``messages`` less the ``dropped`` oldest after the leading system messages (what
+    ``Engine.encode_chat`` kept)."""
+    head = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")), len(messages))
+    return messages[:head] + messages[head + dropped:]
 
 
 def read_documents(path: Path) -> list[str]:
@@ -277,6 +335,10 @@ def cmd_cache(args, config: Config) -> int:
             for tier in store.tiers[1:]:
                 if args.tier in ("all", tier.name):
                     removed += tier.delete_prefix(args.prefix) if args.prefix else tier.clear()
+            if args.tier in ("all", "disk") and config.cache.disk:  # the ids of the histories those entries held
+                from .history import HistoryIndex
+
+                HistoryIndex(config.cache.history_records, config.disk_path / "histories").delete_prefix(args.prefix)
             print(f"removed {removed} entries")
             return 0
         return _inspect(args.target, store)
@@ -314,8 +376,8 @@ def _inspect(target: str, store) -> int:
     return 0
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "serve": cmd_serve, "precompute": cmd_precompute,
-            "cache": cmd_cache}
+COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
+            "precompute": cmd_precompute, "cache": cmd_cache}
 
 
 def main(argv: list[str] | None = None) -> int:

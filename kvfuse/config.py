@@ -61,8 +61,14 @@ class CacheConfig:
     redis_url: str | None = None
     redis_timeout_s: float = 0.5
     write_queue: int = 64
-    store_generated: bool = False
+    store_generated: bool = False  # without history: store the answers' whole chunks too
     salt: str = ""
+    history: bool = True  # whole-history reuse: a turn's prompt and answer KV kept for the next turn
+    history_records: int = 2048  # stored histories whose ids are remembered (to line up later turns)
+    truncation: str = "reuse"  # a conversation beyond the context window: reuse | recompute | off
+    async_save: bool = True  # save new KV on a thread of its own, off the request path
+    prefetch: bool = True  # read queued requests' KV from disk / Redis into memory before they run
+    eviction: str = "queue"  # memory tier: queue (keep queued requests' entries) | lru
 
 
 @dataclass(frozen=True)
@@ -109,6 +115,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     threads: int = 0  # 0 = all cores
+    context_tokens: int = 0  # the context window; 0 = the model's (lower it to truncate conversations sooner)
     tune_malloc: bool = True  # keep freed multi-MB buffers for reuse (see runtime.tune_allocator)
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -297,6 +304,12 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
     need(k.codec_level >= 0, "cache.codec_level", "must be >= 0")
     need(k.write_queue >= 1, "cache.write_queue", "must be >= 1")
     need(k.redis_timeout_s > 0, "cache.redis_timeout_s", "must be > 0 seconds")
+    need(k.history_records >= 0, "cache.history_records", "must be >= 0 (0: remember no histories' ids)")
+    need(k.truncation in ("reuse", "recompute", "off"), "cache.truncation",
+         f"must be reuse, recompute or off, got {k.truncation!r}")
+    need(k.eviction in ("queue", "lru"), "cache.eviction", f"must be queue or lru, got {k.eviction!r}")
+    need(c.context_tokens == 0 or c.context_tokens >= 16, "context_tokens",
+         f"must be 0 (the model's context window) or at least 16 tokens, got {c.context_tokens}")
     need(k.redis_url is None or k.redis_url.startswith(("redis://", "rediss://", "unix://")), "cache.redis_url",
          f"must start with redis://, rediss:// or unix://, got {k.redis_url!r}")
     b = c.blend

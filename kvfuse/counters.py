@@ -37,6 +37,13 @@ class Counters:
                 else:
                     setattr(self, name, current + n)
 
+    def max(self, **values) -> None:
+        """Raise counters to at least the given values (high-water marks such as a maximum latency)."""
+        with self._lock:
+            for name, v in values.items():
+                if v > getattr(self, name):
+                    setattr(self, name, v)
+
     def snapshot(self) -> dict:
         """A consistent copy of every counter (dict fields copied too)."""
         with self._lock:

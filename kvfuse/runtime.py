@@ -87,4 +87,13 @@ def open_engine(config: Config, model: LoadedModel | None = None, store: TieredS
         salt=c.salt,
         max_waiting=config.server.max_queue,
         blend=config.blend.options(),
+        history=c.history,
+        history_records=c.history_records,
+        # the ids of stored histories live next to their KV on disk, and survive restarts with it
+        history_path=str(config.disk_path / "histories") if c.disk else None,
+        truncation=c.truncation,
+        context_tokens=config.context_tokens,
+        async_save=c.async_save,
+        prefetch=c.prefetch,
+        eviction=c.eviction,
     )

@@ -128,7 +128,7 @@ def _worker(argv: list[str] | None = None) -> None:
     engine = Engine(model, store)
     ids = [int(t) for t in Path(args.prompt_file).read_text().split()]
     result = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
-    store.close()  # flushes the Redis writes
+    engine.close()  # saves what is queued and flushes the Redis writes
     print(json.dumps({"token_ids": result.token_ids, "cached_tokens": result.cached_tokens,
                       "hit_tiers": list(result.hit_tiers), "stored_chunks": result.stored_chunks}))
 

@@ -8,41 +8,52 @@ post-processing accepts the sampled tokens, streams their text and finishes sequ
 length, cancel; the answer's chunks stored when asked). ``generate`` is submit + steps until that
 request is done, on the caller's thread or, after ``start()``, on the engine's own loop thread.
 
-Greedy output with a cache hit is token-for-token the output without one: the live KV has the
-stored dtype, so a loaded chunk holds exactly what a prefill writes, and moved keys are rotated
-exactly (``rope``). The server reads statistics and clears tenants only through the narrow API at
+A loaded chunk holds exactly what a prefill of its tokens writes (the live KV has the stored
+dtype) and moved keys are rotated exactly (``rope``), so greedy output with a cache hit is the
+output without one up to float rounding: computing a prompt in two parts (the cached one, then
+the rest) sums in another order than computing it whole, which can flip a near-tie. The server reads statistics and clears tenants only through the narrow API at
 the end of this class (``stats_snapshot``, ``cache_stats``, ``clear_cache``, ``queue_state``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence as Seq
+from dataclasses import replace
 
+import numpy as np
 import torch
 
 from kvfuse.blend import BlendOptions, LayerLoadFailed
 from kvfuse.codecs import get_codec
 from kvfuse.generation import Sampler, SamplingParams, StopMatcher
+from kvfuse.history import Alignment, HistoryIndex, Record, Run, align, drop_oldest_turns
 from kvfuse.kv.keys import ChunkKey, Namespace, document_key, layout_of, tenant_tag
 from kvfuse.models import LoadedModel
 from kvfuse.models.tokenizer import StreamDecoder
+from kvfuse.tiers.prefetch import Prefetcher
 from kvfuse.tiers.store import TieredStore
 
 from . import encode, executor
 from .loop import EngineLoop
-from .planner import Precompute, full_prefill, generated_stores, prompt_keys, replan
-from .prompt import Prompt
+from .planner import (Precompute, Store, full_prefill, generated_stores, history_entries, prompt_keys, replan,
+                      tail_probe)
+from .prompt import Prompt, SegmentKind
 from .request import CacheOptions, GenerationResult, Outcome, Request, RequestCancelled, Timings
+from .saver import Saver
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+TRUNCATION = ("reuse", "recompute", "off")
+EVICTION = ("queue", "lru")
 
 
 class Engine:
@@ -61,9 +72,21 @@ class Engine:
         salt: str = "",
         max_waiting: int = 64,
         blend: BlendOptions = BlendOptions(),
+        history: bool = True,
+        history_records: int = 2048,
+        history_path: str | None = None,
+        truncation: str = "reuse",
+        context_tokens: int = 0,
+        async_save: bool = True,
+        prefetch: bool = True,
+        eviction: str = "queue",
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+        if truncation not in TRUNCATION:
+            raise ValueError(f"truncation must be one of {', '.join(TRUNCATION)}, got {truncation!r}")
+        if eviction not in EVICTION:
+            raise ValueError(f"eviction must be one of {', '.join(EVICTION)}, got {eviction!r}")
         self.model = model
         self.store = store
         self.chunk_size = chunk_size
@@ -85,8 +108,19 @@ class Engine:
         self._closed = False
         c = model.config
         self._layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
+        self.context_window = min(c.max_position_embeddings, context_tokens or c.max_position_embeddings)
+        self.truncation = truncation
+        # Conversations: the ids each stored history was built from (found again for a later turn),
+        # its KV saved off the request path, queued requests' KV prefetched and kept in memory.
+        self.history = HistoryIndex(history_records, history_path) if store is not None and history else None
+        self._token_bytes = None
+        self.saver = Saver(store) if store is not None and async_save else None
+        self.prefetcher = None
         if store is not None:
             store.set_lookahead(self.scheduler.upcoming_keys)
+            store.protect_upcoming(eviction == "queue")
+            if prefetch and len(store.tiers) > 1:
+                self.prefetcher = Prefetcher(store)
 
     # ------------------------------------------------------------------------------ namespaces
 
@@ -119,6 +153,27 @@ class Engine:
             raise ValueError(f"token ids must be in [0, {vocab})")
         return ids
 
+    def encode_chat(self, messages: list[dict], reserve: int = 0) -> tuple[list[int], int]:
+        """The ids of chat ``messages`` and how many messages were dropped to make them fit: when
+        they and ``reserve`` more tokens (the answer) exceed the context window, the oldest turns
+        go (``truncation``, not "off"), keeping the system prompt and the last message. The ids
+        are the full conversation's when nothing fits (``check`` then reports it)."""
+        tok = self.model.tokenizer
+        ids = tok.encode_chat(messages)
+        if self.truncation == "off" or len(ids) + reserve <= self.context_window:
+            return ids, 0
+        lengths: dict[int, list[int]] = {}
+
+        def fits(msgs: list[dict]) -> bool:
+            lengths[len(msgs)] = tok.encode_chat(msgs)
+            return len(lengths[len(msgs)]) + reserve <= self.context_window
+
+        kept = drop_oldest_turns(messages, fits)
+        if kept is None:
+            return ids, 0
+        self.stats.add(truncated_requests=1, truncated_messages=len(messages) - len(kept))
+        return lengths[len(kept)], len(messages) - len(kept)
+
     def encode_document(self, text: str) -> list[int]:
         """A document's token ids, the same wherever it is used (``engine.encode``)."""
         return encode.encode_document(self.model.tokenizer, text)
@@ -140,7 +195,7 @@ class Engine:
 
     def check(self, prompt: Prompt, params: SamplingParams) -> None:
         """ValueError when prompt + max_tokens exceeds the model's context window."""
-        limit = self.model.config.max_position_embeddings
+        limit = self.context_window
         if len(prompt) + params.max_tokens > limit:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context window "
@@ -166,10 +221,57 @@ class Engine:
         if self.store is not None and request.cache.enabled:
             c = request.cache
             ns = self.namespace(c.tenant, c.salt)
+            if self.history is not None and self._is_history(request.prompt):
+                return self._history_sequence(request, ns, blend)
             blend_ns = self.namespace(c.tenant, c.salt, blend) if blend.store_blended else None
             keys = prompt_keys(request.prompt, self.chunk_size, ns, self.document_context(blend), blend_ns,
                                chain_over_suffix=blend.query_aware)
         return Sequence(request, ns, keys, blend)
+
+    @staticmethod
+    def _is_history(prompt: Prompt) -> bool:
+        """Whole-history reuse applies to plain prompts (one prefix segment: chat and completions
+        without documents)."""
+        return len(prompt.segments) == 1 and prompt.segments[0].kind is SegmentKind.PREFIX
+
+    def _history_sequence(self, request: Request, ns: Namespace, blend: BlendOptions) -> Sequence:
+        """A plain prompt lined up against the stored history that covers most of it (found by
+        ``prompt_cache_key`` or content): the prompt runs with the stored ids where they spell
+        the same text, its keys name that history's entries for the slots they fill."""
+        scope = ns.key_prefix()
+        ids = request.prompt.ids
+        best: tuple[Record, Alignment] | None = None
+        if self._token_bytes is None:
+            self._token_bytes = self.model.tokenizer.token_bytes() or ()
+        table = self._token_bytes or None
+        for rec in self.history.candidates(scope, ids, request.cache.history_key):
+            al = align(rec.ids.tolist(), ids, table, allow_gap=self.truncation == "reuse")
+            if al.reusable and (best is None or al.reusable > best[1].reusable):
+                best = (rec, al)
+        seq_ns, record, entries, runs = ns, None, (), ()
+        if best is not None and len(best[1].ids) + request.params.max_tokens <= self.context_window:
+            record, al = best
+            request.prompt = Prompt.plain(al.ids)
+            seq_ns = self._derived(record, al) if al.moved else record.namespace
+            entries, runs = record.entries, al.runs
+        keys = prompt_keys(request.prompt, self.chunk_size, seq_ns).with_history(entries, runs)
+        seq = Sequence(request, seq_ns, keys, blend)
+        seq.record, seq.scope = record, scope
+        if record is None:  # found by content, if at all: known now, so that the queue can prefetch it
+            self._probe_tail(seq, self.store.lookup(keys.all(), count=False).where)
+        return seq
+
+    @staticmethod
+    def _derived(record: Record, al: Alignment) -> Namespace:
+        """The namespace of a conversation continued after its oldest turns were dropped with the
+        KV kept (moved runs): its KV is not a plain prefill's, so it never shares keys with one.
+        Named by what it was derived from, so the same truncation gives the same namespace."""
+        end = max(r.source + len(r) for r in al.runs)
+        h = hashlib.sha256(record.namespace.short_id().encode())
+        h.update(np.ascontiguousarray(record.ids[:end], dtype="<u4").tobytes())
+        for r in al.runs:
+            h.update(struct.pack("<QQQ", r.start, r.end, r.source))
+        return replace(record.namespace, salt=record.namespace.salt + "\x00history:" + h.hexdigest()[:32])
 
     def submit(self, request: Request) -> None:
         """Queue ``request``. ValueError for a prompt that cannot run; QueueFull / QueueClosed."""
@@ -183,6 +285,8 @@ class Engine:
             with self._active_lock:
                 self._active.pop(request, None)
             raise
+        if self.prefetcher is not None:
+            self.prefetcher.wake()
 
     def withdraw(self, request: Request) -> None:
         """The client of ``request`` left: drop it if it waits, stop it at its next step if it runs."""
@@ -345,7 +449,11 @@ class Engine:
             else:
                 t0 = time.perf_counter()
                 if where is None:
+                    if self.saver is not None:
+                        self.saver.wait(seq.keys.all())  # the previous turn's KV, if still being saved
                     where = self.store.lookup(seq.keys.all()).where
+                    if self.history is not None and self._is_history(prompt) and not seq.keys.runs:
+                        where = self._probe_tail(seq, where)
                     t.lookup_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
                 plan = replan(prompt, seq.keys, where, unusable)
@@ -384,6 +492,10 @@ class Engine:
         from_store = [x for x in plan.loads if x.tier is not None]
         seq.hit_tiers = tuple(served[x.key] for x in from_store)
         seq.reused, seq.started = plan.reused_tokens, True
+        if seq.keys is not None and seq.keys.history:
+            stored = {e.key for e in seq.keys.history}
+            seq.history_reused = plan.reused_by(lambda x: x.key in stored)
+            seq.moved_reused = plan.reused_by(lambda x: x.key in stored and x.moved)
         if plan.has_documents:
             recomputed = filled.recomputed_positions
             cached_slots = torch.zeros(len(prompt), dtype=torch.bool)
@@ -400,12 +512,39 @@ class Engine:
         if plan.has_documents:
             self.store.promote(filled.loader.promotions(self.codec))  # documents read from below, after the TTFT
         if plan.stores:
-            seq.stored += executor.store(self.store, seq.kv, self.codec, plan.stores)
+            seq.stored += self._save(seq.kv, plan.stores)
         t.store_s = time.perf_counter() - t0
         p = req.params
         seq.eos = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.model.eos_token_ids))
         seq.decoder, seq.stops = StreamDecoder(self.model.tokenizer), StopMatcher(p.stop)
         seq.t_decode = time.perf_counter()
+
+    def _probe_tail(self, seq: Sequence, where: tuple) -> tuple:
+        """No record of a stored history lines up with this prompt (e.g. after a restart): look
+        for one by content, a tail entry after the chain's hits, longest first."""
+        keys, ids = seq.keys, seq.request.prompt.ids
+        hits = next((i for i, w in enumerate(where[: len(keys.prefix)]) if w is None), len(keys.prefix))
+        if hits * self.chunk_size >= len(ids):
+            return where
+        probe = tail_probe(ids, keys.prefix, hits, self.chunk_size, seq.namespace)
+        if self.saver is not None and seq.status is SequenceStatus.RUNNING:
+            self.saver.wait(e.key for e in probe)
+        found = self.store.lookup([e.key for e in probe], count=False).where
+        for entry, tier in zip(probe, found):
+            if tier is not None:
+                end = min(entry.source + entry.tokens, len(ids))
+                seq.keys = keys.with_history([entry], [Run(entry.source, end, entry.source)])
+                return tuple(where) + (tier,)
+        return where
+
+    def _save(self, kv, spans, skip_held: bool = False) -> int:
+        """Store spans of a live cache: handed to the saver thread, or written now without one."""
+        if self.saver is not None:
+            return self.saver.save(kv, self.codec, spans, skip_held)
+        if skip_held:
+            held = self.store.lookup([s.key for s in spans], count=False).where
+            spans = [s for s, w in zip(spans, held) if w is None]
+        return executor.store(self.store, kv, self.codec, spans)
 
     def _decode(self, seq: Sequence) -> None:
         seq.pending = seq.sampler(self.model.runner.forward([seq.token_ids[-1]], seq.kv))
@@ -415,7 +554,11 @@ class Engine:
         if seq.started:
             t.decode_s = time.perf_counter() - seq.t_decode
             store_generated = req.cache.store_generated if req.cache.store_generated is not None else self.store_generated
-            if seq.keys is not None and store_generated and req.prompt.is_plain:
+            if seq.keys is not None and self.history is not None and self._is_history(req.prompt):
+                t0 = time.perf_counter()
+                self._keep_history(seq)
+                t.store_s += time.perf_counter() - t0
+            elif seq.keys is not None and store_generated and req.prompt.is_plain:
                 n = seq.prompt_len
                 full = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
                 spans = generated_stores(full, seq.kv.length, self.chunk_size, seq.namespace, len(seq.keys.prefix))
@@ -423,12 +566,26 @@ class Engine:
             self.stats.add(prompt_tokens=seq.prompt_len, tokens_reused=seq.reused,
                            tokens_prefilled=seq.prompt_len - seq.reused, tokens_recomputed=seq.recomputed,
                            blended_requests=int(seq.plan.has_documents),
+                           history_requests=int(seq.record is not None),
+                           history_tokens_reused=seq.history_reused, moved_tokens_reused=seq.moved_reused,
                            hits_by_tier={tier: seq.hit_tiers.count(tier) for tier in set(seq.hit_tiers)})
         t.total_s = time.perf_counter() - seq.t_start
         self.stats.add(requests=1, tokens_generated=len(seq.token_ids), chunks_stored=seq.stored)
         result = GenerationResult(seq.text, seq.token_ids, seq.finish_reason, seq.prompt_len, seq.reused, t,
                                   seq.hit_tiers, seq.stored, seq.recomputed)
         self._end(seq, Outcome(result=result))
+
+    def _keep_history(self, seq: Sequence) -> None:
+        """The turn is over: remember the ids its KV holds (the prompt and the answer tokens fed
+        back) and save the entries the prompt's own chunks do not cover, the partial last chunk
+        as a tail, off the request path."""
+        req, n, ch = seq.request, seq.prompt_len, self.chunk_size
+        state = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
+        entries = history_entries(state, ch, seq.namespace)
+        new = [Store(e.key, e.source, e.source + e.tokens) for e in entries
+               if e.source + e.tokens > len(seq.keys.prefix) * ch]
+        self.history.add(seq.scope, state, seq.namespace, tuple(entries), req.cache.history_key, replaces=seq.record)
+        seq.stored += self._save(seq.kv, new, skip_held=True)
 
     def _skip(self, seq: Sequence, why: str) -> None:
         self.stats.add(requests=1, requests_skipped=1)
@@ -468,6 +625,10 @@ class Engine:
             return
         self._closed = True
         self.stop()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+        if self.saver is not None:
+            self.saver.close()  # saves what is queued first
         if self.store is not None:
             self.store.close()  # flushes the queued writes to disk / Redis
 
@@ -478,8 +639,14 @@ class Engine:
         return self.store is not None
 
     def stats_snapshot(self) -> dict:
-        """The engine's counters (a consistent copy)."""
-        return self.stats.snapshot()
+        """The engine's counters (a consistent copy), with the histories remembered and the
+        saver's counters (``saver``: saves, their time off the request path, waits) when on."""
+        out = self.stats.snapshot()
+        if self.history is not None:
+            out["history_records"] = len(self.history)
+        if self.saver is not None:
+            out["saver"] = {**self.saver.stats.snapshot(), "pending": self.saver.pending()}
+        return out
 
     def cache_stats(self) -> dict[str, dict]:
         """Counters of every tier and of the store ({} without a cache)."""
@@ -494,8 +661,17 @@ class Engine:
         if self.store is None:
             return {}
         prefix = tenant_tag(tenant) if salt is None else self.namespace(tenant, salt).key_prefix()
+        self.flush()
+        if self.history is not None:
+            self.history.delete_prefix(prefix)
         return self.store.delete_prefix(prefix)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for the store's queued lower-tier writes; False if ``timeout`` passed first."""
-        return self.store.flush(timeout) if self.store is not None else True
+        """Wait for the saver's queued saves and the store's queued lower-tier writes; False if
+        ``timeout`` passed first."""
+        if self.store is None:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self.saver is not None and not self.saver.flush(timeout):
+            return False
+        return self.store.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))

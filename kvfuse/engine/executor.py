@@ -36,7 +36,7 @@ class Fetch:
 
 def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load) -> EntrySpec:
     c = runner.config
-    return EntrySpec(kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim, tokens=load.end - load.start,
+    return EntrySpec(kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim, tokens=load.stored_tokens,
                      first_position=load.source)
 
 
@@ -74,8 +74,13 @@ def precompute(runner: Transformer, kv_dtype: torch.dtype, codec: Codec, step: P
 
 
 def load(runner: Transformer, kv: KVCache, step: Load, entry: Entry) -> None:
-    """Put ``entry`` into slots ``[start, end)`` and move its keys from ``source`` to ``start``."""
-    kv.write(step.start, entry.decode(), entry.positions)
+    """Put tokens ``offset..`` of ``entry`` into slots ``[start, end)`` and move their keys from
+    where they were stored to ``start..``."""
+    a, b = step.offset, step.offset + step.end - step.start
+    data, positions = entry.decode(), entry.positions
+    if (a, b) != (0, data.shape[2]):
+        data, positions = data[:, :, a:b], positions[a:b]
+    kv.write(step.start, data, positions)
     if step.moved:
         runner.move_keys(kv, step.start, step.end, step.start)
 

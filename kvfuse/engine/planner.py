@@ -21,9 +21,14 @@ Rules:
 - prefix chunks are reused as the longest run of hits from the first chunk (a chain: chunk i is
   only valid after chunks 0..i-1), and only whole chunks; the rest of the prefix is computed and
   its whole chunks that no tier holds are stored;
-- the prompt's last token is always computed: its logits give the first generated token. For a
-  plain prompt of whole chunks that are all cached, the last chunk is computed (and not stored
-  again); a prompt ending in a document recomputes that document's last token;
+- the prompt's last token is always computed: its logits give the first generated token. A plain
+  prompt loads every hit, even one covering its last token, and computes that token again (a
+  compute replaces what a load put in its slot); a prompt ending in a document recomputes that
+  document's last token;
+- a plain prompt lined up with a stored history (``PromptKeys.history`` and ``runs``, from
+  ``kvfuse.history``) loads that history's entries over the slots after the chain's hits, a span
+  of an entry where only part of it lines up (``Load.offset``), moved where the run says the
+  tokens were stored elsewhere (turns dropped before them); slots no entry covers are computed;
 - documents are loaded whenever an entry exists, else precomputed once per distinct document;
 - the suffix is always computed and never stored;
 - a prompt with documents also has a *blended chain*: prefix keys over everything before the
@@ -39,7 +44,9 @@ import struct
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, document_key, prefix_keys
+from kvfuse.history.align import Run
+from kvfuse.history.records import StoredEntry
+from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, document_key, prefix_keys, tail_key
 
 from .prompt import Prompt, SegmentKind
 
@@ -51,10 +58,16 @@ class Load:
     start: int
     end: int
     source: int  # the position the entry's first token was stored at
+    offset: int = 0  # the entry's first token used (a span of a longer stored history)
+    entry_tokens: int | None = None  # tokens the entry holds (None: end - start)
 
     @property
     def moved(self) -> bool:
-        return self.source != self.start
+        return self.source + self.offset != self.start
+
+    @property
+    def stored_tokens(self) -> int:
+        return self.end - self.start if self.entry_tokens is None else self.entry_tokens
 
 
 @dataclass(frozen=True)
@@ -94,9 +107,13 @@ class Plan:
     @property
     def reused_tokens(self) -> int:
         """Prompt tokens whose KV comes from a stored entry (loaded, not computed for this request)."""
+        return self.reused_by(lambda load: True)
+
+    def reused_by(self, which) -> int:
+        """Prompt tokens whose KV comes from the stored entries of the loads ``which(load)`` picks."""
         covered = [False] * self.num_tokens
         for load in self.loads:
-            if load.tier is not None:
+            if load.tier is not None and which(load):
                 covered[load.start : load.end] = [True] * (load.end - load.start)
         for c in self.computes:
             covered[c.start : c.end] = [False] * (c.end - c.start)
@@ -120,10 +137,17 @@ class PromptKeys:
     documents: tuple[ChunkKey, ...]
     document_context: tuple[int, ...] = ()
     blended: tuple[ChunkKey, ...] = ()  # the blended chain (see the module docstring)
+    history: tuple[StoredEntry, ...] = ()  # entries of a stored history this prompt lines up with
+    runs: tuple[Run, ...] = ()  # the slots those entries' tokens fill (``kvfuse.history.align``)
 
     def all(self) -> list[ChunkKey]:
         """The keys to look up, prefix chunks first (their order is the lookup's hit order)."""
-        return list(self.prefix) + list(self.documents) + list(self.blended)
+        return list(self.prefix) + list(self.documents) + list(self.blended) + [e.key for e in self.history]
+
+    def with_history(self, entries: Sequence[StoredEntry], runs: Sequence[Run]) -> PromptKeys:
+        """These keys and a stored history's entries (those not in the prefix chain already)."""
+        chain = set(self.prefix)
+        return replace(self, history=tuple(e for e in entries if e.key not in chain), runs=tuple(runs))
 
 
 def suffix_start(prompt: Prompt) -> int:
@@ -160,15 +184,18 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
     if len(where) != len(all_keys):
         raise ValueError(f"{len(all_keys)} keys but {len(where)} lookup answers")
     n, ch = len(prompt), keys.chunk_size
-    n_pre, n_doc = len(keys.prefix), len(keys.documents)
+    n_pre, n_doc, n_bl = len(keys.prefix), len(keys.documents), len(keys.blended)
     prefix_where = list(where[:n_pre])
     doc_where = list(where[n_pre : n_pre + n_doc])
-    blended_where = list(where[n_pre + n_doc :])
+    blended_where = list(where[n_pre + n_doc : n_pre + n_doc + n_bl])
+    history_where = list(where[n_pre + n_doc + n_bl :])
     if blended_where and all(w is not None for w in blended_where):  # blended before: an exact prefix hit
         loads = tuple(Load(k, w, i * ch, (i + 1) * ch, i * ch) for i, (k, w) in enumerate(zip(keys.blended,
                                                                                                  blended_where)))
         return Plan(n, loads=loads, computes=(Compute(len(loads) * ch, n),))
     p = len(prompt.prefix)
+    if p == n:
+        return _plain_plan(n, keys, prefix_where, history_where)
 
     hits = next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
     loadable = min(hits, (n - 1) // ch) if p == n else hits  # the last token must be computed
@@ -192,6 +219,67 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
     elif prompt.segments[-1].kind is SegmentKind.SUFFIX:
         computes.append(Compute(suffix_start(prompt), n))
     return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(stores))
+
+
+def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: list) -> Plan:
+    """A prompt without documents or suffix: the chain's hits, then a stored history's entries
+    over the slots they line up with, then computes for every slot left and for the last token
+    (its logits give the first token; a compute replaces what a load put in its slot)."""
+    ch = keys.chunk_size
+    hits = next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
+    loads = [Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(hits)]
+    covered = hits * ch
+    for run in keys.runs:
+        for e, tier in zip(keys.history, history_where):
+            a, b = max(run.source, e.source), min(run.source + len(run), e.source + e.tokens)
+            if tier is None or a >= b:
+                continue
+            s0, s1 = run.start + a - run.source, run.start + b - run.source
+            if s1 <= covered:
+                continue
+            a += max(0, covered - s0)
+            s0 = max(s0, covered)
+            loads.append(Load(e.key, tier, s0, s1, e.source, a - e.source, e.tokens))
+    loads.sort(key=lambda x: x.start)
+    slot = [False] * n
+    for x in loads:
+        slot[x.start : x.end] = [True] * (x.end - x.start)
+    slot[n - 1] = False
+    computes, i = [], 0
+    while i < n:
+        if slot[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and not slot[j]:
+            j += 1
+        computes.append(Compute(i, j))
+        i = j
+    stores = [Store(keys.prefix[i], i * ch, (i + 1) * ch) for i in range(hits, len(keys.prefix)) if prefix_where[i] is None]
+    return Plan(n, loads=tuple(loads), computes=tuple(computes), stores=tuple(stores))
+
+
+def tail_probe(ids: Sequence[int], chain: Sequence[ChunkKey], hits: int, chunk_size: int,
+               namespace: Namespace) -> list[StoredEntry]:
+    """The tail keys a stored history could have after the ``hits`` chunks of ``ids`` that the
+    tiers hold, for every length up to the next chunk boundary (or the prompt's end), longest
+    first: a history found by content alone (no record of its ids, e.g. after a restart)."""
+    start = hits * chunk_size
+    parent = chain[hits - 1] if hits else None
+    longest = min(chunk_size - 1, len(ids) - start)
+    return [StoredEntry(tail_key(parent, ids[start : start + t], namespace), start, t) for t in range(longest, 0, -1)]
+
+
+def history_entries(ids: Sequence[int], chunk_size: int, namespace: Namespace) -> list[StoredEntry]:
+    """Where a history of ``ids`` is stored: its whole chunks under the prefix chain, and the
+    partial last chunk as a tail entry after the chain (``tail_key``)."""
+    chain = prefix_keys(list(ids), chunk_size, namespace)
+    out = [StoredEntry(k, i * chunk_size, chunk_size) for i, k in enumerate(chain)]
+    rest = len(ids) - len(chain) * chunk_size
+    if rest:
+        start = len(chain) * chunk_size
+        out.append(StoredEntry(tail_key(chain[-1] if chain else None, ids[start:], namespace), start, rest))
+    return out
 
 
 def full_prefill(prompt: Prompt) -> Plan:

@@ -28,6 +28,7 @@ class CacheOptions:
     tenant: str = ""
     salt: str = ""
     store_generated: bool | None = None  # None -> the engine's default
+    history_key: str | None = None  # OpenAI's prompt_cache_key: names a conversation's stored history
 
 
 @dataclass

@@ -51,6 +51,10 @@ class Sequence:
     hit_tiers: tuple[str, ...] = ()
     stored: int = 0
     started: bool = False  # planned and loaded (counted in the token statistics)
+    history_reused: int = 0  # prompt tokens loaded from a stored history's entries
+    moved_reused: int = 0  # of those, at new positions
+    record: object = None  # the stored history (kvfuse.history.Record) this prompt was lined up with
+    scope: str = ""  # where its own history record goes (the cache namespace's key prefix)
     timings: Timings = field(default_factory=Timings)
     t_start: float = 0.0
     t_decode: float = 0.0

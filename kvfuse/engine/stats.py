@@ -22,3 +22,8 @@ class EngineStats(Counters):
     chunks_stored: int = 0
     chunk_load_failures: int = 0  # entries found by lookup but unusable when fetched
     hits_by_tier: dict[str, int] = field(default_factory=dict)
+    history_requests: int = 0  # prompts lined up with a stored history (a record of its ids)
+    history_tokens_reused: int = 0  # prompt tokens whose KV came from a stored history's entries
+    moved_tokens_reused: int = 0  # of those, tokens reused at new positions (after dropped turns)
+    truncated_requests: int = 0  # conversations that outgrew the context window
+    truncated_messages: int = 0  # messages dropped from them

@@ -8,6 +8,7 @@ so the runtime does not import transformers.
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -49,6 +50,8 @@ class Tokenizer:
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
         self._template = None
+        self._decoder_kind = _decoder_kind(json.loads(path.read_text()).get("decoder"))
+        self._bytes: list[bytes] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -62,6 +65,27 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self) -> list[bytes] | None:
+        """The exact bytes each token id stands for (special tokens: their text), so that two
+        tokenizations of one text can be told equal without decoding; None for a tokenizer whose
+        decoder is not a byte-exact one this reads (byte-level BPE, or SentencePiece with byte
+        fallback). Built once, on first use."""
+        if self._decoder_kind is None:
+            return None
+        if self._bytes is None:
+            added = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+            table = []
+            for i in range(self.vocab_size):
+                piece = self._tok.id_to_token(i)
+                if piece is None:
+                    table.append(b"")
+                elif piece in added:
+                    table.append(piece.encode("utf-8"))
+                else:
+                    table.append(_piece_bytes(piece, self._decoder_kind))
+            self._bytes = table
+        return self._bytes
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text for ``messages`` (``[{"role": ..., "content": str}, ...]``)."""
@@ -89,6 +113,45 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself, so no special tokens are added on top.
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _byte_level_map() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_LEVEL = _byte_level_map()
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _decoder_kind(decoder: dict | None) -> str | None:
+    """"byte-level", "sentencepiece" (▁ for spaces, <0xNN> byte fallback) or None (unknown)."""
+    if not isinstance(decoder, dict):
+        return None
+    if decoder.get("type") == "ByteLevel":
+        return "byte-level"
+    if decoder.get("type") == "Sequence":
+        parts = decoder.get("decoders") or []
+        types = [d.get("type") for d in parts]
+        replaces = [d for d in parts if d.get("type") == "Replace"]
+        if "ByteFallback" in types and set(types) <= {"Replace", "ByteFallback", "Fuse"} and len(replaces) == 1 \
+                and replaces[0].get("pattern", {}).get("String") == "\u2581" and replaces[0].get("content") == " ":
+            return "sentencepiece"
+    return None
+
+
+def _piece_bytes(piece: str, kind: str) -> bytes:
+    if kind == "byte-level":
+        return bytes(_BYTE_LEVEL[c] for c in piece) if all(c in _BYTE_LEVEL for c in piece) else piece.encode("utf-8")
+    m = _BYTE_FALLBACK.match(piece)
+    return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
 
 
 def _token_text(value) -> str | None:

@@ -82,7 +82,8 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
 
     job = call.request(record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done)
     try:
-        state.engine.submit(job)
+        # Submitting lines the prompt up with stored histories and hashes its keys: not on the loop.
+        await asyncio.to_thread(state.engine.submit, job)
     except QueueFull as e:
         state.metrics.rejected.inc()
         raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",

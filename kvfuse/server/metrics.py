@@ -33,6 +33,8 @@ _TIER_COUNTERS = {
     "evictions": ("kvfuse_tier_evictions", "Entries evicted from the tier to make room."),
     "errors": ("kvfuse_tier_errors", "Tier failures (each treated as a miss or a dropped write)."),
     "dropped_writes": ("kvfuse_tier_dropped_writes", "Writes to the tier dropped (full write queue or failure)."),
+    "protected_evictions": ("kvfuse_tier_protected_evictions", "Entries of queued requests evicted anyway, for want "
+                                                              "of room (queue-aware eviction)."),
 }
 _STORE_COUNTERS = {
     "lookups": ("kvfuse_store_lookups", "Prefix lookups."),
@@ -42,6 +44,31 @@ _STORE_COUNTERS = {
     "unusable_entries": ("kvfuse_store_unusable_entries", "Entries read back damaged or not as expected (removed; "
                                                           "each a miss, never used)."),
     "queue_full_drops": ("kvfuse_store_write_queue_drops", "Lower-tier writes dropped because the write queue was full."),
+    "prefetched": ("kvfuse_prefetched_chunks", "Entries of queued requests read from a lower tier into memory "
+                                               "before they ran."),
+    "prefetch_hits": ("kvfuse_prefetch_hits", "Entries a request found in memory because they were prefetched."),
+    "prefetch_misses": ("kvfuse_prefetch_misses", "Entries a request still read from a lower tier while prefetching "
+                                                  "was on."),
+}
+# Engine counters of conversations -> (metric name, help)
+_HISTORY_COUNTERS = {
+    "history_requests": ("kvfuse_history_requests", "Prompts lined up with a stored conversation history."),
+    "history_tokens_reused": ("kvfuse_history_reused_tokens", "Prompt tokens whose KV came from a stored "
+                                                              "conversation history (previous prompts and answers)."),
+    "moved_tokens_reused": ("kvfuse_history_moved_tokens", "History tokens reused at new positions after the oldest "
+                                                           "turns were dropped (keys re-rotated)."),
+    "truncated_requests": ("kvfuse_truncated_requests", "Conversations that outgrew the context window."),
+    "truncated_messages": ("kvfuse_truncated_messages", "Messages dropped from conversations beyond the context window."),
+}
+_SAVER_COUNTERS = {
+    "saved_entries": ("kvfuse_saved_chunks", "Entries saved by the background saver."),
+    "saved_bytes": ("kvfuse_saved_bytes", "Bytes of entries saved by the background saver."),
+    "save_s": ("kvfuse_save_seconds", "Time the background saver spent saving (off the request path)."),
+    "save_jobs": ("kvfuse_save_jobs", "Save jobs handed to the background saver."),
+    "handoff_s": ("kvfuse_save_handoff_seconds", "Time requests spent handing KV to the saver (on the request path)."),
+    "save_waits": ("kvfuse_save_waits", "Prefills that waited for KV still being saved (the previous turn's)."),
+    "save_wait_s": ("kvfuse_save_wait_seconds", "Time prefills waited for KV still being saved."),
+    "save_errors": ("kvfuse_save_errors", "Save jobs that failed (their entries are misses later)."),
 }
 
 
@@ -77,6 +104,19 @@ class CacheCollector(Collector):
         for tier, n in sorted(s["hits_by_tier"].items()):
             reused.add_metric([tier], n)
         yield reused
+        for key, (name, help_) in _HISTORY_COUNTERS.items():
+            yield CounterMetricFamily(name, help_, value=s.get(key, 0))
+        if "history_records" in s:
+            yield GaugeMetricFamily("kvfuse_history_records", "Conversation histories whose token ids are remembered.",
+                                    value=s["history_records"])
+        saver = s.get("saver")
+        if saver is not None:
+            for key, (name, help_) in _SAVER_COUNTERS.items():
+                yield CounterMetricFamily(name, help_, value=saver.get(key, 0))
+            yield GaugeMetricFamily("kvfuse_save_max_seconds", "The longest save job so far.",
+                                    value=saver.get("save_max_s", 0.0))
+            yield GaugeMetricFamily("kvfuse_saves_pending", "Entries handed to the saver and not saved yet.",
+                                    value=saver.get("pending", 0))
         if engine.cache_enabled:
             yield from _store_metrics(engine.cache_stats())
 
@@ -115,6 +155,10 @@ class ServerMetrics:
         self.tpot = Histogram("kvfuse_time_per_output_token_seconds",
                               "Mean decode time per output token after the first, one observation per request.",
                               buckets=_TPOT_BUCKETS, registry=r)
+        self.save_path = Histogram("kvfuse_request_save_seconds",
+                                   "Time each request spent on saving its KV on the request path (handing it to the "
+                                   "saver; the saving itself runs off the request path).",
+                                   buckets=_TPOT_BUCKETS, registry=r)
         self.queue_wait = Histogram("kvfuse_queue_wait_seconds", "Time requests waited in the queue.",
                                     buckets=_TTFT_BUCKETS, registry=r)
         self.cancelled = Counter("kvfuse_requests_cancelled",
@@ -139,6 +183,7 @@ class ServerMetrics:
         self.queue_wait.observe(t.queued_s)
         if t.ttft_s > 0:  # 0 when cancelled before the prefill
             self.ttft.observe(t.queued_s + t.ttft_s)
+        self.save_path.observe(t.store_s)
         if result.completion_tokens > 1 and t.decode_s > 0:
             self.tpot.observe(t.decode_s / (result.completion_tokens - 1))
         if result.finish_reason == "cancelled":

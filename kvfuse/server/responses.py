@@ -31,7 +31,9 @@ def usage(result: GenerationResult) -> dict[str, Any]:
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": result.cached_tokens, "recomputed_tokens": result.recomputed_tokens},
+        "prompt_tokens_details": {"cached_tokens": result.cached_tokens, "recomputed_tokens": result.recomputed_tokens,
+                                  "cached_entries_by_tier": {t: result.hit_tiers.count(t) for t in sorted(set(result.hit_tiers))},
+                                  "save_ms": round(result.timings.store_s * 1000, 3)},
     }
 
 

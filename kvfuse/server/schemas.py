@@ -85,6 +85,13 @@ class SamplingRequest(KVFuseOptions):
     stream_options: StreamOptions | None = Field(None, description="Options for streaming (include_usage).")
     n: int | None = Field(1, description="Number of choices; only 1 is supported.")
     user: str | None = Field(None, description="An end-user id (accepted and ignored).")
+    prompt_cache_key: str | None = Field(
+        None, min_length=1, max_length=1024,
+        description="OpenAI's prompt-caching key: requests with the same key (and tenant and cache_salt) are one "
+                    "conversation, and a turn is lined up with that conversation's stored history first. Without it "
+                    "kvfuse finds the history by content.",
+        examples=["conversation-1234"],
+    )
 
 
 class CompletionRequest(SamplingRequest):
@@ -129,6 +136,11 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = Field(..., description="Prompt tokens whose KV was reused from the cache (not prefilled).")
     recomputed_tokens: int = Field(0, description="kvfuse extension: document tokens whose cached KV was recomputed "
                                                   "in context (documents requests).")
+    cached_entries_by_tier: dict[str, int] = Field(
+        default_factory=dict, description="kvfuse extension: where the reused KV came from: entries read per tier "
+                                          "(memory, disk, redis).")
+    save_ms: float = Field(0.0, description="kvfuse extension: milliseconds this request spent on saving its KV on the "
+                                            "request path (the saving itself runs in the background).")
 
 
 class Usage(BaseModel):
@@ -209,11 +221,12 @@ class Health(BaseModel):
 
 class KVStats(BaseModel):
     cache_enabled: bool
-    tiers: dict[str, dict[str, int | None]] = Field(
+    tiers: dict[str, dict[str, int | float | None]] = Field(
         ..., description="Counters per tier (hits, misses, bytes_in, bytes_out, evictions, errors, entries, "
                          "used_bytes, ...) and the store's own under 'store'. Global, not per tenant.")
-    engine: dict[str, int | dict[str, int]] = Field(
-        ..., description="Engine counters: requests, prompt_tokens, tokens_reused, tokens_prefilled, ...")
+    engine: dict[str, int | float | dict[str, int | float]] = Field(
+        ..., description="Engine counters: requests, prompt_tokens, tokens_reused, tokens_prefilled, history "
+                         "reuse, truncation, and the saver's counters under 'saver' (seconds are floats), ...")
     queue: dict[str, int]
 
 

@@ -55,4 +55,4 @@ class ServerState:
     @property
     def limits(self) -> Limits:
         s = self.config.server
-        return Limits(s.max_tokens_limit, s.default_max_tokens, self.engine.model.config.max_position_embeddings)
+        return Limits(s.max_tokens_limit, s.default_max_tokens, self.engine.context_window)

@@ -51,7 +51,8 @@ class Limits:
 
 def cache_options(opts: KVFuseOptions, tenant: str) -> CacheOptions:
     """The engine's cache behaviour for a request of ``tenant`` with extension fields ``opts``."""
-    return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "")
+    return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "",
+                        history_key=getattr(opts, "prompt_cache_key", None))
 
 
 def check_model(requested: str, served: str) -> None:
@@ -186,7 +187,9 @@ def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -
     if req.documents is not None:
         return _engine_call(req, _document_prompt(engine, req, messages=chat_messages(req)), tenant, limits, engine)
     try:
-        ids = engine.encode_prompt(messages=chat_messages(req))
+        # A conversation beyond the context window loses its oldest turns (cache.truncation).
+        reserve = requested_max_tokens(req) or limits.default_max_tokens
+        ids, _ = engine.encode_chat(chat_messages(req), reserve=min(reserve, limits.context_window - 1))
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
     if not ids:

@@ -48,6 +48,7 @@ class TierStats(Counters):
     evictions: int = 0
     errors: int = 0
     dropped_writes: int = 0
+    protected_evictions: int = 0  # memory: entries of queued requests evicted for want of room
 
 
 class Tier(ABC):

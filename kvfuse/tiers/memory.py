@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Collection
 
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Blob, Tier, check_key, nbytes
@@ -30,6 +31,13 @@ class MemoryTier(Tier):
         self._data: OrderedDict[ChunkKey, Blob] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
+        self._protect: Callable[[], Collection[ChunkKey]] | None = None
+
+    def set_protect(self, protect: Callable[[], Collection[ChunkKey]] | None) -> None:
+        """Queue-aware eviction: ``protect()`` names the keys not to evict while others can go (the
+        keys queued requests will load). When only protected entries are left to make room, the
+        least recently used of them goes after all (``protected_evictions``): the budget holds."""
+        self._protect = protect
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
@@ -49,7 +57,10 @@ class MemoryTier(Tier):
     def put(self, key: ChunkKey, value: Blob) -> None:
         check_key(key)
         size = nbytes(value)
-        evicted = 0
+        evicted = forced = 0
+        # The protected set is asked for outside the lock (it comes from the engine's queue), and
+        # only when this put has to evict something.
+        protected = self._protect() if self._protect is not None and self._used + size > self.capacity_bytes else ()
         with self._lock:
             self._remove(key)
             if size > self.capacity_bytes:
@@ -57,11 +68,24 @@ class MemoryTier(Tier):
                 return
             self._data[key] = value
             self._used += size
+            if self._used > self.capacity_bytes and protected:
+                protected = set(protected)
+                for k in [k for k in self._data if k not in protected and k != key]:
+                    if self._used <= self.capacity_bytes:
+                        break
+                    self._used -= nbytes(self._data.pop(k))
+                    evicted += 1
             while self._used > self.capacity_bytes:
-                _, old = self._data.popitem(last=False)
+                k, old = self._data.popitem(last=False)
                 self._used -= nbytes(old)
                 evicted += 1
-        self.stats.add(puts=1, bytes_in=size, evictions=evicted)
+                forced += k in protected
+        self.stats.add(puts=1, bytes_in=size, evictions=evicted, protected_evictions=forced)
+
+    def bytes_of(self, keys: Collection[ChunkKey]) -> int:
+        """The bytes the entries of ``keys`` take here (those held)."""
+        with self._lock:
+            return sum(nbytes(self._data[k]) for k in keys if k in self._data)
 
     def _remove(self, key: ChunkKey) -> bool:
         old = self._data.pop(key, None)

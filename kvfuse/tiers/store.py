@@ -108,7 +108,12 @@ class TieredStore:
             "unusable_entries": 0,
             "queued_writes": 0,
             "queue_full_drops": 0,
+            "prefetched": 0,
+            "prefetch_hits": 0,
+            "prefetch_misses": 0,
         }
+        self._prefetched: set[ChunkKey] = set()  # brought into memory ahead of the request needing them
+        self.prefetching = False  # a Prefetcher runs (lower-tier reads at run time are then its misses)
         self._counts_lock = threading.Lock()
         self._worker: threading.Thread | None = None
         if len(self.tiers) > 1:
@@ -131,8 +136,9 @@ class TieredStore:
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[ChunkKey]) -> LookupResult:
-        """Where each key is stored; touches no recency and moves no data."""
+    def lookup(self, keys: Sequence[ChunkKey], count: bool = True) -> LookupResult:
+        """Where each key is stored; touches no recency and moves no data. ``count=False``: a
+        look of the store's own (prefetch, saving), kept out of the lookup statistics."""
         holder: list[str | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
@@ -148,16 +154,19 @@ class TieredStore:
                     still.append(i)
             pending = still
         result = LookupResult(tuple(holder))
-        self._count(lookups=1, lookup_keys=len(keys), lookup_hits=result.hits)
+        if count:
+            self._count(lookups=1, lookup_keys=len(keys), lookup_hits=result.hits)
         return result
 
     def get(self, keys: Sequence[ChunkKey]) -> list[Entry | None]:
         """One checked entry or None per key (see ``fetch``)."""
         return [f.entry for f in self.fetch(keys)]
 
-    def fetch(self, keys: Sequence[ChunkKey], specs: Sequence[EntrySpec | None] | None = None) -> list[Fetched]:
+    def fetch(self, keys: Sequence[ChunkKey], specs: Sequence[EntrySpec | None] | None = None,
+              prefetch: bool = False) -> list[Fetched]:
         """Per key, the checked entry and the tier that served it, which can differ from what
-        ``lookup`` said: a damaged copy in a faster tier is removed and a slower one serves."""
+        ``lookup`` said: a damaged copy in a faster tier is removed and a slower one serves.
+        ``prefetch``: a read ahead of the request (``Prefetcher``), counted as such."""
         specs = [None] * len(keys) if specs is None else list(specs)
         if len(specs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(specs)} specs")
@@ -188,7 +197,25 @@ class TieredStore:
             first = self.tiers[0]
             self._safe(first, "put_many", first.put_many, None, promote)
             self._count(promotions=len(promote))
+        self._count_prefetch(keys, served, prefetch)
         return [Fetched(e, t, r) for e, t, r in zip(entries, served, rejected)]
+
+    def _count_prefetch(self, keys: Sequence[ChunkKey], served: Sequence[str | None], prefetch: bool) -> None:
+        first = self.tiers[0].name
+        with self._counts_lock:
+            if prefetch:
+                got = [k for k, t in zip(keys, served) if t is not None]
+                self._prefetched.update(got)
+                self._counts["prefetched"] += len(got)
+                return
+            for k, t in zip(keys, served):
+                if t == first and k in self._prefetched:
+                    self._prefetched.discard(k)
+                    self._counts["prefetch_hits"] += 1
+                elif t is not None and t != first and self.prefetching:
+                    self._counts["prefetch_misses"] += 1
+            if len(self._prefetched) > 65536:  # prefetched, never asked for (cancelled requests)
+                self._prefetched.clear()
 
     def _open(self, tier: Tier, key: ChunkKey, value: Blob, spec: EntrySpec | None, promoted: bool) -> Entry | None:
         """The checked entry of ``value`` from ``tier``, or None after removing and counting it."""
@@ -257,8 +284,10 @@ class TieredStore:
             self._safe(first, "put_many", first.put_many, None, items)
             self._count(promotions=len(items))
 
-    def put(self, items: Iterable[tuple[ChunkKey, Blob]]) -> None:
-        """Store entries: the first tier now, the lower tiers from the write queue (never blocks).
+    def put(self, items: Iterable[tuple[ChunkKey, Blob]], block: bool = False) -> None:
+        """Store entries: the first tier now, the lower tiers from the write queue. The queue never
+        blocks a caller: when it is full the lower-tier writes are dropped and counted, unless
+        ``block`` (a background saver, which nobody waits on, waits for room instead).
 
         The store takes ownership of the values, without copying them (an ``Entry`` of a chunk is
         kept by the memory tier and written later by the lower tiers): do not modify them."""
@@ -273,7 +302,10 @@ class TieredStore:
             with self._idle:
                 self._inflight += 1
             try:
-                self._queue.put_nowait(item)
+                if block:
+                    self._queue.put(item)
+                else:
+                    self._queue.put_nowait(item)
             except queue.Full:
                 with self._idle:
                     self._inflight -= 1
@@ -321,6 +353,13 @@ class TieredStore:
     def upcoming(self) -> list[ChunkKey]:
         """The keys queued requests will ask for, in the order they will run ([] if unknown)."""
         return list(self._lookahead()) if self._lookahead is not None else []
+
+    def protect_upcoming(self, on: bool = True) -> None:
+        """Queue-aware eviction: the memory tier keeps the entries of queued requests (``upcoming``)
+        while anything else can be evicted instead; off: plain LRU."""
+        first = self.tiers[0]
+        if hasattr(first, "set_protect"):
+            first.set_protect(self.upcoming if on else None)
 
     # -- maintenance ----------------------------------------------------------------------------
 

@@ -60,6 +60,23 @@ def test_generate_answers_in_chat_mode_with_timings_on_stderr(smollm2_ready, tmp
     assert "time to first token" in proc.stderr and VERBOSE.search(proc.stderr)
 
 
+def test_chat_reuses_the_whole_history_turn_after_turn_and_truncates_when_asked(smollm2_ready, tmp_path):
+    turns = "What is the capital of France?\nAnd of Italy?\n\nWhich of the two is larger?\n"
+    proc = kvfuse(["chat", "--model", "smollm2", "--max-tokens", "12", "-v", "--system", "Be brief."],
+                  disk=tmp_path / "kv", stdin=turns)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [tuple(map(int, m.groups()[:2])) for m in VERBOSE.finditer(proc.stderr)]
+    assert len(rows) == 3 and rows[0][1] == 0 and len(proc.stdout.strip().splitlines()) == 3  # blank lines skipped
+    for (prompt, _), (next_prompt, cached) in zip(rows, rows[1:]):
+        assert cached >= prompt  # the previous prompt and (all but the last token of) its answer
+    small = kvfuse(["chat", "--model", "smollm2", "--max-tokens", "12", "-v", "--context-tokens", "80",
+                    "--truncation", "recompute", "--no-disk"], stdin=turns)
+    assert small.returncode == 0, small.stderr[-2000:]
+    assert "oldest messages dropped" in small.stderr
+    bad = kvfuse(["chat", "--truncation", "sometimes"], stdin="")
+    assert bad.returncode == 2 and "--truncation" in bad.stderr and "reuse" in bad.stderr
+
+
 @pytest.mark.parametrize("flag,value,field", [("--temperature", "-1", "temperature"),
                                               ("--max-tokens", "0", "max_tokens"),
                                               ("--top-p", "0", "top_p")])
@@ -91,18 +108,22 @@ def test_a_second_process_reuses_the_prompt_from_disk(long_runs):
     prompt_tokens, cached, tiers = VERBOSE.search(first.stderr).groups()
     assert 512 < int(prompt_tokens) < 768 and cached == "0" and tiers is None
     prompt_tokens2, cached, tiers = VERBOSE.search(second.stderr).groups()
-    assert prompt_tokens2 == prompt_tokens and int(cached) == 512 and tiers == "disk"
+    # the first process's history (its record and entries, on disk) covers all but the last token;
+    # read from disk by the request or, a moment before it, by the prefetcher
+    assert prompt_tokens2 == prompt_tokens and int(cached) == int(prompt_tokens) - 1 and tiers in (
+        "disk", "memory", "disk,memory")
     assert second.stdout == first.stdout
 
 
 def test_cache_stats_inspect_and_clear(long_runs, tmp_path):
     disk, _ = long_runs
     stats = kvfuse(["cache", "stats"], disk=disk)
-    assert stats.returncode == 0 and re.search(r"disk\s+2 entries", stats.stdout), stats.stdout + stats.stderr
+    # two whole chunks of the prompt, and the history's tail (the prompt's rest and the answer)
+    assert stats.returncode == 0 and re.search(r"disk\s+3 entries", stats.stdout), stats.stdout + stats.stderr
     stats = kvfuse(["cache", "stats", "--json"], disk=disk)
-    assert json.loads(stats.stdout)["disk"]["entries"] == 2
+    assert json.loads(stats.stdout)["disk"]["entries"] == 3
 
-    entry = sorted(disk.glob("*/*.kvf"))[0]
+    entry = max(disk.glob("*/*.kvf"), key=lambda p: p.stat().st_size)  # a whole chunk, not the tail
     proc = kvfuse(["cache", "inspect", str(entry)], disk=disk)
     assert proc.returncode == 0, proc.stderr
     header = json.loads(proc.stdout)
@@ -117,5 +138,5 @@ def test_cache_stats_inspect_and_clear(long_runs, tmp_path):
     assert_user_error(kvfuse(["cache", "inspect", "no-such-key"], disk=disk), "no-such-key")
 
     cleared = kvfuse(["cache", "clear"], disk=disk)
-    assert cleared.returncode == 0 and "removed 2 entries" in cleared.stdout
+    assert cleared.returncode == 0 and "removed 3 entries" in cleared.stdout
     assert json.loads(kvfuse(["cache", "stats", "--json"], disk=disk).stdout)["disk"]["entries"] == 0

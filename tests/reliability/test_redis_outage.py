@@ -47,7 +47,7 @@ def expected(smollm2, prompts) -> dict[str, list[int]]:
 def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prompts, expected, redis_server):
     redis = RedisTier(redis_server.url, timeout_s=0.3, backoff_s=BACKOFF)
     store = TieredStore([MemoryTier(1), redis])  # memory holds nothing: every hit comes from Redis
-    engine = Engine(smollm2, store)
+    engine = Engine(smollm2, store, history=False)  # chunk-level reuse: what this test pins down
     try:
         def run(name: str, **kw):
             result = engine.generate(prompts[name], GREEDY, **kw)
@@ -55,7 +55,7 @@ def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prom
             return result
 
         assert run("a").stored_chunks == 2
-        store.flush()
+        engine.flush()
         assert run("a").hit_tiers == ("redis", "redis")
 
         # the server is killed in the middle of a generation (while it streams its answer)
@@ -65,11 +65,11 @@ def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prom
 
         run("b", on_text=kill_on_first_piece)
         assert redis_server.proc is None
-        store.flush()
+        engine.flush()
         before = redis.stats.snapshot()
         for name in ("a", "b"):
             assert run(name).cached_tokens == 0
-            store.flush()
+            engine.flush()
             time.sleep(BACKOFF)  # let the back-off end, so the next call tries the dead server again
         after = redis.stats.snapshot()
         assert after["errors"] > before["errors"]
@@ -80,7 +80,7 @@ def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prom
         time.sleep(BACKOFF + 0.1)
         for attempt in range(3):
             run("a")  # stores its chunks again once the server answers
-            store.flush()
+            engine.flush()
             if run("a").hit_tiers == ("redis", "redis"):
                 break
             time.sleep(BACKOFF)
@@ -103,7 +103,7 @@ def test_two_engine_processes_share_chunks_through_redis(smollm2, prompts, expec
     args = ["--home", str(model_home()), "--redis-url", redis_server.url, "--prompt-file", str(prompt_file),
             "--max-tokens", str(GREEDY.max_tokens)]
     a = _engine_process(args)
-    assert (a["cached_tokens"], a["stored_chunks"]) == (0, 2)
+    assert (a["cached_tokens"], a["stored_chunks"]) == (0, 3)  # two whole chunks and the history's tail
     assert a["token_ids"] == expected["a"]
     b = _engine_process(args)  # another process: its memory tier is empty
     assert b["cached_tokens"] == 512 and b["hit_tiers"] == ["redis", "redis"]

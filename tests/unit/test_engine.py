@@ -22,6 +22,12 @@ from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 from kvfuse.tiers.disk import key_to_filename
 
 CH = 32  # chunk size of every engine here
+
+
+def prefix_engine(model, store, **kw) -> Engine:
+    """Chunk-level prefix caching alone, saved on the request path: what these tests pin down.
+    Whole-history reuse and the asynchronous saver are tested in test_history.py."""
+    return Engine(model, store, history=False, async_save=False, **{"chunk_size": CH, **kw})
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
@@ -73,7 +79,7 @@ def baseline(model: LoadedModel, ids: list[int], params: SamplingParams = GREEDY
     """Greedy tokens of a cache-free engine (memoised: the same model and prompt recur)."""
     key = (model.fingerprint, tuple(ids), params, kv_dtype)
     if key not in _baselines:
-        _baselines[key] = Engine(model, None, chunk_size=CH, kv_dtype=kv_dtype).generate(ids, params).token_ids
+        _baselines[key] = prefix_engine(model, None, chunk_size=CH, kv_dtype=kv_dtype).generate(ids, params).token_ids
     return _baselines[key]
 
 
@@ -86,7 +92,7 @@ def test_greedy_output_is_identical_with_hits_from_memory_and_from_disk(models, 
     ids = ids_of(5 * CH + 10)
     expected = baseline(model, ids)
 
-    engine = Engine(model, stores.fresh(), chunk_size=CH)
+    engine = prefix_engine(model, stores.fresh(), chunk_size=CH)
     first = engine.generate(ids, GREEDY)
     assert (first.cached_tokens, first.hit_tiers, first.stored_chunks) == (0, (), 5)
     assert first.token_ids == expected
@@ -95,7 +101,7 @@ def test_greedy_output_is_identical_with_hits_from_memory_and_from_disk(models, 
     assert (hit.cached_tokens, hit.hit_tiers) == (5 * CH, ("memory",) * 5)
     assert hit.token_ids == expected and hit.stored_chunks == 0
 
-    restarted = Engine(model, stores.fresh(), chunk_size=CH)  # empty memory, same directory
+    restarted = prefix_engine(model, stores.fresh(), chunk_size=CH)  # empty memory, same directory
     from_disk = restarted.generate(ids, GREEDY)
     assert (from_disk.cached_tokens, from_disk.hit_tiers) == (5 * CH, ("disk",) * 5)
     assert from_disk.token_ids == expected
@@ -106,7 +112,7 @@ def test_greedy_output_is_identical_with_hits_from_memory_and_from_disk(models, 
 @pytest.mark.parametrize("k", [0, 1, 2, 4, 5])
 def test_a_prompt_sharing_the_first_k_chunks_reuses_exactly_k(model, stores, k):
     cached = ids_of(5 * CH + 10)
-    engine = Engine(model, stores.fresh(), chunk_size=CH)
+    engine = prefix_engine(model, stores.fresh(), chunk_size=CH)
     engine.generate(cached, GREEDY)
     other = list(cached)
     other[k * CH + 3] = 3 if other[k * CH + 3] != 3 else 4  # chunk k differs; 0..k-1 are the same
@@ -118,31 +124,32 @@ def test_a_prompt_sharing_the_first_k_chunks_reuses_exactly_k(model, stores, k):
 
 def test_a_shorter_prompt_reuses_the_chunks_it_contains(model, stores):
     long = ids_of(6 * CH + 5)
-    engine = Engine(model, stores.fresh(), chunk_size=CH)
+    engine = prefix_engine(model, stores.fresh(), chunk_size=CH)
     engine.generate(long, GREEDY)
     short = long[: 2 * CH + 20]
     result = engine.generate(short, GREEDY)
     assert result.cached_tokens == 2 * CH and result.token_ids == baseline(model, short)
 
 
-def test_a_prompt_of_whole_chunks_still_prefills_its_last_chunk(model, stores):
+def test_a_prompt_of_whole_chunks_loads_them_all_and_computes_its_last_token(model, stores):
     ids = ids_of(4 * CH, seed=1)
-    engine = Engine(model, stores.fresh(), chunk_size=CH)
+    engine = prefix_engine(model, stores.fresh(), chunk_size=CH)
     first = engine.generate(ids, GREEDY)
     assert first.stored_chunks == 4
     hit = engine.generate(ids, GREEDY)
-    # the logits of the last prompt token are needed: its whole chunk is computed again
-    assert hit.cached_tokens == 3 * CH and hit.prompt_tokens - hit.cached_tokens == CH
+    # the logits of the last prompt token are needed: that one token is computed again
+    assert hit.cached_tokens == 4 * CH - 1 and hit.prompt_tokens - hit.cached_tokens == 1
     assert hit.token_ids == baseline(model, ids)
-    assert hit.stored_chunks == 0  # the recomputed last chunk is already stored: not written again
+    assert hit.stored_chunks == 0  # every chunk is stored already: nothing written again
     one = ids_of(CH, seed=2)
     engine.generate(one, GREEDY)
-    assert engine.generate(one, GREEDY).cached_tokens == 0
+    again = engine.generate(one, GREEDY)
+    assert again.cached_tokens == CH - 1 and again.token_ids == baseline(model, one)
 
 
 def test_the_tail_chunk_is_never_stored(model, stores):
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     ids = ids_of(3 * CH + 30, seed=3)  # prompt + 8 generated tokens crosses into a 5th chunk
     result = engine.generate(ids, GREEDY)
     assert result.stored_chunks == 3
@@ -154,7 +161,7 @@ def test_the_tail_chunk_is_never_stored(model, stores):
 
 def test_a_disabled_cache_neither_reads_nor_writes(model, stores):
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     ids = ids_of(3 * CH + 7, seed=4)
     engine.generate(ids, GREEDY)
     store.flush()
@@ -171,7 +178,7 @@ def test_a_disabled_cache_neither_reads_nor_writes(model, stores):
 
 def test_salts_isolate(model, stores):
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     ids = ids_of(3 * CH + 7, seed=6)
     assert engine.generate(ids, GREEDY, cache=CacheOptions(salt="alice")).stored_chunks == 3
     assert engine.generate(ids, GREEDY, cache=CacheOptions(salt="bob")).cached_tokens == 0
@@ -179,7 +186,7 @@ def test_salts_isolate(model, stores):
     alice = engine.generate(ids, GREEDY, cache=CacheOptions(salt="alice"))
     assert alice.cached_tokens == 3 * CH and alice.token_ids == baseline(model, ids)
     # the engine's own salt (from the configuration) separates deployments sharing a store
-    other = Engine(model, store, chunk_size=CH, salt="deployment-2")
+    other = prefix_engine(model, store, chunk_size=CH, salt="deployment-2")
     assert other.generate(ids, GREEDY).cached_tokens == 0
     assert other.generate(ids, GREEDY, cache=CacheOptions(salt="alice")).cached_tokens == 0
 
@@ -188,7 +195,7 @@ def test_tenants_isolate_and_are_deleted_by_their_tag(model, stores):
     from kvfuse.kv.keys import tenant_tag
 
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     ids = ids_of(2 * CH + 5, seed=8)
     for tenant in ("alice", "bob"):
         for salt in ("", "team"):
@@ -206,7 +213,7 @@ def test_store_generated_stores_the_answer_chunks_for_the_follow_up(model, store
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     prompt = ids_of(2 * CH + 6, seed=7)  # 70 tokens; the KV of 70 + 39 tokens covers 3 whole chunks
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH, store_generated=True)
+    engine = prefix_engine(model, store, chunk_size=CH, store_generated=True)
     first = engine.generate(prompt, params)
     assert first.stored_chunks == 3
     follow_up = prompt + first.token_ids + ids_of(20, seed=8)
@@ -217,7 +224,7 @@ def test_store_generated_stores_the_answer_chunks_for_the_follow_up(model, store
     # the per-request option overrides the engine default, both ways
     other = ids_of(2 * CH + 6, seed=9)
     assert engine.generate(other, params, cache=CacheOptions(store_generated=False)).stored_chunks == 2
-    plain = Engine(model, stores.fresh(), chunk_size=CH)
+    plain = prefix_engine(model, stores.fresh(), chunk_size=CH)
     assert plain.generate(ids_of(2 * CH + 6, seed=10), params).stored_chunks == 2
     assert plain.generate(ids_of(2 * CH + 6, seed=11), params, cache=CacheOptions(store_generated=True)).stored_chunks == 3
 
@@ -235,7 +242,7 @@ def _entry_file(store: TieredStore, key):
 def test_a_corrupted_disk_entry_is_a_miss_and_is_replaced(model, stores, where):
     ids = ids_of(4 * CH + 9, seed=12)
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     engine.generate(ids, GREEDY)
     store.flush()
     key = prefix_keys(ids, CH, engine.namespace())[2]
@@ -245,7 +252,7 @@ def test_a_corrupted_disk_entry_is_a_miss_and_is_replaced(model, stores, where):
     path.write_bytes(bytes(data))
 
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     result = engine.generate(ids, GREEDY)
     assert result.cached_tokens == 2 * CH and result.hit_tiers == ("disk", "disk")
     assert result.token_ids == baseline(model, ids)
@@ -258,7 +265,7 @@ def test_a_corrupted_disk_entry_is_a_miss_and_is_replaced(model, stores, where):
 def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
     ids = ids_of(3 * CH + 9, seed=13)
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     engine.generate(ids, GREEDY)
     store.flush()
     key = prefix_keys(ids, CH, engine.namespace())[1]
@@ -277,13 +284,13 @@ def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
 def test_entries_of_another_dtype_or_model_are_never_used(model, stores):
     store = stores.fresh()
     ids = ids_of(3 * CH + 9, seed=14)
-    writer = Engine(model, store, chunk_size=CH)
+    writer = prefix_engine(model, store, chunk_size=CH)
     writer.generate(ids, GREEDY)
     fingerprint_changed = LoadedModel(model.name, model.folder, model.runner, model.tokenizer, "0" * 32)
     readers = {
-        "bfloat16": Engine(model, store, chunk_size=CH, kv_dtype="bfloat16"),
-        "float32": Engine(model, store, chunk_size=CH, kv_dtype="float32"),
-        "fingerprint": Engine(fingerprint_changed, store, chunk_size=CH),
+        "bfloat16": prefix_engine(model, store, chunk_size=CH, kv_dtype="bfloat16"),
+        "float32": prefix_engine(model, store, chunk_size=CH, kv_dtype="float32"),
+        "fingerprint": prefix_engine(fingerprint_changed, store, chunk_size=CH),
     }
     for name, reader in readers.items():
         assert reader.namespace() != writer.namespace()
@@ -310,7 +317,7 @@ def test_a_key_names_content_not_encoding_so_entries_of_any_codec_are_read(model
     """The codec is not part of a chunk's identity: the entry header says how it is encoded."""
     store = stores.fresh()
     ids = ids_of(3 * CH + 9, seed=14)
-    raw, int8 = Engine(model, store, chunk_size=CH), Engine(model, store, chunk_size=CH, codec="int8")
+    raw, int8 = prefix_engine(model, store, chunk_size=CH), prefix_engine(model, store, chunk_size=CH, codec="int8")
     assert raw.namespace() == int8.namespace()
     raw.generate(ids, GREEDY)
     result = int8.generate(ids, GREEDY)  # lossless raw entries: the exact answer
@@ -326,14 +333,14 @@ def test_a_key_names_content_not_encoding_so_entries_of_any_codec_are_read(model
 def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, stores):
     store = stores.fresh()
     ids = ids_of(3 * CH + 9, seed=15)
-    fp16 = Engine(model, store, chunk_size=CH)
+    fp16 = prefix_engine(model, store, chunk_size=CH)
     fp16.generate(ids, GREEDY)
     memory = store.tiers[0]
     keys16 = prefix_keys(ids, CH, fp16.namespace())
     chunk0 = decode_chunk(memory.get(keys16[0]))
 
     # a valid fp16 entry under the fp32 engine's own key: the engine checks the dtype
-    fp32 = Engine(model, store, chunk_size=CH, kv_dtype="float32")
+    fp32 = prefix_engine(model, store, chunk_size=CH, kv_dtype="float32")
     key32 = prefix_keys(ids, CH, fp32.namespace())[0]
     memory.put(key32, encode_chunk(chunk0, key32, get_codec("raw")))
     result = fp32.generate(ids, GREEDY)
@@ -355,13 +362,13 @@ def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, sto
 def test_a_set_cancel_event_stops_before_any_token(model, stores):
     cancel = threading.Event()
     cancel.set()
-    result = Engine(model, stores.fresh(), chunk_size=CH).generate(ids_of(50), GREEDY, cancel=cancel)
+    result = prefix_engine(model, stores.fresh(), chunk_size=CH).generate(ids_of(50), GREEDY, cancel=cancel)
     assert result.finish_reason == "cancelled" and result.token_ids == [] and result.text == ""
 
 
 def test_a_request_cancelled_before_it_starts_does_no_work_and_is_counted(model, stores):
     store = stores.fresh()
-    engine = Engine(model, store, chunk_size=CH)
+    engine = prefix_engine(model, store, chunk_size=CH)
     ids = ids_of(2 * CH + 5, seed=20)
     engine.generate(ids, GREEDY)
     lookups = store.stats()["store"]["lookups"]
@@ -386,14 +393,14 @@ def test_cancelling_mid_generation_stops_after_the_current_token(model, stores):
 
     ids = ids_of(50, seed=16)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    result = Engine(model, stores.fresh(), chunk_size=CH).generate(ids, params, on_text=on_text, cancel=cancel)
+    result = prefix_engine(model, stores.fresh(), chunk_size=CH).generate(ids, params, on_text=on_text, cancel=cancel)
     assert result.finish_reason == "cancelled"
     assert len(result.token_ids) == 3 and result.token_ids == baseline(model, ids, params)[:3]
     assert result.text == "".join(pieces)
 
 
 def test_stop_strings_and_stop_tokens(model):
-    engine = Engine(model, None, chunk_size=CH)
+    engine = prefix_engine(model, None, chunk_size=CH)
     ids = ids_of(40, seed=17)
     full = engine.generate(ids, GREEDY)
     assert full.finish_reason == "length" and full.text == " ".join(f"t{t}" for t in full.token_ids)
@@ -405,7 +412,7 @@ def test_stop_strings_and_stop_tokens(model):
 
 
 def test_prompt_and_max_tokens_must_fit_the_context_window(model):
-    engine = Engine(model, None, chunk_size=CH)
+    engine = prefix_engine(model, None, chunk_size=CH)
     window = model.config.max_position_embeddings
     with pytest.raises(ValueError, match="context window"):
         engine.generate(ids_of(window - 4), SamplingParams(max_tokens=5))
@@ -415,17 +422,17 @@ def test_prompt_and_max_tokens_must_fit_the_context_window(model):
 
 
 def test_bad_prompts_are_value_errors(model):
-    engine = Engine(model, None, chunk_size=CH)
+    engine = prefix_engine(model, None, chunk_size=CH)
     with pytest.raises(ValueError, match="empty"):
         engine.generate([], GREEDY)
     with pytest.raises(ValueError, match="token ids"):
         engine.encode_prompt([1, 2, 512])
     with pytest.raises(ValueError):
-        Engine(model, None, kv_dtype="int8")
+        prefix_engine(model, None, kv_dtype="int8")
 
 
 def test_stats_add_up(model, stores):
-    engine = Engine(model, stores.fresh(), chunk_size=CH)
+    engine = prefix_engine(model, stores.fresh(), chunk_size=CH)
     a, b = ids_of(3 * CH + 5, seed=18), ids_of(2 * CH + 1, seed=19)
     results = [
         engine.generate(a, GREEDY),

@@ -50,7 +50,8 @@ def test_the_loop_runs_requests_and_delivers_text_and_outcome_to_the_event_loop(
     pieces, outcome = run(engine, list(range(3, 40)))
     assert len(pieces) > 0 and "".join(pieces) == outcome.result.text and outcome.result.completion_tokens == 6
     assert outcome.result.timings.queued_s >= 0
-    assert run(engine, list(range(3, 40)), stream=False)[1].result.cached_tokens == 32
+    # the first run's whole history (prompt + answer) is kept: all but the last prompt token is reused
+    assert run(engine, list(range(3, 40)), stream=False)[1].result.cached_tokens == 36
 
     real = executor.prefill
 
@@ -101,7 +102,12 @@ def test_a_request_cancelled_as_it_is_admitted_stops_before_its_prefill(tiny_loa
     engine = Engine(tiny_loaded("llama"), store, chunk_size=16)
     req = Request(Prompt.plain(range(3, 40)), PARAMS)
     real = store.lookup
-    monkeypatch.setattr(store, "lookup", lambda keys: (req.cancel.set(), real(keys))[1])  # the client leaves now
+    def lookup(keys, count=True):  # the prefill's lookup (submit's probe is not counted): the client leaves now
+        if count:
+            req.cancel.set()
+        return real(keys, count=count)
+
+    monkeypatch.setattr(store, "lookup", lookup)
     outcome = []
     req.on_done = outcome.append
     engine.submit(req)

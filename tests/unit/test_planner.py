@@ -43,14 +43,14 @@ CASES = {
     "a later hit after a miss is not a prefix: nothing loads, the hit is not stored again": (
         P10, [None, M],
         Plan(10, computes=(Compute(0, 10),), stores=(Store(K10[0], 0, 4),))),
-    "whole chunks all cached: the last chunk is computed for its logits, and not stored again": (
+    "whole chunks all cached: everything loads, the last token is computed for its logits": (
         P8, [M, M],
-        Plan(8, loads=(Load(K8[0], M, 0, 4, 0),), computes=(Compute(4, 8),))),
+        Plan(8, loads=(Load(K8[0], M, 0, 4, 0), Load(K8[1], M, 4, 8, 4)), computes=(Compute(7, 8),))),
     "whole chunks, the last one missing: computed and stored": (
         P8, [D, None],
         Plan(8, loads=(Load(K8[0], D, 0, 4, 0),), computes=(Compute(4, 8),), stores=(Store(K8[1], 4, 8),))),
-    "one cached chunk is the whole prompt: computed, not stored": (
-        P4, [M], Plan(4, computes=(Compute(0, 4),))),
+    "one cached chunk is the whole prompt: loaded, its last token computed, nothing stored": (
+        P4, [M], Plan(4, loads=(Load(K4[0], M, 0, 4, 0),), computes=(Compute(3, 4),))),
     "a prompt shorter than a chunk has no keys": (
         Prompt.plain([1, 2, 3]), [], Plan(3, computes=(Compute(0, 3),))),
 }

@@ -115,8 +115,8 @@ def test_context_error_names_the_limit():
 
 
 def test_chat_template_failure_is_a_400():
-    class TemplateFails:  # stands in for the engine: only its encode_prompt is involved
-        def encode_prompt(self, prompt=None, messages=None):
+    class TemplateFails:  # stands in for the engine: only its encode_chat is involved
+        def encode_chat(self, messages, reserve=0):
             raise ChatTemplateError("Conversation roles must alternate user/assistant")
 
     with pytest.raises(APIError) as exc:
@@ -163,10 +163,13 @@ def result(text="ab", ids=(1, 2), reason="length", prompt=5, cached=0) -> Genera
     return GenerationResult(text, list(ids), reason, prompt, cached, Timings(queued_s=0.01, ttft_s=0.02, decode_s=0.03))
 
 
-def test_usage_reports_cached_tokens():
-    assert usage(result(prompt=300, cached=256)) == {
+def test_usage_reports_cached_tokens_where_they_came_from_and_the_save_time():
+    r = result(prompt=300, cached=299)
+    r.hit_tiers, r.timings.store_s = ("memory", "disk", "memory"), 0.00012
+    assert usage(r) == {
         "prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302,
-        "prompt_tokens_details": {"cached_tokens": 256, "recomputed_tokens": 0}}
+        "prompt_tokens_details": {"cached_tokens": 299, "recomputed_tokens": 0,
+                                  "cached_entries_by_tier": {"disk": 1, "memory": 2}, "save_ms": 0.12}}
 
 
 def test_completion_stream_chunks():

@@ -1,0 +1,15 @@
+"""Conversations (CachedAttention): the token ids a stored history was built from, found again
+for a later turn and aligned against its prompt, and the oldest turns dropped when a
+conversation outgrows the context window.
+
+- ``align``: pure functions that line a new prompt up against stored ids (re-tokenized text,
+  a modified answer, dropped turns);
+- ``records``: the in-memory index of stored histories (by ``prompt_cache_key`` or by content);
+- ``truncate``: which turns to drop, keeping the system prompt.
+"""
+
+from .align import Alignment, Run, align, byte_sync
+from .records import HistoryIndex, Record, StoredEntry
+from .truncate import drop_oldest_turns
+
+__all__ = ["Alignment", "HistoryIndex", "Record", "Run", "StoredEntry", "align", "byte_sync", "drop_oldest_turns"]
