@@ -53,7 +53,6 @@ import torch  # noqa: E402
 
 from bench.common import DATA, plot_path, print_table, write_json  # noqa: E402
 from kvfuse.config import load_config  # noqa: E402
-from kvfuse.engine import CacheOptions  # noqa: E402
 from kvfuse.generation import SamplingParams  # noqa: E402
 from kvfuse.runtime import open_engine, open_model  # noqa: E402
 
