@@ -210,6 +210,7 @@ def cmd_generate(args, config: Config) -> int:
 
 def cmd_chat(args, config: Config) -> int:
     from .generation import SamplingParams
+    from .history.truncate import without_oldest
     from .runtime import open_engine
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
@@ -228,7 +229,7 @@ def cmd_chat(args, config: Config) -> int:
             messages.append({"role": "user", "content": line.rstrip("\n")})
             ids, dropped = engine.encode_chat(messages, reserve=params.max_tokens)
             if dropped:  # the next turns go on from what is left
-                messages = _kept(messages, dropped)
+                messages = without_oldest(messages, dropped)
             result = engine.generate(ids, params, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
             sys.stdout.write("\n")
             messages.append({"role": "assistant", "content": result.text})
@@ -242,13 +243,6 @@ def cmd_chat(args, config: Config) -> int:
     finally:
         engine.close()
     return 0
-
-
-def _kept(messages: list[dict], dropped: int) -> list[dict]:
-    """``messages`` less the ``dropped`` oldest after the leading system messages (what
-    ``Engine.encode_chat`` kept)."""
-    head = next((i for i, m in enumerate(messages) if m["role"] not in ("system", "developer")), len(messages))
-    return messages[:head] + messages[head + dropped:]
 
 
 def read_documents(path: Path) -> list[str]:

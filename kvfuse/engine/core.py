@@ -5,14 +5,20 @@
 sequence (lookup -> plan -> fetch -> replan around unusable entries -> precompute -> load and
 compute in slot order -> first token -> store) or decodes one token of the running ones, and
 post-processing accepts the sampled tokens, streams their text and finishes sequences (stop,
-length, cancel; the answer's chunks stored when asked). ``generate`` is submit + steps until that
-request is done, on the caller's thread or, after ``start()``, on the engine's own loop thread.
+length, cancel). A plain prompt is first lined up with a stored conversation history
+(``kvfuse.history``); when its turn ends, the ids its KV holds are recorded and the new entries
+(the answer's chunks, the partial last chunk as a tail) go to the ``Saver`` thread, like the
+prompt's new chunks after the prefill: no request waits for a store write. ``encode_chat``
+drops the oldest turns of a conversation beyond the context window. ``generate`` is submit +
+steps until that request is done, on the caller's thread or, after ``start()``, on the engine's
+own loop thread.
 
 A loaded chunk holds exactly what a prefill of its tokens writes (the live KV has the stored
 dtype) and moved keys are rotated exactly (``rope``), so greedy output with a cache hit is the
 output without one up to float rounding: computing a prompt in two parts (the cached one, then
-the rest) sums in another order than computing it whole, which can flip a near-tie. The server reads statistics and clears tenants only through the narrow API at
-the end of this class (``stats_snapshot``, ``cache_stats``, ``clear_cache``, ``queue_state``).
+the rest) sums in another order than computing it whole, which can flip a near-tie. The server
+reads statistics and clears tenants only through the narrow API at the end of this class
+(``stats_snapshot``, ``cache_stats``, ``clear_cache``, ``queue_state``).
 """
 
 from __future__ import annotations
@@ -541,10 +547,7 @@ class Engine:
         """Store spans of a live cache: handed to the saver thread, or written now without one."""
         if self.saver is not None:
             return self.saver.save(kv, self.codec, spans, skip_held)
-        if skip_held:
-            held = self.store.lookup([s.key for s in spans], count=False).where
-            spans = [s for s, w in zip(spans, held) if w is None]
-        return executor.store(self.store, kv, self.codec, spans)
+        return executor.store(self.store, kv, self.codec, executor.unheld(self.store, spans) if skip_held else spans)
 
     def _decode(self, seq: Sequence) -> None:
         seq.pending = seq.sampler(self.model.runner.forward([seq.token_ids[-1]], seq.kv))

@@ -168,9 +168,21 @@ def prefill_blended(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan
     return Blended(logits, load_s + waited, compute_s, stats, loader, stats.recomputed)
 
 
+def unheld(store: TieredStore, spans) -> list[Store]:
+    """The spans whose keys no tier holds yet (the others need not be written again)."""
+    spans = list(spans)
+    held = store.lookup([s.key for s in spans], count=False).where
+    return [s for s, w in zip(spans, held) if w is None]
+
+
+def encode_spans(kv: KVCache, codec: Codec, spans) -> list[tuple[ChunkKey, Entry]]:
+    """An entry per span of ``kv`` (its slots copied out), keyed by the span's key."""
+    return [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec)) for s in spans if s.end <= kv.length]
+
+
 def store(store: TieredStore, kv: KVCache, codec: Codec, spans: list[Store] | tuple[Store, ...]) -> int:
     """Save the KV of each span under its key (memory now, lower tiers in the background)."""
-    items = [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec)) for s in spans if s.end <= kv.length]
+    items = encode_spans(kv, codec, spans)
     if items:
         store.put(items)
     return len(items)

@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 from kvfuse.codecs.base import Codec
 from kvfuse.counters import Counters
-from kvfuse.kv.format import encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.tiers.store import TieredStore
 
+from .executor import encode_spans, unheld
 from .planner import Store
 
 log = logging.getLogger(__name__)
@@ -112,12 +112,8 @@ class Saver:
             kv, codec, spans, skip_held = job
             t0 = time.perf_counter()
             try:
-                if skip_held:
-                    held = self.store.lookup([s.key for s in spans], count=False).where
-                    todo = [s for s, w in zip(spans, held) if w is None]
-                else:
-                    todo = list(spans)
-                items = [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec)) for s in todo]
+                todo = unheld(self.store, spans) if skip_held else spans
+                items = encode_spans(kv, codec, todo)
                 if items:
                     self.store.put(items, block=True)
                     first = self.store.tiers[0]

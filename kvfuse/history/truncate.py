@@ -17,9 +17,7 @@ def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) 
     unchanged when it fits already; None when even the last turn alone does not fit."""
     if fits(messages):
         return messages
-    head = 0
-    while head < len(messages) and messages[head].get("role") in _KEPT_ROLES:
-        head += 1
+    head = _head(messages)
     starts = [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
     if messages and messages[-1].get("role") == "user" and len(messages) - 1 not in starts and len(messages) - 1 > head:
         starts.append(len(messages) - 1)
@@ -28,3 +26,19 @@ def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) 
         if fits(kept):
             return kept
     return None
+
+
+def without_oldest(messages: list[dict], dropped: int) -> list[dict]:
+    """``messages`` less the ``dropped`` oldest after the leading system messages: what
+    ``drop_oldest_turns`` kept, given how many it dropped (for a caller that goes on with the
+    conversation)."""
+    head = _head(messages)
+    return messages[:head] + messages[head + dropped :]
+
+
+def _head(messages: list[dict]) -> int:
+    """How many leading messages are system (or developer) messages, always kept."""
+    head = 0
+    while head < len(messages) and messages[head].get("role") in _KEPT_ROLES:
+        head += 1
+    return head

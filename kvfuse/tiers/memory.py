@@ -1,4 +1,5 @@
-"""The memory tier: an LRU dictionary bounded by the bytes of its values."""
+"""The memory tier: an LRU dictionary bounded by the bytes of its values, optionally queue-aware
+(``set_protect``: the entries queued requests will load are evicted last)."""
 
 from __future__ import annotations
 

@@ -15,12 +15,16 @@ Semantics in brief:
   entry's layer table says where they are), for loading layer by layer.
 - ``put(items)`` writes the first tier synchronously and queues the writes to the lower tiers for a
   background thread. The queue holds at most ``write_queue_size`` entries; when it is full, the
-  lower-tier write is dropped and counted (the caller is never blocked: the entry is in memory).
-  ``flush()`` waits for the queued writes.
+  lower-tier write is dropped and counted (the caller is never blocked: the entry is in memory),
+  unless the caller asks to wait for room (``block``: the engine's saver thread, which nobody
+  waits on). ``flush()`` waits for the queued writes.
 - A tier that raises (it should not: tiers count their own failures) is logged, counted, and
   treated as a miss.
-- ``upcoming()`` is what the engine's queue will ask for next (``set_lookahead``), in order: the
-  seam for prefetching lower-tier entries before the requests that need them run.
+- ``upcoming()`` is what the engine's queue will ask for next (``set_lookahead``), in order.
+  ``protect_upcoming`` makes the memory tier evict those entries last (queue-aware eviction), and
+  a ``Prefetcher`` (``tiers/prefetch.py``) reads them into memory before their requests run;
+  ``fetch(..., prefetch=True)`` counts its reads, and later request reads are counted as
+  ``prefetch_hits`` / ``prefetch_misses``.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from kvfuse.engine.prompt import Prompt
 from kvfuse.history import HistoryIndex, Record, Run, StoredEntry, align, byte_sync, drop_oldest_turns
 from kvfuse.history.align import common_prefix
 from kvfuse.history.records import decode_record, encode_record
+from kvfuse.history.truncate import without_oldest
 from kvfuse.kv.keys import ChunkKind, Namespace, prefix_keys, tail_key
 
 # A byte table: ids 0..99 spell one letter each ("a".."z" cycling), 100 spells "ab", 101 spells
@@ -99,6 +100,8 @@ def test_drop_oldest_turns_keeps_the_system_prompt_and_the_last_turn(roles, limi
     m = msgs(*roles)
     out = drop_oldest_turns(m, fits_within(limit))
     assert (None if out is None else [m.index(x) for x in out]) == kept
+    if out is not None:  # what a caller going on with the conversation rebuilds from the count
+        assert without_oldest(m, len(m) - len(out)) == out
 
 
 # ------------------------------------------------------------------------------ the index
