@@ -34,6 +34,9 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
         p.add_argument("--dtype", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
         p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: all cores)")
+        p.add_argument("--kv-slo-ms", type=float, metavar="MS",
+                       help="load KV from disk / Redis within this budget, each chunk at the best encoding that "
+                            "fits or recomputed (CacheGen streaming; cache.kv_slo_ms)")
     p.add_argument("--redis-url", metavar="URL", help="add a Redis/Valkey tier, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--no-disk", action="store_true", help="no disk tier")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and timings to stderr")
@@ -110,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tier", choices=("all", "disk", "redis"), default="all")
     p.add_argument("--prefix", default="", help="only keys starting with this (a namespace id, e.g. 3f2a...:)")
     _common(p, model=False)
-    p = csub.add_parser("inspect", help="show an entry's header (a storage key or an entry file)")
-    p.add_argument("target", metavar="KEY|FILE")
+    p = csub.add_parser("inspect", help="list entries with codec, level and compression ratio, or show one "
+                                        "entry's header (a storage key or an entry file)")
+    p.add_argument("target", metavar="KEY|FILE", nargs="?", help="one entry; without it, list the disk and Redis tiers")
+    p.add_argument("--limit", type=int, default=50, help="entries listed per tier (default 50)")
+    p.add_argument("--json", action="store_true", help="the list as JSON")
     _common(p, model=False)
     return parser
 
@@ -131,6 +137,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "server.api_keys": tuple(args.api_key) if getattr(args, "api_key", None) else None,
         "cache.truncation": getattr(args, "truncation", None),
         "context_tokens": getattr(args, "context_tokens", None),
+        "cache.kv_slo_ms": getattr(args, "kv_slo_ms", None),
     }
     return load_from_environment(getattr(args, "config", None), overrides)
 
@@ -203,6 +210,11 @@ def cmd_generate(args, config: Config) -> int:
                 f"prefill {t.prefill_s * 1000:.0f} ms), decode {t.decode_tokens_per_s(result.completion_tokens):.1f} tokens/s",
                 file=sys.stderr,
             )
+            if result.stream is not None:
+                r = result.stream
+                chunks = ", ".join(f"{n} {enc}" for enc, n in sorted(r.chunks.items()))
+                print(f"[kvfuse] streamed from slow tiers: {chunks}; {r.load_s * 1000:.0f} ms of a "
+                      f"{r.slo_s * 1000:.0f} ms budget ({r.bytes_read / 2**20:.1f} MiB read)", file=sys.stderr)
     finally:
         engine.close()  # flushes the background writes to disk / Redis
     return 0
@@ -335,6 +347,8 @@ def cmd_cache(args, config: Config) -> int:
                 HistoryIndex(config.cache.history_records, config.disk_path / "histories").delete_prefix(args.prefix)
             print(f"removed {removed} entries")
             return 0
+        if args.target is None:
+            return _inspect_all(store, args.limit, args.json)
         return _inspect(args.target, store)
     finally:
         store.close()
@@ -366,7 +380,57 @@ def _inspect(target: str, store) -> int:
     except FormatError as e:
         raise UserError(f"{where}: not a valid kvfuse entry: {e}") from e
     info = {"source": where, **{k: getattr(header, k) for k in header.__dataclass_fields__}}
+    info["raw_bytes"] = header.raw_payload_size
+    info["compression_ratio"] = round(header.compression_ratio, 3)
     print(json.dumps(info, indent=2, default=str))
+    return 0
+
+
+def _inspect_all(store, limit: int, as_json: bool) -> int:
+    """Each entry of the disk and Redis tiers (up to ``limit`` per tier): codec, level, tokens,
+    size and compression ratio against the raw KV; then totals per tier and encoding."""
+    from .kv.format import FormatError, read_header
+
+    if limit < 1:
+        raise UserError("--limit must be at least 1")
+    rows, totals = [], {}
+    for tier in store.tiers[1:]:
+        keys = tier.keys_lru()[::-1][:limit] if hasattr(tier, "keys_lru") else tier.keys(limit)
+        for key in keys:
+            blob = tier.get(key)
+            if blob is None:
+                continue
+            try:
+                h = read_header(blob)
+            except FormatError as e:
+                rows.append({"tier": tier.name, "key": str(key), "error": str(e)})
+                continue
+            encoding = h.codec if h.codec_id == 1 else f"{h.codec}.{h.level}"
+            row = {"tier": tier.name, "key": str(key), "codec": h.codec, "level": h.level, "tokens": h.shape[2],
+                   "bytes": h.header_size + h.payload_size, "raw_bytes": h.raw_payload_size,
+                   "ratio": round(h.compression_ratio, 2), "intact": h.payload_ok}
+            rows.append(row)
+            t = totals.setdefault((tier.name, encoding), [0, 0, 0])
+            t[0], t[1], t[2] = t[0] + 1, t[1] + row["bytes"], t[2] + row["raw_bytes"]
+    summary = [{"tier": tier, "encoding": enc, "entries": n, "bytes": b, "raw_bytes": r,
+                "ratio": round(r / b, 2) if b else None} for (tier, enc), (n, b, r) in sorted(totals.items())]
+    if as_json:
+        print(json.dumps({"entries": rows, "summary": summary}, indent=2))
+        return 0
+    if not rows:
+        print("no entries in the disk or Redis tier")
+        return 0
+    print(f"{'tier':<6} {'codec':<9} {'level':>5} {'tokens':>6} {'bytes':>10} {'ratio':>6}  key")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['tier']:<6} {'?':<9} {'?':>5} {'?':>6} {'?':>10} {'?':>6}  {r['key']}  ({r['error']})")
+        else:
+            print(f"{r['tier']:<6} {r['codec']:<9} {r['level']:>5} {r['tokens']:>6} {r['bytes']:>10} "
+                  f"{r['ratio']:>5.2f}x  {r['key']}{'' if r['intact'] else '  (damaged payload)'}")
+    print()
+    for t in summary:
+        print(f"{t['tier']:<6} {t['encoding']:<12} {t['entries']:>6} entries  {t['bytes'] / 2**20:9.1f} MiB  "
+              f"{t['ratio']}x smaller than raw")
     return 0
 
 

@@ -69,6 +69,15 @@ class CacheConfig:
     async_save: bool = True  # save new KV on a thread of its own, off the request path
     prefetch: bool = True  # read queued requests' KV from disk / Redis into memory before they run
     eviction: str = "queue"  # memory tier: queue (keep queued requests' entries) | lru
+    # Per-tier codecs: the memory tier writes ``codec``; disk and Redis write their own when set
+    # (e.g. cachegen), else the same. Readers accept any codec, whatever wrote an entry.
+    disk_codec: str | None = None
+    disk_codec_level: int = 0
+    redis_codec: str | None = None
+    redis_codec_level: int = 0
+    stream_levels: tuple[int, ...] = ()  # extra CacheGen levels written to disk / Redis for streaming
+    kv_slo_ms: float | None = None  # load slow-tier KV adaptively within this budget (None: off)
+    codec_workers: int | None = None  # processes that encode / decode CacheGen (None: one per core)
 
 
 @dataclass(frozen=True)
@@ -263,9 +272,17 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
         return f
     if base.startswith("tuple"):
         items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, int) and not isinstance(items, bool):
+            items = [items]
         if not isinstance(items, (list, tuple)):
             fail("a list", f"{name.split('.')[-1]}: [a, b]")
-        return tuple(str(i).strip() for i in items if str(i).strip())
+        strings = tuple(str(i).strip() for i in items if str(i).strip())
+        if base == "tuple[int, ...]":
+            try:
+                return tuple(int(i) for i in strings)
+            except ValueError:
+                fail("a list of integers", f"{name.split('.')[-1]}: [1, 3]")
+        return strings
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         fail("a string", f"{name.split('.')[-1]}: text")
     return str(value)
@@ -330,9 +347,26 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
     for entry in s.api_keys:
         key, sep, tenant = entry.partition(":")
         need(bool(sep and key and tenant), "server.api_keys", f"entries must look like KEY:TENANT, got {entry!r}")
-    from .codecs import codec_names
+    from .codecs import codec_names, get_codec
 
     need(k.codec in codec_names(), "cache.codec", f"unknown codec {k.codec!r}; known codecs: {', '.join(codec_names())}")
+    for tier in ("", "disk_", "redis_"):
+        name = getattr(k, f"{tier}codec")
+        if name is None:
+            continue
+        need(name in codec_names(), f"cache.{tier}codec",
+             f"unknown codec {name!r}; known codecs: {', '.join(codec_names())}")
+        try:
+            get_codec(name, getattr(k, f"{tier}codec_level"))
+        except ValueError as e:
+            need(False, f"cache.{tier}codec_level", str(e))
+    from .codecs.cachegen import LEVELS
+
+    need(all(level in LEVELS for level in k.stream_levels), "cache.stream_levels",
+         f"must be CacheGen levels ({', '.join(map(str, LEVELS))}), got {list(k.stream_levels)}")
+    need(k.kv_slo_ms is None or k.kv_slo_ms > 0, "cache.kv_slo_ms", f"must be > 0 milliseconds, got {k.kv_slo_ms}")
+    need(k.codec_workers is None or k.codec_workers >= 0, "cache.codec_workers",
+         "must be >= 0 (0: code in the calling process)")
 
 
 def default_home(env: Mapping[str, str] | None = None) -> Path:

@@ -12,6 +12,8 @@ from .config import Config
 from .engine import Engine
 from .models import LoadedModel, load_model
 from .tiers.disk import DiskTier
+from .codecs import get_codec
+from .entropy.pool import set_shared_pool, shared_pool
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
 from .tiers.store import TieredStore
@@ -24,12 +26,22 @@ def open_store(config: Config) -> TieredStore | None:
     c = config.cache
     if not c.enabled:
         return None
+    if c.codec_workers is not None:
+        set_shared_pool(c.codec_workers)
     tiers = [MemoryTier(c.memory_bytes)]
+    codecs = {}
     if c.disk:
         tiers.append(DiskTier(config.disk_path, c.disk_bytes))
+        if c.disk_codec is not None:
+            codecs[tiers[-1].name] = get_codec(c.disk_codec, c.disk_codec_level)
     if c.redis_url:
         tiers.append(RedisTier(c.redis_url, timeout_s=c.redis_timeout_s))
-    return TieredStore(tiers, write_queue_size=c.write_queue)
+        if c.redis_codec is not None:
+            codecs[tiers[-1].name] = get_codec(c.redis_codec, c.redis_codec_level)
+    stream_levels = c.stream_levels if len(tiers) > 1 else ()
+    if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
+        shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request
+    return TieredStore(tiers, write_queue_size=c.write_queue, codecs=codecs, stream_levels=stream_levels)
 
 
 def set_threads(config: Config) -> None:
@@ -96,4 +108,5 @@ def open_engine(config: Config, model: LoadedModel | None = None, store: TieredS
         async_save=c.async_save,
         prefetch=c.prefetch,
         eviction=c.eviction,
+        kv_slo_ms=c.kv_slo_ms,
     )

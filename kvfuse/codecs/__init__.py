@@ -1,6 +1,6 @@
 """KV codecs and their registry: ``get_codec(name, level)`` and, for entry headers, ``get_codec_by_id``.
 
-Later codecs (CacheGen) plug in with ``register_codec``; a codec's name and id are written into
+Codecs: ``raw`` (lossless), ``int8``, ``cachegen`` (levels 1-4, CacheGen); more plug in with ``register_codec``; a codec's name and id are written into
 keys and entry headers, so neither may ever be reused for a different encoding.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Callable
 
 from kvfuse.codecs.base import Codec, CodecError
+from kvfuse.codecs.cachegen import CacheGenCodec
 from kvfuse.codecs.int8 import Int8Codec
 from kvfuse.codecs.raw import RawCodec
 
@@ -52,8 +53,10 @@ def get_codec_by_id(codec_id: int, level: int = 0) -> Codec:
 
 register_codec(RawCodec.name, RawCodec.codec_id, RawCodec)
 register_codec(Int8Codec.name, Int8Codec.codec_id, Int8Codec)
+register_codec(CacheGenCodec.name, CacheGenCodec.codec_id, CacheGenCodec)
 
 __all__ = [
+    "CacheGenCodec",
     "Codec",
     "CodecError",
     "Int8Codec",

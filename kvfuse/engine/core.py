@@ -54,6 +54,8 @@ from .saver import Saver
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats
+from .stream_loader import stream_prefill
+from .streaming import LoadEstimates, StreamReport
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class Engine:
         async_save: bool = True,
         prefetch: bool = True,
         eviction: str = "queue",
+        kv_slo_ms: float | None = None,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -99,6 +102,11 @@ class Engine:
         self.kv_dtype_name = kv_dtype
         self.kv_dtype = KV_DTYPES[kv_dtype]
         self.codec = get_codec(codec, codec_level)  # how this engine writes entries; any codec is read
+        if kv_slo_ms is not None and not kv_slo_ms > 0:
+            raise ValueError(f"kv_slo_ms must be > 0 (or None: no streaming), got {kv_slo_ms}")
+        # Bandwidth-adaptive loading of chunks in slow tiers within this budget (engine/streaming.py).
+        self.kv_slo_ms = kv_slo_ms
+        self.estimates = LoadEstimates()
         self.store_generated = store_generated
         self.base_salt = salt
         self.blend = blend
@@ -447,7 +455,8 @@ class Engine:
         prompt, runner = req.prompt, self.model.runner
         unusable: set[ChunkKey] = set()
         where = None
-        for _ in range(4):  # a document unreadable mid-blend: plan around it and start again
+        streaming, slo_ms = False, None
+        for _ in range(4):  # an entry unreadable mid-prefill: plan around it and start again
             entries: dict = {}
             served: dict[ChunkKey, str] = {}
             if seq.keys is None:
@@ -463,7 +472,11 @@ class Engine:
                     t.lookup_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
                 plan = replan(prompt, seq.keys, where, unusable)
-                fetched = executor.fetch(self.store, runner, self.kv_dtype, plan, pipelined=plan.has_documents)
+                slo_ms = req.cache.kv_slo_ms if req.cache.kv_slo_ms is not None else self.kv_slo_ms
+                streaming = bool(slo_ms) and not plan.has_documents and any(
+                    executor.streamed(self.store, x) for x in plan.loads)
+                fetched = executor.fetch(self.store, runner, self.kv_dtype, plan, pipelined=plan.has_documents,
+                                         streaming=streaming)
                 if fetched.unusable:
                     unusable |= fetched.unusable
                     plan = replan(prompt, seq.keys, where, unusable)
@@ -481,7 +494,19 @@ class Engine:
                     seq.stored += 1
             seq.kv = runner.new_cache(len(prompt) + req.params.max_tokens, dtype=self.kv_dtype)
             if not plan.has_documents:
-                filled = executor.prefill(runner, seq.kv, prompt.ids, plan, entries)
+                try:
+                    if streaming:
+                        filled = stream_prefill(runner, seq.kv, prompt.ids, plan, entries, self.store,
+                                                self.kv_dtype, slo_ms / 1000, self.estimates)
+                        served.update(filled.served)
+                    else:
+                        filled = executor.prefill(runner, seq.kv, prompt.ids, plan, entries)
+                except executor.EntryUnusable as e:  # a payload its codec rejects: a miss, never used
+                    log.warning("request %s: %s; computing it instead", req.request_id, e)
+                    self.stats.add(chunk_load_failures=1)
+                    self.store.discard(e.key)
+                    unusable.add(e.key)
+                    continue
                 break
             try:
                 filled = executor.prefill_blended(runner, seq.kv, prompt.ids, plan, entries, self.store,
@@ -495,13 +520,19 @@ class Engine:
             break
         else:
             raise RuntimeError("documents could not be loaded after several attempts")
-        from_store = [x for x in plan.loads if x.tier is not None]
+        skipped = set(getattr(filled, "recomputed", ()))  # streamed loads computed instead
+        from_store = [x for x in plan.loads if x.tier is not None and x not in skipped]
         seq.hit_tiers = tuple(served[x.key] for x in from_store)
-        seq.reused, seq.started = plan.reused_tokens, True
+        seq.reused, seq.started = plan.reused_tokens - sum(x.end - x.start for x in skipped), True
+        if streaming:
+            self._count_stream(filled.report)
+            seq.stream = filled.report
+        elif not plan.has_documents and plan.computed_tokens:
+            self.estimates.computed(plan.computed_tokens, filled.compute_s)
         if seq.keys is not None and seq.keys.history:
             stored = {e.key for e in seq.keys.history}
-            seq.history_reused = plan.reused_by(lambda x: x.key in stored)
-            seq.moved_reused = plan.reused_by(lambda x: x.key in stored and x.moved)
+            seq.history_reused = plan.reused_by(lambda x: x.key in stored and x not in skipped)
+            seq.moved_reused = plan.reused_by(lambda x: x.key in stored and x.moved and x not in skipped)
         if plan.has_documents:
             recomputed = filled.recomputed_positions
             cached_slots = torch.zeros(len(prompt), dtype=torch.bool)
@@ -517,6 +548,8 @@ class Engine:
         t0 = time.perf_counter()
         if plan.has_documents:
             self.store.promote(filled.loader.promotions(self.codec))  # documents read from below, after the TTFT
+        elif streaming:
+            self.store.promote(filled.promotions)
         if plan.stores:
             seq.stored += self._save(seq.kv, plan.stores)
         t.store_s = time.perf_counter() - t0
@@ -542,6 +575,10 @@ class Engine:
                 seq.keys = keys.with_history([entry], [Run(entry.source, end, entry.source)])
                 return tuple(where) + (tier,)
         return where
+
+    def _count_stream(self, report: StreamReport) -> None:
+        self.stats.add(streamed_requests=1, stream_slo_violations=int(not report.met),
+                       stream_chunks=dict(report.chunks), stream_bytes=report.bytes_read)
 
     def _save(self, kv, spans, skip_held: bool = False) -> int:
         """Store spans of a live cache: handed to the saver thread, or written now without one."""
@@ -575,7 +612,7 @@ class Engine:
         t.total_s = time.perf_counter() - seq.t_start
         self.stats.add(requests=1, tokens_generated=len(seq.token_ids), chunks_stored=seq.stored)
         result = GenerationResult(seq.text, seq.token_ids, seq.finish_reason, seq.prompt_len, seq.reused, t,
-                                  seq.hit_tiers, seq.stored, seq.recomputed)
+                                  seq.hit_tiers, seq.stored, seq.recomputed, seq.stream)
         self._end(seq, Outcome(result=result))
 
     def _keep_history(self, seq: Sequence) -> None:

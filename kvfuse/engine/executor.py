@@ -15,7 +15,7 @@ import torch
 
 from kvfuse.blend import BlendOptions, BlendStats, DocumentLoad, LayerLoader, blend_prefill
 from kvfuse.codecs.base import Codec
-from kvfuse.kv.format import Entry, EntrySpec, encode_entry
+from kvfuse.kv.format import Entry, EntrySpec, FormatError, encode_entry
 from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.models.cache import KVCache
 from kvfuse.models.transformer import Transformer
@@ -46,12 +46,29 @@ def layer_by_layer(store: TieredStore, load: Load) -> bool:
     return load.key.kind is ChunkKind.DOCUMENT and load.tier is not None and load.tier != store.tiers[0].name
 
 
-def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: Plan, pipelined: bool = False) -> Fetch:
+class EntryUnusable(Exception):
+    """An entry passed the store's checks but its codec cannot decode it (a miss: plan around it)."""
+
+    def __init__(self, key: ChunkKey, why: str):
+        super().__init__(f"entry {key} does not decode ({why})")
+        self.key = key
+
+
+def streamed(store: TieredStore, load: Load) -> bool:
+    """Whether the streaming loader reads this load's entry (a prefix, history or tail chunk in a
+    tier below memory) chunk by chunk, at the encoding the bandwidth allows."""
+    return load.key.kind is not ChunkKind.DOCUMENT and load.tier is not None and load.tier != store.tiers[0].name
+
+
+def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: Plan, pipelined: bool = False,
+          streaming: bool = False) -> Fetch:
     """Read every entry the plan loads from a tier (each distinct key once); with ``pipelined``,
-    not the documents a blend will read layer by layer."""
+    not the documents a blend will read layer by layer; with ``streaming``, not the chunks the
+    streaming loader reads (``stream_prefill``)."""
     wanted: dict[ChunkKey, Load] = {}
     for load in plan.loads:
-        if load.tier is not None and not (pipelined and layer_by_layer(store, load)):
+        if load.tier is not None and not (pipelined and layer_by_layer(store, load)) and not (
+                streaming and streamed(store, load)):
             wanted.setdefault(load.key, load)
     keys = list(wanted)
     got = store.fetch(keys, [entry_spec(runner, kv_dtype, wanted[k]) for k in keys]) if keys else []
@@ -75,9 +92,17 @@ def precompute(runner: Transformer, kv_dtype: torch.dtype, codec: Codec, step: P
 
 def load(runner: Transformer, kv: KVCache, step: Load, entry: Entry) -> None:
     """Put tokens ``offset..`` of ``entry`` into slots ``[start, end)`` and move their keys from
-    where they were stored to ``start..``."""
+    where they were stored to ``start..``. EntryUnusable if its payload does not decode."""
+    try:
+        data = entry.decode()
+    except FormatError as e:
+        raise EntryUnusable(step.key, str(e)) from None
+    load_decoded(runner, kv, step, data, entry.positions)
+
+
+def load_decoded(runner: Transformer, kv: KVCache, step: Load, data: torch.Tensor, positions: torch.Tensor) -> None:
+    """``load`` of an entry already decoded to ``data`` (its KV) and ``positions``."""
     a, b = step.offset, step.offset + step.end - step.start
-    data, positions = entry.decode(), entry.positions
     if (a, b) != (0, data.shape[2]):
         data, positions = data[:, :, a:b], positions[a:b]
     kv.write(step.start, data, positions)

@@ -13,6 +13,7 @@ from kvfuse.blend.options import BlendOptions
 from kvfuse.generation import SamplingParams
 
 from .prompt import Prompt
+from .streaming import StreamReport
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class CacheOptions:
     salt: str = ""
     store_generated: bool | None = None  # None -> the engine's default
     history_key: str | None = None  # OpenAI's prompt_cache_key: names a conversation's stored history
+    kv_slo_ms: float | None = None  # budget for loading KV from slow tiers (None: the engine's)
 
 
 @dataclass
@@ -58,6 +60,7 @@ class GenerationResult:
     hit_tiers: tuple[str, ...] = ()  # the tier each reused entry came from
     stored_chunks: int = 0
     recomputed_tokens: int = 0  # document tokens recomputed in context by a blend
+    stream: StreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
 
     @property
     def completion_tokens(self) -> int:

@@ -20,6 +20,7 @@ from kvfuse.models.tokenizer import StreamDecoder
 
 from .planner import Plan, PromptKeys
 from .request import Request, Timings
+from .streaming import StreamReport
 
 
 class SequenceStatus(enum.Enum):
@@ -48,6 +49,7 @@ class Sequence:
     finish_reason: str | None = None
     reused: int = 0
     recomputed: int = 0
+    stream: StreamReport | None = None  # how slow-tier chunks were streamed (kv_slo_ms), if they were
     hit_tiers: tuple[str, ...] = ()
     stored: int = 0
     started: bool = False  # planned and loaded (counted in the token statistics)

@@ -27,3 +27,7 @@ class EngineStats(Counters):
     moved_tokens_reused: int = 0  # of those, tokens reused at new positions (after dropped turns)
     truncated_requests: int = 0  # conversations that outgrew the context window
     truncated_messages: int = 0  # messages dropped from them
+    streamed_requests: int = 0  # prompts whose slow-tier chunks were loaded within kv_slo_ms
+    stream_slo_violations: int = 0  # of those, loads that took longer than the budget
+    stream_chunks: dict[str, int] = field(default_factory=dict)  # chunks per encoding, or "recompute"
+    stream_bytes: int = 0

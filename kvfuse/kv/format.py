@@ -223,6 +223,19 @@ class EntryHeader:
     layer_sizes: tuple[int, ...]
     payload_ok: bool  # every layer present at its declared size, checksums match, no trailing bytes
 
+    @property
+    def raw_payload_size(self) -> int:
+        """Bytes of the same KV unencoded, in its dtype (the raw codec's payload)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * (4 if self.dtype == "float32" else 2)
+
+    @property
+    def compression_ratio(self) -> float:
+        """Raw KV bytes per stored byte (header included): 1.0 for raw, more for lossy codecs."""
+        return self.raw_payload_size / max(1, self.header_size + self.payload_size)
+
 
 class Header:
     """A parsed, checked header: enough to find, check and decode any layer range of the payload.

@@ -21,7 +21,10 @@ must match for KV to be valid (the model, the KV dtype and layout, the format ve
 tenant and salt) is in the namespace, so a different model or format is a different key: a miss.
 
 Storage keys print as ``<tenant_tag 8 hex><namespace 16 hex>:<kind>:<digest 64 hex>`` with kind
-``p`` (prefix), ``d`` (document) or ``t`` (tail): distinct domain tags make the kinds' digests
+``p`` (prefix), ``d`` (document) or ``t`` (tail), and for an extra encoding of the same chunk
+(CacheGen's streaming levels) a ``@<codec>.<level>`` suffix: the *variant*. Lookups and plans use
+the plain key (the chunk's primary copy, in whatever codec its tier writes); only the streaming
+loader asks for a variant, and falls back to the primary. Kinds: distinct domain tags make the kinds' digests
 disjoint, and every entry of one tenant (whatever its model or salt) shares the readable prefix
 ``tenant_tag``, so a tenant's entries can be deleted by prefix.
 """
@@ -48,7 +51,8 @@ _DOC_TAG = b"kvfuse.doc\x00"
 _TAIL_TAG = b"kvfuse.tail\x00"
 
 _U32_MAX = 2**32 - 1
-_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dpt]):([0-9a-f]{64})$")
+_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dpt]):([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?$")
+_VARIANT_RE = re.compile(r"[a-z0-9]+\.[0-9]+")
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
 
@@ -142,6 +146,7 @@ class ChunkKey:
     namespace_id: str
     digest: bytes
     kind: ChunkKind
+    variant: str = ""  # "" for the chunk itself; "<codec>.<level>" for an extra encoding of it
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace_id, str) or not re.fullmatch(r"[0-9a-f]{24}", self.namespace_id):
@@ -150,20 +155,33 @@ class ChunkKey:
             raise ValueError(f"ChunkKey.digest must be 32 bytes, got {self.digest!r}")
         if not isinstance(self.kind, ChunkKind):
             raise ValueError(f"ChunkKey.kind must be a ChunkKind, got {self.kind!r}")
+        if self.variant and not _VARIANT_RE.fullmatch(self.variant):
+            raise ValueError(f"ChunkKey.variant must look like 'cachegen.1', got {self.variant!r}")
 
     def __str__(self) -> str:
-        return f"{self.namespace_id}:{self.kind.value}:{self.digest.hex()}"
+        base = f"{self.namespace_id}:{self.kind.value}:{self.digest.hex()}"
+        return f"{base}@{self.variant}" if self.variant else base
 
     def __repr__(self) -> str:
-        return f"ChunkKey({self.kind.name.lower()} {self.namespace_id}:{self.digest.hex()[:12]}...)"
+        at = f" @{self.variant}" if self.variant else ""
+        return f"ChunkKey({self.kind.name.lower()} {self.namespace_id}:{self.digest.hex()[:12]}...{at})"
+
+    def encoded_as(self, codec: str, level: int) -> ChunkKey:
+        """The key of this chunk's extra copy encoded by ``codec`` at ``level``."""
+        return ChunkKey(self.namespace_id, self.digest, self.kind, f"{codec}.{level}")
+
+    @property
+    def base(self) -> ChunkKey:
+        """The chunk's own key (without a variant)."""
+        return ChunkKey(self.namespace_id, self.digest, self.kind) if self.variant else self
 
     @classmethod
     def parse(cls, s: str) -> ChunkKey:
         """Inverse of ``str(key)``; raises ValueError on anything not in exactly that form."""
         m = _KEY_RE.match(s) if isinstance(s, str) else None
         if m is None:
-            raise ValueError(f"not a chunk key (expected '<24 hex>:<p|d|t>:<64 hex>'): {s!r}")
-        return cls(m.group(1), bytes.fromhex(m.group(3)), ChunkKind(m.group(2)))
+            raise ValueError(f"not a chunk key (expected '<24 hex>:<p|d|t>:<64 hex>[@codec.level]'): {s!r}")
+        return cls(m.group(1), bytes.fromhex(m.group(3)), ChunkKind(m.group(2)), m.group(4) or "")
 
 
 def _token_bytes(tokens: Tokens) -> np.ndarray:

@@ -49,6 +49,8 @@ _STORE_COUNTERS = {
     "prefetch_hits": ("kvfuse_prefetch_hits", "Entries a request found in memory because they were prefetched."),
     "prefetch_misses": ("kvfuse_prefetch_misses", "Entries a request still read from a lower tier while prefetching "
                                                   "was on."),
+    "reencoded": ("kvfuse_store_reencoded_chunks", "Entries re-encoded for a tier's own codec or a streaming level."),
+    "reencode_errors": ("kvfuse_store_reencode_errors", "Entries a tier's codec could not encode (not written there)."),
 }
 # Engine counters of conversations -> (metric name, help)
 _HISTORY_COUNTERS = {
@@ -109,6 +111,17 @@ class CacheCollector(Collector):
         if "history_records" in s:
             yield GaugeMetricFamily("kvfuse_history_records", "Conversation histories whose token ids are remembered.",
                                     value=s["history_records"])
+        yield CounterMetricFamily("kvfuse_stream_requests", "Prompts whose slow-tier KV was streamed within "
+                                  "kv_slo_ms (CacheGen).", value=s.get("streamed_requests", 0))
+        yield CounterMetricFamily("kvfuse_stream_slo_violations", "Streamed loads that took longer than kv_slo_ms.",
+                                  value=s.get("stream_slo_violations", 0))
+        yield CounterMetricFamily("kvfuse_stream_read_bytes", "Bytes read by streamed loads.",
+                                  value=s.get("stream_bytes", 0))
+        streamed = CounterMetricFamily("kvfuse_stream_chunks", "Streamed chunks, by the encoding read (raw, "
+                                       "cachegen.N) or recompute (no encoding fit the budget).", labels=["encoding"])
+        for encoding, n in sorted(s.get("stream_chunks", {}).items()):
+            streamed.add_metric([encoding], n)
+        yield streamed
         saver = s.get("saver")
         if saver is not None:
             for key, (name, help_) in _SAVER_COUNTERS.items():

@@ -16,7 +16,7 @@ both endpoints and the OpenAPI schema pick it up unchanged. Values that depend o
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -54,6 +54,12 @@ class KVFuseOptions(_Strict):
         None, ge=0.0, le=1.0, allow_inf_nan=False,
         description="kvfuse extension: the fraction of document tokens recomputed in context, in [0, 1] (0: reuse "
                     "the documents' KV as it is; 1: a full prefill). Default: the server's blend.recompute_ratio.",
+    )
+    kv_slo_ms: float | None = Field(
+        None, gt=0, le=3_600_000, allow_inf_nan=False,
+        description="kvfuse extension (CacheGen streaming): a budget in milliseconds for loading this prompt's KV "
+                    "from slow tiers (disk, Redis). Each chunk is read at the best encoding that keeps the whole load "
+                    "within it, or recomputed from its tokens when none does. Default: the server's cache.kv_slo_ms.",
     )
 
 
@@ -141,6 +147,9 @@ class PromptTokensDetails(BaseModel):
                                           "(memory, disk, redis).")
     save_ms: float = Field(0.0, description="kvfuse extension: milliseconds this request spent on saving its KV on the "
                                             "request path (the saving itself runs in the background).")
+    kv_stream: dict[str, Any] | None = Field(
+        None, description="kvfuse extension: how chunks in slow tiers were streamed within kv_slo_ms: chunks per "
+                          "encoding (\"raw\", \"cachegen.2\", ... or \"recompute\"), load_ms, slo_ms, met.")
 
 
 class Usage(BaseModel):

@@ -52,7 +52,7 @@ class Limits:
 def cache_options(opts: KVFuseOptions, tenant: str) -> CacheOptions:
     """The engine's cache behaviour for a request of ``tenant`` with extension fields ``opts``."""
     return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "",
-                        history_key=getattr(opts, "prompt_cache_key", None))
+                        history_key=getattr(opts, "prompt_cache_key", None), kv_slo_ms=opts.kv_slo_ms)
 
 
 def check_model(requested: str, served: str) -> None:

@@ -226,6 +226,27 @@ class RedisTier(Tier):
         self._succeeded()
         return removed
 
+    def keys(self, limit: int | None = None) -> list[ChunkKey]:
+        """Up to ``limit`` stored keys (SCAN order; [] if the server is unavailable)."""
+        if not self._available():
+            return []
+        pattern = _GLOB_SPECIAL.sub(r"\\\1", self.key_prefix) + "*"
+        out: list[ChunkKey] = []
+        try:
+            for k in self._client.scan_iter(match=pattern, count=1000):
+                name = k.decode("utf-8", "replace") if isinstance(k, bytes) else k
+                try:
+                    out.append(ChunkKey.parse(name[len(self.key_prefix):]))
+                except ValueError:
+                    continue  # not one of ours
+                if limit is not None and len(out) >= limit:
+                    break
+        except (redis.RedisError, OSError) as e:
+            self._failed("keys", e)
+            return out
+        self._succeeded()
+        return out
+
     def ping(self) -> bool:
         """True if the server answers now (ignores and does not start a back-off)."""
         try:

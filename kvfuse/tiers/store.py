@@ -14,7 +14,11 @@ Semantics in brief:
 - ``fetch_layers(key, first, last)`` reads and checks only the bytes of a layer range (the
   entry's layer table says where they are), for loading layer by layer.
 - ``put(items)`` writes the first tier synchronously and queues the writes to the lower tiers for a
-  background thread. The queue holds at most ``write_queue_size`` entries; when it is full, the
+  background thread. Each tier may have its own codec (``codecs``: e.g. raw in memory, CacheGen
+  on disk and Redis): the background writer re-encodes an entry for a tier whose codec differs,
+  and writes the extra ``stream_levels`` of CacheGen under the chunk's variant keys
+  (``ChunkKey.encoded_as``) for the streaming loader (``fetch_encoded``). Readers accept any
+  codec, so lookups and fetches are unchanged; entries written before a codec change stay usable. The queue holds at most ``write_queue_size`` entries; when it is full, the
   lower-tier write is dropped and counted (the caller is never blocked: the entry is in memory),
   unless the caller asks to wait for room (``block``: the engine's saver thread, which nobody
   waits on). ``flush()`` waits for the queued writes.
@@ -37,9 +41,12 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from kvfuse.kv.format import MIN_READ, Entry, EntrySpec, FormatError, Header, header_length, open_entry, parse_header
+from kvfuse.codecs import get_codec
+from kvfuse.codecs.base import Codec
+from kvfuse.kv.format import (MIN_READ, Entry, EntrySpec, FormatError, Header, encode_entry, header_length, open_entry,
+                              parse_header)
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Tier
+from kvfuse.tiers.base import Blob, Tier, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,16 @@ class Fetched:
 
 
 @dataclass(frozen=True)
+class Encoded:
+    """What ``fetch_encoded`` read: the checked entry, its size in the tier, and the variant it is
+    ("" for the chunk's primary copy)."""
+
+    entry: Entry
+    nbytes: int
+    variant: str
+
+
+@dataclass(frozen=True)
 class LayerRange:
     """The decoded KV of layers ``[first, last)`` of one entry, ``(n, 2, tokens, kv_heads,
     head_dim)``, with the entry's positions and the tier it came from."""
@@ -89,7 +106,8 @@ class LayerRange:
 class TieredStore:
     """Tiers ordered fastest first; see the module docstring for the semantics."""
 
-    def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64, write_batch: int = 16) -> None:
+    def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64, write_batch: int = 16,
+                 codecs: dict[str, Codec] | None = None, stream_levels: Sequence[int] = ()) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier (e.g. a MemoryTier)")
         names = [t.name for t in tiers]
@@ -98,6 +116,12 @@ class TieredStore:
         if write_queue_size < 1 or write_batch < 1:
             raise ValueError("write_queue_size and write_batch must be >= 1")
         self.tiers = list(tiers)
+        unknown = set(codecs or {}) - set(names)
+        if unknown:
+            raise ValueError(f"codecs for unknown tiers {sorted(unknown)}; tiers are {names}")
+        self.codecs: dict[str, Codec] = dict(codecs or {})  # a tier's write codec (absent: as put)
+        self.stream_levels = tuple(sorted(set(stream_levels)))
+        self._stream_codecs = [get_codec("cachegen", level) for level in self.stream_levels]
         self._write_batch = write_batch
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue_size)
         self._idle = threading.Condition()
@@ -115,6 +139,8 @@ class TieredStore:
             "prefetched": 0,
             "prefetch_hits": 0,
             "prefetch_misses": 0,
+            "reencoded": 0,
+            "reencode_errors": 0,
         }
         self._prefetched: set[ChunkKey] = set()  # brought into memory ahead of the request needing them
         self.prefetching = False  # a Prefetcher runs (lower-tier reads at run time are then its misses)
@@ -239,6 +265,32 @@ class TieredStore:
         self._count(unusable_entries=1)
         self._safe(tier, "delete", tier.delete, False, key)
 
+    def fetch_encoded(self, key: ChunkKey, tier: str, variant: str = "", spec: EntrySpec | None = None) -> Encoded | None:
+        """``key``'s copy ``variant`` ("cachegen.1", or "" for the primary) from the tier named
+        ``tier`` only, falling back to the primary copy there; checked like ``fetch``; None if
+        the tier has no usable copy. Nothing is promoted (the streaming loader reads a chunk at
+        the level its bandwidth allows, not a copy to keep)."""
+        t = next((x for x in self.tiers if x.name == tier), None)
+        if t is None:
+            raise ValueError(f"no tier named {tier!r}")
+        wanted = [key.encoded_as(*variant.rsplit(".", 1)), key] if variant else [key]
+        for k in wanted:
+            value = self._safe(t, "get", t.get, None, k)
+            if value is None:
+                continue
+            entry = self._open(t, k, value, spec, promoted=False)
+            if entry is not None:
+                return Encoded(entry, nbytes(value), k.variant)
+        return None
+
+    def discard(self, key: ChunkKey) -> None:
+        """Remove ``key`` from every tier and count it unusable: an entry found intact but that its
+        codec could not decode (``fetch`` checks bytes, not a codec's whole decode)."""
+        self._count(unusable_entries=1)
+        for t in self.tiers:
+            if self._safe(t, "delete", t.delete, False, key):
+                t.stats.add(errors=1)
+
     def fetch_layers(self, key: ChunkKey, first: int, last: int, spec: EntrySpec | None = None) -> LayerRange | None:
         """The KV of layers ``[first, last)`` of ``key`` from the fastest tier holding a usable
         copy, reading (from disk or Redis) only the header and those layers' bytes; None if no
@@ -337,11 +389,61 @@ class TieredStore:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
+            memo: dict = {}
             for tier in self.tiers[1:]:
-                self._safe(tier, "put_many", tier.put_many, None, batch)
+                items = self._encoded_for(tier, batch, memo)
+                self._safe(tier, "put_many", tier.put_many, None, items)
             with self._idle:
                 self._inflight -= len(batch)
                 self._idle.notify_all()
+
+    def encodings(self, tier: str) -> list[str]:
+        """The variants a chunk has in ``tier`` besides its primary copy ("cachegen.1", ...)."""
+        if tier == self.tiers[0].name:
+            return []
+        return [f"{c.name}.{c.level}" for c in self._stream_codecs]
+
+    def _encoded_for(self, tier: Tier, batch: list, memo: dict) -> list[tuple[ChunkKey, Blob]]:
+        """The writes of ``batch`` for ``tier``: each entry in the tier's codec, plus its variants.
+        ``memo`` shares the encodings between the tiers of one batch."""
+        codec = self.codecs.get(tier.name)
+        if codec is None and not self._stream_codecs:
+            return batch
+        out = []
+        for key, value in batch:
+            primary = value if codec is None else self._reencode(key, value, codec, memo)
+            if primary is not None:
+                out.append((key, primary))
+            if key.variant:
+                continue
+            for c in self._stream_codecs:
+                if codec is not None and (codec.name, codec.level) == (c.name, c.level):
+                    continue  # the primary copy is this level already
+                vkey = key.encoded_as(c.name, c.level)
+                encoded = self._reencode(vkey, value, c, memo)
+                if encoded is not None:
+                    out.append((vkey, encoded))
+        return out
+
+    def _reencode(self, key: ChunkKey, value: Blob, codec: Codec, memo: dict) -> Entry | None:
+        """``value`` as an entry of ``codec`` under ``key`` (itself when it is one already); None
+        (counted, logged) when it cannot be (a damaged value, KV the codec refuses)."""
+        memo_key = (str(key), codec.name, codec.level)
+        if memo_key in memo:
+            return memo[memo_key]
+        try:
+            entry = open_entry(value)
+            if entry.key == str(key) and (entry.codec.name, entry.codec.level) == (codec.name, codec.level):
+                out = entry
+            else:
+                out = encode_entry(entry.chunk(), key, codec)
+                self._count(reencoded=1)
+        except (FormatError, ValueError) as e:
+            log.warning("cannot encode %s with %s level %d: %s", key, codec.name, codec.level, e)
+            self._count(reencode_errors=1)
+            out = None
+        memo[memo_key] = out
+        return out
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued lower-tier write is done; False if ``timeout`` passed first."""

@@ -18,10 +18,12 @@ pytestmark = pytest.mark.integration
 VERBOSE = re.compile(r"prompt (\d+) tokens \((\d+) cached(?: from ([a-z,]+))?\)")
 
 
-def kvfuse(args: list[str], disk: Path | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+def kvfuse(args: list[str], disk: Path | None = None, stdin: str | None = None,
+           env_extra: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m kvfuse.cli ARGS`` with the test model home and (optionally) its own disk cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFUSE_")}
     env["KVFUSE_HOME"] = str(model_home())
+    env.update(env_extra or {})
     if disk is not None:
         env["KVFUSE_CACHE_DISK_PATH"] = str(disk)
     return subprocess.run([sys.executable, "-m", "kvfuse.cli", *args], input=stdin, capture_output=True,
@@ -140,3 +142,34 @@ def test_cache_stats_inspect_and_clear(long_runs, tmp_path):
     cleared = kvfuse(["cache", "clear"], disk=disk)
     assert cleared.returncode == 0 and "removed 3 entries" in cleared.stdout
     assert json.loads(kvfuse(["cache", "stats", "--json"], disk=disk).stdout)["disk"]["entries"] == 0
+
+
+def test_cachegen_on_disk_listed_by_inspect_and_streamed_back(smollm2_ready, tmp_path):
+    """Raw in memory, CacheGen level 2 on disk plus levels 1 and 3 for streaming; a second process
+    streams the prompt back from disk within a budget."""
+    disk = tmp_path / "kv"
+    env = {"KVFUSE_CACHE_DISK_CODEC": "cachegen", "KVFUSE_CACHE_STREAM_LEVELS": "1,3", "KVFUSE_CACHE_HISTORY": "false"}
+    prompt = long_text() + "\n\nQuestion: Who built the lighthouse of Velmora?\nAnswer:"
+    args = ["generate", "--model", "smollm2", "--max-tokens", "4", "--verbose", "-"]
+    first = kvfuse(args, disk=disk, stdin=prompt, env_extra=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+
+    listing = kvfuse(["cache", "inspect"], disk=disk)
+    assert listing.returncode == 0, listing.stderr
+    lines = [ln for ln in listing.stdout.splitlines() if ln.startswith("disk ")]
+    assert len(lines) == 6 + 3, listing.stdout  # two chunks x (primary + 2 levels); a summary line per level
+    data = json.loads(kvfuse(["cache", "inspect", "--json"], disk=disk).stdout)
+    by_level = {(e["codec"], e["level"]): e for e in data["entries"]}
+    assert set(by_level) == {("cachegen", 1), ("cachegen", 2), ("cachegen", 3)}
+    assert by_level[("cachegen", 2)]["ratio"] > 5 and by_level[("cachegen", 1)]["ratio"] > by_level[("cachegen", 3)]["ratio"]
+    assert all(e["intact"] and e["tokens"] == 256 for e in data["entries"])
+    assert {s["encoding"] for s in data["summary"]} == {"cachegen.1", "cachegen.2", "cachegen.3"}
+    one = json.loads(kvfuse(["cache", "inspect", by_level[("cachegen", 1)]["key"]], disk=disk).stdout)
+    assert one["level"] == 1 and one["compression_ratio"] > 5 and one["key"].endswith("@cachegen.1")
+
+    second = kvfuse([*args[:-1], "--kv-slo-ms", "60000", "-"], disk=disk, stdin=prompt, env_extra=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    _, cached, tiers = VERBOSE.search(second.stderr).groups()
+    assert cached == "512" and tiers == "disk"
+    assert re.search(r"streamed from slow tiers: 2 raw|streamed from slow tiers: .*cachegen", second.stderr), second.stderr
+    assert_user_error(kvfuse(["cache", "inspect", "--limit", "0"], disk=disk), "--limit")

@@ -285,3 +285,31 @@ def test_the_blend_section_defaults_are_the_blend_options_defaults():
     assert [f.name for f in dataclasses.fields(BlendConfig)] == [f.name for f in dataclasses.fields(BlendOptions)]
     assert BlendConfig().options() == BlendOptions()
     assert load_config(env={}).blend.options() == BlendOptions()
+
+
+def test_per_tier_codecs_stream_levels_and_the_kv_budget(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"cache": {"disk_codec": "cachegen", "disk_codec_level": 3, "redis_codec": "int8",
+                                           "stream_levels": [1, 4], "kv_slo_ms": 250, "codec_workers": 0}}))
+    c = load_config(f).cache
+    assert (c.codec, c.disk_codec, c.disk_codec_level, c.redis_codec) == ("raw", "cachegen", 3, "int8")
+    assert c.stream_levels == (1, 4) and c.kv_slo_ms == 250.0 and c.codec_workers == 0
+    env = load_config(env={"KVFUSE_CACHE_STREAM_LEVELS": "2,3", "KVFUSE_CACHE_KV_SLO_MS": "80.5"}).cache
+    assert env.stream_levels == (2, 3) and env.kv_slo_ms == 80.5
+    d = load_config().cache
+    assert (d.disk_codec, d.redis_codec, d.stream_levels, d.kv_slo_ms, d.codec_workers) == (None, None, (), None, None)
+
+
+@pytest.mark.parametrize("overrides, field, words", [
+    ({"cache.disk_codec": "zip"}, "cache.disk_codec", "known codecs"),
+    ({"cache.disk_codec": "cachegen", "cache.disk_codec_level": 7}, "cache.disk_codec_level", "levels are 1, 2, 3, 4"),
+    ({"cache.codec": "raw", "cache.codec_level": 2}, "cache.codec_level", "no levels"),
+    ({"cache.stream_levels": "1,9"}, "cache.stream_levels", "CacheGen levels"),
+    ({"cache.stream_levels": "a,b"}, "cache.stream_levels", "list of integers"),
+    ({"cache.kv_slo_ms": 0}, "cache.kv_slo_ms", "> 0"),
+    ({"cache.codec_workers": -1}, "cache.codec_workers", ">= 0"),
+])
+def test_bad_codec_settings_name_the_field(overrides, field, words):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=overrides)
+    assert str(e.value).startswith(field) and words in str(e.value)

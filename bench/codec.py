@@ -1,0 +1,540 @@
+"""The CacheGen codec: size, entropy bound, throughput and answer quality, per level.
+
+Part ``size`` (default; minutes). Real KV of SmolLM2 and Gemma3 (MuSiQue *dev* documents,
+``--tokens`` tokens in 256-token chunks, fp16). Per chunk and encoding: bytes per token for raw
+fp16, int8 (kvfuse's per-token abs-max codec, the paper's 8-bit baseline), zstd of the fp16 bytes,
+and CacheGen levels 1-4; the ratio to int8. For CacheGen, the coded streams against their bounds:
+
+- ``coder_vs_models``: bytes the rANS streams take / bits the stream models promise (the coder's
+  own bound; the target is within 5%);
+- ``models_vs_entropy``: bits the models promise / the empirical entropy of each (layer, K/V,
+  channel) stream of the chunk (what a per-chunk frequency table would reach, were the table
+  free);
+- ``entry_vs_entropy``: the whole entry (scales, stream models, headers) / that entropy.
+
+Two design measurements, reported with the sizes:
+
+- ``--part`` size also codes the same symbols with a per-model *profile* (frequency tables from
+  the first dev chunks, shipped once) instead of per-chunk models: which is smaller overall;
+- token-group deltas (CacheGen's paper: each token minus its group's anchor, groups of 10):
+  empirical entropy and squared error at equal bins, against plain per-token quantization.
+
+Encode and decode throughput: MB/s of fp16-equivalent KV (median, min, max of ``--repeats``),
+with the worker processes the engine uses (one per core) and in-process.
+
+Part ``quality`` (an hour on 2 cores). LongChat (``cachegen_longchat.jsonl``; lines 0-19 dev,
+20-49 test: ``--split``), SmolLM2 (prompts truncated to its 8192-token context: the head of the
+conversation is kept up to 8000 tokens minus the question, then the question) and Gemma3 (whole
+prompts). For each prompt, a lossless run (raw entries) and one per encoding (int8, CacheGen
+levels), the prompt's whole chunks loaded from entries of that encoding:
+
+- first-topic accuracy (``label[0]`` in the answer, normalised) and agreement with the lossless
+  answer (greedy, ``--max-tokens``);
+- KL(lossless || lossy) of next-token distributions and NLL over a held-out continuation: the
+  conversation's last 64 tokens before the question, teacher-forced after the rest;
+- relative NLL increase against the lossless run (the "quality within 2%" target).
+
+Part ``allocation`` (dev prompts only: how the levels' bins were chosen). The whole chunks of
+``--limit`` LongChat dev prompts are quantized and dequantized with candidate bin allocations
+(CacheGen's own table, K or V left raw, K channels equalized per chunk, more bins for K than for
+V) and the held-out continuation scored as above; bits per value are the stream models' bound plus
+the side information. Results: ``codec_allocation_dev.json``.
+
+Results: ``docs/bench/codec.json`` + ``codec.png`` (size), ``codec_quality.json`` (quality).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import DATA, dev_text_tokens, plot_path, print_table, write_json  # noqa: E402
+from kvfuse.codecs import get_codec  # noqa: E402
+from kvfuse.codecs.cachegen import LEVELS, LevelBins  # noqa: E402
+from kvfuse.entropy import layer as coded_layer  # noqa: E402
+from kvfuse.entropy import models as stream_models  # noqa: E402
+from kvfuse.entropy import pool  # noqa: E402
+from kvfuse.kv.chunk import KVChunk  # noqa: E402
+from kvfuse.kv.format import encode_entry  # noqa: E402
+
+MODELS = ("smollm2", "gemma3-270m")
+CHUNK = 256
+ENCODINGS = ["int8"] + [f"cachegen.{lv}" for lv in sorted(LEVELS)]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("size", "quality", "allocation"), default="size")
+    p.add_argument("--models", nargs="+", default=list(MODELS))
+    p.add_argument("--tokens", type=int, default=2048, help="KV tokens per model for the size part")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--split", choices=("dev", "test"), default="test")
+    p.add_argument("--limit", type=int, default=0, help="LongChat prompts per model (0: the whole split)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--context", type=int, default=8000, help="SmolLM2 prompt budget in tokens (its window is 8192)")
+    return p.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------- size
+
+
+def model_kv(name: str, tokens: int) -> torch.Tensor:
+    from kvfuse.models import load_model
+
+    m = load_model(name)
+    ids = dev_text_tokens(m.tokenizer, tokens)
+    cache = m.runner.new_cache(tokens, dtype=torch.float16)
+    with torch.inference_mode():
+        m.runner.forward(ids, cache, logits="none")
+    return cache.chunk(0, tokens).kv.clone()
+
+
+def stream_stats(kv: torch.Tensor, level: int, profile: dict | None = None) -> dict:
+    """Bits of one chunk's CacheGen symbols: empirical entropy, model bound, and (with
+    ``profile``) the cross-entropy under per-model profile tables."""
+    L, _, T, H, D = kv.shape
+    bins = LEVELS[level]
+    out = {"entropy_bits": 0.0, "model_bits": 0.0, "profile_bits": 0.0, "values": 0}
+    for i in range(L):
+        for part, b in enumerate(bins.of_layer(i, L)):
+            sym, _ = coded_layer.quantize(kv[i, part].float().reshape(T, H * D).numpy(), b)
+            a = b - 1
+            counts = np.stack([np.bincount(s, minlength=a) for s in sym]).astype(np.float64)
+            p = counts / T
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out["entropy_bits"] += float(-(counts * np.where(p > 0, np.log2(p), 0)).sum())
+            centre, width = stream_models.fit(sym, a)
+            out["model_bits"] += stream_models.ideal_bits(sym, centre, width, a)
+            if profile is not None:
+                prof = profile[(i, part)]
+                out["profile_bits"] += float(-(counts * np.log2(prof)).sum())
+            out["values"] += sym.size
+    return out
+
+
+def build_profile(chunks: list[torch.Tensor], level: int) -> dict:
+    """Per (layer, K/V, channel) symbol frequencies over ``chunks`` (add-one smoothed)."""
+    L = chunks[0].shape[0]
+    bins = LEVELS[level]
+    prof = {}
+    for i in range(L):
+        for part, b in enumerate(bins.of_layer(i, L)):
+            counts = None
+            for kv in chunks:
+                T, H, D = kv.shape[2:]
+                sym, _ = coded_layer.quantize(kv[i, part].float().reshape(T, H * D).numpy(), b)
+                c = np.stack([np.bincount(s, minlength=b - 1) for s in sym]).astype(np.float64)
+                counts = c if counts is None else counts + c
+            prof[(i, part)] = (counts + 1) / (counts + 1).sum(axis=1, keepdims=True)
+    return prof
+
+
+def delta_experiment(kv: torch.Tensor, group: int = 10) -> dict:
+    """Token-group deltas against plain per-token quantization, at 8-64 bins: empirical entropy
+    (bits per value) and mean squared error of each; then the bits plain quantization needs for
+    each delta setting's error (interpolated in log-log), i.e. the comparison at equal quality."""
+    L, _, T, H, D = kv.shape
+
+    def entropy(sym, bins):
+        counts = np.stack([np.bincount(s, minlength=bins - 1) for s in sym]).astype(np.float64)
+        p = counts / counts.sum(axis=1, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return float(-(counts * np.where(p > 0, np.log2(p), 0)).sum())
+
+    anchors = np.arange(T) % group == 0
+    curves = {"plain": [], "delta": []}
+    for bins in (8, 16, 32, 64):
+        acc = {"plain": [0.0, 0.0], "delta": [0.0, 0.0]}  # bits, squared error
+        n = 0
+        for i in range(L):
+            for part in range(2):
+                x = kv[i, part].float().reshape(T, H * D).numpy()
+                sym, sc = coded_layer.quantize(x, bins)
+                acc["plain"][0] += entropy(sym, bins)
+                acc["plain"][1] += float(((coded_layer.dequantize(sym, sc, bins) - x) ** 2).sum())
+                # anchors quantized as usual; every other token as its difference from its group's
+                # (reconstructed) anchor, so errors do not compound
+                sa, sca = coded_layer.quantize(x[anchors], bins)
+                rec_a = coded_layer.dequantize(sa, sca, bins)
+                anchor_of = np.repeat(rec_a, group, axis=0)[:T]
+                sd, scd = coded_layer.quantize(x[~anchors] - anchor_of[~anchors], bins)
+                acc["delta"][0] += entropy(sa, bins) + entropy(sd, bins)
+                rec = np.empty_like(x)
+                rec[anchors] = rec_a
+                rec[~anchors] = anchor_of[~anchors] + coded_layer.dequantize(sd, scd, bins)
+                acc["delta"][1] += float(((rec - x) ** 2).sum())
+                n += x.size
+        for kind in curves:
+            curves[kind].append({"bins": bins, "bits_per_value": acc[kind][0] / n, "mse": acc[kind][1] / n})
+    plain = sorted(curves["plain"], key=lambda r: r["mse"])
+    lm, lb = np.log([r["mse"] for r in plain]), [r["bits_per_value"] for r in plain]
+    for r in curves["delta"]:
+        r["plain_bits_at_same_mse"] = float(np.interp(np.log(r["mse"]), lm, lb))
+        r["delta_vs_plain"] = r["bits_per_value"] / r["plain_bits_at_same_mse"]
+    return curves
+
+
+def zstd_bytes(kv: torch.Tensor) -> int:
+    import zstandard
+
+    return len(zstandard.ZstdCompressor(level=3).compress(kv.contiguous().view(torch.uint8).numpy().tobytes()))
+
+
+def throughput(kv: torch.Tensor, codec, repeats: int) -> dict:
+    chunk = KVChunk(kv=kv, positions=torch.arange(kv.shape[2]))
+    enc, dec = [], []
+    entry = None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        entry = encode_entry(chunk, "k", codec)
+        enc.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        entry.decode()
+        dec.append(time.perf_counter() - t)
+    mb = kv.numel() * 2 / 1e6
+    return {"encode_mb_s": [mb / s for s in enc], "decode_mb_s": [mb / s for s in dec]}
+
+
+def run_size(args) -> dict:
+    res = {"chunk_tokens": CHUNK, "models": {}}
+    for name in args.models:
+        kv = model_kv(name, args.tokens)
+        chunks = [kv[:, :, a : a + CHUNK].contiguous() for a in range(0, kv.shape[2], CHUNK)]
+        L, _, _, H, D = kv.shape
+        values_per_token = L * 2 * H * D
+        sizes = {"raw_fp16": 0, "zstd_fp16": 0}
+        sizes.update({e: 0 for e in ENCODINGS})
+        bounds = {lv: {"entropy_bits": 0.0, "model_bits": 0.0, "profile_bits": 0.0, "values": 0, "stream_bytes": 0,
+                       "side_bytes": 0} for lv in LEVELS}
+        profile_chunks = chunks[:2]  # profiled on the first two chunks; measured on the others
+        profiles = {lv: build_profile(profile_chunks, lv) for lv in LEVELS}
+        for ci, ch in enumerate(chunks):
+            sizes["raw_fp16"] += ch.numel() * 2
+            sizes["zstd_fp16"] += zstd_bytes(ch)
+            positions = torch.arange(ch.shape[2])
+            sizes["int8"] += len(encode_entry(KVChunk(kv=ch, positions=positions), "k", get_codec("int8")))
+            for lv in LEVELS:
+                entry = encode_entry(KVChunk(kv=ch, positions=positions), "k", get_codec("cachegen", lv))
+                sizes[f"cachegen.{lv}"] += len(entry)
+                if ci < len(profile_chunks):
+                    continue
+                st = stream_stats(ch, lv, profiles[lv])
+                b = bounds[lv]
+                for k in ("entropy_bits", "model_bits", "profile_bits", "values"):
+                    b[k] += st[k]
+                T = ch.shape[2]
+                per_part_side = 2 * T + 2 * H * D + 4  # scales, stream models, word count
+                side = L * (12 + 8 + 2 * per_part_side)
+                b["side_bytes"] += side + entry.header_size
+                b["stream_bytes"] += len(entry) - side - entry.header_size
+        tokens = sum(c.shape[2] for c in chunks)
+        per_token = {k: v / tokens for k, v in sizes.items()}
+        bound_rows = {}
+        for lv, b in bounds.items():
+            entropy_b = b["entropy_bits"] / 8
+            bound_rows[f"cachegen.{lv}"] = {
+                "bits_per_value": 8 * (b["stream_bytes"] + b["side_bytes"]) / b["values"],
+                "entropy_bits_per_value": b["entropy_bits"] / b["values"],
+                "coder_vs_models": b["stream_bytes"] / (b["model_bits"] / 8),
+                "models_vs_entropy": b["model_bits"] / b["entropy_bits"],
+                "entry_vs_entropy": (b["stream_bytes"] + b["side_bytes"]) / entropy_b,
+                "per_chunk_models_bytes": b["stream_bytes"] + b["side_bytes"],
+                # the same entries without their per-chunk stream models (2 bytes per stream), the
+                # symbols coded with the profile's tables instead (the profile itself not counted)
+                "profile_bytes": b["profile_bits"] / 8 + b["side_bytes"] - 4 * L * H * D * (len(chunks) - 2),
+            }
+        codec = get_codec("cachegen")
+        chunk = chunks[0]
+        tp_pool = throughput(chunk, codec, args.repeats)
+        pool.set_shared_pool(0)
+        tp_one = throughput(chunk, codec, args.repeats)
+        pool.set_shared_pool(pool.default_size())
+        delta = delta_experiment(kv[:, :, :1024])
+        res["models"][name] = {
+            "layers": L, "kv_heads": H, "head_dim": D, "tokens": tokens, "values_per_token": values_per_token,
+            "bytes_per_token": per_token,
+            "ratio_vs_int8": {k: sizes["int8"] / v for k, v in sizes.items()},
+            "ratio_vs_fp16": {k: sizes["raw_fp16"] / v for k, v in sizes.items()},
+            "bounds": bound_rows,
+            "throughput_default_level": {"workers": pool.default_size(), "pool": tp_pool, "in_process": tp_one},
+            "deltas": delta,
+        }
+    return res
+
+
+def report_size(res: dict) -> None:
+    for name, r in res["models"].items():
+        print(f"\n{name}: {r['layers']} layers x {r['kv_heads']} KV heads x {r['head_dim']}, {r['tokens']} tokens "
+              f"in {res['chunk_tokens']}-token chunks")
+        rows = [[k, r["bytes_per_token"][k], r["ratio_vs_fp16"][k], r["ratio_vs_int8"][k]]
+                for k in ["raw_fp16", "zstd_fp16", *ENCODINGS]]
+        print_table(["encoding", "bytes/token", "x smaller than fp16", "x smaller than int8"], rows)
+        rows = [[k, b["bits_per_value"], b["entropy_bits_per_value"], b["coder_vs_models"], b["models_vs_entropy"],
+                 b["entry_vs_entropy"], b["profile_bytes"] / b["per_chunk_models_bytes"]] for k, b in r["bounds"].items()]
+        print_table(["level", "bits/value", "entropy bits/value", "coder/models", "models/entropy", "entry/entropy",
+                     "profile/per-chunk"], rows)
+        tp = r["throughput_default_level"]
+        for kind in ("pool", "in_process"):
+            e, d = tp[kind]["encode_mb_s"], tp[kind]["decode_mb_s"]
+            print(f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s (min {min(e):.0f}, max {max(e):.0f})  "
+                  f"decode {statistics.median(d):6.0f} MB/s (min {min(d):.0f}, max {max(d):.0f})  "
+                  f"[fp16-equivalent, {tp['workers']} workers]" if kind == "pool" else
+                  f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s  decode {statistics.median(d):6.0f} MB/s")
+        print("  token-group deltas (anchor + deltas, groups of 10) vs plain per-token quantization:")
+        print_table(["bins", "delta bits/value", "delta MSE", "plain bits at that MSE", "delta / plain"],
+                    [[d["bins"], d["bits_per_value"], d["mse"], d["plain_bits_at_same_mse"], d["delta_vs_plain"]]
+                     for d in r["deltas"]["delta"]])
+
+
+def plot_size(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(res["models"])
+    fig, axes = plt.subplots(1, len(names), figsize=(6 * len(names), 4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        r = res["models"][name]
+        keys = ["raw_fp16", "zstd_fp16", *ENCODINGS]
+        vals = [r["bytes_per_token"][k] / 1024 for k in keys]
+        ax.bar(range(len(keys)), vals, color=["#999", "#bbb", "#d88", "#48a", "#37a", "#269", "#158"])
+        ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right")
+        ax.set_ylabel("KiB per token")
+        ax.set_title(f"{name}: KV size per encoding")
+        for i, k in enumerate(keys):
+            ax.text(i, vals[i], f"{r['ratio_vs_int8'][k]:.2f}x", ha="center", va="bottom", fontsize=8)
+    fig.suptitle("CacheGen codec: bytes per token (labels: x smaller than int8)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------------------- quality
+
+
+def longchat(split: str) -> list[dict]:
+    rows = [json.loads(line) for line in (DATA / "cachegen_longchat.jsonl").read_text().splitlines() if line.strip()]
+    return rows[:20] if split == "dev" else rows[20:]
+
+
+_QUESTION = " USER: Great, this is the end"
+
+
+def prompt_ids(tokenizer, text: str, budget: int | None) -> tuple[list[int], int]:
+    """The prompt's ids (head of the conversation, then the question) and where the question starts."""
+    head_text, _, rest = text.rpartition(_QUESTION)
+    head = tokenizer.encode(head_text)
+    tail = tokenizer.encode(_QUESTION + rest, add_special_tokens=False)
+    if budget is not None and len(head) + len(tail) > budget:
+        head = head[: budget - len(tail)]
+    return head + tail, len(head)
+
+
+def normalise(s: str) -> str:
+    return re.sub(r"[^a-z0-9 ]", "", s.lower()).strip()
+
+
+def reencoded_store(raw_tier, encoding: str):
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    name, _, level = encoding.partition(".")
+    codec = get_codec(name, int(level or 0))
+    tier = MemoryTier(1 << 34)
+    for key in list(raw_tier._data):
+        entry = raw_tier.get(key)
+        tier.put(key, encode_entry(entry.chunk(), key, codec))
+    return TieredStore([tier])
+
+
+def run_quality(args) -> dict:
+    from kvfuse.engine import Engine
+    from kvfuse.generation import SamplingParams
+    from kvfuse.models import load_model
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    rows = longchat(args.split)
+    if args.limit:
+        rows = rows[: args.limit]
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
+    out = {"split": args.split, "prompts": len(rows), "max_tokens": args.max_tokens, "models": {}}
+    for name in args.models:
+        m = load_model(name)
+        budget = args.context if name == "smollm2" else None
+        per = {e: {"correct": 0, "agree": 0, "kl": [], "nll": []} for e in ["lossless", *ENCODINGS]}
+        truncated = 0
+        t0 = time.perf_counter()
+        for i, r in enumerate(rows):
+            ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
+            truncated += budget is not None and head_len + (len(ids) - head_len) >= budget
+            raw = TieredStore([MemoryTier(1 << 34)])
+            engine = Engine(m, raw, history=False, async_save=False, prefetch=False)
+            lossless = engine.generate(ids, greedy)
+            context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
+            ref_logits = engine.score(context, [cont])[0][:-1].float()
+            ref_logp = torch.log_softmax(ref_logits, -1)
+            answers = {"lossless": lossless.text}
+            per["lossless"]["nll"].append(float(-ref_logp[torch.arange(len(cont)), torch.tensor(cont)].mean()))
+            per["lossless"]["kl"].append(0.0)
+            for enc in ENCODINGS:
+                store = reencoded_store(raw.tiers[0], enc)
+                lossy_engine = Engine(m, store, history=False, async_save=False, prefetch=False)
+                res = lossy_engine.generate(ids, greedy)
+                assert res.cached_tokens >= (len(ids) // 256) * 256 - 256, "the lossy entries were not used"
+                answers[enc] = res.text
+                logp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
+                per[enc]["kl"].append(float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()))
+                per[enc]["nll"].append(float(-logp[torch.arange(len(cont)), torch.tensor(cont)].mean()))
+                per[enc]["agree"] += res.text == lossless.text
+                lossy_engine.close()
+                store.close()
+            gold = normalise(r["label"][0])
+            for enc, text in answers.items():
+                per[enc]["correct"] += gold in normalise(text)
+            per["lossless"]["agree"] += 1
+            engine.close()
+            print(f"  {name} {i + 1}/{len(rows)} ({time.perf_counter() - t0:.0f}s) lossless={lossless.text!r}", flush=True)
+        n = len(rows)
+        base_nll = statistics.mean(per["lossless"]["nll"])
+        out["models"][name] = {
+            "context_budget": budget, "prompts_truncated": truncated,
+            "results": {e: {"accuracy": v["correct"] / n, "answer_agreement": v["agree"] / n,
+                            "kl_mean": statistics.mean(v["kl"]), "kl_median": statistics.median(v["kl"]),
+                            "nll": statistics.mean(v["nll"]),
+                            "nll_relative_increase": statistics.mean(v["nll"]) / base_nll - 1}
+                        for e, v in per.items()},
+        }
+    return out
+
+
+def simulate(kv: torch.Tensor, bins: LevelBins, k_raw: bool = False, v_raw: bool = False,
+             k_equalized: bool = False) -> tuple[torch.Tensor, float, int]:
+    """``kv`` quantized and dequantized with ``bins`` (the codec's quantizer), the bits its stream
+    models promise plus side information, and the number of values. ``k_equalized``: each K
+    channel divided by its abs-max over the chunk first (and multiplied back)."""
+    L, _, T, H, D = kv.shape
+    out, bits, n = kv.clone().float(), 0.0, 0
+    for i in range(L):
+        for part, b in enumerate(bins.of_layer(i, L)):
+            n += T * H * D
+            if (part == 0 and k_raw) or (part == 1 and v_raw):
+                bits += 16 * T * H * D
+                continue
+            x = kv[i, part].float().reshape(T, H * D).numpy()
+            eq = k_equalized and part == 0
+            cs = np.where(np.abs(x).max(0) > 0, np.abs(x).max(0), 1).astype(np.float32) if eq else None
+            sym, sc = coded_layer.quantize(x / cs if eq else x, b)
+            centre, width = stream_models.fit(sym, b - 1)
+            bits += stream_models.ideal_bits(sym, centre, width, b - 1) + 16 * T + 16 * H * D + (16 * H * D if eq else 0)
+            rec = coded_layer.dequantize(sym, sc, b)
+            out[i, part] = torch.from_numpy(rec * cs if eq else rec).view(T, H, D)
+    return out.to(kv.dtype), bits, n
+
+
+ALLOCATIONS = {
+    # name: (bins, options)
+    "cachegen-table-2 (K,V 32->16)": (LevelBins(32, 16, 32, 16), {}),
+    "  same, K raw": (LevelBins(32, 16, 32, 16), {"k_raw": True}),
+    "  same, V raw": (LevelBins(32, 16, 32, 16), {"v_raw": True}),
+    "  same, K channels equalized": (LevelBins(32, 16, 32, 16), {"k_equalized": True}),
+    "K 32->16, V 16->8": (LevelBins(32, 16, 16, 8), {}),
+    "K 32, V 16->8": (LevelBins(32, 32, 16, 8), {}),
+    "K 64->16, V 16->8": (LevelBins(64, 16, 16, 8), {}),
+    "K 64->32, V 16->8 (level 2)": (LevelBins(64, 32, 16, 8), {}),
+    "cachegen-table-3 (K,V 64->32)": (LevelBins(64, 32, 64, 32), {}),
+}
+
+
+def run_allocation(args) -> dict:
+    from kvfuse.engine import Engine
+    from kvfuse.generation import SamplingParams
+    from kvfuse.models import load_model
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    rows = longchat("dev")[: args.limit or 3]
+    out = {"split": "dev", "prompts": len(rows), "models": {}}
+    for name in args.models:
+        m = load_model(name)
+        budget = args.context if name == "smollm2" else None
+        acc = {a: {"nll": [], "kl": [], "bits": 0.0, "values": 0} for a in ["lossless", *ALLOCATIONS]}
+        for r in rows:
+            ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
+            raw = TieredStore([MemoryTier(1 << 34)])
+            engine = Engine(m, raw, history=False, async_save=False, prefetch=False)
+            engine.generate(ids, SamplingParams(max_tokens=1))
+            context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
+            ref = torch.log_softmax(engine.score(context, [cont])[0][:-1].float(), -1)
+            target = torch.tensor(cont)
+            acc["lossless"]["nll"].append(float(-ref[torch.arange(len(cont)), target].mean()))
+            acc["lossless"]["kl"].append(0.0)
+            entries = {k: raw.tiers[0].get(k) for k in list(raw.tiers[0]._data)}
+            for a, (bins, opts) in ALLOCATIONS.items():
+                tier = MemoryTier(1 << 34)
+                for key, entry in entries.items():
+                    chunk = entry.chunk()
+                    lossy, bits, n = simulate(chunk.kv, bins, **opts)
+                    acc[a]["bits"] += bits
+                    acc[a]["values"] += n
+                    tier.put(key, encode_entry(KVChunk(kv=lossy, positions=chunk.positions), key, get_codec("raw")))
+                lossy_engine = Engine(m, TieredStore([tier]), history=False, async_save=False, prefetch=False)
+                lp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
+                acc[a]["nll"].append(float(-lp[torch.arange(len(cont)), target].mean()))
+                acc[a]["kl"].append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
+                lossy_engine.close()
+            engine.close()
+            print(f"  {name}: prompt done", flush=True)
+        base = statistics.mean(acc["lossless"]["nll"])
+        out["models"][name] = {a: {"bits_per_value": v["bits"] / v["values"] if v["values"] else 16.0,
+                                   "nll": statistics.mean(v["nll"]),
+                                   "nll_relative_increase": statistics.mean(v["nll"]) / base - 1,
+                                   "kl_mean": statistics.mean(v["kl"])} for a, v in acc.items()}
+    return out
+
+
+def report_allocation(res: dict) -> None:
+    for name, r in res["models"].items():
+        print(f"\n{name}: LongChat dev, {res['prompts']} prompts (bin allocations, simulated)")
+        print_table(["allocation", "bits/value", "NLL", "NLL +%", "KL mean"],
+                    [[a, v["bits_per_value"], v["nll"], 100 * v["nll_relative_increase"], v["kl_mean"]]
+                     for a, v in r.items()])
+
+
+def report_quality(res: dict) -> None:
+    for name, r in res["models"].items():
+        print(f"\n{name}: LongChat {res['split']} ({res['prompts']} prompts; context budget "
+              f"{r['context_budget'] or 'none'}, {r['prompts_truncated']} truncated)")
+        rows = [[e, v["accuracy"], v["answer_agreement"], v["kl_mean"], v["nll"], 100 * v["nll_relative_increase"]]
+                for e, v in r["results"].items()]
+        print_table(["encoding", "first-topic acc", "agrees w/ lossless", "KL mean", "NLL", "NLL +%"], rows)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.part == "size":
+        res = run_size(args)
+        report_size(res)
+        write_json("codec", res)
+        plot_size(res, plot_path("codec"))
+    elif args.part == "allocation":
+        res = run_allocation(args)
+        report_allocation(res)
+        write_json("codec_allocation_dev", res)
+    else:
+        res = run_quality(args)
+        report_quality(res)
+        write_json("codec_quality" if args.split == "test" else "codec_quality_dev", res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The CacheGen codec: per-(layer, token) quantization with fewer bins in deeper layers, then rANS
+coding of every (layer, K/V, channel) stream under its own probability model.
+
+Levels (``LEVELS``) say how many bins K and V get in the early and the late layers; the early
+group is derived from the model's layer count with the proportions of CacheGen's released
+encoder for 32-layer models (K: layers 0-9, V: layers 0-1), so every family gets its own split.
+Level 2 is the default; 1 is smaller, 3 and 4 are closer to lossless. Unlike CacheGen's table,
+K gets more bins than V (see ``LEVELS``). Each layer's bytes carry
+their own bin counts and stream models (``kvfuse/entropy/layer.py``): an entry decodes on any
+machine without a per-model profile. (A per-model profile would save the two bytes per stream
+the entry spends on its models, 0.06 bits per value at 256-token chunks, and cost every reader a
+profile it must fetch and trust; measured in ``bench/codec.py``.)
+
+CacheGen's token-group deltas (each token minus an anchor token of its group of 10) are not
+used: measured on SmolLM2 and Gemma3 KV they made the symbols *less* compressible (~25% more
+bits) at a *higher* error, because keys are stored rotated by RoPE, which destroys the
+token-to-token locality the deltas rely on (``bench/codec.py --part deltas``).
+
+Encoding and decoding of a whole chunk run in worker processes, a group of layers each
+(``kvfuse/entropy/pool.py``); a single layer (layer-wise loading) is decoded in-process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvfuse.codecs.base import Codec, CodecError, check_kv
+from kvfuse.entropy import layer as coded_layer
+from kvfuse.entropy.models import ModelsError
+from kvfuse.entropy.pool import JobError, shared_pool
+
+
+@dataclass(frozen=True)
+class LevelBins:
+    """Bins of K and V in the early layers and in the rest."""
+
+    k_early: int
+    k_late: int
+    v_early: int
+    v_late: int
+
+    def k_early_layers(self, num_layers: int) -> int:
+        return max(1, round(num_layers * 10 / 32))
+
+    def v_early_layers(self, num_layers: int) -> int:
+        return max(1, round(num_layers * 2 / 32))
+
+    def of_layer(self, index: int, num_layers: int) -> tuple[int, int]:
+        """(K bins, V bins) of layer ``index`` of ``num_layers``."""
+        k = self.k_early if index < self.k_early_layers(num_layers) else self.k_late
+        v = self.v_early if index < self.v_early_layers(num_layers) else self.v_late
+        return k, v
+
+
+# K gets more bins than V: measured on the LongChat dev prompts (bench/codec.py, README), errors in
+# K cost far more answer quality than errors in V (they are amplified by the softmax): with K raw
+# and V at CacheGen's level-2 bins the NLL rose 1.2-1.5%, with V raw and K at those bins 3-25%.
+# Moving bits from V to K gave SmolLM2 +0.7% NLL at 2.5 bits per value where CacheGen's split
+# (K and V 32 -> 16) gave +4.2% at 2.6 bits.
+LEVELS: dict[int, LevelBins] = {
+    1: LevelBins(k_early=32, k_late=16, v_early=8, v_late=8),
+    2: LevelBins(k_early=64, k_late=32, v_early=16, v_late=8),
+    3: LevelBins(k_early=128, k_late=64, v_early=32, v_late=16),
+    4: LevelBins(k_early=128, k_late=128, v_early=64, v_late=64),
+}
+DEFAULT_LEVEL = 2
+POOL_MIN_VALUES = 1 << 18  # below this many values a chunk is coded in the calling process
+
+
+def dequantize(symbols: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Values ``(n, 2, tokens, channels)`` fp32 from symbols ``(n, 2, channels, tokens)``, scales
+    ``(n, 2, tokens)`` and each part's largest magnitude ``c`` ``(n, 2)`` (``layer.dequantize``
+    in torch, for all layers at once)."""
+    step = scales / levels[..., None]
+    return (symbols.transpose(2, 3).float() - levels[..., None, None]) * step[..., None]
+
+
+class CacheGenCodec(Codec):
+    """Lossy; see the module docstring. ``level`` 0 means the default level."""
+
+    name = "cachegen"
+    codec_id = 3
+    is_lossless = False
+
+    def __init__(self, level: int = 0) -> None:
+        level = DEFAULT_LEVEL if level == 0 else level
+        if level not in LEVELS:
+            raise ValueError(f"cachegen levels are {', '.join(map(str, LEVELS))} (0: the default, "
+                             f"{DEFAULT_LEVEL}); got {level}")
+        self.level = level
+        self.bins = LEVELS[level]
+
+    # -- encoding -------------------------------------------------------------------------------
+
+    def encode(self, kv: torch.Tensor) -> tuple[bytes, list[int]]:
+        kv = check_kv(kv)
+        L, _, T, H, D = kv.shape
+        values = kv.float().reshape(L, 2, T, H * D).numpy()
+        bins = [self.bins.of_layer(i, L) for i in range(L)]
+        try:
+            parts = self._run("encode", [(values[a:b], bins[a:b]) for a, b in self._groups(L, kv.numel())])
+        except (JobError, ModelsError) as e:
+            raise ValueError(f"cachegen cannot encode this KV: {e}") from None
+        blobs = [blob for group in parts for blob in group]
+        return b"".join(blobs), [len(b) for b in blobs]
+
+    def encode_layer(self, kv: torch.Tensor) -> bytes:
+        """One layer on its own, with the early layers' bins (a one-layer model)."""
+        kv = kv.detach().to("cpu").float()
+        _, T, H, D = kv.shape
+        return coded_layer.encode(kv.reshape(2, T, H * D).numpy(), *self.bins.of_layer(0, 1))
+
+    # -- decoding -------------------------------------------------------------------------------
+
+    def decode(self, data: memoryview, layer_sizes: Sequence[int], shape: tuple[int, ...],
+               dtype: torch.dtype) -> torch.Tensor:
+        if sum(layer_sizes) != len(data):
+            raise CodecError(f"{len(data)} payload bytes for layers of {sum(layer_sizes)} bytes")
+        _, T, H, D = shape
+        n = len(layer_sizes)
+        blobs, off = [], 0
+        for size in layer_sizes:
+            blobs.append(bytes(data[off : off + size]))
+            off += size
+        jobs = [(blobs[a:b], T, H * D) for a, b in self._groups(n, n * 2 * T * H * D)]
+        try:
+            parts = self._run("decode", jobs)
+        except (JobError, coded_layer.LayerError, ModelsError) as e:
+            raise CodecError(str(e)) from None
+        symbols = torch.from_numpy(np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0])
+        scales = torch.from_numpy(np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1])
+        levels = torch.tensor([[b // 2 - 1 for b in pair] for p in parts for pair in p[2]], dtype=torch.float32)
+        return dequantize(symbols, scales, levels).view(n, 2, T, H, D).to(dtype)
+
+    def decode_layer(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return self.decode(data, [len(data)], shape, dtype)[0]
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    @staticmethod
+    def _groups(num_layers: int, num_values: int) -> list[tuple[int, int]]:
+        """Contiguous layer ranges, one per worker (one range when the pool would not pay off)."""
+        pool = shared_pool()
+        n = min(pool.size, num_layers) if num_values >= POOL_MIN_VALUES else 1
+        n = max(n, 1)
+        bounds = [round(i * num_layers / n) for i in range(n + 1)]
+        return [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a] or [(0, 0)]
+
+    @staticmethod
+    def _run(op: str, jobs: list[tuple]) -> list:
+        return shared_pool().run(op, jobs)

@@ -1,0 +1,73 @@
+"""A coding worker process: ``python -m kvfuse.entropy.worker``, driven by ``pool.WorkerPool``.
+
+Frames on stdin / stdout: a u64 length, then a pickle of ``(op, args)`` in and ``(ok, result)``
+out. ``op`` is ``"encode"`` (layers' values -> bytes) or ``"decode"`` (bytes -> symbols and scales); an error
+while coding is returned as ``(False, message)``, and the worker carries on. The parent is the
+only peer (a pipe it created), so pickle is safe here.
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import sys
+
+import numpy as np
+
+from kvfuse.entropy import layer
+
+_LEN = struct.Struct("<Q")
+
+
+def run_job(op: str, args: tuple):
+    """What a worker computes for one frame (also the pool's in-process fallback)."""
+    if op == "encode":
+        values, bins = args  # values (n, 2, tokens, channels); bins [(k, v)] per layer
+        return [layer.encode(values[i], *bins[i]) for i in range(len(bins))]
+    if op == "decode":  # -> symbols (n, 2, channels, tokens) u8, scales (n, 2, tokens) f32, bins [(k, v)]
+        blobs, tokens, channels = args
+        symbols = np.empty((len(blobs), 2, channels, tokens), dtype=np.uint8)
+        scales = np.empty((len(blobs), 2, tokens), dtype=np.float32)
+        bins = []
+        for i, blob in enumerate(blobs):
+            _, scales[i], b = layer.decode_symbols(blob, tokens, channels, symbols[i])
+            bins.append(b)
+        return symbols, scales, bins
+    raise ValueError(f"unknown op {op!r}")
+
+
+def read_frame(stream) -> bytes | None:
+    head = stream.read(_LEN.size)
+    if len(head) < _LEN.size:
+        return None
+    (n,) = _LEN.unpack(head)
+    data = stream.read(n)
+    if len(data) < n:
+        return None
+    return data
+
+
+def write_frame(stream, obj) -> None:
+    data = pickle.dumps(obj, protocol=5)
+    stream.write(_LEN.pack(len(data)))
+    stream.write(data)
+    stream.flush()
+
+
+def main() -> int:
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing but frames may reach the parent's pipe
+    while True:
+        frame = read_frame(stdin)
+        if frame is None:
+            return 0
+        op, args = pickle.loads(frame)
+        try:
+            reply = (True, run_job(op, args))
+        except (layer.LayerError, ValueError) as e:
+            reply = (False, str(e))
+        write_frame(stdout, reply)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
