@@ -34,6 +34,12 @@ levels), the prompt's whole chunks loaded from entries of that encoding:
   conversation's last 64 tokens before the question, teacher-forced after the rest;
 - relative NLL increase against the lossless run (the "quality within 2%" target).
 
+Part ``fictional``: the fictional-QA generator of the CacheBlend work (``bench/fictional_qa.py``,
+facts no model knows), ``--limit`` items (default 40) of ``--split`` with ``--documents``
+documents each (default 12, ~1.5k tokens: 5-6 whole chunks), as plain prompts (documents, then
+the question): accuracy per encoding and agreement with the lossless answer. Results:
+``codec_fictional.json``.
+
 Part ``allocation`` (dev prompts only: how the levels' bins were chosen). The whole chunks of
 ``--limit`` LongChat dev prompts are quantized and dequantized with candidate bin allocations
 (CacheGen's own table, K or V left raw, K channels equalized per chunk, more bins for K than for
@@ -75,7 +81,8 @@ ENCODINGS = ["int8"] + [f"cachegen.{lv}" for lv in sorted(LEVELS)]
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("size", "quality", "allocation"), default="size")
+    p.add_argument("--part", choices=("size", "quality", "fictional", "allocation"), default="size")
+    p.add_argument("--documents", type=int, default=12, help="documents per fictional QA item")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--tokens", type=int, default=2048, help="KV tokens per model for the size part")
     p.add_argument("--repeats", type=int, default=5)
@@ -83,6 +90,7 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, default=0, help="LongChat prompts per model (0: the whole split)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--context", type=int, default=8000, help="SmolLM2 prompt budget in tokens (its window is 8192)")
+    p.add_argument("--tag", default="", help="suffix of the result file (runs of one model at a time in parallel)")
     return p.parse_args(argv)
 
 
@@ -357,7 +365,7 @@ def reencoded_store(raw_tier, encoding: str):
     return TieredStore([tier])
 
 
-def run_quality(args) -> dict:
+def run_quality(args, checkpoint=None) -> dict:
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
@@ -404,17 +412,68 @@ def run_quality(args) -> dict:
             per["lossless"]["agree"] += 1
             engine.close()
             print(f"  {name} {i + 1}/{len(rows)} ({time.perf_counter() - t0:.0f}s) lossless={lossless.text!r}", flush=True)
-        n = len(rows)
-        base_nll = statistics.mean(per["lossless"]["nll"])
-        out["models"][name] = {
-            "context_budget": budget, "prompts_truncated": truncated,
-            "results": {e: {"accuracy": v["correct"] / n, "answer_agreement": v["agree"] / n,
-                            "kl_mean": statistics.mean(v["kl"]), "kl_median": statistics.median(v["kl"]),
-                            "nll": statistics.mean(v["nll"]),
-                            "nll_relative_increase": statistics.mean(v["nll"]) / base_nll - 1}
-                        for e, v in per.items()},
-        }
+            n = i + 1
+            base_nll = statistics.mean(per["lossless"]["nll"])
+            out["models"][name] = {
+                "context_budget": budget, "prompts_truncated": truncated, "prompts_done": n,
+                "results": {e: {"accuracy": v["correct"] / n, "answer_agreement": v["agree"] / n,
+                                "kl_mean": statistics.mean(v["kl"]), "kl_median": statistics.median(v["kl"]),
+                                "nll": statistics.mean(v["nll"]),
+                                "nll_relative_increase": statistics.mean(v["nll"]) / base_nll - 1}
+                            for e, v in per.items()},
+            }
+            if checkpoint is not None:  # a long run can be stopped and still report what it measured
+                checkpoint(out)
     return out
+
+
+def run_fictional(args) -> dict:
+    sys.path.insert(0, str(REPO / "bench"))
+    import fictional_qa
+    from blend import correct, qa_prompt
+
+    from kvfuse.engine import Engine
+    from kvfuse.generation import SamplingParams
+    from kvfuse.models import load_model
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    data = fictional_qa.items(args.split, args.limit or 40, args.documents)
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, stop=("\n",))
+    out = {"split": args.split, "items": len(data), "documents": args.documents, "models": {}}
+    for name in args.models:
+        m = load_model(name)
+        per = {e: {"correct": 0, "agree": 0} for e in ["lossless", *ENCODINGS]}
+        tokens = []
+        for it in data:
+            raw = TieredStore([MemoryTier(1 << 34)])
+            engine = Engine(m, raw, history=False, async_save=False, prefetch=False)
+            ids = qa_prompt(engine, name, it).ids  # a plain prompt: the documents are prefix chunks here
+            tokens.append(len(ids))
+            lossless = engine.generate(ids, greedy)
+            per["lossless"]["correct"] += correct(lossless.text, it.answer)
+            per["lossless"]["agree"] += 1
+            for enc in ENCODINGS:
+                store = reencoded_store(raw.tiers[0], enc)
+                lossy = Engine(m, store, history=False, async_save=False, prefetch=False)
+                r = lossy.generate(ids, greedy)
+                per[enc]["correct"] += correct(r.text, it.answer)
+                per[enc]["agree"] += r.token_ids == lossless.token_ids
+                lossy.close()
+            engine.close()
+        n = len(data)
+        out["models"][name] = {"prompt_tokens_mean": statistics.mean(tokens),
+                               "results": {e: {"accuracy": v["correct"] / n, "answer_agreement": v["agree"] / n}
+                                           for e, v in per.items()}}
+        print(f"  {name}: done", flush=True)
+    return out
+
+
+def report_fictional(res: dict) -> None:
+    for name, r in res["models"].items():
+        print(f"\n{name}: fictional QA {res['split']}, {res['items']} items x {res['documents']} documents "
+              f"(~{r['prompt_tokens_mean']:.0f} tokens)")
+        print_table(["encoding", "accuracy", "agrees w/ lossless"],
+                    [[e, v["accuracy"], v["answer_agreement"]] for e, v in r["results"].items()])
 
 
 def simulate(kv: torch.Tensor, bins: LevelBins, k_raw: bool = False, v_raw: bool = False,
@@ -511,7 +570,7 @@ def report_allocation(res: dict) -> None:
 
 def report_quality(res: dict) -> None:
     for name, r in res["models"].items():
-        print(f"\n{name}: LongChat {res['split']} ({res['prompts']} prompts; context budget "
+        print(f"\n{name}: LongChat {res['split']} ({r['prompts_done']} of {res['prompts']} prompts; context budget "
               f"{r['context_budget'] or 'none'}, {r['prompts_truncated']} truncated)")
         rows = [[e, v["accuracy"], v["answer_agreement"], v["kl_mean"], v["nll"], 100 * v["nll_relative_increase"]]
                 for e, v in r["results"].items()]
@@ -525,14 +584,19 @@ def main(argv=None) -> int:
         report_size(res)
         write_json("codec", res)
         plot_size(res, plot_path("codec"))
+    elif args.part == "fictional":
+        res = run_fictional(args)
+        report_fictional(res)
+        write_json(("codec_fictional" if args.split == "test" else "codec_fictional_dev") + args.tag, res)
     elif args.part == "allocation":
         res = run_allocation(args)
         report_allocation(res)
-        write_json("codec_allocation_dev", res)
+        write_json("codec_allocation_dev" + args.tag, res)
     else:
-        res = run_quality(args)
+        name = ("codec_quality" if args.split == "test" else "codec_quality_dev") + args.tag
+        res = run_quality(args, checkpoint=lambda partial: write_json(name, partial))
         report_quality(res)
-        write_json("codec_quality" if args.split == "test" else "codec_quality_dev", res)
+        write_json(name, res)
     return 0
 
 
