@@ -186,3 +186,13 @@ def test_an_entry_round_trips_as_its_joined_bytes(redis_server):
     got = t.get(K("e"))
     assert got == entry.join() and torch.equal(decode_chunk(got, K("e")).kv, chunk.kv)
     assert t.stats.snapshot()["bytes_in"] == len(entry)
+
+
+def test_keys_lists_entries_and_variants_and_skips_foreign_keys(redis_server):
+    t = _tier(redis_server)
+    t.put_many([(K("a"), b"1"), (K("a").encoded_as("cachegen", 1), b"2"), (K("b"), b"3")])
+    raw = redis.Redis.from_url(redis_server.url)
+    raw.set("kvfuse:not-a-chunk-key", b"x")  # under our prefix, but not one of ours: skipped
+    raw.set("other:" + str(K("c")), b"x")  # another prefix: never listed
+    assert set(t.keys()) == {K("a"), K("a").encoded_as("cachegen", 1), K("b")}
+    assert len(t.keys(limit=2)) == 2
