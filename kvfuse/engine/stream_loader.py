@@ -18,6 +18,7 @@ used.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -34,6 +35,8 @@ from kvfuse.tiers.store import TieredStore
 from .executor import Prefilled, entry_spec, load, load_decoded, streamed
 from .planner import Compute, Load, Plan
 from .streaming import RECOMPUTE, SAFETY, LoadEstimates, StreamReport, choose
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -80,6 +83,7 @@ class _Reader(threading.Thread):
             try:
                 got = seen.get(step.key) or self._read(step, len(self.slow) - i)
             except Exception:  # a bug must not hang the request: recompute the chunk
+                log.exception("the stream reader failed on %s; the chunk is recomputed", step.key)
                 got = _Read(None)
             if got.entry is not None:
                 seen[step.key] = got
