@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import Entry, FormatError
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
@@ -55,9 +56,9 @@ class _Read:
     variant: str = ""
 
 
-def _encoding_of(entry: Entry) -> str:
-    c = entry.codec
-    return "raw" if c.is_lossless else f"{c.name}.{c.level}"
+def _encoding_of(codec: Codec | None) -> str:
+    """The encoding name of a codec ("raw" for a lossless one, or when a tier keeps entries as put)."""
+    return "raw" if codec is None or codec.is_lossless else f"{codec.name}.{codec.level}"
 
 
 class _Reader(threading.Thread):
@@ -92,7 +93,7 @@ class _Reader(threading.Thread):
     def _read(self, step: Load, chunks_left: int) -> _Read:
         values = step.stored_tokens * self.per_token
         primary = self.store.codecs.get(step.tier)
-        primary_name = "raw" if primary is None or primary.is_lossless else f"{primary.name}.{primary.level}"
+        primary_name = _encoding_of(primary)
         encodings = [primary_name] + [e for e in self.store.encodings(step.tier) if e != primary_name]
         options = self.estimates.options(step.tier, encodings, values, self.raw_bytes)
         now = time.perf_counter()
@@ -112,7 +113,7 @@ class _Reader(threading.Thread):
         if got is None:
             self.busy_until = max(self.busy_until, done) + recompute_s
             return _Read(None)
-        encoding = _encoding_of(got.entry)
+        encoding = _encoding_of(got.entry.codec)
         self.estimates.read(step.tier, encoding, got.nbytes, values, done - now)
         decode_s = next((o.decode_s for o in options if o.encoding == encoding), 0.0)
         self.busy_until = max(self.busy_until, done) + decode_s
