@@ -28,6 +28,7 @@ from . import rope
 from .attention import attend
 from .cache import KVCache
 from .config import ModelConfig
+from .quant import linear
 
 
 @dataclass
@@ -144,7 +145,7 @@ class Transformer:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + vocabulary projection for the given hidden states ``(n, hidden)``."""
         c = self.config
-        out = F.linear(rms_norm(h, self.weights.final_norm, c.rms_norm_eps), self.weights.lm_head)
+        out = linear(rms_norm(h, self.weights.final_norm, c.rms_norm_eps), self.weights.lm_head)
         if c.final_logit_softcap is not None:
             out = torch.tanh(out / c.final_logit_softcap) * c.final_logit_softcap
         return out
@@ -163,7 +164,7 @@ class Transformer:
         """
         c, w = self.config, self.weights.layers[layer]
         x = rms_norm(h, w.attn_norm, c.rms_norm_eps)
-        qkv = F.linear(x, w.wqkv, w.bqkv)
+        qkv = linear(x, w.wqkv, w.bqkv)
         n = h.shape[0]
         q = qkv[:, : self._q_size].view(n, c.num_heads, c.head_dim)
         k = qkv[:, self._q_size : self._q_size + self._kv_size].view(n, c.num_kv_heads, c.head_dim)
@@ -239,14 +240,14 @@ class Transformer:
             softcap=c.attn_logit_softcap,
             keys_sorted=keys_sorted,
         )
-        out = F.linear(attn, w.wo)
+        out = linear(attn, w.wo)
         if w.attn_out_norm is not None:
             out = rms_norm(out, w.attn_out_norm, c.rms_norm_eps)
         h = h + out
         x = rms_norm(h, w.mlp_norm, c.rms_norm_eps)
-        gate = F.linear(x, w.w_gate)
+        gate = linear(x, w.w_gate)
         act = F.silu(gate, inplace=True) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        out = F.linear(act.mul_(F.linear(x, w.w_up)), w.w_down)
+        out = linear(act.mul_(linear(x, w.w_up)), w.w_down)
         if w.mlp_out_norm is not None:
             out = rms_norm(out, w.mlp_out_norm, c.rms_norm_eps)
         return h + out
