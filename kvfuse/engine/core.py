@@ -40,7 +40,9 @@ from kvfuse.generation import Sampler, SamplingParams, StopMatcher
 from kvfuse.history import Alignment, HistoryIndex, Record, Run, align, drop_oldest_turns
 from kvfuse.kv.keys import ChunkKey, Namespace, document_key, layout_of, tenant_tag
 from kvfuse.models import LoadedModel
+from kvfuse.models.cache import KVBudget, OutOfKVMemory, slot_bytes
 from kvfuse.models.tokenizer import StreamDecoder
+from kvfuse.models.transformer import BatchItem
 from kvfuse.tiers.prefetch import Prefetcher
 from kvfuse.tiers.store import TieredStore
 
@@ -61,6 +63,16 @@ log = logging.getLogger(__name__)
 
 KV_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 TRUNCATION = ("reuse", "recompute", "off")
+# Slots a sequence is admitted with beyond its prompt (its cache grows as it decodes): enough for
+# short answers without a reallocation, without reserving max_tokens up front.
+DECODE_HEADROOM = 64
+# Histogram buckets of sequences / tokens per step (powers of two).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def _bucket(n: int) -> int:
+    """The smallest bucket >= n (the last one for anything larger)."""
+    return next((b for b in BUCKETS if n <= b), BUCKETS[-1])
 EVICTION = ("queue", "lru")
 
 
@@ -89,6 +101,9 @@ class Engine:
         prefetch: bool = True,
         eviction: str = "queue",
         kv_slo_ms: float | None = None,
+        max_running: int = 16,
+        max_step_tokens: int = 256,
+        kv_memory_bytes: int | None = None,
     ):
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
@@ -114,7 +129,13 @@ class Engine:
             raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model "
                              f"({model.config.num_layers} layers)")
         self.stats = EngineStats()
-        self.scheduler = Scheduler(max_waiting)
+        if max_step_tokens < 1:
+            raise ValueError(f"max_step_tokens must be >= 1, got {max_step_tokens}")
+        # Continuous batching: up to max_running sequences per step, max_step_tokens tokens per
+        # forward pass (decodes, then prompt chunks), their live KV within kv_memory_bytes.
+        self.scheduler = Scheduler(max_waiting, max_running)
+        self.max_step_tokens = max_step_tokens
+        self.kv_budget = KVBudget(kv_memory_bytes)
         self._active: dict[Request, Sequence] = {}
         self._active_lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -227,6 +248,15 @@ class Engine:
             raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model")
         if request.prompt.documents and (self.store is None or not request.cache.enabled):
             raise ValueError("documents need the KV cache: it is disabled for this request")
+        limit = self.kv_budget.limit
+        slots = len(request.prompt) + request.params.max_tokens
+        need = slots * slot_bytes(self.model.config, self.kv_dtype)
+        if limit is not None and need > limit:
+            raise ValueError(
+                f"prompt ({len(request.prompt)} tokens) + max_tokens ({request.params.max_tokens}) needs "
+                f"{need / 2**20:.1f} MiB of live KV, more than the engine's whole KV memory budget "
+                f"({limit / 2**20:.1f} MiB, engine.kv_memory_bytes): shorten the prompt, lower max_tokens "
+                f"or raise the budget")
 
     def _sequence(self, request: Request) -> Sequence:
         """A request's sequence, with its keys computed (hashing only)."""
@@ -402,7 +432,7 @@ class Engine:
         seq = self._sequence(request)
         with self._step_lock:
             request.started_at = request.enqueued_at
-            self._prefill(seq)
+            self._prefill(seq, chunked=False)
             out, n = [], len(prompt)
             for cont in continuations:
                 seq.kv.truncate(n)
@@ -419,24 +449,131 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[Request]:
-        """One engine step: schedule, run, post-process. Returns the requests it finished."""
+        """One engine step: schedule, run, post-process. Returns the requests it finished.
+
+        Admitted sequences are planned and loaded; then one batched forward pass
+        (``Transformer.forward_batch``) computes the next token of every decoding sequence and the
+        next chunk of every prompt still being computed, within ``max_step_tokens`` (decodes
+        first, then prompt chunks oldest first). A sequence whose KV cannot grow preempts the most
+        recently admitted one (``_make_room``)."""
         with self._step_lock:
-            scheduled = self.scheduler.schedule()
+            scheduled = self.scheduler.schedule(self._take_memory)
             finished: list[Sequence] = []
             for seq in scheduled.skipped:
                 self._skip(seq, "the client left while the request was queued")
                 finished.append(seq)
-            ran = []
-            if scheduled.prefill is not None and self._guard(scheduled.prefill, self._prefill):
-                ran.append(scheduled.prefill)
-            ran += [seq for seq in scheduled.decode if self._guard(seq, self._decode)]
-            for seq in ran:
-                if seq.finish_reason is None:
+            for seq in scheduled.admitted:
+                if not self._guard(seq, self._prefill):
+                    finished.append(seq)
+            running = [s for s in scheduled.running if s.status is SequenceStatus.RUNNING]
+            items, batch = self._batch([s for s in running if s.finish_reason is None])
+            if items:
+                self._run_batch(items, batch)
+            items = batch = None  # nothing of this step may hold a finished sequence's KV
+            for seq in running:
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue  # preempted in this step
+                if seq.pending is not None and seq.finish_reason is None:
                     seq.accept_pending()
+                elif seq.fill and seq.request.cancel.is_set():
+                    seq.finish_reason = "cancelled"
                 if seq.finish_reason is not None:
                     self._guard(seq, self._complete)
                     finished.append(seq)
             return [s.request for s in finished]
+
+    def _take_memory(self, seq: Sequence) -> bool:
+        """The scheduler's admission test: allocate ``seq``'s live KV from the budget (its prompt,
+        the tokens it already generated if it was preempted, and room to decode), or say no."""
+        if seq.kv is None:
+            try:
+                seq.kv = self.model.runner.new_cache(self._initial_slots(seq), dtype=self.kv_dtype,
+                                                     budget=self.kv_budget)
+            except OutOfKVMemory:
+                return False
+        return True
+
+    def _initial_slots(self, seq: Sequence) -> int:
+        p = seq.request.params
+        left = p.max_tokens - len(seq.token_ids)
+        return seq.prompt_len + len(seq.token_ids) + max(1, min(left, DECODE_HEADROOM))
+
+    def _batch(self, running: list[Sequence]) -> tuple[list[BatchItem], list[tuple[Sequence, int]]]:
+        """This step's forward pass: a token for every decoding sequence, then prompt chunks
+        within the token budget. Makes room in the KV budget first (preempting if needed)."""
+        items: list[BatchItem] = []
+        batch: list[tuple[Sequence, int]] = []  # (sequence, tokens it computes now)
+        budget = self.max_step_tokens
+        order = [s for s in running if s.decoding] + [s for s in running if s.fill]
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted to make room for an older one
+            if seq.fill and seq.request.cancel.is_set():
+                continue  # ends in post-processing
+            n = 1 if not seq.fill else min(len(seq.fill), budget)
+            if n <= 0 or (seq.fill and budget <= 0):
+                continue
+            if not self._make_room(seq, (seq.fill_start if seq.fill else seq.kv.length) + n):
+                continue
+            if seq.fill:
+                ids, start = seq.fill[:n], seq.fill_start
+                items.append(BatchItem(ids, seq.kv, positions=torch.arange(start, start + n),
+                                       logits=n == len(seq.fill), start=start))
+            else:
+                items.append(BatchItem([seq.token_ids[-1]], seq.kv))
+            batch.append((seq, n))
+            budget -= n
+        live = [(it, (seq, n)) for it, (seq, n) in zip(items, batch) if seq.status is SequenceStatus.RUNNING]
+        return [it for it, _ in live], [b for _, b in live]
+
+    def _make_room(self, seq: Sequence, total: int) -> bool:
+        """Grow ``seq``'s KV to ``total`` slots, preempting the most recently admitted running
+        sequences (``seq`` itself last) until it fits. False if ``seq`` was preempted."""
+        while True:
+            try:
+                seq.kv.reserve(total)
+                return True
+            except OutOfKVMemory:
+                victims = [s for s in self.scheduler.running() if s.status is SequenceStatus.RUNNING]
+                victim = next((s for s in reversed(victims) if s is not seq), seq)
+                self._preempt(victim)
+                if victim is seq:
+                    return False
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s KV and queue it again (first in line), keeping its tokens: admitted
+        again, it reloads or recomputes its prompt and those tokens, then goes on decoding."""
+        log.info("request %s preempted (KV budget full) after %d tokens", seq.request.request_id, len(seq.token_ids))
+        seq.kv, seq.fill, seq.filled, seq.pending = None, [], None, None
+        seq.preemptions += 1
+        self.stats.add(preemptions=1)
+        self.scheduler.preempt(seq)
+
+    def _run_batch(self, items: list[BatchItem], batch: list[tuple[Sequence, int]]) -> None:
+        """The forward pass, then per sequence: a sampled token, or a prompt chunk done (and the
+        first token when it was the last chunk). A failure ends the sequences of this pass."""
+        t0 = time.perf_counter()
+        try:
+            logits = self.model.runner.forward_batch(items)
+        except Exception as e:
+            log.exception("a batched step of %d sequences failed", len(items))
+            for seq, _ in batch:
+                self._end(seq, Outcome(error=e))
+            return
+        dt = time.perf_counter() - t0
+        tokens = sum(n for _, n in batch)
+        self.stats.add(steps=1, step_sequences=len(batch), step_tokens=tokens,
+                       batch_sizes={_bucket(len(batch)): 1}, step_token_counts={_bucket(tokens): 1})
+        for (seq, n), out in zip(batch, logits):
+            if not seq.fill:
+                self._guard(seq, lambda s: setattr(s, "pending", s.sampler(out)))
+                continue
+            del seq.fill[:n]
+            seq.fill_start += n
+            seq.filled.compute_s += dt * n / tokens
+            if not seq.fill:
+                seq.filled.logits = out
+                self._guard(seq, self._prefilled)
 
     def _guard(self, seq: Sequence, fn: Callable[[Sequence], None]) -> bool:
         """Run one part of a step for ``seq``; an exception ends that request, not the engine."""
@@ -446,16 +583,25 @@ class Engine:
         except Exception as e:
             if not isinstance(e, ValueError):
                 log.exception("request %s failed in the engine", seq.request.request_id)
+            # Logged: the traceback's frames would keep the sequence's KV (and its budget) alive
+            # for as long as the outcome is kept.
+            e.__traceback__ = None
             self._end(seq, Outcome(error=e))
             return False
 
-    def _prefill(self, seq: Sequence) -> None:
-        seq.start_clock()
+    def _prefill(self, seq: Sequence, chunked: bool = True) -> None:
+        """Admission: lookup, plan, fetch, precompute and load; a plain prompt's last compute is
+        left to the batched steps (``seq.fill``, with ``chunked``), anything else is prefilled now.
+        A preempted sequence admitted again also computes the tokens it had generated."""
+        if not seq.started:
+            seq.start_clock()
         req, t = seq.request, seq.timings
         prompt, runner = req.prompt, self.model.runner
         unusable: set[ChunkKey] = set()
         where = None
         streaming, slo_ms = False, None
+        if seq.kv is None:  # Engine.score: outside the scheduler and its budget
+            seq.kv = runner.new_cache(self._initial_slots(seq), dtype=self.kv_dtype)
         for _ in range(4):  # an entry unreadable mid-prefill: plan around it and start again
             entries: dict = {}
             served: dict[ChunkKey, str] = {}
@@ -492,7 +638,7 @@ class Engine:
                     entries[pre.key] = executor.precompute(runner, self.kv_dtype, self.codec, pre)
                     self.store.put([(pre.key, entries[pre.key])])
                     seq.stored += 1
-            seq.kv = runner.new_cache(len(prompt) + req.params.max_tokens, dtype=self.kv_dtype)
+            seq.kv.truncate(0)
             if not plan.has_documents:
                 try:
                     if streaming:
@@ -500,7 +646,7 @@ class Engine:
                                                 self.kv_dtype, slo_ms / 1000, self.estimates)
                         served.update(filled.served)
                     else:
-                        filled = executor.prefill(runner, seq.kv, prompt.ids, plan, entries)
+                        filled = executor.prefill(runner, seq.kv, prompt.ids, plan, entries, defer_last=chunked)
                 except executor.EntryUnusable as e:  # a payload its codec rejects: a miss, never used
                     log.warning("request %s: %s; computing it instead", req.request_id, e)
                     self.stats.add(chunk_load_failures=1)
@@ -520,6 +666,26 @@ class Engine:
             break
         else:
             raise RuntimeError("documents could not be loaded after several attempts")
+        seq.filled, seq.served, seq.streaming = filled, served, streaming
+        # What is left to compute: the prompt's last span (chunked), then the tokens generated
+        # before a preemption; the batched steps compute them and call _prefilled.
+        start = filled.rest[0] if filled.rest is not None else len(prompt)
+        if filled.rest is not None and filled.rest[1] != len(prompt):
+            raise RuntimeError("a plan's last compute must end the prompt")
+        seq.fill_start, seq.fill = start, (prompt.ids + seq.token_ids)[start:]
+        if not seq.fill:
+            self._prefilled(seq)
+
+    def _prefilled(self, seq: Sequence) -> None:
+        """The prompt's KV is complete and ``seq.filled.logits`` are its last token's: sample the
+        first token, count what was reused, store the new chunks. A preempted sequence admitted
+        again only samples its next token (all of that happened the first time)."""
+        filled, plan, served, streaming = seq.filled, seq.plan, seq.served, seq.streaming
+        seq.filled = None
+        if seq.started:  # re-admitted after a preemption
+            seq.pending = seq.sampler(filled.logits)
+            return
+        req, t, prompt = seq.request, seq.timings, seq.request.prompt
         skipped = set(getattr(filled, "recomputed", ()))  # streamed loads computed instead
         from_store = [x for x in plan.loads if x.tier is not None and x not in skipped]
         seq.hit_tiers = tuple(served[x.key] for x in from_store)
@@ -586,9 +752,6 @@ class Engine:
             return self.saver.save(kv, self.codec, spans, skip_held)
         return executor.store(self.store, kv, self.codec, executor.unheld(self.store, spans) if skip_held else spans)
 
-    def _decode(self, seq: Sequence) -> None:
-        seq.pending = seq.sampler(self.model.runner.forward([seq.token_ids[-1]], seq.kv))
-
     def _complete(self, seq: Sequence) -> None:
         req, t = seq.request, seq.timings
         if seq.started:
@@ -633,7 +796,11 @@ class Engine:
 
     def _end(self, seq: Sequence, outcome: Outcome) -> None:
         self.scheduler.finish(seq)
-        seq.kv = None  # the live KV is freed as soon as the request is done
+        if outcome.error is not None and seq.kv is not None:
+            # A failed request's KV is dropped now, whatever still refers to it (an exception's
+            # frames, a log record); its saves, if any were queued, are lost with it.
+            seq.kv.release()
+        seq.kv = None  # the live KV is freed as soon as the request is done (once the saver copied it)
         with self._active_lock:
             self._active.pop(seq.request, None)
         seq.request.finish(outcome)
@@ -693,8 +860,11 @@ class Engine:
         return self.store.stats() if self.store is not None else {}
 
     def queue_state(self) -> dict[str, int]:
+        b = self.kv_budget
         return {"waiting": len(self.scheduler), "running": len(self.scheduler.running()),
-                "max_queue": self.scheduler.max_waiting, "skipped": self.scheduler.skipped}
+                "max_queue": self.scheduler.max_waiting, "skipped": self.scheduler.skipped,
+                "max_running": self.scheduler.max_running, "preempted": self.scheduler.preempted,
+                "kv_bytes_used": b.used, "kv_bytes_peak": b.peak, "kv_bytes_limit": b.limit or 0}
 
     def clear_cache(self, tenant: str, salt: str | None = None) -> dict[str, int]:
         """Delete ``tenant``'s entries from every tier: all of them, or only namespace ``salt``."""

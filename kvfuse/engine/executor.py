@@ -9,7 +9,7 @@ entry that is not exactly what the plan expects is a miss, planned around by ``r
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -112,17 +112,25 @@ def load_decoded(runner: Transformer, kv: KVCache, step: Load, data: torch.Tenso
 
 @dataclass
 class Prefilled:
-    logits: torch.Tensor  # of the prompt's last token
+    logits: torch.Tensor | None  # of the prompt's last token (None while ``rest`` is still to compute)
     load_s: float
     compute_s: float
+    rest: tuple[int, int] | None = field(default=None, kw_only=True)  # slots [start, end) left to compute (``prefill(defer_last=True)``)
 
 
-def prefill(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan, entries: dict[ChunkKey, Entry]) -> Prefilled:
+def prefill(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan, entries: dict[ChunkKey, Entry],
+            defer_last: bool = False) -> Prefilled:
     """Fill ``kv`` for the whole prompt: the plan's loads and computes in slot order (a compute
-    only needs the slots before it), the logits of the last token from the last compute."""
+    only needs the slots before it), the logits of the last token from the last compute.
+
+    With ``defer_last`` the last compute (which always ends the prompt) is left undone and
+    returned as ``rest``: the engine computes it in chunks, batched with other sequences' steps
+    (chunked prefill)."""
     logits, load_s, compute_s = None, 0.0, 0.0
     last = plan.computes[-1] if plan.computes else None
     for step in plan.in_order():
+        if defer_last and step is last:
+            return Prefilled(None, load_s, compute_s, rest=(step.start, step.end))
         t = time.perf_counter()
         if isinstance(step, Load):
             load(runner, kv, step, entries[step.key])

@@ -129,6 +129,7 @@ class Saver:
                 log.exception("saving %d spans failed; they are misses for later requests", len(spans))
                 self.stats.add(save_errors=1)
             finally:
+                job = kv = None  # let the live KV go now (its bytes go back to the KV budget), not at the next job
                 with self._cond:
                     self._pending.subtract(s.key for s in spans)
                     self._pending = +self._pending

@@ -1,11 +1,15 @@
 """The engine's request queue and what runs at each step.
 
-``Scheduler.schedule()`` decides one engine step: the waiting sequences to drop (their client
-left: cancelled while queued), the sequence to admit and prefill, and the running sequences to
-decode. Waiting sequences are admitted first come, first served, up to ``max_running`` at a time
-(one for now: the runner serves one sequence per step; continuous batching raises it). The
-queue holds at most ``max_waiting`` sequences; beyond that ``add`` raises ``QueueFull`` (the
-server answers 429) instead of letting latency grow without bound.
+``Scheduler.schedule(admit)`` decides one engine step: the waiting sequences to drop (their
+client left: cancelled while queued), the sequences to admit, and the running ones (every
+running sequence takes part in every step: continuous batching). Waiting sequences are admitted
+first come, first served, up to ``max_running`` at a time and while ``admit(seq)`` (the engine's
+callback, which takes the sequence's KV memory from the budget) says it fits; admission stops at
+the first one that does not, so a large request is never overtaken forever by small ones (no
+starvation). A running sequence the engine preempts (``preempt``: its KV was needed by older
+ones) goes back to the front of the queue and keeps what it generated. The queue holds at most
+``max_waiting`` sequences; beyond that ``add`` raises ``QueueFull`` (the server answers 429)
+instead of letting latency grow without bound.
 
 The queue's look-ahead (``lookahead()``: which requests wait, in order, with the keys they will
 ask for) is what the store reads to prefetch entries before the requests that need them run.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfuse.kv.keys import ChunkKey
@@ -32,18 +37,18 @@ class ScheduledStep:
     """What one engine step does."""
 
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
-    prefill: Sequence | None = None  # admitted now: plan, load, prefill, first token
-    decode: list[Sequence] = field(default_factory=list)  # running: one more token each
+    admitted: list[Sequence] = field(default_factory=list)  # admitted now: plan, load, start their prefill
+    running: list[Sequence] = field(default_factory=list)  # every running sequence, oldest first
 
     @property
     def empty(self) -> bool:
-        return not self.skipped and self.prefill is None and not self.decode
+        return not self.skipped and not self.running
 
 
 class Scheduler:
     """FIFO admission with a bounded queue; see the module docstring."""
 
-    def __init__(self, max_waiting: int = 64, max_running: int = 1):
+    def __init__(self, max_waiting: int = 64, max_running: int = 16):
         if max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
         if max_running < 1:
@@ -55,6 +60,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self.skipped = 0  # sequences dropped because they were cancelled while waiting
+        self.preempted = 0  # running sequences put back in the queue
 
     # -- other threads --------------------------------------------------------------------------
 
@@ -95,9 +101,9 @@ class Scheduler:
 
     # -- the engine thread ----------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledStep:
-        """The next step: drop cancelled waiting sequences, admit the oldest waiting one if there
-        is room, otherwise decode the running ones."""
+    def schedule(self, admit: Callable[[Sequence], bool] = lambda seq: True) -> ScheduledStep:
+        """The next step: drop cancelled waiting sequences, admit the oldest waiting ones while
+        there is room (``max_running``) and ``admit`` accepts them, run everything running."""
         step = ScheduledStep()
         with self._cond:
             kept: deque[Sequence] = deque()
@@ -108,14 +114,26 @@ class Scheduler:
                     kept.append(seq)
             self._waiting = kept
             self.skipped += len(step.skipped)
-            step.decode = [s for s in self._running if s.status is SequenceStatus.RUNNING]
-            if len(self._running) < self.max_running and self._waiting:
+            while self._waiting and len(self._running) < self.max_running and admit(self._waiting[0]):
                 seq = self._waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
-                seq.request.started_at = time.monotonic()
+                if seq.request.started_at is None:
+                    seq.request.started_at = time.monotonic()
                 self._running.append(seq)
-                step.prefill = seq
+                step.admitted.append(seq)
+            step.running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
         return step
+
+    def preempt(self, seq: Sequence) -> None:
+        """Put running ``seq`` back at the front of the queue (its KV was freed to make room); it
+        is admitted again before anything that arrived after it. Not refused when the queue is full:
+        it was accepted already."""
+        with self._cond:
+            if seq in self._running:
+                self._running.remove(seq)
+            seq.status = SequenceStatus.WAITING
+            self._waiting.appendleft(seq)
+            self.preempted += 1
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done (whatever the reason): it leaves the running set."""

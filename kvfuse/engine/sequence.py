@@ -1,7 +1,9 @@
 """A request's state inside the engine, from queued to finished.
 
-``WAITING`` (in the queue, its keys computed) -> ``RUNNING`` (admitted: planned, loaded, prefilled;
-then one token per step) -> ``FINISHED``. A sampled token is first *pending*; ``accept_pending``
+``WAITING`` (in the queue, its keys computed) -> ``RUNNING`` (admitted: its KV memory taken,
+planned, loaded; then its prompt computed in chunks (``fill``), one chunk per step, and one token
+per step) -> ``FINISHED``. A preempted sequence goes back to ``WAITING`` with its KV freed and
+its tokens kept; admitted again, it recomputes (or reloads) its prompt and those tokens. A sampled token is first *pending*; ``accept_pending``
 is the post-processing half of a step: end-of-sequence, stop strings, length and cancellation
 are decided there, and the text it produces is handed to the request's ``on_text``.
 """
@@ -57,9 +59,20 @@ class Sequence:
     moved_reused: int = 0  # of those, at new positions
     record: object = None  # the stored history (kvfuse.history.Record) this prompt was lined up with
     scope: str = ""  # where its own history record goes (the cache namespace's key prefix)
+    fill: list[int] = field(default_factory=list)  # ids still to compute, in chunks (chunked prefill)
+    fill_start: int = 0  # the slot of fill[0]
+    filled: object = None  # the prefill's result (executor.Prefilled) while ``fill`` is computed
+    served: dict = field(default_factory=dict)  # the tier that served each loaded key
+    streaming: bool = False  # slow-tier chunks were streamed (kv_slo_ms)
+    preemptions: int = 0
     timings: Timings = field(default_factory=Timings)
     t_start: float = 0.0
     t_decode: float = 0.0
+
+    @property
+    def decoding(self) -> bool:
+        """Prefilled and waiting for its next token to be computed."""
+        return self.started and not self.fill and self.pending is None and self.finish_reason is None
 
     @property
     def prompt_len(self) -> int:

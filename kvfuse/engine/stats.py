@@ -31,3 +31,10 @@ class EngineStats(Counters):
     stream_slo_violations: int = 0  # of those, loads that took longer than the budget
     stream_chunks: dict[str, int] = field(default_factory=dict)  # chunks per encoding, or "recompute"
     stream_bytes: int = 0
+    # Continuous batching: forward passes, the sequences and tokens in them, preemptions.
+    steps: int = 0
+    step_sequences: int = 0
+    step_tokens: int = 0
+    batch_sizes: dict[int, int] = field(default_factory=dict)  # steps per sequences-per-step bucket (<= key)
+    step_token_counts: dict[int, int] = field(default_factory=dict)  # steps per tokens-per-step bucket
+    preemptions: int = 0  # running sequences whose KV was freed to make room (they ran again later)

@@ -15,6 +15,8 @@ spread over 2.7k keys take ~30% less time than one masked call over every key).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +38,45 @@ def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) 
     return mask
 
 
+@dataclass(frozen=True)
+class Part:
+    """One SDPA call of an attention: queries ``[q0, q1)`` over keys ``[k0, k1)``, with a boolean
+    mask, a plain causal mask, or nothing (every query sees every key)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: torch.Tensor | None = None
+    causal: bool = False
+
+
+def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None, keys_sorted: bool = False) -> list[Part]:
+    """How ``attend`` splits the attention of queries at ``q_pos`` over keys at ``k_pos``.
+
+    Depends only on positions, so a batched step computes it once per sequence and layer type and
+    reuses it in every layer (the host reads of positions it needs are then paid once, not per
+    layer)."""
+    n_q, n_k = q_pos.shape[0], k_pos.shape[0]
+    block = _block_size(q_pos, window) if keys_sorted else None
+    if block is not None:
+        return [p for i in range(0, n_q, block) for p in _range_parts(q_pos, k_pos, i, min(i + block, n_q), window)]
+    if keys_sorted:
+        return _range_parts(q_pos, k_pos, 0, n_q, window)
+    return [Part(0, n_q, 0, n_k, position_mask(q_pos, k_pos, window))]
+
+
+def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: list[Part], *, scale: float,
+        softcap: float | None = None) -> torch.Tensor:
+    """The attention output ``(n_q, heads * head_dim)`` of ``q`` over ``k``/``v`` split as ``parts``
+    (shapes as in ``attend``)."""
+    n_q = q.shape[1]
+    outs = [_sdpa(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.mask, scale, softcap, p.causal)
+            for p in parts]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return out.transpose(0, 1).reshape(n_q, -1)
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -54,19 +95,7 @@ def attend(
     attention when kv_heads < heads); positions are int64. ``keys_sorted`` promises that ``k_pos``
     is ascending, which allows restricting each query block to its visible key range.
     """
-    n_q = q.shape[1]
-    block = _block_size(q_pos, window) if keys_sorted else None
-    if block is not None:
-        outs = [
-            _attend_range(q[:, i : i + block], k, v, q_pos[i : i + block], k_pos, scale, window, softcap)
-            for i in range(0, n_q, block)
-        ]
-        out = torch.cat(outs, dim=1)
-    elif keys_sorted:
-        out = _attend_range(q, k, v, q_pos, k_pos, scale, window, softcap)
-    else:
-        out = _sdpa(q, k, v, position_mask(q_pos, k_pos, window), scale, softcap)
-    return out.transpose(0, 1).reshape(n_q, -1)
+    return run(q, k, v, plan(q_pos, k_pos, window, keys_sorted), scale=scale, softcap=softcap)
 
 
 def _block_size(q_pos: torch.Tensor, window: int | None) -> int | None:
@@ -83,21 +112,22 @@ def _block_size(q_pos: torch.Tensor, window: int | None) -> int | None:
     return max(_SPARSE_MIN_BLOCK, -(-n_q // _SPARSE_BLOCKS))
 
 
-def _attend_range(q, k, v, q_pos, k_pos, scale, window, softcap):
-    """Attend over the contiguous key range the (sorted) queries can see."""
-    q_min, q_max = int(q_pos.min()), int(q_pos.max())
+def _range_parts(q_pos, k_pos, q0, q1, window) -> list[Part]:
+    """Queries ``[q0, q1)`` (sorted keys) over the contiguous key range they can see."""
+    qp = q_pos[q0:q1]
+    q_min, q_max = int(qp.min()), int(qp.max())
     lo = 0 if window is None else int(torch.searchsorted(k_pos, q_min - window + 1))
     hi = int(torch.searchsorted(k_pos, q_max, right=True))
-    k, v, k_pos = k[:, lo:hi], v[:, lo:hi], k_pos[lo:hi]
-    n_q, n_k = q.shape[1], k.shape[1]
+    kp = k_pos[lo:hi]
+    n_q, n_k = q1 - q0, hi - lo
     # Every query sees every key in range: no mask at all (decoding, mostly).
-    if window is None or q_max - int(k_pos[0]) < window:
-        if q_min >= int(k_pos[-1]):
-            return _sdpa(q, k, v, None, scale, softcap)
+    if window is None or q_max - int(kp[0]) < window:
+        if q_min >= int(kp[-1]):
+            return [Part(q0, q1, lo, hi)]
         # Queries are the last n_q consecutive positions after all keys: a plain causal prefill.
-        if n_q == n_k and _is_arange(q_pos) and torch.equal(q_pos, k_pos):
-            return _sdpa(q, k, v, None, scale, softcap, causal=True)
-    return _sdpa(q, k, v, position_mask(q_pos, k_pos, window), scale, softcap)
+        if n_q == n_k and _is_arange(qp) and torch.equal(qp, kp):
+            return [Part(q0, q1, lo, hi, causal=True)]
+    return [Part(q0, q1, lo, hi, position_mask(qp, kp, window))]
 
 
 def _is_arange(pos: torch.Tensor) -> bool:

@@ -1,11 +1,74 @@
-"""The live KV cache of one sequence, as the model runner reads and writes it."""
+"""The live KV cache of one sequence, as the model runner reads and writes it, and the budget that
+bounds the live KV of every sequence together.
+
+Layout: one contiguous buffer per sequence (not a paged block pool). Attention then reads each
+sequence's keys as one view, with no gather per step; in pure PyTorch a block pool would copy
+every sequence's KV out of its blocks at every layer of every step (``bench/decode.py`` measures
+the two). The price is that a cache grows by reallocating; ``KVBudget`` counts both buffers
+while that happens, so the budget is never exceeded, even transiently.
+
+A buffer's bytes go back to the budget when the buffer itself is freed (a finalizer on the
+tensor), not when its sequence ends: the saver thread may still be copying a finished
+sequence's spans out of it, and until then that memory is in use.
+"""
 
 from __future__ import annotations
+
+import threading
+import weakref
 
 import torch
 
 from ..kv.chunk import KVChunk
 from .config import ModelConfig
+
+
+class OutOfKVMemory(MemoryError):
+    """The KV budget cannot hold what a cache asked for (the engine preempts or waits)."""
+
+
+class KVBudget:
+    """Bytes of live KV that caches may hold together (``limit`` None: unbounded, still counted).
+
+    Every ``KVCache`` given this budget takes its buffer's bytes before allocating and gives them
+    back when released or regrown. ``used`` never exceeds ``limit``; ``peak`` is the highest
+    ``used`` seen (what tests assert on)."""
+
+    def __init__(self, limit: int | None = None):
+        if limit is not None and limit <= 0:
+            raise ValueError(f"a KV budget must be > 0 bytes, got {limit}")
+        self.limit = limit
+        self.used = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        """Reserve ``nbytes``; False (nothing taken) if that would exceed the limit."""
+        with self._lock:
+            if self.limit is not None and self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            self.peak = max(self.peak, self.used)
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._lock:
+            if nbytes > self.used:
+                raise RuntimeError(f"giving back {nbytes} bytes of KV but only {self.used} are taken")
+            self.used -= nbytes
+
+    @property
+    def free(self) -> int | None:
+        return None if self.limit is None else self.limit - self.used
+
+    def fits(self, nbytes: int) -> bool:
+        return self.limit is None or nbytes <= self.limit - self.used
+
+
+def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes one slot of a ``KVCache`` takes: K and V of every layer, and its position."""
+    c = config
+    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=dtype).element_size() + 8
 
 
 class KVCache:
@@ -19,32 +82,73 @@ class KVCache:
     hit see exactly the same numbers.
     """
 
-    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 budget: KVBudget | None = None):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
         self.length = 0
-        self.kv = self._alloc(max(capacity, 1))
-        self.positions = torch.zeros(self.kv.shape[3], dtype=torch.int64, device=self.device)
+        self.budget = budget
+        self.slot_bytes = slot_bytes(config, dtype)
+        self._give_back: weakref.finalize | None = None
+        self.kv, self.positions = self._alloc(max(capacity, 1))
 
-    def _alloc(self, capacity: int) -> torch.Tensor:
+    def _alloc(self, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """New buffers for ``capacity`` slots, their bytes taken from the budget first
+        (OutOfKVMemory if it cannot) and given back when the buffer is freed."""
+        nbytes = capacity * self.slot_bytes
+        if self.budget is not None and not self.budget.take(nbytes):
+            raise OutOfKVMemory(f"{capacity} KV slots ({nbytes} bytes) do not fit the KV budget "
+                                f"({self.budget.used} of {self.budget.limit} bytes in use)")
         c = self.config
-        return torch.empty(c.num_layers, 2, c.num_kv_heads, capacity, c.head_dim, dtype=self.dtype, device=self.device)
+        try:
+            # Never inference tensors (even when the runner grows a cache inside inference mode):
+            # callers outside inference mode write into caches too (loads, tests).
+            with torch.inference_mode(False):
+                kv = torch.empty(c.num_layers, 2, c.num_kv_heads, capacity, c.head_dim, dtype=self.dtype,
+                                 device=self.device)
+                positions = torch.zeros(capacity, dtype=torch.int64, device=self.device)
+        except BaseException:
+            if self.budget is not None:
+                self.budget.give(nbytes)
+            raise
+        if self.budget is not None:
+            self._give_back = weakref.finalize(kv, self.budget.give, nbytes)
+        return kv, positions
+
+    def release(self) -> None:
+        """Drop the buffers and give their bytes back to the budget now, even if something still
+        refers to them (a failed request's traceback). The cache is empty afterwards."""
+        if self._give_back is not None:
+            self._give_back()  # runs once: the finalizer is dead afterwards
+            self._give_back = None
+        c = self.config  # new empty tensors: a view would keep the old storage alive
+        self.length = 0
+        self.kv = torch.empty(c.num_layers, 2, c.num_kv_heads, 0, c.head_dim, dtype=self.dtype, device=self.device)
+        self.positions = torch.zeros(0, dtype=torch.int64, device=self.device)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of this cache's buffers (what it holds in a budget)."""
+        return self.capacity * self.slot_bytes
 
     @property
     def capacity(self) -> int:
         return self.kv.shape[3]
 
     def reserve(self, total: int) -> None:
-        """Make room for ``total`` slots (grows geometrically; keeps the valid slots)."""
+        """Make room for ``total`` slots, keeping the valid ones. Grows by at least a quarter (a
+        few reallocations over a long answer), or exactly to ``total`` when the budget cannot hold
+        more; OutOfKVMemory if it cannot hold that either."""
         if total <= self.capacity:
             return
-        new_cap = max(total, 2 * self.capacity)
-        kv = self._alloc(new_cap)
+        try:
+            kv, positions = self._alloc(max(total, self.capacity + max(64, self.capacity // 4)))
+        except OutOfKVMemory:
+            kv, positions = self._alloc(total)
         kv[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
-        positions = torch.zeros(new_cap, dtype=torch.int64, device=self.device)
         positions[: self.length] = self.positions[: self.length]
-        self.kv, self.positions = kv, positions
+        self.kv, self.positions = kv, positions  # the old buffers' bytes go back as they are freed
 
     def keys_sorted(self, upto: int) -> bool:
         p = self.positions[:upto]

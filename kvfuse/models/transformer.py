@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from . import rope
+from . import attention
 from .attention import attend
-from .cache import KVCache
+from .cache import KVBudget, KVCache
 from .config import ModelConfig
 from .quant import linear
 
@@ -55,6 +56,19 @@ class Weights:
     lm_head: torch.Tensor  # (vocab, hidden); the embedding itself when tied
 
 
+@dataclass
+class BatchItem:
+    """One sequence's part of a batched step (``Transformer.forward_batch``): its new tokens, its
+    cache (the tokens go after its valid slots), their positions (default: continuing the cache)
+    and whether the logits of its last token are wanted."""
+
+    ids: list[int]
+    cache: KVCache
+    positions: torch.Tensor | None = None
+    logits: bool = True
+    start: int | None = None  # the first slot written (default: after the valid slots), as in forward()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32 (weights of gemma-style norms already include the +1).
 
@@ -79,9 +93,10 @@ class Transformer:
 
     # ----------------------------------------------------------------------------- whole passes
 
-    def new_cache(self, capacity: int = 0, dtype: torch.dtype | None = None) -> KVCache:
-        """An empty KV cache for one sequence (KV dtype defaults to the compute dtype)."""
-        return KVCache(self.config, capacity, dtype or self.dtype, self.device)
+    def new_cache(self, capacity: int = 0, dtype: torch.dtype | None = None, budget: KVBudget | None = None) -> KVCache:
+        """An empty KV cache for one sequence (KV dtype defaults to the compute dtype), its bytes
+        counted in ``budget`` if given (OutOfKVMemory when they do not fit)."""
+        return KVCache(self.config, capacity, dtype or self.dtype, self.device, budget)
 
     @torch.inference_mode()
     def forward(
@@ -133,6 +148,92 @@ class Transformer:
         if logits == "none":
             return None
         return self.logits(h)[0] if logits == "last" else self.logits(h)
+
+    @torch.inference_mode()
+    def forward_batch(self, items: list[BatchItem]) -> list[torch.Tensor | None]:
+        """One pass over several sequences, each with its own cache: ``forward`` for each item, with
+        the dense parts (projections, MLP, vocabulary) run once over all their tokens.
+
+        Weights are read once per step whatever the number of sequences, which is what makes
+        batching pay on a memory-bound decode; attention stays per sequence (own slots, own
+        positions), planned once per step and reused in every layer. Returns, per item, the
+        ``(vocab,)`` logits of its last token, or None where ``item.logits`` is False.
+        Each item gets exactly what ``forward(item.ids, item.cache, item.positions)`` computes, up
+        to the rounding of GEMMs over more rows."""
+        if not items:
+            return []
+        c = self.config
+        spans, plans, last_plans, lengths, pos_list = [], [], [], [], []
+        windows = {c.window(layer) for layer in range(c.num_layers)}
+        row = 0
+        for it in items:
+            n = len(it.ids)
+            if n == 0:
+                raise ValueError("forward_batch() needs at least one token per item")
+            cache = it.cache
+            start = cache.length if it.start is None else it.start
+            if not 0 <= start <= cache.length:
+                raise ValueError(f"slot {start} would leave a gap after the {cache.length} valid slots")
+            positions = it.positions
+            if positions is None:
+                nxt = cache.next_position
+                positions = torch.arange(nxt, nxt + n, device=self.device)
+            positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).reshape(-1)
+            if positions.shape[0] != n:
+                raise ValueError(f"{n} tokens but {positions.shape[0]} positions")
+            cache.reserve(start + n)
+            cache.positions[start : start + n] = positions
+            kv_len = max(cache.length, start + n)
+            k_pos = cache.positions[:kv_len]
+            sorted_keys = cache.keys_sorted(kv_len)
+            plans.append({win: attention.plan(positions, k_pos, win, sorted_keys) for win in windows})
+            last_plans.append({win: attention.plan(positions[-1:], k_pos, win, sorted_keys) for win in windows}
+                              if it.logits else None)
+            spans.append((row, row + n, start))
+            lengths.append(kv_len)
+            pos_list.append(positions)
+            row += n
+        ids = torch.as_tensor([t for it in items for t in it.ids], dtype=torch.int64, device=self.device)
+        positions = torch.cat(pos_list)
+        tables = self.rope_tables(positions, self.dtype)
+        h = self.embed(ids)
+        last = c.num_layers - 1
+        for layer in range(c.num_layers):
+            w = self.window_of(layer)
+            q, k, v = self.project(layer, h, positions, tables)
+            outs, rows = [], []
+            for it, (a, b, start), kv_len, pl, lp in zip(items, spans, lengths, plans, last_plans):
+                kv = it.cache.kv
+                kv[layer, 0, :, start : start + b - a] = k[a:b].transpose(0, 1)
+                kv[layer, 1, :, start : start + b - a] = v[a:b].transpose(0, 1)
+                if layer == last:
+                    if lp is None:
+                        continue
+                    a, parts = b - 1, lp[w]
+                else:
+                    parts = pl[w]
+                outs.append(attention.run(q[a:b].transpose(0, 1), kv[layer, 0, :, :kv_len], kv[layer, 1, :, :kv_len],
+                                          parts, scale=c.scaling, softcap=c.attn_logit_softcap))
+                rows.append((a, b))
+            if not outs:
+                h = h[:0]
+                break
+            if layer == last:
+                h = torch.cat([h[a:b] for a, b in rows])
+            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
+            h = self.post_attention(layer, attn, h)
+        for it, kv_len in zip(items, lengths):
+            it.cache.length = kv_len
+        out: list[torch.Tensor | None] = [None] * len(items)
+        if h.shape[0]:
+            logits = self.logits(h)
+            wanted = [i for i, it in enumerate(items) if it.logits]
+            for j, i in enumerate(wanted):
+                out[i] = logits[j]
+        return out
+
+    def window_of(self, layer: int) -> int | None:
+        return self.config.window(layer)
 
     # ---------------------------------------------------------------------- layer-by-layer API
 
@@ -220,7 +321,7 @@ class Transformer:
                    rows: slice | torch.Tensor | None = None) -> torch.Tensor:
         """The second half of ``layer``: attention of the queries ``q`` (tokens at ``slots``, inputs
         ``h``) over slots ``[0, kv_len)`` by position, then the MLP; only for ``rows`` if given."""
-        c, w = self.config, self.weights.layers[layer]
+        c = self.config
         kv_len = cache.length if kv_len is None else kv_len
         q_pos = cache.positions[slots]
         if rows is not None:
@@ -240,6 +341,11 @@ class Transformer:
             softcap=c.attn_logit_softcap,
             keys_sorted=keys_sorted,
         )
+        return self.post_attention(layer, attn, h)
+
+    def post_attention(self, layer: int, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The rest of ``layer`` after attention: output projection, residual, MLP, residual."""
+        c, w = self.config, self.weights.layers[layer]
         out = linear(attn, w.wo)
         if w.attn_out_norm is not None:
             out = rms_norm(out, w.attn_out_norm, c.rms_norm_eps)

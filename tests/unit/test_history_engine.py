@@ -196,7 +196,7 @@ def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(model
     chunk_bytes = c.num_layers * 2 * CH * c.num_kv_heads * c.head_dim * 2
     memory = MemoryTier(7 * chunk_bytes)  # room for about one conversation
     store = TieredStore([memory, DiskTier(tmp_path / "kv", 256 << 20)])
-    engine = Engine(model, store, chunk_size=CH, eviction=eviction)
+    engine = Engine(model, store, chunk_size=CH, eviction=eviction, max_running=1)  # one at a time: a queue
     prefetcher = engine.prefetcher or Prefetcher(store)
     prefetcher.close()  # driven by hand below, so that nothing depends on timing
     store.prefetching = True

@@ -24,47 +24,68 @@ def names(seqs) -> list[str]:
     return [s.request.request_id for s in seqs]
 
 
-def test_admission_is_first_come_first_served_one_at_a_time():
-    s = Scheduler(max_waiting=4)
+def test_admission_is_first_come_first_served_up_to_max_running():
+    s = Scheduler(max_waiting=4, max_running=2)
     a, b, c = seq("a"), seq("b"), seq("c")
     for x in (a, b, c):
         s.add(x)
     assert names(s.waiting()) == ["a", "b", "c"] and all(x.status is SequenceStatus.WAITING for x in (a, b, c))
     step = s.schedule()
-    assert step.prefill is a and step.decode == [] and step.skipped == [] and a.status is SequenceStatus.RUNNING
-    assert a.request.started_at is not None and names(s.waiting()) == ["b", "c"]
-    step = s.schedule()  # a runs: b waits for it
-    assert step.prefill is None and step.decode == [a]
+    assert step.admitted == [a, b] and step.running == [a, b] and step.skipped == []
+    assert a.status is SequenceStatus.RUNNING and a.request.started_at is not None and names(s.waiting()) == ["c"]
+    step = s.schedule()  # a and b run together: c waits for a free place
+    assert step.admitted == [] and step.running == [a, b]
     s.finish(a)
-    assert a.status is SequenceStatus.FINISHED and s.running() == []
-    assert s.schedule().prefill is b
+    assert a.status is SequenceStatus.FINISHED and s.running() == [b]
+    step = s.schedule()
+    assert step.admitted == [c] and step.running == [b, c]
     s.finish(b)
-    assert s.schedule().prefill is c
     s.finish(c)
     assert s.schedule().empty and not s.has_work()
 
 
-def test_max_running_admits_several():
-    s = Scheduler(max_waiting=4, max_running=2)
-    a, b, c = seq("a"), seq("b"), seq("c")
-    for x in (a, b, c):
+def test_admission_stops_at_the_first_sequence_that_does_not_fit():
+    """The admission test (the engine's KV budget) is asked in queue order and admission stops at
+    the first refusal: a large request is never overtaken by the smaller ones behind it."""
+    s = Scheduler(max_waiting=4, max_running=8)
+    a, big, c = seq("a"), seq("big", ids=range(50)), seq("c")
+    for x in (a, big, c):
         s.add(x)
-    assert s.schedule().prefill is a
+    asked = []
+
+    def admit(x):
+        asked.append(x.request.request_id)
+        return len(x.request.prompt) < 10
+
+    step = s.schedule(admit)
+    assert step.admitted == [a] and asked == ["a", "big"] and names(s.waiting()) == ["big", "c"]
+    assert s.schedule(lambda x: True).admitted == [big, c]
+
+
+def test_a_preempted_sequence_goes_back_first_in_line_and_keeps_its_start_time():
+    s = Scheduler(max_waiting=1, max_running=2)
+    a, b = seq("a"), seq("b")
+    s.add(a)
+    s.schedule()
+    s.add(b)  # the queue is full again
+    s.schedule()
+    started = a.request.started_at
+    s.preempt(a)  # allowed although the queue is full: a was accepted already
+    assert a.status is SequenceStatus.WAITING and names(s.waiting()) == ["a"] and s.running() == [b]
+    assert s.preempted == 1
     step = s.schedule()
-    assert step.prefill is b and step.decode == [a]
-    step = s.schedule()
-    assert step.prefill is None and step.decode == [a, b]
+    assert step.admitted == [a] and step.running == [b, a] and a.request.started_at == started
 
 
 def test_queue_limit_order_and_close():
-    s = Scheduler(max_waiting=2)
+    s = Scheduler(max_waiting=2, max_running=1)
     a, b, c = seq("a"), seq("b"), seq("c")
     s.add(a)
     s.add(b)
     with pytest.raises(QueueFull, match="max_queue = 2"):
         s.add(c)
     assert names(s.waiting()) == ["a", "b"] and len(s) == 2
-    assert s.schedule().prefill is a  # admitted: a slot in the queue freed up
+    assert s.schedule().admitted == [a]  # admitted: a slot in the queue freed up
     s.add(c)
     assert s.close() == [b, c] and s.closed
     with pytest.raises(QueueClosed):
@@ -80,20 +101,20 @@ def test_cancelled_while_queued_is_skipped_and_reported():
     a.request.cancel.set()  # a's client left while it waited
     c.request.cancel.set()
     step = s.schedule()
-    assert step.skipped == [a, c] and step.prefill is b and s.skipped == 2 and s.waiting() == []
+    assert step.skipped == [a, c] and step.admitted == [b] and s.skipped == 2 and s.waiting() == []
 
 
 def test_cancelled_while_running_keeps_its_place_until_the_engine_ends_it():
-    s = Scheduler(max_waiting=4)
+    s = Scheduler(max_waiting=4, max_running=1)
     a, b = seq("a"), seq("b")
     s.add(a)
     s.add(b)
-    assert s.schedule().prefill is a
+    assert s.schedule().admitted == [a]
     a.request.cancel.set()  # the engine sees it at a's next step and finishes it
     step = s.schedule()
-    assert step.decode == [a] and step.prefill is None
+    assert step.running == [a] and step.admitted == []
     s.finish(a)
-    assert s.schedule().prefill is b
+    assert s.schedule().admitted == [b]
 
 
 def test_remove_frees_the_slot_and_counts():
@@ -115,7 +136,7 @@ def test_lookahead_lists_waiting_requests_in_run_order_with_their_keys():
     assert look[0][1] == a.keys.all() and len(look[1][1]) == 3 and look[2][1] == []
     # every key once, in the order the requests will need them
     assert s.upcoming_keys() == a.keys.all() + [b.keys.all()[2]]
-    s.schedule()  # a runs: it is no longer ahead
+    s.schedule(lambda x: x is a)  # a runs: it is no longer ahead
     assert [name for name, _ in s.lookahead()] == ["b", "c"]
 
 
