@@ -101,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int)
     p.add_argument("--api-key", action="append", metavar="KEY:TENANT", help="require this API key (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="serve without any KV cache")
+    p.add_argument("--max-running", type=int, metavar="N",
+                   help="sequences batched together in each step (engine.max_running, default 16)")
+    p.add_argument("--kv-memory", metavar="SIZE",
+                   help="live KV of all running sequences together, e.g. 2GiB (engine.kv_memory_bytes; "
+                        "default: unbounded)")
     _common(p)
 
     cache = sub.add_parser("cache", help="inspect or clear the KV cache tiers")
@@ -138,6 +143,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "cache.truncation": getattr(args, "truncation", None),
         "context_tokens": getattr(args, "context_tokens", None),
         "cache.kv_slo_ms": getattr(args, "kv_slo_ms", None),
+        "engine.max_running": getattr(args, "max_running", None),
+        "engine.kv_memory_bytes": getattr(args, "kv_memory", None),
     }
     return load_from_environment(getattr(args, "config", None), overrides)
 

@@ -9,12 +9,16 @@ The file mirrors the dataclasses::
       redis_url: redis://127.0.0.1:6379/0
     blend:
       recompute_ratio: 0.15
+    engine:
+      max_running: 16
+      kv_memory_bytes: 1GiB
     server:
       port: 8000
       api_keys: ["sk-alice:alice", "sk-bob:bob"]
 
 Environment variables: ``KVFUSE_<FIELD>`` for top-level fields (``KVFUSE_MODEL``, ``KVFUSE_HOME``),
-``KVFUSE_CACHE_<FIELD>``, ``KVFUSE_BLEND_<FIELD>`` and ``KVFUSE_SERVER_<FIELD>`` for the sections
+``KVFUSE_CACHE_<FIELD>``, ``KVFUSE_BLEND_<FIELD>``, ``KVFUSE_ENGINE_<FIELD>`` and ``KVFUSE_SERVER_<FIELD>``
+for the sections
 (``KVFUSE_CACHE_REDIS_URL``),
 ``KVFUSE_CONFIG`` for the file. Only this module reads the environment, and only when asked to.
 Every error names the field, where the bad value came from, and what to write instead.
@@ -103,6 +107,15 @@ class BlendConfig:
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """Continuous batching: how many sequences share a step, and the live KV they may hold."""
+
+    max_running: int = 16  # sequences decoded / prefilled together in one step
+    max_step_tokens: int = 256  # tokens per forward pass: decodes first, then prompt chunks
+    kv_memory_bytes: int | None = None  # live KV of all running sequences together (None: unbounded)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server."""
 
@@ -129,6 +142,7 @@ class Config:
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
     blend: BlendConfig = field(default_factory=BlendConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     @property
@@ -143,7 +157,7 @@ class Config:
         return dict(entry.split(":", 1) for entry in self.server.api_keys)
 
 
-_SECTIONS = {"cache": CacheConfig, "blend": BlendConfig, "server": ServerConfig}
+_SECTIONS = {"cache": CacheConfig, "blend": BlendConfig, "engine": EngineConfig, "server": ServerConfig}
 
 
 def load_config(
@@ -316,6 +330,11 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
     need(c.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", "must be debug, info, warning or error")
     need(bool(c.model), "model", "must name a built-in model, a model folder or a .gguf file")
     k = c.cache
+    e = c.engine
+    need(e.max_running >= 1, "engine.max_running", f"must be >= 1 sequences per step, got {e.max_running}")
+    need(e.max_step_tokens >= 1, "engine.max_step_tokens", f"must be >= 1 token per step, got {e.max_step_tokens}")
+    need(e.kv_memory_bytes is None or e.kv_memory_bytes > 0, "engine.kv_memory_bytes",
+         "must be a size > 0 (e.g. 1GiB), or none for no limit")
     need(16 <= k.chunk_size <= 65536, "cache.chunk_size", f"must be between 16 and 65536 tokens, got {k.chunk_size} (256 is the default)")
     need(k.kv_dtype in KV_DTYPES, "cache.kv_dtype", f"must be one of {', '.join(KV_DTYPES)}, got {k.kv_dtype!r}")
     need(k.codec_level >= 0, "cache.codec_level", "must be >= 0")

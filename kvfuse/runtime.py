@@ -109,4 +109,7 @@ def open_engine(config: Config, model: LoadedModel | None = None, store: TieredS
         prefetch=c.prefetch,
         eviction=c.eviction,
         kv_slo_ms=c.kv_slo_ms,
+        max_running=config.engine.max_running,
+        max_step_tokens=config.engine.max_step_tokens,
+        kv_memory_bytes=config.engine.kv_memory_bytes,
     )

@@ -90,6 +90,8 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
                        headers={"retry-after": "1"}) from None
     except QueueClosed:
         raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
+    except ValueError as e:  # a request that can never run here (e.g. larger than the whole KV budget)
+        raise APIError(400, str(e), code="request_too_large") from None
     watcher = asyncio.create_task(_watch_disconnect(request, lambda: state.engine.withdraw(job)))
 
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)

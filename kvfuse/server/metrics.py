@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvfuse.engine import GenerationResult, Outcome, RequestCancelled
@@ -122,6 +122,7 @@ class CacheCollector(Collector):
         for encoding, n in sorted(s.get("stream_chunks", {}).items()):
             streamed.add_metric([encoding], n)
         yield streamed
+        yield from _batch_metrics(s)
         saver = s.get("saver")
         if saver is not None:
             for key, (name, help_) in _SAVER_COUNTERS.items():
@@ -132,6 +133,27 @@ class CacheCollector(Collector):
                                     value=saver.get("pending", 0))
         if engine.cache_enabled:
             yield from _store_metrics(engine.cache_stats())
+
+
+def _histogram(name: str, help_: str, counts: dict, total: float) -> HistogramMetricFamily:
+    """A histogram from counts per bucket upper bound (the engine's power-of-two buckets)."""
+    buckets, running = [], 0
+    for bound in sorted(int(b) for b in counts):
+        running += counts.get(bound, counts.get(str(bound), 0))
+        buckets.append((str(bound), running))
+    buckets.append(("+Inf", running))
+    return HistogramMetricFamily(name, help_, buckets=buckets, sum_value=total)
+
+
+def _batch_metrics(s: dict) -> Iterator[Metric]:
+    """Continuous batching: steps, sequences and tokens per step, preemptions."""
+    yield CounterMetricFamily("kvfuse_engine_steps", "Batched forward passes the engine ran.", value=s.get("steps", 0))
+    yield _histogram("kvfuse_batch_sequences", "Sequences per forward pass (decodes and prompt chunks).",
+                     s.get("batch_sizes", {}), s.get("step_sequences", 0))
+    yield _histogram("kvfuse_batch_tokens", "Tokens per forward pass.", s.get("step_token_counts", {}),
+                     s.get("step_tokens", 0))
+    yield CounterMetricFamily("kvfuse_preemptions", "Running sequences whose KV was freed to make room for older "
+                              "ones (each ran again later, keeping its output).", value=s.get("preemptions", 0))
 
 
 def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
@@ -182,6 +204,12 @@ class ServerMetrics:
             lambda: queue().get("waiting", 0))
         Gauge("kvfuse_requests_running", "Requests being generated.", registry=r).set_function(
             lambda: queue().get("running", 0))
+        Gauge("kvfuse_kv_memory_bytes", "Live KV memory held by running sequences (engine.kv_memory_bytes "
+              "bounds it).", registry=r).set_function(lambda: queue().get("kv_bytes_used", 0))
+        Gauge("kvfuse_kv_memory_peak_bytes", "The most live KV memory held at once.", registry=r).set_function(
+            lambda: queue().get("kv_bytes_peak", 0))
+        Gauge("kvfuse_kv_memory_limit_bytes", "The live KV memory budget (0: unbounded).", registry=r).set_function(
+            lambda: queue().get("kv_bytes_limit", 0))
         r.register(CacheCollector(engine_getter))
 
     def observe_outcome(self, outcome: Outcome) -> None:

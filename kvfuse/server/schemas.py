@@ -89,6 +89,10 @@ class SamplingRequest(KVFuseOptions):
     )
     stream: bool | None = Field(False, description="Stream the output as server-sent events, ending with data: [DONE].")
     stream_options: StreamOptions | None = Field(None, description="Options for streaming (include_usage).")
+    ignore_eos: bool | None = Field(
+        False, description="Keep generating past the end-of-sequence token until max_tokens or a stop string "
+                            "(vLLM's extension; for benchmarks)."
+    )
     n: int | None = Field(1, description="Number of choices; only 1 is supported.")
     user: str | None = Field(None, description="An end-user id (accepted and ignored).")
     prompt_cache_key: str | None = Field(

@@ -131,6 +131,7 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) ->
             top_p=top_p,
             seed=req.seed,
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
+            ignore_eos=bool(req.ignore_eos),
         )
     except ValueError as e:  # SamplingParams names the field first: "stop must be ..."
         field_name = str(e).split(" ", 1)[0]
