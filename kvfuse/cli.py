@@ -33,6 +33,9 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--model", metavar="NAME|PATH", help="built-in name (smollm2, gemma3-270m), HF folder or .gguf file")
         p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
         p.add_argument("--dtype", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
+        p.add_argument("--weights", choices=("auto", "int8"),
+                       help="weight format: auto (the compute dtype, default) or int8 (CPU only: ~3x faster decoding, "
+                            "lossy; its KV is cached apart from full-precision KV)")
         p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: all cores)")
         p.add_argument("--kv-slo-ms", type=float, metavar="MS",
                        help="load KV from disk / Redis within this budget, each chunk at the best encoding that "
@@ -102,10 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", action="append", metavar="KEY:TENANT", help="require this API key (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="serve without any KV cache")
     p.add_argument("--max-running", type=int, metavar="N",
-                   help="sequences batched together in each step (engine.max_running, default 16)")
+                   help="sequences batched together in each step (engine.max_running, default 32)")
     p.add_argument("--kv-memory", metavar="SIZE",
                    help="live KV of all running sequences together, e.g. 2GiB (engine.kv_memory_bytes; "
-                        "default: unbounded)")
+                        "default 4GiB)")
     _common(p)
 
     cache = sub.add_parser("cache", help="inspect or clear the KV cache tiers")
@@ -133,6 +136,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "model": getattr(args, "model", None),
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
+        "weights": getattr(args, "weights", None),
         "threads": getattr(args, "threads", None),
         "cache.redis_url": getattr(args, "redis_url", None),
         "cache.disk": False if getattr(args, "no_disk", False) else None,

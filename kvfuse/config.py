@@ -47,6 +47,7 @@ _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g"
           "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
           "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
 KV_DTYPES = ("float16", "bfloat16", "float32")
+WEIGHT_FORMATS = ("auto", "int8")  # = models.quant.WEIGHT_FORMATS (a unit test keeps them equal)
 
 
 @dataclass(frozen=True)
@@ -110,9 +111,9 @@ class BlendConfig:
 class EngineConfig:
     """Continuous batching: how many sequences share a step, and the live KV they may hold."""
 
-    max_running: int = 16  # sequences decoded / prefilled together in one step
+    max_running: int = 32  # sequences decoded / prefilled together in one step
     max_step_tokens: int = 256  # tokens per forward pass: decodes first, then prompt chunks
-    kv_memory_bytes: int | None = None  # live KV of all running sequences together (None: unbounded)
+    kv_memory_bytes: int | None = 4 * 1024**3  # live KV of all running sequences together (None: unbounded)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ class Config:
     model: str = "smollm2"
     device: str = "auto"
     dtype: str = "auto"
+    weights: str = "auto"  # auto (the compute dtype) | int8 (CPU only; its own cache namespace)
     threads: int = 0  # 0 = all cores
     context_tokens: int = 0  # the context window; 0 = the model's (lower it to truncate conversations sooner)
     tune_malloc: bool = True  # keep freed multi-MB buffers for reuse (see runtime.tune_allocator)
@@ -326,6 +328,12 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
 
     need(c.device in ("auto", "cpu", "cuda") or c.device.startswith("cuda:"), "device", f"must be auto, cpu or cuda[:N], got {c.device!r}")
     need(c.dtype in ("auto", "float32", "bfloat16", "float16"), "dtype", f"must be auto, float32, bfloat16 or float16, got {c.dtype!r}")
+    need(c.weights in WEIGHT_FORMATS, "weights",
+         f"must be one of {', '.join(WEIGHT_FORMATS)} (auto = the compute dtype, int8 = int8 projections on CPU), "
+         f"got {c.weights!r}")
+    need(c.weights == "auto" or not c.device.startswith("cuda"), "weights",
+         f"int8 runs on the CPU only (PyTorch's fbgemm kernels), not on device {c.device!r}; use weights: auto "
+         "with a GPU, or device: cpu")
     need(c.threads >= 0, "threads", "must be >= 0 (0 = all cores)")
     need(c.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", "must be debug, info, warning or error")
     need(bool(c.model), "model", "must name a built-in model, a model folder or a .gguf file")

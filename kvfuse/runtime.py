@@ -76,7 +76,8 @@ def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 2 << 3
 
 
 def open_model(config: Config) -> LoadedModel:
-    return load_model(config.model, home=config.home_path, device=config.device, dtype=config.dtype)
+    return load_model(config.model, home=config.home_path, device=config.device, dtype=config.dtype,
+                      weights=config.weights)
 
 
 def open_engine(config: Config, model: LoadedModel | None = None, store: TieredStore | None = None) -> Engine:

@@ -66,6 +66,9 @@ TRUNCATION = ("reuse", "recompute", "off")
 # Slots a sequence is admitted with beyond its prompt (its cache grows as it decodes): enough for
 # short answers without a reallocation, without reserving max_tokens up front.
 DECODE_HEADROOM = 64
+# Prompt tokens the oldest prompt being computed gets in every step, even when decodes use up
+# engine.max_step_tokens: no prompt waits for the decodes to end.
+MIN_PREFILL_CHUNK = 16
 # Histogram buckets of sequences / tokens per step (powers of two).
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
@@ -501,7 +504,6 @@ class Engine:
     def _batch(self, running: list[Sequence]) -> tuple[list[BatchItem], list[tuple[Sequence, int]]]:
         """This step's forward pass: a token for every decoding sequence, then prompt chunks
         within the token budget. Makes room in the KV budget first (preempting if needed)."""
-        items: list[BatchItem] = []
         batch: list[tuple[Sequence, int]] = []  # (sequence, tokens it computes now)
         budget = self.max_step_tokens
         order = [s for s in running if s.decoding] + [s for s in running if s.fill]
@@ -510,21 +512,27 @@ class Engine:
                 continue  # preempted to make room for an older one
             if seq.fill and seq.request.cancel.is_set():
                 continue  # ends in post-processing
-            n = 1 if not seq.fill else min(len(seq.fill), budget)
-            if n <= 0 or (seq.fill and budget <= 0):
+            # Decodes always run; prompt chunks share what is left of the token budget, the oldest
+            # prompt at least MIN_PREFILL_CHUNK tokens so that it progresses under any decode load.
+            floor = MIN_PREFILL_CHUNK if not any(s.fill for s, _ in batch) else 0
+            n = 1 if not seq.fill else min(len(seq.fill), max(budget, floor))
+            if n <= 0:
                 continue
             if not self._make_room(seq, (seq.fill_start if seq.fill else seq.kv.length) + n):
                 continue
+            batch.append((seq, n))
+            budget -= n
+        # Room was made before any item refers to a cache: a preempted sequence's KV is free now.
+        batch = [(seq, n) for seq, n in batch if seq.status is SequenceStatus.RUNNING]
+        items = []
+        for seq, n in batch:
             if seq.fill:
-                ids, start = seq.fill[:n], seq.fill_start
-                items.append(BatchItem(ids, seq.kv, positions=torch.arange(start, start + n),
+                start = seq.fill_start
+                items.append(BatchItem(seq.fill[:n], seq.kv, positions=torch.arange(start, start + n),
                                        logits=n == len(seq.fill), start=start))
             else:
                 items.append(BatchItem([seq.token_ids[-1]], seq.kv))
-            batch.append((seq, n))
-            budget -= n
-        live = [(it, (seq, n)) for it, (seq, n) in zip(items, batch) if seq.status is SequenceStatus.RUNNING]
-        return [it for it, _ in live], [b for _, b in live]
+        return items, batch
 
     def _make_room(self, seq: Sequence, total: int) -> bool:
         """Grow ``seq``'s KV to ``total`` slots, preempting the most recently admitted running
@@ -544,6 +552,9 @@ class Engine:
         """Free ``seq``'s KV and queue it again (first in line), keeping its tokens: admitted
         again, it reloads or recomputes its prompt and those tokens, then goes on decoding."""
         log.info("request %s preempted (KV budget full) after %d tokens", seq.request.request_id, len(seq.token_ids))
+        if self.saver is not None and seq.plan is not None and seq.plan.stores:
+            self.saver.wait(s.key for s in seq.plan.stores)  # its prompt's chunks, copied out first
+        seq.kv.release()  # its bytes are back in the budget now
         seq.kv, seq.fill, seq.filled, seq.pending = None, [], None, None
         seq.preemptions += 1
         self.stats.add(preemptions=1)

@@ -23,12 +23,14 @@ from .registry import (
     read_manifest,
     verify_folder,
 )
+from .quant import WEIGHT_FORMATS, QuantizationUnavailable
 from .tokenizer import Tokenizer
 from .transformer import Transformer
 
 __all__ = [
     "BUILTIN", "CorruptModel", "KVCache", "LoadedModel", "ModelConfig", "ModelNotFound", "ModelPackageMissing",
-    "Tokenizer", "Transformer", "load_model", "resolve_device", "resolve_dtype",
+    "QuantizationUnavailable", "Tokenizer", "Transformer", "WEIGHT_FORMATS", "load_model", "resolve_device",
+    "resolve_dtype",
 ]
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class LoadedModel:
     runner: Transformer
     tokenizer: Tokenizer
     fingerprint: str
+    weights: str = "auto"  # the weight format: auto (the compute dtype) or int8 (see quant)
 
     @property
     def config(self) -> ModelConfig:
@@ -84,13 +87,21 @@ def load_model(
     home: Path | None = None,
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
+    weights: str = "auto",
 ) -> LoadedModel:
     """Load a built-in model name, an HF style folder, or a ``.gguf`` file.
 
     Built-in names and GGUF files are converted once into ``home`` (see ``registry``) and their
-    checksums verified at every load; an HF folder is used in place.
+    checksums verified at every load; an HF folder is used in place. ``weights`` is ``auto`` (the
+    compute dtype) or ``int8`` (the projections packed as int8, see ``quant``; CPU only, so device
+    ``auto`` means the CPU). The format is part of the fingerprint: int8 and full-precision KV
+    never share cache entries.
     """
     home = Path(home) if home else default_home()
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
+    if weights != "auto" and str(device) == "auto":
+        device = "cpu"  # int8 weights run on the CPU only
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     text = str(name_or_path)
@@ -105,9 +116,9 @@ def load_model(
         raise ModelNotFound(
             f"unknown model {text!r}: not a built-in name ({', '.join(BUILTIN)}), a model folder, or a .gguf file"
         )
-    runner = load_folder(folder, device, dtype)
+    runner = load_folder(folder, device, dtype, weights)
     digests = _weight_digests(folder, verified)
-    return LoadedModel(name, folder, runner, Tokenizer(folder), fingerprint(runner.config, digests))
+    return LoadedModel(name, folder, runner, Tokenizer(folder), fingerprint(runner.config, digests, weights), weights)
 
 
 def _weight_digests(folder: Path, verified: bool) -> list[str]:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from . import gemma3, llama, qwen
 from .config import ModelConfig
 from .family import Family
+from .quant import WEIGHT_FORMATS, WEIGHT_IDENTITY, check_int8_supported, quantize_weights
 from .transformer import LayerWeights, Transformer, Weights
 
 FAMILIES: dict[str, Family] = {
@@ -117,13 +118,19 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous() if t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
 
 
-def load_folder(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> Transformer:
-    """Load a Hugging Face style model folder onto ``device`` in compute ``dtype``."""
+def load_folder(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                weights: str = "auto") -> Transformer:
+    """Load a Hugging Face style model folder onto ``device`` in compute ``dtype``; ``weights``
+    ``int8`` packs the projections as int8 (``quant.quantize_weights``, CPU only)."""
     folder = Path(folder)
     hf, config = read_config(folder)
     device = torch.device(device)
-    weights = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
-    return Transformer(config, weights, device, dtype)
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
+    if weights != "auto":
+        check_int8_supported(device)  # before reading the weights
+    built = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
+    return Transformer(config, quantize_weights(built, weights), device, dtype)
 
 
 def sha256_file(path: Path, block: int = 8 << 20) -> str:
@@ -134,10 +141,15 @@ def sha256_file(path: Path, block: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
-def fingerprint(config: ModelConfig, weight_digests: list[str]) -> str:
-    """The model's identity in cache keys: a hash of its architecture and of its weight files."""
+def fingerprint(config: ModelConfig, weight_digests: list[str], weights: str = "auto") -> str:
+    """The model's identity in cache keys: a hash of its architecture, of its weight files and of
+    the format its weights run in. int8 weights compute other KV than the files' own precision,
+    so their entries live in a namespace of their own (``auto`` adds nothing: the identity of
+    models loaded as before is unchanged)."""
     h = hashlib.sha256(b"kvfuse-model-v1\0")
     h.update(config.to_json().encode())
     for d in weight_digests:
         h.update(b"\0" + d.encode())
+    if weights != "auto":
+        h.update(b"\0weights=" + WEIGHT_IDENTITY[weights].encode())
     return h.hexdigest()[:32]
