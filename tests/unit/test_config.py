@@ -18,6 +18,7 @@ LAYERS = [
     ("home", "KVFUSE_HOME", "/h/file", "/h/env", "/h/flag", ("/h/file", "/h/env", "/h/flag")),
     ("threads", "KVFUSE_THREADS", 2, "3", 4, (2, 3, 4)),
     ("device", "KVFUSE_DEVICE", "cpu", "cuda", "cuda:1", ("cpu", "cuda", "cuda:1")),
+    ("weights", "KVFUSE_WEIGHTS", "int8", "auto", "int8", ("int8", "auto", "int8")),
     ("cache.chunk_size", "KVFUSE_CACHE_CHUNK_SIZE", 128, "64", 512, (128, 64, 512)),
     ("cache.memory_bytes", "KVFUSE_CACHE_MEMORY_BYTES", "1GiB", "512MiB", 1000, (2**30, 512 * 2**20, 1000)),
     ("cache.redis_url", "KVFUSE_CACHE_REDIS_URL", "redis://a:1/0", "redis://b:2/0", "redis://c:3/0",
@@ -159,6 +160,7 @@ BAD_VALUES = [
     ("threads", "KVFUSE_THREADS", "many", "-1"),
     ("device", "KVFUSE_DEVICE", None, "tpu"),
     ("dtype", "KVFUSE_DTYPE", None, "int4"),
+    ("weights", "KVFUSE_WEIGHTS", None, "int4"),
     ("log_level", "KVFUSE_LOG_LEVEL", None, "loud"),
     ("model", "KVFUSE_MODEL", None, ""),
     ("cache.enabled", "KVFUSE_CACHE_ENABLED", "maybe", None),
@@ -216,6 +218,17 @@ def test_an_out_of_range_value_names_the_field_and_its_source(tmp_path, dotted, 
                             (_error(overrides={dotted: value}), "command line")):
         assert message.startswith(dotted) or f"{dotted}:" in message, message
         assert source in message, f"the error does not say where {dotted} came from: {message}"
+
+
+def test_the_weights_setting_lists_its_values_and_is_cpu_only(tmp_path):
+    assert Config().weights == "auto"
+    message = _error(overrides={"weights": "float32"})
+    assert message.startswith("weights:") and "auto, int8" in message and "'float32'" in message
+    for device in ("cuda", "cuda:1"):
+        message = _error(_write(tmp_path, {"weights": "int8", "device": device}))
+        assert message.startswith("weights:") and "CPU only" in message and device in message
+    assert load_config(overrides={"weights": "int8", "device": "cpu"}).weights == "int8"
+    assert load_config(overrides={"weights": "int8"}).device == "auto"  # the loader picks the CPU
 
 
 def test_unknown_setting_in_the_file_names_it_the_file_and_the_valid_ones(tmp_path):

@@ -1,0 +1,82 @@
+"""``weights: int8`` on the real SmolLM2 weights: logits and greedy tokens against fp32, loaded
+through the same path as ``kvfuse serve`` (``runtime.open_model``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvfuse_helpers import builtin_folder, load_builtin, long_text, model_home
+
+from kvfuse.config import load_config
+from kvfuse.models.quant import Int8Weight, weight_bytes
+from kvfuse.runtime import open_model
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread (see test_real_models.one_thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    return load_builtin("smollm2")
+
+
+@pytest.fixture(scope="module")
+def int8():
+    builtin_folder("smollm2")
+    return open_model(load_config(overrides={"home": str(model_home()), "model": "smollm2", "weights": "int8"}))
+
+
+def test_int8_is_what_was_loaded(fp32, int8):
+    assert int8.weights == "int8" and int8.runner.device.type == "cpu"
+    assert isinstance(int8.runner.weights.layers[0].w_down, Int8Weight)
+    assert isinstance(int8.runner.weights.lm_head, Int8Weight)
+    assert int8.fingerprint != fp32.fingerprint
+    # what a decode step reads: about a quarter of fp32's bytes
+    full, small = weight_bytes(fp32.runner.weights), weight_bytes(int8.runner.weights)
+    assert (small["layers"] + small["lm_head"]) < 0.27 * (full["layers"] + full["lm_head"])
+
+
+def test_logits_agree_with_fp32_over_a_long_prompt(fp32, int8):
+    """Teacher-forced over 300 tokens of text (one prefill each): measured here cosine 0.9986 on
+    average (min 0.982), top-1 agreement 0.967, KL(fp32 || int8) 0.003 nats on average."""
+    ids = fp32.tokenizer.encode(long_text(4))[:300]
+    assert len(ids) == 300
+    ref = fp32.runner.forward(ids, fp32.runner.new_cache(300), logits="all")
+    got = int8.runner.forward(ids, int8.runner.new_cache(300), logits="all")
+    cos = F.cosine_similarity(got, ref, dim=-1)
+    assert cos.mean() > 0.997 and cos.min() > 0.95, (cos.mean(), cos.min())
+    agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
+    assert agree >= 0.92, agree
+    kl = F.kl_div(F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
+    assert kl.mean() < 0.02, kl.mean()
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    runner = model.runner
+    cache = runner.new_cache()
+    logits = runner.forward(ids, cache)
+    out: list[int] = []
+    while len(out) < n:
+        out.append(int(logits.argmax()))
+        if out[-1] in model.eos_token_ids:
+            break
+        logits = runner.forward([out[-1]], cache)
+    return out
+
+
+@pytest.mark.parametrize("question", ["What is the capital of France?", "Name three primary colors.",
+                                      "What is 2 + 2?", "Translate 'thank you' into Spanish."])
+def test_greedy_answers_to_simple_questions_equal_fp32(fp32, int8, question):
+    """Prefill then one-token decode steps (the one-row products): the same answer token for token."""
+    ids = fp32.tokenizer.encode_chat([{"role": "user", "content": question}])
+    expected = _greedy(fp32, ids, 12)
+    assert _greedy(int8, ids, 12) == expected, fp32.tokenizer.decode(expected)
