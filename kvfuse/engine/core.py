@@ -73,9 +73,9 @@ MIN_PREFILL_CHUNK = 16
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 
-def _bucket(n: int) -> int:
-    """The smallest bucket >= n (the last one for anything larger)."""
-    return next((b for b in BUCKETS if n <= b), BUCKETS[-1])
+def _bucket(n: int) -> str:
+    """The smallest bucket >= n (the last one for anything larger), as a counter key."""
+    return str(next((b for b in BUCKETS if n <= b), BUCKETS[-1]))
 EVICTION = ("queue", "lru")
 
 

@@ -35,6 +35,6 @@ class EngineStats(Counters):
     steps: int = 0
     step_sequences: int = 0
     step_tokens: int = 0
-    batch_sizes: dict[int, int] = field(default_factory=dict)  # steps per sequences-per-step bucket (<= key)
-    step_token_counts: dict[int, int] = field(default_factory=dict)  # steps per tokens-per-step bucket
+    batch_sizes: dict[str, int] = field(default_factory=dict)  # steps per sequences-per-step bucket ("16": 9..16)
+    step_token_counts: dict[str, int] = field(default_factory=dict)  # steps per tokens-per-step bucket
     preemptions: int = 0  # running sequences whose KV was freed to make room (they ran again later)

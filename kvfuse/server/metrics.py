@@ -139,7 +139,7 @@ def _histogram(name: str, help_: str, counts: dict, total: float) -> HistogramMe
     """A histogram from counts per bucket upper bound (the engine's power-of-two buckets)."""
     buckets, running = [], 0
     for bound in sorted(int(b) for b in counts):
-        running += counts.get(bound, counts.get(str(bound), 0))
+        running += counts[str(bound)]
         buckets.append((str(bound), running))
     buckets.append(("+Inf", running))
     return HistogramMetricFamily(name, help_, buckets=buckets, sum_value=total)
