@@ -33,8 +33,9 @@ def home(kvfuse_home) -> Path:
 
 @pytest.fixture(scope="module")
 def server(home, tmp_path_factory):
+    # One sequence at a time: the disconnect test needs a request that waits in the queue.
     config = {"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("errors-kv"))},
-              "server": {"max_tokens_limit": LIMIT, "max_body_bytes": BODY_LIMIT}}
+              "server": {"max_tokens_limit": LIMIT, "max_body_bytes": BODY_LIMIT}, "engine": {"max_running": 1}}
     srv = ServerProcess(home, config=config)
     srv.start()
     yield srv
@@ -43,9 +44,9 @@ def server(home, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def small_server(home, tmp_path_factory):
-    """One request waiting at most, at most 4 tokens each: for the 429 test and for fuzzing."""
+    """One request running and one waiting at most, at most 4 tokens each: for the 429 test and for fuzzing."""
     config = {"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("small-kv"))},
-              "server": {"max_queue": 1, "max_tokens_limit": 4, "default_max_tokens": 4}}
+              "server": {"max_queue": 1, "max_tokens_limit": 4, "default_max_tokens": 4}, "engine": {"max_running": 1}}
     srv = ServerProcess(home, config=config)
     srv.start()
     yield srv
