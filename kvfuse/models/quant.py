@@ -78,8 +78,9 @@ class Int8Weight:
       the same call, scaled up into the same grid, so the activations are effectively ~16-bit while
       the weights are read once (see ``_split``). A decode step (one row) becomes a two-row
       product: the same weight bytes, a little more arithmetic. With ``split=False`` the input is
-      rounded once to 8 bits: measured on SmolLM2, greedy agreement with fp32 fell from 0.97 to
-      0.91 (``bench/decode.py``).
+      rounded once to 8 bits: on SmolLM2 that decodes ~45% faster, but the greedy token agrees
+      with fp32's at 92.4% of steps instead of 95.5%, KL 0.028 instead of 0.004
+      (``bench/decode.py``).
 
     ``reduce_range`` (7-bit inputs) is needed where fbgemm multiplies with 16-bit pair sums that
     can saturate (x86 without VNNI); CPUs with AVX512-VNNI / AVX-VNNI use the full 8 bits
