@@ -139,6 +139,8 @@ class Engine:
         self.scheduler = Scheduler(max_waiting, max_running)
         self.max_step_tokens = max_step_tokens
         self.kv_budget = KVBudget(kv_memory_bytes)
+        self._computing: set[ChunkKey] = set()  # chunks running sequences are computing and will store
+        self._admitting: set[ChunkKey] = set()  # prefix keys of the sequences admitted in this step
         self._active: dict[Request, Sequence] = {}
         self._active_lock = threading.Lock()
         self._step_lock = threading.Lock()
@@ -460,7 +462,8 @@ class Engine:
         first, then prompt chunks oldest first). A sequence whose KV cannot grow preempts the most
         recently admitted one (``_make_room``)."""
         with self._step_lock:
-            scheduled = self.scheduler.schedule(self._take_memory)
+            self._admitting = set()
+            scheduled = self.scheduler.schedule(self._take_memory, self._computing_prefix)
             finished: list[Sequence] = []
             for seq in scheduled.skipped:
                 self._skip(seq, "the client left while the request was queued")
@@ -485,6 +488,15 @@ class Engine:
                     finished.append(seq)
             return [s.request for s in finished]
 
+    def _computing_prefix(self, seq: Sequence) -> bool:
+        """Whether a running sequence is computing one of ``seq``'s chunks now (it will store it):
+        ``seq`` then waits a step or a few and loads it, rather than computing it a second time
+        in the same batch (several requests with one document set arriving together)."""
+        if seq.keys is None or not (self._computing or self._admitting):
+            return False
+        # Admitted in this very step: not planned yet, so all of its prefix counts as computing.
+        return any(k in self._computing or k in self._admitting for k in seq.keys.prefix)
+
     def _take_memory(self, seq: Sequence) -> bool:
         """The scheduler's admission test: allocate ``seq``'s live KV from the budget (its prompt,
         the tokens it already generated if it was preempted, and room to decode), or say no."""
@@ -494,6 +506,8 @@ class Engine:
                                                      budget=self.kv_budget)
             except OutOfKVMemory:
                 return False
+        if seq.keys is not None and not seq.started:
+            self._admitting.update(seq.keys.prefix)
         return True
 
     def _initial_slots(self, seq: Sequence) -> int:
@@ -555,6 +569,7 @@ class Engine:
         if self.saver is not None and seq.plan is not None and seq.plan.stores:
             self.saver.wait(s.key for s in seq.plan.stores)  # its prompt's chunks, copied out first
         seq.kv.release()  # its bytes are back in the budget now
+        self._done_computing(seq)
         seq.kv, seq.fill, seq.filled, seq.pending = None, [], None, None
         seq.preemptions += 1
         self.stats.add(preemptions=1)
@@ -678,6 +693,9 @@ class Engine:
         else:
             raise RuntimeError("documents could not be loaded after several attempts")
         seq.filled, seq.served, seq.streaming = filled, served, streaming
+        if plan.stores and not seq.started:
+            seq.computing = {st.key for st in plan.stores}
+            self._computing |= seq.computing
         # What is left to compute: the prompt's last span (chunked), then the tokens generated
         # before a preemption; the batched steps compute them and call _prefilled.
         start = filled.rest[0] if filled.rest is not None else len(prompt)
@@ -729,6 +747,7 @@ class Engine:
             self.store.promote(filled.promotions)
         if plan.stores:
             seq.stored += self._save(seq.kv, plan.stores)
+        self._done_computing(seq)
         t.store_s = time.perf_counter() - t0
         p = req.params
         seq.eos = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.model.eos_token_ids))
@@ -805,7 +824,14 @@ class Engine:
         self.stats.add(requests=1, requests_skipped=1)
         self._end(seq, Outcome(error=RequestCancelled(why)))
 
+    def _done_computing(self, seq: Sequence) -> None:
+        """``seq``'s new chunks are stored (or never will be): deferred prompts may load them."""
+        if seq.computing:
+            self._computing -= seq.computing
+            seq.computing = set()
+
     def _end(self, seq: Sequence, outcome: Outcome) -> None:
+        self._done_computing(seq)
         self.scheduler.finish(seq)
         if outcome.error is not None and seq.kv is not None:
             # A failed request's KV is dropped now, whatever still refers to it (an exception's

@@ -39,6 +39,7 @@ class ScheduledStep:
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
     admitted: list[Sequence] = field(default_factory=list)  # admitted now: plan, load, start their prefill
     running: list[Sequence] = field(default_factory=list)  # every running sequence, oldest first
+    deferred: list[Sequence] = field(default_factory=list)  # passed over this step (their prefix is being computed)
 
     @property
     def empty(self) -> bool:
@@ -101,9 +102,14 @@ class Scheduler:
 
     # -- the engine thread ----------------------------------------------------------------------
 
-    def schedule(self, admit: Callable[[Sequence], bool] = lambda seq: True) -> ScheduledStep:
+    def schedule(self, admit: Callable[[Sequence], bool] = lambda seq: True,
+                 defer: Callable[[Sequence], bool] = lambda seq: False) -> ScheduledStep:
         """The next step: drop cancelled waiting sequences, admit the oldest waiting ones while
-        there is room (``max_running``) and ``admit`` accepts them, run everything running."""
+        there is room (``max_running``) and ``admit`` accepts them, run everything running.
+
+        ``defer(seq)`` True passes over a waiting sequence for this step, keeping its place: the
+        engine defers a prompt whose leading chunks a running sequence is computing right now, so
+        that it loads them once stored instead of computing them a second time alongside."""
         step = ScheduledStep()
         with self._cond:
             kept: deque[Sequence] = deque()
@@ -114,13 +120,22 @@ class Scheduler:
                     kept.append(seq)
             self._waiting = kept
             self.skipped += len(step.skipped)
-            while self._waiting and len(self._running) < self.max_running and admit(self._waiting[0]):
-                seq = self._waiting.popleft()
+            passed: list[Sequence] = []
+            for seq in list(self._waiting):
+                if len(self._running) >= self.max_running:
+                    break
+                if defer(seq):
+                    passed.append(seq)
+                    continue
+                if not admit(seq):
+                    break
+                self._waiting.remove(seq)
                 seq.status = SequenceStatus.RUNNING
                 if seq.request.started_at is None:
                     seq.request.started_at = time.monotonic()
                 self._running.append(seq)
                 step.admitted.append(seq)
+            step.deferred = passed
             step.running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
         return step
 

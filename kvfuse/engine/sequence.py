@@ -65,6 +65,7 @@ class Sequence:
     served: dict = field(default_factory=dict)  # the tier that served each loaded key
     streaming: bool = False  # slow-tier chunks were streamed (kv_slo_ms)
     preemptions: int = 0
+    computing: set = field(default_factory=set)  # keys of the chunks it is computing and will store
     timings: Timings = field(default_factory=Timings)
     t_start: float = 0.0
     t_decode: float = 0.0

@@ -279,3 +279,18 @@ def test_the_loop_thread_batches_requests_submitted_from_several_threads(tiny_lo
         t.join(60)
     assert [out[i] for i in range(len(requests))] == ref
     engine.close()
+
+
+def test_requests_sharing_a_prefix_submitted_together_compute_it_once(tiny_loaded):
+    """The second request waits (deferred, others pass it) while the first computes the shared
+    chunks, then loads them: a burst of questions over one document set reuses it."""
+    loaded = tiny_loaded("llama")
+    shared = ids_of(64, 70)
+    requests = [(shared + ids_of(6, 71), greedy(5)), (ids_of(12, 72), greedy(5)), (shared + ids_of(4, 73), greedy(5))]
+    ref = one_by_one(loaded, requests)
+    engine = engine_for(loaded, max_running=4, max_step_tokens=24)
+    outcomes, steps, peak = run_all(engine, requests)
+    assert [o.result.token_ids for o in outcomes] == ref
+    assert outcomes[2].result.cached_tokens == 64  # all four shared chunks, computed by request 0 only
+    assert outcomes[1].result.timings.queued_s <= outcomes[2].result.timings.queued_s  # 1 overtook the deferred 2
+    engine.close()
