@@ -33,9 +33,9 @@ Servers (``--servers``, default ``kvfuse,vllm``), one after the other, never two
 
 Every request is greedy (temperature 0) and streamed (``stream_options={"include_usage": True}``)
 through the official ``openai`` client. ``ignore_eos`` (``--ignore-eos auto``) is sent only when
-every server accepts it: vLLM does; kvfuse's request schema (``kvfuse/server/schemas.py``) does not
-have it today (it would silently ignore it), so answers stop at EOS on both and the output-token
-counts are what was actually generated (``usage.completion_tokens`` of the last chunk).
+every server accepts it (vLLM does; kvfuse's request schema has it), so every answer has exactly
+``max_tokens`` tokens; output-token counts are what was generated (``usage.completion_tokens`` of
+the last chunk).
 
 Metrics per (server, cache, workload, clients) run, all client-side: requests/s and output
 tokens/s (completed requests and summed ``completion_tokens`` / wall time of the run); TTFT p50/p95

@@ -23,6 +23,7 @@ reads statistics and clears tenants only through the narrow API at the end of th
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 import struct
@@ -464,6 +465,8 @@ class Engine:
         with self._step_lock:
             self._admitting = set()
             scheduled = self.scheduler.schedule(self._take_memory, self._computing_prefix)
+            if not scheduled.running and not scheduled.skipped and self.scheduler.has_work():
+                self._wait_for_memory()
             finished: list[Sequence] = []
             for seq in scheduled.skipped:
                 self._skip(seq, "the client left while the request was queued")
@@ -487,6 +490,14 @@ class Engine:
                     self._guard(seq, self._complete)
                     finished.append(seq)
             return [s.request for s in finished]
+
+    def _wait_for_memory(self) -> None:
+        """Nothing runs, yet the oldest waiting sequence did not fit: the KV it needs is still held
+        by finished sequences whose chunks the saver is copying out (or by a reference cycle).
+        Wait for the saver rather than spin on empty steps."""
+        if self.saver is not None:
+            self.saver.flush(timeout=0.5)
+        gc.collect()
 
     def _computing_prefix(self, seq: Sequence) -> bool:
         """Whether a running sequence is computing one of ``seq``'s chunks now (it will store it):
