@@ -179,13 +179,9 @@ class Scheduler:
             return list(self._running)
 
     def lookahead(self) -> list[tuple[str, list[ChunkKey]]]:
-        """``(request id, planned keys)`` of every sequence not prefilled yet (admitted ones first,
-        then the waiting ones), in the order they will run."""
+        """``(request id, planned keys)`` of every waiting sequence, in the order they will run."""
         with self._cond:
-            # Admitted sequences whose prefill has not started come first: their entries must stay in
-            # memory until they are read (a save on the saver thread could evict them in between).
-            ahead = [s for s in self._running if not s.started] + list(self._waiting)
-            return [(s.request.request_id, s.keys.all() if s.keys is not None else []) for s in ahead]
+            return [(s.request.request_id, s.keys.all() if s.keys is not None else []) for s in self._waiting]
 
     def upcoming_keys(self) -> list[ChunkKey]:
         """Every key the waiting sequences will ask for, in run order, each once."""

@@ -209,6 +209,7 @@ def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(model
     assert prefetcher.run_once() == 5  # from disk into memory before the request runs
     while not all(r.done for r in others):  # the others run first and fill memory
         engine.step()
+    engine.flush()  # their histories are saved (filling memory) before the queued request runs
     assert memory.stats.snapshot()["evictions"] > 0
     kept = all(memory.contains(k) for k in wanted)
     while engine.has_work():

@@ -136,9 +136,7 @@ def test_lookahead_lists_waiting_requests_in_run_order_with_their_keys():
     assert look[0][1] == a.keys.all() and len(look[1][1]) == 3 and look[2][1] == []
     # every key once, in the order the requests will need them
     assert s.upcoming_keys() == a.keys.all() + [b.keys.all()[2]]
-    s.schedule(lambda x: x is a)  # a is admitted: still ahead (first) until its prefill starts
-    assert [name for name, _ in s.lookahead()] == ["a", "b", "c"]
-    a.started = True  # prefilled: it no longer needs anything kept for it
+    s.schedule(lambda x: x is a)  # a runs: it is no longer ahead
     assert [name for name, _ in s.lookahead()] == ["b", "c"]
 
 
