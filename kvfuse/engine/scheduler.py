@@ -39,7 +39,6 @@ class ScheduledStep:
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
     admitted: list[Sequence] = field(default_factory=list)  # admitted now: plan, load, start their prefill
     running: list[Sequence] = field(default_factory=list)  # every running sequence, oldest first
-    deferred: list[Sequence] = field(default_factory=list)  # passed over this step (their prefix is being computed)
 
     @property
     def empty(self) -> bool:
@@ -120,13 +119,11 @@ class Scheduler:
                     kept.append(seq)
             self._waiting = kept
             self.skipped += len(step.skipped)
-            passed: list[Sequence] = []
             for seq in list(self._waiting):
                 if len(self._running) >= self.max_running:
                     break
                 if defer(seq):
-                    passed.append(seq)
-                    continue
+                    continue  # keeps its place; later ones may be admitted
                 if not admit(seq):
                     break
                 self._waiting.remove(seq)
@@ -135,7 +132,6 @@ class Scheduler:
                     seq.request.started_at = time.monotonic()
                 self._running.append(seq)
                 step.admitted.append(seq)
-            step.deferred = passed
             step.running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
         return step
 

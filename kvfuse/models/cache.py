@@ -130,11 +130,6 @@ class KVCache:
         self.positions = torch.zeros(0, dtype=torch.int64, device=self.device)
 
     @property
-    def held_bytes(self) -> int:
-        """Bytes of this cache's buffers (what it holds in a budget)."""
-        return self.capacity * self.slot_bytes
-
-    @property
     def capacity(self) -> int:
         return self.kv.shape[3]
 

@@ -199,7 +199,7 @@ class Transformer:
         h = self.embed(ids)
         last = c.num_layers - 1
         for layer in range(c.num_layers):
-            w = self.window_of(layer)
+            w = c.window(layer)
             q, k, v = self.project(layer, h, positions, tables)
             outs, rows = [], []
             for it, (a, b, start), kv_len, pl, lp in zip(items, spans, lengths, plans, last_plans):
@@ -231,9 +231,6 @@ class Transformer:
             for j, i in enumerate(wanted):
                 out[i] = logits[j]
         return out
-
-    def window_of(self, layer: int) -> int | None:
-        return self.config.window(layer)
 
     # ---------------------------------------------------------------------- layer-by-layer API
 
