@@ -7,17 +7,30 @@ entry, the one asked for, is checked in one place above the tiers (``TieredStore
 A tier never raises for an operational failure (disk full, server down, a vanished file): it logs,
 counts the error and answers as for a miss (``get`` -> None, ``contains`` -> False, writes dropped).
 Bad arguments (something that is not a ``ChunkKey``) are TypeErrors.
+
+Expiry (retention): a put may give an entry an ``expires_at``, an absolute time on the tier's
+``clock`` (wall-clock seconds since the epoch, ``time.time`` unless the store sets another); None
+is no expiry (the entry lives until evicted or deleted). A put replaces the value *and* its
+expiry; a put whose ``expires_at`` has passed stores nothing (and removes an older value). Reads
+(``contains``, ``get``, ``read_range`` and their batches) treat an expired entry as absent and
+remove it, counted in ``expired`` (not as an error); ``expire()`` removes every expired entry
+now. ``extend`` only ever lengthens a life: an entry without expiry is left alone.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 from kvfuse.counters import Counters
 from kvfuse.kv.format import Blob, Entry  # noqa: F401  (re-exported for the tiers)
 from kvfuse.kv.keys import ChunkKey
+
+Clock = Callable[[], float]  # wall-clock seconds since the epoch (``time.time``); injectable for tests
 
 # Tiers take ``bytes``, ``bytearray``, ``memoryview`` or an ``Entry`` (header + payload, unjoined)
 # and hand back what they hold: the very object (memory), ``bytes`` (Redis) or a fresh, private,
@@ -49,6 +62,57 @@ class TierStats(Counters):
     errors: int = 0
     dropped_writes: int = 0
     protected_evictions: int = 0  # memory: entries of queued requests evicted for want of room
+    expired: int = 0  # entries removed because their expiry passed
+
+
+class Expiries:
+    """``key -> (expires_at, tag)`` with a heap of the times, so a sweep costs the entries due, not
+    all of them. Not thread-safe: the owning tier's lock guards it. ``tag`` is the tier's own
+    (the disk tier keeps the file's inode there)."""
+
+    def __init__(self) -> None:
+        self._at: dict[ChunkKey, tuple[float, Any]] = {}
+        self._heap: list[tuple[float, int, ChunkKey]] = []
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return key in self._at
+
+    def get(self, key: ChunkKey) -> tuple[float, Any] | None:
+        return self._at.get(key)
+
+    def set(self, key: ChunkKey, expires_at: float, tag: Any = None) -> None:
+        self._at[key] = (expires_at, tag)
+        heapq.heappush(self._heap, (expires_at, next(self._seq), key))
+        if len(self._heap) > 2 * len(self._at) + 1024:  # superseded times pile up: rebuild
+            self._heap = [(t, next(self._seq), k) for k, (t, _) in self._at.items()]
+            heapq.heapify(self._heap)
+
+    def pop(self, key: ChunkKey) -> tuple[float, Any] | None:
+        return self._at.pop(key, None)
+
+    def due(self, now: float) -> list[tuple[ChunkKey, tuple[float, Any]]]:
+        """Remove and return every record whose time is ``<= now``."""
+        out = []
+        while self._heap and self._heap[0][0] <= now:
+            t, _, key = heapq.heappop(self._heap)
+            rec = self._at.get(key)
+            if rec is not None and rec[0] == t:
+                del self._at[key]
+                out.append((key, rec))
+        return out
+
+
+def put_many_expiring(tier: "Tier", items: list, expires_at: float | None) -> None:
+    """``tier.put_many(items, expires_at)``, without the argument when it is None (so a tier
+    subclass written before expiry existed keeps working for entries without one)."""
+    if expires_at is None:
+        tier.put_many(items)
+    else:
+        tier.put_many(items, expires_at=expires_at)
 
 
 class Tier(ABC):
@@ -65,18 +129,39 @@ class Tier(ABC):
 
     def __init__(self) -> None:
         self.stats = TierStats()
+        self.clock: Clock = time.time  # the time expiries are on (the store may set its own)
+
+    def _expired_at(self, expires_at: float | None) -> bool:
+        """Whether an entry expiring at ``expires_at`` is expired now."""
+        return expires_at is not None and expires_at <= self.clock()
 
     @abstractmethod
     def contains(self, key: ChunkKey) -> bool:
-        """Whether ``key`` is stored. Side-effect-free: no recency update, no hit/miss counting."""
+        """Whether ``key`` is stored (and not expired). Side-effect-free: no recency update, no
+        hit/miss counting; only an expired entry found is removed (and counted in ``expired``)."""
 
     @abstractmethod
     def get(self, key: ChunkKey) -> Blob | None:
         """The stored bytes, or None on a miss (including any failure)."""
 
     @abstractmethod
-    def put(self, key: ChunkKey, value: Blob) -> None:
-        """Store ``value`` under ``key`` (replacing any previous value); failures drop the write."""
+    def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
+        """Store ``value`` under ``key`` until ``expires_at`` (None: no expiry), replacing any previous
+        value and its expiry; failures drop the write. An ``expires_at`` that has passed stores
+        nothing and removes an older value."""
+
+    @abstractmethod
+    def expiry(self, key: ChunkKey) -> float | None:
+        """When the entry of ``key`` expires (None: no expiry, or not held)."""
+
+    @abstractmethod
+    def extend(self, key: ChunkKey, expires_at: float) -> bool:
+        """Keep ``key`` at least until ``expires_at``: an entry expiring earlier gets ``expires_at``,
+        one without expiry is left as it is (it lives longer already); True if ``key`` is held."""
+
+    @abstractmethod
+    def expire(self) -> int:
+        """Remove every entry whose expiry has passed; the count removed (added to ``expired``)."""
 
     @abstractmethod
     def delete(self, key: ChunkKey) -> bool:
@@ -105,9 +190,25 @@ class Tier(ABC):
     def get_many(self, keys: Iterable[ChunkKey]) -> list[Blob | None]:
         return [self.get(k) for k in keys]
 
-    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]]) -> None:
+    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None) -> None:
+        """``put`` of every item; all of them share ``expires_at``."""
         for key, value in items:
-            self.put(key, value)
+            if expires_at is None:
+                self.put(key, value)
+            else:
+                self.put(key, value, expires_at)
+
+    def expiries(self, keys: Iterable[ChunkKey]) -> list[float | None]:
+        """``expiry`` of every key."""
+        return [self.expiry(k) for k in keys]
+
+    def extend_many(self, keys: Iterable[ChunkKey], expires_at: float) -> list[bool]:
+        """``extend`` of every key (one round trip where the tier can)."""
+        return [self.extend(k, expires_at) for k in keys]
+
+    def delete_many(self, keys: Iterable[ChunkKey]) -> int:
+        """``delete`` of every key; the count removed."""
+        return sum(bool(self.delete(k)) for k in keys)
 
     def entries(self) -> int | None:
         """Number of entries, or None where the tier does not track it cheaply."""

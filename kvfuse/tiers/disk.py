@@ -16,24 +16,56 @@ damaged one through ``delete``. Several processes may share one directory. Each 
 file system is the truth: ``contains``/``get`` consult it directly, a file another process wrote
 is found, a file another process evicted is a plain miss. The capacity is enforced by each process
 over the files it knows, so a shared directory can briefly exceed it.
+
+Expiry (``put(..., expires_at)``, see ``tiers/base.py``): each process keeps a map key ->
+(expires_at, inode) and records it in an append-only journal, ``<root>/expiry.log``, so that
+expiries survive a restart. One line per put with an expiry, per extend, and per removal of an
+entry that had one (delete, eviction, expiry, a put without expiry over it)::
+
+    <key> <expires_at | -> <inode of the file> <crc32 of the rest, 8 hex>
+
+A line applies to the file of that inode only: a later put of the key (a new file, a new inode)
+sheds the older expiry whichever process wrote it, and a removal line cancels only that file's
+expiry. Lines are appended with ``O_APPEND`` (one ``write`` each batch) while holding a shared
+``flock`` on ``<root>/expiry.lock``; they are in the kernel before ``put`` returns (and fsynced
+with ``fsync=True``). A put whose expiry cannot be recorded is dropped (an entry is never kept
+with a retention it cannot enforce). At start-up the journal is read (damaged, torn or unknown
+lines are ignored; the last line of each (key, inode) wins), entries already expired are deleted
+(counted in ``expired``), lines of files that are gone or were replaced are dropped, and the
+journal is rewritten compacted (temp file + ``os.replace``, under the exclusive lock, so no
+process's appends are lost); the same compaction runs whenever the journal's stale lines exceed
+about twice the live ones (``journal_compact_min`` at least). The journal and its lock file are
+only created once some entry has an expiry.
+
+Several processes on one directory: a process learns the expiries other processes wrote at its
+start-up (and whenever it compacts the journal); each process enforces what it knows: its reads
+treat the expired entries it knows of as misses and remove them, and its ``expire`` sweeps them.
+The process that put an entry with an expiry removes its file on time (at its sweeps), which every
+process then sees as a miss; an entry whose writer stopped before its expiry is removed by the
+next process that starts (or compacts) after it. A read in a process that does not know an
+expiry serves the entry until then.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import math
 import os
 import re
 import secrets
 import threading
 import time
+import zlib
 from collections import OrderedDict
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Entry, Tier, check_key, nbytes
+from kvfuse.tiers.base import Blob, Clock, Entry, Expiries, Tier, check_key, nbytes
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +73,38 @@ _SUFFIX = ".kvf"
 _SEP = "_3A"  # ":" in file names
 _TMP_RE = re.compile(r"^\.(\d+)\.[0-9a-f]+\.tmp$")
 _SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
+JOURNAL = "expiry.log"
+_JOURNAL_LOCK = "expiry.lock"
+_JOURNAL_TMP = "expiry.log.tmp"  # written under the exclusive lock only: one name is enough
+
+
+def journal_line(key: ChunkKey, expires_at: float | None, ino: int) -> str:
+    """One journal line (see the module docstring): ``expires_at`` None records a removal."""
+    body = f"{key} {'-' if expires_at is None else repr(float(expires_at))} {int(ino)}"
+    return f"{body} {zlib.crc32(body.encode('ascii')):08x}\n"
+
+
+def parse_journal(data: bytes) -> dict[tuple[ChunkKey, int], float | None]:
+    """The journal's records: ``(key, inode) -> expires_at`` (None: removed), the last line of each
+    winning. A damaged line (checksum, torn write, unknown form, a non-finite time) is skipped, and
+    so is a last line without its newline (a write cut short)."""
+    out: dict[tuple[ChunkKey, int], float | None] = {}
+    for raw in data.split(b"\n")[:-1]:
+        parts = raw.split(b" ")
+        if len(parts) != 4 or len(parts[3]) != 8:
+            continue
+        try:
+            if int(parts[3], 16) != zlib.crc32(b" ".join(parts[:3])):
+                continue
+            key = ChunkKey.parse(parts[0].decode("ascii"))
+            expires_at = None if parts[1] == b"-" else float(parts[1])
+            ino = int(parts[2])
+        except (ValueError, UnicodeDecodeError):
+            continue
+        if expires_at is not None and not math.isfinite(expires_at):
+            continue
+        out[(key, ino)] = expires_at
+    return out
 
 
 def key_to_filename(key: ChunkKey) -> str:
@@ -86,8 +150,13 @@ class DiskTier(Tier):
     """Entries as files under ``path``; see the module docstring for layout and sharing rules.
 
     ``fsync=True`` makes each put durable before it returns (slower). Temp files left by dead
-    processes, or older than ``stale_temp_s``, are removed at start-up.
+    processes, or older than ``stale_temp_s``, are removed at start-up, and so are the entries
+    whose expiry passed on ``clock`` (the journal, see the module docstring; ``clock`` defaults to
+    ``time.time`` and can be replaced later, as ``TieredStore`` does, but the start-up sweep has
+    run by then).
     """
+
+    journal_compact_min = 64  # compact the journal once it has at least this many stale lines
 
     def __init__(
         self,
@@ -96,8 +165,11 @@ class DiskTier(Tier):
         fsync: bool = False,
         name: str = "disk",
         stale_temp_s: float = 600.0,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__()
+        if clock is not None:
+            self.clock = clock  # given here, it is the start-up sweep's time too
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"DiskTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
         self.name = name
@@ -108,6 +180,10 @@ class DiskTier(Tier):
         self._used = 0
         self._lock = threading.Lock()
         self._last_ns = 0
+        self._expiry = Expiries()  # key -> (expires_at, inode of the file it applies to)
+        self._journal = self.root / JOURNAL
+        self._journal_lines = 0  # lines in the journal, as far as this process knows
+        self._lock_fd: int | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan(stale_temp_s)
 
@@ -126,7 +202,7 @@ class DiskTier(Tier):
             return self._last_ns
 
     def _scan(self, stale_temp_s: float) -> None:
-        found: list[tuple[int, ChunkKey, int]] = []
+        found: list[tuple[int, ChunkKey, int, int]] = []
         now = time.time()
         for sub in os.scandir(self.root):
             if not (sub.is_dir() and _SUBDIR_RE.match(sub.name)):
@@ -142,14 +218,149 @@ class DiskTier(Tier):
                     continue
                 key = filename_to_key(entry.name)
                 if key is not None and entry.is_file():
-                    found.append((st.st_mtime_ns, key, st.st_size))
+                    found.append((st.st_mtime_ns, key, st.st_size, st.st_ino))
         found.sort(key=lambda f: f[0])
         with self._lock:
-            for _, key, size in found:
+            if self._journal.exists():
+                gone = self._compact_locked({key: ino for _, key, _, ino in found})
+                found = [f for f in found if f[1] not in gone]
+            for _, key, size, _ in found:
                 self._index[key] = size
                 self._used += size
             evicted = self._evict_locked()
         self.stats.add(evictions=evicted)
+
+    # -- the expiry journal ---------------------------------------------------------------------
+
+    @contextmanager
+    def _journal_locked(self, how: int):
+        """Hold ``flock(how)`` on the journal's lock file (shared: appending; exclusive: rewriting).
+        Called under ``self._lock``, so one thread of this tier uses the lock's descriptor at a time."""
+        if self._lock_fd is None:
+            self._lock_fd = os.open(self.root / _JOURNAL_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._lock_fd, how)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _write_journal(self, lines: list[str]) -> None:
+        """Append ``lines`` to the journal in one write (the caller holds the shared lock); raises
+        OSError."""
+        fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            _write_all(fd, ("".join(lines).encode("ascii"),))
+            if self.fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._journal_lines += len(lines)
+
+    def _append_locked(self, lines: list[str]) -> None:
+        """Append ``lines`` to the journal (under ``self._lock``); a failure is logged and counted."""
+        if not lines:
+            return
+        try:
+            with self._journal_locked(fcntl.LOCK_SH):
+                self._write_journal(lines)
+        except OSError as e:
+            log.warning("disk tier %s: cannot append to the expiry journal: %s", self.root, e)
+            self.stats.add(errors=1)
+
+    def _maybe_compact_locked(self) -> None:
+        """Compact the journal when its stale lines exceed about twice the live ones."""
+        live = len(self._expiry)
+        stale = self._journal_lines - live
+        if stale >= self.journal_compact_min and stale > 2 * live:
+            self._compact_locked(None)
+
+    def _compact_locked(self, inodes: dict[ChunkKey, int] | None) -> set[ChunkKey]:
+        """Rewrite the journal from what it holds now (every process's lines): the live record of
+        each file only; delete the files whose expiry passed; learn the rest. ``inodes``: the
+        files' inodes when the caller just scanned them (saves a stat per key).
+        Returns the keys whose files were deleted. Under ``self._lock``."""
+        removed: set[ChunkKey] = set()
+        live: dict[ChunkKey, tuple[float, int]] = {}
+        try:
+            with self._journal_locked(fcntl.LOCK_EX):
+                try:
+                    data = self._journal.read_bytes()
+                except FileNotFoundError:
+                    data = b""
+                now = self.clock()
+                for (key, ino), expires_at in parse_journal(data).items():
+                    if expires_at is None:
+                        continue
+                    current = None if inodes is None else inodes.get(key)
+                    if current != ino:  # not scanned as this file: look (another process may have just put it)
+                        try:
+                            current = os.stat(self._path(key)).st_ino
+                        except OSError:
+                            current = None
+                    if current != ino:
+                        continue  # gone, or replaced by a later put (whose own line, if any, rules)
+                    if expires_at <= now:
+                        if self._unlink_if(key, ino):
+                            removed.add(key)
+                        continue
+                    live[key] = (expires_at, ino)
+                tmp = self.root / _JOURNAL_TMP
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    _write_all(fd, ("".join(journal_line(k, t, ino) for k, (t, ino) in live.items()).encode("ascii"),))
+                    if self.fsync:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self._journal)
+        except OSError as e:
+            log.warning("disk tier %s: cannot compact the expiry journal: %s", self.root, e)
+            self.stats.add(errors=1)
+        else:
+            self._expiry = Expiries()
+            for key, (t, ino) in live.items():
+                self._expiry.set(key, t, ino)
+            self._journal_lines = len(live)
+        for key in removed:
+            self._forget_locked(key)
+            self._expiry.pop(key)
+        if removed:
+            self.stats.add(expired=len(removed))
+        return removed
+
+    def _unlink_if(self, key: ChunkKey, ino: int) -> bool:
+        """Remove ``key``'s file if it is still the file of inode ``ino`` (not one put since)."""
+        path = self._path(key)
+        try:
+            if os.stat(path).st_ino != ino:
+                return False
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            log.warning("disk tier %s: cannot remove expired %s: %s", self.root, key, e)
+            self.stats.add(errors=1)
+            return False
+
+    def _expired(self, key: ChunkKey, ino: int) -> bool:
+        """Whether the file of inode ``ino`` holding ``key`` has an expiry that passed."""
+        rec = self._expiry.get(key)
+        return rec is not None and rec[1] == ino and self._expired_at(rec[0])
+
+    def _drop_expired(self, key: ChunkKey, ino: int) -> None:
+        """Remove the expired file of ``key`` (inode ``ino``), counted in ``expired``."""
+        with self._lock:
+            rec = self._expiry.get(key)
+            if rec is None or rec[1] != ino:
+                return  # put again meanwhile
+            self._expiry.pop(key)
+            self._forget_locked(key)
+            gone = self._unlink_if(key, ino)
+            self._append_locked([journal_line(key, None, ino)])
+            self._maybe_compact_locked()
+        if gone:
+            self.stats.add(expired=1)
 
     def _forget_locked(self, key: ChunkKey) -> None:
         size = self._index.pop(key, None)
@@ -163,10 +374,13 @@ class DiskTier(Tier):
 
     def _evict_locked(self) -> int:
         """Remove least-recent files until within capacity (never the most recent entry)."""
-        evicted = 0
+        evicted, lines = 0, []
         while self._used > self.capacity_bytes and len(self._index) > 1:
             key, size = self._index.popitem(last=False)
             self._used -= size
+            rec = self._expiry.pop(key)
+            if rec is not None:
+                lines.append(journal_line(key, None, rec[1]))
             try:
                 os.unlink(self._path(key))
             except FileNotFoundError:
@@ -175,6 +389,8 @@ class DiskTier(Tier):
                 log.warning("disk tier %s: cannot evict %s: %s", self.root, key, e)
                 self.stats.add(errors=1)
             evicted += 1
+        self._append_locked(lines)
+        self._maybe_compact_locked()
         return evicted
 
     def _touch(self, path: Path, key: ChunkKey, size: int) -> None:
@@ -199,7 +415,10 @@ class DiskTier(Tier):
     def contains(self, key: ChunkKey) -> bool:
         # Always ask the file system (one stat): another process may have added or evicted it.
         try:
-            os.stat(self._path(key))
+            st = os.stat(self._path(key))
+            if self._expiry and self._expired(key, st.st_ino):
+                self._drop_expired(key, st.st_ino)
+                return False
             return True
         except FileNotFoundError:
             with self._lock:
@@ -212,10 +431,14 @@ class DiskTier(Tier):
 
     def get(self, key: ChunkKey) -> Blob | None:
         path = self._path(key)
+        expired_ino = None
         try:
             fd = os.open(path, os.O_RDONLY)
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                size = st.st_size
+                if self._expiry and self._expired(key, st.st_ino):
+                    expired_ino, size = st.st_ino, 0  # nothing to read
                 # One read into an uninitialised buffer (a bytearray would be zero-filled first):
                 # the returned view is writable, so the raw codec decodes it without a copy.
                 buf = memoryview(np.empty(size, dtype=np.uint8))
@@ -234,6 +457,10 @@ class DiskTier(Tier):
             log.warning("disk tier %s: read %s failed: %s", self.root, key, e)
             self.stats.add(misses=1, errors=1)
             return None
+        if expired_ino is not None:
+            self._drop_expired(key, expired_ino)
+            self.stats.add(misses=1)
+            return None
         self._touch(path, key, size)
         self.stats.add(hits=1, bytes_out=n)
         return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
@@ -249,8 +476,12 @@ class DiskTier(Tier):
             log.warning("disk tier %s: open %s failed: %s", self.root, key, e)
             self.stats.add(misses=1, errors=1)
             return None
+        expired_ino = None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            size = st.st_size
+            if self._expiry and self._expired(key, st.st_ino):
+                expired_ino, stop = st.st_ino, start  # nothing to read
             buf = memoryview(np.empty(max(0, min(stop, size) - start), dtype=np.uint8))
             n = 0
             while n < len(buf):
@@ -264,13 +495,20 @@ class DiskTier(Tier):
             return None
         finally:
             os.close(fd)
+        if expired_ino is not None:
+            self._drop_expired(key, expired_ino)
+            self.stats.add(misses=1)
+            return None
         if start == 0:  # the first read of an entry counts as its use
             self._touch(path, key, size)
         self.stats.add(hits=1, bytes_out=n)
         return buf[:n]
 
-    def put(self, key: ChunkKey, value: Blob) -> None:
+    def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
         path = self._path(key)
+        if self._expired_at(expires_at):
+            self.delete(key)  # stores nothing, and no older value stays behind
+            return
         size = nbytes(value)
         if size > self.capacity_bytes:
             self.delete(key)  # never leave an older value behind a dropped write
@@ -289,11 +527,25 @@ class DiskTier(Tier):
                 os.utime(fd, ns=(t, t))
                 if self.fsync:
                     os.fsync(fd)
+                ino = os.fstat(fd).st_ino  # kept by the rename: the inode the journal line names
             finally:
                 os.close(fd)
             with self._lock:
-                os.replace(tmp, path)
+                if expires_at is None:
+                    os.replace(tmp, path)
+                else:
+                    # Recorded before the file is visible, and under the shared lock until it is (a
+                    # compaction meanwhile would drop a line whose file is not in place yet). A
+                    # failure drops the write: no entry is kept with an expiry it cannot keep.
+                    with self._journal_locked(fcntl.LOCK_SH):
+                        self._write_journal([journal_line(key, expires_at, ino)])
+                        os.replace(tmp, path)
                 self._record_locked(key, size)
+                old = self._expiry.pop(key)
+                if expires_at is not None:
+                    self._expiry.set(key, expires_at, ino)
+                elif old is not None:
+                    self._append_locked([journal_line(key, None, old[1])])
                 evicted = self._evict_locked()
             if self.fsync:
                 self._fsync_dir(path.parent)
@@ -316,28 +568,93 @@ class DiskTier(Tier):
             os.close(fd)
 
     def delete(self, key: ChunkKey) -> bool:
-        path = self._path(key)
+        return self.delete_many([key]) == 1
+
+    def delete_many(self, keys) -> int:
+        removed, lines = 0, []
         with self._lock:
-            self._forget_locked(key)
-            try:
-                os.unlink(path)
-                return True
-            except FileNotFoundError:
-                return False
-            except OSError as e:
-                log.warning("disk tier %s: delete %s failed: %s", self.root, key, e)
-                self.stats.add(errors=1)
-                return False
+            for key in keys:
+                path = self._path(key)
+                self._forget_locked(key)
+                rec = self._expiry.pop(key)
+                if rec is not None:
+                    lines.append(journal_line(key, None, rec[1]))
+                try:
+                    os.unlink(path)
+                    removed += 1
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    log.warning("disk tier %s: delete %s failed: %s", self.root, key, e)
+                    self.stats.add(errors=1)
+            self._append_locked(lines)
+            self._maybe_compact_locked()
+        return removed
 
     def delete_prefix(self, prefix: str) -> int:
         removed = 0
         for sub in os.scandir(self.root):
             if not (sub.is_dir() and _SUBDIR_RE.match(sub.name)):
                 continue
-            for entry in os.scandir(sub.path):
-                key = filename_to_key(entry.name)
-                if key is not None and str(key).startswith(prefix):
-                    removed += self.delete(key)
+            doomed = [key for key in map(filename_to_key, (e.name for e in os.scandir(sub.path)))
+                      if key is not None and str(key).startswith(prefix)]
+            removed += self.delete_many(doomed)
+        return removed
+
+    def expiry(self, key: ChunkKey) -> float | None:
+        rec = self._expiry.get(key)
+        if rec is None:
+            return None  # no expiry known here, or not held: None either way, no need to look
+        try:
+            ino = os.stat(self._path(key)).st_ino
+        except OSError:
+            return None
+        if ino != rec[1]:
+            return None  # put again since (by another process): its expiry is not known here
+        if self._expired_at(rec[0]):
+            self._drop_expired(key, ino)
+            return None
+        return rec[0]
+
+    def extend(self, key: ChunkKey, expires_at: float) -> bool:
+        try:
+            ino = os.stat(self._path(key)).st_ino
+        except FileNotFoundError:
+            with self._lock:
+                self._forget_locked(key)
+            return False
+        except OSError as e:
+            log.warning("disk tier %s: stat %s failed: %s", self.root, key, e)
+            self.stats.add(errors=1)
+            return False
+        with self._lock:
+            rec = self._expiry.get(key)
+            if rec is None or rec[1] != ino:
+                return True  # no expiry (known here): it lives longer already
+            if not self._expired_at(rec[0]):
+                if rec[0] < expires_at:
+                    self._append_locked([journal_line(key, expires_at, ino)])
+                    self._expiry.set(key, expires_at, ino)
+                    self._maybe_compact_locked()
+                return True
+        self._drop_expired(key, ino)
+        return False
+
+    def expire(self) -> int:
+        now = self.clock()
+        removed = 0
+        with self._lock:
+            due = self._expiry.due(now)
+            lines = []
+            for key, (_, ino) in due:
+                if self._unlink_if(key, ino):
+                    self._forget_locked(key)
+                    removed += 1
+                lines.append(journal_line(key, None, ino))
+            self._append_locked(lines)
+            self._maybe_compact_locked()
+        if removed:
+            self.stats.add(expired=removed)
         return removed
 
     def keys_lru(self) -> list[ChunkKey]:
@@ -352,3 +669,9 @@ class DiskTier(Tier):
     def used_bytes(self) -> int:
         with self._lock:
             return self._used
+
+    def close(self) -> None:
+        with self._lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None

@@ -1,5 +1,6 @@
 """The memory tier: an LRU dictionary bounded by the bytes of its values, optionally queue-aware
-(``set_protect``: the entries queued requests will load are evicted last)."""
+(``set_protect``: the entries queued requests will load are evicted last), with per-entry
+expiry beside the LRU (see ``tiers/base.py``)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Tier, check_key, nbytes
+from kvfuse.tiers.base import Blob, Expiries, Tier, check_key, nbytes
 
 
 class MemoryTier(Tier):
     """LRU by bytes (only the values' lengths are counted, not Python's per-object overhead).
 
     ``get`` and ``put`` make an entry most recent; ``contains`` does not (lookups are
-    side-effect-free). An entry larger than the whole capacity is not stored (``dropped_writes``).
+    side-effect-free, apart from removing an expired entry). An entry larger than the whole
+    capacity is not stored (``dropped_writes``). Expiries live in a map beside the LRU; eviction
+    ignores them (an expired entry goes at its next read or sweep, ``expire``).
     ``put`` keeps the value it is given, without a copy: an ``Entry`` from ``encode_entry`` (whose
     payload is the chunk tensor's memory) is stored and later decoded with no copy of the KV at
     all. The tier takes ownership: a caller must not modify a value after putting it.
@@ -33,6 +36,19 @@ class MemoryTier(Tier):
         self._used = 0
         self._lock = threading.Lock()
         self._protect: Callable[[], Collection[ChunkKey]] | None = None
+        self._expiry = Expiries()  # key -> expires_at of the entries that have one
+
+    def _live_locked(self, key: ChunkKey) -> tuple[bool, int]:
+        """``(held, expired)``: whether ``key`` is held and not expired, and 1 if it was held but
+        expired (now removed)."""
+        if key not in self._data:
+            return False, 0
+        if self._expiry:
+            rec = self._expiry.get(key)
+            if rec is not None and self._expired_at(rec[0]):
+                self._remove(key)
+                return False, 1
+        return True, 0
 
     def set_protect(self, protect: Callable[[], Collection[ChunkKey]] | None) -> None:
         """Queue-aware eviction: ``protect()`` names the keys not to evict while others can go (the
@@ -42,21 +58,29 @@ class MemoryTier(Tier):
 
     def contains(self, key: ChunkKey) -> bool:
         with self._lock:
-            return key in self._data
+            held, expired = self._live_locked(key)
+        if expired:
+            self.stats.add(expired=expired)
+        return held
 
     def get(self, key: ChunkKey) -> Blob | None:
         with self._lock:
-            value = self._data.get(key)
+            held, expired = self._live_locked(key)
+            value = self._data.get(key) if held else None
             if value is not None:
                 self._data.move_to_end(key)
         if value is None:
-            self.stats.add(misses=1)
+            self.stats.add(misses=1, expired=expired)
         else:
             self.stats.add(hits=1, bytes_out=nbytes(value))
         return value
 
-    def put(self, key: ChunkKey, value: Blob) -> None:
+    def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
         check_key(key)
+        if self._expired_at(expires_at):
+            with self._lock:
+                self._remove(key)
+            return
         size = nbytes(value)
         evicted = forced = 0
         # The protected set is asked for outside the lock (it comes from the engine's queue), and
@@ -69,16 +93,20 @@ class MemoryTier(Tier):
                 return
             self._data[key] = value
             self._used += size
+            if expires_at is not None:
+                self._expiry.set(key, expires_at)
             if self._used > self.capacity_bytes and protected:
                 protected = set(protected)
                 for k in [k for k in self._data if k not in protected and k != key]:
                     if self._used <= self.capacity_bytes:
                         break
                     self._used -= nbytes(self._data.pop(k))
+                    self._expiry.pop(k)
                     evicted += 1
             while self._used > self.capacity_bytes:
                 k, old = self._data.popitem(last=False)
                 self._used -= nbytes(old)
+                self._expiry.pop(k)
                 evicted += 1
                 forced += k in protected
         self.stats.add(puts=1, bytes_in=size, evictions=evicted, protected_evictions=forced)
@@ -89,6 +117,7 @@ class MemoryTier(Tier):
             return sum(nbytes(self._data[k]) for k in keys if k in self._data)
 
     def _remove(self, key: ChunkKey) -> bool:
+        self._expiry.pop(key)
         old = self._data.pop(key, None)
         if old is None:
             return False
@@ -98,6 +127,32 @@ class MemoryTier(Tier):
     def delete(self, key: ChunkKey) -> bool:
         with self._lock:
             return self._remove(key)
+
+    def expiry(self, key: ChunkKey) -> float | None:
+        with self._lock:
+            held, expired = self._live_locked(key)
+            rec = self._expiry.get(key) if held else None
+        if expired:
+            self.stats.add(expired=expired)
+        return None if rec is None else rec[0]
+
+    def extend(self, key: ChunkKey, expires_at: float) -> bool:
+        with self._lock:
+            held, expired = self._live_locked(key)
+            rec = self._expiry.get(key) if held else None
+            if rec is not None and rec[0] < expires_at:
+                self._expiry.set(key, expires_at)
+        if expired:
+            self.stats.add(expired=expired)
+        return held
+
+    def expire(self) -> int:
+        now = self.clock()
+        with self._lock:
+            removed = sum(self._remove(key) for key, _ in self._expiry.due(now))
+        if removed:
+            self.stats.add(expired=removed)
+        return removed
 
     def delete_prefix(self, prefix: str) -> int:
         with self._lock:

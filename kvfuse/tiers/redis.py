@@ -5,11 +5,20 @@ retries). A failure (refused, reset, timed out) is logged once, counted, answere
 are dropped and counted), and starts a back-off of ``backoff_s`` during which calls return misses
 at once without touching the network. The first call after the back-off tries the server again;
 redis-py reconnects by itself, so the tier recovers when the server comes back.
+
+Expiry is Redis's own: a put with ``expires_at`` is ``SET ... PX ms`` with ``ms`` the time left on
+the tier's ``clock`` (the smaller of that and the tier's ``ttl_s`` where it has one); ``expiry``
+is ``PTTL`` read back onto the tier's clock (``clock() + pttl / 1000``); ``extend`` is
+``PEXPIRE key ms GT`` (Redis >= 7: it only lengthens, and leaves keys without a TTL alone);
+``expire`` has nothing to do (0) and ``expired`` stays 0: Redis removes expired keys by itself,
+on its own real clock, so with an injected (fake) clock the times are converted at the call,
+not followed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -171,12 +180,22 @@ class RedisTier(Tier):
         self.stats.add(hits=1, bytes_out=len(value))
         return value
 
-    def put(self, key: ChunkKey, value: Blob) -> None:
-        self.put_many([(key, value)])
+    def _ms_left(self, expires_at: float) -> int:
+        """Milliseconds from now (on the tier's clock) until ``expires_at``, capped by ``ttl_ms``;
+        <= 0 when it has passed."""
+        ms = math.ceil((expires_at - self.clock()) * 1000)
+        return ms if self.ttl_ms is None else min(ms, self.ttl_ms)
 
-    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]]) -> None:
+    def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
+        self.put_many([(key, value)], expires_at)
+
+    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None) -> None:
         items = list(items)
         if not items:
+            return
+        px = self.ttl_ms if expires_at is None else self._ms_left(expires_at)
+        if px is not None and px <= 0:  # expired already: nothing is stored, no older value stays
+            self.delete_many(k for k, _ in items)
             return
         if not self._available():
             self.stats.add(dropped_writes=len(items))
@@ -186,7 +205,7 @@ class RedisTier(Tier):
             for k, v in items:
                 # bytes, bytearray and memoryview go as they are; a Redis value is one buffer, so
                 # an Entry's two parts are joined here (the network, not this copy, is the limit)
-                pipe.set(self._k(k), v.join() if isinstance(v, Entry) else v, px=self.ttl_ms)
+                pipe.set(self._k(k), v.join() if isinstance(v, Entry) else v, px=px)
             pipe.execute()
         except (redis.RedisError, OSError) as e:
             self._failed("put", e)
@@ -205,6 +224,65 @@ class RedisTier(Tier):
             return False
         self._succeeded()
         return bool(n)
+
+    def delete_many(self, keys: Iterable[ChunkKey]) -> int:
+        """One UNLINK of every key; the count removed (0 if the server is unavailable)."""
+        names = [self._k(k) for k in keys]
+        if not names or not self._available():
+            return 0
+        try:
+            n = self._client.unlink(*names)
+        except (redis.RedisError, OSError) as e:
+            self._failed("delete", e)
+            return 0
+        self._succeeded()
+        return int(n)
+
+    def expiry(self, key: ChunkKey) -> float | None:
+        return self.expiries([key])[0]
+
+    def expiries(self, keys: Iterable[ChunkKey]) -> list[float | None]:
+        """One pipeline of PTTL: ``clock() + pttl / 1000`` for keys with a TTL, None for keys
+        without one, missing keys, and while the server is unavailable."""
+        keys = list(keys)
+        if not keys or not self._available():
+            return [None] * len(keys)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.pttl(self._k(k))
+            ttls = pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            self._failed("pttl", e)
+            return [None] * len(keys)
+        self._succeeded()
+        now = self.clock()
+        return [now + ms / 1000 if ms is not None and ms >= 0 else None for ms in ttls]
+
+    def extend(self, key: ChunkKey, expires_at: float) -> bool:
+        return self.extend_many([key], expires_at)[0]
+
+    def extend_many(self, keys: Iterable[ChunkKey], expires_at: float) -> list[bool]:
+        """One pipeline of EXISTS + ``PEXPIRE key ms GT`` per key; True where the key is held."""
+        keys = list(keys)
+        if not keys or not self._available():
+            return [False] * len(keys)
+        ms = self._ms_left(expires_at)
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._k(k))
+                if ms > 0:
+                    pipe.pexpire(self._k(k), ms, gt=True)
+            replies = pipe.execute()
+        except (redis.RedisError, OSError) as e:
+            self._failed("extend", e)
+            return [False] * len(keys)
+        self._succeeded()
+        return [bool(n) for n in replies[:: 2 if ms > 0 else 1]]
+
+    def expire(self) -> int:
+        return 0  # Redis expires keys by itself
 
     def delete_prefix(self, prefix: str) -> int:
         """SCAN for ``key_prefix + prefix*`` and UNLINK in batches; 0 if the server is unavailable."""

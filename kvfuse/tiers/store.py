@@ -29,6 +29,16 @@ Semantics in brief:
   a ``Prefetcher`` (``tiers/prefetch.py``) reads them into memory before their requests run;
   ``fetch(..., prefetch=True)`` counts its reads, and later request reads are counted as
   ``prefetch_hits`` / ``prefetch_misses``.
+- Expiry (retention; the tiers' rules are in ``tiers/base.py``): ``put(..., expires_at=t)`` gives
+  the entries an expiry in every tier they are written to (the lower-tier writes, and the CacheGen
+  variants, carry it); ``memory_only`` writes the first tier only. A promotion keeps the expiry
+  the entry has in the tier it came from. ``extend(keys, t)`` keeps entries (and their variants)
+  at least until ``t`` in every tier, a write still queued included: the writer gives it the later
+  of its own expiry and any extension made while it waited (no flush, so the caller never waits
+  for the queue). ``expire()`` sweeps every tier; ``lookup`` does it by itself at most once per
+  ``expire_interval_s``. ``delete(keys)`` removes entries and their variants everywhere. All
+  times are on one clock (``clock``, wall-clock seconds; ``time.time`` unless given), which the
+  store sets on every tier.
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
@@ -46,7 +57,7 @@ from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import (MIN_READ, Entry, EntrySpec, FormatError, Header, encode_entry, header_length, open_entry,
                               parse_header)
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Tier, nbytes
+from kvfuse.tiers.base import Blob, Clock, Tier, nbytes, put_many_expiring
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +118,8 @@ class TieredStore:
     """Tiers ordered fastest first; see the module docstring for the semantics."""
 
     def __init__(self, tiers: Sequence[Tier], write_queue_size: int = 64, write_batch: int = 16,
-                 codecs: dict[str, Codec] | None = None, stream_levels: Sequence[int] = ()) -> None:
+                 codecs: dict[str, Codec] | None = None, stream_levels: Sequence[int] = (),
+                 clock: Clock | None = None, expire_interval_s: float = 1.0) -> None:
         if not tiers:
             raise ValueError("TieredStore needs at least one tier (e.g. a MemoryTier)")
         names = [t.name for t in tiers]
@@ -115,7 +127,16 @@ class TieredStore:
             raise ValueError(f"tier names must be unique and not {_STORE!r}, got {names}; pass name=... to the tiers")
         if write_queue_size < 1 or write_batch < 1:
             raise ValueError("write_queue_size and write_batch must be >= 1")
+        if not expire_interval_s >= 0:
+            raise ValueError(f"expire_interval_s must be >= 0, got {expire_interval_s}")
         self.tiers = list(tiers)
+        if clock is not None:
+            for t in self.tiers:
+                t.clock = clock
+        self.clock: Clock = clock if clock is not None else time.time
+        self.expire_interval_s = expire_interval_s
+        self._next_sweep = self.clock() + expire_interval_s
+        self._sweep_lock = threading.Lock()
         unknown = set(codecs or {}) - set(names)
         if unknown:
             raise ValueError(f"codecs for unknown tiers {sorted(unknown)}; tiers are {names}")
@@ -126,6 +147,10 @@ class TieredStore:
         self._queue: queue.Queue = queue.Queue(maxsize=write_queue_size)
         self._idle = threading.Condition()
         self._inflight = 0
+        # Keys with writes in the queue (how many), and the extensions asked while they wait; both
+        # under ``_idle``'s lock.
+        self._queued: dict[ChunkKey, int] = {}
+        self._extended: dict[ChunkKey, float] = {}
         self._closed = False
         self._lookahead: Callable[[], list[ChunkKey]] | None = None
         self._counts = {
@@ -168,7 +193,9 @@ class TieredStore:
 
     def lookup(self, keys: Sequence[ChunkKey], count: bool = True) -> LookupResult:
         """Where each key is stored; touches no recency and moves no data. ``count=False``: a
-        look of the store's own (prefetch, saving), kept out of the lookup statistics."""
+        look of the store's own (prefetch, saving), kept out of the lookup statistics. Expired
+        entries are misses (and every tier is swept now and then, see ``expire``)."""
+        self._maybe_sweep()
         holder: list[str | None] = [None] * len(keys)
         pending = list(range(len(keys)))
         for tier in self.tiers:
@@ -204,29 +231,31 @@ class TieredStore:
         served: list[str | None] = [None] * len(keys)
         rejected = [0] * len(keys)
         pending = list(range(len(keys)))
-        promote: list[tuple[ChunkKey, Entry]] = []
+        promote: list[tuple[ChunkKey, Entry, float | None]] = []
         for level, tier in enumerate(self.tiers):
             if not pending:
                 break
+            # A promoted copy keeps the expiry it has here, asked before the read: an entry that
+            # expires in between is then promoted with a time passed, i.e. not at all.
+            expiries = (self._safe(tier, "expiries", tier.expiries, [None] * len(pending), [keys[i] for i in pending])
+                        if level > 0 else None)
             if tier.batch_reads:
                 values = self._safe(tier, "get_many", tier.get_many, [None] * len(pending), [keys[i] for i in pending])
             else:
                 values = (self._safe(tier, "get", tier.get, None, keys[i]) for i in pending)  # checked one by one
             still = []
-            for i, value in zip(pending, values):
+            for j, (i, value) in enumerate(zip(pending, values)):
                 entry = None if value is None else self._open(tier, keys[i], value, specs[i], promoted=level > 0)
                 if entry is None:
                     rejected[i] += value is not None
                     still.append(i)
                     continue
                 if level > 0:
-                    promote.append((keys[i], entry))
+                    promote.append((keys[i], entry, expiries[j]))
                 entries[i], served[i] = entry, tier.name
             pending = still
         if promote:
-            first = self.tiers[0]
-            self._safe(first, "put_many", first.put_many, None, promote)
-            self._count(promotions=len(promote))
+            self._promote(promote)
         self._count_prefetch(keys, served, prefetch)
         return [Fetched(e, t, r) for e, t, r in zip(entries, served, rejected)]
 
@@ -333,17 +362,65 @@ class TieredStore:
     # -- writes ---------------------------------------------------------------------------------
 
     def promote(self, items: Iterable[tuple[ChunkKey, Entry]]) -> None:
-        """Put entries read from a lower tier into the first tier only (they are stored below already)."""
+        """Put entries read from a lower tier into the first tier only (they are stored below
+        already), each with the expiry it has in the first lower tier holding it (or one of its
+        variants). An entry no lower tier holds any more is not promoted: it expired or was
+        evicted since it was read, and a memory copy must not outlive its retention. (With no
+        lower tiers, every entry is put as it is.)"""
         items = list(items)
+        if not items:
+            return
+        if len(self.tiers) == 1:
+            self._promote([(k, e, None) for k, e in items])
+            return
+        expiries, held = self._lower_expiries([k for k, _ in items])
+        self._promote([(k, e, x) for (k, e), x, h in zip(items, expiries, held) if h])
+
+    def _promote(self, items: list[tuple[ChunkKey, Entry, float | None]]) -> None:
+        """Put ``(key, entry, expires_at)`` into the first tier, one ``put_many`` per expiry."""
+        groups: dict[float | None, list[tuple[ChunkKey, Entry]]] = {}
+        for key, entry, expires_at in items:
+            groups.setdefault(expires_at, []).append((key, entry))
+        first = self.tiers[0]
+        for expires_at, group in groups.items():
+            self._safe(first, "put_many", put_many_expiring, None, first, group, expires_at)
         if items:
-            first = self.tiers[0]
-            self._safe(first, "put_many", first.put_many, None, items)
             self._count(promotions=len(items))
 
-    def put(self, items: Iterable[tuple[ChunkKey, Blob]], block: bool = False) -> None:
+    def _variants(self, key: ChunkKey) -> list[ChunkKey]:
+        """The keys of ``key``'s extra encodings (the store's ``stream_levels``)."""
+        return [] if key.variant else [key.encoded_as(c.name, c.level) for c in self._stream_codecs]
+
+    def _lower_expiries(self, keys: Sequence[ChunkKey]) -> tuple[list[float | None], list[bool]]:
+        """Per key: its expiry in the first lower tier holding it, and whether one does. A key
+        held by none is looked for again as its variants."""
+        expiries: list[float | None] = [None] * len(keys)
+        held = [False] * len(keys)
+        for stage in (lambda k: [k], self._variants):
+            pending = [(i, c) for i in range(len(keys)) if not held[i] for c in stage(keys[i])]
+            for tier in self.tiers[1:]:
+                if not pending:
+                    break
+                asked = [c for _, c in pending]
+                times = self._safe(tier, "expiries", tier.expiries, [None] * len(asked), asked)
+                for (i, _), t in zip(pending, times):
+                    if t is not None and not held[i]:  # an expiry: held (when asked)
+                        expiries[i], held[i] = t, True
+                rest = [(i, c) for i, c in pending if not held[i]]
+                found = (self._safe(tier, "contains_many", tier.contains_many, [False] * len(rest), [c for _, c in rest])
+                         if rest else [])
+                for (i, _), ok in zip(rest, found):
+                    held[i] = held[i] or bool(ok)
+                pending = [(i, c) for i, c in pending if not held[i]]
+        return expiries, held
+
+    def put(self, items: Iterable[tuple[ChunkKey, Blob]], block: bool = False, expires_at: float | None = None,
+            memory_only: bool = False) -> None:
         """Store entries: the first tier now, the lower tiers from the write queue. The queue never
         blocks a caller: when it is full the lower-tier writes are dropped and counted, unless
         ``block`` (a background saver, which nobody waits on, waits for room instead).
+        ``expires_at``: the entries' expiry (on ``clock``) in every tier, their variants' too (None:
+        none). ``memory_only``: the first tier only (no lower-tier writes, no variants).
 
         The store takes ownership of the values, without copying them (an ``Entry`` of a chunk is
         kept by the memory tier and written later by the lower tiers): do not modify them."""
@@ -351,20 +428,22 @@ class TieredStore:
             raise RuntimeError("TieredStore.put after close()")
         items = list(items)
         first = self.tiers[0]
-        self._safe(first, "put_many", first.put_many, None, items)
-        if self._worker is None:
+        self._safe(first, "put_many", put_many_expiring, None, first, items, expires_at)
+        if self._worker is None or memory_only:
             return
-        for n, item in enumerate(items):
+        for n, (key, value) in enumerate(items):
             with self._idle:
                 self._inflight += 1
+                self._queued[key] = self._queued.get(key, 0) + 1
             try:
                 if block:
-                    self._queue.put(item)
+                    self._queue.put((key, value, expires_at))
                 else:
-                    self._queue.put_nowait(item)
+                    self._queue.put_nowait((key, value, expires_at))
             except queue.Full:
                 with self._idle:
                     self._inflight -= 1
+                    self._unqueue_locked(key)
                     self._idle.notify_all()
                 dropped = len(items) - n
                 for tier in self.tiers[1:]:
@@ -389,13 +468,49 @@ class TieredStore:
                     item = self._queue.get_nowait()
                 except queue.Empty:
                     break
-            memo: dict = {}
-            for tier in self.tiers[1:]:
-                items = self._encoded_for(tier, batch, memo)
-                self._safe(tier, "put_many", tier.put_many, None, items)
-            with self._idle:
-                self._inflight -= len(batch)
-                self._idle.notify_all()
+            self._write_batch_of(batch)
+
+    def _write_batch_of(self, batch: list[tuple[ChunkKey, Blob, float | None]]) -> None:
+        """Write one batch of queued entries to the lower tiers, one ``put_many`` per expiry."""
+        with self._idle:  # an extension asked while the entry waited: the later time
+            timed = [(k, v, self._effective_locked(k, x)) for k, v, x in batch]
+        groups: dict[float | None, list[tuple[ChunkKey, Blob]]] = {}
+        for key, value, expires_at in timed:
+            groups.setdefault(expires_at, []).append((key, value))
+        memo: dict = {}
+        for tier in self.tiers[1:]:
+            for expires_at, group in groups.items():
+                items = self._encoded_for(tier, group, memo)
+                self._safe(tier, "put_many", put_many_expiring, None, tier, items, expires_at)
+        # An extension asked while these were written may have found them not there yet: apply it.
+        with self._idle:
+            late: dict[float, list[ChunkKey]] = {}
+            for key, _, expires_at in timed:
+                ext = self._effective_locked(key, expires_at)
+                if expires_at is not None and ext > expires_at:
+                    late.setdefault(ext, []).append(key)
+        for expires_at, keys in late.items():
+            self._extend_lower(keys, expires_at)
+        with self._idle:
+            for key, _, _ in batch:
+                self._unqueue_locked(key)
+            self._inflight -= len(batch)
+            self._idle.notify_all()
+
+    def _effective_locked(self, key: ChunkKey, expires_at: float | None) -> float | None:
+        """A queued write's expiry: its own, or a later one ``extend`` asked meanwhile."""
+        if expires_at is None:
+            return None  # no expiry: extending leaves it alone
+        ext = self._extended.get(key)
+        return expires_at if ext is None else max(expires_at, ext)
+
+    def _unqueue_locked(self, key: ChunkKey) -> None:
+        n = self._queued.get(key, 0) - 1
+        if n > 0:
+            self._queued[key] = n
+        else:
+            self._queued.pop(key, None)
+            self._extended.pop(key, None)
 
     def encodings(self, tier: str) -> list[str]:
         """The variants a chunk has in ``tier`` besides its primary copy ("cachegen.1", ...)."""
@@ -467,7 +582,57 @@ class TieredStore:
         if hasattr(first, "set_protect"):
             first.set_protect(self.upcoming if on else None)
 
+    # -- expiry ---------------------------------------------------------------------------------
+
+    def extend(self, keys: Iterable[ChunkKey], expires_at: float) -> None:
+        """Keep the entries of ``keys`` (and their variants) at least until ``expires_at`` in every
+        tier: an earlier expiry is moved to it, an entry without expiry is left alone (see
+        ``Tier.extend``). A write of one of them still in the queue gets it too (when it is
+        written), so this never waits for the queue."""
+        keys = list(keys)
+        if not keys:
+            return
+        with self._idle:
+            for k in keys:
+                if k in self._queued:
+                    self._extended[k] = max(self._extended.get(k, expires_at), expires_at)
+        first = self.tiers[0]
+        self._safe(first, "extend_many", first.extend_many, None, keys, expires_at)
+        self._extend_lower(keys, expires_at)
+
+    def _extend_lower(self, keys: list[ChunkKey], expires_at: float) -> None:
+        with_variants = keys + [v for k in keys for v in self._variants(k)]
+        for tier in self.tiers[1:]:
+            self._safe(tier, "extend_many", tier.extend_many, None, with_variants, expires_at)
+
+    def expire(self) -> dict[str, int]:
+        """Remove every expired entry from every tier now; the count removed per tier (Redis
+        expires keys by itself: 0 there)."""
+        self._next_sweep = self.clock() + self.expire_interval_s
+        return {t.name: self._safe(t, "expire", t.expire, 0) for t in self.tiers}
+
+    def _maybe_sweep(self) -> None:
+        """``expire()`` if ``expire_interval_s`` has passed since the last sweep (one thread sweeps;
+        the others go on)."""
+        if self.clock() < self._next_sweep or not self._sweep_lock.acquire(blocking=False):
+            return
+        try:
+            if self.clock() >= self._next_sweep:
+                self.expire()
+        finally:
+            self._sweep_lock.release()
+
     # -- maintenance ----------------------------------------------------------------------------
+
+    def delete(self, keys: Iterable[ChunkKey]) -> dict[str, int]:
+        """Remove the entries of ``keys`` and their variants from every tier (after the queued
+        writes, so none lands afterwards); the count removed per tier."""
+        keys = list(keys)
+        self.flush()
+        with_variants = keys + [v for k in keys for v in self._variants(k)]
+        with self._counts_lock:
+            self._prefetched.difference_update(keys)
+        return {t.name: self._safe(t, "delete_many", t.delete_many, 0, with_variants) for t in self.tiers}
 
     def delete_prefix(self, prefix: str) -> dict[str, int]:
         """Remove every key starting with ``prefix`` from every tier (after the queued writes, so

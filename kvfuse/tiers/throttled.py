@@ -8,7 +8,8 @@ bandwidths, starting when the link is free (one read at a time, as on one connec
 that recomputes a chunk instead of reading it does not stop the link's clock, as on a real
 network. Writes and lookups are not slowed: the streaming loader adapts to the read path.
 ``scale`` converts the trace to this machine (see ``bench/streaming.py``), and the clock and
-sleep are injectable so tests run without waiting.
+sleep are injectable so tests run without waiting (that clock times the link; expiries are on
+``inner``'s ``clock``, which ``clock`` here reads and sets).
 
 This is a measurement and test fixture, not a production tier: it slows a real tier exactly as
 a slower link would, so the loader is exercised against real reads and real decoding.
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Tier, nbytes
+from kvfuse.tiers.base import Blob, Clock, Tier, nbytes, put_many_expiring
 
 
 def load_trace(path: str | Path, row: int | None = None) -> list[float]:
@@ -40,7 +41,7 @@ class ThrottledTier(Tier):
 
     def __init__(self, inner: Tier, trace: Sequence[float], scale: float = 1.0, period_s: float = 0.2,
                  clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
-        super().__init__()
+        super().__init__()  # before ``inner`` is set: Tier's default clock must not replace inner's
         if not trace or any(not b > 0 for b in trace):
             raise ValueError("a bandwidth trace needs at least one value, all > 0")
         if not scale > 0 or not period_s > 0:
@@ -55,6 +56,17 @@ class ThrottledTier(Tier):
         self._free_at = self._t0
         self.reads = 0
         self.waited_s = 0.0
+
+    @property
+    def clock(self) -> Clock:
+        """The expiry clock: ``inner``'s (setting it sets ``inner``'s)."""
+        return self.inner.clock
+
+    @clock.setter
+    def clock(self, clock: Clock) -> None:
+        inner = self.__dict__.get("inner")
+        if inner is not None:
+            inner.clock = clock
 
     def bandwidth_at(self, t: float) -> float:
         """The link's bandwidth at time ``t``, bytes per second."""
@@ -117,14 +129,35 @@ class ThrottledTier(Tier):
     def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
         return self.inner.contains_many(keys)
 
-    def put(self, key: ChunkKey, value: Blob) -> None:
-        self.inner.put(key, value)
+    def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
+        if expires_at is None:
+            self.inner.put(key, value)
+        else:
+            self.inner.put(key, value, expires_at)
 
-    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]]) -> None:
-        self.inner.put_many(items)
+    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None) -> None:
+        put_many_expiring(self.inner, list(items), expires_at)
+
+    def expiry(self, key: ChunkKey) -> float | None:
+        return self.inner.expiry(key)
+
+    def expiries(self, keys: Iterable[ChunkKey]) -> list[float | None]:
+        return self.inner.expiries(keys)
+
+    def extend(self, key: ChunkKey, expires_at: float) -> bool:
+        return self.inner.extend(key, expires_at)
+
+    def extend_many(self, keys: Iterable[ChunkKey], expires_at: float) -> list[bool]:
+        return self.inner.extend_many(keys, expires_at)
+
+    def expire(self) -> int:
+        return self.inner.expire()
 
     def delete(self, key: ChunkKey) -> bool:
         return self.inner.delete(key)
+
+    def delete_many(self, keys: Iterable[ChunkKey]) -> int:
+        return self.inner.delete_many(keys)
 
     def delete_prefix(self, prefix: str) -> int:
         return self.inner.delete_prefix(prefix)

@@ -196,3 +196,104 @@ def test_keys_lists_entries_and_variants_and_skips_foreign_keys(redis_server):
     raw.set("other:" + str(K("c")), b"x")  # another prefix: never listed
     assert set(t.keys()) == {K("a"), K("a").encoded_as("cachegen", 1), K("b")}
     assert len(t.keys(limit=2)) == 2
+
+
+# -- expiry (retention): Redis's own, on its real clock ------------------------------------------
+
+
+def _pttl(raw, key) -> int:
+    return raw.pttl(f"kvfuse:{key}")
+
+
+def test_an_expiry_is_a_native_ttl_converted_from_the_tiers_clock(redis_server):
+    t = _tier(redis_server)
+    t.clock = lambda: 1000.0  # a fake clock: a time on it becomes the time left, at the call
+    raw = redis.Redis.from_url(redis_server.url)
+    a, b, c, n = Ks("a", "b", "c", "n")
+    t.put(a, b"v", expires_at=1030.0)
+    t.put_many([(b, b"v"), (c, b"v")], expires_at=1060.0)
+    t.put(n, b"v")
+    assert 29_000 < _pttl(raw, a) <= 30_000 and 59_000 < _pttl(raw, b) <= 60_000 and 59_000 < _pttl(raw, c) <= 60_000
+    assert _pttl(raw, n) == -1
+    got = t.expiries([a, b, n, K("missing")])
+    assert 1029 < got[0] <= 1030 and 1059 < got[1] <= 1060 and got[2:] == [None, None]
+    assert t.expiry(a) == pytest.approx(1030, abs=1)
+    t.put(a, b"v2")  # a put replaces the expiry too
+    assert _pttl(raw, a) == -1 and t.expiry(a) is None
+    t.put(b, b"new", expires_at=1000.0)  # passed already: nothing stored, the older value removed
+    assert t.get(b) is None and not raw.exists(f"kvfuse:{b}") and t.get(c) == b"v"
+    assert t.expire() == 0 and t.stats.snapshot()["expired"] == 0  # Redis expires by itself
+    assert t.stats.snapshot()["errors"] == 0
+
+
+def test_the_tiers_own_ttl_caps_an_expiry(redis_server):
+    t = _tier(redis_server, ttl_s=10)
+    raw = redis.Redis.from_url(redis_server.url)
+    t.put(K("long"), b"v", expires_at=t.clock() + 100)
+    t.put(K("short"), b"v", expires_at=t.clock() + 5)
+    assert 9_000 < _pttl(raw, K("long")) <= 10_000 and 4_000 < _pttl(raw, K("short")) <= 5_000
+
+
+def test_extend_only_lengthens_a_ttl(redis_server):
+    t = _tier(redis_server)
+    t.clock = lambda: 1000.0
+    raw = redis.Redis.from_url(redis_server.url)
+    a, b, n = Ks("a", "b", "n")
+    t.put(a, b"v", expires_at=1010.0)
+    t.put(b, b"v", expires_at=1100.0)
+    t.put(n, b"v")
+    assert t.extend_many([K("missing"), a, b, n], 1050.0) == [False, True, True, True]
+    assert 49_000 < _pttl(raw, a) <= 50_000  # moved later
+    assert 99_000 < _pttl(raw, b) <= 100_000  # never shortened (GT)
+    assert _pttl(raw, n) == -1  # no TTL: left alone, it lives longer already
+    assert t.extend(K("missing"), 1050.0) is False and t.extend(a, 900.0) is True  # a time passed: no change
+    assert 49_000 < _pttl(raw, a) <= 50_000
+
+
+def test_entries_expire_on_the_servers_own_clock(redis_server):
+    t = _tier(redis_server)
+    t.put(K("a"), b"v", expires_at=time.time() + 0.3)
+    t.put(K("b"), b"v")
+    assert t.get(K("a")) == b"v"
+    time.sleep(1.0)
+    assert t.get(K("a")) is None and not t.contains(K("a")) and t.read_range(K("a"), 0, 1) is None
+    assert t.get(K("b")) == b"v" and t.expiry(K("a")) is None
+
+
+def test_expiry_calls_while_the_server_is_down_are_misses(redis_server):
+    t = _tier(redis_server)
+    t.put(K("a"), b"v", expires_at=time.time() + 60)
+    redis_server.stop()
+    assert t.expiries([K("a")]) == [None] and t.is_backing_off()
+    (got, took) = _timed(t.extend_many, [K("a")], time.time() + 100)
+    assert got == [False] and took < 0.01  # in back-off: no network
+    assert t.delete_many([K("a")]) == 0
+
+
+def test_a_store_carries_expiries_to_redis_promotes_extends_and_deletes(redis_server):
+    import torch
+
+    from kvfuse.codecs import get_codec
+    from kvfuse.kv.chunk import KVChunk
+    from kvfuse.kv.format import encode_chunk
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    def blob(key):
+        return encode_chunk(KVChunk(torch.randn(2, 2, 4, 2, 8).half(), torch.arange(4)), key, get_codec("raw"))
+
+    raw = redis.Redis.from_url(redis_server.url)
+    mem, r = MemoryTier(10**6), _tier(redis_server)
+    with TieredStore([mem, r], clock=lambda: 1000.0, stream_levels=(1,)) as store:
+        a, b = Ks("a", "b")
+        store.put([(a, blob(a)), (b, blob(b))], expires_at=1030.0)
+        store.flush()
+        variant = a.encoded_as("cachegen", 1)
+        assert 29_000 < _pttl(raw, a) <= 30_000 and 29_000 < _pttl(raw, variant) <= 30_000
+        mem.clear()
+        assert [f.tier for f in store.fetch([a])] == ["redis"]
+        assert mem.expiry(a) == pytest.approx(1030, abs=1)  # the promoted copy keeps the expiry
+        store.extend([a], 1100.0)
+        assert 99_000 < _pttl(raw, a) <= 100_000 and 99_000 < _pttl(raw, variant) <= 100_000
+        assert mem.expiry(a) == 1100.0
+        assert store.delete([a]) == {"memory": 1, "redis": 2}
+        assert not raw.exists(f"kvfuse:{a}") and not raw.exists(f"kvfuse:{variant}") and r.contains(b)
