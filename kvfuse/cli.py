@@ -1,4 +1,4 @@
-"""``kvfuse`` command line: models | generate | serve | precompute | cache.
+"""``kvfuse`` command line: models | generate | chat | serve | precompute | cache | responses.
 
 Every command reads the configuration as ``defaults < --config FILE < KVFUSE_* env < flags``.
 User errors (a wrong model name, a bad flag value, a missing package) print one line naming
@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 from . import __version__
@@ -37,6 +38,9 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
                        help="weight format: auto (the compute dtype, default) or int8 (CPU only: ~3x faster decoding, "
                             "lossy; its KV is cached apart from full-precision KV)")
         p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: all cores)")
+        p.add_argument("--retention", metavar="in_memory|DURATION",
+                       help="how long the KV entries written stay: in_memory (memory tier only) or a duration such "
+                            "as 24h (every tier, then expired); default: cache.retention (until evicted)")
         p.add_argument("--kv-slo-ms", type=float, metavar="MS",
                        help="load KV from disk / Redis within this budget, each chunk at the best encoding that "
                             "fits or recomputed (CacheGen streaming; cache.kv_slo_ms)")
@@ -127,6 +131,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50, help="entries listed per tier (default 50)")
     p.add_argument("--json", action="store_true", help="the list as JSON")
     _common(p, model=False)
+
+    responses = sub.add_parser("responses", help="list, show, delete or purge the Responses API's stored responses")
+    rsub = responses.add_subparsers(dest="action", metavar="ACTION")
+    rsub.required = True
+    p = rsub.add_parser("list", help="the newest stored responses")
+    p.add_argument("--tenant", help="only this tenant's (its API key's name; '' without API keys)")
+    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--json", action="store_true")
+    _common(p, model=False)
+    p = rsub.add_parser("show", help="one stored response as JSON")
+    p.add_argument("id")
+    p.add_argument("--tenant", default="", help="the tenant that created it ('' without API keys)")
+    _common(p, model=False)
+    p = rsub.add_parser("delete", help="delete a stored response and free its KV entries")
+    p.add_argument("id")
+    p.add_argument("--tenant", default="", help="the tenant that created it ('' without API keys)")
+    _common(p, model=False)
+    p = rsub.add_parser("purge", help="delete the expired responses (responses.ttl) and free their KV entries")
+    _common(p, model=False)
     return parser
 
 
@@ -147,6 +170,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "cache.truncation": getattr(args, "truncation", None),
         "context_tokens": getattr(args, "context_tokens", None),
         "cache.kv_slo_ms": getattr(args, "kv_slo_ms", None),
+        "cache.retention": getattr(args, "retention", None),
         "engine.max_running": getattr(args, "max_running", None),
         "engine.kv_memory_bytes": getattr(args, "kv_memory", None),
     }
@@ -445,8 +469,63 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
     return 0
 
 
+def cmd_responses(args, config: Config) -> int:
+    from .history.responses import ResponseNotFound, ResponseStore
+
+    if not config.responses_path.is_file():
+        raise UserError(f"no stored responses at {config.responses_path} (responses.path); a server stores them there "
+                        "when responses.store is true")
+    responses = ResponseStore(config.responses_path, config.responses.ttl_s)
+    try:
+        if args.action == "list":
+            rows = responses.list(args.tenant, args.limit)
+            if args.json:
+                print(json.dumps([{"id": r.id, "tenant": r.tenant, "created_at": r.created_at,
+                                   "expires_at": r.expires_at, "previous_response_id": r.previous_id,
+                                   "turns": sum(m["role"] == "user" for m in r.history)} for r in rows], indent=2))
+            for r in rows if not args.json else ():
+                text = next((m["content"] for m in reversed(r.history) if m["role"] == "assistant"), "")
+                print(f"{r.id}  tenant={r.tenant or '-'}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.created_at))}"
+                      f"  turns={sum(m['role'] == 'user' for m in r.history)}  {text[:60]!r}")
+            return 0
+        if args.action == "show":
+            try:
+                print(json.dumps(responses.get(args.tenant, args.id).body, indent=2))
+            except ResponseNotFound:
+                raise UserError(f"no response {args.id!r} for tenant {args.tenant!r} (expired, deleted or another "
+                                "tenant's: see kvfuse responses list)") from None
+            return 0
+        if args.action == "delete":
+            try:
+                keys = responses.delete(args.tenant, args.id)
+            except ResponseNotFound:
+                raise UserError(f"no response {args.id!r} for tenant {args.tenant!r} (see kvfuse responses list)") from None
+        else:
+            n, keys = responses.purge()
+            print(f"removed {n} expired responses")
+        freed = _free(config, keys)
+        print(f"freed {freed} entries")
+        return 0
+    finally:
+        responses.close()
+
+
+def _free(config: Config, keys: list[str]) -> int:
+    """Remove the entries ``keys`` from the configured tiers; how many were removed."""
+    from .kv.keys import ChunkKey
+    from .runtime import open_store
+
+    store = open_store(config) if keys else None
+    if store is None:
+        return 0
+    try:
+        return sum(store.delete([ChunkKey.parse(k) for k in keys]).values())
+    finally:
+        store.close()
+
+
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "precompute": cmd_precompute, "cache": cmd_cache}
+            "precompute": cmd_precompute, "cache": cmd_cache, "responses": cmd_responses}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,13 +12,15 @@ The file mirrors the dataclasses::
     engine:
       max_running: 16
       kv_memory_bytes: 1GiB
+    responses:
+      ttl: 7d
     server:
       port: 8000
       api_keys: ["sk-alice:alice", "sk-bob:bob"]
 
 Environment variables: ``KVFUSE_<FIELD>`` for top-level fields (``KVFUSE_MODEL``, ``KVFUSE_HOME``),
-``KVFUSE_CACHE_<FIELD>``, ``KVFUSE_BLEND_<FIELD>``, ``KVFUSE_ENGINE_<FIELD>`` and ``KVFUSE_SERVER_<FIELD>``
-for the sections
+``KVFUSE_CACHE_<FIELD>``, ``KVFUSE_BLEND_<FIELD>``, ``KVFUSE_ENGINE_<FIELD>``, ``KVFUSE_RESPONSES_<FIELD>``
+and ``KVFUSE_SERVER_<FIELD>`` for the sections
 (``KVFUSE_CACHE_REDIS_URL``),
 ``KVFUSE_CONFIG`` for the file. Only this module reads the environment, and only when asked to.
 Every error names the field, where the bad value came from, and what to write instead.
@@ -83,6 +85,9 @@ class CacheConfig:
     stream_levels: tuple[int, ...] = ()  # extra CacheGen levels written to disk / Redis for streaming
     kv_slo_ms: float | None = None  # load slow-tier KV adaptively within this budget (None: off)
     codec_workers: int | None = None  # processes that encode / decode CacheGen (None: one per core)
+    # How long the entries a request writes stay when it does not say (prompt_cache_retention):
+    # none = the tiers' policy (every tier, until evicted), in_memory, or a duration such as 24h.
+    retention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,21 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class ResponsesConfig:
+    """Stored responses of the Responses API (what ``previous_response_id`` names)."""
+
+    store: bool = True  # keep responses whose request says store: true (false: keep none)
+    path: str | None = None  # the SQLite file; default: <home>/responses.sqlite3
+    ttl: str = "30d"  # a stored response expires this long after it was created
+
+    @property
+    def ttl_s(self) -> float:
+        from .durations import parse_duration
+
+        return parse_duration(self.ttl)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The OpenAI-compatible HTTP server."""
 
@@ -145,6 +165,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     blend: BlendConfig = field(default_factory=BlendConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     @property
@@ -155,11 +176,16 @@ class Config:
     def disk_path(self) -> Path:
         return Path(self.cache.disk_path).expanduser() if self.cache.disk_path else self.home_path / "kv"
 
+    @property
+    def responses_path(self) -> Path:
+        return Path(self.responses.path).expanduser() if self.responses.path else self.home_path / "responses.sqlite3"
+
     def api_key_map(self) -> dict[str, str]:
         return dict(entry.split(":", 1) for entry in self.server.api_keys)
 
 
-_SECTIONS = {"cache": CacheConfig, "blend": BlendConfig, "engine": EngineConfig, "server": ServerConfig}
+_SECTIONS = {"cache": CacheConfig, "blend": BlendConfig, "engine": EngineConfig, "responses": ResponsesConfig,
+             "server": ServerConfig}
 
 
 def load_config(
@@ -394,6 +420,18 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
     need(k.kv_slo_ms is None or k.kv_slo_ms > 0, "cache.kv_slo_ms", f"must be > 0 milliseconds, got {k.kv_slo_ms}")
     need(k.codec_workers is None or k.codec_workers >= 0, "cache.codec_workers",
          "must be >= 0 (0: code in the calling process)")
+    from .durations import parse_duration
+    from .engine.retention import Retention
+
+    if k.retention is not None:
+        try:
+            Retention.parse(k.retention)
+        except ValueError as e:
+            need(False, "cache.retention", f"{e} (or none: the tiers' policy)")
+    try:
+        parse_duration(c.responses.ttl)
+    except ValueError as e:
+        need(False, "responses.ttl", str(e))
 
 
 def default_home(env: Mapping[str, str] | None = None) -> Path:

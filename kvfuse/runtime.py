@@ -5,11 +5,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import Callable
 
 import torch
 
 from .config import Config
-from .engine import Engine
+from .engine import Engine, Retention
 from .models import LoadedModel, load_model
 from .tiers.disk import DiskTier
 from .codecs import get_codec
@@ -21,8 +22,9 @@ from .tiers.store import TieredStore
 log = logging.getLogger(__name__)
 
 
-def open_store(config: Config) -> TieredStore | None:
-    """Memory tier always (when the cache is enabled), disk unless disabled, Redis when a URL is set."""
+def open_store(config: Config, clock: Callable[[], float] | None = None) -> TieredStore | None:
+    """Memory tier always (when the cache is enabled), disk unless disabled, Redis when a URL is set.
+    ``clock``: the wall clock entries expire by (tests inject one)."""
     c = config.cache
     if not c.enabled:
         return None
@@ -41,7 +43,7 @@ def open_store(config: Config) -> TieredStore | None:
     stream_levels = c.stream_levels if len(tiers) > 1 else ()
     if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
         shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request
-    return TieredStore(tiers, write_queue_size=c.write_queue, codecs=codecs, stream_levels=stream_levels)
+    return TieredStore(tiers, write_queue_size=c.write_queue, codecs=codecs, stream_levels=stream_levels, clock=clock)
 
 
 def set_threads(config: Config) -> None:
@@ -80,14 +82,16 @@ def open_model(config: Config) -> LoadedModel:
                       weights=config.weights)
 
 
-def open_engine(config: Config, model: LoadedModel | None = None, store: TieredStore | None = None) -> Engine:
-    """An engine over ``model`` (loaded from the config if not given) and ``store`` (likewise)."""
+def open_engine(config: Config, model: LoadedModel | None = None, store: TieredStore | None = None,
+                clock: Callable[[], float] | None = None) -> Engine:
+    """An engine over ``model`` (loaded from the config if not given) and ``store`` (likewise, with
+    ``clock`` for the entries' expiry)."""
     set_threads(config)
     if config.tune_malloc:
         tune_allocator()
     model = model or open_model(config)
     if store is None:
-        store = open_store(config)
+        store = open_store(config, clock)
     c = config.cache
     return Engine(
         model,
@@ -110,6 +114,7 @@ def open_engine(config: Config, model: LoadedModel | None = None, store: TieredS
         prefetch=c.prefetch,
         eviction=c.eviction,
         kv_slo_ms=c.kv_slo_ms,
+        retention=Retention.parse(c.retention) if c.retention is not None else None,
         max_running=config.engine.max_running,
         max_step_tokens=config.engine.max_step_tokens,
         kv_memory_bytes=config.engine.kv_memory_bytes,

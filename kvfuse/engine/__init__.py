@@ -17,13 +17,14 @@ from .planner import Compute, Load, Plan, Precompute, PromptKeys, Store, make_pl
 from .prompt import Prompt, Segment, SegmentKind
 from .request import (CacheOptions, GenerationResult, Outcome, QueueClosed, QueueFull, Request, RequestCancelled,
                       Timings)
+from .retention import Breakpoint, Retention
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats
 
 __all__ = [
-    "KV_DTYPES", "CacheOptions", "Compute", "Engine", "EngineStats", "GenerationResult", "Load", "Outcome", "Plan",
-    "Precompute", "Prompt", "PromptKeys", "QueueClosed", "QueueFull", "Request", "RequestCancelled", "ScheduledStep",
+    "KV_DTYPES", "Breakpoint", "CacheOptions", "Compute", "Engine", "EngineStats", "GenerationResult", "Load", "Outcome", "Plan",
+    "Precompute", "Prompt", "PromptKeys", "QueueClosed", "QueueFull", "Request", "RequestCancelled", "Retention", "ScheduledStep",
     "Scheduler", "Segment", "SegmentKind", "Sequence", "SequenceStatus", "Store", "Timings", "make_plan",
     "prompt_keys", "replan",
 ]

@@ -49,10 +49,11 @@ from kvfuse.tiers.store import TieredStore
 
 from . import encode, executor
 from .loop import EngineLoop
-from .planner import (Precompute, Store, full_prefill, generated_stores, history_entries, prompt_keys, replan,
-                      tail_probe)
+from .planner import (Precompute, Store, breakpoint_stores, full_prefill, generated_stores, history_entries,
+                      prompt_keys, replan, tail_probe)
 from .prompt import Prompt, SegmentKind
 from .request import CacheOptions, GenerationResult, Outcome, Request, RequestCancelled, Timings
+from .retention import Retention, keep_until, write_policy
 from .saver import Saver
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
@@ -105,6 +106,7 @@ class Engine:
         prefetch: bool = True,
         eviction: str = "queue",
         kv_slo_ms: float | None = None,
+        retention: Retention | None = None,
         max_running: int = 16,
         max_step_tokens: int = 256,
         kv_memory_bytes: int | None = None,
@@ -127,6 +129,7 @@ class Engine:
         self.kv_slo_ms = kv_slo_ms
         self.estimates = LoadEstimates()
         self.store_generated = store_generated
+        self.retention = retention  # of requests that do not say (prompt_cache_retention)
         self.base_salt = salt
         self.blend = blend
         if blend.check_layer >= model.config.num_layers:
@@ -229,6 +232,11 @@ class Engine:
             raise ValueError("documents need a text prompt, not token ids")
         return encode.completion_prompt(self.model.tokenizer, documents, prompt)
 
+    def breakpoint_positions(self, messages: list[dict], marks: Seq[tuple[int, int]], ids: Seq[int]) -> list[int | None]:
+        """Prompt positions of cache breakpoints at ``marks`` (message index, character offset in its
+        content) of chat ``messages`` rendered as ``ids`` (``encode.breakpoint_positions``)."""
+        return encode.breakpoint_positions(self.model.tokenizer, messages, marks, ids)
+
     def document_context(self, blend: BlendOptions | None = None) -> tuple[int, ...]:
         """What documents' KV is computed behind when cached on their own (``document_context``)."""
         bos = self.model.tokenizer.bos_token_id
@@ -294,7 +302,11 @@ class Engine:
         if self._token_bytes is None:
             self._token_bytes = self.model.tokenizer.token_bytes() or ()
         table = self._token_bytes or None
-        for rec in self.history.candidates(scope, ids, request.cache.history_key):
+        candidates = self.history.candidates(scope, ids, request.cache.history_key)
+        hint = request.cache.history_hint
+        if hint is not None and hint.scope == scope:  # e.g. a previous_response_id's history: tried first
+            candidates.insert(0, hint)
+        for rec in candidates:
             al = align(rec.ids.tolist(), ids, table, allow_gap=self.truncation == "reuse")
             if al.reusable and (best is None or al.reusable > best[1].reusable):
                 best = (rec, al)
@@ -414,7 +426,9 @@ class Engine:
                 with self._step_lock:
                     entry = executor.precompute(self.model.runner, self.kv_dtype, self.codec,
                                                 Precompute(key, tuple(ids), context))
-                self.store.put([(key, entry)])
+                expires_at, memory_only = write_policy(len(ids), cache.retention or self.retention,
+                                                       cache.breakpoints, self.store.tiers[0].clock())
+                self.store.put([(key, entry)], expires_at=expires_at, memory_only=memory_only)
             counts["documents"] += 1
             counts["computed" if computed else "cached"] += 1
             counts["tokens"] += len(ids)
@@ -650,7 +664,8 @@ class Engine:
                     if self.saver is not None:
                         self.saver.wait(seq.keys.all())  # the previous turn's KV, if still being saved
                     where = self.store.lookup(seq.keys.all()).where
-                    if self.history is not None and self._is_history(prompt) and not seq.keys.runs:
+                    if self._is_history(prompt) and not seq.keys.runs:
+                        # a tail entry after the chain's hits: a stored history's, or a breakpoint's
                         where = self._probe_tail(seq, where)
                     t.lookup_s = time.perf_counter() - t0
                     t0 = time.perf_counter()
@@ -673,7 +688,9 @@ class Engine:
             for pre in plan.precomputes:
                 if pre.key not in entries:
                     entries[pre.key] = executor.precompute(runner, self.kv_dtype, self.codec, pre)
-                    self.store.put([(pre.key, entries[pre.key])])
+                    end = max((x.end for x in plan.loads if x.key == pre.key), default=len(prompt))
+                    expires_at, memory_only = self._write_policy(req, end)
+                    self.store.put([(pre.key, entries[pre.key])], expires_at=expires_at, memory_only=memory_only)
                     seq.stored += 1
             seq.kv.truncate(0)
             if not plan.has_documents:
@@ -756,8 +773,13 @@ class Engine:
             self.store.promote(filled.loader.promotions(self.codec))  # documents read from below, after the TTFT
         elif streaming:
             self.store.promote(filled.promotions)
-        if plan.stores:
-            seq.stored += self._save(seq.kv, plan.stores)
+        stores = list(plan.stores)
+        if seq.keys is not None and req.cache.breakpoints and self._is_history(prompt):
+            stores += breakpoint_stores(prompt.ids, seq.keys.prefix, req.cache.breakpoints, self.chunk_size,
+                                        seq.namespace, {s.key for s in stores})
+        if stores:
+            seq.stored += self._save(seq, stores, skip_held=len(stores) > len(plan.stores))
+        self._retain(seq, plan.loads)
         self._done_computing(seq)
         t.store_s = time.perf_counter() - t0
         p = req.params
@@ -787,11 +809,43 @@ class Engine:
         self.stats.add(streamed_requests=1, stream_slo_violations=int(not report.met),
                        stream_chunks=dict(report.chunks), stream_bytes=report.bytes_read)
 
-    def _save(self, kv, spans, skip_held: bool = False) -> int:
-        """Store spans of a live cache: handed to the saver thread, or written now without one."""
-        if self.saver is not None:
-            return self.saver.save(kv, self.codec, spans, skip_held)
-        return executor.store(self.store, kv, self.codec, executor.unheld(self.store, spans) if skip_held else spans)
+    def _write_policy(self, req: Request, end: int) -> tuple[float | None, bool]:
+        """``(expires_at, memory_only)`` of an entry of ``req``'s KV ending at token ``end``."""
+        c = req.cache
+        return write_policy(end, c.retention or self.retention, c.breakpoints, self.store.tiers[0].clock())
+
+    def _save(self, seq: Sequence, spans, skip_held: bool = False) -> int:
+        """Store spans of ``seq``'s live cache, each group of spans with its retention (expiry,
+        memory only): handed to the saver thread, or written now without one."""
+        req, kv = seq.request, seq.kv
+        seq.written += sum(min(s.end, seq.prompt_len) - s.start for s in spans if s.start < seq.prompt_len)
+        groups: dict[tuple[float | None, bool], list] = {}
+        for s in spans:
+            groups.setdefault(self._write_policy(req, s.end), []).append(s)
+        n = 0
+        for (expires_at, memory_only), group in groups.items():
+            if self.saver is not None:
+                n += self.saver.save(kv, self.codec, group, skip_held, expires_at=expires_at, memory_only=memory_only)
+            else:
+                todo = executor.unheld(self.store, group) if skip_held else group
+                n += executor.store(self.store, kv, self.codec, todo, expires_at=expires_at, memory_only=memory_only)
+        return n
+
+    def _retain(self, seq: Sequence, loads) -> None:
+        """Entries this request reuses stay at least as long as it asks (a retention duration, a
+        breakpoint's ttl): their expiry is extended, never shortened."""
+        c = seq.request.cache
+        retention = c.retention or self.retention
+        if not loads or (retention is None and not c.breakpoints):
+            return
+        now = self.store.tiers[0].clock()
+        groups: dict[float, list[ChunkKey]] = {}
+        for x in loads:
+            until = keep_until(x.end, retention, c.breakpoints, now)
+            if until is not None and x.tier is not None:
+                groups.setdefault(until, []).append(x.key)
+        for until, keys in groups.items():
+            self.store.extend(keys, until)
 
     def _complete(self, seq: Sequence) -> None:
         req, t = seq.request, seq.timings
@@ -806,7 +860,7 @@ class Engine:
                 n = seq.prompt_len
                 full = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
                 spans = generated_stores(full, seq.kv.length, self.chunk_size, seq.namespace, len(seq.keys.prefix))
-                seq.stored += executor.store(self.store, seq.kv, self.codec, spans)
+                seq.stored += self._save(seq, spans)
             self.stats.add(prompt_tokens=seq.prompt_len, tokens_reused=seq.reused,
                            tokens_prefilled=seq.prompt_len - seq.reused, tokens_recomputed=seq.recomputed,
                            blended_requests=int(seq.plan.has_documents),
@@ -816,7 +870,7 @@ class Engine:
         t.total_s = time.perf_counter() - seq.t_start
         self.stats.add(requests=1, tokens_generated=len(seq.token_ids), chunks_stored=seq.stored)
         result = GenerationResult(seq.text, seq.token_ids, seq.finish_reason, seq.prompt_len, seq.reused, t,
-                                  seq.hit_tiers, seq.stored, seq.recomputed, seq.stream)
+                                  seq.hit_tiers, seq.stored, seq.recomputed, seq.stream, seq.written, seq.kept)
         self._end(seq, Outcome(result=result))
 
     def _keep_history(self, seq: Sequence) -> None:
@@ -828,8 +882,11 @@ class Engine:
         entries = history_entries(state, ch, seq.namespace)
         new = [Store(e.key, e.source, e.source + e.tokens) for e in entries
                if e.source + e.tokens > len(seq.keys.prefix) * ch]
-        self.history.add(seq.scope, state, seq.namespace, tuple(entries), req.cache.history_key, replaces=seq.record)
-        seq.stored += self._save(seq.kv, new, skip_held=True)
+        kept = self.history.add(seq.scope, state, seq.namespace, tuple(entries), req.cache.history_key,
+                                replaces=seq.record)
+        seq.kept = kept or Record(seq.scope, np.asarray(state, dtype=np.uint32), seq.namespace, tuple(entries),
+                                  req.cache.history_key)
+        seq.stored += self._save(seq, new, skip_held=True)
 
     def _skip(self, seq: Sequence, why: str) -> None:
         self.stats.add(requests=1, requests_skipped=1)
@@ -923,6 +980,21 @@ class Engine:
         if self.history is not None:
             self.history.delete_prefix(prefix)
         return self.store.delete_prefix(prefix)
+
+    def free_entries(self, keys: Seq[str]) -> dict[str, int]:
+        """Remove the entries ``keys`` (their string forms; e.g. a deleted response's) from every
+        tier, after the saves still queued for them; entries removed per tier."""
+        if self.store is None or not keys:
+            return {}
+        parsed = []
+        for k in keys:
+            try:
+                parsed.append(ChunkKey.parse(k))
+            except ValueError:
+                log.warning("not a chunk key, not freed: %r", k)
+        if self.saver is not None:
+            self.saver.wait(parsed)
+        return self.store.delete(parsed)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the saver's queued saves and the store's queued lower-tier writes; False if

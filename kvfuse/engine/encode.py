@@ -4,7 +4,9 @@ A document is tokenized on its own (its text stripped, then a blank line, no spe
 its ids, and therefore its cache key, do not depend on where it is used. For a completion the
 prompt is ``[special tokens][documents...][prompt text]``; for a chat the documents go at the
 start of the last user message: the template is rendered around a marker, and everything before
-the marker is the prefix, everything after it the suffix.
+the marker is the prefix, everything after it the suffix. Cache breakpoints on message parts
+(``breakpoint_positions``) are found the same way: markers at the parts' ends, then the tokens of
+the rendered prompt that lie wholly before each.
 """
 
 from __future__ import annotations
@@ -56,3 +58,54 @@ def chat_prompt(tokenizer: Tokenizer, documents: Sequence[str], messages: list[d
     before, after = rendered.split(_MARKER)
     return Prompt.of(tokenizer.encode(before, add_special_tokens=False), encode_documents(tokenizer, documents),
                      tokenizer.encode(after, add_special_tokens=False))
+
+
+def breakpoint_positions(tokenizer: Tokenizer, messages: list[dict], marks: Sequence[tuple[int, int]],
+                         ids: Sequence[int]) -> list[int | None]:
+    """For each mark ``(message index, character offset in its content)``, how many leading tokens
+    of ``ids`` (the rendered ``messages``' ids) lie wholly before it: the prompt prefix a cache
+    breakpoint there stores. None for a mark the template does not keep verbatim (it changes the
+    text around it), or when ``ids`` are not the plain rendering (e.g. a truncated conversation)."""
+    if not marks:
+        return []
+    marked = [dict(m) for m in messages]
+    # Insert right to left within a message, so that the offsets of the others stay valid.
+    for i in sorted(range(len(marks)), key=lambda i: (marks[i][0], -marks[i][1])):
+        m, c = marks[i]
+        content = marked[m].get("content") or ""
+        marked[m]["content"] = content[:c] + _mark(i) + content[c:]
+    rendered = tokenizer.render_chat(marked)
+    clean = tokenizer.render_chat(messages)
+    found = sorted((rendered.find(_mark(i)), i) for i in range(len(marks)))
+    chars: dict[int, int] = {}
+    removed = 0
+    for at, i in found:
+        if at < 0 or rendered.count(_mark(i)) != 1:
+            continue
+        pos = at - removed
+        removed += len(_mark(i))
+        chars[i] = pos
+    plain, offsets = tokenizer.encode_offsets(clean, add_special_tokens=False)
+    if list(plain) != list(ids):
+        return [None] * len(marks)
+    out: list[int | None] = []
+    for i in range(len(marks)):
+        pos = chars.get(i)
+        if pos is None or _unmark(rendered, len(marks))[:pos] != clean[:pos]:
+            out.append(None)
+            continue
+        n = 0
+        while n < len(offsets) and offsets[n][1] <= pos:
+            n += 1
+        out.append(n or None)
+    return out
+
+
+def _mark(i: int) -> str:
+    return f"\x00kvfuse-breakpoint-{i}\x00"
+
+
+def _unmark(text: str, n: int) -> str:
+    for i in range(n):
+        text = text.replace(_mark(i), "")
+    return text

@@ -213,9 +213,11 @@ def encode_spans(kv: KVCache, codec: Codec, spans) -> list[tuple[ChunkKey, Entry
     return [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec)) for s in spans if s.end <= kv.length]
 
 
-def store(store: TieredStore, kv: KVCache, codec: Codec, spans: list[Store] | tuple[Store, ...]) -> int:
-    """Save the KV of each span under its key (memory now, lower tiers in the background)."""
+def store(store: TieredStore, kv: KVCache, codec: Codec, spans: list[Store] | tuple[Store, ...],
+          expires_at: float | None = None, memory_only: bool = False) -> int:
+    """Save the KV of each span under its key (memory now, lower tiers in the background), to
+    stay until ``expires_at`` (None: the tiers' policy), in memory only if ``memory_only``."""
     items = encode_spans(kv, codec, spans)
     if items:
-        store.put(items)
+        store.put(items, expires_at=expires_at, memory_only=memory_only)
     return len(items)

@@ -282,6 +282,23 @@ def history_entries(ids: Sequence[int], chunk_size: int, namespace: Namespace) -
     return out
 
 
+def breakpoint_stores(ids: Sequence[int], chain: Sequence[ChunkKey], breakpoints: Sequence, chunk_size: int,
+                      namespace: Namespace, planned: set[ChunkKey] = frozenset()) -> list[Store]:
+    """What a prompt's cache breakpoints add to its stores: at each breakpoint position ``b`` that
+    is inside the prompt and not on a chunk boundary, the partial chunk ``[b - b % chunk_size, b)``
+    as a tail entry after the chain (the key ``tail_probe`` finds for a later prompt with the same
+    first ``b`` tokens). A boundary needs nothing: the whole chunk before it is an entry already."""
+    out: list[Store] = []
+    for b in sorted({bp.position for bp in breakpoints}):
+        k = b // chunk_size
+        if b > len(ids) or b % chunk_size == 0 or k > len(chain):
+            continue
+        key = tail_key(chain[k - 1] if k else None, list(ids[k * chunk_size : b]), namespace)
+        if key not in planned:
+            out.append(Store(key, k * chunk_size, b))
+    return out
+
+
 def full_prefill(prompt: Prompt) -> Plan:
     """The plan without a cache: compute every token, store nothing."""
     return Plan(len(prompt), computes=(Compute(0, len(prompt)),))

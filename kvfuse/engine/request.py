@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 
 from kvfuse.blend.options import BlendOptions
 from kvfuse.generation import SamplingParams
+from kvfuse.history.records import Record
 
 from .prompt import Prompt
+from .retention import Breakpoint, Retention
 from .streaming import StreamReport
 
 log = logging.getLogger(__name__)
@@ -31,6 +33,11 @@ class CacheOptions:
     store_generated: bool | None = None  # None -> the engine's default
     history_key: str | None = None  # OpenAI's prompt_cache_key: names a conversation's stored history
     kv_slo_ms: float | None = None  # budget for loading KV from slow tiers (None: the engine's)
+    retention: Retention | None = None  # how long the entries it writes stay (None: the tiers' policy)
+    breakpoints: tuple[Breakpoint, ...] = ()  # prompt prefixes to store even mid-chunk (kept >= their ttl)
+    # A stored history to line the prompt up with first (e.g. the one a Responses API
+    # previous_response_id names); used only when its scope is the request's cache namespace.
+    history_hint: Record | None = None
 
 
 @dataclass
@@ -61,6 +68,8 @@ class GenerationResult:
     stored_chunks: int = 0
     recomputed_tokens: int = 0  # document tokens recomputed in context by a blend
     stream: StreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
+    written_tokens: int = 0  # prompt tokens whose KV this request handed to the cache
+    history: Record | None = None  # the stored history of the KV this turn kept (None: none kept)
 
     @property
     def completion_tokens(self) -> int:

@@ -70,16 +70,18 @@ class Saver:
         self._thread = threading.Thread(target=self._loop, name="kvfuse-saver", daemon=True)
         self._thread.start()
 
-    def save(self, kv: KVCache, codec: Codec, spans: Sequence[Store], skip_held: bool = False) -> int:
+    def save(self, kv: KVCache, codec: Codec, spans: Sequence[Store], skip_held: bool = False,
+             expires_at: float | None = None, memory_only: bool = False) -> int:
         """Queue ``spans`` of ``kv`` to be stored under their keys; returns how many (the slots of
         each must be final: nothing may write them again). With ``skip_held``, keys some tier
-        already holds are not written again."""
+        already holds are not written again. ``expires_at`` / ``memory_only``: how long and where
+        the entries stay (``TieredStore.put``)."""
         t0 = time.perf_counter()
         spans = [s for s in spans if s.end <= kv.length]
         if spans:
             with self._cond:
                 self._pending.update(s.key for s in spans)
-            self._queue.put((kv, codec, spans, skip_held))
+            self._queue.put((kv, codec, spans, skip_held, expires_at, memory_only))
         self.stats.add(save_jobs=int(bool(spans)), handoff_s=time.perf_counter() - t0)
         return len(spans)
 
@@ -109,15 +111,15 @@ class Saver:
             job = self._queue.get()
             if job is _STOP:
                 return
-            kv, codec, spans, skip_held = job
+            kv, codec, spans, skip_held, expires_at, memory_only = job
             t0 = time.perf_counter()
             try:
                 todo = unheld(self.store, spans) if skip_held else spans
                 items = encode_spans(kv, codec, todo)
                 if items:
-                    self.store.put(items, block=True)
+                    self.store.put(items, block=True, expires_at=expires_at, memory_only=memory_only)
                     first = self.store.tiers[0]
-                    if not all(first.contains(k) for k, _ in items):
+                    if not memory_only and not all(first.contains(k) for k, _ in items):
                         # The memory tier did not keep them all (a small budget): they are not
                         # findable until the lower tiers have them, so they stay pending till then.
                         self.store.flush()

@@ -54,6 +54,8 @@ class Sequence:
     stream: StreamReport | None = None  # how slow-tier chunks were streamed (kv_slo_ms), if they were
     hit_tiers: tuple[str, ...] = ()
     stored: int = 0
+    written: int = 0  # prompt tokens whose KV was handed to the cache
+    kept: object = None  # the history record of the KV kept when the turn ended (kvfuse.history.Record)
     started: bool = False  # planned and loaded (counted in the token statistics)
     history_reused: int = 0  # prompt tokens loaded from a stored history's entries
     moved_reused: int = 0  # of those, at new positions

@@ -60,6 +60,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` and each token's ``(start, end)`` character span in it."""
+        enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return enc.ids, [tuple(o) for o in enc.offsets]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

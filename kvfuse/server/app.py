@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from kvfuse import __version__
 from kvfuse.config import Config
 
-from . import admin, completions
+from . import admin, completions, responses_api
 from .errors import install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
 from .state import ServerState
@@ -45,12 +45,13 @@ prefixes across memory, disk and Redis tiers.
 """
 
 
-def create_app(config: Config, engine=None) -> FastAPI:
+def create_app(config: Config, engine=None, clock: Callable[[], float] | None = None) -> FastAPI:
     """The app serving ``engine`` (None: opened from ``config`` at start-up and closed at shutdown).
 
     A given engine is not closed by the app: its loop is stopped and its store flushed at shutdown.
+    ``clock``: the wall clock stored responses (and an engine opened here) expire by.
     """
-    state = ServerState(config, engine)
+    state = ServerState(config, engine, clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,6 +65,7 @@ def create_app(config: Config, engine=None) -> FastAPI:
     app.state.kvfuse = state
     install_error_handlers(app)
     app.include_router(completions.router)
+    app.include_router(responses_api.router)
     app.include_router(admin.router)
     # Added last = outermost: the request context sees every response, the 413s included.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
@@ -80,9 +82,9 @@ def _publish_limits(app: FastAPI, config: Config) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = build()
-            for name in ("SamplingRequest", "CompletionRequest", "ChatCompletionRequest"):
+            for name in ("SamplingRequest", "CompletionRequest", "ChatCompletionRequest", "ResponseCreateRequest"):
                 props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
-                for field in ("max_tokens", "max_completion_tokens"):
+                for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     for variant in props.get(field, {}).get("anyOf", []):
                         if variant.get("type") == "integer":
                             variant["maximum"] = config.server.max_tokens_limit

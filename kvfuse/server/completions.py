@@ -81,18 +81,8 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
         events.on_done(outcome)
 
     job = call.request(record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done)
-    try:
-        # Submitting lines the prompt up with stored histories and hashes its keys: not on the loop.
-        await asyncio.to_thread(state.engine.submit, job)
-    except QueueFull as e:
-        state.metrics.rejected.inc()
-        raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",
-                       headers={"retry-after": "1"}) from None
-    except QueueClosed:
-        raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
-    except ValueError as e:  # a request that can never run here (e.g. larger than the whole KV budget)
-        raise APIError(400, str(e), code="request_too_large") from None
-    watcher = asyncio.create_task(_watch_disconnect(request, lambda: state.engine.withdraw(job)))
+    await submit(state, job)
+    watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
 
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     builder = ResponseBuilder(record.request_id, state.model_name, int(time.time()), chat, include_usage)
@@ -108,7 +98,22 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
         raise
     finally:
         watcher.cancel()
-    return JSONResponse(builder.body(_result(outcome, record)))
+    return JSONResponse(builder.body(outcome_result(outcome, record)))
+
+
+async def submit(state: ServerState, job: EngineRequest) -> None:
+    """Queue ``job`` on the engine; the APIError to answer when it cannot be (429, 503, 400)."""
+    try:
+        # Submitting lines the prompt up with stored histories and hashes its keys: not on the loop.
+        await asyncio.to_thread(state.engine.submit, job)
+    except QueueFull as e:
+        state.metrics.rejected.inc()
+        raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",
+                       headers={"retry-after": "1"}) from None
+    except QueueClosed:
+        raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
+    except ValueError as e:  # a request that can never run here (e.g. larger than the whole KV budget)
+        raise APIError(400, str(e), code="request_too_large") from None
 
 
 async def _stream(state: ServerState, record: RequestRecord, job: EngineRequest, events: RequestEvents,
@@ -121,7 +126,7 @@ async def _stream(state: ServerState, record: RequestRecord, job: EngineRequest,
             yield sse_event(builder.text_chunk(item))
         finished = True
         try:
-            result = _result(item, record)
+            result = outcome_result(item, record)
         except APIError as e:
             yield sse_event(e.body())
             return
@@ -135,7 +140,7 @@ async def _stream(state: ServerState, record: RequestRecord, job: EngineRequest,
             record.finish_reason, record.error = "cancelled", "client_disconnected"
 
 
-def _result(outcome: Outcome, record: RequestRecord):
+def outcome_result(outcome: Outcome, record: RequestRecord):
     """The GenerationResult of ``outcome`` (noted in the log record), or the APIError to answer."""
     if outcome.error is not None:
         e = outcome.error
@@ -159,7 +164,7 @@ def _result(outcome: Outcome, record: RequestRecord):
     return result
 
 
-async def _watch_disconnect(request: Request, on_disconnect) -> None:
+async def watch_disconnect(request: Request, on_disconnect) -> None:
     """Call ``on_disconnect`` when the client closes the connection (the body is already read, so
     the next ASGI message is the disconnect)."""
     while True:

@@ -35,6 +35,8 @@ _TIER_COUNTERS = {
     "dropped_writes": ("kvfuse_tier_dropped_writes", "Writes to the tier dropped (full write queue or failure)."),
     "protected_evictions": ("kvfuse_tier_protected_evictions", "Entries of queued requests evicted anyway, for want "
                                                               "of room (queue-aware eviction)."),
+    "expired": ("kvfuse_tier_expired", "Entries removed because their retention (prompt_cache_retention, a "
+                                       "breakpoint's ttl, cache.retention) ran out."),
 }
 _STORE_COUNTERS = {
     "lookups": ("kvfuse_store_lookups", "Prefix lookups."),
@@ -210,6 +212,10 @@ class ServerMetrics:
             lambda: queue().get("kv_bytes_peak", 0))
         Gauge("kvfuse_kv_memory_limit_bytes", "The live KV memory budget (0: unbounded).", registry=r).set_function(
             lambda: queue().get("kv_bytes_limit", 0))
+        self.responses = Counter("kvfuse_responses", "Responses API: responses by event (created, stored, continued "
+                                 "from previous_response_id, deleted, expired).", ["event"], registry=r)
+        self.stored_responses = Gauge("kvfuse_stored_responses", "Responses API: responses stored (all tenants).",
+                                      registry=r)
         r.register(CacheCollector(engine_getter))
 
     def observe_outcome(self, outcome: Outcome) -> None:

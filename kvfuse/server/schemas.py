@@ -63,6 +63,30 @@ class KVFuseOptions(_Strict):
     )
 
 
+class CacheControl(_Strict):
+    """Anthropic-style cache breakpoint on a message part: the prompt up to the end of this part is
+    a prefix to store (even mid-chunk), kept at least ``ttl``."""
+
+    type: Literal["ephemeral"] = Field(..., description="Only \"ephemeral\" (as Anthropic's API).")
+    ttl: str | None = Field(None, max_length=32, description="How long the prefix is kept at least, e.g. \"5m\", "
+                                                             "\"1h\", \"24h\". Default: prompt_cache_options.ttl, "
+                                                             "else the tiers' policy.", examples=["1h"])
+
+
+class PromptCacheBreakpoint(_Strict):
+    """OpenAI's explicit cache breakpoint on a content part (the same effect as ``cache_control``)."""
+
+    mode: Literal["explicit"] = "explicit"
+    ttl: str | None = Field(None, max_length=32, description="Minimum lifetime of the prefix, e.g. \"30m\", \"12h\".")
+
+
+class PromptCacheOptions(_Strict):
+    """OpenAI's prompt-caching options: ``ttl`` is the default minimum lifetime of breakpoints."""
+
+    mode: Literal["implicit", "explicit"] = "implicit"
+    ttl: str | None = Field(None, max_length=32, description="Default minimum lifetime of cache breakpoints.")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = Field(False, description="Send a last chunk (with empty choices) carrying the usage.")
 
@@ -102,6 +126,16 @@ class SamplingRequest(KVFuseOptions):
                     "kvfuse finds the history by content.",
         examples=["conversation-1234"],
     )
+    prompt_cache_retention: str | None = Field(
+        None, max_length=32,
+        description="How long the KV entries this request writes stay: \"in_memory\" (the memory tier only, until "
+                    "evicted) or a duration (\"24h\", \"30m\", \"7d\": every tier, expiring that long after "
+                    "being written; entries it reuses are kept at least that long too). Default: the server's "
+                    "cache.retention (none: every tier, until evicted).",
+        examples=["24h"],
+    )
+    prompt_cache_options: PromptCacheOptions | None = Field(
+        None, description="OpenAI's prompt-caching options; ttl is the default minimum lifetime of breakpoints.")
 
 
 class CompletionRequest(SamplingRequest):
@@ -118,6 +152,11 @@ class CompletionRequest(SamplingRequest):
 class TextPart(_Strict):
     type: Literal["text"] = Field(..., description="Only text parts are supported.")
     text: str
+    cache_control: CacheControl | None = Field(
+        None, description="A cache breakpoint after this part (Anthropic-style): the prompt up to here is stored "
+                          "as a prefix, even when it does not end on a chunk boundary.")
+    prompt_cache_breakpoint: PromptCacheBreakpoint | None = Field(
+        None, description="A cache breakpoint after this part (OpenAI-style); as cache_control.")
 
 
 class ChatMessage(_Strict):
@@ -126,6 +165,8 @@ class ChatMessage(_Strict):
         None, description="A string or a list of {\"type\": \"text\", \"text\": ...} parts (joined with newlines)."
     )
     name: str | None = None
+    cache_control: CacheControl | None = Field(
+        None, description="A cache breakpoint at the end of this message's content (as on a part).")
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -137,6 +178,39 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(
         None, ge=1, description="Most tokens to generate; takes precedence over max_tokens."
     )
+
+
+class ResponseCreateRequest(KVFuseOptions):
+    """POST /v1/responses (OpenAI's Responses API; text in, text out)."""
+
+    model: str = Field(..., description="The served model's name, as listed by GET /v1/models.", examples=["smollm2"])
+    input: str | list[dict[str, Any]] = Field(
+        ..., description="A string (one user message) or a list of messages: {\"role\", \"content\"} with content a "
+                         "string or a list of {\"type\": \"input_text\" | \"output_text\", \"text\"} parts (a part may "
+                         "carry cache_control or prompt_cache_breakpoint).")
+    instructions: str | None = Field(None, description="A system message placed first (not carried over to a "
+                                                       "follow-up's previous_response_id).")
+    previous_response_id: str | None = Field(
+        None, max_length=128, description="Continue the conversation of a stored response: its history (and its KV) "
+                                          "is used without being sent again.")
+    store: bool = Field(True, description="Keep this response so that a later request can name it "
+                                          "(previous_response_id) or GET it.")
+    max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False,
+                                      description="Sampling temperature in [0, 2]; 0 is greedy decoding. Default 1.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass.")
+    seed: int | None = Field(None, ge=0, lt=2**63, description="kvfuse extension: seed for sampling.")
+    stream: bool | None = Field(False, description="Stream server-sent events (response.created, "
+                                                   "response.output_text.delta, ..., response.completed).")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 key-value pairs, kept.")
+    user: str | None = None
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024,
+                                         description="As on chat completions: names a conversation's stored history.")
+    prompt_cache_retention: str | None = Field(
+        None, max_length=32, description="As on chat completions: \"in_memory\" or a duration such as \"24h\".")
+    prompt_cache_options: PromptCacheOptions | None = None
+    ignore_eos: bool | None = Field(False, description="kvfuse extension: generate past the end-of-sequence token.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
 
 
 # ----------------------------------------------------------------------------------- responses

@@ -9,8 +9,11 @@ through the engine's narrow API (``stats_snapshot``, ``cache_stats``, ``queue_st
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 
 from kvfuse.config import Config
+from kvfuse.history.responses import ResponseStore
 
 from .auth import Authenticator
 from .metrics import ServerMetrics
@@ -24,21 +27,32 @@ class ServerState:
     loop; ``stop()`` cancels what is left and flushes the store's pending lower-tier writes (and
     closes an engine it opened)."""
 
-    def __init__(self, config: Config, engine=None):
+    def __init__(self, config: Config, engine=None, clock: Callable[[], float] | None = None):
         self.config = config
         self.engine = engine
         self.owns_engine = engine is None
+        self.clock = clock or time.time  # stored responses expire by it (tests inject one)
         self.auth = Authenticator(config.api_key_map())
         self.metrics = ServerMetrics(lambda: self.engine, queue=lambda: self.engine.queue_state() if self.engine else {})
+        self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
+        self.metrics.stored_responses.set_function(lambda: len(self.responses) if self.responses is not None else 0)
 
     def start(self) -> None:
         if self.engine is None:
             from kvfuse.runtime import open_engine
 
-            self.engine = open_engine(self.config)
+            self.engine = open_engine(self.config, clock=self.clock)
+        r = self.config.responses
+        if r.store:
+            self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)
+            _, keys = self.responses.purge()  # what expired while the server was down
+            self.engine.free_entries(keys)
         self.engine.start()
 
     def stop(self) -> None:
+        if self.responses is not None:
+            self.responses.close()
+            self.responses = None
         if self.engine is None:
             return
         if self.owns_engine:

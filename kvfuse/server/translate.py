@@ -9,10 +9,11 @@ streaming response never has to report a bad request after its 200 went out. Eve
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvfuse.blend import BlendOptions
-from kvfuse.engine import CacheOptions, Outcome, Prompt, Request
+from kvfuse.durations import parse_duration
+from kvfuse.engine import Breakpoint, CacheOptions, Outcome, Prompt, Request, Retention
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
 
@@ -52,7 +53,58 @@ class Limits:
 def cache_options(opts: KVFuseOptions, tenant: str) -> CacheOptions:
     """The engine's cache behaviour for a request of ``tenant`` with extension fields ``opts``."""
     return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "",
-                        history_key=getattr(opts, "prompt_cache_key", None), kv_slo_ms=opts.kv_slo_ms)
+                        history_key=getattr(opts, "prompt_cache_key", None), kv_slo_ms=opts.kv_slo_ms,
+                        retention=retention(getattr(opts, "prompt_cache_retention", None)))
+
+
+def retention(value: str | None) -> Retention | None:
+    """``prompt_cache_retention`` as the engine's ``Retention`` (None: the server's default)."""
+    if value is None:
+        return None
+    try:
+        return Retention.parse(value)
+    except ValueError as e:
+        raise bad_request(f"prompt_cache_retention: {e}", param="prompt_cache_retention") from None
+
+
+def ttl_seconds(value: str | None, param: str) -> float | None:
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param=param) from None
+
+
+MAX_BREAKPOINTS = 16
+
+
+def chat_marks(req: ChatCompletionRequest) -> list[tuple[int, int, float | None]]:
+    """The cache breakpoints of a chat request's messages: ``(message index, character offset in
+    its content as ``chat_messages`` joins it, ttl in seconds)``, from ``cache_control`` or
+    ``prompt_cache_breakpoint`` on parts and ``cache_control`` on messages."""
+    opts = req.prompt_cache_options
+    default = ttl_seconds(opts.ttl, "prompt_cache_options.ttl") if opts is not None else None
+    marks = []
+    for i, m in enumerate(req.messages):
+        end = 0
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                end += len(part.text) + (j > 0)  # parts are joined with newlines
+                for k, mark in enumerate((part.cache_control, part.prompt_cache_breakpoint)):
+                    if mark is not None:
+                        field = "cache_control" if k == 0 else "prompt_cache_breakpoint"
+                        ttl = ttl_seconds(mark.ttl, f"messages[{i}].content[{j}].{field}.ttl")
+                        marks.append((i, end, ttl if ttl is not None else default))
+        else:
+            end = len(m.content or "")
+        if m.cache_control is not None:
+            ttl = ttl_seconds(m.cache_control.ttl, f"messages[{i}].cache_control.ttl")
+            marks.append((i, end, ttl if ttl is not None else default))
+    if len(marks) > MAX_BREAKPOINTS:
+        raise bad_request(f"messages: at most {MAX_BREAKPOINTS} cache breakpoints per request, got {len(marks)}",
+                          param="messages")
+    return marks
 
 
 def check_model(requested: str, served: str) -> None:
@@ -190,9 +242,15 @@ def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -
     try:
         # A conversation beyond the context window loses its oldest turns (cache.truncation).
         reserve = requested_max_tokens(req) or limits.default_max_tokens
-        ids, _ = engine.encode_chat(chat_messages(req), reserve=min(reserve, limits.context_window - 1))
+        ids, dropped = engine.encode_chat(chat_messages(req), reserve=min(reserve, limits.context_window - 1))
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
-    return _engine_call(req, Prompt.plain(ids), tenant, limits, engine)
+    call = _engine_call(req, Prompt.plain(ids), tenant, limits, engine)
+    marks = chat_marks(req)
+    if marks and dropped == 0 and call.cache.enabled:
+        positions = engine.breakpoint_positions(chat_messages(req), [(m, c) for m, c, _ in marks], ids)
+        points = tuple(sorted({Breakpoint(p, ttl) for p, (_, _, ttl) in zip(positions, marks) if p}))
+        call = replace(call, cache=replace(call.cache, breakpoints=points))
+    return call

@@ -182,6 +182,9 @@ BAD_VALUES = [
     ("server.max_body_bytes", "KVFUSE_SERVER_MAX_BODY_BYTES", "huge", "100"),
     ("server.default_max_tokens", "KVFUSE_SERVER_DEFAULT_MAX_TOKENS", "x", "0"),
     ("server.api_keys", "KVFUSE_SERVER_API_KEYS", None, "just-a-key"),
+    ("cache.retention", "KVFUSE_CACHE_RETENTION", None, "forever"),
+    ("responses.ttl", "KVFUSE_RESPONSES_TTL", None, "0s"),
+    ("responses.store", "KVFUSE_RESPONSES_STORE", "maybe", None),
 ]
 
 
@@ -326,3 +329,12 @@ def test_bad_codec_settings_name_the_field(overrides, field, words):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=overrides)
     assert str(e.value).startswith(field) and words in str(e.value)
+
+
+def test_responses_section_and_retention(tmp_path):
+    c = load_config(env={"KVFUSE_RESPONSES_TTL": "7d", "KVFUSE_CACHE_RETENTION": "in_memory"},
+                    overrides={"home": str(tmp_path)})
+    assert c.responses.ttl_s == 7 * 86400 and c.cache.retention == "in_memory"
+    assert c.responses_path == tmp_path / "responses.sqlite3" and c.responses.store
+    c = load_config(overrides={"responses.path": str(tmp_path / "r.db"), "cache.retention": "24h"})
+    assert c.responses_path == tmp_path / "r.db" and c.cache.retention == "24h"

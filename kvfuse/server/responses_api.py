@@ -1,0 +1,406 @@
+"""OpenAI's Responses API: POST /v1/responses (JSON or events), GET / DELETE /v1/responses/{id},
+GET /v1/responses/{id}/input_items.
+
+A request is a chat completion of ``[instructions] + the previous response's history + input``:
+``chat_request`` (pure) builds that chat request and ``translate.plan_chat`` plans it, so every 4xx
+(context window, chat template, breakpoints, retention) is found the same way, with the field
+names mapped back (``messages`` -> ``input``, ``max_completion_tokens`` -> ``max_output_tokens``).
+``previous_response_id`` is resolved from the ``ResponseStore`` (the caller's tenant only: another
+tenant's id is a 404, like an unknown one) and its KV history record goes to the engine as a hint
+(``CacheOptions.history_hint``): the follow-up is lined up with the exact ids whose KV is stored
+and reuses it, which ``usage.input_tokens_details.cached_tokens`` reports. A response with
+``store`` (the default) is kept with its history and record when it completes; deleting it (or its
+expiry) frees the entries no other stored response refers to.
+
+Streaming sends OpenAI's event sequence, each as ``event: <type>`` + ``data: <json>``:
+response.created, response.in_progress, response.output_item.added, response.content_part.added,
+response.output_text.delta..., response.output_text.done, response.content_part.done,
+response.output_item.done, then response.completed (or response.incomplete at max_output_tokens).
+An error after the stream started is an ``error`` event followed by response.failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from kvfuse.engine import GenerationResult, Outcome
+from kvfuse.history.records import decode_record, encode_record
+from kvfuse.history.responses import ResponseExpired, ResponseNotFound, StoredResponse
+
+from .completions import ERRORS, outcome_result, submit, watch_disconnect
+from .deps import current_tenant, get_state
+from .errors import APIError, bad_request
+from .events import RequestEvents
+from .records import RECORD_KEY, RequestRecord
+from .responses import usage as chat_usage
+from .schemas import ChatCompletionRequest, ResponseCreateRequest
+from .state import ServerState
+from .translate import check_model, plan_chat
+
+router = APIRouter(tags=["responses"])
+
+_ROLES = ("user", "system", "developer", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+# ------------------------------------------------------------------------------ pure translation
+
+
+def input_messages(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The chat messages of a Responses ``input`` (content parts as chat ``text`` parts, with their
+    cache breakpoints) and the input items as they are stored and listed (each with an id).
+    A 400 naming the item for anything that is not a text message."""
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("input: the input is empty", param="input")
+        value = [{"role": "user", "content": value}]
+    if not value:
+        raise bad_request("input: give at least one message", param="input")
+    messages, items = [], []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise bad_request(f"{where}: items of type {kind!r} are not supported; send messages "
+                              "({\"role\": ..., \"content\": ...})", param="input")
+        role = item.get("role")
+        if role not in _ROLES:
+            raise bad_request(f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}", param="input")
+        content = item.get("content")
+        parts: list[dict[str, Any]] = []
+        if isinstance(content, str):
+            parts = [{"type": "text", "text": content}]
+        elif isinstance(content, list) and content:
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or \
+                        not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise bad_request(f"{where}.content[{j}]: only text parts (input_text, output_text) are "
+                                      f"supported, got {kind!r}", param="input")
+                parts.append({"type": "text", "text": part["text"],
+                              **{k: part[k] for k in ("cache_control", "prompt_cache_breakpoint") if part.get(k)}})
+        else:
+            raise bad_request(f"{where}.content: must be a string or a non-empty list of text parts", param="input")
+        message: dict[str, Any] = {"role": role, "content": parts}
+        if item.get("cache_control"):
+            message["cache_control"] = item["cache_control"]
+        messages.append(message)
+        part_type = "output_text" if role == "assistant" else "input_text"
+        items.append({"id": _new_id("msg"), "type": "message", "role": role, "status": "completed",
+                      "content": [{"type": part_type, "text": p["text"]} for p in parts]})
+    return messages, items
+
+
+def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages as a stored history keeps them: role and content text (parts joined as a chat
+    request joins them), no breakpoints (they belong to the request that set them)."""
+    out = []
+    for m in messages:
+        content = m["content"]
+        text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
+        out.append({"role": m["role"], "content": text})
+    return out
+
+
+def chat_request(body: ResponseCreateRequest, history: list[dict[str, Any]],
+                 messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat completion request a Responses request stands for."""
+    conversation = ([{"role": "system", "content": body.instructions}] if body.instructions is not None else []) + \
+        history + messages
+    fields = dict(model=body.model, messages=conversation, max_completion_tokens=body.max_output_tokens,
+                  temperature=body.temperature, top_p=body.top_p, seed=body.seed, stream=False,
+                  ignore_eos=body.ignore_eos, prompt_cache_key=body.prompt_cache_key,
+                  prompt_cache_retention=body.prompt_cache_retention, prompt_cache_options=body.prompt_cache_options,
+                  cache_salt=body.cache_salt, cache=body.cache, kv_slo_ms=body.kv_slo_ms)
+    try:
+        return ChatCompletionRequest.model_validate(
+            {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()})
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        loc = loc.replace("messages", "input", 1)
+        raise bad_request(f"{loc}: {err['msg']}", param="input") from None
+
+
+def usage(result: GenerationResult) -> dict[str, Any]:
+    """The Responses API's usage (input/output tokens, cached and written input tokens), with
+    kvfuse's details of where the reused KV came from."""
+    details = chat_usage(result)["prompt_tokens_details"]
+    return {
+        "input_tokens": result.prompt_tokens,
+        "input_tokens_details": {**details, "cache_write_tokens": result.written_tokens},
+        "output_tokens": result.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+class ResponseObject:
+    """The response object of one request, as it changes: in progress, then completed/incomplete."""
+
+    def __init__(self, body: ResponseCreateRequest, model: str, previous_id: str | None, clock=time.time):
+        self.id = _new_id("resp")
+        self.message_id = _new_id("msg")
+        self.clock = clock
+        self.created_at = int(clock())
+        self.body, self.model, self.previous_id = body, model, previous_id
+        self.sequence = 0
+
+    def object(self, status: str, result: GenerationResult | None = None, text: str = "") -> dict[str, Any]:
+        b = self.body
+        output = []
+        if result is not None:
+            output = [self.message(result.text, "incomplete" if status == "incomplete" else "completed")]
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "completed_at": int(self.clock()) if status in ("completed", "incomplete") else None,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
+            "output": output, "parallel_tool_calls": False, "previous_response_id": self.previous_id,
+            "store": b.store, "temperature": 1.0 if b.temperature is None else b.temperature,
+            "top_p": 1.0 if b.top_p is None else b.top_p, "tool_choice": "auto", "tools": [],
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": b.metadata or {},
+            "prompt_cache_key": b.prompt_cache_key, "prompt_cache_retention": b.prompt_cache_retention,
+            "user": b.user, "usage": usage(result) if result is not None else None,
+        }
+
+    def message(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" \
+            else []
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+    def part(self, text: str) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+# ------------------------------------------------------------------------------------- handlers
+
+
+def _stored(state: ServerState, tenant: str, response_id: str) -> StoredResponse:
+    """The tenant's stored response ``response_id`` (404 otherwise; an expired one is freed)."""
+    if state.responses is None:
+        raise APIError(404, f"response {response_id!r} not found: this server stores no responses "
+                            "(responses.store is false)", param="response_id", code="not_found")
+    try:
+        return state.responses.get(tenant, response_id)
+    except ResponseExpired as e:
+        state.metrics.responses.labels(event="expired").inc()
+        state.engine.free_entries(e.keys)
+        raise APIError(404, f"response {response_id!r} has expired (responses.ttl) and was removed",
+                       param="response_id", code="response_expired") from None
+    except ResponseNotFound:
+        raise APIError(404, f"response {response_id!r} not found", param="response_id", code="not_found") from None
+
+
+def _purge(state: ServerState) -> None:
+    """Remove expired responses (at most once a minute) and free their entries."""
+    if state.responses is None:
+        return
+    n, keys = state.responses.purge(force=False)
+    if n:
+        state.metrics.responses.labels(event="expired").inc(n)
+        state.engine.free_entries(keys)
+
+
+@router.post(
+    "/v1/responses", summary="Create a response", response_model=None,
+    responses={200: {"description": "The response object, or with stream=true its events."}, **ERRORS},
+    description="OpenAI's Responses API (text). `previous_response_id` continues a stored response's conversation "
+                "without sending it again, reusing its KV; `usage.input_tokens_details.cached_tokens` says how much. "
+                "kvfuse extension fields: `cache_salt`, `cache`, `kv_slo_ms`, `seed`.",
+)
+async def create_response(body: ResponseCreateRequest, request: Request,
+                          tenant: str = Depends(current_tenant)) -> JSONResponse | StreamingResponse:
+    state = get_state(request)
+    record: RequestRecord = request.scope[RECORD_KEY]
+    record.model, record.stream = body.model, bool(body.stream)
+    check_model(body.model, state.model_name)
+    if body.tools:
+        raise bad_request("tools: tools are not supported by this server; remove them", param="tools")
+    if body.documents is not None or body.recompute_ratio is not None:
+        raise bad_request("documents: not supported on /v1/responses; send documents to /v1/chat/completions",
+                          param="documents")
+    await asyncio.to_thread(_purge, state)
+    previous = None
+    if body.previous_response_id is not None:
+        previous = await asyncio.to_thread(_stored, state, tenant, body.previous_response_id)
+    messages, items = input_messages(body.input)
+    chat = chat_request(body, previous.history if previous is not None else [], messages)
+    try:
+        call = await asyncio.to_thread(plan_chat, state.engine, chat, tenant, state.limits)
+    except APIError as e:
+        raise _renamed(e) from None
+    if previous is not None and previous.record is not None and call.cache.enabled:
+        try:
+            call = replace(call, cache=replace(call.cache, history_hint=decode_record(previous.record)))
+        except ValueError:  # a damaged record is no hint: the history is still found by content
+            pass
+    record.prompt_tokens = len(call.prompt)
+    obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock)
+    events = RequestEvents()
+
+    def on_done(outcome: Outcome) -> None:
+        state.metrics.observe_outcome(outcome)
+        events.on_done(outcome)
+
+    job = call.request(record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done)
+    await submit(state, job)
+    state.metrics.responses.labels(event="created").inc()
+    if previous is not None:
+        state.metrics.responses.labels(event="continued").inc()
+    watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
+    keep = _Keeper(state, tenant, obj, previous, messages, items)
+    if body.stream:
+        return StreamingResponse(_stream(state, record, job, events, watcher, obj, keep),
+                                 media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+    try:
+        outcome = await events.outcome()
+    except BaseException:
+        state.engine.withdraw(job)
+        raise
+    finally:
+        watcher.cancel()
+    result = outcome_result(outcome, record)
+    done = obj.object(_status(result), result)
+    await asyncio.to_thread(keep, done, result)
+    return JSONResponse(done)
+
+
+def _status(result: GenerationResult) -> str:
+    return "incomplete" if result.finish_reason == "length" else "completed"
+
+
+def _renamed(e: APIError) -> APIError:
+    """A chat request's error in the Responses API's field names."""
+    param = _PARAMS.get(e.param, e.param)
+    message = e.message
+    for old, new in _PARAMS.items():
+        message = message.replace(old, new)
+    return APIError(e.status, message, param=param, code=e.code, type=e.type, headers=e.headers)
+
+
+class _Keeper:
+    """Stores a finished response (when asked to) with its history and KV record."""
+
+    def __init__(self, state: ServerState, tenant: str, obj: ResponseObject, previous: StoredResponse | None,
+                 messages: list[dict[str, Any]], items: list[dict[str, Any]]):
+        self.state, self.tenant, self.obj, self.previous = state, tenant, obj, previous
+        self.messages, self.items = messages, items
+
+    def __call__(self, body: dict[str, Any], result: GenerationResult) -> None:
+        if not self.obj.body.store or self.state.responses is None:
+            return
+        history = (self.previous.history if self.previous is not None else []) + plain_messages(self.messages) + \
+            [{"role": "assistant", "content": result.text}]
+        rec = result.history
+        self.state.responses.put(StoredResponse(
+            self.obj.id, self.tenant, self.state.clock(), body, history, self.items, self.obj.previous_id,
+            encode_record(rec) if rec is not None else None,
+            [str(e.key) for e in rec.entries] if rec is not None else []))
+        self.state.metrics.responses.labels(event="stored").inc()
+
+
+async def _stream(state: ServerState, record: RequestRecord, job, events: RequestEvents, watcher: asyncio.Task,
+                  obj: ResponseObject, keep: _Keeper) -> AsyncIterator[str]:
+    finished = False
+    try:
+        yield obj.event("response.created", response=obj.object("in_progress"))
+        yield obj.event("response.in_progress", response=obj.object("in_progress"))
+        yield obj.event("response.output_item.added", output_index=0, item=obj.message("", "in_progress"))
+        yield obj.event("response.content_part.added", output_index=0, item_id=obj.message_id, content_index=0,
+                        part=obj.part(""))
+        pieces = []
+        while isinstance(item := await events.next(), str):
+            pieces.append(item)
+            yield obj.event("response.output_text.delta", output_index=0, item_id=obj.message_id, content_index=0,
+                            delta=item, logprobs=[])
+        finished = True
+        try:
+            result = outcome_result(item, record)
+        except APIError as e:
+            yield obj.event("error", code=e.code, message=e.message, param=e.param)
+            failed = obj.object("failed")
+            failed["error"] = {"code": e.code or "server_error", "message": e.message}
+            yield obj.event("response.failed", response=failed)
+            return
+        status = _status(result)
+        yield obj.event("response.output_text.done", output_index=0, item_id=obj.message_id, content_index=0,
+                        text=result.text, logprobs=[])
+        yield obj.event("response.content_part.done", output_index=0, item_id=obj.message_id, content_index=0,
+                        part=obj.part(result.text))
+        done = obj.object(status, result)
+        yield obj.event("response.output_item.done", output_index=0, item=done["output"][0])
+        await asyncio.to_thread(keep, done, result)
+        yield obj.event("response.completed" if status == "completed" else "response.incomplete", response=done)
+    finally:
+        watcher.cancel()
+        if not finished:
+            state.engine.withdraw(job)
+            record.finish_reason, record.error = "cancelled", "client_disconnected"
+
+
+@router.get("/v1/responses/{response_id}", summary="Get a stored response",
+            responses={404: ERRORS[404] | {"description": "No such response for this API key's tenant (or expired)."}})
+async def get_response(response_id: str, request: Request, tenant: str = Depends(current_tenant)) -> JSONResponse:
+    state = get_state(request)
+    stored = await asyncio.to_thread(_stored, state, tenant, response_id)
+    return JSONResponse(stored.body)
+
+
+@router.delete("/v1/responses/{response_id}", summary="Delete a stored response and free its KV",
+               responses={404: ERRORS[404] | {"description": "No such response for this API key's tenant."}})
+async def delete_response(response_id: str, request: Request, tenant: str = Depends(current_tenant)) -> JSONResponse:
+    state = get_state(request)
+
+    def delete() -> dict[str, int]:
+        if state.responses is None:
+            raise ResponseNotFound(response_id)
+        return state.engine.free_entries(state.responses.delete(tenant, response_id))
+
+    try:
+        freed = await asyncio.to_thread(delete)
+    except ResponseNotFound:
+        raise APIError(404, f"response {response_id!r} not found", param="response_id", code="not_found") from None
+    state.metrics.responses.labels(event="deleted").inc()
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True, "freed_entries": freed})
+
+
+@router.get("/v1/responses/{response_id}/input_items", summary="List a stored response's input items")
+async def list_input_items(response_id: str, request: Request, tenant: str = Depends(current_tenant),
+                           limit: int = Query(20, ge=1, le=100), order: str = Query("desc", pattern="^(asc|desc)$"),
+                           after: str | None = Query(None)) -> JSONResponse:
+    state = get_state(request)
+    stored = await asyncio.to_thread(_stored, state, tenant, response_id)
+    items = list(stored.input_items)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [i["id"] for i in items]
+        if after not in ids:
+            raise bad_request(f"after: {after!r} is not an input item of response {response_id!r}", param="after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
