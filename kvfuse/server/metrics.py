@@ -166,7 +166,9 @@ def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
             family.add_metric([tier], c.get(key, 0))
         yield family
     for key, name, help_ in (("entries", "kvfuse_tier_entries", "Entries held by the tier."),
-                             ("used_bytes", "kvfuse_tier_used_bytes", "Bytes held by the tier.")):
+                             ("used_bytes", "kvfuse_tier_used_bytes", "Bytes held by the tier."),
+                             ("capacity_bytes", "kvfuse_tier_capacity_bytes", "The tier's capacity (memory and "
+                                                                              "disk: cache.memory_bytes, cache.disk_bytes).")):
         family = GaugeMetricFamily(name, help_, labels=["tier"])
         for tier, c in tiers.items():
             if c.get(key) is not None:

@@ -646,11 +646,13 @@ class TieredStore:
         return {t.name: self._safe(t, "clear", t.clear, 0) for t in self.tiers}
 
     def stats(self) -> dict[str, dict]:
-        """Counters per tier name (plus ``entries``/``used_bytes`` where tracked), and the store's
-        own under ``"store"`` (lookups, promotions, unusable entries, queue drops, queue depth)."""
+        """Counters per tier name (plus ``entries``/``used_bytes`` where tracked and the tier's
+        ``capacity_bytes`` where it has one), and the store's own under ``"store"`` (lookups,
+        promotions, unusable entries, queue drops, queue depth)."""
         out: dict[str, dict] = {}
         for t in self.tiers:
-            out[t.name] = {**t.stats.snapshot(), "entries": t.entries(), "used_bytes": t.used_bytes()}
+            out[t.name] = {**t.stats.snapshot(), "entries": t.entries(), "used_bytes": t.used_bytes(),
+                           "capacity_bytes": getattr(t, "capacity_bytes", None)}
         with self._counts_lock:
             out[_STORE] = {**self._counts, "queue_depth": self._queue.qsize()}
         return out
