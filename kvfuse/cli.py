@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _common(p, model=False)
     p = csub.add_parser("clear", help="delete cached entries")
-    p.add_argument("--tier", choices=("all", "disk", "redis"), default="all")
+    p.add_argument("--tier", choices=("all", "disk", "redis", "s3"), default="all")
     p.add_argument("--prefix", default="", help="only keys starting with this (a namespace id, e.g. 3f2a...:)")
     _common(p, model=False)
     p = csub.add_parser("inspect", help="list entries with codec, level and compression ratio, or show one "

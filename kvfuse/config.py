@@ -67,6 +67,14 @@ class CacheConfig:
     disk_bytes: int = 20 * 1024**3
     redis_url: str | None = None
     redis_timeout_s: float = 0.5
+    # The S3 tier (cold, after disk and Redis): s3://bucket/prefix, an endpoint for S3-compatible
+    # stores (MinIO, Ceph, moto; none = AWS), credentials from boto3's usual chain.
+    s3_url: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    s3_timeout_s: float = 2.0
+    s3_codec: str | None = None
+    s3_codec_level: int = 0
     write_queue: int = 64
     store_generated: bool = False  # without history: store the answers' whole chunks too
     salt: str = ""
@@ -403,7 +411,10 @@ def _validate(c: Config, sources: Mapping[str, str]) -> None:
     from .codecs import codec_names, get_codec
 
     need(k.codec in codec_names(), "cache.codec", f"unknown codec {k.codec!r}; known codecs: {', '.join(codec_names())}")
-    for tier in ("", "disk_", "redis_"):
+    need(k.s3_url is None or (k.s3_url.startswith("s3://") and len(k.s3_url) > 5), "cache.s3_url",
+         f"must look like s3://BUCKET or s3://BUCKET/PREFIX, got {k.s3_url!r}")
+    need(k.s3_timeout_s > 0, "cache.s3_timeout_s", "must be > 0 seconds")
+    for tier in ("", "disk_", "redis_", "s3_"):
         name = getattr(k, f"{tier}codec")
         if name is None:
             continue

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 
 def open_store(config: Config, clock: Callable[[], float] | None = None) -> TieredStore | None:
-    """Memory tier always (when the cache is enabled), disk unless disabled, Redis when a URL is set.
+    """Memory tier always (when the cache is enabled), disk unless disabled, Redis and S3 (in that
+    order) when their URLs are set.
     ``clock``: the wall clock entries expire by (tests inject one)."""
     c = config.cache
     if not c.enabled:
@@ -40,6 +41,12 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
         tiers.append(RedisTier(c.redis_url, timeout_s=c.redis_timeout_s))
         if c.redis_codec is not None:
             codecs[tiers[-1].name] = get_codec(c.redis_codec, c.redis_codec_level)
+    if c.s3_url:
+        from .tiers.s3 import S3Tier  # boto3 is an optional dependency (kvfuse[s3])
+
+        tiers.append(S3Tier(c.s3_url, endpoint_url=c.s3_endpoint, region=c.s3_region, timeout_s=c.s3_timeout_s))
+        if c.s3_codec is not None:
+            codecs[tiers[-1].name] = get_codec(c.s3_codec, c.s3_codec_level)
     stream_levels = c.stream_levels if len(tiers) > 1 else ()
     if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
         shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request

@@ -1,5 +1,5 @@
-"""Helpers for tests, benchmarks and demos: free ports, a throwaway redis-server, a ``kvfuse serve``
-child process. Not used by kvfuse itself.
+"""Helpers for tests, benchmarks and demos: free ports, a throwaway redis-server, a local
+S3-compatible server (moto), a ``kvfuse serve`` child process. Not used by kvfuse itself.
 
 Processes started here are ended by their PID (SIGTERM, then SIGKILL), never by name.
 """
@@ -81,6 +81,68 @@ class LocalRedis:
         self.proc = None
 
     def __enter__(self) -> LocalRedis:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ------------------------------------------------------------------------------ S3 (moto)
+
+S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+          "AWS_EC2_METADATA_DISABLED": "true"}  # dummy keys; no SDK call reaches for the cloud
+
+
+class LocalS3:
+    """``moto_server`` (an S3-compatible server) on a free 127.0.0.1 port, in memory; ``stop()``
+    kills it by PID (its objects are lost), ``start()`` (re)starts it on the same port. Set the
+    ``S3_ENV`` variables in the clients' environment (``os.environ.update(S3_ENV)``)."""
+
+    def __init__(self, port: int | None = None) -> None:
+        exe = Path(sys.executable).with_name("moto_server")
+        if not exe.exists():
+            found = shutil.which("moto_server")
+            if found is None:
+                raise FileNotFoundError("moto_server is not installed: pip install 'moto[server]'")
+            exe = Path(found)
+        self.executable = str(exe)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> LocalS3:
+        import httpx
+
+        if self.proc is not None and self.proc.poll() is None:
+            return self
+        self.proc = subprocess.Popen([self.executable, "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env={**os.environ, **S3_ENV})
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"moto_server exited with {self.proc.returncode} (port {self.port} taken?)")
+            try:
+                httpx.get(self.endpoint_url + "/moto-api/", timeout=1.0)
+                return self
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"moto_server did not answer on port {self.port} within {timeout_s}s") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.proc = None
+
+    def __enter__(self) -> LocalS3:
         return self.start()
 
     def __exit__(self, *exc) -> None:

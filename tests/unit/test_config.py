@@ -183,6 +183,8 @@ BAD_VALUES = [
     ("server.default_max_tokens", "KVFUSE_SERVER_DEFAULT_MAX_TOKENS", "x", "0"),
     ("server.api_keys", "KVFUSE_SERVER_API_KEYS", None, "just-a-key"),
     ("cache.retention", "KVFUSE_CACHE_RETENTION", None, "forever"),
+    ("cache.s3_url", "KVFUSE_CACHE_S3_URL", None, "http://bucket"),
+    ("cache.s3_timeout_s", "KVFUSE_CACHE_S3_TIMEOUT_S", "slow", "0"),
     ("responses.ttl", "KVFUSE_RESPONSES_TTL", None, "0s"),
     ("responses.store", "KVFUSE_RESPONSES_STORE", "maybe", None),
 ]
