@@ -67,6 +67,7 @@ class CacheConfig:
     disk_bytes: int = 20 * 1024**3
     redis_url: str | None = None
     redis_timeout_s: float = 0.5
+    redis_cluster: bool = False  # redis_url is a node of a Redis / Valkey cluster
     # The S3 tier (cold, after disk and Redis): s3://bucket/prefix, an endpoint for S3-compatible
     # stores (MinIO, Ceph, moto; none = AWS), credentials from boto3's usual chain.
     s3_url: str | None = None

@@ -38,7 +38,7 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
         if c.disk_codec is not None:
             codecs[tiers[-1].name] = get_codec(c.disk_codec, c.disk_codec_level)
     if c.redis_url:
-        tiers.append(RedisTier(c.redis_url, timeout_s=c.redis_timeout_s))
+        tiers.append(RedisTier(c.redis_url, timeout_s=c.redis_timeout_s, cluster=c.redis_cluster))
         if c.redis_codec is not None:
             codecs[tiers[-1].name] = get_codec(c.redis_codec, c.redis_codec_level)
     if c.s3_url:

@@ -87,6 +87,64 @@ class LocalRedis:
         self.stop()
 
 
+class LocalRedisCluster:
+    """A Redis Cluster of ``nodes`` redis-server processes (primaries only) on free 127.0.0.1 ports,
+    in a temporary folder, created with ``redis-cli --cluster create``; ``stop()`` kills them by PID."""
+
+    def __init__(self, nodes: int = 3) -> None:
+        self.servers = [LocalRedis() for _ in range(nodes)]
+        self._tmp = tempfile.TemporaryDirectory(prefix="kvfuse-redis-cluster-")
+        cli = shutil.which("redis-cli")
+        if cli is None:
+            raise FileNotFoundError("redis-cli is not installed: apt-get install -y redis-server (it ships redis-cli)")
+        self.cli = cli
+
+    @property
+    def url(self) -> str:
+        """The URL of the first node (any node's URL reaches the whole cluster)."""
+        return self.servers[0].url
+
+    def start(self, timeout_s: float = 90.0) -> LocalRedisCluster:
+        for i, s in enumerate(self.servers):
+            folder = Path(self._tmp.name) / str(i)
+            folder.mkdir(exist_ok=True)
+            s.proc = subprocess.Popen(
+                [s.executable, "--port", str(s.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                 "--cluster-enabled", "yes", "--cluster-config-file", str(folder / "nodes.conf"),
+                 "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while not all(_ping(s.port) for s in self.servers):
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the cluster's redis-servers did not start")
+            time.sleep(0.05)
+        subprocess.run([self.cli, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in self.servers],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        while True:
+            info = subprocess.run([self.cli, "-p", str(self.servers[0].port), "cluster", "info"],
+                                  capture_output=True, text=True, timeout=10).stdout
+            if "cluster_state:ok" in info:
+                return self
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the Redis cluster did not become ready:\n{info}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def close(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 # ------------------------------------------------------------------------------ S3 (moto)
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",

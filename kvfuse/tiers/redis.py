@@ -13,6 +13,13 @@ is ``PTTL`` read back onto the tier's clock (``clock() + pttl / 1000``); ``exten
 ``expire`` has nothing to do (0) and ``expired`` stays 0: Redis removes expired keys by itself,
 on its own real clock, so with an injected (fake) clock the times are converted at the call,
 not followed.
+
+**Redis Cluster / Valkey cluster** (``cluster=True``, any node's URL): keys spread over the
+cluster's hash slots (a chunk key's digest is its slot's input, so chunks spread evenly), and
+every batched operation is split per node by redis-py's cluster client: pipelines are grouped by
+node, ``MGET`` becomes one ``MGET`` per slot (``mget_nonatomic``), ``UNLINK``/``EXISTS`` of many
+keys are split by slot, and ``SCAN`` visits every primary. A node that fails is a failure like a
+single server's (counted, back-off); the client re-reads the slot map after ``MOVED``.
 """
 
 from __future__ import annotations
@@ -39,10 +46,48 @@ _BUFFER_CUTOFF = 6000  # redis-py's default: values above it are sent without be
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
 
+class _LazyCluster:
+    """A ``RedisCluster`` client made at first use: the cluster client reads the slot map when it is
+    made, so a cluster that is down at start-up would otherwise stop the server from starting. A
+    failure to make it is a ``redis.ConnectionError`` (a tier failure like any other), retried at
+    the next call after the back-off."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        self._url, self._timeout_s, self._real = url, timeout_s, None
+        self._lock = threading.Lock()
+
+    def _get(self):
+        with self._lock:
+            if self._real is None:
+                from redis.cluster import RedisCluster
+
+                try:
+                    # no retries: a timed-out call is not repeated (bounded waits); after a MOVED
+                    # reply the client re-reads the slot map and the next call goes to the right node
+                    client = RedisCluster.from_url(
+                        self._url, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
+                        retry=Retry(NoBackoff(), 0))
+                except redis.RedisError:
+                    raise
+                except Exception as e:  # RedisClusterException is not a RedisError
+                    raise redis.ConnectionError(f"cannot reach the Redis cluster at {self._url}: {e}") from None
+                client.mget = client.mget_nonatomic  # one MGET per slot, replies in key order
+                self._real = client
+            return self._real
+
+    def __getattr__(self, name: str):
+        return getattr(self._get(), name)
+
+    def close(self) -> None:
+        if self._real is not None:
+            self._real.close()
+
+
 class RedisTier(Tier):
     """Entries as Redis strings under ``key_prefix + key``; optional TTL (``ttl_s``, None = none).
 
-    ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://`` for TLS, ``unix://``).
+    ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://`` for TLS, ``unix://``); with
+    ``cluster``, the URL of any node of a Redis Cluster (database 0).
     """
 
     batch_reads = True  # MGET: one round trip for a batch
@@ -55,6 +100,7 @@ class RedisTier(Tier):
         ttl_s: float | None = None,
         backoff_s: float = 1.0,
         name: str = "redis",
+        cluster: bool = False,
     ) -> None:
         super().__init__()
         if timeout_s <= 0:
@@ -68,20 +114,24 @@ class RedisTier(Tier):
         self.key_prefix = key_prefix
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
         self.backoff_s = backoff_s
+        self.cluster = cluster
         try:
-            self._client = redis.Redis.from_url(
-                url,
-                socket_timeout=timeout_s,
-                socket_connect_timeout=timeout_s,
-                retry=Retry(NoBackoff(), 0),  # a retry would double the worst-case wait
-                retry_on_timeout=False,
-                health_check_interval=0,
-                # Replies are parsed by hiredis when it is installed (a multi-MB value through the
-                # pure-Python parser costs more than the network here), but commands are always
-                # packed in Python: it sends large values as their own buffers, hiredis's packer
-                # copies them into the command first.
-                command_packer=PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
-            )
+            if cluster:
+                self._client = _LazyCluster(url, timeout_s)
+            else:
+                self._client = redis.Redis.from_url(
+                    url,
+                    socket_timeout=timeout_s,
+                    socket_connect_timeout=timeout_s,
+                    retry=Retry(NoBackoff(), 0),  # a retry would double the worst-case wait
+                    retry_on_timeout=False,
+                    health_check_interval=0,
+                    # Replies are parsed by hiredis when it is installed (a multi-MB value through the
+                    # pure-Python parser costs more than the network here), but commands are always
+                    # packed in Python: it sends large values as their own buffers, hiredis's packer
+                    # copies them into the command first.
+                    command_packer=PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
+                )
         except ValueError as e:
             raise ValueError(f"bad Redis URL {url!r}: {e} (expected e.g. redis://127.0.0.1:6379/0)") from None
         self._down_until = 0.0
