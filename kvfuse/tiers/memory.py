@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Blob, Expiries, Tier, check_key, nbytes
@@ -62,6 +62,19 @@ class MemoryTier(Tier):
         if expired:
             self.stats.add(expired=expired)
         return held
+
+    def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
+        # One lock for the batch (a prompt's chain): lookups are most of what the index does.
+        keys = list(keys)
+        with self._lock:
+            if not self._expiry:
+                data = self._data
+                return [k in data for k in keys]
+            found = [self._live_locked(k) for k in keys]
+        expired = sum(e for _, e in found)
+        if expired:
+            self.stats.add(expired=expired)
+        return [held for held, _ in found]
 
     def get(self, key: ChunkKey) -> Blob | None:
         with self._lock:

@@ -1,0 +1,158 @@
+"""The tiers' in-memory indexes at scale: bytes per entry, batched lookups per second, and the disk
+tier's start-up index rebuild.
+
+    python bench/index.py [--entries 1000000] [--files 100000] [--repeats 5]
+
+- Memory per entry: the growth of Python's allocations (tracemalloc) when a MemoryTier / the disk
+  tier's index (``DiskTier._index``: key -> size, LRU order) holds ``--entries`` keys, values
+  excluded (tiny shared values), divided by the entries.
+- Lookups: ``TieredStore.lookup`` of batches of 64 keys (a 16k-token prompt's chain), memory tier
+  only (the disk tier asks the file system for every key: its rate is the file system's, measured
+  separately with ``--files`` real files).
+- Rebuild: a ``DiskTier`` opened on a folder of ``--files`` entry files (created once, 1 byte each).
+
+Targets (issue 15): <= 100 bytes per entry, >= 1M key lookups per second in batches, a 1M-entry
+disk rebuild in seconds. Writes docs/bench/index.json; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import environment, print_table, write_json  # noqa: E402
+
+from kvfuse.kv.keys import ChunkKey, ChunkKind  # noqa: E402
+from kvfuse.tiers import DiskTier, MemoryTier, TieredStore  # noqa: E402
+
+NS = "0123456789abcdef01234567"
+
+
+def keys(n: int, seed: int = 0) -> list[ChunkKey]:
+    rng = __import__("random").Random(seed)
+    return [ChunkKey(NS, rng.randbytes(32), ChunkKind.PREFIX) for _ in range(n)]
+
+
+def bytes_per_entry(make, n: int) -> float:
+    """Allocation growth per entry of making ``n`` keys and filling the index ``make(keys)``
+    returns: the keys are counted, since an index has to hold them."""
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    index = make(keys(n, seed=7))
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del index
+    return used / n
+
+
+def memory_tier(ks):
+    t = MemoryTier(1 << 62)
+    value = b"x"
+    for k in ks:
+        t.put(k, value)
+    return t
+
+
+def disk_index(ks):
+    from collections import OrderedDict
+
+    index = OrderedDict()  # exactly DiskTier._index: ChunkKey -> size (an int above 256: its own object)
+    for i, k in enumerate(ks):
+        index[k] = 6 * 1024 * 1024 + i
+    return index
+
+
+def lookups_per_s(ks: list[ChunkKey], batch: int = 64, seconds: float = 2.0) -> float:
+    store = TieredStore([memory_tier(ks)])
+    n, t0 = 0, time.perf_counter()
+    i = 0
+    while time.perf_counter() - t0 < seconds:
+        store.lookup(ks[i : i + batch], count=False)
+        n += batch
+        i = (i + batch) % (len(ks) - batch)
+    rate = n / (time.perf_counter() - t0)
+    store.close()
+    return rate
+
+
+def disk_files(folder: Path, n: int) -> list[ChunkKey]:
+    ks = keys(n, seed=1)
+    tier = DiskTier(folder, 1 << 62)
+    if tier.entries() < n:
+        for k in ks:
+            tier.put(k, b"x")
+    tier.close()
+    return ks
+
+
+def rebuild_s(folder: Path) -> float:
+    t0 = time.perf_counter()
+    tier = DiskTier(folder, 1 << 62)
+    dt = time.perf_counter() - t0
+    tier.close()
+    return dt
+
+
+def disk_contains_per_s(folder: Path, ks: list[ChunkKey], seconds: float = 2.0) -> float:
+    tier = DiskTier(folder, 1 << 62)
+    n, t0, i = 0, time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        tier.contains_many(ks[i : i + 64])
+        n += 64
+        i = (i + 64) % (len(ks) - 64)
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--entries", type=int, default=1_000_000)
+    ap.add_argument("--files", type=int, default=100_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--folder", help="where the disk tier's files go (default: a temp folder, removed)")
+    args = ap.parse_args()
+
+    ks = keys(args.entries)
+    mem = bytes_per_entry(memory_tier, args.entries)
+    disk = bytes_per_entry(disk_index, args.entries)
+    rates = [lookups_per_s(ks) for _ in range(args.repeats)]
+    tmp = None if args.folder else tempfile.TemporaryDirectory(prefix="kvfuse-index-")
+    folder = Path(args.folder or tmp.name)
+    fk = disk_files(folder, args.files)
+    rebuilds = [rebuild_s(folder) for _ in range(args.repeats)]
+    contains = [disk_contains_per_s(folder, fk) for _ in range(args.repeats)]
+    if tmp is not None:
+        tmp.cleanup()
+
+    def mmm(xs):
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+    result = {
+        "environment": environment(), "entries": args.entries, "files": args.files, "repeats": args.repeats,
+        "memory_tier_bytes_per_entry": mem, "disk_index_bytes_per_entry": disk,
+        "memory_lookups_per_s": mmm(rates), "disk_contains_per_s": mmm(contains),
+        "disk_rebuild_s": mmm(rebuilds), "disk_rebuild_s_per_million": mmm([r * 1e6 / args.files for r in rebuilds]),
+        "targets": {"bytes_per_entry": 100, "lookups_per_s": 1e6},
+    }
+    print_table(["measure", "median", "min", "max", "target"], [
+        ["memory tier: bytes/entry", f"{mem:.0f}", "", "", "<= 100"],
+        ["disk index: bytes/entry", f"{disk:.0f}", "", "", "<= 100"],
+        ["lookups/s (memory, batches of 64)", *(f"{v:,.0f}" for v in mmm(rates).values()), ">= 1,000,000"],
+        ["disk contains/s (batches of 64)", *(f"{v:,.0f}" for v in mmm(contains).values()), ""],
+        [f"disk rebuild, {args.files:,} files (s)", *(f"{v:.2f}" for v in mmm(rebuilds).values()), ""],
+        ["  = per 1M files (s)", *(f"{v * 1e6 / args.files:.1f}" for v in mmm(rebuilds).values()), "seconds"],
+    ])
+    print(f"wrote {write_json('index', result)}")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("KVFUSE_HOME", str(Path(__file__).resolve().parent.parent / ".kvfuse-home"))
+    main()
