@@ -16,22 +16,30 @@ Memory: the model plus ``kv_cache_gib`` of KV; never run two of them on the 24 G
     with vllm_server("/path/to/models/smollm2") as base_url:   # http://127.0.0.1:PORT/v1
         OpenAI(base_url=base_url, api_key="unused").completions.create(...)
 
+With kvfuse's KV connector (``kvfuse.integrations.vllm``, installed into vLLM's venv by
+``bash bench/setup_vllm.sh``), pass ``kv_transfer_config=connector_config({...})``; the
+helpers below read the server's Prometheus metrics (``scrape_metrics``, ``metric_total``) and time
+the first token of a streamed completion (``first_token``). ``bench/vllm_connector.py`` and
+``tests/vllm`` use them.
+
 ``python bench/vllm_server.py`` is the smoke check: it starts the server, sends a greedy
 completion and a greedy chat completion with the ``openai`` client, and prints them and the
-start-up time.
+start-up time (``--connector`` adds kvfuse's connector, with its disk tier in a temp folder).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -54,7 +62,8 @@ class VLLMServer:
     def __init__(self, model_path: str | Path, served_name: str = "smollm2", *, python: str = DEFAULT_PYTHON,
                  port: int | None = None, dtype: str = "float32", max_model_len: int = 4096,
                  kv_cache_gib: float = 4, prefix_caching: bool = True, extra_args: list[str] | tuple = (),
-                 env: dict[str, str] | None = None, log_path: str | Path | None = None):
+                 env: dict[str, str] | None = None, log_path: str | Path | None = None,
+                 kv_transfer_config: dict[str, Any] | None = None):
         self.model_path = Path(model_path)
         self.served_name = served_name
         self.python = python
@@ -64,6 +73,8 @@ class VLLMServer:
                     "--served-model-name", served_name, "--dtype", dtype, "--max-model-len", str(max_model_len),
                     "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
                     "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
+        if kv_transfer_config is not None:
+            self.cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
         self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", **(env or {})}
         self._tmp = tempfile.TemporaryDirectory(prefix="kvfuse-vllm-") if log_path is None else None
@@ -159,6 +170,60 @@ class VLLMServer:
         self.close()
 
 
+def connector_config(extra: dict[str, Any] | None = None, failure_policy: str = "recompute") -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for kvfuse's connector, with ``extra`` as its
+    ``kv_connector_extra_config`` (``disk_path``, ``redis_url``, ``chunk_size``, ...; docs/vllm.md)."""
+    return {"kv_connector": "KvfuseConnector", "kv_connector_module_path": "kvfuse.integrations.vllm",
+            "kv_role": "kv_both", "kv_load_failure_policy": failure_policy,
+            "kv_connector_extra_config": dict(extra or {})}
+
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape_metrics(url: str) -> list[tuple[str, dict[str, str], float]]:
+    """The samples of a Prometheus ``/metrics`` page: ``(name, labels, value)``."""
+    import httpx
+
+    out = []
+    for line in httpx.get(url.rstrip("/") + "/metrics", timeout=10.0).text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and not line.startswith("#"):
+            out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), float(m.group(3))))
+    return out
+
+
+def metric_total(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items()))
+
+
+def first_token(base_url: str, prompt: list[int] | str, max_tokens: int = 16, model: str = "smollm2",
+                timeout: float = 600.0) -> tuple[float, str, dict[str, Any]]:
+    """Send a greedy streamed completion; (seconds to the first token, the whole text, usage)."""
+    import httpx
+
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with httpx.stream("POST", base_url.rstrip("/") + "/completions", json=body, timeout=timeout) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            for choice in event.get("choices") or ():
+                if choice.get("text"):
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(choice["text"])
+            usage = event.get("usage") or usage
+    if ttft is None:
+        raise RuntimeError("the completion streamed no text")
+    return ttft, "".join(text), usage
+
+
 @contextlib.contextmanager
 def vllm_server(model_path: str | Path, served_name: str = "smollm2", timeout: float = 600.0, **kw) -> Iterator[str]:
     """Start vLLM (see ``VLLMServer`` for the options), yield its OpenAI base URL, stop it at exit."""
@@ -178,10 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-path", type=Path, default=default_model_path())
     p.add_argument("--python", default=DEFAULT_PYTHON)
     p.add_argument("--log", type=Path, help="server log (default: a temp file)")
+    p.add_argument("--connector", action="store_true", help="with kvfuse's KV connector (disk tier in a temp folder)")
     args = p.parse_args(argv)
     from openai import OpenAI
 
-    server = VLLMServer(args.model_path, python=args.python, log_path=args.log)
+    kv_dir = tempfile.TemporaryDirectory(prefix="kvfuse-vllm-kv-") if args.connector else None
+    server = VLLMServer(args.model_path, python=args.python, log_path=args.log,
+                        kv_transfer_config=connector_config({"disk_path": kv_dir.name}) if kv_dir else None)
     print(f"starting: {' '.join(server.cmd)}\nlog: {server.log_path}", file=sys.stderr)
     with server:
         print(f"healthy after {server.startup_s:.0f} s at {server.base_url} (pid {server.proc.pid})", file=sys.stderr)
@@ -193,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
         print("chat:", repr(c.choices[0].message.content), c.usage)
         for line in server.log_tail(200_000).splitlines():
-            if "prefix_caching" in line or "prefix caching" in line.lower():
+            if "prefix_caching" in line or "prefix caching" in line.lower() or "kvfuse" in line:
                 print("log:", line.strip()[:300], file=sys.stderr)
+    if kv_dir is not None:
+        kv_dir.cleanup()
     return 0
 
 

@@ -642,3 +642,13 @@ def test_chunk_keys_are_plain_kvfuse_prefix_keys():
     p = _prompt(600)
     keys = prefix_keys(p[:512], CHUNK, _ns())
     assert [ChunkKey.parse(str(k)) for k in keys] == keys
+
+
+@pytest.mark.parametrize("layers", [1, 2, 3, 7, 30, 64])
+def test_layer_groups_cover_every_layer_once_first_alone(layers):
+    from kvfuse.integrations.vllm.worker import layer_groups
+
+    groups = layer_groups(layers)
+    assert groups[0] == (0, 1)
+    assert [i for a, b in groups for i in range(a, b)] == list(range(layers))
+    assert len(groups) <= 2 + max(0, layers - 2).bit_length()

@@ -47,7 +47,21 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-log = logging.getLogger("vllm.kvfuse")
+log = logging.getLogger(__name__)
+
+
+def _route_logs() -> None:
+    """Send the connector's log records through vLLM's handlers (vLLM configures only its own
+    ``vllm`` logger; without this, kvfuse's info lines would be dropped)."""
+    ours, theirs = logging.getLogger("kvfuse.integrations.vllm"), logging.getLogger("vllm")
+    if theirs.handlers and not ours.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
+
+
+_route_logs()
 
 _TIER_SOURCES = {"memory": "HOST", "disk": "DISK"}  # kvfuse tier -> vLLM CacheHitSource (others: unspecified)
 
@@ -247,6 +261,10 @@ class KvfuseConnector(KVConnectorBase_V1):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return KvfusePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True  # wait_for_layer_load / save_kv_layer run between the layers
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -66,36 +66,73 @@ class BlockLayout:
             raise LayoutError(f"a KV cache view of shape {tuple(view.shape)} does not match the probed layout "
                               f"[B, {', '.join(map(str, self.block_shape))}]")
 
-    def gather(self, view: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    @property
+    def strides(self) -> tuple[tuple[int, int, int, int] | None, tuple[int, int, int, int] | None]:
+        """Per kind (K, V): ``(offset, token stride, head stride, dim stride)`` inside a block when
+        its positions are affine (every layout vLLM has but CPU-AMX), else None."""
+        return _affine_strides(self.index[0]), _affine_strides(self.index[1])
+
+    def gather(self, view: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """The KV of ``blocks`` (kernel block indices, in token order) as ``(2, len(blocks) * N,
-        kv_heads, head_dim)``: a copy, on the view's device, in its dtype."""
+        kv_heads, head_dim)`` (into ``out`` if given): a copy, on the view's device, in its dtype."""
         self._check_view(view)
-        nb, n = blocks.numel(), self.block_tokens
+        nb, n, h, d = blocks.numel(), self.block_tokens, self.kv_heads, self.head_dim
+        if out is None:
+            out = torch.empty(2, nb * n, h, d, dtype=view.dtype, device=view.device)
+        elif tuple(out.shape) != (2, nb * n, h, d) or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous (2, {nb * n}, {h}, {d}) tensor, got {tuple(out.shape)}")
         pages = view.index_select(0, blocks.to(view.device)).reshape(nb, self.block_elements)
-        idx = self.index.to(view.device).reshape(-1)
-        kv = pages.index_select(1, idx).view(nb, 2, n, self.kv_heads, self.head_dim)
-        return kv.permute(1, 0, 2, 3, 4).reshape(2, nb * n, self.kv_heads, self.head_dim)
+        for kind, aff in enumerate(self._strides):
+            dst = out[kind].view(nb, n, h, d)
+            if aff is not None:  # a strided copy
+                base, st, sh, sd = aff
+                dst.copy_(pages.as_strided((nb, n, h, d), (self.block_elements, st, sh, sd),
+                                           pages.storage_offset() + base))
+            else:  # a gather
+                idx = self._index_on(view.device)[kind].reshape(-1)
+                dst.copy_(pages.index_select(1, idx).view(nb, n, h, d))
+        return out
 
     def scatter(self, view: torch.Tensor, blocks: torch.Tensor, kv: torch.Tensor) -> None:
         """Write ``kv`` ``(2, len(blocks) * N, kv_heads, head_dim)`` into ``blocks`` of the view
         (whole blocks; a padded layout keeps its padding)."""
         self._check_view(view)
-        nb, n = blocks.numel(), self.block_tokens
-        if tuple(kv.shape) != (2, nb * n, self.kv_heads, self.head_dim):
+        nb, n, h, d = blocks.numel(), self.block_tokens, self.kv_heads, self.head_dim
+        if tuple(kv.shape) != (2, nb * n, h, d):
             raise ValueError(f"KV of shape {tuple(kv.shape)} for {nb} blocks of {n} tokens; expected "
-                             f"(2, {nb * n}, {self.kv_heads}, {self.head_dim})")
+                             f"(2, {nb * n}, {h}, {d})")
         if kv.dtype != view.dtype:
             raise ValueError(f"KV dtype {kv.dtype} does not match the cache's {view.dtype}")
         blocks = blocks.to(view.device)
-        data = kv.to(view.device).view(2, nb, n, self.kv_heads, self.head_dim).permute(1, 0, 2, 3, 4)
-        data = data.reshape(nb, -1)
-        idx = self.index.to(view.device).reshape(-1)
+        kv = kv.to(view.device)
         if self.dense:
             pages = torch.empty(nb, self.block_elements, dtype=view.dtype, device=view.device)
         else:  # keep what the padding holds
-            pages = view.index_select(0, blocks).reshape(nb, self.block_elements).clone()
-        pages.index_copy_(1, idx, data)
+            pages = view.index_select(0, blocks).reshape(nb, self.block_elements)
+        for kind, aff in enumerate(self._strides):
+            src = kv[kind].reshape(nb, n, h, d)
+            if aff is not None:
+                base, st, sh, sd = aff
+                pages.as_strided((nb, n, h, d), (self.block_elements, st, sh, sd),
+                                 pages.storage_offset() + base).copy_(src)
+            else:
+                idx = self._index_on(view.device)[kind].reshape(-1)
+                pages.index_copy_(1, idx, src.reshape(nb, -1))
         view.index_copy_(0, blocks, pages.view(nb, *self.block_shape))
+
+    @property
+    def _strides(self):
+        got = self.__dict__.get("_strides_cache")
+        if got is None:
+            got = self.strides
+            object.__setattr__(self, "_strides_cache", got)
+        return got
+
+    def _index_on(self, device: torch.device) -> torch.Tensor:
+        cache = self.__dict__.setdefault("_index_cache", {})
+        if device not in cache:
+            cache[device] = self.index.to(device)
+        return cache[device]
 
     def describe(self) -> str:
         """Where K and V lie, e.g. ``K[t,h,d] at h*8192 + d*128 + t, V[t,h,d] at h*8192 + 4096 +
@@ -103,8 +140,8 @@ class BlockLayout:
         return ", ".join(f"{name}[t,h,d] at {_affine(self.index[kind])}" for kind, name in ((0, "K"), (1, "V")))
 
 
-def _affine(index: torch.Tensor) -> str:
-    """``index`` (N, H, D) as ``base + t*st + h*sh + d*sd`` if it is affine, else 'a permutation'."""
+def _affine_strides(index: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``(base, st, sh, sd)`` with ``index[t, h, d] == base + t*st + h*sh + d*sd``, or None."""
     n, h, d = index.shape
     base = int(index[0, 0, 0])
     st = int(index[1, 0, 0]) - base if n > 1 else 0
@@ -112,8 +149,15 @@ def _affine(index: torch.Tensor) -> str:
     sd = int(index[0, 0, 1]) - base if d > 1 else 0
     grid = (base + torch.arange(n)[:, None, None] * st + torch.arange(h)[None, :, None] * sh
             + torch.arange(d)[None, None, :] * sd)
-    if not torch.equal(grid, index.cpu()):
+    return (base, st, sh, sd) if torch.equal(grid, index.cpu()) else None
+
+
+def _affine(index: torch.Tensor) -> str:
+    """``index`` (N, H, D) as ``base + t*st + h*sh + d*sd`` if it is affine, else 'a permutation'."""
+    aff = _affine_strides(index)
+    if aff is None:
         return "a non-affine permutation"
+    base, st, sh, sd = aff
     terms = [f"{v}*{s}" if s != 1 else v for v, s in (("h", sh), ("t", st), ("d", sd)) if s]
     order = sorted(zip((sh, st, sd), terms), key=lambda x: -abs(x[0]))
     text = " + ".join(t for _, t in order)

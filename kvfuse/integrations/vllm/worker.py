@@ -2,10 +2,10 @@
 it sees tensors, a ``BlockLayout`` and the scheduler's ``StepPlan``).
 
 Loads (before the forward pass reads the KV): with ``layerwise`` a thread reads layer 0 of every
-chunk of the step (``TieredStore.fetch_layers``: from disk or Redis only that layer's bytes, checked
-against its checksum), writes it into vLLM's blocks, signals layer 0, then layer 1, ...; vLLM's
-attention layer ``i`` waits for exactly layer ``i`` (``wait_layer``), so reading overlaps the
-forward pass. Without it, whole entries are fetched (and promoted into the memory tier) and written
+chunk of the step (``TieredStore.fetch_layers``: from disk or Redis only those bytes, checked
+against their checksums), writes it into vLLM's blocks, signals layer 0, then reads and writes
+layer 1, then layers 2-3, 4-7, ... (``layer_groups``); vLLM's attention layer ``i`` waits for
+exactly layer ``i`` (``wait_layer``), so reading overlaps the forward pass. Without it, whole entries are fetched (and promoted into the memory tier) and written
 before the forward pass starts. A chunk that cannot be read or is not what was expected (missing,
 damaged, another shape) is never written further: its blocks are reported failed
 (``take_failed_blocks``) and vLLM recomputes them.
@@ -63,6 +63,17 @@ class WorkerCounters(Counters):
     save_copy_us: int = 0  # time on the forward path copying KV out for saves
 
 
+def layer_groups(num_layers: int) -> list[tuple[int, int]]:
+    """The layer ranges a layer-wise load reads, one after the other: 1, 1, 2, 4, 8, ... layers
+    (the first layers arrive at once; later, larger reads cost fewer round trips)."""
+    out, start, size = [], 0, 1
+    while start < num_layers:
+        out.append((start, min(num_layers, start + size)))
+        start += size
+        size = size if len(out) == 1 else size * 2
+    return out
+
+
 class CacheLayers:
     """vLLM's per-layer KV tensors in layer order, with their block layout."""
 
@@ -117,7 +128,7 @@ class KVWorker:
         self.counters = WorkerCounters()
         self._load: _StepLoad | None = None
         self._failed_blocks: set[int] = set()
-        # saves of the current step: one buffer (chunks, layers, 2, chunk, heads, dim) and the layers copied
+        # saves of the current step: one buffer (layers, 2, chunks * chunk_size, heads, dim), the layers copied
         self._save_buf: torch.Tensor | None = None
         self._save_plan: tuple[SaveChunk, ...] = ()
         self._save_layers: set[int] = set()
@@ -177,7 +188,10 @@ class KVWorker:
         blocks = torch.cat([it.blocks for it, _ in parts])
         kv = torch.cat([x[:, it.chunk.skip_tokens:] for it, x in parts], dim=1)
         try:
-            self.layers.layout.scatter(self.layers.views[layer], blocks, kv)
+            view = self.layers.views[layer]
+            self.layers.layout.scatter(view, blocks, kv)
+            if view.is_cuda:  # the forward pass may run on another stream: finish the copies first
+                torch.cuda.current_stream(view.device).synchronize()
         except Exception as e:  # nothing half-written may be used: fail every chunk of this write
             log.exception("kvfuse: writing layer %d failed", layer)
             for it, _ in parts:
@@ -186,20 +200,21 @@ class KVWorker:
     def _run_layers(self, load: _StepLoad) -> None:
         layer = 0
         try:
-            for layer in range(len(self.layers)):
-                parts = []
+            for first, last in layer_groups(len(self.layers)):
+                got: list[tuple[_LoadItem, torch.Tensor]] = []
                 for it in load.items:
                     if it.failed:
                         continue
-                    got = self.store.fetch_layers(it.key, layer, layer + 1, it.spec)
-                    if got is None:
-                        self._fail(it, f"layer {layer} is missing or damaged in every tier")
+                    r = self.store.fetch_layers(it.key, first, last, it.spec)
+                    if r is None:
+                        self._fail(it, f"layers {first}-{last - 1} are missing or damaged in every tier")
                         continue
-                    if layer == 0:
-                        it.tier = got.tier
-                    parts.append((it, got.kv[0]))
-                self._write_layer(layer, parts)
-                load.events[layer].set()
+                    if first == 0:
+                        it.tier = r.tier
+                    got.append((it, r.kv))
+                for layer in range(first, last):
+                    self._write_layer(layer, [(it, kv[layer - first]) for it, kv in got if not it.failed])
+                    load.events[layer].set()
         except Exception as e:
             log.exception("kvfuse: the layer loader failed at layer %d", layer)
             for it in load.items:
@@ -291,11 +306,9 @@ class KVWorker:
         if self._save_plan != saves:  # the step's first layer
             self._save_plan, self._save_layers = saves, set()
             self._save_blocks = torch.cat([self.layers.kernel_blocks(s.block_ids) for s in saves])
-            self._save_buf = torch.empty(len(saves), len(self.layers), 2, self.chunk_size, self.kv_heads,
+            self._save_buf = torch.empty(len(self.layers), 2, len(saves) * self.chunk_size, self.kv_heads,
                                          self.head_dim, dtype=self.dtype, device=view.device)
-        kv = self.layers.layout.gather(view, self._save_blocks)  # (2, n * chunk, heads, dim)
-        n = len(saves)
-        self._save_buf[:, i] = kv.view(2, n, self.chunk_size, self.kv_heads, self.head_dim).transpose(0, 1)
+        self.layers.layout.gather(view, self._save_blocks, out=self._save_buf[i])
         self._save_layers.add(i)
         self.counters.add(save_copy_us=int((time.perf_counter() - t0) * 1e6))
 
@@ -312,13 +325,13 @@ class KVWorker:
             return
         if buf.device.type != "cpu":
             buf = buf.cpu()
+        c = self.chunk_size
         for j, s in enumerate(saves):
             if len(s.keys) <= self.rank:
                 self.counters.add(save_errors=1)
                 continue
-            positions = torch.arange(s.index * self.chunk_size, (s.index + 1) * self.chunk_size, dtype=torch.int64)
-            try:
-                self._queue.put_nowait((s.keys[self.rank], KVChunk(buf[j], positions)))
+            try:  # the chunk's KV is made contiguous (copied) on the saver thread, off the forward path
+                self._queue.put_nowait((s.keys[self.rank], s.index, buf[:, :, j * c:(j + 1) * c]))
             except queue.Full:
                 self.counters.add(save_dropped=1)
                 log.warning("kvfuse: the save queue is full; chunk %d of request %s is not saved", s.index, s.req_id)
@@ -329,8 +342,10 @@ class KVWorker:
             try:
                 if item is _STOP:
                     return
-                key, chunk = item
+                key, index, kv = item
                 try:
+                    c = self.chunk_size
+                    chunk = KVChunk(kv.contiguous(), torch.arange(index * c, (index + 1) * c, dtype=torch.int64))
                     entry = encode_entry(chunk, key, self.codec)
                     self.store.put([(ChunkKey.parse(key), entry)], block=True)
                     self.counters.add(saved_chunks=1, saved_tokens=chunk.num_tokens)

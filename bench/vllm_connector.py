@@ -1,0 +1,275 @@
+"""Time to first token of a repeated long prompt after a vLLM restart: vLLM alone vs vLLM with
+kvfuse's KV connector (disk tier, Redis tier).
+
+What is measured (SmolLM2 on vLLM CPU 0.32, bf16, one server at a time, 2-core machine):
+
+1. *populate*: one vLLM with the connector writing to a disk folder and to a redis-server this
+   script starts computes every prompt once (its greedy answers are the reference) and saves its
+   chunks to both tiers;
+2. rounds: each round starts, per configuration, a **new** vLLM process (nothing in its own prefix
+   cache) and sends every prompt once, streaming, timing the first token:
+   - ``vllm``: vLLM alone (prefix caching on, as always): a full prefill;
+   - ``kvfuse-disk``: the connector with its disk tier only; the page cache is dropped (root only)
+     after start-up and warm-up, so the chunks are read from the disk itself;
+   - ``kvfuse-redis``: the connector with its Redis tier only (disk off);
+   and then, in the ``vllm`` server, every prompt a second time: ``vllm-warm``, vLLM's own prefix
+   cache in the same process (the floor no connector can beat: the same last-token compute);
+   the configurations' order rotates from round to round (interleaved).
+
+Each server first answers a short warm-up prompt. Every answer is compared with the reference
+(greedy, 16 tokens). Cells: median (min-max) over rounds x prompts of a length. Target: the
+connector >= 5x faster than vLLM alone. Prompts: token ids of MuSiQue **dev** documents
+(``../shared/data/musique_s.json``), non-overlapping slices (no shared prefix between prompts).
+Results: ``docs/bench/vllm_connector.json`` and ``.png``.
+
+    python bench/vllm_connector.py                      # 2 lengths x 2 prompts, 3 rounds (~45 min)
+    python bench/vllm_connector.py --quick              # one 2048-token prompt, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import DATA, OUT, drop_page_cache, environment, print_table
+from vllm_server import (DEFAULT_PYTHON, VLLMServer, connector_config, default_model_path, first_token, metric_total,
+                         scrape_metrics)
+
+from kvfuse.testing import LocalRedis
+
+CONFIGS = ("vllm", "kvfuse-disk", "kvfuse-redis")
+TARGET = 5.0
+CHUNK = 256
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="2048,4000", help="prompt lengths in tokens (default 2048,4000)")
+    p.add_argument("--prompts", type=int, default=2, help="distinct prompts per length (default 2)")
+    p.add_argument("--rounds", type=int, default=3, help="vLLM restarts per configuration (default 3)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quick", action="store_true", help="one 2048-token prompt, one round")
+    p.add_argument("--home", help="kvfuse home holding the converted model (default $KVFUSE_HOME)")
+    p.add_argument("--python", default=DEFAULT_PYTHON, help="vLLM's interpreter")
+    p.add_argument("--data", default=str(DATA / "musique_s.json"))
+    p.add_argument("--no-drop-caches", action="store_true", help="keep the page cache for kvfuse-disk")
+    p.add_argument("--out", default=str(OUT / "vllm_connector"), help="output path without suffix")
+    p.add_argument("--keep", help="keep the servers' logs and the disk tier in this folder")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.lengths, args.prompts, args.rounds = "2048", 1, 1
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    args.configs = [c for c in args.configs.split(",") if c]
+    if set(args.configs) - set(CONFIGS) or args.rounds < 1 or args.prompts < 1:
+        p.error(f"--configs must be a subset of {CONFIGS}; --rounds and --prompts >= 1")
+    return args
+
+
+def make_prompts(folder: Path, data: Path, lengths: list[int], per_length: int) -> dict[int, list[list[int]]]:
+    """Non-overlapping slices of MuSiQue dev documents' token ids: ``per_length`` prompts per length."""
+    from common import musique
+
+    from kvfuse.models.tokenizer import Tokenizer
+
+    if not data.is_file():
+        raise SystemExit(f"{data} not found (MuSiQue, see README's benchmark section)")
+    tok = Tokenizer(folder)
+    need = sum(lengths) * per_length
+    ids: list[int] = []
+    for ex in musique("dev"):
+        for ctx in ex["ctxs"]:
+            ids += tok.encode(ctx["text"] + "\n\n", add_special_tokens=False)
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise SystemExit(f"the dev split holds {len(ids)} tokens, {need} needed")
+    out: dict[int, list[list[int]]] = {}
+    at = 0
+    for n in lengths:
+        out[n] = []
+        for _ in range(per_length):
+            out[n].append(ids[at:at + n])
+            at += n
+    return out
+
+
+def server_for(config: str, args, folder: Path, work: Path, redis_url: str | None, log: Path) -> VLLMServer:
+    extra = {"memory_bytes": "1GiB"}
+    if config == "populate":
+        extra |= {"disk_path": str(work / "kv"), "redis_url": redis_url}
+    elif config == "kvfuse-disk":
+        extra |= {"disk_path": str(work / "kv")}
+    elif config == "kvfuse-redis":
+        extra |= {"disk": False, "redis_url": redis_url}
+    kv = None if config == "vllm" else connector_config(extra)
+    return VLLMServer(folder, python=args.python, dtype=args.dtype, kv_transfer_config=kv, log_path=log)
+
+
+def stats(xs: list[float]) -> dict:
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": xs}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    home = Path(args.home) if args.home else None
+    folder = default_model_path(home)
+    prompts = make_prompts(folder, Path(args.data), args.lengths, args.prompts)
+    flat = [(n, i, p) for n in args.lengths for i, p in enumerate(prompts[n])]
+    expected_chunks = sum(len(p) // CHUNK for _, _, p in flat)
+    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kvfuse-vllm-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    redis = LocalRedis(shutil.which("redis-server") or "redis-server").start()
+    redis_url = f"redis://127.0.0.1:{redis.port}/0"
+    results: dict[str, dict[int, list[float]]] = {c: {n: [] for n in args.lengths} for c in [*CONFIGS, "vllm-warm"]}
+    mismatches: dict[str, int] = {}
+    engines: list[dict] = []
+    reference: dict[tuple[int, int], str] = {}
+    warmup = [int(x) for x in prompts[args.lengths[0]][0][-64:]][::-1]  # a short prompt no test prompt starts with
+    try:
+        # -- populate both tiers ----------------------------------------------------------------------
+        with server_for("populate", args, folder, work, redis_url, work / "populate.log") as s:
+            print(f"populate: vLLM up after {s.startup_s:.0f} s", file=sys.stderr)
+            for n, i, p in flat:
+                ttft, text, _ = first_token(s.base_url, p, args.max_tokens)
+                reference[(n, i)] = text
+                print(f"  computed {n}-token prompt {i}: TTFT {ttft:.2f} s", file=sys.stderr)
+            deadline = time.monotonic() + 300
+            while metric_total(scrape_metrics(s.url), "vllm:kvfuse_saved_chunks_total") < expected_chunks:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the populate server did not save every chunk")
+                time.sleep(1)
+            time.sleep(3)  # the lower tiers are written by a background thread
+            saved = metric_total(scrape_metrics(s.url), "vllm:kvfuse_saved_chunks_total")
+        import redis as redis_lib
+
+        keys = redis_lib.Redis.from_url(redis_url).dbsize()
+        files = len(list((work / "kv").glob("*/*.kvf")))
+        print(f"populate: {saved:.0f} chunks saved; {files} files on disk, {keys} Redis keys", file=sys.stderr)
+        if files < expected_chunks or keys < expected_chunks:
+            raise SystemExit(f"expected {expected_chunks} chunks in each tier")
+        # -- rounds -------------------------------------------------------------------------------------
+        for r in range(args.rounds):
+            order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
+            for config in order:
+                log = work / f"round{r}-{config}.log"
+                with server_for(config, args, folder, work, redis_url, log) as s:
+                    first_token(s.base_url, warmup, 4)
+                    dropped = None
+                    if config == "kvfuse-disk" and not args.no_drop_caches:
+                        dropped = drop_page_cache()  # None on success
+                        if dropped is not None:
+                            print(f"  page cache not dropped: {dropped}", file=sys.stderr)
+                    cells = flat[r % len(flat):] + flat[:r % len(flat)]
+                    for n, i, p in cells:
+                        ttft, text, usage = first_token(s.base_url, p, args.max_tokens)
+                        results[config][n].append(ttft)
+                        if text != reference[(n, i)]:
+                            mismatches[config] = mismatches.get(config, 0) + 1
+                        print(f"round {r} {config:12s} {n}-token prompt {i}: TTFT {ttft:.3f} s"
+                              f"{'' if text == reference[(n, i)] else '  (answer differs!)'}", file=sys.stderr)
+                    if config == "vllm":
+                        for n, i, p in cells:
+                            ttft, text, _ = first_token(s.base_url, p, args.max_tokens)
+                            results["vllm-warm"][n].append(ttft)
+                            if text != reference[(n, i)]:
+                                mismatches["vllm-warm"] = mismatches.get("vllm-warm", 0) + 1
+                    time.sleep(6)  # vLLM publishes the connector's counters every few seconds
+                    m = scrape_metrics(s.url)
+                    engines.append({
+                        "round": r, "config": config, "startup_s": s.startup_s, "page_cache_dropped": dropped is None
+                        if config == "kvfuse-disk" and not args.no_drop_caches else None,
+                        "loaded_chunks": {t: metric_total(m, "vllm:kvfuse_loaded_chunks_by_tier_total", tier=t)
+                                          for t in ("memory", "disk", "redis")},
+                        "load_failed_chunks": metric_total(m, "vllm:kvfuse_load_failed_chunks_total"),
+                        "external_prefix_cache_hits": metric_total(m, "vllm:external_prefix_cache_hits_total"),
+                        "prefix_cache_hits": metric_total(m, "vllm:prefix_cache_hits_total"),
+                    })
+    finally:
+        redis.stop()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = summarize(results, args.lengths)
+    rows = []
+    for n in args.lengths:
+        base = summary["vllm"][n]["median"] if summary.get("vllm", {}).get(n) else None
+        row = [n]
+        for c in [*CONFIGS, "vllm-warm"]:
+            s = summary.get(c, {}).get(n)
+            row.append(f"{s['median']:.2f} s ({s['min']:.2f}-{s['max']:.2f})" if s else "-")
+            if c != "vllm":
+                row.append(f"{base / s['median']:.1f}x" if s and base else "-")
+        rows.append(row)
+    print_table(["tokens", "vllm", "kvfuse-disk", "x", "kvfuse-redis", "x", "vllm-warm", "x"], rows)
+    print(f"answers differing from the reference: {mismatches or 'none'}")
+    payload = {
+        "environment": environment(),
+        "args": {k: v for k, v in vars(args).items()},
+        "target_speedup": TARGET,
+        "ttft_s": {c: {str(n): v for n, v in cells.items()} for c, cells in summary.items()},
+        "speedup_vs_vllm": {c: {str(n): summary["vllm"][n]["median"] / v["median"] for n, v in cells.items()}
+                            for c, cells in summary.items() if c != "vllm" and "vllm" in summary},
+        "answers_differing": mismatches,
+        "engines": engines,
+        "prompts": {str(n): [len(p) for p in ps] for n, ps in prompts.items()},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
+    plot(summary, args.lengths, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+def summarize(results: dict[str, dict[int, list[float]]], lengths: list[int]) -> dict:
+    return {c: {n: stats(xs) for n, xs in cells.items() if xs} for c, cells in results.items()
+            if any(cells[n] for n in lengths)}
+
+
+def plot(summary: dict, lengths: list[int], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", file=sys.stderr)
+        return
+    configs = [c for c in (*CONFIGS, "vllm-warm") if c in summary]
+    labels = {"vllm": "vLLM alone (restarted)", "kvfuse-disk": "vLLM + kvfuse, disk tier (cold page cache)",
+              "kvfuse-redis": "vLLM + kvfuse, Redis tier", "vllm-warm": "vLLM's own prefix cache (same process)"}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / len(configs)
+    for j, c in enumerate(configs):
+        xs, med, lo, hi = [], [], [], []
+        for k, n in enumerate(lengths):
+            s = summary[c].get(n)
+            if not s:
+                continue
+            xs.append(k + (j - (len(configs) - 1) / 2) * width)
+            med.append(s["median"])
+            lo.append(s["median"] - s["min"])
+            hi.append(s["max"] - s["median"])
+        bars = ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=labels[c])
+        if c != "vllm" and "vllm" in summary:
+            for x, m, n in zip(xs, med, lengths):
+                ax.annotate(f"{summary['vllm'][n]['median'] / m:.1f}x", (x, m), ha="center", va="bottom", fontsize=8,
+                            xytext=(0, 3), textcoords="offset points")
+        del bars
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_ylabel("time to first token after a restart (s)")
+    ax.set_title("SmolLM2 on vLLM CPU (bf16): a repeated prompt after a restart")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
