@@ -1,10 +1,16 @@
 """The Redis / Valkey tier: pipelined batches, bounded waits, back-off while the server is away.
 
-Every call returns within about ``timeout_s`` (socket connect and read timeouts, no client-side
-retries). A failure (refused, reset, timed out) is logged once, counted, answered as a miss (writes
-are dropped and counted), and starts a back-off of ``backoff_s`` during which calls return misses
-at once without touching the network. The first call after the back-off tries the server again;
-redis-py reconnects by itself, so the tier recovers when the server comes back.
+Every call is bounded (no client-side retries): connecting takes at most ``timeout_s``, and the
+exchange that follows (sending the commands, reading every reply) at most ``timeout_s`` plus the
+time its bytes take at ``min_rate`` bytes per second. A socket time-out alone bounds each read,
+not a reply: a server (or link) that trickles a multi-MB value a few bytes per time-out would hold
+a request for minutes. So the tier's sockets end every read and write at the calling thread's
+deadline for the current call (``_DeadlineSocket``), and the deadline moves on with the bytes
+moved: a slow but working link still serves big batches, a link slower than ``min_rate`` is a
+time-out. A failure (refused, reset, timed out) is logged once, counted, answered as a miss
+(writes are dropped and counted), and starts a back-off of ``backoff_s`` during which calls return
+misses at once without touching the network. The first call after the back-off tries the server
+again; redis-py reconnects by itself, so the tier recovers when the server comes back.
 
 Expiry is Redis's own: a put with ``expires_at`` is ``SET ... PX ms`` with ``ms`` the time left on
 the tier's ``clock`` (the smaller of that and the tier's ``ttl_s`` where it has one); ``expiry``
@@ -27,13 +33,16 @@ from __future__ import annotations
 import logging
 import math
 import re
+import socket
 import threading
 import time
+from contextlib import contextmanager
 from typing import Iterable
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import Encoder, PythonRespSerializer
+from redis.connection import (Connection, Encoder, PythonRespSerializer, SSLConnection, UnixDomainSocketConnection,
+                              parse_url)
 from redis.retry import Retry
 
 from kvfuse.kv.keys import ChunkKey
@@ -44,6 +53,98 @@ log = logging.getLogger(__name__)
 _BUFFER_CUTOFF = 6000  # redis-py's default: values above it are sent without being copied
 
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+MIN_RATE = 8_000_000  # bytes/s: a call moving its bytes slower than this times out (see the docstring)
+
+
+class _Deadline(threading.local):
+    """The calling thread's current call: when it started, its allowance, the bytes moved so far
+    (None outside a call: the socket's own time-out applies alone)."""
+
+    start: float | None = None
+    budget_s = 0.0
+    rate = float(MIN_RATE)
+    moved = 0
+
+    def left(self, extra_bytes: int = 0) -> float | None:
+        """Seconds left before the call's deadline (None outside a call)."""
+        if self.start is None:
+            return None
+        return self.start + self.budget_s + (self.moved + extra_bytes) / self.rate - time.monotonic()
+
+
+_deadline = _Deadline()
+
+
+class _DeadlineSocket:
+    """A connected socket whose blocking reads and writes end at the calling thread's deadline
+    (``_deadline``): each one runs with the smaller of the socket's time-out and the time left,
+    and raises ``socket.timeout`` (which redis-py turns into its TimeoutError and a disconnect)
+    once none is left. Everything else is the socket's own."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+        self._timeout = sock.gettimeout()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._timeout = timeout
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _bound(self, extra_bytes: int = 0) -> None:
+        left = _deadline.left(extra_bytes)
+        if left is None or self._timeout == 0:  # outside a call, or a non-blocking probe
+            self._sock.settimeout(self._timeout)
+            return
+        if left <= 0:
+            raise socket.timeout("the Redis call ran past its deadline")
+        self._sock.settimeout(left if self._timeout is None else min(left, self._timeout))
+
+    def recv(self, bufsize: int, flags: int = 0) -> bytes:
+        if flags & socket.MSG_PEEK:
+            return self._sock.recv(bufsize, flags)  # a look, not a read (redis-py's closed-socket check)
+        self._bound()
+        data = self._sock.recv(bufsize, flags)
+        _deadline.moved += len(data)
+        return data
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        self._bound()
+        n = self._sock.recv_into(buffer, nbytes, flags)
+        _deadline.moved += n
+        return n
+
+    def sendall(self, data, flags: int = 0) -> None:
+        size = memoryview(data).nbytes
+        self._bound(size)  # the allowance includes these bytes (sendall's time-out covers it whole)
+        self._sock.sendall(data, flags)
+        _deadline.moved += size
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)
+
+
+class _DeadlineMixin:
+    def _connect(self):
+        return _DeadlineSocket(super()._connect())
+
+
+class _DeadlineConnection(_DeadlineMixin, Connection):
+    pass
+
+
+class _DeadlineSSLConnection(_DeadlineMixin, SSLConnection):
+    pass
+
+
+class _DeadlineUnixConnection(_DeadlineMixin, UnixDomainSocketConnection):
+    pass
+
+
+_DEADLINE_CLASSES = {Connection: _DeadlineConnection, SSLConnection: _DeadlineSSLConnection,
+                     UnixDomainSocketConnection: _DeadlineUnixConnection}
 
 
 class _LazyCluster:
@@ -66,7 +167,8 @@ class _LazyCluster:
                     # reply the client re-reads the slot map and the next call goes to the right node
                     client = RedisCluster.from_url(
                         self._url, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
-                        retry=Retry(NoBackoff(), 0))
+                        retry=Retry(NoBackoff(), 0),
+                        connection_class=_DeadlineConnection)  # bounded calls (a rediss:// URL keeps its TLS class)
                 except redis.RedisError:
                     raise
                 except Exception as e:  # RedisClusterException is not a RedisError
@@ -87,7 +189,8 @@ class RedisTier(Tier):
     """Entries as Redis strings under ``key_prefix + key``; optional TTL (``ttl_s``, None = none).
 
     ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://`` for TLS, ``unix://``); with
-    ``cluster``, the URL of any node of a Redis Cluster (database 0).
+    ``cluster``, the URL of any node of a Redis Cluster (database 0). ``min_rate``: the slowest
+    transfer, in bytes per second, a call waits for beyond ``timeout_s`` (see the module docstring).
     """
 
     batch_reads = True  # MGET: one round trip for a batch
@@ -101,6 +204,7 @@ class RedisTier(Tier):
         backoff_s: float = 1.0,
         name: str = "redis",
         cluster: bool = False,
+        min_rate: float = MIN_RATE,
     ) -> None:
         super().__init__()
         if timeout_s <= 0:
@@ -109,7 +213,11 @@ class RedisTier(Tier):
             raise ValueError(f"RedisTier ttl_s must be > 0 or None (no expiry), got {ttl_s}")
         if backoff_s < 0:
             raise ValueError(f"RedisTier backoff_s must be >= 0, got {backoff_s}")
+        if not min_rate > 0:
+            raise ValueError(f"RedisTier min_rate must be > 0 bytes/s, got {min_rate}")
         self.name = name
+        self.timeout_s = timeout_s
+        self.min_rate = float(min_rate)
         self.url = url
         self.key_prefix = key_prefix
         self.ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
@@ -119,8 +227,10 @@ class RedisTier(Tier):
             if cluster:
                 self._client = _LazyCluster(url, timeout_s)
             else:
+                scheme_class = parse_url(url).get("connection_class", Connection)
                 self._client = redis.Redis.from_url(
                     url,
+                    connection_class=_DEADLINE_CLASSES.get(scheme_class, scheme_class),  # bounded calls
                     socket_timeout=timeout_s,
                     socket_connect_timeout=timeout_s,
                     retry=Retry(NoBackoff(), 0),  # a retry would double the worst-case wait
@@ -166,6 +276,16 @@ class RedisTier(Tier):
     def _k(self, key: ChunkKey) -> str:
         return self.key_prefix + str(check_key(key))
 
+    @contextmanager
+    def _call(self):
+        """One bounded exchange with the server (see the module docstring)."""
+        _deadline.start, _deadline.budget_s, _deadline.rate, _deadline.moved = \
+            time.monotonic(), self.timeout_s, self.min_rate, 0
+        try:
+            yield
+        finally:
+            _deadline.start = None
+
     # -- the Tier interface ---------------------------------------------------------------------
 
     def contains(self, key: ChunkKey) -> bool:
@@ -179,7 +299,8 @@ class RedisTier(Tier):
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
                 pipe.exists(self._k(k))
-            found = [bool(n) for n in pipe.execute()]
+            with self._call():
+                found = [bool(n) for n in pipe.execute()]
         except (redis.RedisError, OSError) as e:
             self._failed("contains", e)
             return [False] * len(keys)
@@ -197,7 +318,8 @@ class RedisTier(Tier):
             self.stats.add(misses=len(keys))
             return [None] * len(keys)
         try:
-            values = self._client.mget([self._k(k) for k in keys])
+            with self._call():
+                values = self._client.mget([self._k(k) for k in keys])
         except (redis.RedisError, OSError) as e:
             self._failed("get", e)
             self.stats.add(misses=len(keys))
@@ -218,7 +340,8 @@ class RedisTier(Tier):
             pipe = self._client.pipeline(transaction=False)
             pipe.exists(self._k(key))
             pipe.getrange(self._k(key), start, stop - 1)
-            exists, value = pipe.execute()
+            with self._call():
+                exists, value = pipe.execute()
         except (redis.RedisError, OSError) as e:
             self._failed("getrange", e)
             self.stats.add(misses=1)
@@ -256,7 +379,8 @@ class RedisTier(Tier):
                 # bytes, bytearray and memoryview go as they are; a Redis value is one buffer, so
                 # an Entry's two parts are joined here (the network, not this copy, is the limit)
                 pipe.set(self._k(k), v.join() if isinstance(v, Entry) else v, px=px)
-            pipe.execute()
+            with self._call():
+                pipe.execute()
         except (redis.RedisError, OSError) as e:
             self._failed("put", e)
             self.stats.add(dropped_writes=len(items))
@@ -268,7 +392,8 @@ class RedisTier(Tier):
         if not self._available():
             return False
         try:
-            n = self._client.unlink(self._k(key))
+            with self._call():
+                n = self._client.unlink(self._k(key))
         except (redis.RedisError, OSError) as e:
             self._failed("delete", e)
             return False
@@ -281,7 +406,8 @@ class RedisTier(Tier):
         if not names or not self._available():
             return 0
         try:
-            n = self._client.unlink(*names)
+            with self._call():
+                n = self._client.unlink(*names)
         except (redis.RedisError, OSError) as e:
             self._failed("delete", e)
             return 0
@@ -301,7 +427,8 @@ class RedisTier(Tier):
             pipe = self._client.pipeline(transaction=False)
             for k in keys:
                 pipe.pttl(self._k(k))
-            ttls = pipe.execute()
+            with self._call():
+                ttls = pipe.execute()
         except (redis.RedisError, OSError) as e:
             self._failed("pttl", e)
             return [None] * len(keys)
@@ -324,7 +451,8 @@ class RedisTier(Tier):
                 pipe.exists(self._k(k))
                 if ms > 0:
                     pipe.pexpire(self._k(k), ms, gt=True)
-            replies = pipe.execute()
+            with self._call():
+                replies = pipe.execute()
         except (redis.RedisError, OSError) as e:
             self._failed("extend", e)
             return [False] * len(keys)
@@ -334,6 +462,20 @@ class RedisTier(Tier):
     def expire(self) -> int:
         return 0  # Redis expires keys by itself
 
+    def _scan(self, pattern: str):
+        """The keys SCAN finds for ``pattern``, each SCAN round trip one bounded call (a cluster's
+        SCAN goes node by node in redis-py's ``scan_iter``, each read bounded by the time-out)."""
+        if self.cluster:
+            yield from self._client.scan_iter(match=pattern, count=1000)
+            return
+        cursor = 0
+        while True:
+            with self._call():
+                cursor, names = self._client.scan(cursor, match=pattern, count=1000)
+            yield from names
+            if int(cursor) == 0:
+                return
+
     def delete_prefix(self, prefix: str) -> int:
         """SCAN for ``key_prefix + prefix*`` and UNLINK in batches; 0 if the server is unavailable."""
         if not self._available():
@@ -341,13 +483,15 @@ class RedisTier(Tier):
         pattern = _GLOB_SPECIAL.sub(r"\\\1", self.key_prefix + prefix) + "*"
         removed, batch = 0, []
         try:
-            for k in self._client.scan_iter(match=pattern, count=1000):
+            for k in self._scan(pattern):
                 batch.append(k)
                 if len(batch) >= 1000:
-                    removed += self._client.unlink(*batch)
+                    with self._call():
+                        removed += self._client.unlink(*batch)
                     batch = []
             if batch:
-                removed += self._client.unlink(*batch)
+                with self._call():
+                    removed += self._client.unlink(*batch)
         except (redis.RedisError, OSError) as e:
             self._failed("delete_prefix", e)
             return removed
@@ -361,7 +505,7 @@ class RedisTier(Tier):
         pattern = _GLOB_SPECIAL.sub(r"\\\1", self.key_prefix) + "*"
         out: list[ChunkKey] = []
         try:
-            for k in self._client.scan_iter(match=pattern, count=1000):
+            for k in self._scan(pattern):
                 name = k.decode("utf-8", "replace") if isinstance(k, bytes) else k
                 try:
                     out.append(ChunkKey.parse(name[len(self.key_prefix):]))
@@ -378,7 +522,8 @@ class RedisTier(Tier):
     def ping(self) -> bool:
         """True if the server answers now (ignores and does not start a back-off)."""
         try:
-            return bool(self._client.ping())
+            with self._call():
+                return bool(self._client.ping())
         except (redis.RedisError, OSError):
             return False
 
