@@ -136,7 +136,7 @@ def main() -> None:
         return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
     result = {
-        "environment": environment(), "entries": args.entries, "files": args.files, "repeats": args.repeats,
+        "environment": {**environment(), "load_average_1m": os.getloadavg()[0]}, "entries": args.entries, "files": args.files, "repeats": args.repeats,
         "memory_tier_bytes_per_entry": mem, "disk_index_bytes_per_entry": disk,
         "memory_lookups_per_s": mmm(rates), "disk_contains_per_s": mmm(contains),
         "disk_rebuild_s": mmm(rebuilds), "disk_rebuild_s_per_million": mmm([r * 1e6 / args.files for r in rebuilds]),
