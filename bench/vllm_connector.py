@@ -9,14 +9,18 @@ What is measured (SmolLM2 on vLLM CPU 0.32, bf16, one server at a time, 2-core m
 2. rounds: each round starts, per configuration, a **new** vLLM process (nothing in its own prefix
    cache) and sends every prompt once, streaming, timing the first token:
    - ``vllm``: vLLM alone (prefix caching on, as always): a full prefill;
-   - ``kvfuse-disk``: the connector with its disk tier only; the page cache is dropped (root only)
-     after start-up and warm-up, so the chunks are read from the disk itself;
+   - ``kvfuse-disk``: the connector with its disk tier only; after start-up and warm-up the KV files
+     are evicted from the page cache (``posix_fadvise DONTNEED``; ``--drop-all-caches``: the whole
+     page cache, vLLM's own libraries included), so the chunks are read from the disk itself;
    - ``kvfuse-redis``: the connector with its Redis tier only (disk off);
+   - optionally ``kvfuse-disk-whole`` / ``kvfuse-redis-whole``: the same with ``layerwise: false``
+     (whole entries read and written before the forward pass);
    and then, in the ``vllm`` server, every prompt a second time: ``vllm-warm``, vLLM's own prefix
    cache in the same process (the floor no connector can beat: the same last-token compute);
    the configurations' order rotates from round to round (interleaved).
 
-Each server first answers a short warm-up prompt. Every answer is compared with the reference
+Each server first answers a short warm-up prompt. The machine's 1-minute load average before each
+timed request is recorded (the 2 cores may be shared with other work). Every answer is compared with the reference
 (greedy, 16 tokens). Cells: median (min-max) over rounds x prompts of a length. Target: the
 connector >= 5x faster than vLLM alone. Prompts: token ids of MuSiQue **dev** documents
 (``../shared/data/musique_s.json``), non-overlapping slices (no shared prefix between prompts).
@@ -30,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -44,6 +50,7 @@ from vllm_server import (DEFAULT_PYTHON, VLLMServer, connector_config, default_m
 from kvfuse.testing import LocalRedis
 
 CONFIGS = ("vllm", "kvfuse-disk", "kvfuse-redis")
+EXTRA_CONFIGS = ("kvfuse-disk-whole", "kvfuse-redis-whole")  # layerwise: false (whole entries before the forward)
 TARGET = 5.0
 CHUNK = 256
 
@@ -53,14 +60,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lengths", default="2048,4000", help="prompt lengths in tokens (default 2048,4000)")
     p.add_argument("--prompts", type=int, default=2, help="distinct prompts per length (default 2)")
     p.add_argument("--rounds", type=int, default=3, help="vLLM restarts per configuration (default 3)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"subset of {','.join(CONFIGS + EXTRA_CONFIGS)} (default {','.join(CONFIGS)})")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quick", action="store_true", help="one 2048-token prompt, one round")
     p.add_argument("--home", help="kvfuse home holding the converted model (default $KVFUSE_HOME)")
     p.add_argument("--python", default=DEFAULT_PYTHON, help="vLLM's interpreter")
     p.add_argument("--data", default=str(DATA / "musique_s.json"))
-    p.add_argument("--no-drop-caches", action="store_true", help="keep the page cache for kvfuse-disk")
+    p.add_argument("--no-drop-caches", action="store_true", help="keep the KV files in the page cache for kvfuse-disk")
+    p.add_argument("--drop-all-caches", action="store_true",
+                   help="drop the whole page cache (root) instead of evicting only the KV files (which also "
+                        "evicts vLLM's own libraries: the next request pays for reading them back)")
     p.add_argument("--out", default=str(OUT / "vllm_connector"), help="output path without suffix")
     p.add_argument("--keep", help="keep the servers' logs and the disk tier in this folder")
     args = p.parse_args(argv)
@@ -68,8 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.lengths, args.prompts, args.rounds = "2048", 1, 1
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.configs = [c for c in args.configs.split(",") if c]
-    if set(args.configs) - set(CONFIGS) or args.rounds < 1 or args.prompts < 1:
-        p.error(f"--configs must be a subset of {CONFIGS}; --rounds and --prompts >= 1")
+    if set(args.configs) - set(CONFIGS + EXTRA_CONFIGS) or args.rounds < 1 or args.prompts < 1:
+        p.error(f"--configs must be a subset of {CONFIGS + EXTRA_CONFIGS}; --rounds and --prompts >= 1")
     return args
 
 
@@ -105,12 +116,30 @@ def server_for(config: str, args, folder: Path, work: Path, redis_url: str | Non
     extra = {"memory_bytes": "1GiB"}
     if config == "populate":
         extra |= {"disk_path": str(work / "kv"), "redis_url": redis_url}
-    elif config == "kvfuse-disk":
+    elif config.startswith("kvfuse-disk"):
         extra |= {"disk_path": str(work / "kv")}
-    elif config == "kvfuse-redis":
+    elif config.startswith("kvfuse-redis"):
         extra |= {"disk": False, "redis_url": redis_url}
+    if config.endswith("-whole"):
+        extra |= {"layerwise": False}
     kv = None if config == "vllm" else connector_config(extra)
     return VLLMServer(folder, python=args.python, dtype=args.dtype, kv_transfer_config=kv, log_path=log)
+
+
+def evict_files(folder: Path) -> str | None:
+    """Evict the files under ``folder`` from the page cache (``POSIX_FADV_DONTNEED`` after an
+    fsync), leaving every other page cached; None on success, else why not."""
+    try:
+        for path in folder.rglob("*.kvf"):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        return None
+    except (OSError, AttributeError) as e:
+        return f"{type(e).__name__}: {e}"
 
 
 def stats(xs: list[float]) -> dict:
@@ -119,6 +148,7 @@ def stats(xs: list[float]) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and redis-server on SIGTERM too
     home = Path(args.home) if args.home else None
     folder = default_model_path(home)
     prompts = make_prompts(folder, Path(args.data), args.lengths, args.prompts)
@@ -128,9 +158,11 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     redis = LocalRedis(shutil.which("redis-server") or "redis-server").start()
     redis_url = f"redis://127.0.0.1:{redis.port}/0"
-    results: dict[str, dict[int, list[float]]] = {c: {n: [] for n in args.lengths} for c in [*CONFIGS, "vllm-warm"]}
+    results: dict[str, dict[int, list[float]]] = {c: {n: [] for n in args.lengths}
+                                                  for c in [*CONFIGS, *EXTRA_CONFIGS, "vllm-warm"]}
     mismatches: dict[str, int] = {}
     engines: list[dict] = []
+    requests: list[dict] = []  # every timed request, with the 1-minute load average before it
     reference: dict[tuple[int, int], str] = {}
     warmup = [int(x) for x in prompts[args.lengths[0]][0][-64:]][::-1]  # a short prompt no test prompt starts with
     try:
@@ -163,29 +195,36 @@ def main(argv=None) -> int:
                 with server_for(config, args, folder, work, redis_url, log) as s:
                     first_token(s.base_url, warmup, 4)
                     dropped = None
-                    if config == "kvfuse-disk" and not args.no_drop_caches:
-                        dropped = drop_page_cache()  # None on success
+                    if config.startswith("kvfuse-disk") and not args.no_drop_caches:
+                        dropped = drop_page_cache() if args.drop_all_caches else evict_files(work / "kv")
                         if dropped is not None:
                             print(f"  page cache not dropped: {dropped}", file=sys.stderr)
                     cells = flat[r % len(flat):] + flat[:r % len(flat)]
                     for n, i, p in cells:
+                        load_before = os.getloadavg()[0]
                         ttft, text, usage = first_token(s.base_url, p, args.max_tokens)
                         results[config][n].append(ttft)
+                        requests.append({"round": r, "config": config, "tokens": n, "prompt": i, "ttft_s": ttft,
+                                         "same_answer": text == reference[(n, i)], "loadavg_1m": load_before})
                         if text != reference[(n, i)]:
                             mismatches[config] = mismatches.get(config, 0) + 1
                         print(f"round {r} {config:12s} {n}-token prompt {i}: TTFT {ttft:.3f} s"
                               f"{'' if text == reference[(n, i)] else '  (answer differs!)'}", file=sys.stderr)
                     if config == "vllm":
                         for n, i, p in cells:
+                            load_before = os.getloadavg()[0]
                             ttft, text, _ = first_token(s.base_url, p, args.max_tokens)
                             results["vllm-warm"][n].append(ttft)
+                            requests.append({"round": r, "config": "vllm-warm", "tokens": n, "prompt": i,
+                                             "ttft_s": ttft, "same_answer": text == reference[(n, i)],
+                                             "loadavg_1m": load_before})
                             if text != reference[(n, i)]:
                                 mismatches["vllm-warm"] = mismatches.get("vllm-warm", 0) + 1
                     time.sleep(6)  # vLLM publishes the connector's counters every few seconds
                     m = scrape_metrics(s.url)
                     engines.append({
                         "round": r, "config": config, "startup_s": s.startup_s, "page_cache_dropped": dropped is None
-                        if config == "kvfuse-disk" and not args.no_drop_caches else None,
+                        if config.startswith("kvfuse-disk") and not args.no_drop_caches else None,
                         "loaded_chunks": {t: metric_total(m, "vllm:kvfuse_loaded_chunks_by_tier_total", tier=t)
                                           for t in ("memory", "disk", "redis")},
                         "load_failed_chunks": metric_total(m, "vllm:kvfuse_load_failed_chunks_total"),
@@ -198,16 +237,17 @@ def main(argv=None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     summary = summarize(results, args.lengths)
     rows = []
+    shown = [c for c in [*CONFIGS, *EXTRA_CONFIGS, "vllm-warm"] if c in summary]
     for n in args.lengths:
         base = summary["vllm"][n]["median"] if summary.get("vllm", {}).get(n) else None
         row = [n]
-        for c in [*CONFIGS, "vllm-warm"]:
+        for c in shown:
             s = summary.get(c, {}).get(n)
             row.append(f"{s['median']:.2f} s ({s['min']:.2f}-{s['max']:.2f})" if s else "-")
             if c != "vllm":
                 row.append(f"{base / s['median']:.1f}x" if s and base else "-")
         rows.append(row)
-    print_table(["tokens", "vllm", "kvfuse-disk", "x", "kvfuse-redis", "x", "vllm-warm", "x"], rows)
+    print_table(["tokens"] + [h for c in shown for h in ([c] if c == "vllm" else [c, "x"])], rows)
     print(f"answers differing from the reference: {mismatches or 'none'}")
     payload = {
         "environment": environment(),
@@ -218,6 +258,7 @@ def main(argv=None) -> int:
                             for c, cells in summary.items() if c != "vllm" and "vllm" in summary},
         "answers_differing": mismatches,
         "engines": engines,
+        "requests": requests,
         "prompts": {str(n): [len(p) for p in ps] for n, ps in prompts.items()},
     }
     out = Path(args.out)
@@ -242,9 +283,10 @@ def plot(summary: dict, lengths: list[int], path: Path) -> None:
     except ImportError:
         print("matplotlib missing: no plot", file=sys.stderr)
         return
-    configs = [c for c in (*CONFIGS, "vllm-warm") if c in summary]
-    labels = {"vllm": "vLLM alone (restarted)", "kvfuse-disk": "vLLM + kvfuse, disk tier (cold page cache)",
-              "kvfuse-redis": "vLLM + kvfuse, Redis tier", "vllm-warm": "vLLM's own prefix cache (same process)"}
+    configs = [c for c in (*CONFIGS, *EXTRA_CONFIGS, "vllm-warm") if c in summary]
+    labels = {"vllm": "vLLM alone (restarted)", "kvfuse-disk": "vLLM + kvfuse, disk tier (KV files not cached)",
+              "kvfuse-redis": "vLLM + kvfuse, Redis tier", "vllm-warm": "vLLM's own prefix cache (same process)",
+              "kvfuse-disk-whole": "kvfuse disk, whole entries", "kvfuse-redis-whole": "kvfuse Redis, whole entries"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(configs)
     for j, c in enumerate(configs):

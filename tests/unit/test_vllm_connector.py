@@ -44,30 +44,45 @@ def test_alignment_errors_say_what_to_set(chunk, block):
         assert "multiple of vLLM's block size" in str(e.value) and "chunk_size" in str(e.value)
 
 
-@pytest.mark.parametrize("tokens,chunk,expected", [
-    (0, 256, 0), (1, 256, 0), (256, 256, 0), (257, 256, 1),  # the last token is always left to vLLM
-    (1024, 256, 3), (1025, 256, 4), (4000, 256, 15)])
-def test_lookup_chunks_leave_the_last_token(tokens, chunk, expected):
-    assert B.lookup_chunks(tokens, chunk) == expected
+@pytest.mark.parametrize("tokens,block,expected", [(0, 128, 0), (1, 128, 0), (128, 128, 0), (129, 128, 128),
+                                                   (2048, 128, 1920), (2049, 128, 2048), (4000, 128, 3968),
+                                                   (4000, 16, 3984)])
+def test_load_limit_leaves_the_last_token_in_whole_blocks(tokens, block, expected):
+    assert B.load_limit(tokens, block) == expected
 
 
-@pytest.mark.parametrize("computed,first,hits,expected", [
-    (0, 0, 3, 768), (0, 0, 0, 0), (384, 1, 2, 384), (512, 2, 1, 256), (768, 3, 0, 0), (1024, 2, 1, 0)])
-def test_matched_tokens(computed, first, hits, expected):
-    assert B.matched_tokens(computed, first, hits, 256) == expected
+@pytest.mark.parametrize("tokens,chunk,block,expected", [
+    (0, 256, 128, 0), (1, 256, 128, 0), (256, 256, 128, 1), (256, 256, 256, 0), (257, 256, 256, 1),
+    (1024, 256, 128, 4),  # the 4th chunk starts before the limit (896): loaded in part
+    (1024, 256, 256, 3), (1000, 256, 128, 3),  # chunk 3 is not full: no key
+    (2048, 256, 128, 8), (4000, 256, 128, 15)])
+def test_lookup_chunks(tokens, chunk, block, expected):
+    assert B.lookup_chunks(tokens, chunk, block) == expected
 
 
-def test_load_spans_partial_first_chunk():
+@pytest.mark.parametrize("computed,first,hits,limit,expected", [
+    (0, 0, 3, 10_000, 768), (0, 0, 0, 10_000, 0), (384, 1, 2, 10_000, 384), (512, 2, 1, 10_000, 256),
+    (768, 3, 0, 10_000, 0), (1024, 2, 1, 10_000, 0),
+    (0, 0, 8, 1920, 1920),  # the last chunk up to the limit only
+    (1920, 7, 1, 1920, 0)])
+def test_matched_tokens(computed, first, hits, limit, expected):
+    assert B.matched_tokens(computed, first, hits, 256, limit) == expected
+
+
+def test_load_spans_partial_first_and_last_chunks():
     # vLLM holds 384 tokens (3 blocks of 128); the store has chunks 1 and 2 (tokens 256..768).
     spans = B.load_spans(384, 768, 256, 128)
-    assert spans == [B.ChunkSpan(1, 256, 512, 384), B.ChunkSpan(2, 512, 768, 512)]
+    assert spans == [B.ChunkSpan(1, 256, 512, 384, 512), B.ChunkSpan(2, 512, 768, 512, 768)]
     assert [s.written_tokens for s in spans] == [128, 256]
-    assert B.load_spans(0, 512, 256, 16) == [B.ChunkSpan(0, 0, 256, 0), B.ChunkSpan(1, 256, 512, 256)]
+    assert B.load_spans(0, 512, 256, 16) == [B.ChunkSpan(0, 0, 256, 0, 256), B.ChunkSpan(1, 256, 512, 256, 512)]
+    # a 2048-token prompt: 7 chunks and the first block of the 8th (the last block is vLLM's)
+    spans = B.load_spans(0, 1920, 256, 128)
+    assert len(spans) == 8 and spans[-1] == B.ChunkSpan(7, 1792, 2048, 1792, 1920)
     assert B.load_spans(512, 512, 256, 16) == []
     with pytest.raises(ValueError):
         B.load_spans(100, 512, 256, 16)  # not block aligned
     with pytest.raises(ValueError):
-        B.load_spans(0, 300, 256, 16)  # not chunk aligned
+        B.load_spans(0, 300, 256, 16)  # not block aligned
 
 
 def test_block_ids_and_slot_mapping():
@@ -284,11 +299,12 @@ def _prompt(n, seed=1):
 
 def test_match_counts_contiguous_chunks_leaving_the_last_token(mem_store):
     keeper = _keeper(mem_store)
-    p = _prompt(1024)  # 4 full chunks, but only 3 may be loaded (the last token is vLLM's)
+    p = _prompt(1024)  # 4 full chunks; the last block (with the last token) is vLLM's
     assert keeper.match("r", p, None, 0).tokens == 0
     _store_chunks(mem_store, p, [0, 1, 2, 3])
-    assert keeper.match("r", p, None, 0).tokens == 768
+    assert keeper.match("r", p, None, 0).tokens == 896
     assert keeper.match("r", p + [5], None, 0).tokens == 1024
+    assert keeper.match("r", p[:1000], None, 0).tokens == 768  # chunk 3 is not full: no key
 
 
 def test_match_partial_hits(mem_store):
@@ -313,7 +329,7 @@ def test_match_is_side_effect_free(mem_store):
     _store_chunks(mem_store, p, [0, 1, 2])
     before = mem_store.stats()
     for _ in range(3):
-        assert keeper.match("r", p, None, 0).tokens == 768
+        assert keeper.match("r", p, None, 0).tokens == 768  # chunk 3 (needed up to 1408) is not stored
     assert mem_store.stats() == before
     assert keeper.plan([], []).loads == []  # a match alone plans nothing
 
@@ -652,3 +668,33 @@ def test_layer_groups_cover_every_layer_once_first_alone(layers):
     assert groups[0] == (0, 1)
     assert [i for a, b in groups for i in range(a, b)] == list(range(layers))
     assert len(groups) <= 2 + max(0, layers - 2).bit_length()
+
+
+def test_a_prompt_of_whole_chunks_loads_all_but_its_last_block(tmp_path):
+    """1024 tokens = 4 stored chunks: the load stops at the last whole block before the last
+    token (960 with 64-token blocks), writing the 4th chunk in part."""
+    worker, layers, store, names = _worker_setup(tmp_path)
+    p = _prompt(1024)
+    keys = _keys(p)
+    table = list(range(16))
+    kv = _fill_request(layers, table, 1024)
+    _save_chunks(worker, layers, names, table, 4, keys)
+
+    def keys_for(tokens, salt, n):
+        return [prefix_keys(list(tokens[: n * CHUNK]), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D))]
+    keeper = Bookkeeper(CHUNK, KB, keys_for, lambda k: store.lookup(k, count=False).where)
+    m = keeper.match("r", p, None, 0)
+    assert m.tokens == 960
+    keeper.allocated("r", m.tokens)
+    new_table = list(range(20, 36))
+    step = keeper.plan([NewRequest("r", p, None, new_table, 960, 64)], [])
+    assert [(c.index, c.block_ids, c.skip_tokens) for c in step.loads[0].chunks][-1] == (3, (32, 33, 34), 0)
+    for v in layers.views:
+        v.zero_()
+    assert _run_step(worker, layers, names, loads=step.loads) == set()
+    for i, v in enumerate(layers.views):
+        assert torch.equal(layers.layout.gather(v, torch.tensor(new_table[:15])), kv[i][:, :960])
+        assert torch.all(layers.layout.gather(v, torch.tensor(new_table[15:])) == 0)  # vLLM computes it
+    assert worker.counters.snapshot()["loaded_tokens"] == 960
+    worker.close()
+    store.close()

@@ -10,8 +10,10 @@ block); ``kernel_block_ids`` maps one onto the other.
 
 The rules the connector follows, here as functions:
 
-- a lookup counts the full chunks of all tokens but the last (vLLM must compute at least one
-  token to produce logits): ``lookup_chunks``;
+- a load ends on a block boundary before the last token (vLLM must compute at least one token to
+  produce logits, and counts computed tokens in whole blocks): ``load_limit``; a lookup asks for
+  the full chunks that start before that limit (``lookup_chunks``), and the last of them may be
+  loaded in part (a prompt of exactly 8 chunks loads 7 chunks and the first blocks of the 8th);
 - chunks vLLM already holds (``num_computed_tokens``, block aligned, from its own prefix cache) are
   not asked for; a hit may start inside a chunk vLLM holds in part, and then only that chunk's
   missing blocks are written: ``matched_tokens``, ``load_spans``;
@@ -44,12 +46,19 @@ def check_alignment(chunk_size: int, block_size: int) -> int:
     return chunk_size // block_size
 
 
-def lookup_chunks(num_tokens: int, chunk_size: int) -> int:
-    """How many leading full chunks a request of ``num_tokens`` tokens may load: those of its
-    first ``num_tokens - 1`` tokens (the last token is always left to vLLM)."""
+def load_limit(num_tokens: int, block_size: int) -> int:
+    """The most tokens of a request of ``num_tokens`` tokens a load may provide: the whole blocks
+    before its last token."""
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-    return max(0, num_tokens - 1) // chunk_size
+    return max(0, num_tokens - 1) // block_size * block_size
+
+
+def lookup_chunks(num_tokens: int, chunk_size: int, block_size: int) -> int:
+    """How many leading full chunks of a request of ``num_tokens`` tokens a lookup asks for: those
+    starting before ``load_limit`` (only full chunks have keys)."""
+    limit = load_limit(num_tokens, block_size)
+    return min(-(-limit // chunk_size), num_tokens // chunk_size)
 
 
 def first_needed_chunk(num_computed_tokens: int, chunk_size: int) -> int:
@@ -59,43 +68,46 @@ def first_needed_chunk(num_computed_tokens: int, chunk_size: int) -> int:
     return num_computed_tokens // chunk_size
 
 
-def matched_tokens(num_computed_tokens: int, first_chunk: int, hits: int, chunk_size: int) -> int:
+def matched_tokens(num_computed_tokens: int, first_chunk: int, hits: int, chunk_size: int, limit: int) -> int:
     """Tokens beyond ``num_computed_tokens`` that ``hits`` contiguous stored chunks starting at
-    ``first_chunk`` provide (0 when they end before what vLLM holds)."""
+    ``first_chunk`` provide, up to ``limit`` (``load_limit``); 0 when they end before what vLLM
+    holds."""
     if hits < 0:
         raise ValueError(f"hits must be >= 0, got {hits}")
-    return max(0, (first_chunk + hits) * chunk_size - num_computed_tokens)
+    return max(0, min((first_chunk + hits) * chunk_size, limit) - num_computed_tokens)
 
 
 @dataclass(frozen=True)
 class ChunkSpan:
-    """Chunk ``index`` covers tokens ``[start, end)``; the load writes ``[write_start, end)`` of it
-    (``write_start > start`` when vLLM already holds the chunk's first blocks)."""
+    """Chunk ``index`` covers tokens ``[start, end)``; the load writes ``[write_start, write_end)``
+    of it (``write_start > start`` when vLLM already holds the chunk's first blocks,
+    ``write_end < end`` for the last chunk when its end is past the load's)."""
 
     index: int
     start: int
     end: int
     write_start: int
+    write_end: int
 
     @property
     def written_tokens(self) -> int:
-        return self.end - self.write_start
+        return self.write_end - self.write_start
 
 
 def load_spans(load_start: int, load_end: int, chunk_size: int, block_size: int) -> list[ChunkSpan]:
-    """The chunks a load of tokens ``[load_start, load_end)`` reads: ``load_start`` is vLLM's
-    block-aligned count of computed tokens, ``load_end`` the end of the last hit chunk."""
+    """The chunks a load of tokens ``[load_start, load_end)`` reads (both block aligned:
+    vLLM's count of computed tokens and the end of the hit, see ``matched_tokens``)."""
     check_alignment(chunk_size, block_size)
-    if load_start % block_size:
-        raise ValueError(f"a load must start on a block boundary ({block_size}), got {load_start}")
-    if load_end % chunk_size:
-        raise ValueError(f"a load must end on a chunk boundary ({chunk_size}), got {load_end}")
+    for name, v in (("start", load_start), ("end", load_end)):
+        if v % block_size:
+            raise ValueError(f"a load must {name} on a block boundary ({block_size}), got {v}")
     if not 0 <= load_start <= load_end:
         raise ValueError(f"bad load range [{load_start}, {load_end})")
     spans = []
-    for index in range(load_start // chunk_size, load_end // chunk_size):
+    for index in range(load_start // chunk_size, -(-load_end // chunk_size)):
         start = index * chunk_size
-        spans.append(ChunkSpan(index, start, start + chunk_size, max(start, load_start)))
+        end = start + chunk_size
+        spans.append(ChunkSpan(index, start, end, max(start, load_start), min(end, load_end)))
     return spans
 
 

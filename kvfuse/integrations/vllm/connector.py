@@ -200,18 +200,21 @@ class KvfuseConnector(KVConnectorBase_V1):
         self._closed = False
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         where = f"{c.disk_path or self.settings.config.disk_path}" if c.disk else "off"
+        # kv_role: kv_both loads and saves, kv_consumer only loads, kv_producer only saves
+        self.load_enabled = self.settings.load and self._kv_transfer_config.is_kv_consumer
+        self.save_enabled = self.settings.save and self._kv_transfer_config.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
             self.fingerprint = self.settings.model_fingerprint or _model_identity(vllm_config)
             self._namespaces: OrderedDict[str | None, list[Namespace]] = OrderedDict()
             self.bookkeeper = Bookkeeper(self.settings.chunk_size, self.block_size, self._keys_for, self._lookup,
-                                         load=self.settings.load, save=self.settings.save)
+                                         load=self.load_enabled, save=self.save_enabled)
             self._deltas = _Deltas(self.bookkeeper.counters)
             log.info("kvfuse connector (scheduler): chunks of %d tokens (%d blocks), KV %s %s, tiers %s (disk %s, "
                      "redis %s), codec %s, model fingerprint %s, load %s, save %s", self.settings.chunk_size,
                      self.settings.chunk_size // self.block_size, self.kv_dtype, self._layout_name(0),
                      [t.name for t in self.store.tiers], where, "on" if c.redis_url else "off", self.codec.name,
-                     self.fingerprint, self.settings.load, self.settings.save)
-            if policy != "recompute" and self.settings.load:
+                     self.fingerprint, self.load_enabled, self.save_enabled)
+            if policy != "recompute" and self.load_enabled:
                 log.warning("kvfuse connector: kv_load_failure_policy is %r: a chunk that fails to load (evicted, "
                             "damaged, Redis down) fails its request. Set \"kv_load_failure_policy\": \"recompute\" "
                             "in --kv-transfer-config to have vLLM recompute it instead.", policy)
@@ -310,6 +313,8 @@ class KvfuseConnector(KVConnectorBase_V1):
         if not self._eligible(request):
             return False
         self._requests[request.request_id] = request.cache_salt
+        while len(self._requests) > 100_000:  # requests vLLM never reported finished
+            self._requests.popitem(last=False)
         return True
 
     def on_new_request(self, request: Request) -> None:

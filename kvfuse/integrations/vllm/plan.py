@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvfuse.counters import Counters
-from kvfuse.integrations.vllm.blocks import (check_alignment, completed_chunks, first_needed_chunk, load_spans,
-                                             lookup_chunks, matched_tokens, span_block_ids)
+from kvfuse.integrations.vllm.blocks import (check_alignment, completed_chunks, first_needed_chunk, load_limit,
+                                             load_spans, lookup_chunks, matched_tokens, span_block_ids)
 from kvfuse.kv.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -32,8 +32,9 @@ Lookup = Callable[[Sequence[ChunkKey]], Sequence[str | None]]
 
 @dataclass(frozen=True)
 class LoadChunk:
-    """Load chunk ``index`` (entry ``keys[rank]``) into ``block_ids`` (the chunk's blocks from its
-    ``skip_tokens``-th token on; vLLM holds the ones before)."""
+    """Load chunk ``index`` (entry ``keys[rank]``) into ``block_ids``: the chunk's blocks from its
+    ``skip_tokens``-th token on (vLLM holds the ones before), as many as listed (the last chunk
+    of a load may end before the chunk does)."""
 
     keys: tuple[str, ...]
     index: int
@@ -179,18 +180,20 @@ class Bookkeeper:
 
     def match(self, req_id: str, tokens: Sequence[int], cache_salt: str | None, num_computed: int) -> Match:
         """How many tokens beyond ``num_computed`` (vLLM's block-aligned local hit) the store can
-        provide for this request: whole chunks of all tokens but the last, contiguous from the
-        chunk holding the first token vLLM lacks."""
+        provide for this request: contiguous stored chunks from the chunk holding the first token
+        vLLM lacks, up to the last whole block before the request's last token."""
         if not self.load_enabled:
             return Match(0, num_computed, 0, 0)
-        n_chunks = lookup_chunks(len(tokens), self.chunk_size)
+        n_chunks = lookup_chunks(len(tokens), self.chunk_size, self.block_size)
         first = first_needed_chunk(num_computed, self.chunk_size)
         if first >= n_chunks:
             return Match(0, num_computed, first, 0)
         keys = self.keys(req_id, tokens, cache_salt, n_chunks)
         where = self._where([k[first:] for k in keys])
         hits = next((i for i, w in enumerate(where) if w is None), len(where))
-        m = Match(matched_tokens(num_computed, first, hits, self.chunk_size), num_computed, first, hits, where[:hits])
+        limit = load_limit(len(tokens), self.block_size)
+        m = Match(matched_tokens(num_computed, first, hits, self.chunk_size, limit), num_computed, first, hits,
+                  where[:hits])
         self._matches[req_id] = m
         while len(self._matches) > self._memo_size:
             self._matches.popitem(last=False)
@@ -265,14 +268,14 @@ class Bookkeeper:
             return
         start, end = num_computed - external, num_computed
         spans = load_spans(start, end, self.chunk_size, self.block_size)
-        keys = self._tracker_keys(tracker, end // self.chunk_size)
+        keys = self._tracker_keys(tracker, -(-end // self.chunk_size))
         m = self._matches.get(tracker.req_id)
         chunks = []
         for s in spans:
             tier = None
             if m is not None and m.first <= s.index < m.first + len(m.tiers):
                 tier = m.tiers[s.index - m.first]
-            blocks = span_block_ids(tracker.block_ids, self.block_size, s.write_start, s.end)
+            blocks = span_block_ids(tracker.block_ids, self.block_size, s.write_start, s.write_end)
             chunk_keys = tuple(str(k[s.index]) for k in keys) if keys is not None else ()
             chunks.append(LoadChunk(chunk_keys, s.index, tuple(blocks), s.write_start - s.start, tier))
             tracker.present.add(s.index)

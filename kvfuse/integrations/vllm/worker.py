@@ -159,6 +159,8 @@ class KVWorker:
                 item = _LoadItem(c, key, self.layers.kernel_blocks(c.block_ids), self._spec(c.index))
                 if key is None:
                     self._fail(item, "no key for this rank")
+                elif c.skip_tokens + self._tokens(item) > self.chunk_size or c.skip_tokens % self.layers.block_size:
+                    self._fail(item, f"blocks {c.block_ids} from token {c.skip_tokens} do not fit in a chunk")
                 items.append(item)
         if not items:
             return
@@ -169,6 +171,10 @@ class KVWorker:
             load.thread.start()
         else:
             self._run_whole(load)
+
+    def _tokens(self, item: _LoadItem) -> int:
+        """The tokens a load item writes: its blocks' worth."""
+        return len(item.chunk.block_ids) * self.layers.block_size
 
     def _fail(self, item: _LoadItem, why: str) -> None:
         if item.failed:
@@ -186,7 +192,7 @@ class KVWorker:
         if not parts:
             return
         blocks = torch.cat([it.blocks for it, _ in parts])
-        kv = torch.cat([x[:, it.chunk.skip_tokens:] for it, x in parts], dim=1)
+        kv = torch.cat([x[:, it.chunk.skip_tokens:it.chunk.skip_tokens + self._tokens(it)] for it, x in parts], dim=1)
         try:
             view = self.layers.views[layer]
             self.layers.layout.scatter(view, blocks, kv)
@@ -277,7 +283,7 @@ class KVWorker:
         tiers: dict[str, int] = {}
         for it in ok:
             tiers[it.tier or "unknown"] = tiers.get(it.tier or "unknown", 0) + 1
-        tokens = sum(self.chunk_size - it.chunk.skip_tokens for it in ok)
+        tokens = sum(self._tokens(it) for it in ok)
         elapsed = (load.finished or time.perf_counter()) - load.started
         self.counters.add(loaded_chunks=len(ok), loaded_tokens=tokens, loaded_chunks_by_tier=tiers,
                           load_us=int(elapsed * 1e6))
