@@ -13,8 +13,9 @@ What is measured (SmolLM2 on vLLM CPU 0.32, bf16, one server at a time, 2-core m
      are evicted from the page cache (``posix_fadvise DONTNEED``; ``--drop-all-caches``: the whole
      page cache, vLLM's own libraries included), so the chunks are read from the disk itself;
    - ``kvfuse-redis``: the connector with its Redis tier only (disk off);
-   - optionally ``kvfuse-disk-whole`` / ``kvfuse-redis-whole``: the same with ``layerwise: false``
-     (whole entries read and written before the forward pass);
+   - optionally ``kvfuse-disk-layerwise`` / ``kvfuse-redis-layerwise``: the same with ``layerwise:
+     true`` (layer by layer during the forward pass; on the CPU the connector's default, ``auto``,
+     reads whole entries before it);
    and then, in the ``vllm`` server, every prompt a second time: ``vllm-warm``, vLLM's own prefix
    cache in the same process (the floor no connector can beat: the same last-token compute);
    the configurations' order rotates from round to round (interleaved).
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -50,7 +52,7 @@ from vllm_server import (DEFAULT_PYTHON, VLLMServer, connector_config, default_m
 from kvfuse.testing import LocalRedis
 
 CONFIGS = ("vllm", "kvfuse-disk", "kvfuse-redis")
-EXTRA_CONFIGS = ("kvfuse-disk-whole", "kvfuse-redis-whole")  # layerwise: false (whole entries before the forward)
+EXTRA_CONFIGS = ("kvfuse-disk-layerwise", "kvfuse-redis-layerwise")  # layerwise: true (the CPU default is false)
 TARGET = 5.0
 CHUNK = 256
 
@@ -120,8 +122,8 @@ def server_for(config: str, args, folder: Path, work: Path, redis_url: str | Non
         extra |= {"disk_path": str(work / "kv")}
     elif config.startswith("kvfuse-redis"):
         extra |= {"disk": False, "redis_url": redis_url}
-    if config.endswith("-whole"):
-        extra |= {"layerwise": False}
+    if config.endswith("-layerwise"):
+        extra |= {"layerwise": True}
     kv = None if config == "vllm" else connector_config(extra)
     return VLLMServer(folder, python=args.python, dtype=args.dtype, kv_transfer_config=kv, log_path=log)
 
@@ -222,8 +224,10 @@ def main(argv=None) -> int:
                                 mismatches["vllm-warm"] = mismatches.get("vllm-warm", 0) + 1
                     time.sleep(6)  # vLLM publishes the connector's counters every few seconds
                     m = scrape_metrics(s.url)
+                    mode = re.search(r"layerwise loads (\w+)", s.log_tail(2_000_000))
                     engines.append({
-                        "round": r, "config": config, "startup_s": s.startup_s, "page_cache_dropped": dropped is None
+                        "round": r, "config": config, "startup_s": s.startup_s,
+                        "layerwise_loads": mode.group(1) if mode else None, "page_cache_dropped": dropped is None
                         if config.startswith("kvfuse-disk") and not args.no_drop_caches else None,
                         "loaded_chunks": {t: metric_total(m, "vllm:kvfuse_loaded_chunks_by_tier_total", tier=t)
                                           for t in ("memory", "disk", "redis")},
@@ -286,7 +290,8 @@ def plot(summary: dict, lengths: list[int], path: Path) -> None:
     configs = [c for c in (*CONFIGS, *EXTRA_CONFIGS, "vllm-warm") if c in summary]
     labels = {"vllm": "vLLM alone (restarted)", "kvfuse-disk": "vLLM + kvfuse, disk tier (KV files not cached)",
               "kvfuse-redis": "vLLM + kvfuse, Redis tier", "vllm-warm": "vLLM's own prefix cache (same process)",
-              "kvfuse-disk-whole": "kvfuse disk, whole entries", "kvfuse-redis-whole": "kvfuse Redis, whole entries"}
+              "kvfuse-disk-layerwise": "vLLM + kvfuse, disk, layerwise: true",
+              "kvfuse-redis-layerwise": "vLLM + kvfuse, Redis, layerwise: true"}
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(configs)
     for j, c in enumerate(configs):

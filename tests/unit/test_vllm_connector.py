@@ -604,6 +604,9 @@ def test_settings_from_extra_config_over_kvfuse_config(tmp_path):
         512, "int8", str(tmp_path / "kv"), 64 << 20, "redis://127.0.0.1:1/0")
     assert (s.load, s.save, s.layerwise, s.model_fingerprint) == (True, True, False, "my-model")
     assert read_settings({}, env={}).chunk_size == 256
+    assert read_settings({}, env={}).layerwise is None  # auto
+    assert read_settings({"layerwise": "auto"}, env={}).layerwise is None
+    assert read_settings({"layerwise": True}, env={}).layerwise is True
 
 
 @pytest.mark.parametrize("extra,match", [
@@ -611,6 +614,7 @@ def test_settings_from_extra_config_over_kvfuse_config(tmp_path):
     ({"chunk_size": "big"}, r"cache.chunk_size: expected an integer.*kv_connector_extra_config"),
     ({"codec": "zip"}, "unknown codec 'zip'"),
     ({"load": "maybe"}, "load: expected true or false"),
+    ({"layerwise": "sometimes"}, "layerwise: expected true, false or auto"),
     ({"save_queue": 0}, "save_queue: expected an integer >= 1"),
     ({"enabled": False}, "remove the kvfuse connector"),
 ])

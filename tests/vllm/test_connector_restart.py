@@ -3,8 +3,8 @@
 Engine 1 computes two long prompts and saves their full chunks to kvfuse's disk tier. The saved
 entries hold what kvfuse's own runner computes for the same tokens (K after RoPE, V), which proves
 the layout conversion reads vLLM's blocks the right way round. One entry is then damaged on disk.
-Engine 2 (a new process, empty caches) gets the same prompts: the first loads all its chunks
-from the disk tier (the connector's counters and vLLM's external prefix-cache hits say so) and
+Engine 2 (a new process, empty caches, loading layer by layer) gets the same prompts: the first
+loads all its chunks from the disk tier (the connector's counters and vLLM's external prefix-cache hits say so) and
 answers exactly as engine 1 did; the second hits the damaged entry, which the worker reports as
 failed, vLLM recomputes, and the answer is again identical.
 
@@ -90,10 +90,12 @@ def _damage(path: Path, key, layer: int) -> None:
 
 def test_restarted_vllm_loads_chunks_from_the_disk_tier(vllm_python, smollm2_folder, kvfuse_home, tmp_path):
     kv_dir = tmp_path / "kv"
-    config = connector_config({"disk_path": str(kv_dir), "memory_bytes": "512MiB"})
     a, b = _prompts(smollm2_folder)
 
     def server(n: int) -> VLLMServer:
+        # engine 2 loads layer by layer (wait_for_layer_load); the benchmark covers the CPU default
+        # (whole entries before the forward pass)
+        config = connector_config({"disk_path": str(kv_dir), "memory_bytes": "512MiB", "layerwise": n == 2})
         return VLLMServer(smollm2_folder, python=vllm_python, dtype="bfloat16", kv_transfer_config=config,
                           log_path=tmp_path / f"vllm-{n}.log")
 
@@ -137,6 +139,7 @@ def test_restarted_vllm_loads_chunks_from_the_disk_tier(vllm_python, smollm2_fol
         assert metric_total(m2, "vllm:external_prefix_cache_hits_total") == (LEN_A // CHUNK) * CHUNK
         assert metric_total(m2, "vllm:kvfuse_load_failed_chunks_total") == 0
         assert s2.log_has(f"kvfuse: loaded {LEN_A // CHUNK} chunks ({(LEN_A // CHUNK) * CHUNK} tokens)")
+        assert s2.log_has("layerwise loads True (set)")
 
         _, text_b2, _ = first_token(s2.base_url, b, max_tokens=24)
         _wait_for(lambda: metric_total(scrape_metrics(s2.url), "vllm:kvfuse_load_failed_chunks_total") == 1,

@@ -403,16 +403,21 @@ class KvfuseConnector(KVConnectorBase_V1):
         layout = probe_layout(first, self._writer(layer, first), self.spec.num_kv_heads, self.spec.head_size)
         rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
         layers = CacheLayers(views, self.layer_names, layout, self.block_size)
+        # auto: layer by layer on a GPU (reads and copies run while it computes); on the CPU, whole
+        # entries before the forward pass (a loader thread would take cores from the forward pass:
+        # measured 1.3-2.6x slower time to first token on the 2-core machine, docs/vllm.md)
+        layerwise = self.settings.layerwise if self.settings.layerwise is not None else first.is_cuda
         self.worker = KVWorker(self.store, self.codec, layers, dtype=self.spec.dtype, kv_heads=self.spec.num_kv_heads,
                                head_dim=self.spec.head_size, chunk_size=self.settings.chunk_size, rank=rank,
-                               layerwise=self.settings.layerwise, save_queue=self.settings.save_queue)
+                               layerwise=layerwise, save_queue=self.settings.save_queue)
         self._deltas = _Deltas(self.worker.counters)
         cc = self._vllm_config.cache_config
         log.info("kvfuse connector (worker rank %d): %d layers, vLLM layout %s, backend %s%s, per-layer view %s %s "
                  "(kernel blocks of %d tokens); per block: %s; tiers %s, codec %s, layerwise loads %s", rank,
                  len(self.layer_names), getattr(cc, "kv_cache_layout", None), sig[3],
                  f" (isa {sig[4]})" if sig[4] else "", list(first.shape), self.kv_dtype, layout.block_tokens,
-                 layout.describe(), [t.name for t in self.store.tiers], self.codec.name, self.settings.layerwise)
+                 layout.describe(), [t.name for t in self.store.tiers], self.codec.name,
+                 f"{layerwise} ({'auto' if self.settings.layerwise is None else 'set'})")
 
     @staticmethod
     def _signature(view: torch.Tensor, layer) -> tuple:

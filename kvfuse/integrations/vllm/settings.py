@@ -7,8 +7,10 @@ environment) with vLLM's ``kv_connector_extra_config`` on top. The extra config 
   ``disk_path``, ``disk_bytes``, ``redis_url``, ``codec``, ``codec_level``, ``disk_codec``,
   ``redis_codec``, ``salt``, ...; ``cache.chunk_size`` works too) and ``home``;
 - ``config``: a kvfuse YAML file (else ``$KVFUSE_CONFIG``);
-- the connector's own switches: ``load`` and ``save`` (default true), ``layerwise`` (load layer by
-  layer while the forward pass runs; default true), ``model_fingerprint`` (name the weights
+- the connector's own switches: ``load`` and ``save`` (default true), ``layerwise`` (``auto``, the
+  default: layer by layer while the forward pass runs when vLLM's KV cache is on a GPU, whole
+  entries before the forward pass when it is on the CPU, where a loader thread competes with the
+  forward pass for the same cores; ``true`` / ``false`` force one), ``model_fingerprint`` (name the weights
   yourself, e.g. when two servers hold the same model at different paths), ``save_queue``
   (chunks waiting to be encoded and stored before new saves are dropped; default 64).
 
@@ -35,8 +37,8 @@ from kvfuse.kv.keys import Namespace, layout_of
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 _TOP_FIELDS = {"home"}
-_BOOL_OPTIONS = {"load": True, "save": True, "layerwise": True}
-_OTHER_OPTIONS = {"config", "model_fingerprint", "save_queue"}
+_BOOL_OPTIONS = {"load": True, "save": True}
+_OTHER_OPTIONS = {"config", "layerwise", "model_fingerprint", "save_queue"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _SOURCE = "kv_connector_extra_config"
 
@@ -48,7 +50,7 @@ class ConnectorSettings:
     config: Config
     load: bool = True
     save: bool = True
-    layerwise: bool = True
+    layerwise: bool | None = None  # None: auto (layer by layer on a GPU, whole entries on the CPU)
     model_fingerprint: str | None = None
     save_queue: int = 64
 
@@ -65,7 +67,8 @@ def _as_bool(name: str, value: Any) -> bool:
         return True
     if s in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{name}: expected true or false, got {value!r} (from {_SOURCE})")
+    choices = "true, false or auto" if name == "layerwise" else "true or false"
+    raise ConfigError(f"{name}: expected {choices}, got {value!r} (from {_SOURCE})")
 
 
 def read_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
@@ -98,6 +101,11 @@ def read_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None
     fingerprint = options.get("model_fingerprint")
     if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint.strip()):
         raise ConfigError(f"model_fingerprint: expected a non-empty string, got {fingerprint!r} (from {_SOURCE})")
+    layerwise = options.get("layerwise", "auto")
+    if isinstance(layerwise, str) and layerwise.strip().lower() == "auto":
+        layerwise = None
+    else:
+        layerwise = _as_bool("layerwise", layerwise)
     queue = options.get("save_queue", 64)
     try:
         queue = int(queue)
@@ -106,7 +114,7 @@ def read_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None
     if isinstance(options.get("save_queue"), bool) or queue < 1:
         raise ConfigError(f"save_queue: expected an integer >= 1, got {options.get('save_queue')!r} (from {_SOURCE})")
     return ConnectorSettings(config, load=options.get("load", True), save=options.get("save", True),
-                             layerwise=options.get("layerwise", True), model_fingerprint=fingerprint,
+                             layerwise=layerwise, model_fingerprint=fingerprint,
                              save_queue=queue)
 
 
