@@ -122,7 +122,7 @@ def test_restarted_vllm_loads_chunks_from_the_disk_tier(vllm_python, smollm2_fol
         e = entries_a[i * CHUNK]
         assert e.dtype == torch.bfloat16 and e.shape == (30, 2, CHUNK, 3, 64)
         cos = _cosines(e.decode(), ref[:, :, i * CHUNK:(i + 1) * CHUNK])
-        assert cos.min() > 0.98, f"chunk {i}: per-layer K/V cosine vs kvfuse's runner {cos.min():.4f}"
+        assert cos.min() > 0.999, f"chunk {i}: per-layer K/V cosine vs kvfuse's runner {cos.min():.4f}"
         print(f"\nchunk {i}: K/V cosine vs kvfuse's fp32 runner, per layer: min {cos.min():.4f}, mean {cos.mean():.4f}")
     damaged = next(k for k in keys_b if _entry(kv_dir, k).positions[0].item() == CHUNK)
     _damage(kv_dir, damaged, layer=12)

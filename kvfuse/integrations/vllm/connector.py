@@ -232,8 +232,8 @@ class KvfuseConnector(KVConnectorBase_V1):
             raise ValueError(f"KvfuseConnector supports models with one KV cache group, this one has {len(groups)} "
                              "(start vLLM with --disable-hybrid-kv-cache-manager)")
         spec = groups[0].kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ValueError(f"KvfuseConnector supports full-attention KV caches, not {type(spec).__name__}")
+        if not isinstance(spec, FullAttentionSpec) or "MLA" in type(spec).__name__:
+            raise ValueError(f"KvfuseConnector supports full-attention K/V caches, not {type(spec).__name__}")
         if getattr(spec, "non_causal", False):
             raise ValueError("KvfuseConnector needs causal attention: a non-causal layer's KV depends on later tokens")
         if spec.head_size_v != spec.head_size or getattr(spec, "num_head_slots", None) is not None:
