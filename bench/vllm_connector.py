@@ -253,8 +253,12 @@ def main(argv=None) -> int:
         rows.append(row)
     print_table(["tokens"] + [h for c in shown for h in ([c] if c == "vllm" else [c, "x"])], rows)
     print(f"answers differing from the reference: {mismatches or 'none'}")
+    import subprocess
+
+    probe = subprocess.run([args.python, "-c", "import kvfuse; print(kvfuse.__file__)"], capture_output=True, text=True)
     payload = {
         "environment": environment(),
+        "server_kvfuse": probe.stdout.strip(),  # the kvfuse the vLLM servers import (their cwd's, else the venv's)
         "args": {k: v for k, v in vars(args).items()},
         "target_speedup": TARGET,
         "ttft_s": {c: {str(n): v for n, v in cells.items()} for c, cells in summary.items()},
