@@ -119,5 +119,6 @@ class LayerLoader:
             if doc.entry is None and self.keep and len(doc.layers) == len(self._ready):
                 kv = torch.cat(doc.layers, dim=0)
                 positions = torch.arange(doc.start - doc.shift, doc.end - doc.shift)
-                out.append((doc.key, encode_entry(KVChunk(kv=kv, positions=positions), doc.key, codec)))
+                ids = doc.spec.token_ids if doc.spec is not None else None  # what the read was checked against
+                out.append((doc.key, encode_entry(KVChunk(kv=kv, positions=positions), doc.key, codec, token_ids=ids)))
         return out

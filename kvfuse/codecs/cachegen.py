@@ -126,6 +126,11 @@ class CacheGenCodec(Codec):
         for size in layer_sizes:
             blobs.append(bytes(data[off : off + size]))
             off += size
+        try:  # each layer says its own shape: checked before anything sized by the caller's shape
+            for blob in blobs:
+                coded_layer.check_head(blob, T, H * D)
+        except coded_layer.LayerError as e:
+            raise CodecError(str(e)) from None
         jobs = [(blobs[a:b], T, H * D) for a, b in self._groups(n, n * 2 * T * H * D)]
         try:
             parts = self._run("decode", jobs)

@@ -41,7 +41,10 @@ class Int8Codec(Codec):
         if not torch.isfinite(scale).all() or (scale < 0).any():
             raise CodecError("int8 payload has invalid scales")
         q = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=n_scales * 4).copy()).view(shape)
-        return (q.float() * scale[..., None, None]).to(dtype)
+        out = (q.float() * scale[..., None, None]).to(dtype)
+        if not torch.isfinite(out).all():  # scales no encoder writes: KV beyond the dtype's range
+            raise CodecError(f"int8 payload decodes to values beyond the {dtype} range")
+        return out
 
     def layer_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
         return numel(shape[:2]) * 4 + numel(shape)

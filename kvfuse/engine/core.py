@@ -673,8 +673,8 @@ class Engine:
                 slo_ms = req.cache.kv_slo_ms if req.cache.kv_slo_ms is not None else self.kv_slo_ms
                 streaming = bool(slo_ms) and not plan.has_documents and any(
                     executor.streamed(self.store, x) for x in plan.loads)
-                fetched = executor.fetch(self.store, runner, self.kv_dtype, plan, pipelined=plan.has_documents,
-                                         streaming=streaming)
+                fetched = executor.fetch(self.store, runner, self.kv_dtype, plan, prompt.ids,
+                                         pipelined=plan.has_documents, streaming=streaming)
                 if fetched.unusable:
                     unusable |= fetched.unusable
                     plan = replan(prompt, seq.keys, where, unusable)
@@ -818,6 +818,7 @@ class Engine:
         """Store spans of ``seq``'s live cache, each group of spans with its retention (expiry,
         memory only): handed to the saver thread, or written now without one."""
         req, kv = seq.request, seq.kv
+        ids = req.prompt.ids + list(seq.token_ids)  # the token id of every slot of the live KV
         seq.written += sum(min(s.end, seq.prompt_len) - s.start for s in spans if s.start < seq.prompt_len)
         groups: dict[tuple[float | None, bool], list] = {}
         for s in spans:
@@ -825,10 +826,12 @@ class Engine:
         n = 0
         for (expires_at, memory_only), group in groups.items():
             if self.saver is not None:
-                n += self.saver.save(kv, self.codec, group, skip_held, expires_at=expires_at, memory_only=memory_only)
+                n += self.saver.save(kv, self.codec, group, ids, skip_held, expires_at=expires_at,
+                                     memory_only=memory_only)
             else:
                 todo = executor.unheld(self.store, group) if skip_held else group
-                n += executor.store(self.store, kv, self.codec, todo, expires_at=expires_at, memory_only=memory_only)
+                n += executor.store(self.store, kv, self.codec, todo, ids, expires_at=expires_at,
+                                    memory_only=memory_only)
         return n
 
     def _retain(self, seq: Sequence, loads) -> None:

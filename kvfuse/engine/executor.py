@@ -2,8 +2,9 @@
 
 Each function does one kind of plan step and nothing the plan does not ask for; the engine calls
 them in order for a sequence being prefilled. Entries are fetched through the store's one
-validation path with an ``EntrySpec`` per load (dtype, layout, tokens, stored positions), so an
-entry that is not exactly what the plan expects is a miss, planned around by ``replan``.
+validation path with an ``EntrySpec`` per load (dtype, layout, tokens, stored positions, and the
+token ids the load puts in its slots), so an entry that is not exactly what the plan expects is a
+miss, planned around by ``replan``. Every entry written records the token ids of its KV.
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ class Fetch:
     rejected: int  # damaged copies removed on the way (some were replaced by a slower tier's copy)
 
 
-def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load) -> EntrySpec:
+def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load, ids) -> EntrySpec:
+    """What ``load``'s entry must be for a prompt of token ids ``ids``: the engine's KV dtype and
+    layout, its size and stored positions, and, from the entry's token ``load.offset`` on, the ids
+    of the slots it fills (a stored history's ids are the running prompt's wherever it is loaded)."""
     c = runner.config
     return EntrySpec(kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim, tokens=load.stored_tokens,
-                     first_position=load.source)
+                     first_position=load.source, token_ids=tuple(ids[load.start : load.end]),
+                     token_offset=load.offset)
 
 
 def layer_by_layer(store: TieredStore, load: Load) -> bool:
@@ -60,9 +65,10 @@ def streamed(store: TieredStore, load: Load) -> bool:
     return load.key.kind is not ChunkKind.DOCUMENT and load.tier is not None and load.tier != store.tiers[0].name
 
 
-def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: Plan, pipelined: bool = False,
+def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: Plan, ids, pipelined: bool = False,
           streaming: bool = False) -> Fetch:
-    """Read every entry the plan loads from a tier (each distinct key once); with ``pipelined``,
+    """Read every entry the plan for the prompt ``ids`` loads from a tier (each distinct key once,
+    checked against the first load of it); with ``pipelined``,
     not the documents a blend will read layer by layer; with ``streaming``, not the chunks the
     streaming loader reads (``stream_prefill``)."""
     wanted: dict[ChunkKey, Load] = {}
@@ -71,7 +77,7 @@ def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: 
                 streaming and streamed(store, load)):
             wanted.setdefault(load.key, load)
     keys = list(wanted)
-    got = store.fetch(keys, [entry_spec(runner, kv_dtype, wanted[k]) for k in keys]) if keys else []
+    got = store.fetch(keys, [entry_spec(runner, kv_dtype, wanted[k], ids) for k in keys]) if keys else []
     out = Fetch({}, {}, set(), 0)
     for key, f in zip(keys, got):
         out.rejected += f.rejected
@@ -79,6 +85,16 @@ def fetch(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: 
             out.unusable.add(key)
         else:
             out.entries[key], out.served[key] = f.entry, f.tier
+    for load in plan.loads:  # a key loaded over several spans (a stored history's): check the others too
+        entry = out.entries.get(load.key)
+        if entry is not None and load is not wanted[load.key]:
+            try:
+                entry_spec(runner, kv_dtype, load, ids).check(entry)
+            except FormatError:
+                store.discard(load.key)
+                del out.entries[load.key], out.served[load.key]
+                out.unusable.add(load.key)
+                out.rejected += 1
     return out
 
 
@@ -87,7 +103,7 @@ def precompute(runner: Transformer, kv_dtype: torch.dtype, codec: Codec, step: P
     ids = list(step.context) + list(step.ids)
     scratch = runner.new_cache(len(ids), dtype=kv_dtype)
     runner.forward(ids, scratch, logits="none")
-    return encode_entry(scratch.chunk(len(step.context), len(ids)), step.key, codec)
+    return encode_entry(scratch.chunk(len(step.context), len(ids)), step.key, codec, token_ids=step.ids)
 
 
 def load(runner: Transformer, kv: KVCache, step: Load, entry: Entry) -> None:
@@ -181,7 +197,7 @@ def prefill_blended(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan
     kv.kv[:, :, :, suffix.start : n] = 0  # not computed yet: never garbage under an attention mask
     kv.length = n
     loads = [DocumentLoad(d.key, d.start, d.end, shift=d.start - d.source, entry=entries.get(d.key),
-                          spec=entry_spec(runner, kv_dtype, d)) for d in docs]
+                          spec=entry_spec(runner, kv_dtype, d, ids)) for d in docs]
     loader = LayerLoader(runner, kv, loads, store).start()
     waited = 0.0
 
@@ -208,16 +224,19 @@ def unheld(store: TieredStore, spans) -> list[Store]:
     return [s for s, w in zip(spans, held) if w is None]
 
 
-def encode_spans(kv: KVCache, codec: Codec, spans) -> list[tuple[ChunkKey, Entry]]:
-    """An entry per span of ``kv`` (its slots copied out), keyed by the span's key."""
-    return [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec)) for s in spans if s.end <= kv.length]
+def encode_spans(kv: KVCache, codec: Codec, spans, ids) -> list[tuple[ChunkKey, Entry]]:
+    """An entry per span of ``kv`` (its slots copied out), keyed by the span's key, recording the
+    span's token ids (``ids``: the token id of every slot of ``kv``)."""
+    return [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec, token_ids=ids[s.start : s.end]))
+            for s in spans if s.end <= kv.length]
 
 
-def store(store: TieredStore, kv: KVCache, codec: Codec, spans: list[Store] | tuple[Store, ...],
+def store(store: TieredStore, kv: KVCache, codec: Codec, spans: list[Store] | tuple[Store, ...], ids,
           expires_at: float | None = None, memory_only: bool = False) -> int:
     """Save the KV of each span under its key (memory now, lower tiers in the background), to
-    stay until ``expires_at`` (None: the tiers' policy), in memory only if ``memory_only``."""
-    items = encode_spans(kv, codec, spans)
+    stay until ``expires_at`` (None: the tiers' policy), in memory only if ``memory_only``.
+    ``ids``: the token id of every slot of ``kv``."""
+    items = encode_spans(kv, codec, spans, ids)
     if items:
         store.put(items, expires_at=expires_at, memory_only=memory_only)
     return len(items)

@@ -70,10 +70,11 @@ class Saver:
         self._thread = threading.Thread(target=self._loop, name="kvfuse-saver", daemon=True)
         self._thread.start()
 
-    def save(self, kv: KVCache, codec: Codec, spans: Sequence[Store], skip_held: bool = False,
+    def save(self, kv: KVCache, codec: Codec, spans: Sequence[Store], ids: Sequence[int], skip_held: bool = False,
              expires_at: float | None = None, memory_only: bool = False) -> int:
         """Queue ``spans`` of ``kv`` to be stored under their keys; returns how many (the slots of
-        each must be final: nothing may write them again). With ``skip_held``, keys some tier
+        each must be final: nothing may write them again). ``ids``: the token id of every slot of
+        ``kv`` (at least up to the spans' end; recorded in the entries). With ``skip_held``, keys some tier
         already holds are not written again. ``expires_at`` / ``memory_only``: how long and where
         the entries stay (``TieredStore.put``)."""
         t0 = time.perf_counter()
@@ -81,7 +82,8 @@ class Saver:
         if spans:
             with self._cond:
                 self._pending.update(s.key for s in spans)
-            self._queue.put((kv, codec, spans, skip_held, expires_at, memory_only))
+            self._queue.put((kv, codec, spans, list(ids[: max(s.end for s in spans)]), skip_held, expires_at,
+                             memory_only))
         self.stats.add(save_jobs=int(bool(spans)), handoff_s=time.perf_counter() - t0)
         return len(spans)
 
@@ -111,11 +113,11 @@ class Saver:
             job = self._queue.get()
             if job is _STOP:
                 return
-            kv, codec, spans, skip_held, expires_at, memory_only = job
+            kv, codec, spans, ids, skip_held, expires_at, memory_only = job
             t0 = time.perf_counter()
             try:
                 todo = unheld(self.store, spans) if skip_held else spans
-                items = encode_spans(kv, codec, todo)
+                items = encode_spans(kv, codec, todo, ids)
                 if items:
                     self.store.put(items, block=True, expires_at=expires_at, memory_only=memory_only)
                     first = self.store.tiers[0]

@@ -65,9 +65,9 @@ class _Reader(threading.Thread):
     """Reads the slow loads in order, choosing each one's encoding as its read starts."""
 
     def __init__(self, slow: list[Load], store: TieredStore, runner: Transformer, kv_dtype: torch.dtype,
-                 estimates: LoadEstimates, report: StreamReport, t_start: float):
+                 estimates: LoadEstimates, report: StreamReport, t_start: float, ids: list[int]):
         super().__init__(name="kvfuse-stream-reader", daemon=True)
-        self.slow, self.store, self.runner, self.kv_dtype = slow, store, runner, kv_dtype
+        self.slow, self.store, self.runner, self.kv_dtype, self.ids = slow, store, runner, kv_dtype, ids
         self.estimates, self.report, self.t_start = estimates, report, t_start
         c = runner.config
         self.per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim
@@ -82,7 +82,14 @@ class _Reader(threading.Thread):
             if self.stop.is_set():
                 return
             try:
-                got = seen.get(step.key) or self._read(step, len(self.slow) - i)
+                got = seen.get(step.key)
+                if got is not None and got.entry is not None:  # read for another span: check this one's ids
+                    try:
+                        entry_spec(self.runner, self.kv_dtype, step, self.ids).check(got.entry)
+                    except FormatError as e:
+                        log.warning("stream reader: %s for another span (%s); the chunk is recomputed", step.key, e)
+                        got = _Read(None)
+                got = got or self._read(step, len(self.slow) - i)
             except Exception:  # a bug must not hang the request: recompute the chunk
                 log.exception("the stream reader failed on %s; the chunk is recomputed", step.key)
                 got = _Read(None)
@@ -108,7 +115,8 @@ class _Reader(threading.Thread):
             self.busy_until = max(self.busy_until, now) + recompute_s
             return _Read(None)
         variant = "" if choice == primary_name else choice
-        got = self.store.fetch_encoded(step.key, step.tier, variant, entry_spec(self.runner, self.kv_dtype, step))
+        got = self.store.fetch_encoded(step.key, step.tier, variant,
+                                       entry_spec(self.runner, self.kv_dtype, step, self.ids))
         done = time.perf_counter()
         if got is None:
             self.busy_until = max(self.busy_until, done) + recompute_s
@@ -130,7 +138,7 @@ def stream_prefill(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan,
     slow = [s for s in steps if isinstance(s, Load) and s.key not in entries and streamed(store, s)]
     report = StreamReport(slo_s)
     t_start = time.perf_counter()
-    reader = _Reader(slow, store, runner, kv_dtype, estimates, report, t_start)
+    reader = _Reader(slow, store, runner, kv_dtype, estimates, report, t_start, ids)
     reader.start()
     logits, load_s, compute_s = None, 0.0, 0.0
     last = plan.computes[-1] if plan.computes else None
@@ -196,4 +204,5 @@ def _as_key(entry: Entry, key: ChunkKey) -> Entry:
     """``entry`` under ``key`` (a variant's payload, kept as the chunk's copy in memory)."""
     if entry.key == str(key):
         return entry
-    return Entry(str(key), entry.codec, entry.shape, entry.dtype, entry.positions, entry.payload, entry.layer_sizes)
+    return Entry(str(key), entry.codec, entry.shape, entry.dtype, entry.positions, entry.payload, entry.layer_sizes,
+                 token_ids=entry.token_ids)

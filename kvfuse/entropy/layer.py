@@ -161,19 +161,40 @@ def _decode_part(r: _Reader, bins: int, tokens: int, channels: int, symbols: np.
     return scales
 
 
-def decode_symbols(data: bytes | bytearray | memoryview, tokens: int, channels: int,
-                   symbols: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
-    """A layer's checked symbols ``(2, channels, tokens)`` uint8 (into ``symbols`` when given),
-    scales ``(2, tokens)`` fp32 and (K, V) bins; LayerError if the bytes are not exactly a valid
-    layer of that shape. ``dequantize`` turns them into values."""
-    r = _Reader(memoryview(data).cast("B"))
-    version, bins_k, bins_v, zero, t, c = _HEAD.unpack(r.take(_HEAD.size))
+def min_size(tokens: int, channels: int) -> int:
+    """The fewest bytes a layer of ``tokens`` x ``channels`` can take (head, scales, models, word
+    counts, checksum; an empty coded stream)."""
+    return _HEAD.size + 2 * (2 * tokens + 2 * channels + _U32.size) + _U64.size
+
+
+def check_head(data: bytes | bytearray | memoryview, tokens: int, channels: int) -> tuple[int, int]:
+    """The (K, V) bins of a layer whose head says it is a layer of this version and shape and that
+    is at least as long as one; LayerError otherwise. Cheap: a decoder checks every layer's head
+    before it allocates anything sized by ``tokens`` x ``channels``."""
+    data = memoryview(data).cast("B")
+    if len(data) < _HEAD.size:
+        raise LayerError(f"truncated layer: {len(data)} bytes")
+    version, bins_k, bins_v, zero, t, c = _HEAD.unpack_from(data)
     if version != VERSION or zero != 0:
         raise LayerError(f"unknown cachegen layer version {version}")
     if bins_k not in BINS or bins_v not in BINS:
         raise LayerError(f"invalid bins {bins_k}/{bins_v}")
     if (t, c) != (tokens, channels):
         raise LayerError(f"layer holds {t} tokens x {c} channels, expected {tokens} x {channels}")
+    if len(data) < min_size(tokens, channels):
+        raise LayerError(f"truncated layer: {len(data)} bytes, a layer of {t} x {c} takes at least "
+                         f"{min_size(tokens, channels)}")
+    return bins_k, bins_v
+
+
+def decode_symbols(data: bytes | bytearray | memoryview, tokens: int, channels: int,
+                   symbols: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """A layer's checked symbols ``(2, channels, tokens)`` uint8 (into ``symbols`` when given),
+    scales ``(2, tokens)`` fp32 and (K, V) bins; LayerError if the bytes are not exactly a valid
+    layer of that shape. ``dequantize`` turns them into values."""
+    bins_k, bins_v = check_head(data, tokens, channels)
+    r = _Reader(memoryview(data).cast("B"))
+    r.take(_HEAD.size)
     if symbols is None:
         symbols = np.empty((2, channels, tokens), dtype=np.uint8)
     scales = np.empty((2, tokens), dtype=np.float32)

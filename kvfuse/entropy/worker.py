@@ -26,6 +26,8 @@ def run_job(op: str, args: tuple):
         return [layer.encode(values[i], *bins[i]) for i in range(len(bins))]
     if op == "decode":  # -> symbols (n, 2, channels, tokens) u8, scales (n, 2, tokens) f32, bins [(k, v)]
         blobs, tokens, channels = args
+        for blob in blobs:  # every head before allocating what the shape asks for
+            layer.check_head(blob, tokens, channels)
         symbols = np.empty((len(blobs), 2, channels, tokens), dtype=np.uint8)
         scales = np.empty((len(blobs), 2, tokens), dtype=np.float32)
         bins = []

@@ -14,10 +14,12 @@ class KVChunk:
     ``kv`` has shape ``(layers, 2, tokens, kv_heads, head_dim)`` (index 0 = K, 1 = V), the layout
     LMCache uses too. Keys are stored *after* RoPE, rotated at ``positions`` (int64, one per token):
     re-using a chunk at other positions needs a delta rotation (``kvfuse.models.rope``).
+    ``token_ids``, when known, are the tokens whose KV it is (recorded in the entry, checked on load).
     """
 
     kv: torch.Tensor
     positions: torch.Tensor
+    token_ids: torch.Tensor | None = None  # int64, the token id of each slot (None: not known)
 
     def __post_init__(self) -> None:
         if self.kv.dim() != 5 or self.kv.shape[1] != 2:
@@ -28,6 +30,10 @@ class KVChunk:
             )
         if self.positions.dtype != torch.int64:
             raise ValueError(f"KVChunk.positions must be int64, got {self.positions.dtype}")
+        t = self.token_ids
+        if t is not None and (t.dim() != 1 or t.shape[0] != self.kv.shape[2] or t.dtype != torch.int64):
+            raise ValueError(f"KVChunk.token_ids must be int64, one per token ({self.kv.shape[2]}), got "
+                             f"{t.dtype} {tuple(t.shape)}")
 
     @property
     def num_layers(self) -> int:

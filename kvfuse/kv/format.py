@@ -10,6 +10,8 @@ Layout (all integers little-endian)::
     key           the storage key, UTF-8 (a reader given an expected key rejects any other key)
     positions     flags & 1 (contiguous): one i64, the first position (positions = first + arange(n));
                   otherwise n x i64
+    token ids     flags & 2: n x u32, the token ids whose KV the entry holds, in slot order (every
+                  entry the engine writes has them; absent only in entries built without them)
     layer table   one (u64 size, u64 xxh3_64 of the layer's bytes) per layer, in layer order
     padding       zero bytes, so that the payload starts at a multiple of 64 (aligned tensor views)
     checksum      u64 xxh3_64 of every header byte before it
@@ -23,6 +25,24 @@ checks every layer.
 The header says how the payload is encoded (codec id and level): keys name a chunk's content, not
 its encoding (``kv/keys.py``), so a reader accepts any registered codec. xxh3 is an integrity
 check (torn writes, bit rot, truncation), not an authentication: tiers are trusted storage.
+
+Token ids. A key is a SHA-256 over the chunk's tokens (and, for a prefix chunk, every token
+before it), and the entry repeats its key; since format version 3 it also records the token ids
+whose KV it holds, and a reader that knows which tokens it needs (``EntrySpec.token_ids``: the
+engine always does) rejects an entry holding other ones, or none. So an entry stored under
+another chunk's key (a writer's bug, a copied file, a header rewritten to claim another key) is
+a miss even when its key, dtype, shape and positions all match. (This is a consistency check,
+not an authentication either: a writer that records the right ids over wrong KV is not caught.)
+
+Versions. The format version is part of every key's namespace (``kv/keys.py``), so entries of
+another version are never looked up: after an upgrade the old entries are misses (they expire
+or are evicted), and two builds of different versions can share a Redis or a disk folder without
+reading, or deleting, each other's entries. An entry of another version found under this
+version's key anyway (a copied file) is a FormatError like any other mismatch. Version 2 (no
+token ids) is not read by this build.
+
+Bounds. A header never makes the reader allocate more than its own bytes justify: an entry
+holds at least one layer, K and V, one head of one channel, and at most ``MAX_TOKENS`` tokens.
 
 Validation happens in one place, :func:`open_entry`: every blob a tier hands back goes through it
 (the tiered store calls it), and so does anything read from a file. Anything the reader does not
@@ -46,7 +66,8 @@ if TYPE_CHECKING:
     from kvfuse.codecs.base import Codec
     from kvfuse.kv.keys import ChunkKey
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+MAX_TOKENS = 1 << 20  # per entry; a header claiming more is not an entry (positions are allocated from it)
 MAGIC = b"KVFZ"
 
 _FIXED = struct.Struct("<4sHIHHBB5IIHQ")
@@ -54,7 +75,8 @@ _LAYER = struct.Struct("<QQ")
 _CHECKSUM = struct.Struct("<Q")
 _ALIGN = 64
 _FLAG_CONTIGUOUS = 1
-_KNOWN_FLAGS = _FLAG_CONTIGUOUS
+_FLAG_TOKENS = 2
+_KNOWN_FLAGS = _FLAG_CONTIGUOUS | _FLAG_TOKENS
 MIN_READ = 4096  # a header read of this many bytes holds most whole headers (see header_length)
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -66,8 +88,8 @@ class FormatError(ValueError):
     (a cache miss, never used)."""
 
 
-def _padded_header_len(key_len: int, positions_len: int, num_layers: int) -> int:
-    unpadded = _FIXED.size + key_len + positions_len + _LAYER.size * num_layers + _CHECKSUM.size
+def _padded_header_len(key_len: int, positions_len: int, num_layers: int, tokens_len: int = 0) -> int:
+    unpadded = _FIXED.size + key_len + positions_len + tokens_len + _LAYER.size * num_layers + _CHECKSUM.size
     return -(-unpadded // _ALIGN) * _ALIGN
 
 
@@ -89,18 +111,21 @@ class Entry:
     """
 
     __slots__ = ("key", "codec", "shape", "dtype", "positions", "payload", "layer_sizes", "header_size", "_offsets",
-                 "_header")
+                 "_header", "token_ids")
 
     def __init__(self, key: str, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype, positions: torch.Tensor,
-                 payload: memoryview, layer_sizes: tuple[int, ...], header: bytes | None = None):
+                 payload: memoryview, layer_sizes: tuple[int, ...], header: bytes | None = None,
+                 token_ids: torch.Tensor | None = None):
         self.key, self.codec, self.shape, self.dtype = key, codec, tuple(shape), dtype
         self.positions, self.payload, self.layer_sizes, self._header = positions, payload, tuple(layer_sizes), header
+        self.token_ids = token_ids  # int64, one per token (the ids whose KV this is), or None: not recorded
         offsets = [0]
         for size in self.layer_sizes:
             offsets.append(offsets[-1] + size)
         self._offsets = offsets
         self.header_size = len(header) if header is not None else _padded_header_len(
-            len(key.encode("utf-8")), len(_position_bytes(positions)[1]), len(self.layer_sizes))
+            len(key.encode("utf-8")), len(_position_bytes(positions)[1]), len(self.layer_sizes),
+            0 if token_ids is None else 4 * token_ids.shape[0])
 
     @classmethod
     def from_blob(cls, blob: bytes | bytearray | memoryview) -> Entry:
@@ -158,7 +183,7 @@ class Entry:
 
     def chunk(self) -> KVChunk:
         """The whole KV chunk (for the raw codec a view of the payload: do not modify it)."""
-        return KVChunk(kv=self.decode(), positions=self.positions)
+        return KVChunk(kv=self.decode(), positions=self.positions, token_ids=self.token_ids)
 
     def __eq__(self, other) -> bool:
         other = other.join() if isinstance(other, Entry) else other
@@ -179,7 +204,9 @@ Blob = bytes | bytearray | memoryview | Entry
 @dataclass(frozen=True)
 class EntrySpec:
     """What the reader expects of an entry beyond its integrity: the KV dtype and layout, and
-    optionally the number of tokens and the first of their (contiguous) positions."""
+    optionally the number of tokens, the first of their (contiguous) positions, and the token ids
+    it needs: ``token_ids`` must be what the entry records from its token ``token_offset`` on
+    (a reader may use a span of a longer entry). An entry that records no ids fails that check."""
 
     dtype: torch.dtype
     num_layers: int
@@ -187,6 +214,8 @@ class EntrySpec:
     head_dim: int
     tokens: int | None = None
     first_position: int | None = None
+    token_ids: tuple[int, ...] | None = None
+    token_offset: int = 0
 
     def check(self, e: Entry) -> None:
         """FormatError naming the first mismatch."""
@@ -202,6 +231,15 @@ class EntrySpec:
             expected = torch.arange(self.first_position, self.first_position + T)
             if not torch.equal(e.positions, expected):
                 raise FormatError(f"entry positions do not start at {self.first_position} contiguously")
+        if self.token_ids is not None:
+            held = e.token_ids
+            if held is None:
+                raise FormatError("the entry does not record its token ids (written without them)")
+            a, b = self.token_offset, self.token_offset + len(self.token_ids)
+            if not 0 <= a <= b <= held.shape[0] or not torch.equal(
+                    held[a:b], torch.tensor(self.token_ids, dtype=torch.int64)):
+                raise FormatError(f"the entry holds other token ids than expected (tokens {a}..{b}): "
+                                  f"stored under another chunk's key")
 
 
 @dataclass(frozen=True)
@@ -222,6 +260,7 @@ class EntryHeader:
     payload_size: int
     layer_sizes: tuple[int, ...]
     payload_ok: bool  # every layer present at its declared size, checksums match, no trailing bytes
+    has_token_ids: bool = False  # the entry records the token ids of its KV (every entry the engine writes)
 
     @property
     def raw_payload_size(self) -> int:
@@ -243,14 +282,15 @@ class Header:
     ``__init__`` costs several times more.)"""
 
     __slots__ = ("key", "codec", "dtype", "shape", "positions", "contiguous", "header_len", "layer_sizes",
-                 "layer_checksums", "raw")
+                 "layer_checksums", "raw", "token_ids")
 
     def __init__(self, key: str, codec: Codec, dtype: torch.dtype, shape: tuple[int, ...], positions: torch.Tensor,
                  contiguous: bool, header_len: int, layer_sizes: tuple[int, ...], layer_checksums: tuple[int, ...],
-                 raw: bytes):
+                 raw: bytes, token_ids: torch.Tensor | None = None):
         self.key, self.codec, self.dtype, self.shape, self.positions = key, codec, dtype, shape, positions
         self.contiguous, self.header_len, self.raw = contiguous, header_len, raw
         self.layer_sizes, self.layer_checksums = layer_sizes, layer_checksums
+        self.token_ids = token_ids
 
     @property
     def payload_len(self) -> int:
@@ -286,25 +326,47 @@ class Header:
             raise FormatError(f"{self.codec.name} payload does not decode: {e}") from None
 
     def entry(self, payload: memoryview) -> Entry:
-        return Entry(self.key, self.codec, self.shape, self.dtype, self.positions, payload, self.layer_sizes, self.raw)
+        return Entry(self.key, self.codec, self.shape, self.dtype, self.positions, payload, self.layer_sizes, self.raw,
+                     self.token_ids)
 
 
-def encode_entry(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> Entry:
+def encode_entry(chunk: KVChunk, key: ChunkKey | str, codec: Codec, token_ids=None) -> Entry:
     """Encode ``chunk`` under storage key ``key`` with ``codec``; copies nothing for the raw codec
-    and defers the header (and its layer checksums) until the entry is serialized."""
+    and defers the header (and its layer checksums) until the entry is serialized. ``token_ids``
+    (one per token: the ids whose KV this is) are recorded in the entry; by default the chunk's
+    own (``KVChunk.token_ids``), if any."""
     if chunk.dtype not in _DTYPE_CODES:
         raise ValueError(f"KV dtype {chunk.dtype} is not supported; use one of {list(_DTYPE_CODES)}")
     key = str(key)
     if len(key.encode("utf-8")) > 0xFFFF:
         raise ValueError(f"storage key is {len(key.encode('utf-8'))} bytes; at most 65535 fit in an entry")
+    shape = tuple(chunk.kv.shape)
+    if min(shape[0], shape[3], shape[4]) < 1 or shape[2] > MAX_TOKENS:
+        raise ValueError(f"an entry holds at most {MAX_TOKENS} tokens of at least one layer, head and channel; "
+                         f"got KV of shape {shape}")
+    tokens = chunk.token_ids if token_ids is None else token_id_tensor(token_ids)
+    if tokens is not None and tokens.shape[0] != shape[2]:
+        raise ValueError(f"{tokens.shape[0]} token ids for a chunk of {shape[2]} tokens")
     payload, sizes = codec.encode(chunk.kv)
-    return Entry(key, codec, tuple(chunk.kv.shape), chunk.dtype, chunk.positions.detach().cpu(), _as_view(payload),
-                 tuple(sizes))
+    return Entry(key, codec, shape, chunk.dtype, chunk.positions.detach().cpu(), _as_view(payload), tuple(sizes),
+                 token_ids=tokens)
 
 
-def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec) -> bytearray:
+def token_id_tensor(token_ids) -> torch.Tensor:
+    """Token ids (a sequence, array or tensor) as a 1-D int64 CPU tensor; ValueError unless every
+    one fits a u32 (how the header stores them)."""
+    t = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids, dtype=np.int64))
+    t = t.detach().to("cpu", torch.int64).reshape(-1) if t.dim() <= 1 else None
+    if t is None:
+        raise ValueError("token ids must be 1-D")
+    if t.numel() and (int(t.min()) < 0 or int(t.max()) > 0xFFFFFFFF):
+        raise ValueError("token ids must be in [0, 2**32)")
+    return t
+
+
+def encode_chunk(chunk: KVChunk, key: ChunkKey | str, codec: Codec, token_ids=None) -> bytearray:
     """``encode_entry`` as one contiguous, writable buffer (what a file or a Redis value holds)."""
-    return encode_entry(chunk, key, codec).join()
+    return encode_entry(chunk, key, codec, token_ids).join()
 
 
 def _position_bytes(pos: torch.Tensor) -> tuple[bool, bytes]:
@@ -319,15 +381,18 @@ def _position_bytes(pos: torch.Tensor) -> tuple[bool, bytes]:
 def _build_header(e: Entry) -> bytes:
     key_bytes = e.key.encode("utf-8")
     contiguous, pos_bytes = _position_bytes(e.positions)
+    tok_bytes = b"" if e.token_ids is None else e.token_ids.numpy().astype("<u4").tobytes()
     table = b"".join(_LAYER.pack(size, xxhash.xxh3_64_intdigest(e.layer_bytes(i, i + 1)))
                      for i, size in enumerate(e.layer_sizes))
-    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes))
-    padding = bytes(header_len - _FIXED.size - len(key_bytes) - len(pos_bytes) - len(table) - _CHECKSUM.size)
+    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes), len(tok_bytes))
+    padding = bytes(header_len - _FIXED.size - len(key_bytes) - len(pos_bytes) - len(tok_bytes) - len(table)
+                    - _CHECKSUM.size)
+    flags = (_FLAG_CONTIGUOUS if contiguous else 0) | (0 if e.token_ids is None else _FLAG_TOKENS)
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, header_len, e.codec.codec_id, e.codec.level, _DTYPE_CODES[e.dtype],
-        _FLAG_CONTIGUOUS if contiguous else 0, *e.shape, e.positions.shape[0], len(key_bytes), e.payload.nbytes,
+        flags, *e.shape, e.positions.shape[0], len(key_bytes), e.payload.nbytes,
     )
-    head = b"".join((fixed, key_bytes, pos_bytes, table, padding))
+    head = b"".join((fixed, key_bytes, pos_bytes, tok_bytes, table, padding))
     return head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
@@ -359,7 +424,8 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
     shape, (n_pos, key_len, payload_len) = tuple(rest[:5]), rest[5:]
     contiguous = bool(flags & _FLAG_CONTIGUOUS)
     pos_len = 8 if contiguous else 8 * n_pos
-    if header_len != _padded_header_len(key_len, pos_len, shape[0]):
+    tok_len = 4 * n_pos if flags & _FLAG_TOKENS else 0
+    if header_len != _padded_header_len(key_len, pos_len, shape[0], tok_len):
         raise FormatError(f"inconsistent header length {header_len}")
     if len(mv) < header_len:
         raise FormatError(f"truncated header ({len(mv)} of {header_len} bytes)")
@@ -371,7 +437,7 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
         raise FormatError(f"unknown header flags {flags:#x}")
     if dtype_code not in _CODE_DTYPES:
         raise FormatError(f"unknown dtype code {dtype_code}")
-    if shape[1] != 2 or n_pos != shape[2]:
+    if shape[1] != 2 or n_pos != shape[2] or min(shape[0], shape[3], shape[4]) < 1 or n_pos > MAX_TOKENS:
         raise FormatError(f"inconsistent shape {shape} / {n_pos} positions")
     off = _FIXED.size
     try:
@@ -387,6 +453,10 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
     else:
         positions = torch.from_numpy(np.frombuffer(mv, dtype="<i8", count=n_pos, offset=off).astype(np.int64))
     off += pos_len
+    token_ids = None
+    if tok_len:
+        token_ids = torch.from_numpy(np.frombuffer(mv, dtype="<u4", count=n_pos, offset=off).astype(np.int64))
+        off += tok_len
     table = struct.unpack_from(f"<{2 * shape[0]}Q", mv, off)  # (size, checksum) per layer
     off += _LAYER.size * shape[0]
     padding = bytes(mv[off : header_len - _CHECKSUM.size])
@@ -401,7 +471,7 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
     if expected is not None and sizes.count(expected) != len(sizes):
         raise FormatError(f"payload length {payload_len} does not match {codec.name} {shape} ({expected} per layer)")
     return Header(key, codec, dtype, shape, positions, contiguous, header_len, sizes, table[1::2],
-                  bytes(mv[:header_len]))
+                  bytes(mv[:header_len]), token_ids)
 
 
 def _codec_of(codec_id: int, level: int) -> Codec:
@@ -490,4 +560,5 @@ def read_header(blob: Blob) -> EntryHeader:
         payload_size=h.payload_len,
         layer_sizes=h.layer_sizes,
         payload_ok=payload_ok,
+        has_token_ids=h.token_ids is not None,
     )
