@@ -362,12 +362,12 @@ def test_plan_load_and_saves_of_a_new_request(mem_store):
     keeper.allocated("r", m.tokens)
     step = keeper.plan([NewRequest("r", p, None, table, 512, 788)], [])
     (job,) = step.loads
-    assert job.chunks == (LoadChunk((str(keys[0]),), 0, (101,), 128, "memory"),
-                          LoadChunk((str(keys[1]),), 1, (102, 103), 0, "memory"))
+    assert job.chunks == (LoadChunk((str(keys[0]),), 0, (101,), 128, "memory", tuple(p[:256])),
+                          LoadChunk((str(keys[1]),), 1, (102, 103), 0, "memory", tuple(p[256:512])))
     # 512 + 788 = 1300 computed: chunks 2, 3, 4 are new and saved; 0 and 1 are stored already.
     all_keys = prefix_keys(p[:1280], CHUNK, _ns())
-    assert [(s.index, s.block_ids, s.keys) for s in step.saves] == [
-        (i, tuple(table[2 * i: 2 * i + 2]), (str(all_keys[i]),)) for i in (2, 3, 4)]
+    assert [(s.index, s.block_ids, s.keys, s.token_ids) for s in step.saves] == [
+        (i, tuple(table[2 * i: 2 * i + 2]), (str(all_keys[i]),), tuple(p[256 * i:256 * (i + 1)])) for i in (2, 3, 4)]
     assert keeper.counters.snapshot()["hit_tokens"] == 384
     assert keeper.counters.snapshot()["hit_tokens_by_tier"] == {"memory": 384}
     keeper.finished("r")
@@ -448,8 +448,9 @@ def _run_step(worker, layers, names, loads=(), saves=()):
     return worker.take_failed_blocks()
 
 
-def _save_chunks(worker, layers, names, table, n_chunks, keys):
-    saves = [SaveChunk("r", (str(keys[i]),), i, tuple(table[4 * i: 4 * i + 4])) for i in range(n_chunks)]
+def _save_chunks(worker, layers, names, table, n_chunks, keys, tokens=None):
+    ids = [tuple(tokens[i * CHUNK:(i + 1) * CHUNK]) if tokens else () for i in range(n_chunks)]
+    saves = [SaveChunk("r", (str(keys[i]),), i, tuple(table[4 * i: 4 * i + 4]), ids[i]) for i in range(n_chunks)]
     assert _run_step(worker, layers, names, saves=saves) == set()
     assert worker.flush(30)
 
@@ -463,12 +464,14 @@ def test_worker_saves_then_loads_bit_exact(tmp_path, layerwise):
     worker, layers, store, names = _worker_setup(tmp_path, layerwise=layerwise)
     table = list(range(3, 15))  # 12 blocks of 64 = 3 chunks
     kv = _fill_request(layers, table, 768)
-    keys = _keys(_prompt(768))
-    _save_chunks(worker, layers, names, table, 3, keys)
+    p = _prompt(768)
+    keys = _keys(p)
+    _save_chunks(worker, layers, names, table, 3, keys, p)
     for i in range(3):  # the stored entries hold exactly vLLM's KV, at their positions
         entry = open_entry(bytes(store.tiers[1].get(keys[i])), keys[i])
         assert torch.equal(entry.decode(), kv[:, :, i * CHUNK:(i + 1) * CHUNK])
         assert torch.equal(entry.positions, torch.arange(i * CHUNK, (i + 1) * CHUNK))
+        assert entry.token_ids.tolist() == p[i * CHUNK:(i + 1) * CHUNK]
     s = worker.counters.snapshot()
     assert (s["saved_chunks"], s["saved_tokens"], s["save_dropped"]) == (3, 768, 0)
     # a new engine: empty caches, the entries on disk only
@@ -476,7 +479,8 @@ def test_worker_saves_then_loads_bit_exact(tmp_path, layerwise):
     store.close()
     worker, layers, store, names = _worker_setup(tmp_path, layerwise=layerwise)
     new_table = list(range(20, 32))
-    job = LoadJob("r2", tuple(LoadChunk((str(keys[i]),), i, tuple(new_table[4 * i:4 * i + 4]), 0) for i in range(3)))
+    job = LoadJob("r2", tuple(LoadChunk((str(keys[i]),), i, tuple(new_table[4 * i:4 * i + 4]), 0, None,
+                                        tuple(p[i * CHUNK:(i + 1) * CHUNK])) for i in range(3)))
     assert _run_step(worker, layers, names, loads=[job]) == set()
     for i, view in enumerate(layers.views):
         assert torch.equal(layers.layout.gather(view, layers.kernel_blocks(new_table)), kv[i])
@@ -682,7 +686,7 @@ def test_a_prompt_of_whole_chunks_loads_all_but_its_last_block(tmp_path):
     keys = _keys(p)
     table = list(range(16))
     kv = _fill_request(layers, table, 1024)
-    _save_chunks(worker, layers, names, table, 4, keys)
+    _save_chunks(worker, layers, names, table, 4, keys, p)
 
     def keys_for(tokens, salt, n):
         return [prefix_keys(list(tokens[: n * CHUNK]), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D))]
@@ -700,5 +704,22 @@ def test_a_prompt_of_whole_chunks_loads_all_but_its_last_block(tmp_path):
         assert torch.equal(layers.layout.gather(v, torch.tensor(new_table[:15])), kv[i][:, :960])
         assert torch.all(layers.layout.gather(v, torch.tensor(new_table[15:])) == 0)  # vLLM computes it
     assert worker.counters.snapshot()["loaded_tokens"] == 960
+    worker.close()
+    store.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_an_entry_holding_other_tokens_is_a_failed_load(tmp_path, layerwise):
+    """An entry filed under a chunk's key but recording other token ids (a writer's bug, a copied
+    file) is never written into vLLM's blocks."""
+    worker, layers, store, names = _worker_setup(tmp_path, layerwise=layerwise)
+    p = _prompt(256)
+    keys = _keys(p)
+    _fill_request(layers, list(range(4)), 256)
+    _save_chunks(worker, layers, names, list(range(4)), 1, keys, p)
+    other = list(reversed(p))
+    job = LoadJob("r", (LoadChunk((str(keys[0]),), 0, (10, 11, 12, 13), 0, None, tuple(other)),))
+    assert _run_step(worker, layers, names, loads=[job]) == {10, 11, 12, 13}
+    assert torch.all(layers.layout.gather(layers.views[0], torch.tensor([10, 11, 12, 13])) == 0)
     worker.close()
     store.close()

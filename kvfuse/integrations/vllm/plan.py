@@ -41,6 +41,7 @@ class LoadChunk:
     block_ids: tuple[int, ...]
     skip_tokens: int
     tier: str | None = None  # where the scheduler's lookup found it (for statistics)
+    token_ids: tuple[int, ...] = ()  # the chunk's token ids, which the entry must record (() = not checked)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,7 @@ class SaveChunk:
     keys: tuple[str, ...]
     index: int
     block_ids: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()  # recorded in the entry (every reader checks them)
 
 
 @dataclass
@@ -277,7 +279,8 @@ class Bookkeeper:
                 tier = m.tiers[s.index - m.first]
             blocks = span_block_ids(tracker.block_ids, self.block_size, s.write_start, s.write_end)
             chunk_keys = tuple(str(k[s.index]) for k in keys) if keys is not None else ()
-            chunks.append(LoadChunk(chunk_keys, s.index, tuple(blocks), s.write_start - s.start, tier))
+            ids = tuple(tracker.tokens[s.start:s.end]) if s.end <= len(tracker.tokens) else ()
+            chunks.append(LoadChunk(chunk_keys, s.index, tuple(blocks), s.write_start - s.start, tier, ids))
             tracker.present.add(s.index)
         if keys is None:
             log.error("kvfuse: no keys for the load of request %s; its blocks will be reported failed", tracker.req_id)
@@ -314,7 +317,8 @@ class Bookkeeper:
                 log.warning("kvfuse: chunk %d of request %s is not saved: %s", i, tracker.req_id, e)
                 continue
             assert keys is not None  # done <= len(tokens) // c
-            step.saves.append(SaveChunk(tracker.req_id, tuple(str(k[i]) for k in keys), i, tuple(blocks)))
+            step.saves.append(SaveChunk(tracker.req_id, tuple(str(k[i]) for k in keys), i, tuple(blocks),
+                                        tuple(tracker.tokens[i * c:(i + 1) * c])))
             tracker.present.add(i)
         tracker.next_save = done
 

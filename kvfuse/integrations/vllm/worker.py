@@ -140,9 +140,12 @@ class KVWorker:
 
     # -- loads -----------------------------------------------------------------------------------
 
-    def _spec(self, index: int) -> EntrySpec:
+    def _spec(self, index: int, token_ids: Sequence[int] = ()) -> EntrySpec:
+        """What a chunk's entry must be: this model's KV layout and dtype, the chunk's positions,
+        and (when the scheduler sent them) the chunk's token ids."""
         c = self.chunk_size
-        return EntrySpec(self.dtype, len(self.layers), self.kv_heads, self.head_dim, tokens=c, first_position=index * c)
+        return EntrySpec(self.dtype, len(self.layers), self.kv_heads, self.head_dim, tokens=c, first_position=index * c,
+                         token_ids=tuple(token_ids) if token_ids else None)
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
         """Start the loads of a step (before its forward pass)."""
@@ -156,7 +159,7 @@ class KVWorker:
                         key = ChunkKey.parse(c.keys[self.rank])
                     except ValueError:
                         key = None
-                item = _LoadItem(c, key, self.layers.kernel_blocks(c.block_ids), self._spec(c.index))
+                item = _LoadItem(c, key, self.layers.kernel_blocks(c.block_ids), self._spec(c.index, c.token_ids))
                 if key is None:
                     self._fail(item, "no key for this rank")
                 elif c.skip_tokens + self._tokens(item) > self.chunk_size or c.skip_tokens % self.layers.block_size:
@@ -337,7 +340,7 @@ class KVWorker:
                 self.counters.add(save_errors=1)
                 continue
             try:  # the chunk's KV is made contiguous (copied) on the saver thread, off the forward path
-                self._queue.put_nowait((s.keys[self.rank], s.index, buf[:, :, j * c:(j + 1) * c]))
+                self._queue.put_nowait((s.keys[self.rank], s.index, s.token_ids, buf[:, :, j * c:(j + 1) * c]))
             except queue.Full:
                 self.counters.add(save_dropped=1)
                 log.warning("kvfuse: the save queue is full; chunk %d of request %s is not saved", s.index, s.req_id)
@@ -348,10 +351,11 @@ class KVWorker:
             try:
                 if item is _STOP:
                     return
-                key, index, kv = item
+                key, index, token_ids, kv = item
                 try:
                     c = self.chunk_size
-                    chunk = KVChunk(kv.contiguous(), torch.arange(index * c, (index + 1) * c, dtype=torch.int64))
+                    chunk = KVChunk(kv.contiguous(), torch.arange(index * c, (index + 1) * c, dtype=torch.int64),
+                                    token_ids=torch.tensor(token_ids, dtype=torch.int64) if token_ids else None)
                     entry = encode_entry(chunk, key, self.codec)
                     self.store.put([(ChunkKey.parse(key), entry)], block=True)
                     self.counters.add(saved_chunks=1, saved_tokens=chunk.num_tokens)
