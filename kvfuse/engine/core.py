@@ -673,14 +673,24 @@ class Engine:
                 slo_ms = req.cache.kv_slo_ms if req.cache.kv_slo_ms is not None else self.kv_slo_ms
                 streaming = bool(slo_ms) and not plan.has_documents and any(
                     executor.streamed(self.store, x) for x in plan.loads)
-                fetched = executor.fetch(self.store, runner, self.kv_dtype, plan, prompt.ids,
-                                         pipelined=plan.has_documents, streaming=streaming)
-                if fetched.unusable:
+                rejected, todo = 0, plan
+                while True:
+                    fetched = executor.fetch(self.store, runner, self.kv_dtype, todo, prompt.ids,
+                                             pipelined=plan.has_documents, streaming=streaming)
+                    rejected += fetched.rejected
+                    entries.update(fetched.entries)
+                    served.update(fetched.served)
+                    if not fetched.unusable:
+                        break
+                    # Planned around unusable entries, a prompt can load entries the plan before did
+                    # not (a stored history's entry over slots the chain covered until its damaged
+                    # chunk broke it): those are read and checked too, never loaded unread (that was
+                    # a KeyError, a 500). Each round adds keys to ``unusable``, so this ends.
                     unusable |= fetched.unusable
                     plan = replan(prompt, seq.keys, where, unusable)
+                    todo = replace(plan, loads=tuple(x for x in plan.loads if x.key not in entries))
                 t.load_s += time.perf_counter() - t0
-                entries, served = fetched.entries, fetched.served
-                self.stats.add(chunk_load_failures=fetched.rejected)
+                self.stats.add(chunk_load_failures=rejected)
             seq.plan = plan
             if req.cancel.is_set():  # e.g. the client left just as the request was admitted
                 seq.finish_reason = "cancelled"

@@ -11,7 +11,8 @@ anchors; ``kvfuse.history.align`` then decides how much of each really lines up.
 Records live in memory, bounded by count (least recently used first out), and, given a folder
 (the disk tier's ``histories/``), in one small file each, so that they survive a restart like
 the KV they name (which lives in the tiers). A file is written atomically (a temporary file
-renamed) and checked when read back (magic, lengths, a checksum of the ids); one that is not
+``.<pid>.<random>.tmp`` renamed; the temporary files of writers that died, killed in the middle
+of a write, are removed at start-up like the disk tier's) and checked when read back (magic, lengths, a checksum of the ids); one that is not
 intact is removed and skipped, never used. Without its record a conversation is still found by
 content through the key chain (the engine probes the tail keys), as long as its ids re-tokenize
 equally. Records are per cache namespace: tenants and models never see each other's.
@@ -27,6 +28,7 @@ import os
 import secrets
 import struct
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,11 +133,30 @@ class HistoryIndex:
         if self.path is not None and capacity:
             self._load()
 
-    def _load(self) -> None:
-        """The records of the folder, oldest first (the newest ``capacity`` are kept)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        files = sorted((f for f in os.scandir(self.path) if f.name.endswith(_SUFFIX) and f.is_file()),
-                       key=lambda f: f.stat().st_mtime_ns)
+    def _load(self, stale_temp_s: float = 600.0) -> None:
+        """The records of the folder, oldest first (the newest ``capacity`` are kept); the temp
+        files of dead writers are removed (they would pile up, one per write cut short). A folder
+        that cannot be read is logged and skipped: records are hints."""
+        from kvfuse.tiers.disk import stale_temp
+
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            listing = list(os.scandir(self.path))
+        except OSError as e:
+            log.warning("cannot read the history records in %s (%s); starting without them", self.path, e)
+            return
+        now, files = time.time(), []
+        for f in listing:
+            try:
+                st = f.stat()
+                old_temp = f.name.startswith(".") and f.name.endswith(".tmp") and now - st.st_mtime > stale_temp_s
+                if old_temp or stale_temp(f.name, st.st_mtime, now, stale_temp_s):  # (old names had no pid)
+                    os.unlink(f.path)
+                elif f.name.endswith(_SUFFIX) and f.is_file():
+                    files.append((st.st_mtime_ns, f))
+            except OSError:
+                continue  # gone meanwhile, or not ours to touch
+        files = [f for _, f in sorted(files, key=lambda t: t[0])]
         for f in files[-self.capacity:]:
             try:
                 rec = decode_record(Path(f.path).read_bytes())
@@ -152,8 +173,9 @@ class HistoryIndex:
     def _write(self, rec: Record) -> None:
         if self.path is None:
             return
-        name = secrets.token_hex(12) + _SUFFIX
-        tmp = self.path / f".{name}.tmp"
+        token = secrets.token_hex(12)
+        name = token + _SUFFIX
+        tmp = self.path / f".{os.getpid()}.{token}.tmp"  # the pid: a dead writer's is removed at start-up
         try:
             tmp.write_bytes(encode_record(rec))
             os.replace(tmp, self.path / name)

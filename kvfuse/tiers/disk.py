@@ -12,7 +12,9 @@ place (``os.replace``): a reader sees the old file, the new file or none, never 
 mtime is its recency (set on every put and hit), so a restart rebuilds the LRU order by scanning.
 
 The tier does not check what it reads: the tiered store validates every entry and discards a
-damaged one through ``delete``. Several processes may share one directory. Each keeps its own index (for LRU and capacity); the
+damaged one through ``delete``. A fan-out folder (or file) it may not read is an operational
+failure like any other: the start-up scan and ``delete_prefix`` log it, count an error and go on
+with the other folders (its entries are misses until its permissions are fixed). Several processes may share one directory. Each keeps its own index (for LRU and capacity); the
 file system is the truth: ``contains``/``get`` consult it directly, a file another process wrote
 is found, a file another process evicted is a plain miss. The capacity is enforced by each process
 over the files it knows, so a shared directory can briefly exceed it.
@@ -146,6 +148,27 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def stale_temp(name: str, mtime: float, now: float, stale_s: float) -> bool:
+    """Whether ``name`` is a temporary file (``.<pid>.<random hex>.tmp``) whose writer is gone: its
+    process is dead (killed in the middle of a write), or the file is older than ``stale_s`` (a
+    pid reused since). Such files are never renamed into place and only take room: removed at
+    start-up (the disk tier's folders, and the history records' folder)."""
+    m = _TMP_RE.match(name)
+    return bool(m) and (not _pid_alive(int(m.group(1))) or now - mtime > stale_s)
+
+
+def _listing(path, what: str):
+    """``os.scandir(path)`` as a list, or None (logged) when it cannot be read (permissions, I/O)."""
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        log.warning("disk tier: cannot list %s %s (%s); its entries are skipped", what, path, e)
+        return None
+
+
 class DiskTier(Tier):
     """Entries as files under ``path``; see the module docstring for layout and sharing rules.
 
@@ -202,23 +225,38 @@ class DiskTier(Tier):
             return self._last_ns
 
     def _scan(self, stale_temp_s: float) -> None:
+        # A folder or file that cannot be read (EACCES, EIO) is skipped and counted: a tier never
+        # fails its process for an operational failure (an unreadable fan-out folder used to stop
+        # the server from starting).
         found: list[tuple[int, ChunkKey, int, int]] = []
         now = time.time()
-        for sub in os.scandir(self.root):
+        unreadable = 0
+        subs = _listing(self.root, "folder")
+        if subs is None:
+            subs, unreadable = [], 1
+        for sub in subs:
             if not (sub.is_dir() and _SUBDIR_RE.match(sub.name)):
                 continue
-            for entry in os.scandir(sub.path):
-                m = _TMP_RE.match(entry.name)
+            entries = _listing(sub.path, "fan-out folder")
+            if entries is None:
+                unreadable += 1
+                continue
+            for entry in entries:
                 try:
                     st = entry.stat()
-                    if m and (not _pid_alive(int(m.group(1))) or now - st.st_mtime > stale_temp_s):
+                    if stale_temp(entry.name, st.st_mtime, now, stale_temp_s):
                         os.unlink(entry.path)
                         continue
                 except FileNotFoundError:
                     continue
+                except OSError as e:
+                    log.warning("disk tier %s: cannot stat or remove %s (%s)", self.root, entry.path, e)
+                    unreadable += 1
+                    continue
                 key = filename_to_key(entry.name)
                 if key is not None and entry.is_file():
                     found.append((st.st_mtime_ns, key, st.st_size, st.st_ino))
+        self.stats.add(errors=unreadable)
         found.sort(key=lambda f: f[0])
         with self._lock:
             if self._journal.exists():
@@ -592,11 +630,20 @@ class DiskTier(Tier):
         return removed
 
     def delete_prefix(self, prefix: str) -> int:
+        # A folder that cannot be listed is skipped (counted), not the end of the whole deletion.
         removed = 0
-        for sub in os.scandir(self.root):
+        subs = _listing(self.root, "folder")
+        if subs is None:
+            self.stats.add(errors=1)
+            return 0
+        for sub in subs:
             if not (sub.is_dir() and _SUBDIR_RE.match(sub.name)):
                 continue
-            doomed = [key for key in map(filename_to_key, (e.name for e in os.scandir(sub.path)))
+            entries = _listing(sub.path, "fan-out folder")
+            if entries is None:
+                self.stats.add(errors=1)
+                continue
+            doomed = [key for key in map(filename_to_key, (e.name for e in entries))
                       if key is not None and str(key).startswith(prefix)]
             removed += self.delete_many(doomed)
         return removed

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import re
@@ -107,7 +106,7 @@ class Reference:
     def expected(self, job: Job) -> Expected:
         if job not in self._done:
             model = self._model()
-            engine = _chat_engine(model)
+            engine = chat_engine(model)
             ids, dropped = engine.encode_chat(job.body())
             assert dropped == 0
             runner = model.runner
@@ -145,11 +144,16 @@ class Reference:
             f"{step}, where its top-2 logit gap is {exp.gaps[step] if step < len(exp.gaps) else None}")
 
 
-@functools.cache
-def _chat_engine(model):
+_ENGINES: dict[int, Any] = {}
+
+
+def chat_engine(model):
+    """A cache-free engine on ``model``, for its chat template and namespace only (one per model)."""
     from kvfuse.engine import Engine
 
-    return Engine(model, None)  # for its chat template only
+    if id(model) not in _ENGINES:
+        _ENGINES[id(model)] = (model, Engine(model, None))
+    return _ENGINES[id(model)][1]
 
 
 # ------------------------------------------------------------------------------------ load
@@ -256,6 +260,38 @@ def check_outcomes(ref: Reference, outcomes: list[Outcome]) -> None:
     assert not failed, f"{len(failed)} of {len(outcomes)} requests failed, e.g. {failed[0].job.name}: {failed[0].error}"
     for o in outcomes:
         ref.check(o.job, o.text)
+
+
+def warm_up(srv: ServerProcess, client: openai.OpenAI, ref: Reference, job_list: list[Job], threads: int,
+            tier_name: str, check_hits: bool = True) -> float:
+    """Record the cache-free answers, store every job's chunks, and (``check_hits``) check that
+    the next round reads them from ``tier_name``; the slowest cache-free request (what a request
+    costs with no tier's help, under this load on this machine)."""
+    free = ref.cache_free(client, job_list, threads)
+    check_outcomes(ref, run_all(client, job_list, threads))
+    idle(srv)
+    if check_hits:
+        warm = run_all(client, job_list, threads)
+        check_outcomes(ref, warm)
+        assert sum(o.by_tier.get(tier_name, 0) for o in warm) >= len(job_list), f"the {tier_name} tier is not used"
+        idle(srv)
+    return max(o.latency_s for o in free)
+
+
+def hits_again(srv: ServerProcess, client: openai.OpenAI, ref: Reference, job_list: list[Job], tier_name: str,
+               passes: int = 5) -> int:
+    """Send the jobs one by one until one reuses an entry read from ``tier_name``; how many requests
+    that took (AssertionError after ``passes`` passes). Each request stores what it computed."""
+    sent = 0
+    for _ in range(passes):
+        for job in job_list:
+            out = run_all(client, [job], 1)
+            check_outcomes(ref, out)
+            sent += 1
+            if out[0].by_tier.get(tier_name):
+                return sent
+        idle(srv)
+    raise AssertionError(f"no {tier_name} hit in {sent} requests after the fault: {tier(srv, tier_name)}")
 
 
 # ------------------------------------------------------------------------------ server state
@@ -554,3 +590,33 @@ def record(test: str, **figures) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def chain_paths(model, job: Job, chunk_size: int, root: Path, salt: str = "", tenant: str = "") -> list[Path]:
+    """Where the disk tier under ``root`` keeps ``job``'s prefix chunks, first chunk first (the
+    server's namespace: same model, KV dtype and layout; the request's ``cache_salt``). The first
+    chunk of a chain is the one every later request of that prompt reads first."""
+    from types import SimpleNamespace
+
+    from kvfuse.kv.keys import prefix_keys
+    from kvfuse.tiers.disk import DiskTier
+
+    engine = chat_engine(model)
+    ids, _ = engine.encode_chat(job.body())
+    keys = prefix_keys(ids, chunk_size, engine.namespace(tenant, salt))
+    return [DiskTier._path(SimpleNamespace(root=root), k) for k in keys]  # the tier's own layout rule
+
+
+def entry_ok(path: Path) -> bool | None:
+    """None if the file is gone; whether it is an intact entry (the store's one check)."""
+    from kvfuse.kv.format import FormatError, open_entry
+
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    try:
+        open_entry(bytearray(data))
+        return True
+    except FormatError:
+        return False

@@ -24,7 +24,8 @@ import pytest
 
 from keyed import K
 
-from faults import (Load, Reference, TcpProxy, check_outcomes, client_of, idle, jobs, metrics, record, run_all, tier)
+from faults import (Load, Reference, TcpProxy, check_outcomes, client_of, hits_again, idle, jobs, metrics, record,
+                    run_all, tier, warm_up)
 from kvfuse.testing import LocalRedis, ServerProcess, ensure_model
 from kvfuse.tiers import RedisTier
 from kvfuse_helpers import load_builtin, model_home
@@ -47,10 +48,11 @@ class Shape:
     memory: str  # the memory tier: less than one whole chunk
     threads: int
     cycles: int  # how many times each fault is repeated
-    per_phase: int  # requests finished in each phase of a fault
+    per_phase: int  # requests that started during a fault and finished (each phase of it)
+    max_tokens: int
 
     def jobs(self):
-        return jobs(self.documents, self.questions, self.paragraphs, max_tokens=6)
+        return jobs(self.documents, self.questions, self.paragraphs, max_tokens=self.max_tokens)
 
     @staticmethod
     def bound(cache_free_s: float) -> float:
@@ -61,8 +63,10 @@ class Shape:
         return 2 * cache_free_s + 20 * TIMEOUT_S
 
 
-FAST = Shape(documents=2, questions=2, paragraphs=1, chunk_size=64, memory="1MiB", threads=3, cycles=1, per_phase=2)
-SLOW = Shape(documents=4, questions=2, paragraphs=5, chunk_size=256, memory="4MiB", threads=6, cycles=3, per_phase=8)
+FAST = Shape(documents=2, questions=2, paragraphs=1, chunk_size=64, memory="1MiB", threads=3, cycles=1,
+             per_phase=1, max_tokens=4)
+SLOW = Shape(documents=3, questions=2, paragraphs=5, chunk_size=256, memory="4MiB", threads=4, cycles=3,
+             per_phase=4, max_tokens=8)
 
 
 @pytest.fixture(scope="module")
@@ -86,32 +90,8 @@ def redis_counts(srv: ServerProcess) -> dict:
     return counts
 
 
-def warm_up(srv: ServerProcess, client, ref: Reference, job_list, shape: Shape) -> float:
-    """Record the cache-free answers, store every job's chunks, check that the next round reads
-    them from Redis; the slowest cache-free request (the base of ``Shape.bound``)."""
-    free = ref.cache_free(client, job_list, shape.threads)
-    check_outcomes(ref, run_all(client, job_list, shape.threads))
-    idle(srv)
-    warm = run_all(client, job_list, shape.threads)
-    check_outcomes(ref, warm)
-    assert sum(o.by_tier.get("redis", 0) for o in warm) >= len(job_list), "Redis is not being used"
-    idle(srv)
-    return max(o.latency_s for o in free)
-
-
-def redis_hits_again(srv: ServerProcess, client, ref: Reference, job_list, passes: int = 5) -> int:
-    """Send the jobs one by one until one reuses an entry read from Redis; how many requests that
-    took (AssertionError after ``passes`` passes). Each request stores what it computed."""
-    sent = 0
-    for _ in range(passes):
-        for job in job_list:
-            out = run_all(client, [job], 1)
-            check_outcomes(ref, out)
-            sent += 1
-            if out[0].by_tier.get("redis"):
-                return sent
-        idle(srv)
-    raise AssertionError(f"no Redis hit in {sent} requests after the fault: {tier(srv, 'redis')}")
+def redis_hits_again(srv: ServerProcess, client, ref: Reference, job_list) -> int:
+    return hits_again(srv, client, ref, job_list, "redis")
 
 
 def during(outcomes, t0: float, t1: float):
@@ -242,7 +222,7 @@ def run(model, shape: Shape, names: list[str], proxied: bool, label: str, slow_n
         srv = serve(proxy.url if proxy else redis.url, shape)
         client = client_of(srv)
         t0 = time.monotonic()
-        bound = shape.bound(warm_up(srv, client, ref, job_list, shape))
+        bound = shape.bound(warm_up(srv, client, ref, job_list, shape.threads, "redis"))
         extra = {"warm_up_s": round(time.monotonic() - t0, 1)}
         if slow_network:  # a slower network, still within the time-out: Redis keeps serving hits
             proxy.latency_s = TIMEOUT_S / 8
