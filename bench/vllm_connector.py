@@ -207,7 +207,8 @@ def main(argv=None) -> int:
                         ttft, text, usage = first_token(s.base_url, p, args.max_tokens)
                         results[config][n].append(ttft)
                         requests.append({"round": r, "config": config, "tokens": n, "prompt": i, "ttft_s": ttft,
-                                         "same_answer": text == reference[(n, i)], "loadavg_1m": load_before})
+                                         "same_answer": text == reference[(n, i)], "loadavg_1m": load_before,
+                                         **({} if text == reference[(n, i)] else {"answer": text})})
                         if text != reference[(n, i)]:
                             mismatches[config] = mismatches.get(config, 0) + 1
                         print(f"round {r} {config:12s} {n}-token prompt {i}: TTFT {ttft:.3f} s"
@@ -268,6 +269,7 @@ def main(argv=None) -> int:
         "engines": engines,
         "requests": requests,
         "prompts": {str(n): [len(p) for p in ps] for n, ps in prompts.items()},
+        "reference_answers": {f"{n}/{i}": t for (n, i), t in reference.items()},
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
