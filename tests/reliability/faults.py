@@ -416,9 +416,12 @@ class TcpProxy:
                 if delay > 0:
                     await asyncio.sleep(delay)
                 if downstream and self.bandwidth:
-                    for i in range(0, len(data), 16384):  # trickle: a slow link, not one late burst
-                        await asyncio.sleep(min(16384, len(data) - i) / self.bandwidth)
-                        dst.write(data[i:i + 16384])
+                    # a slow link: small pieces every 20 ms, not one late burst (so no single read
+                    # waits as long as a socket time-out: only a bound on the whole reply notices)
+                    piece = max(1, int(self.bandwidth * 0.02))
+                    for i in range(0, len(data), piece):
+                        await asyncio.sleep(min(piece, len(data) - i) / self.bandwidth)
+                        dst.write(data[i:i + piece])
                         await dst.drain()
                 else:
                     dst.write(data)
