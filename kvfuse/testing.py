@@ -7,6 +7,7 @@ Processes started here are ended by their PID (SIGTERM, then SIGKILL), never by 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -87,12 +88,27 @@ class LocalRedis:
         self.stop()
 
 
+def _cluster_port() -> int:
+    """A free port p below 55536 whose cluster-bus port p + 10000 is free too."""
+    for _ in range(200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b:
+            port = random.randint(20000, 55000)
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port pair for a Redis cluster node")
+
+
 class LocalRedisCluster:
     """A Redis Cluster of ``nodes`` redis-server processes (primaries only) on free 127.0.0.1 ports,
     in a temporary folder, created with ``redis-cli --cluster create``; ``stop()`` kills them by PID."""
 
     def __init__(self, nodes: int = 3) -> None:
-        self.servers = [LocalRedis() for _ in range(nodes)]
+        # A cluster node also listens on its port + 10000 (the cluster bus): both must be free.
+        self.servers = [LocalRedis(port=_cluster_port()) for _ in range(nodes)]
         self._tmp = tempfile.TemporaryDirectory(prefix="kvfuse-redis-cluster-")
         cli = shutil.which("redis-cli")
         if cli is None:
