@@ -153,7 +153,7 @@ def test_an_entry_relabelled_with_another_chunks_key_is_rejected_by_its_token_id
     assert hit.cached_tokens == 2 * CH and hit.token_ids == references["q"][0]
 
 
-@pytest.mark.parametrize("tier", TIERS)
+@pytest.mark.parametrize("tier", [pytest.param("disk", marks=pytest.mark.slow), "redis"])
 def test_an_entry_copied_under_another_chunks_key_is_rejected_by_the_key_it_holds(rig, prompts, references, tier,
                                                                                  CH):
     p, q = prompts["p"], prompts["q"]

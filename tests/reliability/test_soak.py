@@ -15,8 +15,9 @@ Asserted:
   RSS_MARGIN``; the margin (256 MiB) covers what is allocated beside the two budgets: the store's
   write queue (up to 64 entries of 1.5 MB in flight to the disk tier), entries read from disk
   before promotion, the saver's copies, activations and allocator slack;
-- the disk tier never holds more than ``cache.disk_bytes`` (``/v1/kv/stats``, sampled every 2 s),
-  and both tiers evicted (else the budgets forced nothing);
+- the disk tier never holds more than ``cache.disk_bytes``, nor the memory tier more than
+  ``cache.memory_bytes`` (``/v1/kv/stats``, sampled every 2 s), and both evicted (else the budgets
+  forced nothing);
 - every greedy answer equals its reference, or differs first where the reference's top-2 logit
   gap was below 1e-3 (the near-tie rule, ``load.py``). Plain and conversation requests (and
   Responses turns, which are conversations) are compared with a cache-free full prefill of the
@@ -341,7 +342,7 @@ def run_soak(server: ServerProcess, home, workload: Workload, seconds: float) ->
     rss_start = rss_bytes(server.pid)
     bound = rss_start + MEMORY_BYTES + KV_BYTES + RSS_MARGIN
     tally, results = Tally(), []
-    samples = {"rss": [], "disk": []}
+    samples = {"rss": [], "disk": [], "memory": []}
     stop = threading.Event()
 
     def monitor() -> None:
@@ -350,8 +351,9 @@ def run_soak(server: ServerProcess, home, workload: Workload, seconds: float) ->
             samples["rss"].append(rss_bytes(server.pid))
             if time.monotonic() - last_stats >= 2.0:
                 last_stats = time.monotonic()
-                disk = httpx.get(server.base_url + "/kv/stats", timeout=60).json()["tiers"]["disk"]
-                samples["disk"].append(disk["used_bytes"])
+                tiers = httpx.get(server.base_url + "/kv/stats", timeout=60).json()["tiers"]
+                samples["disk"].append(tiers["disk"]["used_bytes"])
+                samples["memory"].append(tiers["memory"]["used_bytes"])
             stop.wait(0.25)
 
     watcher = threading.Thread(target=monitor, name="soak-monitor", daemon=True)
@@ -397,6 +399,7 @@ def run_soak(server: ServerProcess, home, workload: Workload, seconds: float) ->
     assert not tally.wrong, "answers that differ from their reference beyond a near-tie:\n" + "\n".join(tally.wrong[:10])
     assert peak <= bound, f"RSS peaked at {peak / MiB:.0f} MiB, over the {bound / MiB:.0f} MiB bound"
     assert samples["disk"] and max(samples["disk"]) <= DISK_BYTES
+    assert max(samples["memory"]) <= MEMORY_BYTES
     assert tiers["disk"]["capacity_bytes"] == DISK_BYTES and tiers["memory"]["capacity_bytes"] == MEMORY_BYTES
     assert tiers["memory"]["evictions"] > 0 and tiers["disk"]["evictions"] > 0, "the budgets forced no eviction"
     assert tally.cached_tokens > 0

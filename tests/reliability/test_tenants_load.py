@@ -76,10 +76,11 @@ def text(seed: int, words: int) -> str:
     return " ".join(rnd.choice(WORDS) for _ in range(words)) + "."
 
 
-def shared_specs() -> list[dict]:
-    """The prompts every tenant sends, of every kind (each long enough for whole 64-token chunks)."""
+def shared_specs(per_kind: int, run: str) -> list[dict]:
+    """The prompts every tenant sends, ``per_kind`` of every kind (each long enough for whole
+    64-token chunks), in namespaces of the test run ``run``."""
     specs = []
-    for i in range(2):
+    for i in range(per_kind):
         specs.append({"kind": "completion", "prompt": text(100 + i, 120) + "\nQuestion: who built it?\nAnswer:"})
         specs.append({"kind": "chat", "messages": [{"role": "system", "content": "Be brief."},
                                                    {"role": "user", "content": text(200 + i, 120)}]})
@@ -90,7 +91,7 @@ def shared_specs() -> list[dict]:
         # A namespace of its own per prompt (the same in every tenant): a tenant's prompts then share
         # nothing with each other (not even the chat template's first tokens, which a stored history
         # would lend to the next chat prompt), so its first request of each must reuse exactly 0.
-        spec["salt"] = f"prompt-{i}"
+        spec["salt"] = f"{run}-prompt-{i}"
     return specs
 
 
@@ -128,8 +129,17 @@ class Seen:
 
 
 def test_tenants_under_concurrent_load_share_nothing(server):
+    tenants_under_load(server, per_kind=1, run="fast")
+
+
+@pytest.mark.slow
+def test_tenants_under_heavier_concurrent_load_share_nothing(server):
+    tenants_under_load(server, per_kind=4, run="slow")
+
+
+def tenants_under_load(server, per_kind: int, run: str) -> None:
     clients = {t: client(server, t) for t in TENANTS}
-    specs = shared_specs()
+    specs = shared_specs(per_kind, run)
     seen = Seen()
     firsts: list[tuple[str, str, int]] = []  # (tenant, spec, cached tokens of its first request)
     repeats: list[tuple[str, str, int]] = []
@@ -180,6 +190,9 @@ def test_tenants_under_concurrent_load_share_nothing(server):
     probe_everything(server, seen, private)
     check_delete_isolation(server, clients, specs, seen)
     scan(seen, private)
+    print(f"\ntenants: {len(TENANTS)}, {len(firsts)} first requests (0 reused anything), {len(repeats)} repeats "
+          f"({sum(r[2] for r in repeats)} cached tokens), {sum(map(len, seen.bodies.values()))} bodies scanned, "
+          f"0 leaks")
 
 
 def check_responses_isolation(server, clients, response_ids, seen) -> None:
@@ -279,4 +292,7 @@ def scan(seen: Seen, private: dict[str, list[str]]) -> None:
             for m in KEY_RE.findall(body) + HEX64_RE.findall(body):
                 leaks.append(f"{tenant} saw a key or digest {m!r} in {body[:120]!r}")
     assert not leaks, "\n".join(leaks[:20])
-    assert sum(len(b) for b in seen.bodies.values()) > 3 * 40  # the scan looked at something
+    for tenant, bodies in seen.bodies.items():  # the scan looked at everything each tenant can see
+        kinds = {b.split(":", 1)[0].split(" ")[0] for b in bodies}
+        assert {"first", "repeat", "private", "/v1/kv/stats", "/metrics", "error", "404"} <= kinds, (tenant, kinds)
+        assert len(bodies) >= 25, (tenant, len(bodies))
