@@ -359,7 +359,7 @@ def reencoded_store(raw_tier, encoding: str):
     name, _, level = encoding.partition(".")
     codec = get_codec(name, int(level or 0))
     tier = MemoryTier(1 << 34)
-    for key in list(raw_tier._data):
+    for key in raw_tier.keys_lru():
         entry = raw_tier.get(key)
         tier.put(key, encode_entry(entry.chunk(), key, codec))
     return TieredStore([tier])
@@ -536,7 +536,7 @@ def run_allocation(args) -> dict:
             target = torch.tensor(cont)
             acc["lossless"]["nll"].append(float(-ref[torch.arange(len(cont)), target].mean()))
             acc["lossless"]["kl"].append(0.0)
-            entries = {k: raw.tiers[0].get(k) for k in list(raw.tiers[0]._data)}
+            entries = {k: raw.tiers[0].get(k) for k in raw.tiers[0].keys_lru()}
             for a, (bins, opts) in ALLOCATIONS.items():
                 tier = MemoryTier(1 << 34)
                 for key, entry in entries.items():

@@ -35,6 +35,7 @@ import enum
 import hashlib
 import re
 import struct
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -146,13 +147,18 @@ class ChunkKey:
     Keys are dictionary keys in every index (tiers, the saver, the scheduler): the hash is
     computed once (the generated dataclass hash, through ``Enum.__hash__``, cost ~400 ns per
     call, most of a lookup) and equality compares it first. The cached hash is this process's
-    (str and bytes hashes are salted per process), so pickling sends the fields only."""
+    (str and bytes hashes are salted per process), so pickling sends the fields only.
+
+    ``group`` is what many keys share, ``<namespace_id>:<kind>:<variant>``, as one interned string
+    (one object per group, so a key pays only its pointer): the tiers' compact index
+    (``tiers/key_index.py``) keeps each group once and finds it by this string in one dict lookup."""
 
     namespace_id: str
     digest: bytes
     kind: ChunkKind
     variant: str = ""  # "" for the chunk itself; "<codec>.<level>" for an extra encoding of it
     _hash: int = field(default=0, init=False, repr=False)
+    group: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace_id, str) or not re.fullmatch(r"[0-9a-f]{24}", self.namespace_id):
@@ -164,6 +170,7 @@ class ChunkKey:
         if self.variant and not _VARIANT_RE.fullmatch(self.variant):
             raise ValueError(f"ChunkKey.variant must look like 'cachegen.1', got {self.variant!r}")
         object.__setattr__(self, "_hash", hash((self.namespace_id, self.digest, self.kind.value, self.variant)))
+        object.__setattr__(self, "group", sys.intern(f"{self.namespace_id}:{self.kind.value}:{self.variant}"))
 
     def __hash__(self) -> int:
         return self._hash

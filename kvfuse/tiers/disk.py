@@ -59,15 +59,15 @@ import secrets
 import threading
 import time
 import zlib
-from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.tiers.base import Blob, Clock, Entry, Expiries, Tier, check_key, nbytes
+from kvfuse.tiers.key_index import KeyIndex
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ _SUFFIX = ".kvf"
 _SEP = "_3A"  # ":" in file names
 _TMP_RE = re.compile(r"^\.(\d+)\.[0-9a-f]+\.tmp$")
 _SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
+# The names key_to_filename writes (a key's text with ":" as "_3A"): namespace, kind, digest, variant.
+_NAME_RE = re.compile(r"^([0-9a-f]{24})_3A([dpt])_3A([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?\.kvf$")
 JOURNAL = "expiry.log"
 _JOURNAL_LOCK = "expiry.lock"
 _JOURNAL_TMP = "expiry.log.tmp"  # written under the exclusive lock only: one name is enough
@@ -199,7 +201,7 @@ class DiskTier(Tier):
         self.root = Path(path)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # key -> size, least recent first
+        self._index = KeyIndex()  # key -> size, least recent first (compact: ~70 bytes an entry)
         self._used = 0
         self._lock = threading.Lock()
         self._last_ns = 0
@@ -227,10 +229,12 @@ class DiskTier(Tier):
     def _scan(self, stale_temp_s: float) -> None:
         # A folder or file that cannot be read (EACCES, EIO) is skipped and counted: a tier never
         # fails its process for an operational failure (an unreadable fan-out folder used to stop
-        # the server from starting).
-        found: list[tuple[int, ChunkKey, int, int]] = []
+        # the server from starting). A million files take seconds: names are parsed by one regex
+        # into columns (no key object per file) and the index is filled at once (KeyIndex.load).
         now = time.time()
         unreadable = 0
+        groups: dict[tuple[str, str, str], int] = {}
+        group_of, hexes, mtimes, sizes, inos = [], [], [], [], []
         subs = _listing(self.root, "folder")
         if subs is None:
             subs, unreadable = [], 1
@@ -242,29 +246,55 @@ class DiskTier(Tier):
                 unreadable += 1
                 continue
             for entry in entries:
+                name = entry.name
+                m = _NAME_RE.fullmatch(name)
+                if m is None:
+                    if name.endswith(".tmp"):
+                        try:
+                            if stale_temp(name, entry.stat().st_mtime, now, stale_temp_s):
+                                os.unlink(entry.path)
+                        except FileNotFoundError:
+                            pass
+                        except OSError as e:
+                            log.warning("disk tier %s: cannot stat or remove %s (%s)", self.root, entry.path, e)
+                            unreadable += 1
+                    continue
                 try:
-                    st = entry.stat()
-                    if stale_temp(entry.name, st.st_mtime, now, stale_temp_s):
-                        os.unlink(entry.path)
+                    if not entry.is_file():
                         continue
+                    st = entry.stat()
                 except FileNotFoundError:
                     continue
                 except OSError as e:
-                    log.warning("disk tier %s: cannot stat or remove %s (%s)", self.root, entry.path, e)
+                    log.warning("disk tier %s: cannot stat %s (%s)", self.root, entry.path, e)
                     unreadable += 1
                     continue
-                key = filename_to_key(entry.name)
-                if key is not None and entry.is_file():
-                    found.append((st.st_mtime_ns, key, st.st_size, st.st_ino))
+                group = (m.group(1), m.group(2), m.group(4) or "")
+                gid = groups.get(group)
+                if gid is None:
+                    gid = groups[group] = len(groups)
+                group_of.append(gid)
+                hexes.append(m.group(3))
+                mtimes.append(st.st_mtime_ns)
+                sizes.append(st.st_size)
+                inos.append(st.st_ino)
         self.stats.add(errors=unreadable)
-        found.sort(key=lambda f: f[0])
+        order = np.argsort(np.array(mtimes, dtype=np.int64), kind="stable")
+        digests = np.frombuffer(bytes.fromhex("".join(hexes)), dtype="<u8").reshape(-1, 4)
+        group_list = [(ns, ChunkKind(kind), variant) for ns, kind, variant in groups]
+        keep = order
         with self._lock:
             if self._journal.exists():
-                gone = self._compact_locked({key: ino for _, key, _, ino in found})
-                found = [f for f in found if f[1] not in gone]
-            for _, key, size, _ in found:
-                self._index[key] = size
-                self._used += size
+                def key_of(i: int) -> ChunkKey:
+                    ns, kind, variant = group_list[group_of[i]]
+                    return ChunkKey(ns, digests[i].tobytes(), kind, variant)
+
+                gone = self._compact_locked({key_of(i): inos[i] for i in range(len(hexes))})
+                if gone:
+                    keep = np.array([i for i in order.tolist() if key_of(i) not in gone], dtype=np.intp)
+            sizes_kept = np.array(sizes, dtype=np.int64)[keep]
+            self._index.load(group_list, np.array(group_of, dtype=np.intp)[keep], digests[keep].tobytes(), sizes_kept)
+            self._used = int(sizes_kept.sum())
             evicted = self._evict_locked()
         self.stats.add(evictions=evicted)
 
@@ -401,20 +431,19 @@ class DiskTier(Tier):
             self.stats.add(expired=1)
 
     def _forget_locked(self, key: ChunkKey) -> None:
-        size = self._index.pop(key, None)
-        if size is not None:
-            self._used -= size
+        old = self._index.pop(key)
+        if old is not None:
+            self._used -= old[0]
 
     def _record_locked(self, key: ChunkKey, size: int) -> None:
-        self._forget_locked(key)
-        self._index[key] = size
-        self._used += size
+        old = self._index.put(key, size)
+        self._used += size - (old or 0)
 
     def _evict_locked(self) -> int:
         """Remove least-recent files until within capacity (never the most recent entry)."""
         evicted, lines = 0, []
         while self._used > self.capacity_bytes and len(self._index) > 1:
-            key, size = self._index.popitem(last=False)
+            key, size, _ = self._index.pop_oldest()
             self._used -= size
             rec = self._expiry.pop(key)
             if rec is not None:
@@ -707,7 +736,7 @@ class DiskTier(Tier):
     def keys_lru(self) -> list[ChunkKey]:
         """Keys this process knows, from least to most recently used (the eviction order)."""
         with self._lock:
-            return list(self._index)
+            return self._index.keys()
 
     def entries(self) -> int:
         with self._lock:

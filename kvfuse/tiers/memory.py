@@ -1,15 +1,17 @@
 """The memory tier: an LRU dictionary bounded by the bytes of its values, optionally queue-aware
 (``set_protect``: the entries queued requests will load are evicted last), with per-entry
-expiry beside the LRU (see ``tiers/base.py``)."""
+expiry beside the LRU (see ``tiers/base.py``). The keys, sizes and LRU order live in a compact
+``KeyIndex`` (about 70 bytes per entry with the value's pointer, instead of ~265 in an
+``OrderedDict`` of key objects)."""
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
 
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Blob, Expiries, Tier, check_key, nbytes
+from kvfuse.tiers.key_index import KeyIndex
 
 
 class MemoryTier(Tier):
@@ -32,7 +34,7 @@ class MemoryTier(Tier):
             raise ValueError(f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self._data: OrderedDict[ChunkKey, Blob] = OrderedDict()
+        self._index = KeyIndex(with_values=True)  # key -> (size, value), least recent first
         self._used = 0
         self._lock = threading.Lock()
         self._protect: Callable[[], Collection[ChunkKey]] | None = None
@@ -41,7 +43,7 @@ class MemoryTier(Tier):
     def _live_locked(self, key: ChunkKey) -> tuple[bool, int]:
         """``(held, expired)``: whether ``key`` is held and not expired, and 1 if it was held but
         expired (now removed)."""
-        if key not in self._data:
+        if key not in self._index:
             return False, 0
         if self._expiry:
             rec = self._expiry.get(key)
@@ -68,8 +70,7 @@ class MemoryTier(Tier):
         keys = list(keys)
         with self._lock:
             if not self._expiry:
-                data = self._data
-                return [k in data for k in keys]
+                return self._index.contains_many(keys)
             found = [self._live_locked(k) for k in keys]
         expired = sum(e for _, e in found)
         if expired:
@@ -79,9 +80,8 @@ class MemoryTier(Tier):
     def get(self, key: ChunkKey) -> Blob | None:
         with self._lock:
             held, expired = self._live_locked(key)
-            value = self._data.get(key) if held else None
-            if value is not None:
-                self._data.move_to_end(key)
+            found = self._index.use(key) if held else None
+            value = None if found is None else found[1]
         if value is None:
             self.stats.add(misses=1, expired=expired)
         else:
@@ -104,21 +104,24 @@ class MemoryTier(Tier):
             if size > self.capacity_bytes:
                 self.stats.add(dropped_writes=1)
                 return
-            self._data[key] = value
+            self._index.put(key, size, value)
             self._used += size
             if expires_at is not None:
                 self._expiry.set(key, expires_at)
             if self._used > self.capacity_bytes and protected:
                 protected = set(protected)
-                for k in [k for k in self._data if k not in protected and k != key]:
+                for k, k_size, _ in self._index.items():
                     if self._used <= self.capacity_bytes:
                         break
-                    self._used -= nbytes(self._data.pop(k))
+                    if k in protected or k == key:
+                        continue
+                    self._index.pop(k)
+                    self._used -= k_size
                     self._expiry.pop(k)
                     evicted += 1
             while self._used > self.capacity_bytes:
-                k, old = self._data.popitem(last=False)
-                self._used -= nbytes(old)
+                k, k_size, _ = self._index.pop_oldest()
+                self._used -= k_size
                 self._expiry.pop(k)
                 evicted += 1
                 forced += k in protected
@@ -127,14 +130,14 @@ class MemoryTier(Tier):
     def bytes_of(self, keys: Collection[ChunkKey]) -> int:
         """The bytes the entries of ``keys`` take here (those held)."""
         with self._lock:
-            return sum(nbytes(self._data[k]) for k in keys if k in self._data)
+            return sum(size for size in map(self._index.size, keys) if size is not None)
 
     def _remove(self, key: ChunkKey) -> bool:
         self._expiry.pop(key)
-        old = self._data.pop(key, None)
+        old = self._index.pop(key)
         if old is None:
             return False
-        self._used -= nbytes(old)
+        self._used -= old[0]
         return True
 
     def delete(self, key: ChunkKey) -> bool:
@@ -169,7 +172,7 @@ class MemoryTier(Tier):
 
     def delete_prefix(self, prefix: str) -> int:
         with self._lock:
-            doomed = [k for k in self._data if str(k).startswith(prefix)]
+            doomed = self._index.keys_with_prefix(prefix)
             for k in doomed:
                 self._remove(k)
         return len(doomed)
@@ -177,11 +180,11 @@ class MemoryTier(Tier):
     def keys_lru(self) -> list[ChunkKey]:
         """Keys from least to most recently used (the eviction order)."""
         with self._lock:
-            return list(self._data)
+            return self._index.keys()
 
     def entries(self) -> int:
         with self._lock:
-            return len(self._data)
+            return len(self._index)
 
     def used_bytes(self) -> int:
         with self._lock:

@@ -203,6 +203,11 @@ class TieredStore:
                 break
             asked = [keys[i] for i in pending]
             found = self._safe(tier, "contains_many", tier.contains_many, [False] * len(pending), asked)
+            if all(found):  # the usual answer of the first tier to a prompt it holds
+                for i in pending:
+                    holder[i] = tier.name
+                pending = []
+                break
             still = []
             for i, ok in zip(pending, found):
                 if ok:

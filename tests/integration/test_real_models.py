@@ -130,11 +130,11 @@ def test_greedy_with_kv_cache_equals_recompute(name, both):
     cache = runner.new_cache()
     logits = runner.forward(ids, cache)
     cached = []
-    for _ in range(32):
+    for _ in range(16):
         cached.append(int(logits.argmax()))
         logits = runner.forward([cached[-1]], cache)
     seq, recomputed = list(ids), []
-    for _ in range(32):
+    for _ in range(16):
         recomputed.append(int(runner.forward(seq, runner.new_cache()).argmax()))  # no KV reuse
         seq.append(recomputed[-1])
     assert cached == recomputed
@@ -331,7 +331,9 @@ def home_copy(tmp_path, smollm2):
     return home, home / "models" / "smollm2"
 
 
-CORRUPTIONS = ["flipped-weight-byte", "truncated-config", "missing-manifest"]
+# The default run checks one corruption (the subtlest); the others run with -m slow.
+CORRUPTIONS = ["flipped-weight-byte", pytest.param("truncated-config", marks=pytest.mark.slow),
+               pytest.param("missing-manifest", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
@@ -373,8 +375,9 @@ def test_corrupt_converted_folder_is_detected_and_converted_again(corruption, ho
 # --------------------------------------------------------- 4. CacheBlend with the real weights
 
 
-@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
-@pytest.mark.parametrize("kv_dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name,kv_dtype", [  # each model and each KV dtype once by default
+    ("smollm2", "float32"), ("gemma3-270m", "float16"),
+    pytest.param("smollm2", "float16", marks=pytest.mark.slow), pytest.param("gemma3-270m", "float32", marks=pytest.mark.slow)])
 def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, both):
     """Six documents (~700 tokens: past Gemma 3's 512-token sliding window) cached alone, moved
     into place and fully recomputed give the greedy answer of a plain prefill and its logits within

@@ -254,7 +254,7 @@ def test_fuzz_the_published_openapi_schema(small_server):
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            @settings(max_examples=30, deadline=None, database=None, derandomize=True,
+            @settings(max_examples=15, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             @given(case=operation.as_strategy(generation_mode=mode))
             def check(case):

@@ -249,12 +249,12 @@ def run(model, shape: Shape, names: list[str], proxied: bool, label: str, slow_n
         redis.stop()
 
 
-ALL = ["kill", "pause", "latency", "trickle", "cut"]
 
 
 def test_redis_faults_during_concurrent_requests(model):
-    """Every fault once, one server behind the proxy (transparent until a fault needs it)."""
-    run(model, FAST, ALL, proxied=True, label="redis_faults[fast]")
+    """A killed, a paused and a cutting Redis once, one server behind the proxy (transparent until a
+    fault needs it); latency and trickle run in the slow proxy test."""
+    run(model, FAST, ["kill", "pause", "cut"], proxied=True, label="redis_faults[fast]")
 
 
 @pytest.mark.slow

@@ -68,7 +68,7 @@ MEMORY_BYTES, DISK_BYTES, KV_BYTES = 12 * MiB, 24 * MiB, 24 * MiB
 RSS_MARGIN = 256 * MiB
 MAX_TOKENS = 8
 CLIENTS = 4
-FAST_SOAK_S = 50.0
+FAST_SOAK_S = 25.0
 CONFIG = {
     "model": MODEL,
     "cache": {"chunk_size": CH, "memory_bytes": MEMORY_BYTES, "disk_bytes": DISK_BYTES},

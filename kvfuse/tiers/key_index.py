@@ -1,0 +1,445 @@
+"""A compact LRU index of chunk keys: what the memory and disk tiers know they hold, in about 60
+bytes per entry (issue 15: a tier's index must hold a million entries in at most 100 bytes each).
+
+Why a structure of its own: both tiers kept ``OrderedDict[ChunkKey, size or value]``, which costs
+about 265 bytes per entry: the key object (a slotted object, its digest as a ``bytes`` object, its
+hash as an ``int``) plus the dictionary's slots and LRU links. Here a key is not kept as an object.
+Its 32-byte digest sits in a numpy row and what thousands of keys share (namespace, kind,
+variant) sits once in a small table of *groups*. A key object is only rebuilt when a caller
+asks for keys (eviction, listings).
+
+Layout (row r = one entry; the row arrays grow by a quarter when full)::
+
+    digest     uint64[cap * 4]  the SHA-256 digest, little-endian words (row r: words 4r..4r+3)
+    group      uint32[cap]      id of (namespace_id, kind, variant); FREE for an unused row
+    size       int64[cap]       the entry's bytes
+    prev, next int32[cap]       the LRU list, least recent first; free rows chain through next
+    slots      int32[2**k]      open addressing, linear probing, load <= 1/2; -1 = empty
+    values     list | None      the memory tier's values (one pointer per row)
+
+A key's home slot is its first digest word XOR ``group * golden ratio``, masked: digests are
+SHA-256 outputs, uniform already; the group is mixed in because a chunk's variants share its
+digest. Removal shifts the rest of the probe run back (no tombstones), so lookups do not slow
+down with churn.
+
+``contains_many`` (the tiers' batched lookups: a prompt's chain) probes the whole batch at once in
+numpy and finishes with scalar probes the few keys whose home slot held another key. Scalar paths
+read the arrays through memoryviews (a few times faster than numpy scalar indexing).
+
+Not thread-safe: the owning tier's lock guards it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from operator import attrgetter
+from typing import Any
+
+import numpy as np
+
+from kvfuse.kv.keys import ChunkKey, ChunkKind
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+FREE = 0xFFFFFFFF  # the group of an unused row (never a real group id)
+_NIL = -1
+_VECTOR_MIN = 8  # below this many keys, scalar probes are faster than numpy's per-call overhead
+_group_of = attrgetter("group")  # "<namespace_id>:<kind>:<variant>", interned (see ChunkKey)
+
+
+class KeyIndex:
+    """``ChunkKey -> (size, value)`` in least-recent-first order, compactly (see the module
+    docstring). ``with_values``: keep a value per entry (the memory tier's blobs)."""
+
+    def __init__(self, with_values: bool = False, rows: int = 64) -> None:
+        self._groups: dict[str, int] = {}  # ChunkKey.group -> group id
+        self._group_keys: list[tuple[str, ChunkKind, str]] = []
+        self._values: list[Any] | None = [] if with_values else None
+        self._len = 0
+        self._head = self._tail = _NIL  # least / most recent row
+        self._free = _NIL
+        self._cap = 0
+        self._dig = np.zeros(0, dtype="<u8")
+        self._grp = np.zeros(0, dtype=np.uint32)
+        self._size = np.zeros(0, dtype=np.int64)
+        self._prev = np.zeros(0, dtype=np.int32)
+        self._next = np.zeros(0, dtype=np.int32)
+        self._grow_rows(max(4, rows))
+        self._set_slots(np.full(_table_size(max(4, rows)), -1, dtype=np.int32))
+
+    # -- storage --------------------------------------------------------------------------------
+
+    def _views(self) -> None:
+        # Scalar reads and writes go through memoryviews (Python ints, no numpy scalar objects).
+        self._dig_v = memoryview(self._dig)
+        self._dig_b = memoryview(self._dig).cast("B")
+        self._dig_rows = self._dig.view("V32")  # one 32-byte item per row: one comparison per digest
+        self._grp_v = memoryview(self._grp)
+        self._size_v = memoryview(self._size)
+        self._prev_v = memoryview(self._prev)
+        self._next_v = memoryview(self._next)
+
+    def _grow_rows(self, cap: int) -> None:
+        old = self._cap
+
+        def grown(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+            b = np.full(n, fill, dtype=a.dtype)
+            b[: a.size] = a
+            return b
+
+        self._release_views()
+        self._dig = grown(self._dig, cap * 4, 0)
+        self._grp = grown(self._grp, cap, FREE)
+        self._size = grown(self._size, cap, 0)
+        self._prev = grown(self._prev, cap, _NIL)
+        nxt = grown(self._next, cap, _NIL)
+        nxt[old : cap - 1] = np.arange(old + 1, cap, dtype=np.int32)  # new rows chain into the free list
+        nxt[cap - 1] = self._free
+        self._next = nxt
+        self._free = old
+        if self._values is not None:
+            self._values.extend([None] * (cap - old))
+        self._cap = cap
+        self._views()
+
+    def _release_views(self) -> None:
+        for name in ("_dig_v", "_dig_b", "_grp_v", "_size_v", "_prev_v", "_next_v"):
+            view = self.__dict__.pop(name, None)
+            if view is not None:
+                view.release()
+
+    def _set_slots(self, slots: np.ndarray) -> None:
+        view = self.__dict__.pop("_slots_v", None)
+        if view is not None:
+            view.release()
+        self._slots = slots
+        self._mask = slots.size - 1
+        self._slots_v = memoryview(slots)
+
+    def _home(self, row: int) -> int:
+        return (self._dig_v[4 * row] ^ (self._grp_v[row] * _GOLDEN)) & self._mask
+
+    def _rehash(self, size: int) -> None:
+        """A new slot table of ``size`` slots holding every live row (vectorised insertion in
+        rounds: each round places, per free target slot, the first row aiming at it; the others
+        move one slot on. A row only passes occupied slots, so every key stays reachable)."""
+        mask = size - 1
+        slots = np.full(size, -1, dtype=np.int32)
+        pending = np.flatnonzero(self._grp[: self._cap] != FREE).astype(np.int32)
+        words = self._dig.reshape(-1, 4)[:, 0]
+        pos = ((words[pending] ^ (self._grp[pending].astype(np.uint64) * np.uint64(_GOLDEN)))
+               & np.uint64(mask)).astype(np.int64)
+        while pending.size:
+            free = np.flatnonzero(slots[pos] < 0)
+            _, first = np.unique(pos[free], return_index=True)
+            won = free[first]
+            slots[pos[won]] = pending[won]
+            keep = np.ones(pending.size, dtype=bool)
+            keep[won] = False
+            pending, pos = pending[keep], (pos[keep] + 1) & mask
+        self._set_slots(slots)
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def _find(self, key: ChunkKey) -> int:
+        """The row of ``key``, or -1."""
+        gid = self._groups.get(_group_of(key))
+        if gid is None:
+            return -1
+        digest = key.digest
+        d0 = int.from_bytes(digest[:8], "little")
+        mask, slots, dig, grp, dig_b = self._mask, self._slots_v, self._dig_v, self._grp_v, self._dig_b
+        s = (d0 ^ (gid * _GOLDEN)) & mask
+        while True:
+            r = slots[s]
+            if r < 0:
+                return -1
+            if dig[4 * r] == d0 and grp[r] == gid and dig_b[32 * r : 32 * r + 32].tobytes() == digest:
+                return r
+            s = (s + 1) & mask
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, key: ChunkKey) -> bool:
+        return self._find(key) >= 0
+
+    def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each key is held, for a batch (one vectorised probe, see the module docstring)."""
+        n = len(keys)
+        if n < _VECTOR_MIN or not self._len:
+            return [self._find(k) >= 0 for k in keys]
+        mask = self._mask
+        groups = list(map(_group_of, keys))
+        if groups.count(groups[0]) == n:  # one namespace, kind and variant: a prompt's chain
+            gid = self._groups.get(groups[0])
+            if gid is None:
+                return [False] * n
+            g, mix = gid, (gid * _GOLDEN) & mask
+        else:
+            ids = [FREE if x is None else x for x in map(self._groups.get, groups)]
+            g = np.array(ids, dtype=np.uint32)
+            mix = np.array([(x * _GOLDEN) & mask for x in ids], dtype=np.uint32)
+        raw = b"".join([k.digest for k in keys])
+        q = np.frombuffer(raw, dtype="V32")
+        # The home slot from the low 32 bits of the first digest word (the mask is below 2**31).
+        s = (np.frombuffer(raw, dtype="<u4")[::8] ^ mix) & mask
+        slots, rows, grp = self._slots, self._dig_rows, self._grp
+        r = slots[s]
+        held = r >= 0
+        rr = np.maximum(r, 0)
+        hit = (rows[rr] == q) & (grp[rr] == g) & held
+        on = np.flatnonzero(held ^ hit)  # the home slot held another key: it may sit further on
+        if not on.size:
+            return hit.tolist()
+        if on.size > 4:  # one more vectorised step (most displaced keys sit one slot on)
+            r = slots[(s[on] + 1) & mask]
+            held = r >= 0
+            rr = np.maximum(r, 0)
+            found = (rows[rr] == q[on]) & (grp[rr] == (g if isinstance(g, int) else g[on])) & held
+            hit[on[found]] = True
+            on = on[held ^ found]
+        out = hit.tolist()
+        for i in on.tolist():
+            out[i] = self._find(keys[i]) >= 0
+        return out
+
+    def size(self, key: ChunkKey) -> int | None:
+        """The size recorded for ``key``, or None when it is not held."""
+        r = self._find(key)
+        return None if r < 0 else self._size_v[r]
+
+    def value(self, key: ChunkKey, default: Any = None) -> Any:
+        """The value kept for ``key`` (``with_values``), or ``default``."""
+        r = self._find(key)
+        return default if r < 0 else self._values[r]
+
+    def sizes(self, keys: Sequence[ChunkKey]) -> list[int | None]:
+        return [self.size(k) for k in keys]
+
+    # -- recency --------------------------------------------------------------------------------
+
+    def _unlink(self, r: int) -> None:
+        prev, nxt = self._prev_v, self._next_v
+        p, n = prev[r], nxt[r]
+        if p == _NIL:
+            self._head = n
+        else:
+            nxt[p] = n
+        if n == _NIL:
+            self._tail = p
+        else:
+            prev[n] = p
+
+    def _append(self, r: int) -> None:
+        prev, nxt = self._prev_v, self._next_v
+        prev[r], nxt[r] = self._tail, _NIL
+        if self._tail == _NIL:
+            self._head = r
+        else:
+            nxt[self._tail] = r
+        self._tail = r
+
+    def use(self, key: ChunkKey) -> tuple[int, Any] | None:
+        """``key``'s (size, value), made the most recent entry; None when it is not held."""
+        r = self._find(key)
+        if r < 0:
+            return None
+        if r != self._tail:
+            self._unlink(r)
+            self._append(r)
+        return self._size_v[r], None if self._values is None else self._values[r]
+
+    def touch(self, key: ChunkKey) -> bool:
+        """Make ``key`` the most recent entry; False if it is not held."""
+        r = self._find(key)
+        if r < 0:
+            return False
+        if r != self._tail:
+            self._unlink(r)
+            self._append(r)
+        return True
+
+    # -- changes --------------------------------------------------------------------------------
+
+    def _group_id(self, key: ChunkKey) -> int:
+        g = _group_of(key)
+        gid = self._groups.get(g)
+        if gid is None:
+            gid = self._groups[g] = len(self._group_keys)
+            self._group_keys.append((key.namespace_id, key.kind, key.variant))
+        return gid
+
+    def put(self, key: ChunkKey, size: int, value: Any = None) -> int | None:
+        """Hold ``key`` with ``size`` (and ``value``) as the most recent entry. Returns the size it
+        had, or None when it is new."""
+        r = self._find(key)
+        if r >= 0:
+            old = self._size_v[r]
+            self._size_v[r] = size
+            if self._values is not None:
+                self._values[r] = value
+            if r != self._tail:
+                self._unlink(r)
+                self._append(r)
+            return old
+        if 2 * (self._len + 1) > self._slots.size:
+            self._rehash(2 * self._slots.size)
+        if self._free == _NIL:
+            self._grow_rows(self._cap + max(64, self._cap // 4))
+        gid = self._group_id(key)
+        r = self._free
+        self._free = self._next_v[r]
+        self._dig_b[32 * r : 32 * r + 32] = key.digest
+        self._grp_v[r] = gid
+        self._size_v[r] = size
+        if self._values is not None:
+            self._values[r] = value
+        self._append(r)
+        mask, slots = self._mask, self._slots_v
+        s = self._home(r)
+        while slots[s] >= 0:
+            s = (s + 1) & mask
+        slots[s] = r
+        self._len += 1
+        return None
+
+    def _remove_row(self, r: int) -> tuple[int, Any]:
+        """Drop row ``r`` from the slots, the LRU list and the rows; returns (size, value)."""
+        mask, slots = self._mask, self._slots_v
+        s = self._home(r)
+        while slots[s] != r:
+            s = (s + 1) & mask
+        # Backward-shift deletion: move later keys of the run into the hole unless their home lies
+        # cyclically in (hole, their slot].
+        hole, j = s, s
+        while True:
+            j = (j + 1) & mask
+            rj = slots[j]
+            if rj < 0:
+                break
+            k = self._home(rj)
+            if (hole < j and hole < k <= j) or (hole > j and (k > hole or k <= j)):
+                continue
+            slots[hole] = rj
+            hole = j
+        slots[hole] = -1
+        self._unlink(r)
+        size = self._size_v[r]
+        value = None
+        if self._values is not None:
+            value, self._values[r] = self._values[r], None
+        self._grp_v[r] = FREE
+        self._next_v[r] = self._free
+        self._free = r
+        self._len -= 1
+        return size, value
+
+    def pop(self, key: ChunkKey) -> tuple[int, Any] | None:
+        """Remove ``key``; returns its (size, value), or None when it was not held."""
+        r = self._find(key)
+        return None if r < 0 else self._remove_row(r)
+
+    def pop_oldest(self) -> tuple[ChunkKey, int, Any]:
+        """Remove and return the least recent entry as (key, size, value); KeyError when empty."""
+        if self._head == _NIL:
+            raise KeyError("pop_oldest from an empty KeyIndex")
+        r = self._head
+        key = self._key(r)
+        size, value = self._remove_row(r)
+        return key, size, value
+
+    def clear(self) -> None:
+        self.__init__(with_values=self._values is not None)
+
+    # -- listing --------------------------------------------------------------------------------
+
+    def _key(self, r: int) -> ChunkKey:
+        ns, kind, variant = self._group_keys[self._grp_v[r]]
+        return ChunkKey(ns, bytes(self._dig_b[32 * r : 32 * r + 32]), kind, variant)
+
+    def _rows(self) -> Iterator[int]:
+        r, nxt = self._head, self._next_v
+        while r != _NIL:
+            following = nxt[r]  # read first: the caller may remove r
+            yield r
+            r = following
+
+    def keys(self) -> list[ChunkKey]:
+        """Every key, least recent first (the eviction order)."""
+        return [self._key(r) for r in self._rows()]
+
+    def items(self) -> Iterator[tuple[ChunkKey, int, Any]]:
+        """(key, size, value) per entry, least recent first. Entries may be removed meanwhile."""
+        for r in self._rows():
+            yield self._key(r), self._size_v[r], None if self._values is None else self._values[r]
+
+    def keys_with_prefix(self, prefix: str) -> list[ChunkKey]:
+        """The keys whose ``str`` starts with ``prefix`` (a tenant's or a namespace's entries):
+        whole groups are chosen by their ``<namespace>:<kind>:`` text, keys of a group only when
+        the prefix reaches into the digest."""
+        whole, partial = [], []
+        for gid, (ns, kind, variant) in enumerate(self._group_keys):
+            head = f"{ns}:{kind.value}:"
+            if head.startswith(prefix):
+                whole.append(gid)
+            elif prefix.startswith(head):
+                partial.append(gid)
+        out: list[ChunkKey] = []
+        if whole or partial:
+            live = self._grp[: self._cap]
+            for gid in whole:
+                out.extend(self._key(int(r)) for r in np.flatnonzero(live == gid))
+            for gid in partial:
+                out.extend(k for k in (self._key(int(r)) for r in np.flatnonzero(live == gid))
+                           if str(k).startswith(prefix))
+        return out
+
+    def nbytes(self) -> int:
+        """Bytes this index holds in its arrays and group table (not the values themselves)."""
+        arrays = (self._dig, self._grp, self._size, self._prev, self._next, self._slots)
+        values = 8 * len(self._values) + 56 if self._values is not None else 0
+        return sum(a.nbytes for a in arrays) + values + 200 * len(self._group_keys)
+
+    # -- bulk -----------------------------------------------------------------------------------
+
+    def load(self, groups: Sequence[tuple[str, ChunkKind, str]], group_of_row: np.ndarray,
+             digests: bytes, sizes: np.ndarray) -> None:
+        """Fill an empty index at once (the disk tier's start-up scan): row i has group
+        ``groups[group_of_row[i]]``, digest ``digests[32 i : 32 i + 32]`` and ``sizes[i]``; rows
+        are given least recent first and must be distinct keys."""
+        if self._len:
+            raise ValueError("KeyIndex.load fills an empty index only")
+        n = len(sizes)
+        if len(digests) != 32 * n or len(group_of_row) != n:
+            raise ValueError(f"KeyIndex.load: {n} sizes, {len(group_of_row)} groups and {len(digests)} digest bytes")
+        ids = np.array([self._group_id(ChunkKey(ns, bytes(32), kind, variant)) for ns, kind, variant in groups],
+                       dtype=np.uint32)
+        self._release_views()
+        cap = max(4, n + n // 8)
+        self._values = [None] * cap if self._values is not None else None
+        self._dig = np.zeros(cap * 4, dtype="<u8")
+        self._dig[: 4 * n] = np.frombuffer(digests, dtype="<u8")
+        self._grp = np.full(cap, FREE, dtype=np.uint32)
+        self._grp[:n] = ids[np.asarray(group_of_row, dtype=np.intp)] if n else ids[:0]
+        self._size = np.zeros(cap, dtype=np.int64)
+        self._size[:n] = sizes
+        self._prev = np.arange(-1, cap - 1, dtype=np.int32)
+        self._next = np.arange(1, cap + 1, dtype=np.int32)
+        if n:
+            self._next[n - 1] = _NIL
+        self._next[cap - 1] = _NIL
+        self._prev[n:] = _NIL
+        self._head, self._tail = (0, n - 1) if n else (_NIL, _NIL)
+        self._free = n if n < cap else _NIL
+        self._cap, self._len = cap, n
+        self._views()
+        self._rehash(_table_size(n))
+
+
+def _table_size(entries: int) -> int:
+    """The smallest power of two holding ``entries`` at load <= 1/2."""
+    size = 8
+    while size < 2 * entries:
+        size *= 2
+    return size
