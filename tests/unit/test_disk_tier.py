@@ -84,6 +84,23 @@ def test_exact_eviction_order_by_bytes(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*.kvf")) == names(K("b"), K("d"))
 
 
+def test_the_start_up_scan_indexes_every_kind_and_variant_and_nothing_else(tmp_path):
+    t = DiskTier(tmp_path, CAP)
+    keys = [K("a"), K("b", kind=ChunkKind.DOCUMENT), K("c", kind=ChunkKind.TAIL), K("a").encoded_as("cachegen", 2),
+            K("d", "ns2")]
+    for k in keys:
+        t.put(k, blob(k))
+    sub = t._path(keys[0]).parent
+    (sub / (key_to_filename(keys[0]) + "\n")).write_bytes(b"x")  # a look-alike name: never a key
+    (sub / key_to_filename(keys[0]).upper()).write_bytes(b"x")
+    (sub / "notes.txt").write_bytes(b"x")
+    (tmp_path / "zz").mkdir()  # not a fan-out folder
+    (tmp_path / "zz" / key_to_filename(K("e"))).write_bytes(b"x")
+    t2 = DiskTier(tmp_path, CAP)
+    assert t2.keys_lru() == keys and t2.used_bytes() == t.used_bytes()
+    assert all(t2.get(k) == blob(k) for k in keys)
+
+
 def test_restart_keeps_entries_and_lru_order(tmp_path):
     t = DiskTier(tmp_path, CAP)
     for k in "abcd":
