@@ -59,6 +59,7 @@ import secrets
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -178,7 +179,8 @@ class DiskTier(Tier):
     processes, or older than ``stale_temp_s``, are removed at start-up, and so are the entries
     whose expiry passed on ``clock`` (the journal, see the module docstring; ``clock`` defaults to
     ``time.time`` and can be replaced later, as ``TieredStore`` does, but the start-up sweep has
-    run by then).
+    run by then). ``io_threads``: how many files of one ``get_many`` / ``put_many`` are read or
+    written at once (default: one per core, at most 4; 1: one by one).
     """
 
     journal_compact_min = 64  # compact the journal once it has at least this many stale lines
@@ -191,6 +193,7 @@ class DiskTier(Tier):
         name: str = "disk",
         stale_temp_s: float = 600.0,
         clock: Clock | None = None,
+        io_threads: int | None = None,
     ) -> None:
         super().__init__()
         if clock is not None:
@@ -209,6 +212,9 @@ class DiskTier(Tier):
         self._journal = self.root / JOURNAL
         self._journal_lines = 0  # lines in the journal, as far as this process knows
         self._lock_fd: int | None = None
+        # Threads reading or writing the files of one get_many / put_many (None: one per core, <= 4).
+        self.io_threads = min(4, os.cpu_count() or 1) if io_threads is None else int(io_threads)
+        self._pool: ThreadPoolExecutor | None = None
         self.root.mkdir(parents=True, exist_ok=True)
         self._scan(stale_temp_s)
 
@@ -497,6 +503,34 @@ class DiskTier(Tier):
             return False
 
     def get(self, key: ChunkKey) -> Blob | None:
+        got = self._read(key)
+        return None if got is None else self._served(key, *got)
+
+    def get_many(self, keys) -> list[Blob | None]:
+        # The files of a batch are read by a few threads at once (reads release the GIL: two
+        # cores copy from the page cache or wait on the device together), then made recent in
+        # the batch's order, so the LRU order does not depend on which read finished first.
+        keys = list(keys)
+        if len(keys) < 2 or self.io_threads < 2:
+            return [self.get(k) for k in keys]
+        got = list(self._io_pool().map(self._read, keys))
+        return [None if g is None else self._served(k, *g) for k, g in zip(keys, got)]
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvfuse-{self.name}-io")
+            return self._pool
+
+    def _served(self, key: ChunkKey, path: Path, buf: memoryview, n: int, size: int) -> memoryview:
+        """What ``get`` returns for a file read: the entry made most recent, the hit counted."""
+        self._touch(path, key, size)
+        self.stats.add(hits=1, bytes_out=n)
+        return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
+
+    def _read(self, key: ChunkKey) -> tuple[Path, memoryview, int, int] | None:
+        """``key``'s file as (path, buffer, bytes read, file size), or None for a miss (counted;
+        an expired file is removed). Touches no recency."""
         path = self._path(key)
         expired_ino = None
         try:
@@ -528,9 +562,7 @@ class DiskTier(Tier):
             self._drop_expired(key, expired_ino)
             self.stats.add(misses=1)
             return None
-        self._touch(path, key, size)
-        self.stats.add(hits=1, bytes_out=n)
-        return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
+        return path, buf, n, size
 
     def read_range(self, key: ChunkKey, start: int, stop: int) -> memoryview | None:
         path = self._path(key)
@@ -572,15 +604,36 @@ class DiskTier(Tier):
         return buf[:n]
 
     def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
+        staged = self._stage(key, value, expires_at)
+        if staged is not None:
+            self._commit(*staged)
+
+    def put_many(self, items, expires_at: float | None = None) -> None:
+        # The files of a batch are written by a few threads at once (writes release the GIL), then
+        # renamed into place and recorded in the batch's order (their recency, a duplicate key's
+        # last value), as one-by-one puts would.
+        items = list(items)
+        if len(items) < 2 or self.io_threads < 2:
+            for key, value in items:
+                self.put(key, value, expires_at)
+            return
+        staged = list(self._io_pool().map(lambda kv: self._stage(kv[0], kv[1], expires_at), items))
+        for s in staged:
+            if s is not None:
+                self._commit(*s)
+
+    def _stage(self, key: ChunkKey, value: Blob, expires_at: float | None):
+        """Write ``value`` into a new temp file beside ``key``'s path: (key, path, temp path, size,
+        inode, expires_at) for ``_commit``, or None when nothing is to be stored (counted)."""
         path = self._path(key)
         if self._expired_at(expires_at):
             self.delete(key)  # stores nothing, and no older value stays behind
-            return
+            return None
         size = nbytes(value)
         if size > self.capacity_bytes:
             self.delete(key)  # never leave an older value behind a dropped write
             self.stats.add(dropped_writes=1)
-            return
+            return None
         tmp = path.parent / f".{os.getpid()}.{secrets.token_hex(8)}.tmp"
         try:
             try:
@@ -590,13 +643,21 @@ class DiskTier(Tier):
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, value.parts() if isinstance(value, Entry) else (value,))
-                t = self._now_ns()
-                os.utime(fd, ns=(t, t))
                 if self.fsync:
                     os.fsync(fd)
                 ino = os.fstat(fd).st_ino  # kept by the rename: the inode the journal line names
             finally:
                 os.close(fd)
+        except OSError as e:
+            self._write_failed(key, tmp, e)
+            return None
+        return key, path, tmp, size, ino, expires_at
+
+    def _commit(self, key: ChunkKey, path: Path, tmp: Path, size: int, ino: int, expires_at: float | None) -> None:
+        """Make a staged temp file ``key``'s entry: its recency, the rename, the index, the expiry."""
+        try:
+            t = self._now_ns()
+            os.utime(tmp, ns=(t, t))  # the mtime is the recency, given in commit order
             with self._lock:
                 if expires_at is None:
                     os.replace(tmp, path)
@@ -617,14 +678,17 @@ class DiskTier(Tier):
             if self.fsync:
                 self._fsync_dir(path.parent)
         except OSError as e:
-            log.warning("disk tier %s: write %s failed: %s", self.root, key, e)
-            self.stats.add(errors=1, dropped_writes=1)
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+            self._write_failed(key, tmp, e)
             return
         self.stats.add(puts=1, bytes_in=size, evictions=evicted)
+
+    def _write_failed(self, key: ChunkKey, tmp: Path, e: OSError) -> None:
+        log.warning("disk tier %s: write %s failed: %s", self.root, key, e)
+        self.stats.add(errors=1, dropped_writes=1)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
     @staticmethod
     def _fsync_dir(directory: Path) -> None:
@@ -751,3 +815,6 @@ class DiskTier(Tier):
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -261,6 +261,7 @@ def test_entries_damaged_under_a_running_server(model, shape, tmp_path):
 
 
 # ------------------------------------------------------------------------------ full disk
+@pytest.mark.slow  # both shapes: the default run keeps the damaged-entries test (CI time)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_full_disk(model, shape, tmp_path):
     """The disk tier's folder is a tmpfs with room for two or three entries while the tier's
@@ -305,6 +306,7 @@ def test_a_full_disk(model, shape, tmp_path):
 
 
 # ----------------------------------------------------------------------- permission denied
+@pytest.mark.slow  # the tier-level test above runs by default
 def test_folders_and_files_the_server_may_not_read(model, tmp_path):
     """chmod 000 on one entry file and on one fan-out folder, the server running as root without
     CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH (root otherwise ignores permissions): a real EACCES,
@@ -378,6 +380,7 @@ def test_folders_and_files_the_server_may_not_read(model, tmp_path):
 
 
 # ------------------------------------------------------------------------- killed mid-write
+@pytest.mark.slow  # both shapes (CI time); torn writes are also tests/unit/test_disk_tier.py's
 @pytest.mark.parametrize("shape", SHAPES)
 def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tmp_path):
     """Many concurrent long prompts (every chunk new), SIGKILL while the saver and the writer are

@@ -128,6 +128,7 @@ class Seen:
 # ------------------------------------------------------------------------------ the test
 
 
+@pytest.mark.slow  # the default run has tests/integration/test_server_tenants.py (CI time)
 def test_tenants_under_concurrent_load_share_nothing(server):
     tenants_under_load(server, per_kind=1, run="fast")
 
