@@ -17,9 +17,10 @@ What each row measures:
 
 - kvfuse put = ``encode_entry`` (raw codec: the payload is not copied) + the tier's synchronous
   ``put_many`` (for the disk and Redis tiers their own put, not the TieredStore's background
-  queue), from chunks already copied out of the KV; kvfuse get = the tier's ``get_many`` +
+  queue), from chunks already copied out of the KV; kvfuse get = the tier's reads as
+  ``TieredStore.fetch`` does them (Redis: one ``get_many``; disk: a ``get`` per entry) +
   ``open_entry`` (the one validation path: header and per-layer checksums, once per serialized
-  entry) + decoding to KVChunks. These are compared with raw file I/O;
+  entry; on disk right after each read) + decoding to KVChunks. These are compared with raw file I/O;
 - kvfuse put from KV / get into KV = the same plus the copy of each chunk out of the prompt's KV
   tensor before the put (the engine's ``KVCache.chunk``) and into a destination KV tensor after
   the get (the engine's ``append_chunk``): the whole path, as LMCache's ``store`` / ``retrieve``
@@ -219,12 +220,21 @@ def _decode_all(keys: list, values) -> list[KVChunk]:
     return [open_entry(v, k).chunk() for k, v in zip(keys, values)]
 
 
+def _get_checked(tier, keys: list) -> list[KVChunk]:
+    """A batch read from ``tier`` as ``TieredStore.fetch`` reads it: one ``get_many`` for a tier
+    with batched reads (Redis), else a get and its check per key (disk: each entry is verified
+    right after its read, while its bytes are still in the CPU's cache)."""
+    if tier.batch_reads:
+        return _decode_all(keys, tier.get_many(keys))
+    return [_decode_all([k], [tier.get(k)])[0] for k in keys]
+
+
 def tier_case(name: str, tier, kv: dict, codec) -> KvfuseCase:
     keys = kv["keys"]
     return KvfuseCase(
         name,
         put=lambda chunks: tier.put_many(_encode_all(keys, chunks, codec)),
-        get=lambda: _decode_all(keys, tier.get_many(keys)),
+        get=lambda: _get_checked(tier, keys),
         clear=tier.clear,
         close=tier.close,
     )
