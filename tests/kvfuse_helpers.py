@@ -103,6 +103,24 @@ def uncached_engine(home: Path, model: str):
     return open_engine(load_config(overrides={"home": str(home), "model": model, "cache.enabled": False}))
 
 
+def greedy_reference(model, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens of ``ids`` computed whole, with nothing cached (one prefill, then one token per
+    pass: the engine's single-request path), and the top-2 logit gap at each step."""
+    import torch
+
+    runner = model.runner
+    with torch.inference_mode():
+        cache = runner.new_cache(len(ids) + max_tokens, dtype=torch.float16)
+        logits = runner.forward(ids, cache)
+        tokens, gaps = [], []
+        for _ in range(max_tokens):
+            top = torch.topk(logits.float(), 2).values
+            gaps.append(float(top[0] - top[1]))
+            tokens.append(int(logits.argmax()))
+            logits = runner.forward([tokens[-1]], cache)
+    return tokens, gaps
+
+
 def long_text(paragraphs: int = 6) -> str:
     """About 100 tokens per paragraph; each paragraph is numbered so no chunk repeats."""
     return "\n\n".join(f"Part {i + 1}. " + " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(5))

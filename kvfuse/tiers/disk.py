@@ -179,8 +179,8 @@ class DiskTier(Tier):
     processes, or older than ``stale_temp_s``, are removed at start-up, and so are the entries
     whose expiry passed on ``clock`` (the journal, see the module docstring; ``clock`` defaults to
     ``time.time`` and can be replaced later, as ``TieredStore`` does, but the start-up sweep has
-    run by then). ``io_threads``: how many files of one ``get_many`` / ``put_many`` are read or
-    written at once (default: one per core, at most 4; 1: one by one).
+    run by then). ``io_threads``: how many files of one ``put_many`` (the store's background
+    writes) are written at once (default: one per core, at most 4; 1: one by one).
     """
 
     journal_compact_min = 64  # compact the journal once it has at least this many stale lines
@@ -212,7 +212,7 @@ class DiskTier(Tier):
         self._journal = self.root / JOURNAL
         self._journal_lines = 0  # lines in the journal, as far as this process knows
         self._lock_fd: int | None = None
-        # Threads reading or writing the files of one get_many / put_many (None: one per core, <= 4).
+        # Threads writing the files of one put_many (None: one per core, <= 4).
         self.io_threads = min(4, os.cpu_count() or 1) if io_threads is None else int(io_threads)
         self._pool: ThreadPoolExecutor | None = None
         self.root.mkdir(parents=True, exist_ok=True)
@@ -503,34 +503,6 @@ class DiskTier(Tier):
             return False
 
     def get(self, key: ChunkKey) -> Blob | None:
-        got = self._read(key)
-        return None if got is None else self._served(key, *got)
-
-    def get_many(self, keys) -> list[Blob | None]:
-        # The files of a batch are read by a few threads at once (reads release the GIL: two
-        # cores copy from the page cache or wait on the device together), then made recent in
-        # the batch's order, so the LRU order does not depend on which read finished first.
-        keys = list(keys)
-        if len(keys) < 2 or self.io_threads < 2:
-            return [self.get(k) for k in keys]
-        got = list(self._io_pool().map(self._read, keys))
-        return [None if g is None else self._served(k, *g) for k, g in zip(keys, got)]
-
-    def _io_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvfuse-{self.name}-io")
-            return self._pool
-
-    def _served(self, key: ChunkKey, path: Path, buf: memoryview, n: int, size: int) -> memoryview:
-        """What ``get`` returns for a file read: the entry made most recent, the hit counted."""
-        self._touch(path, key, size)
-        self.stats.add(hits=1, bytes_out=n)
-        return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
-
-    def _read(self, key: ChunkKey) -> tuple[Path, memoryview, int, int] | None:
-        """``key``'s file as (path, buffer, bytes read, file size), or None for a miss (counted;
-        an expired file is removed). Touches no recency."""
         path = self._path(key)
         expired_ino = None
         try:
@@ -562,7 +534,9 @@ class DiskTier(Tier):
             self._drop_expired(key, expired_ino)
             self.stats.add(misses=1)
             return None
-        return path, buf, n, size
+        self._touch(path, key, size)
+        self.stats.add(hits=1, bytes_out=n)
+        return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
 
     def read_range(self, key: ChunkKey, start: int, stop: int) -> memoryview | None:
         path = self._path(key)
@@ -621,6 +595,12 @@ class DiskTier(Tier):
         for s in staged:
             if s is not None:
                 self._commit(*s)
+
+    def _io_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvfuse-{self.name}-io")
+            return self._pool
 
     def _stage(self, key: ChunkKey, value: Blob, expires_at: float | None):
         """Write ``value`` into a new temp file beside ``key``'s path: (key, path, temp path, size,

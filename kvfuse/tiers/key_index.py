@@ -214,9 +214,6 @@ class KeyIndex:
         r = self._find(key)
         return default if r < 0 else self._values[r]
 
-    def sizes(self, keys: Sequence[ChunkKey]) -> list[int | None]:
-        return [self.size(k) for k in keys]
-
     # -- recency --------------------------------------------------------------------------------
 
     def _unlink(self, r: int) -> None:
@@ -240,25 +237,23 @@ class KeyIndex:
             nxt[self._tail] = r
         self._tail = r
 
+    def _to_end(self, r: int) -> None:
+        """Make row ``r`` the most recent."""
+        if r != self._tail:
+            self._unlink(r)
+            self._append(r)
+
     def use(self, key: ChunkKey) -> tuple[int, Any] | None:
         """``key``'s (size, value), made the most recent entry; None when it is not held."""
         r = self._find(key)
         if r < 0:
             return None
-        if r != self._tail:
-            self._unlink(r)
-            self._append(r)
+        self._to_end(r)
         return self._size_v[r], None if self._values is None else self._values[r]
 
     def touch(self, key: ChunkKey) -> bool:
         """Make ``key`` the most recent entry; False if it is not held."""
-        r = self._find(key)
-        if r < 0:
-            return False
-        if r != self._tail:
-            self._unlink(r)
-            self._append(r)
-        return True
+        return self.use(key) is not None
 
     # -- changes --------------------------------------------------------------------------------
 
@@ -279,9 +274,7 @@ class KeyIndex:
             self._size_v[r] = size
             if self._values is not None:
                 self._values[r] = value
-            if r != self._tail:
-                self._unlink(r)
-                self._append(r)
+            self._to_end(r)
             return old
         if 2 * (self._len + 1) > self._slots.size:
             self._rehash(2 * self._slots.size)
@@ -348,9 +341,6 @@ class KeyIndex:
         key = self._key(r)
         size, value = self._remove_row(r)
         return key, size, value
-
-    def clear(self) -> None:
-        self.__init__(with_values=self._values is not None)
 
     # -- listing --------------------------------------------------------------------------------
 

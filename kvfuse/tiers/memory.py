@@ -79,7 +79,7 @@ class MemoryTier(Tier):
 
     def get(self, key: ChunkKey) -> Blob | None:
         with self._lock:
-            held, expired = self._live_locked(key)
+            held, expired = self._live_locked(key) if self._expiry else (True, 0)  # one probe, not two
             found = self._index.use(key) if held else None
             value = None if found is None else found[1]
         if value is None:

@@ -13,13 +13,12 @@ import urllib.request
 
 import openai
 import pytest
-import torch
 
 from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.testing import ServerProcess
 from kvfuse.tiers import MemoryTier, TieredStore
-from kvfuse_helpers import load_builtin, long_text, model_home
+from kvfuse_helpers import greedy_reference, load_builtin, long_text, model_home
 
 pytestmark = pytest.mark.integration
 
@@ -39,21 +38,6 @@ def smollm2():
     return load_builtin("smollm2")
 
 
-def one_by_one(model, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens of one sequence alone (one prefill, then one token per pass: the engine's
-    single-request path) and the top-2 logit gap at each step."""
-    runner = model.runner
-    cache = runner.new_cache(len(ids) + max_tokens, dtype=torch.float16)
-    logits = runner.forward(ids, cache)
-    tokens, gaps = [], []
-    for _ in range(max_tokens):
-        top = torch.topk(logits.float(), 2).values
-        gaps.append(float(top[0] - top[1]))
-        tokens.append(int(logits.argmax()))
-        logits = runner.forward([tokens[-1]], cache)
-    return tokens, gaps
-
-
 def check_same_or_near_tie(got: list[int], ref: list[int], gaps: list[float], what: str) -> bool:
     """True if identical; a differing output passes only if its first difference was a near-tie."""
     if got == ref[: len(got)]:
@@ -70,7 +54,7 @@ def test_concurrent_greedy_requests_match_running_them_one_by_one(smollm2):
              QUESTIONS[4] * 3, QUESTIONS[5]]
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
     max_tokens = [24, 16, 20, 32, 12, 28]
-    refs = [one_by_one(smollm2, ids, n) for ids, n in zip(prompts, max_tokens)]
+    refs = [greedy_reference(smollm2, ids, n) for ids, n in zip(prompts, max_tokens)]
     stop = tok.decode(refs[3][0][6:8])  # request 3 stops at a string its answer contains
     cancel_after = 5  # request 5 is cancelled after this many text pieces
 

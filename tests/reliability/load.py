@@ -15,29 +15,14 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-import torch
 import xxhash
+
+from kvfuse_helpers import greedy_reference  # noqa: F401  (the references of the reliability tests)
 
 NEAR_TIE = 1e-3
 
 
 # ------------------------------------------------------------------------------ references
-
-
-def greedy_reference(model, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens of ``ids`` computed whole, with nothing cached (one prefill, then one token per
-    pass: the engine's single-request path), and the top-2 logit gap at each step."""
-    runner = model.runner
-    with torch.inference_mode():
-        cache = runner.new_cache(len(ids) + max_tokens, dtype=torch.float16)
-        logits = runner.forward(ids, cache)
-        tokens, gaps = [], []
-        for _ in range(max_tokens):
-            top = torch.topk(logits.float(), 2).values
-            gaps.append(float(top[0] - top[1]))
-            tokens.append(int(logits.argmax()))
-            logits = runner.forward([tokens[-1]], cache)
-    return tokens, gaps
 
 
 def first_difference(got: list[int], ref: list[int]) -> int | None:

@@ -102,21 +102,6 @@ def test_the_start_up_scan_indexes_every_kind_and_variant_and_nothing_else(tmp_p
 
 
 @pytest.mark.parametrize("threads", [1, 4])
-def test_get_many_reads_in_parallel_and_makes_entries_recent_in_order(tmp_path, threads):
-    t = DiskTier(tmp_path, CAP, io_threads=threads)
-    keys = Ks(*"abcdefgh")
-    for k in keys:
-        t.put(k, blob(k, tokens=64))
-    asked = [keys[5], K("missing"), keys[0], keys[3], keys[7], keys[1]]
-    got = t.get_many(asked)
-    assert [None if g is None else bytes(g) for g in got] == [None if k == K("missing") else blob(k, tokens=64)
-                                                              for k in asked]
-    assert t.keys_lru() == Ks("c", "e", "g", "f", "a", "d", "h", "b")  # the batch's order, after the rest
-    assert t.stats.snapshot()["hits"] == 5 and t.stats.snapshot()["misses"] == 1
-    t.close()
-
-
-@pytest.mark.parametrize("threads", [1, 4])
 def test_put_many_writes_in_parallel_and_records_in_order(tmp_path, threads):
     t = DiskTier(tmp_path, CAP, io_threads=threads)
     t.put(K("old"), blob(K("old")))
