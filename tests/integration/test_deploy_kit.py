@@ -87,7 +87,9 @@ def prometheus(kvfuse, tmp_path_factory):
         while time.monotonic() < deadline:
             assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-3000:]
             try:
-                if query(url, "kvfuse_engine_requests_total"):
+                # /-/ready answers 503 "Service Unavailable" (plain text) until the TSDB is open
+                if (httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5).status_code == 200
+                        and query(url, "kvfuse_engine_requests_total")):
                     break
             except httpx.HTTPError:
                 pass
@@ -106,6 +108,7 @@ def prometheus(kvfuse, tmp_path_factory):
 
 def query(url: str, expr: str) -> list:
     r = httpx.get(url + "/query", params={"query": expr}, timeout=30)
+    assert r.headers.get("content-type", "").startswith("application/json"), f"{expr!r}: {r.status_code} {r.text[:300]}"
     body = r.json()
     assert r.status_code == 200 and body["status"] == "success", f"{expr!r}: {body}"
     return body["data"]["result"]
