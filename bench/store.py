@@ -18,9 +18,9 @@ What each row measures:
 - kvfuse put = ``encode_entry`` (raw codec: the payload is not copied) + the tier's synchronous
   ``put_many`` (for the disk and Redis tiers their own put, not the TieredStore's background
   queue), from chunks already copied out of the KV; kvfuse get = the tier's reads as
-  ``TieredStore.fetch`` does them (Redis: one ``get_many``; disk: a ``get`` per entry) +
-  ``open_entry`` (the one validation path: header and per-layer checksums, once per serialized
-  entry; on disk right after each read) + decoding to KVChunks. These are compared with raw file I/O;
+  ``TieredStore.fetch`` does them and the one validation (header and per-layer checksums, once
+  per serialized entry: Redis, one ``get_many`` then ``open_entry``; disk, each file read through
+  ``read_entry``, which checks every few layers right after reading them) + decoding to KVChunks. These are compared with raw file I/O;
 - kvfuse put from KV / get into KV = the same plus the copy of each chunk out of the prompt's KV
   tensor before the put (the engine's ``KVCache.chunk``) and into a destination KV tensor after
   the get (the engine's ``append_chunk``): the whole path, as LMCache's ``store`` / ``retrieve``
@@ -58,7 +58,7 @@ import torch
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry
+from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry, read_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
 from kvfuse.testing import LocalRedis
@@ -222,10 +222,13 @@ def _decode_all(keys: list, values) -> list[KVChunk]:
 
 def _get_checked(tier, keys: list) -> list[KVChunk]:
     """A batch read from ``tier`` as ``TieredStore.fetch`` reads it: one ``get_many`` for a tier
-    with batched reads (Redis), else a get and its check per key (disk: each entry is verified
-    right after its read, while its bytes are still in the CPU's cache)."""
+    with batched reads (Redis), else key by key; the disk tier streams each entry through
+    ``read_entry``, which checks every piece of it right after reading it."""
     if tier.batch_reads:
         return _decode_all(keys, tier.get_many(keys))
+    if tier.streams_reads:
+        got = [tier.read_with(k, lambda readinto, size, k=k: read_entry(readinto, size, k)) for k in keys]
+        return _decode_all(keys, got)
     return [_decode_all([k], [tier.get(k)])[0] for k in keys]
 
 

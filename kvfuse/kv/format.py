@@ -45,7 +45,9 @@ Bounds. A header never makes the reader allocate more than its own bytes justify
 holds at least one layer, K and V, one head of one channel, and at most ``MAX_TOKENS`` tokens.
 
 Validation happens in one place, :func:`open_entry`: every blob a tier hands back goes through it
-(the tiered store calls it), and so does anything read from a file. Anything the reader does not
+(the tiered store calls it), and so does anything read from a file. :func:`read_entry` is the same
+checks in streamed form, for bytes read piece by piece (the disk tier's files): each piece is
+checked right after it is read, while it is still in the CPU cache. Anything the reader does not
 fully understand, or that is not what the caller expects (``EntrySpec``: dtype, KV shape, tokens,
 positions), is a ``FormatError``: a miss, never used.
 """
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -78,6 +80,9 @@ _FLAG_CONTIGUOUS = 1
 _FLAG_TOKENS = 2
 _KNOWN_FLAGS = _FLAG_CONTIGUOUS | _FLAG_TOKENS
 MIN_READ = 4096  # a header read of this many bytes holds most whole headers (see header_length)
+# read_entry reads the payload a few layers at a time, at least this many bytes: a piece must
+# still be in the CPU's cache when it is hashed, right after its read.
+PIECE_BYTES = 256 << 10
 
 _DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
@@ -514,6 +519,57 @@ def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: Ent
     if spec is not None:
         spec.check(entry)
     return entry
+
+
+def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: ChunkKey | str | None = None,
+               spec: EntrySpec | None = None) -> Entry:
+    """The checked ``Entry`` of an entry of ``size`` bytes that ``readinto`` reads in order (as
+    ``os.readv`` into the view it is given: the count read, 0 at the end), or a FormatError: the
+    same checks as :func:`open_entry` on a serialized blob, done while reading.
+
+    Why a second form of the one validation path: checking an entry after reading all of it
+    reads its payload from memory twice (a multi-MB entry no longer fits in the CPU's caches).
+    Here the payload is read a few layers at a time (``PIECE_BYTES``) and each piece is checked
+    right after it arrived, still in cache: the disk tier's reads of a 94 MB prompt went from
+    ~19-22 ms to ~14 ms this way on the 2-core development VM (plain ``readinto`` of the same
+    bytes: ~12 ms). The header is checked, and the key and ``spec`` compared, before any payload
+    byte is read. The returned entry owns a fresh writable buffer (raw payloads decode without a
+    copy).
+    """
+    buf = memoryview(np.empty(size, dtype=np.uint8))
+
+    def fill(start: int, stop: int) -> None:
+        while start < stop:
+            n = readinto(buf[start:stop])
+            if not n:
+                raise FormatError(f"truncated entry (ended after {start} of {size} bytes)")
+            start += n
+
+    have = min(size, MIN_READ)
+    fill(0, have)
+    header_len = header_length(buf[:have])
+    if header_len > size:
+        raise FormatError(f"truncated header ({size} of {header_len} bytes)")
+    if header_len > have:
+        fill(have, header_len)
+        have = header_len
+    h = parse_header(buf[:header_len])
+    _check_key(h.key, expected_key)
+    if spec is not None:
+        spec.check(h)
+    if size != header_len + h.payload_len:
+        kind = "truncated" if size < header_len + h.payload_len else "trailing bytes after"
+        raise FormatError(f"{kind} payload ({size - header_len} bytes, header says {h.payload_len})")
+    off, digest = header_len, xxhash.xxh3_64_intdigest
+    for i, (n, checksum) in enumerate(zip(h.layer_sizes, h.layer_checksums)):
+        if off + n > have:  # read on: at least this layer, at least PIECE_BYTES bytes
+            more = min(size, max(off + n, have + PIECE_BYTES))
+            fill(have, more)
+            have = more
+        if digest(buf[off : off + n]) != checksum:
+            raise FormatError(f"payload checksum mismatch in layer {i}")
+        off += n
+    return h.entry(buf[header_len:])
 
 
 def verify(blob: Blob, expected_key: ChunkKey | str | None = None) -> bool:

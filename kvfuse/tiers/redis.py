@@ -126,20 +126,67 @@ class _DeadlineSocket:
         return getattr(self._sock, name)
 
 
-class _DeadlineMixin:
+def pack_command(args: tuple, encode) -> list[bytes | memoryview]:
+    """The RESP form of the command ``args`` as buffers to send in order, with every ``Entry``
+    argument sent as its two buffers (header, then payload: one bulk string) rather than joined
+    into a new one; other arguments are encoded by ``encode`` (redis-py's ``Encoder.encode``).
+    Sent back to back, the buffers are exactly the bytes redis-py sends for the joined entry."""
+    if isinstance(args[0], str):  # redis-py's rule: a command name may hold words ("CONFIG GET")
+        args = tuple(args[0].encode().split()) + args[1:]
+    out: list[bytes | memoryview] = []
+    small = [b"*%d\r\n" % len(args)]  # short pieces, sent joined (one send instead of several)
+    for arg in args:
+        if isinstance(arg, Entry):
+            header, payload = (memoryview(p).cast("B") for p in arg.parts())
+            small.append(b"$%d\r\n" % (header.nbytes + payload.nbytes))
+            out += [b"".join(small), header, payload]
+            small = [b"\r\n"]
+            continue
+        data = encode(arg)
+        small.append(b"$%d\r\n" % len(data))
+        if len(data) > _BUFFER_CUTOFF or isinstance(data, memoryview):  # as redis-py: never copied
+            out += [b"".join(small), data]
+            small = [b"\r\n"]
+        else:
+            small += [data, b"\r\n"]
+    out.append(b"".join(small))
+    return out
+
+
+class _EntryPacker:
+    """A connection's command packer that sends an ``Entry`` value without joining its header and
+    payload into a new buffer (``pack_command``): that join was ~15 ms of a ~90 ms put of 94 MB
+    here, a sixth of the time. Commands without an ``Entry`` go to the connection's own packer."""
+
+    def __init__(self, inner, encode) -> None:
+        self._inner, self._encode = inner, encode
+
+    def pack(self, *args):
+        if any(isinstance(a, Entry) for a in args):
+            return pack_command(args, self._encode)
+        return self._inner.pack(*args)
+
+
+class _TierConnectionMixin:
+    """What the tier's connections add to redis-py's: bounded calls (``_DeadlineSocket``) and
+    ``Entry`` values sent as they are (``_EntryPacker``), for single servers and cluster nodes alike."""
+
     def _connect(self):
         return _DeadlineSocket(super()._connect())
 
+    def _construct_command_packer(self, packer):
+        return _EntryPacker(super()._construct_command_packer(packer), self.encoder.encode)
 
-class _DeadlineConnection(_DeadlineMixin, Connection):
+
+class _DeadlineConnection(_TierConnectionMixin, Connection):
     pass
 
 
-class _DeadlineSSLConnection(_DeadlineMixin, SSLConnection):
+class _DeadlineSSLConnection(_TierConnectionMixin, SSLConnection):
     pass
 
 
-class _DeadlineUnixConnection(_DeadlineMixin, UnixDomainSocketConnection):
+class _DeadlineUnixConnection(_TierConnectionMixin, UnixDomainSocketConnection):
     pass
 
 
@@ -376,9 +423,8 @@ class RedisTier(Tier):
         try:
             pipe = self._client.pipeline(transaction=False)
             for k, v in items:
-                # bytes, bytearray and memoryview go as they are; a Redis value is one buffer, so
-                # an Entry's two parts are joined here (the network, not this copy, is the limit)
-                pipe.set(self._k(k), v.join() if isinstance(v, Entry) else v, px=px)
+                # bytes, bytearray, memoryview and an Entry's two parts go as they are (_EntryPacker)
+                pipe.set(self._k(k), v, px=px)
             with self._call():
                 pipe.execute()
         except (redis.RedisError, OSError) as e:

@@ -6,7 +6,8 @@ Semantics in brief:
   it reports, for every key, the fastest tier holding it, and how many leading keys are held.
 - ``fetch(keys, specs)`` reads every key from the fastest tier holding it and validates it, in
   the one place where anything read back from storage is checked (``kv.format.open_entry``:
-  integrity, the key, and the caller's ``EntrySpec``). An unusable entry is deleted from its
+  integrity, the key, and the caller's ``EntrySpec``; for a tier that streams its reads, the
+  disk's, the same checks as the bytes arrive: ``read_entry``). An unusable entry is deleted from its
   tier, counted (``unusable_entries``, and as an error of that tier) and the next tier is
   tried. Lower-tier hits are promoted into the first tier as ``Entry`` objects, so later memory
   hits are neither re-checked nor copied. Entries can vanish between ``lookup`` and ``fetch``
@@ -55,7 +56,7 @@ import torch
 from kvfuse.codecs import get_codec
 from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import (MIN_READ, Entry, EntrySpec, FormatError, Header, encode_entry, header_length, open_entry,
-                              parse_header)
+                              parse_header, read_entry)
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Blob, Clock, Tier, nbytes, put_many_expiring
 
@@ -246,13 +247,13 @@ class TieredStore:
                         if level > 0 else None)
             if tier.batch_reads:
                 values = self._safe(tier, "get_many", tier.get_many, [None] * len(pending), [keys[i] for i in pending])
-            else:
-                values = (self._safe(tier, "get", tier.get, None, keys[i]) for i in pending)  # checked one by one
+                opened = (self._checked(tier, keys[i], v, specs[i], level > 0) for i, v in zip(pending, values))
+            else:  # key by key, each entry checked as it is read, while its bytes are in the CPU cache
+                opened = (self._read_checked(tier, keys[i], specs[i], level > 0) for i in pending)
             still = []
-            for j, (i, value) in enumerate(zip(pending, values)):
-                entry = None if value is None else self._open(tier, keys[i], value, specs[i], promoted=level > 0)
+            for j, (i, (entry, bad)) in enumerate(zip(pending, opened)):
                 if entry is None:
-                    rejected[i] += value is not None
+                    rejected[i] += bad
                     still.append(i)
                     continue
                 if level > 0:
@@ -280,6 +281,31 @@ class TieredStore:
                     self._counts["prefetch_misses"] += 1
             if len(self._prefetched) > 65536:  # prefetched, never asked for (cancelled requests)
                 self._prefetched.clear()
+
+    def _checked(self, tier: Tier, key: ChunkKey, value: Blob | None, spec: EntrySpec | None,
+                 promoted: bool) -> tuple[Entry | None, bool]:
+        """(the checked entry of ``value`` or None, whether a value was there but unusable)."""
+        if value is None:
+            return None, False
+        entry = self._open(tier, key, value, spec, promoted)
+        return entry, entry is None
+
+    def _read_checked(self, tier: Tier, key: ChunkKey, spec: EntrySpec | None,
+                      promoted: bool) -> tuple[Entry | None, bool]:
+        """``key`` read from ``tier`` and checked, as ``_checked`` answers. A tier that streams
+        its reads (disk) hands the bytes to ``read_entry`` piece by piece, which checks each piece
+        as it arrives: one pass over memory instead of a read and then a check."""
+        if not tier.streams_reads:
+            return self._checked(tier, key, self._safe(tier, "get", tier.get, None, key), spec, promoted)
+        try:
+            return tier.read_with(key, lambda readinto, size: read_entry(readinto, size, key, spec)), False
+        except FormatError as e:
+            self._reject(tier, key, e)
+            return None, True
+        except Exception as e:  # a tier bug must not take the request down: count it as a miss
+            log.exception("tier %s: read_with raised %s", tier.name, e)
+            tier.stats.add(errors=1)
+            return None, False
 
     def _open(self, tier: Tier, key: ChunkKey, value: Blob, spec: EntrySpec | None, promoted: bool) -> Entry | None:
         """The checked entry of ``value`` from ``tier``, or None after removing and counting it."""
@@ -309,12 +335,9 @@ class TieredStore:
             raise ValueError(f"no tier named {tier!r}")
         wanted = [key.encoded_as(*variant.rsplit(".", 1)), key] if variant else [key]
         for k in wanted:
-            value = self._safe(t, "get", t.get, None, k)
-            if value is None:
-                continue
-            entry = self._open(t, k, value, spec, promoted=False)
+            entry, _ = self._read_checked(t, k, spec, promoted=False)
             if entry is not None:
-                return Encoded(entry, nbytes(value), k.variant)
+                return Encoded(entry, nbytes(entry), k.variant)
         return None
 
     def discard(self, key: ChunkKey) -> None:

@@ -607,7 +607,7 @@ def chain_paths(model, job: Job, chunk_size: int, root: Path, salt: str = "", te
     engine = chat_engine(model)
     ids, _ = engine.encode_chat(job.body())
     keys = prefix_keys(ids, chunk_size, engine.namespace(tenant, salt))
-    return [DiskTier._path(SimpleNamespace(root=root), k) for k in keys]  # the tier's own layout rule
+    return [Path(DiskTier._path(SimpleNamespace(root=root), k)) for k in keys]  # the tier's own layout rule
 
 
 def entry_ok(path: Path) -> bool | None:

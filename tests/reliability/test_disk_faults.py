@@ -122,7 +122,7 @@ def test_an_unreadable_fan_out_folder_is_skipped_at_start_up_and_when_clearing(t
     tier = DiskTier(tmp_path, 1 << 30)
     for k in keys:
         tier.put(k, b"x" * 100)
-    locked = tier._path(keys[0]).parent
+    locked = Path(tier._path(keys[0])).parent
     real = os.scandir
 
     def scandir(path="."):
@@ -132,7 +132,7 @@ def test_an_unreadable_fan_out_folder_is_skipped_at_start_up_and_when_clearing(t
 
     monkeypatch.setattr(os, "scandir", scandir)
     again = DiskTier(tmp_path, 1 << 30)  # used to raise PermissionError
-    hidden = [k for k in keys if tier._path(k).parent == locked]
+    hidden = [k for k in keys if Path(tier._path(k)).parent == locked]
     assert again.entries() == len(keys) - len(hidden) and again.stats.errors == 1
     assert again.delete_prefix("") == len(keys) - len(hidden)  # used to stop at the locked folder
     assert again.stats.errors == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import multiprocessing as mp
 import os
 import random
@@ -9,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from keyed import K, Ks, ns_prefix
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import Entry, decode_chunk, encode_chunk
+from kvfuse.kv.format import Entry, FormatError, decode_chunk, encode_chunk
 from kvfuse.kv.keys import ChunkKind
 from kvfuse.tiers import DiskTier, TieredStore
 from kvfuse.tiers.disk import filename_to_key, key_to_filename
@@ -90,7 +92,7 @@ def test_the_start_up_scan_indexes_every_kind_and_variant_and_nothing_else(tmp_p
             K("d", "ns2")]
     for k in keys:
         t.put(k, blob(k))
-    sub = t._path(keys[0]).parent
+    sub = Path(t._path(keys[0])).parent
     (sub / (key_to_filename(keys[0]) + "\n")).write_bytes(b"x")  # a look-alike name: never a key
     (sub / key_to_filename(keys[0]).upper()).write_bytes(b"x")
     (sub / "notes.txt").write_bytes(b"x")
@@ -161,6 +163,46 @@ def test_damaged_files_are_removed_misses(tmp_path, damage):
     s = t.stats.snapshot()
     assert (s["errors"], s["misses"], s["hits"]) == (1, 1, 0)
     assert store.stats()["store"]["unusable_entries"] == 1
+
+
+def test_read_with_streams_the_file_and_a_failing_reader_is_no_use_of_the_entry(tmp_path, monkeypatch):
+    """``read_with`` hands the file to the reader piece by piece; a read the reader rejects does not
+    make the entry recent (in the index or in the file's mtime); an I/O error is a counted miss."""
+    t = DiskTier(tmp_path, CAP)
+    for name in "abc":
+        t.put(K(name), blob(K(name)))
+    pieces: list[int] = []
+
+    def reader(readinto, size):
+        buf = bytearray(size)
+        pos = 0
+        while pos < size:
+            n = readinto(memoryview(buf)[pos : pos + 64])
+            assert n > 0
+            pieces.append(n)
+            pos += n
+        assert readinto(memoryview(bytearray(8))) == 0  # the end of the file
+        return bytes(buf)
+
+    def rejecting(readinto, size):
+        readinto(memoryview(bytearray(16)))
+        raise FormatError("damaged")
+
+    assert t.read_with(K("a"), reader) == blob(K("a")) and len(pieces) > 1 and max(pieces) == 64
+    assert t.keys_lru() == [K("b"), K("c"), K("a")]
+    with pytest.raises(FormatError):
+        t.read_with(K("b"), rejecting)
+    assert t.keys_lru() == [K("b"), K("c"), K("a")]
+    assert DiskTier(tmp_path, CAP).keys_lru() == [K("b"), K("c"), K("a")]  # the mtimes say so too
+    assert t.read_with(K("zz"), reader) is None
+    assert (t.stats.hits, t.stats.misses, t.stats.errors) == (2, 1, 0)  # the store un-counts a rejected hit
+
+    def failing_readv(fd, buffers):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "readv", failing_readv)
+    assert t.read_with(K("c"), reader) is None
+    assert (t.stats.hits, t.stats.misses, t.stats.errors) == (2, 2, 1) and t.contains(K("c"))
 
 
 def test_leftover_temp_files_are_cleaned(tmp_path):

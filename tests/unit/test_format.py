@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import FORMAT_VERSION, FormatError, decode_chunk, encode_chunk, read_header, verify
+from kvfuse.kv.format import (FORMAT_VERSION, EntrySpec, FormatError, decode_chunk, encode_chunk, read_entry, read_header,
+                              verify)
 from kvfuse.kv.keys import Namespace, prefix_keys
 
 NS = Namespace("m", "float16", "L2xH2xD8")
@@ -50,6 +51,26 @@ def _patch(blob: bytes, offset: int, fmt: str, value) -> bytes:
     hl = _header_len(b)
     struct.pack_into("<Q", b, hl - 8, xxhash.xxh3_64_intdigest(bytes(b[: hl - 8])))
     return bytes(b)
+
+
+class _Stream:
+    """``readinto`` over ``blob`` as a file gives it: at most ``step`` bytes a call (short reads),
+    the bytes handed out counted."""
+
+    def __init__(self, blob: bytes, step: int | None = None):
+        self.data, self.step, self.pos = memoryview(bytes(blob)), step, 0
+
+    def readinto(self, view: memoryview) -> int:
+        n = min(len(view), len(self.data) - self.pos, self.step or len(view))
+        view[:n] = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return n
+
+
+def _streamed(blob: bytes, key=None, step: int | None = None, size: int | None = None, spec=None):
+    """The chunk ``read_entry`` makes of ``blob`` read as a stream (of ``size`` bytes, as a file's
+    size said when it was opened; default: all of them)."""
+    return read_entry(_Stream(blob, step).readinto, len(blob) if size is None else size, key, spec).chunk()
 
 
 def _flip(blob: bytes, i: int) -> bytes:
@@ -128,6 +149,8 @@ def test_damaged_or_foreign_entries_are_format_errors(mutate, match):
     with pytest.raises(FormatError, match=match):
         decode_chunk(bad)
     assert not verify(bad)
+    with pytest.raises(FormatError, match=match):  # the streamed form of the same checks
+        _streamed(bad, step=1000)
 
 
 def test_flipped_byte_anywhere_is_detected():
@@ -149,6 +172,8 @@ def test_flipped_byte_anywhere_is_detected():
             with pytest.raises(FormatError):
                 decode_chunk(_flip(blob, i))
             assert not verify(_flip(blob, i)), (name, i)
+            with pytest.raises(FormatError):
+                _streamed(_flip(blob, i))
 
 
 def test_other_format_version_message_names_both_versions():
@@ -232,9 +257,12 @@ def test_fuzz_mutations_never_decode_to_a_wrong_tensor(case):
         out = decode_chunk(mutated, KEY)
     except FormatError:
         assert not verify(mutated, KEY)
+        with pytest.raises(FormatError):  # the streamed form agrees
+            _streamed(mutated, KEY, step=37)
         return
     assert verify(mutated, KEY)
     assert _same(out, decode_chunk(original, KEY))
+    assert _same(_streamed(mutated, KEY, step=37), out)
 
 
 def test_an_entry_is_the_same_bytes_as_the_joined_form_without_copying_the_payload():
@@ -270,3 +298,46 @@ def test_an_entry_from_a_verified_blob_shares_its_memory_and_keeps_its_header():
     damaged[3] ^= 0xFF
     with pytest.raises(FormatError):
         Entry.from_blob(damaged)
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+@pytest.mark.parametrize("step", [None, 1, 7, 4096, 70_000])
+@pytest.mark.parametrize("layers", [1, 5])
+def test_a_streamed_read_gives_what_the_blob_gives(codec, step, layers):
+    """Whatever pieces the reads come in, ``read_entry`` gives the entry ``decode_chunk`` gives,
+    in a writable buffer of its own (the raw codec then decodes without a copy)."""
+    g = torch.Generator().manual_seed(layers)
+    chunk = KVChunk(torch.randn((layers, 2, 300, 2, 64), generator=g).half(), torch.tensor(range(7, 307)))
+    blob = bytes(encode_chunk(chunk, KEY, get_codec(codec)))
+    entry = read_entry(_Stream(blob, step).readinto, len(blob), KEY)
+    got = entry.chunk()
+    assert _same(got, decode_chunk(blob, KEY))
+    if codec == "raw":
+        assert not entry.payload.readonly
+        assert got.kv.data_ptr() == np.frombuffer(entry.payload, dtype=np.uint8).ctypes.data
+
+
+def test_a_streamed_read_stops_at_the_header_when_the_key_or_spec_differs():
+    chunk = KVChunk(torch.randn((3, 2, 100, 2, 8)).half(), torch.arange(100))
+    blob = bytes(encode_chunk(chunk, KEY, get_codec("raw")))
+    assert len(blob) > 4 * 4096  # the header is read in a first 4 KiB read; the payload is more
+    for key, spec, match in [(OTHER_KEY, None, "expected"),
+                             (KEY, EntrySpec(torch.float32, 3, 2, 8), "dtype"),
+                             (KEY, EntrySpec(torch.float16, 4, 2, 8), "layout"),
+                             (KEY, EntrySpec(torch.float16, 3, 2, 8, first_position=5), "positions")]:
+        stream = _Stream(blob)
+        with pytest.raises(FormatError, match=match):
+            read_entry(stream.readinto, len(blob), key, spec)
+        assert stream.pos == 4096, match  # no payload byte read after the first read
+    spec = EntrySpec(torch.float16, 3, 2, 8, tokens=100, first_position=0)
+    assert _same(_streamed(blob, KEY, spec=spec), chunk)
+
+
+def test_a_file_that_changes_size_while_read_is_a_format_error():
+    blob = bytes(encode_chunk(_chunk(tokens=5), KEY, get_codec("raw")))
+    with pytest.raises(FormatError, match="truncated entry"):  # shrank after its size was taken
+        _streamed(blob[:-10], size=len(blob))
+    with pytest.raises(FormatError, match="trailing"):  # grew: the size taken is longer than the entry
+        _streamed(blob + b"\0" * 64, size=len(blob) + 64)
+    with pytest.raises(FormatError, match="truncated header"):
+        _streamed(blob[:FIXED], size=FIXED)

@@ -207,7 +207,7 @@ def test_stats_shape_and_bad_configuration():
 
 def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path, monkeypatch):
     import kvfuse.tiers.store as store_module
-    from kvfuse.kv.format import Entry, encode_entry, open_entry
+    from kvfuse.kv.format import Entry, encode_entry, open_entry, read_entry
 
     checked: list = []
 
@@ -216,7 +216,13 @@ def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_pa
             checked.append(key)
         return open_entry(value, key, spec)
 
-    monkeypatch.setattr(store_module, "open_entry", counting_open)  # the one validation path, counted
+    def counting_read(readinto, size, key=None, spec=None):
+        checked.append(key)
+        return read_entry(readinto, size, key, spec)
+
+    # the one validation path, in both its forms (a blob; a stream of bytes, as the disk tier's), counted
+    monkeypatch.setattr(store_module, "open_entry", counting_open)
+    monkeypatch.setattr(store_module, "read_entry", counting_read)
     chunk = KVChunk(torch.randn((2, 2, 4, 2, 8)).half(), torch.arange(4))
     disk = DiskTier(tmp_path, 10**9)
     with TieredStore([MemoryTier(10**9), disk]) as store:

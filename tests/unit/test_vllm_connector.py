@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -521,7 +522,7 @@ def test_worker_reports_failed_loads_instead_of_using_them(tmp_path):
     worker.close()
     store.close()
     # damage layer 2 of chunk 1 on disk: its checksum no longer matches
-    path = DiskTier(tmp_path / "kv", 1 << 30)._path(keys[1])
+    path = Path(DiskTier(tmp_path / "kv", 1 << 30)._path(keys[1]))
     raw = bytearray(path.read_bytes())
     raw[-(NL - 2) * 2 * CHUNK * H * D * 2 - 10] ^= 0xFF
     path.write_bytes(bytes(raw))
