@@ -115,3 +115,29 @@ def test_bad_capacity_and_untyped_keys():
         MemoryTier(-1)
     with pytest.raises(TypeError, match="ChunkKey"):
         MemoryTier(10).put("a", b"1")
+
+
+def test_read_with_serves_a_held_value_as_a_stream():
+    """The default ``read_with`` (tiers that do not stream their reads): the value read whole, then
+    handed to the reader in the pieces it asks for; an ``Entry`` as its serialized bytes."""
+    import torch
+
+    from kvfuse.codecs import get_codec
+    from kvfuse.kv.chunk import KVChunk
+    from kvfuse.kv.format import encode_entry, read_entry
+
+    t = MemoryTier(10**6)
+    entry = encode_entry(KVChunk(torch.randn((2, 2, 3, 2, 8)).half(), torch.arange(3)), K("a"), get_codec("raw"))
+    t.put(K("a"), entry)
+    t.put(K("b"), b"0123456789")
+    got = t.read_with(K("a"), lambda readinto, size: read_entry(readinto, size, K("a")))
+    assert torch.equal(got.chunk().kv, entry.chunk().kv) and got.header == entry.header
+
+    def in_threes(readinto, size):
+        out = bytearray()
+        while (n := readinto(view := memoryview(bytearray(3)))) > 0:
+            out += view[:n]
+        return size, bytes(out)
+
+    assert t.read_with(K("b"), in_threes) == (10, b"0123456789")
+    assert t.read_with(K("zz"), in_threes) is None
