@@ -20,7 +20,8 @@ What each row measures:
   queue), from chunks already copied out of the KV; kvfuse get = the tier's reads as
   ``TieredStore.fetch`` does them and the one validation (header and per-layer checksums, once
   per serialized entry: Redis, one ``get_many`` then ``open_entry``; disk, each file read through
-  ``read_entry``, which checks every few layers right after reading them) + decoding to KVChunks. These are compared with raw file I/O;
+  ``read_entry``, which checks every few layers right after reading them) + decoding to
+  KVChunks. These are compared with raw file I/O;
 - kvfuse put from KV / get into KV = the same plus the copy of each chunk out of the prompt's KV
   tensor before the put (the engine's ``KVCache.chunk``) and into a destination KV tensor after
   the get (the engine's ``append_chunk``): the whole path, as LMCache's ``store`` / ``retrieve``
