@@ -61,13 +61,14 @@ import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
 from kvfuse.kv.keys import ChunkKey, ChunkKind
-from kvfuse.tiers.base import Blob, Clock, Entry, Expiries, Tier, check_key, nbytes
+from kvfuse.tiers.base import Blob, Clock, Entry, Expiries, T, Tier, check_key, nbytes
 from kvfuse.tiers.key_index import KeyIndex
 
 log = logging.getLogger(__name__)
@@ -505,45 +506,11 @@ class DiskTier(Tier):
             self.stats.add(errors=1)
             return False
 
-    def get(self, key: ChunkKey) -> Blob | None:
-        path = self._path(key)
-        expired_ino = None
-        try:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                st = os.fstat(fd)
-                size = st.st_size
-                if self._expiry and self._expired(key, st.st_ino):
-                    expired_ino, size = st.st_ino, 0  # nothing to read
-                # One read into an uninitialised buffer (a bytearray would be zero-filled first):
-                # the returned view is writable, so the raw codec decodes it without a copy.
-                buf = memoryview(np.empty(size, dtype=np.uint8))
-                n = 0
-                while n < size:
-                    got = os.readv(fd, [buf[n:]])
-                    if not got:
-                        break
-                    n += got
-            finally:
-                os.close(fd)
-        except FileNotFoundError:
-            self._missing(key)
-            return None
-        except OSError as e:
-            log.warning("disk tier %s: read %s failed: %s", self.root, key, e)
-            self.stats.add(misses=1, errors=1)
-            return None
-        if expired_ino is not None:
-            self._drop_expired(key, expired_ino)
-            self.stats.add(misses=1)
-            return None
-        self._touch(path, key, size)
-        self.stats.add(hits=1, bytes_out=n)
-        return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
-
-    def read_with(self, key: ChunkKey, reader):
-        # The file is read as the reader asks (the store checks each piece while it is in cache).
-        # A reader that raises (a damaged entry) leaves the entry's recency as it was.
+    def _read_file(self, key: ChunkKey, read: Callable[[int, int], T], touch: bool = True) -> T | None:
+        """``read(fd, size)`` over ``key``'s open file, counted as a hit and, with ``touch``, as the
+        entry's use (its recency); None for a missing or expired entry or an I/O error (each
+        counted). Anything else ``read`` raises propagates, the entry's recency left as it was
+        (the store un-counts the hit of an entry it rejects)."""
         path = self._path(key)
         try:
             fd = os.open(path, os.O_RDONLY)
@@ -558,11 +525,11 @@ class DiskTier(Tier):
         try:
             st = os.fstat(fd)
             if self._expiry and self._expired(key, st.st_ino):
-                expired_ino = st.st_ino
+                expired_ino = st.st_ino  # nothing to read
             else:
-                self.stats.add(hits=1, bytes_out=st.st_size)
+                self.stats.add(hits=1)
                 counted = True
-                result = reader(lambda view: os.readv(fd, [view]), st.st_size)
+                result = read(fd, st.st_size)
         except OSError as e:
             log.warning("disk tier %s: read %s failed: %s", self.root, key, e)
             self.stats.add(hits=-1 if counted else 0, misses=1, errors=1)
@@ -573,26 +540,36 @@ class DiskTier(Tier):
             self._drop_expired(key, expired_ino)
             self.stats.add(misses=1)
             return None
-        self._touch(path, key, st.st_size)
+        if touch:
+            self._touch(path, key, st.st_size)
         return result
 
+    def get(self, key: ChunkKey) -> Blob | None:
+        def read(fd: int, size: int) -> memoryview:
+            # One read into an uninitialised buffer (a bytearray would be zero-filled first):
+            # the returned view is writable, so the raw codec decodes it without a copy.
+            buf = memoryview(np.empty(size, dtype=np.uint8))
+            n = 0
+            while n < size:
+                got = os.readv(fd, [buf[n:]])
+                if not got:
+                    break
+                n += got
+            self.stats.add(bytes_out=n)
+            return buf[:n]  # shorter than the file only if it was truncated under us: the store rejects it
+
+        return self._read_file(key, read)
+
+    def read_with(self, key: ChunkKey, reader):
+        # The file is read as the reader asks (the store checks each piece while it is in cache).
+        def read(fd: int, size: int):
+            self.stats.add(bytes_out=size)
+            return reader(lambda view: os.readv(fd, [view]), size)
+
+        return self._read_file(key, read)
+
     def read_range(self, key: ChunkKey, start: int, stop: int) -> memoryview | None:
-        path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._missing(key)
-            return None
-        except OSError as e:
-            log.warning("disk tier %s: open %s failed: %s", self.root, key, e)
-            self.stats.add(misses=1, errors=1)
-            return None
-        expired_ino = None
-        try:
-            st = os.fstat(fd)
-            size = st.st_size
-            if self._expiry and self._expired(key, st.st_ino):
-                expired_ino, stop = st.st_ino, start  # nothing to read
+        def read(fd: int, size: int) -> memoryview:
             buf = memoryview(np.empty(max(0, min(stop, size) - start), dtype=np.uint8))
             n = 0
             while n < len(buf):
@@ -600,20 +577,10 @@ class DiskTier(Tier):
                 if not got:
                     break
                 n += got
-        except OSError as e:
-            log.warning("disk tier %s: read %s failed: %s", self.root, key, e)
-            self.stats.add(misses=1, errors=1)
-            return None
-        finally:
-            os.close(fd)
-        if expired_ino is not None:
-            self._drop_expired(key, expired_ino)
-            self.stats.add(misses=1)
-            return None
-        if start == 0:  # the first read of an entry counts as its use
-            self._touch(path, key, size)
-        self.stats.add(hits=1, bytes_out=n)
-        return buf[:n]
+            self.stats.add(bytes_out=n)
+            return buf[:n]
+
+        return self._read_file(key, read, touch=start == 0)  # the first read of an entry is its use
 
     def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
         staged = self._stage(key, value, expires_at)

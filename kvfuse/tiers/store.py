@@ -297,15 +297,14 @@ class TieredStore:
         as it arrives: one pass over memory instead of a read and then a check."""
         if not tier.streams_reads:
             return self._checked(tier, key, self._safe(tier, "get", tier.get, None, key), spec, promoted)
+        return self._safe(tier, "read_with", self._streamed, (None, False), tier, key, spec)
+
+    def _streamed(self, tier: Tier, key: ChunkKey, spec: EntrySpec | None) -> tuple[Entry | None, bool]:
         try:
             return tier.read_with(key, lambda readinto, size: read_entry(readinto, size, key, spec)), False
         except FormatError as e:
             self._reject(tier, key, e)
             return None, True
-        except Exception as e:  # a tier bug must not take the request down: count it as a miss
-            log.exception("tier %s: read_with raised %s", tier.name, e)
-            tier.stats.add(errors=1)
-            return None, False
 
     def _open(self, tier: Tier, key: ChunkKey, value: Blob, spec: EntrySpec | None, promoted: bool) -> Entry | None:
         """The checked entry of ``value`` from ``tier``, or None after removing and counting it."""
