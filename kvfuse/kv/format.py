@@ -531,8 +531,8 @@ def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: C
     reads its payload from memory twice (a multi-MB entry no longer fits in the CPU's caches).
     Here the payload is read a few layers at a time (``PIECE_BYTES``) and each piece is checked
     right after it arrived, still in cache: in a one-off A/B on the 2-core development VM, the
-    disk tier's reads of a 94 MB prompt went from ~19-22 ms to ~14 ms this way (plain ``readinto`` of the same
-    bytes: ~12 ms). The header is checked, and the key and ``spec`` compared, before any payload
+    disk tier's reads of a 94 MB prompt went from ~19-22 ms to ~14 ms this way (plain
+    ``readinto`` of the same bytes: ~12 ms). The header is checked, and the key and ``spec`` compared, before any payload
     byte is read. The returned entry owns a fresh writable buffer (raw payloads decode without a
     copy).
     """
