@@ -14,8 +14,8 @@ mtime is its recency (set on every put and hit), so a restart rebuilds the LRU o
 The tier does not check what it reads: the tiered store validates every entry and discards a
 damaged one through ``delete``. ``read_with`` hands a file to the store's check as it is read (a
 few layers at a time, each checked while still in the CPU cache: ``kv.format.read_entry``).
-A fan-out folder (or file) it may not read is an operational failure like any other: the start-up scan and ``delete_prefix`` log it, count an error and go on
-with the other folders (its entries are misses until its permissions are fixed). Several processes may share one directory. Each keeps its own index (for LRU and capacity); the
+A fan-out folder (or file) it may not read is an operational failure like any other: the
+start-up scan and ``delete_prefix`` log it, count an error and go on with the other folders (its entries are misses until its permissions are fixed). Several processes may share one directory. Each keeps its own index (for LRU and capacity); the
 file system is the truth: ``contains``/``get`` consult it directly, a file another process wrote
 is found, a file another process evicted is a plain miss. The capacity is enforced by each process
 over the files it knows, so a shared directory can briefly exceed it.
