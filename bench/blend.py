@@ -46,6 +46,7 @@ from common import DATA, OUT, drop_page_cache, environment, print_table  # noqa:
 import fictional_qa  # noqa: E402
 
 from kvfuse.blend import BlendOptions  # noqa: E402
+from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine, Prompt  # noqa: E402
 from kvfuse.generation import SamplingParams  # noqa: E402
 
@@ -137,15 +138,16 @@ def open_engine(name: str, home: Path, store_dir: Path | None = None) -> Engine:
 
     tune_allocator()
     model = load_model(name, home=home, device="cpu", dtype="auto")
-    tiers = [MemoryTier(8 << 30)] + ([DiskTier(store_dir, 64 << 30)] if store_dir else [])
-    return Engine(model, TieredStore(tiers), chunk_size=256, blend=BlendOptions(store_blended=False))
+    lower = [DiskTier(store_dir, 64 << 30)] if store_dir else []
+    return Engine(model, TieredStore(MemoryTier(8 << 30), lower), EngineSettings.of(chunk_size=256,
+                  blend=BlendOptions(store_blended=False)))
 
 
 def qa_prompt(engine: Engine, model: str, it: fictional_qa.Item) -> Prompt:
     if model == "smollm2":  # an instruct model: a chat turn, documents before the question
         text = f"Answer the question using the passages above, in a few words.\nQuestion: {it.question}"
-        return engine.document_prompt(list(it.documents), messages=[{"role": "user", "content": text}])
-    return engine.document_prompt(list(it.documents), prompt=f"Question: {it.question}\nAnswer:")
+        return engine.prompts.document_prompt(list(it.documents), messages=[{"role": "user", "content": text}])
+    return engine.prompts.document_prompt(list(it.documents), prompt=f"Question: {it.question}\nAnswer:")
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -228,8 +230,8 @@ def musique_prompt(engine: Engine, model: str, example: dict, words: int) -> Pro
     q = example["question"]
     if model == "smollm2":
         text = f"Answer the question using the passages above, within 5 words.\nQuestion: {q}"
-        return engine.document_prompt(docs, messages=[{"role": "user", "content": text}])
-    return engine.document_prompt(docs, prompt=f"Question: {q}\nAnswer:")
+        return engine.prompts.document_prompt(docs, messages=[{"role": "user", "content": text}])
+    return engine.prompts.document_prompt(docs, prompt=f"Question: {q}\nAnswer:")
 
 
 def speed(args, model: str, home: Path) -> dict:
@@ -264,7 +266,7 @@ def speed(args, model: str, home: Path) -> dict:
                 for name, opts in blends:
                     for tier in ("memory", "disk"):
                         if tier == "disk":
-                            engine.store.tiers[0].clear()
+                            engine.store.memory.clear()
                             if cold_note is None:
                                 cold_note = drop_page_cache()
                                 if cold_note is None:

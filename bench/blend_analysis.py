@@ -42,7 +42,7 @@ def kv_caches(engine, prompt):
     prefix = list(prompt.prefix)
     if prefix:
         r.forward(prefix, reuse, logits="none")
-    context = list(engine.document_context())
+    context = list(engine.keying.document_context())
     spans = []
     for start, ids in prompt.documents:
         alone = r.new_cache(dtype=dtype)

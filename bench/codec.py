@@ -362,10 +362,11 @@ def reencoded_store(raw_tier, encoding: str):
     for key in raw_tier.keys_lru():
         entry = raw_tier.get(key)
         tier.put(key, encode_entry(entry.chunk(), key, codec))
-    return TieredStore([tier])
+    return TieredStore(tier)
 
 
 def run_quality(args, checkpoint=None) -> dict:
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
@@ -385,8 +386,8 @@ def run_quality(args, checkpoint=None) -> dict:
         for i, r in enumerate(rows):
             ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
             truncated += budget is not None and head_len + (len(ids) - head_len) >= budget
-            raw = TieredStore([MemoryTier(1 << 34)])
-            engine = Engine(m, raw, history=False, async_save=False, prefetch=False)
+            raw = TieredStore(MemoryTier(1 << 34))
+            engine = Engine(m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False))
             lossless = engine.generate(ids, greedy)
             context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
             ref_logits = engine.score(context, [cont])[0][:-1].float()
@@ -395,8 +396,8 @@ def run_quality(args, checkpoint=None) -> dict:
             per["lossless"]["nll"].append(float(-ref_logp[torch.arange(len(cont)), torch.tensor(cont)].mean()))
             per["lossless"]["kl"].append(0.0)
             for enc in ENCODINGS:
-                store = reencoded_store(raw.tiers[0], enc)
-                lossy_engine = Engine(m, store, history=False, async_save=False, prefetch=False)
+                store = reencoded_store(raw.memory, enc)
+                lossy_engine = Engine(m, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
                 res = lossy_engine.generate(ids, greedy)
                 assert res.cached_tokens >= (len(ids) // 256) * 256 - 256, "the lossy entries were not used"
                 answers[enc] = res.text
@@ -432,6 +433,7 @@ def run_fictional(args) -> dict:
     import fictional_qa
     from blend import correct, qa_prompt
 
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
@@ -445,16 +447,16 @@ def run_fictional(args) -> dict:
         per = {e: {"correct": 0, "agree": 0} for e in ["lossless", *ENCODINGS]}
         tokens = []
         for it in data:
-            raw = TieredStore([MemoryTier(1 << 34)])
-            engine = Engine(m, raw, history=False, async_save=False, prefetch=False)
+            raw = TieredStore(MemoryTier(1 << 34))
+            engine = Engine(m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False))
             ids = qa_prompt(engine, name, it).ids  # a plain prompt: the documents are prefix chunks here
             tokens.append(len(ids))
             lossless = engine.generate(ids, greedy)
             per["lossless"]["correct"] += correct(lossless.text, it.answer)
             per["lossless"]["agree"] += 1
             for enc in ENCODINGS:
-                store = reencoded_store(raw.tiers[0], enc)
-                lossy = Engine(m, store, history=False, async_save=False, prefetch=False)
+                store = reencoded_store(raw.memory, enc)
+                lossy = Engine(m, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
                 r = lossy.generate(ids, greedy)
                 per[enc]["correct"] += correct(r.text, it.answer)
                 per[enc]["agree"] += r.token_ids == lossless.token_ids
@@ -515,6 +517,7 @@ ALLOCATIONS = {
 
 
 def run_allocation(args) -> dict:
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
@@ -528,15 +531,15 @@ def run_allocation(args) -> dict:
         acc = {a: {"nll": [], "kl": [], "bits": 0.0, "values": 0} for a in ["lossless", *ALLOCATIONS]}
         for r in rows:
             ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
-            raw = TieredStore([MemoryTier(1 << 34)])
-            engine = Engine(m, raw, history=False, async_save=False, prefetch=False)
+            raw = TieredStore(MemoryTier(1 << 34))
+            engine = Engine(m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False))
             engine.generate(ids, SamplingParams(max_tokens=1))
             context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
             ref = torch.log_softmax(engine.score(context, [cont])[0][:-1].float(), -1)
             target = torch.tensor(cont)
             acc["lossless"]["nll"].append(float(-ref[torch.arange(len(cont)), target].mean()))
             acc["lossless"]["kl"].append(0.0)
-            entries = {k: raw.tiers[0].get(k) for k in raw.tiers[0].keys_lru()}
+            entries = {k: raw.memory.get(k) for k in raw.memory.keys_lru()}
             for a, (bins, opts) in ALLOCATIONS.items():
                 tier = MemoryTier(1 << 34)
                 for key, entry in entries.items():
@@ -545,7 +548,7 @@ def run_allocation(args) -> dict:
                     acc[a]["bits"] += bits
                     acc[a]["values"] += n
                     tier.put(key, encode_entry(KVChunk(kv=lossy, positions=chunk.positions), key, get_codec("raw")))
-                lossy_engine = Engine(m, TieredStore([tier]), history=False, async_save=False, prefetch=False)
+                lossy_engine = Engine(m, TieredStore(tier), EngineSettings.of(history=False, async_save=False, prefetch=False))
                 lp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
                 acc[a]["nll"].append(float(-lp[torch.arange(len(cont)), target].mean()))
                 acc[a]["kl"].append(float((ref.exp() * (ref - lp)).sum(-1).mean()))

@@ -158,10 +158,11 @@ def kvfuse_weight_bytes(model) -> int:
 
 
 def kvfuse_timer(model):
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
 
-    engine = Engine(model, None, history=False, async_save=False)
+    engine = Engine(model, None, EngineSettings.of(history=False, async_save=False))
 
     def run(ids: list[int], tokens: int) -> dict:
         r = engine.generate(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))

@@ -72,7 +72,7 @@ def disk_index(ks):
 
 
 def lookups_per_s(ks: list[ChunkKey], batch: int = 64, seconds: float = 2.0) -> float:
-    store = TieredStore([memory_tier(ks)])
+    store = TieredStore(memory_tier(ks))
     n, t0 = 0, time.perf_counter()
     i = 0
     while time.perf_counter() - t0 < seconds:

@@ -121,7 +121,7 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
         prev = None
         for ti, user in enumerate(users):
             msgs.append({"role": "user", "content": user})
-            ids, dropped = engine.encode_chat(msgs, reserve=args.max_tokens)
+            ids, dropped = engine.prompts.encode_chat(msgs, reserve=args.max_tokens)
             r = engine.generate(ids, params)
             row = {"conversation": ci, "turn": ti + 1, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
                    "completion_tokens": r.completion_tokens, "tokens": r.token_ids, "ttft_s": r.timings.ttft_s,
@@ -297,12 +297,12 @@ def run_truncation(args) -> None:
         out = {}
         for mode, engine in engines.items():
             engine.clear_cache("")
-            engine.generate(engine.encode_chat(before, reserve=args.max_tokens)[0], SamplingParams(max_tokens=1))
-            ids, dropped = engine.encode_chat(after, reserve=args.max_tokens)
+            engine.generate(engine.prompts.encode_chat(before, reserve=args.max_tokens)[0], SamplingParams(max_tokens=1))
+            ids, dropped = engine.prompts.encode_chat(after, reserve=args.max_tokens)
             cont = tok.encode(answer, add_special_tokens=False)[: args.score_tokens]
             s0 = engine.stats_snapshot()
             r = engine.generate(ids, params)
-            engine.generate(engine.encode_chat(before, reserve=args.max_tokens)[0], SamplingParams(max_tokens=1))
+            engine.generate(engine.prompts.encode_chat(before, reserve=args.max_tokens)[0], SamplingParams(max_tokens=1))
             logits = engine.score(ids, [cont])[0]
             s1 = engine.stats_snapshot()
             out[mode] = {"ids": r.token_ids, "cached": r.cached_tokens, "moved": s1["moved_tokens_reused"] - s0["moved_tokens_reused"],

@@ -20,7 +20,7 @@ count, only the number of concurrent clients changes):
 
 Servers (``--servers``, default ``kvfuse,vllm``), one after the other, never two at once:
 
-- ``kvfuse``: a ``kvfuse serve`` child process (``kvfuse.testing.ServerProcess``), cache on and off
+- ``kvfuse``: a ``kvfuse serve`` child process (``kvfuse_testkit.ServerProcess``), cache on and off
   in the same process: ``"cache": false`` per request for the off runs (the engine then skips
   lookup, load and store entirely, the code path of a server without a cache). Every cache-on run
   uses its own ``cache_salt`` so that it starts cold and profits only from reuse within the run.
@@ -84,7 +84,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from kvfuse.testing import ServerProcess, ensure_model  # noqa: E402
+from kvfuse_testkit import ServerProcess, ensure_model  # noqa: E402
 
 DATA = REPO.parent / "shared" / "data"
 DEV = range(0, 50)  # musique_s.json: 0-49 dev, 50-149 test (never used here)

@@ -62,7 +62,7 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry, read_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
-from kvfuse.testing import LocalRedis
+from kvfuse_testkit import LocalRedis
 
 from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
 
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         cap = 4 * nbytes + GIB
         cases = [
             tier_case("memory", MemoryTier(cap), kv, codec),
-            store_case("memory (TieredStore)", TieredStore([MemoryTier(cap)]), kv, codec),
+            store_case("memory (TieredStore)", TieredStore(MemoryTier(cap)), kv, codec),
             tier_case("disk", DiskTier(workdir / "kvfuse-disk", cap), kv, codec),
             # timeout 10 s, not 0.5: a stall of the busy machine must not turn into a dropped write.
             tier_case("redis", RedisTier(redis_url, timeout_s=10.0), kv, codec),

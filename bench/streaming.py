@@ -43,10 +43,11 @@ import torch  # noqa: E402
 
 from bench.common import DATA, plot_path, print_table, write_json  # noqa: E402
 from kvfuse.codecs import get_codec  # noqa: E402
+from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine  # noqa: E402
 from kvfuse.generation import SamplingParams  # noqa: E402
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore  # noqa: E402
-from kvfuse.tiers.throttled import ThrottledTier, load_trace  # noqa: E402
+from kvfuse_testkit.throttled import ThrottledTier, load_trace  # noqa: E402
 
 LEVELS = (1, 2, 3, 4)
 CHUNK = 256
@@ -84,17 +85,18 @@ class Disk:
 
     def __init__(self, root: Path, model, ids: list[int]):
         self.root = root
-        stores = {"raw": TieredStore([MemoryTier(1 << 34), DiskTier(root / "raw", 1 << 34)], stream_levels=LEVELS)}
+        stores = {"raw": TieredStore(MemoryTier(1 << 34), [DiskTier(root / "raw", 1 << 34)], stream_levels=LEVELS)}
         for lv in LEVELS:
             disk = DiskTier(root / f"level-{lv}", 1 << 34)
-            stores[f"level-{lv}"] = TieredStore([MemoryTier(1 << 34), disk], codecs={disk.name: get_codec("cachegen", lv)})
+            stores[f"level-{lv}"] = TieredStore(MemoryTier(1 << 34), [disk],
+                                                codecs={disk.name: get_codec("cachegen", lv)})
         for s in stores.values():
-            Engine(model, s, history=False, async_save=False, prefetch=False).generate(ids, SamplingParams(max_tokens=1))
+            Engine(model, s, EngineSettings.of(history=False, async_save=False, prefetch=False)).generate(ids, SamplingParams(max_tokens=1))
             s.close()
 
     def store(self, which: str, trace: list[float], scale: float, period: float = 0.2) -> tuple[TieredStore, ThrottledTier]:
         slow = ThrottledTier(DiskTier(self.root / which, 1 << 34), trace, scale=scale, period_s=period)
-        return TieredStore([MemoryTier(1 << 34), slow], stream_levels=LEVELS if which == "raw" else ()), slow
+        return TieredStore(MemoryTier(1 << 34), [slow], stream_levels=LEVELS if which == "raw" else ()), slow
 
 
 def kl(ref: torch.Tensor, logits: torch.Tensor) -> float:
@@ -113,13 +115,13 @@ def run(args) -> dict:
     adaptive_engines = {}
     with tempfile.TemporaryDirectory(prefix="kvfuse-stream-") as tmp:
         for pi, ids in enumerate(prompts(model.tokenizer, args.first, args.prompts, args.chunks)):
-            free = Engine(model, None, history=False)
+            free = Engine(model, None, EngineSettings.of(history=False))
             ref = free.generate(ids, greedy)
             ref_logits = free.score(ids, [ref.token_ids])[0][:-1]
             # the question's own compute on top of the cached context: outside the KV budget
             disk = Disk(Path(tmp) / f"p{pi}", model, ids)
             st, _ = disk.store("raw", [1e6], 1.0)
-            warm = Engine(model, st, history=False, async_save=False, prefetch=False).generate(ids, greedy)
+            warm = Engine(model, st, EngineSettings.of(history=False, async_save=False, prefetch=False)).generate(ids, greedy)
             suffix_ms = warm.timings.prefill_s * 1000
             st.close()
             kv_slo_ms = max(1.0, args.slo_ms - suffix_ms)
@@ -134,7 +136,7 @@ def run(args) -> dict:
                     else:
                         which = "raw" if policy == "adaptive" else policy
                         store, slow = disk.store(which, trace, args.scale, args.period)
-                        engine = Engine(model, store, history=False, async_save=False, prefetch=False)
+                        engine = Engine(model, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
                         if policy == "adaptive" and "estimates" in adaptive_engines:
                             engine.estimates = adaptive_engines["estimates"]  # what earlier requests measured
                         cache = CacheOptions(kv_slo_ms=kv_slo_ms) if policy == "adaptive" else CacheOptions()
@@ -143,13 +145,13 @@ def run(args) -> dict:
                         if policy == "raw":
                             logits = ref_logits  # lossless entries: the full prefill's numbers (to float rounding)
                         else:
-                            store.tiers[0].clear()
+                            store.memory.clear()
                             slow.reset()
                             logits = engine.score(ids, [ref.token_ids], cache=cache)[0][:-1]
                         if policy == "adaptive":
                             adaptive_engines["estimates"] = engine.estimates
-                            rec["chunks"] = dict(r.stream.chunks) if r.stream else {}
-                            rec["kv_load_ms"] = r.stream.load_s * 1000 if r.stream else None
+                            rec["chunks"] = dict(r.kv_stream.chunks) if r.kv_stream else {}
+                            rec["kv_load_ms"] = r.kv_stream.load_s * 1000 if r.kv_stream else None
                         engine.close()
                         store.close()
                     rec.update(ttft_ms=r.timings.ttft_s * 1000, violated=r.timings.ttft_s * 1000 > args.slo_ms,

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from common import DATA, MUSIQUE_DEV, OUT, drop_page_cache, environment
 
-from kvfuse.testing import LocalRedis
+from kvfuse_testkit import LocalRedis
 
 DEV = MUSIQUE_DEV  # musique_s.json: 0-49 dev, 50-149 test (never used here)
 TIERS = ("none", "memory", "disk", "disk-cold", "redis")
@@ -89,6 +89,7 @@ def measure(args) -> dict:
     import torch
 
     from kvfuse.config import default_home
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import CacheOptions, Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
@@ -122,10 +123,10 @@ def measure(args) -> dict:
         for n, ids in prompts.items():
             disk_dir = workdir / f"kv-{n}"
             lower = [DiskTier(disk_dir, 1 << 34)] + ([RedisTier(redis.url, timeout_s=5.0)] if redis else [])
-            warm = TieredStore([MemoryTier(1 << 32), *lower])
+            warm = TieredStore(MemoryTier(1 << 32), lower)
             # Prefix chunks only (history=False): this measures chunk hits; whole-history reuse
             # (a repeated prompt reuses all but its last token) is bench/multiturn.py's subject.
-            writer = Engine(model, warm, history=False, async_save=False)
+            writer = Engine(model, warm, EngineSettings.of(history=False, async_save=False))
             first = writer.generate(ids, one)  # populates every tier
             warm.flush()
             reference = first.token_ids
@@ -134,7 +135,7 @@ def measure(args) -> dict:
                 if kind == "memory":
                     return warm
                 tier = DiskTier(disk_dir, 1 << 34) if kind.startswith("disk") else RedisTier(redis.url, timeout_s=5.0)
-                return TieredStore([MemoryTier(1 << 32), tier])
+                return TieredStore(MemoryTier(1 << 32), [tier])
 
             for kind in tiers:
                 runs = []
@@ -143,7 +144,7 @@ def measure(args) -> dict:
                     if kind == "disk-cold":
                         drop_page_cache()
                     opts = CacheOptions(enabled=kind != "none", store_generated=False)
-                    r = Engine(model, store, history=False, async_save=False, prefetch=False).generate(ids, one,
+                    r = Engine(model, store, EngineSettings.of(history=False, async_save=False, prefetch=False)).generate(ids, one,
                                                                                               cache=opts)
                     if store is not None and store is not warm:
                         store.close()

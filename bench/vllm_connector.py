@@ -49,7 +49,7 @@ from common import DATA, OUT, drop_page_cache, environment, print_table
 from vllm_server import (DEFAULT_PYTHON, VLLMServer, connector_config, default_model_path, first_token, metric_total,
                          scrape_metrics)
 
-from kvfuse.testing import LocalRedis
+from kvfuse_testkit import LocalRedis
 
 CONFIGS = ("vllm", "kvfuse-disk", "kvfuse-redis")
 EXTRA_CONFIGS = ("kvfuse-disk-layerwise", "kvfuse-redis-layerwise")  # layerwise: true (the CPU default is false)

@@ -44,7 +44,7 @@ from typing import Any, Iterator
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kvfuse.testing import free_port  # noqa: E402
+from kvfuse_testkit import free_port  # noqa: E402
 
 DEFAULT_PYTHON = os.environ.get("KVFUSE_VLLM_PYTHON", "/work/vllm-venv/bin/python")
 

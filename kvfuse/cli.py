@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _common(p, model=False)
     p = csub.add_parser("clear", help="delete cached entries")
-    p.add_argument("--tier", choices=("all", "disk", "redis", "s3"), default="all")
+    p.add_argument("--tier", default="all", metavar="NAME",
+                   help="clear one tier below memory, by name (disk, redis, s3, or a cache.tiers name); default all")
     p.add_argument("--prefix", default="", help="only keys starting with this (a namespace id, e.g. 3f2a...:)")
     _common(p, model=False)
     p = csub.add_parser("inspect", help="list entries with codec, level and compression ratio, or show one "
@@ -223,10 +224,10 @@ def cmd_generate(args, config: Config) -> int:
                 {"role": "user", "content": prompt}]
         blend = None
         if documents:
-            ids = engine.document_prompt(documents, prompt=None if args.chat else prompt, messages=messages)
+            ids = engine.prompts.document_prompt(documents, prompt=None if args.chat else prompt, messages=messages)
             blend = engine.blend.with_ratio(args.recompute_ratio)
         else:
-            ids = engine.encode_prompt(messages=messages) if args.chat else engine.encode_prompt(prompt)
+            ids = engine.prompts.encode_prompt(messages=messages) if args.chat else engine.prompts.encode_prompt(prompt)
 
         def write(piece: str) -> None:
             sys.stdout.write(piece)
@@ -245,8 +246,8 @@ def cmd_generate(args, config: Config) -> int:
                 f"prefill {t.prefill_s * 1000:.0f} ms), decode {t.decode_tokens_per_s(result.completion_tokens):.1f} tokens/s",
                 file=sys.stderr,
             )
-            if result.stream is not None:
-                r = result.stream
+            if result.kv_stream is not None:
+                r = result.kv_stream
                 chunks = ", ".join(f"{n} {enc}" for enc, n in sorted(r.chunks.items()))
                 print(f"[kvfuse] streamed from slow tiers: {chunks}; {r.load_s * 1000:.0f} ms of a "
                       f"{r.slo_s * 1000:.0f} ms budget ({r.bytes_read / 2**20:.1f} MiB read)", file=sys.stderr)
@@ -274,7 +275,7 @@ def cmd_chat(args, config: Config) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            ids, dropped = engine.encode_chat(messages, reserve=params.max_tokens)
+            ids, dropped = engine.prompts.encode_chat(messages, reserve=params.max_tokens)
             if dropped:  # the next turns go on from what is left
                 messages = without_oldest(messages, dropped)
             result = engine.generate(ids, params, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
@@ -362,7 +363,7 @@ def cmd_cache(args, config: Config) -> int:
         raise UserError("the cache is disabled in this configuration (cache.enabled: false)")
     try:
         if args.action == "stats":
-            rows = {t.name: {"entries": t.entries(), "bytes": t.used_bytes()} for t in store.tiers[1:]}
+            rows = {t.name: {"entries": t.entries(), "bytes": t.used_bytes()} for t in store.lower}
             if args.json:
                 print(json.dumps(rows, indent=2))
             else:
@@ -372,11 +373,15 @@ def cmd_cache(args, config: Config) -> int:
                     print(f"{name:<8} {entries:>8} entries  {size:>12}")
             return 0
         if args.action == "clear":
+            names = [t.name for t in store.lower]
+            if args.tier != "all" and args.tier not in names:
+                raise UserError(f"--tier {args.tier}: no such tier in this configuration; tiers: all, {', '.join(names)}")
             removed = 0
-            for tier in store.tiers[1:]:
+            for tier in store.lower:
                 if args.tier in ("all", tier.name):
                     removed += tier.delete_prefix(args.prefix) if args.prefix else tier.clear()
-            if args.tier in ("all", "disk") and config.cache.disk:  # the ids of the histories those entries held
+            disk = next((t for t in config.lower_tiers() if t.kind == "disk"), None)
+            if disk is not None and args.tier in ("all", disk.tier_name):  # the ids of the histories they held
                 from .history import HistoryIndex
 
                 HistoryIndex(config.cache.history_records, config.disk_path / "histories").delete_prefix(args.prefix)
@@ -403,7 +408,7 @@ def _inspect(target: str, store) -> int:
             raise UserError(f"{target!r} is neither an entry file nor a storage key ('<24 hex>:<p|d|t>:<64 hex>', as "
                             f"printed in file names with ':' written as '_3A')") from None
         blob, where = None, ""
-        for tier in store.tiers[1:]:
+        for tier in store.lower:
             blob = tier.get(key)
             if blob is not None:
                 where = tier.name
@@ -429,9 +434,8 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
     if limit < 1:
         raise UserError("--limit must be at least 1")
     rows, totals = [], {}
-    for tier in store.tiers[1:]:
-        keys = tier.keys_lru()[::-1][:limit] if hasattr(tier, "keys_lru") else tier.keys(limit)
-        for key in keys:
+    for tier in store.lower:
+        for key in tier.keys(limit):  # most recently used first where the tier knows recency
             blob = tier.get(key)
             if blob is None:
                 continue
@@ -470,7 +474,7 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
 
 
 def cmd_responses(args, config: Config) -> int:
-    from .history.responses import ResponseNotFound, ResponseStore
+    from .history.response_store import ResponseNotFound, ResponseStore
 
     if not config.responses_path.is_file():
         raise UserError(f"no stored responses at {config.responses_path} (responses.path); a server stores them there "

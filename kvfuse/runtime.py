@@ -9,12 +9,13 @@ from collections.abc import Callable
 
 import torch
 
-from .config import Config
-from .engine import Engine, Retention
+from .config import Config, TierConfig
+from .engine import Engine
 from .models import LoadedModel, load_model
 from .tiers.disk import DiskTier
 from .codecs import get_codec
 from .entropy.pool import set_shared_pool, shared_pool
+from .tiers.base import Tier
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
 from .tiers.store import TieredStore
@@ -23,34 +24,32 @@ log = logging.getLogger(__name__)
 
 
 def open_store(config: Config, clock: Callable[[], float] | None = None) -> TieredStore | None:
-    """Memory tier always (when the cache is enabled), disk unless disabled, Redis and S3 (in that
-    order) when their URLs are set.
-    ``clock``: the wall clock entries expire by (tests inject one)."""
+    """The memory tier (when the cache is enabled) and the tiers below it, in order
+    (``Config.lower_tiers``: ``cache.tiers``, or the flat keys: disk unless disabled, then Redis
+    and S3 when their URLs are set). ``clock``: the wall clock entries expire by (tests inject one)."""
     c = config.cache
     if not c.enabled:
         return None
     if c.codec_workers is not None:
         set_shared_pool(c.codec_workers)
-    tiers = [MemoryTier(c.memory_bytes)]
-    codecs = {}
-    if c.disk:
-        tiers.append(DiskTier(config.disk_path, c.disk_bytes))
-        if c.disk_codec is not None:
-            codecs[tiers[-1].name] = get_codec(c.disk_codec, c.disk_codec_level)
-    if c.redis_url:
-        tiers.append(RedisTier(c.redis_url, timeout_s=c.redis_timeout_s, cluster=c.redis_cluster))
-        if c.redis_codec is not None:
-            codecs[tiers[-1].name] = get_codec(c.redis_codec, c.redis_codec_level)
-    if c.s3_url:
-        from .tiers.s3 import S3Tier  # boto3 is an optional dependency (kvfuse[s3])
-
-        tiers.append(S3Tier(c.s3_url, endpoint_url=c.s3_endpoint, region=c.s3_region, timeout_s=c.s3_timeout_s))
-        if c.s3_codec is not None:
-            codecs[tiers[-1].name] = get_codec(c.s3_codec, c.s3_codec_level)
-    stream_levels = c.stream_levels if len(tiers) > 1 else ()
+    lower = [open_tier(t) for t in config.lower_tiers()]
+    codecs = {t.tier_name: get_codec(t.codec, t.codec_level) for t in config.lower_tiers() if t.codec is not None}
+    stream_levels = c.stream_levels if lower else ()
     if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
         shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request
-    return TieredStore(tiers, write_queue_size=c.write_queue, codecs=codecs, stream_levels=stream_levels, clock=clock)
+    return TieredStore(MemoryTier(c.memory_bytes), lower, write_queue_size=c.write_queue, codecs=codecs,
+                       stream_levels=stream_levels, clock=clock)
+
+
+def open_tier(t: TierConfig) -> Tier:
+    """The tier a ``cache.tiers`` section describes."""
+    if t.kind == "disk":
+        return DiskTier(t.path, t.capacity, name=t.tier_name)
+    if t.kind == "redis":
+        return RedisTier(t.url, timeout_s=t.timeout, cluster=t.cluster, name=t.tier_name)
+    from .tiers.s3 import S3Tier  # boto3 is an optional dependency (kvfuse[s3])
+
+    return S3Tier(t.url, endpoint_url=t.endpoint, region=t.region, timeout_s=t.timeout, name=t.tier_name)
 
 
 def set_threads(config: Config) -> None:
@@ -99,30 +98,4 @@ def open_engine(config: Config, model: LoadedModel | None = None, store: TieredS
     model = model or open_model(config)
     if store is None:
         store = open_store(config, clock)
-    c = config.cache
-    return Engine(
-        model,
-        store,
-        chunk_size=c.chunk_size,
-        kv_dtype=c.kv_dtype,
-        codec=c.codec,
-        codec_level=c.codec_level,
-        store_generated=c.store_generated,
-        salt=c.salt,
-        max_waiting=config.server.max_queue,
-        blend=config.blend.options(),
-        history=c.history,
-        history_records=c.history_records,
-        # the ids of stored histories live next to their KV on disk, and survive restarts with it
-        history_path=str(config.disk_path / "histories") if c.disk else None,
-        truncation=c.truncation,
-        context_tokens=config.context_tokens,
-        async_save=c.async_save,
-        prefetch=c.prefetch,
-        eviction=c.eviction,
-        kv_slo_ms=c.kv_slo_ms,
-        retention=Retention.parse(c.retention) if c.retention is not None else None,
-        max_running=config.engine.max_running,
-        max_step_tokens=config.engine.max_step_tokens,
-        kv_memory_bytes=config.engine.kv_memory_bytes,
-    )
+    return Engine(model, store, config.engine_settings())

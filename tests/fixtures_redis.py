@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvfuse.testing import LocalRedis as RedisServer
+from kvfuse_testkit import LocalRedis as RedisServer
 
 __all__ = ["RedisServer", "redis_server", "redis_server_session"]
 

@@ -142,7 +142,7 @@ def _worker(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     args = p.parse_args(argv)
     model = load_model("smollm2", home=Path(args.home), device="cpu", dtype="float32")
-    store = TieredStore([MemoryTier(1 << 30), RedisTier(args.redis_url, timeout_s=2.0)])
+    store = TieredStore(MemoryTier(1 << 30), [RedisTier(args.redis_url, timeout_s=2.0)])
     engine = Engine(model, store)
     ids = [int(t) for t in Path(args.prompt_file).read_text().split()]
     result = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))

@@ -15,8 +15,8 @@ from typing import Sequence
 
 import torch
 
-# dtypes a KV chunk may have; the entry format stores them by a small code (kvfuse.kv.format).
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+from kvfuse import dtypes
+
 
 # Payloads are little-endian; raw tensor bytes are written as they lie in memory.
 assert sys.byteorder == "little", "kvfuse codecs assume a little-endian host"
@@ -85,8 +85,7 @@ class Codec(ABC):
 
 def check_kv(kv: torch.Tensor) -> torch.Tensor:
     """Validate a KV tensor for encoding and return it contiguous on the CPU."""
-    if kv.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(f"KV dtype {kv.dtype} is not supported; use one of {SUPPORTED_DTYPES}")
+    dtypes.name_of(kv.dtype)  # ValueError for a dtype the table (and the entry format) does not hold
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"KV must be (layers, 2, tokens, kv_heads, head_dim), got {tuple(kv.shape)}")
     return kv.detach().to("cpu").contiguous()

@@ -6,10 +6,8 @@ from typing import Sequence
 
 import torch
 
+from kvfuse import dtypes
 from kvfuse.codecs.base import Codec, CodecError, check_kv, numel
-
-
-_ELEMENT_SIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
 
 
 class RawCodec(Codec):
@@ -50,4 +48,4 @@ class RawCodec(Codec):
         return torch.frombuffer(data, dtype=dtype).view(full)
 
     def layer_size(self, shape: tuple[int, ...], dtype: torch.dtype) -> int:
-        return numel(shape) * _ELEMENT_SIZE[dtype]
+        return numel(shape) * dtypes.element_size(dtype)

@@ -9,7 +9,7 @@ A plan says, per span of the prompt (a span's cache slots are its positions in t
   then load it like a hit (a ``Load`` with ``tier=None`` follows it);
 - ``Compute``: run the model over ``[start, end)`` in the prompt's context, writing those slots
   (whatever a load put there is replaced);
-- ``Store``: after computing, save slots ``[start, end)`` under ``key``.
+- ``Save``: after computing, save slots ``[start, end)`` under ``key``.
 
 The engine carries a plan out and does nothing the plan does not say. Entries that lookup found
 but that turn out unusable when fetched are planned around with :func:`replan`: the same inputs
@@ -84,7 +84,7 @@ class Compute:
 
 
 @dataclass(frozen=True)
-class Store:
+class Save:
     key: ChunkKey
     start: int
     end: int
@@ -96,7 +96,7 @@ class Plan:
     precomputes: tuple[Precompute, ...] = ()
     loads: tuple[Load, ...] = ()
     computes: tuple[Compute, ...] = ()
-    stores: tuple[Store, ...] = ()
+    saves: tuple[Save, ...] = ()
 
     def in_order(self) -> list[Load | Compute]:
         """Loads and computes by first slot, loads first on a tie: each step then only needs the
@@ -201,7 +201,7 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
     loadable = min(hits, (n - 1) // ch) if p == n else hits  # the last token must be computed
     loads = [Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(loadable)]
     computes = [Compute(loadable * ch, p)] if loadable * ch < p else []
-    stores = [Store(keys.prefix[i], i * ch, (i + 1) * ch)
+    saves = [Save(keys.prefix[i], i * ch, (i + 1) * ch)
               for i in range(loadable, len(keys.prefix)) if prefix_where[i] is None]
 
     precomputes: list[Precompute] = []
@@ -215,10 +215,10 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
 
     if prompt.documents:
         computes.append(Compute(suffix_start(prompt), n))
-        stores += [Store(k, i * ch, (i + 1) * ch) for i, k in enumerate(keys.blended)]  # after the blend
+        saves += [Save(k, i * ch, (i + 1) * ch) for i, k in enumerate(keys.blended)]  # after the blend
     elif prompt.segments[-1].kind is SegmentKind.SUFFIX:
         computes.append(Compute(suffix_start(prompt), n))
-    return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(stores))
+    return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(saves))
 
 
 def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: list) -> Plan:
@@ -255,8 +255,8 @@ def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: lis
             j += 1
         computes.append(Compute(i, j))
         i = j
-    stores = [Store(keys.prefix[i], i * ch, (i + 1) * ch) for i in range(hits, len(keys.prefix)) if prefix_where[i] is None]
-    return Plan(n, loads=tuple(loads), computes=tuple(computes), stores=tuple(stores))
+    saves = [Save(keys.prefix[i], i * ch, (i + 1) * ch) for i in range(hits, len(keys.prefix)) if prefix_where[i] is None]
+    return Plan(n, loads=tuple(loads), computes=tuple(computes), saves=tuple(saves))
 
 
 def tail_probe(ids: Sequence[int], chain: Sequence[ChunkKey], hits: int, chunk_size: int,
@@ -282,20 +282,20 @@ def history_entries(ids: Sequence[int], chunk_size: int, namespace: Namespace) -
     return out
 
 
-def breakpoint_stores(ids: Sequence[int], chain: Sequence[ChunkKey], breakpoints: Sequence, chunk_size: int,
-                      namespace: Namespace, planned: set[ChunkKey] = frozenset()) -> list[Store]:
-    """What a prompt's cache breakpoints add to its stores: at each breakpoint position ``b`` that
+def breakpoint_saves(ids: Sequence[int], chain: Sequence[ChunkKey], breakpoints: Sequence, chunk_size: int,
+                      namespace: Namespace, planned: set[ChunkKey] = frozenset()) -> list[Save]:
+    """What a prompt's cache breakpoints add to its saves: at each breakpoint position ``b`` that
     is inside the prompt and not on a chunk boundary, the partial chunk ``[b - b % chunk_size, b)``
     as a tail entry after the chain (the key ``tail_probe`` finds for a later prompt with the same
     first ``b`` tokens). A boundary needs nothing: the whole chunk before it is an entry already."""
-    out: list[Store] = []
+    out: list[Save] = []
     for b in sorted({bp.position for bp in breakpoints}):
         k = b // chunk_size
         if b > len(ids) or b % chunk_size == 0 or k > len(chain):
             continue
         key = tail_key(chain[k - 1] if k else None, list(ids[k * chunk_size : b]), namespace)
         if key not in planned:
-            out.append(Store(key, k * chunk_size, b))
+            out.append(Save(key, k * chunk_size, b))
     return out
 
 
@@ -309,9 +309,9 @@ def replan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None], unusab
     return make_plan(prompt, keys, [None if k in unusable else w for k, w in zip(keys.all(), where)])
 
 
-def generated_stores(ids: Sequence[int], kv_length: int, chunk_size: int, namespace: Namespace,
-                     first_chunk: int) -> list[Store]:
+def generated_saves(ids: Sequence[int], kv_length: int, chunk_size: int, namespace: Namespace,
+                     first_chunk: int) -> list[Save]:
     """Stores for the whole chunks ``first_chunk..`` of ``ids`` (prompt + generated tokens) whose
     KV is in the cache (``kv_length`` slots): a follow-up turn then reuses the answer too."""
     keys = prefix_keys(list(ids[:kv_length]), chunk_size, namespace)
-    return [Store(k, i * chunk_size, (i + 1) * chunk_size) for i, k in enumerate(keys) if i >= first_chunk]
+    return [Save(k, i * chunk_size, (i + 1) * chunk_size) for i, k in enumerate(keys) if i >= first_chunk]

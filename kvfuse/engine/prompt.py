@@ -89,4 +89,11 @@ class Prompt:
 
     @property
     def is_plain(self) -> bool:
+        """No documents."""
         return all(s.kind is not SegmentKind.DOCUMENT for s in self.segments)
+
+    @property
+    def is_prefix_only(self) -> bool:
+        """One prefix segment (a chat or a completion without documents): what whole-history
+        reuse, tail entries and cache breakpoints apply to."""
+        return len(self.segments) == 1 and self.segments[0].kind is SegmentKind.PREFIX

@@ -15,7 +15,7 @@ from kvfuse.history.records import Record
 
 from .prompt import Prompt
 from .retention import Breakpoint, Retention
-from .streaming import StreamReport
+from .kv_stream import KVStreamReport
 
 log = logging.getLogger(__name__)
 
@@ -56,20 +56,27 @@ class Timings:
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
 
 
-@dataclass
+@dataclass(kw_only=True)
 class GenerationResult:
+    """What a finished request produced, and how its prompt's KV was served."""
+
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" | "length" | "cancelled"
     prompt_tokens: int
-    cached_tokens: int
-    timings: Timings
+    cached_tokens: int = 0
+    timings: Timings = field(default_factory=Timings)
     hit_tiers: tuple[str, ...] = ()  # the tier each reused entry came from
     stored_chunks: int = 0
     recomputed_tokens: int = 0  # document tokens recomputed in context by a blend
-    stream: StreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
+    kv_stream: KVStreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
     written_tokens: int = 0  # prompt tokens whose KV this request handed to the cache
     history: Record | None = None  # the stored history of the KV this turn kept (None: none kept)
+
+    @classmethod
+    def cancelled(cls, prompt_tokens: int) -> GenerationResult:
+        """The result of a request that never ran (its client left, the engine stopped)."""
+        return cls(text="", token_ids=[], finish_reason="cancelled", prompt_tokens=prompt_tokens)
 
     @property
     def completion_tokens(self) -> int:

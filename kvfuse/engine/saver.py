@@ -8,6 +8,9 @@ encodes it and puts it in the store; the lower tiers' writes it queues wait for 
 being dropped, since nobody waits on this thread. The cache object stays alive until its spans
 are saved.
 
+``save_now`` is the same work on the caller's thread, for an engine without a saver
+(``cache.async_save: false``).
+
 A prefill that needs keys still being saved (the next turn, sent the moment the answer arrived)
 waits for exactly those keys (``wait``), at most ``wait_s``; what is not saved by then is a
 miss, planned around like any other. A key stays pending until some tier can be asked for it:
@@ -26,12 +29,12 @@ from dataclasses import dataclass
 
 from kvfuse.codecs.base import Codec
 from kvfuse.counters import Counters
+from kvfuse.kv.format import Entry, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.tiers.store import TieredStore
 
-from .executor import encode_spans, unheld
-from .planner import Store
+from .planner import Save
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +73,7 @@ class Saver:
         self._thread = threading.Thread(target=self._loop, name="kvfuse-saver", daemon=True)
         self._thread.start()
 
-    def save(self, kv: KVCache, codec: Codec, spans: Sequence[Store], ids: Sequence[int], skip_held: bool = False,
+    def save(self, kv: KVCache, codec: Codec, spans: Sequence[Save], ids: Sequence[int], skip_held: bool = False,
              expires_at: float | None = None, memory_only: bool = False) -> int:
         """Queue ``spans`` of ``kv`` to be stored under their keys; returns how many (the slots of
         each must be final: nothing may write them again). ``ids``: the token id of every slot of
@@ -120,8 +123,7 @@ class Saver:
                 items = encode_spans(kv, codec, todo, ids)
                 if items:
                     self.store.put(items, block=True, expires_at=expires_at, memory_only=memory_only)
-                    first = self.store.tiers[0]
-                    if not memory_only and not all(first.contains(k) for k, _ in items):
+                    if not memory_only and not all(self.store.memory.contains(k) for k, _ in items):
                         # The memory tier did not keep them all (a small budget): they are not
                         # findable until the lower tiers have them, so they stay pending till then.
                         self.store.flush()
@@ -143,3 +145,28 @@ class Saver:
         """Save what is queued, then stop the thread."""
         self._queue.put(_STOP)
         self._thread.join(timeout)
+
+
+def unheld(store: TieredStore, spans: Iterable[Save]) -> list[Save]:
+    """The spans whose keys no tier holds yet (the others need not be written again)."""
+    spans = list(spans)
+    held = store.lookup([s.key for s in spans], count=False).where
+    return [s for s, w in zip(spans, held) if w is None]
+
+
+def encode_spans(kv: KVCache, codec: Codec, spans: Iterable[Save], ids: Sequence[int]) -> list[tuple[ChunkKey, Entry]]:
+    """An entry per span of ``kv`` (its slots copied out), keyed by the span's key, recording the
+    span's token ids (``ids``: the token id of every slot of ``kv``)."""
+    return [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec, token_ids=ids[s.start : s.end]))
+            for s in spans if s.end <= kv.length]
+
+
+def save_now(store: TieredStore, kv: KVCache, codec: Codec, spans: Sequence[Save], ids: Sequence[int],
+             skip_held: bool = False, expires_at: float | None = None, memory_only: bool = False) -> int:
+    """``Saver.save`` on the caller's thread: the entries go into memory now (the lower tiers from the
+    store's write queue); returns how many were written."""
+    todo = unheld(store, spans) if skip_held else spans
+    items = encode_spans(kv, codec, todo, ids)
+    if items:
+        store.put(items, expires_at=expires_at, memory_only=memory_only)
+    return len(items)

@@ -1,40 +1,59 @@
-"""The engine's request queue and what runs at each step.
+"""The engine's request queue, admission, the KV memory budget and preemption.
 
-``Scheduler.schedule(admit)`` decides one engine step: the waiting sequences to drop (their
-client left: cancelled while queued), the sequences to admit, and the running ones (every
-running sequence takes part in every step: continuous batching). Waiting sequences are admitted
-first come, first served, up to ``max_running`` at a time and while ``admit(seq)`` (the engine's
-callback, which takes the sequence's KV memory from the budget) says it fits; admission stops at
-the first one that does not, so a large request is never overtaken forever by small ones (no
-starvation). A running sequence the engine preempts (``preempt``: its KV was needed by older
-ones) goes back to the front of the queue and keeps what it generated. The queue holds at most
-``max_waiting`` sequences; beyond that ``add`` raises ``QueueFull`` (the server answers 429)
-instead of letting latency grow without bound.
+Two calls make a step's work, and neither calls back into the engine:
 
-The queue's look-ahead (``lookahead()``: which requests wait, in order, with the keys they will
-ask for) is what the store reads to prefetch entries before the requests that need them run.
+- ``schedule()``: the waiting sequences to drop (their client left: cancelled while queued), the
+  ones to admit, and the running ones (every running sequence takes part in every step:
+  continuous batching). Waiting sequences are admitted first come, first served, up to
+  ``max_running`` at a time and while ``KVMemory`` can give them their cache; admission stops at
+  the first one that does not fit, so a large request is never overtaken forever by small ones.
+  A waiting prompt whose leading chunks a running sequence is computing is passed over, keeping
+  its place (``ComputingChunks``), and loads them once they are stored.
+- ``batch(running)``, once the admitted sequences are planned and loaded: this step's forward
+  pass, a token for every decoding sequence, then prompt chunks (chunked prefill, oldest first)
+  within ``max_step_tokens``, the oldest prompt at least ``MIN_PREFILL_CHUNK`` tokens. A cache
+  that cannot grow preempts the most recently admitted sequence (``preempt``: its KV freed, back
+  at the front of the queue, keeping what it generated), itself last.
 
-``add``/``remove`` come from other threads (the server's event loop); ``schedule``/``finish``
-from the engine's. One condition variable guards the queue and wakes the engine loop.
+The queue holds at most ``max_waiting`` sequences; beyond that ``add`` raises ``QueueFull`` (the
+server answers 429) instead of letting latency grow without bound. Its look-ahead (``lookahead()``:
+which requests wait, in order, with the keys they will ask for) is what the store reads to
+prefetch entries before the requests that need them run.
+
+``add``/``remove`` come from other threads (the server's event loop); everything else from the
+engine's. One condition variable guards the queue and wakes the engine loop.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvfuse.kv.keys import ChunkKey
+import torch
 
-from .request import QueueClosed, QueueFull
+from kvfuse.config import EngineConfig, ServerConfig
+from kvfuse.kv.keys import ChunkKey
+from kvfuse.models.transformer import BatchItem
+
+from .computing import ComputingChunks
+from .kv_memory import KVMemory
+from .request import QueueClosed, QueueFull, Request
 from .sequence import Sequence, SequenceStatus
+from .stats import bucket
+
+log = logging.getLogger(__name__)
+
+# Prompt tokens the oldest prompt being computed gets in every step, even when decodes use up
+# engine.max_step_tokens: no prompt waits for the decodes to end.
+MIN_PREFILL_CHUNK = 16
 
 
 @dataclass
 class ScheduledStep:
-    """What one engine step does."""
+    """Which sequences one engine step ends, admits and runs."""
 
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
     admitted: list[Sequence] = field(default_factory=list)  # admitted now: plan, load, start their prefill
@@ -45,16 +64,51 @@ class ScheduledStep:
         return not self.skipped and not self.running
 
 
-class Scheduler:
-    """FIFO admission with a bounded queue; see the module docstring."""
+@dataclass
+class Batch:
+    """One forward pass: each sequence with the tokens it computes now (one to decode, or the next
+    chunk of its prompt), and the sequences preempted to make room for it."""
 
-    def __init__(self, max_waiting: int = 64, max_running: int = 16):
-        if max_waiting < 1:
-            raise ValueError("max_waiting must be >= 1")
-        if max_running < 1:
-            raise ValueError("max_running must be >= 1")
-        self.max_waiting = max_waiting
-        self.max_running = max_running
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def forward_items(self) -> list[BatchItem]:
+        """The runner's view of the pass: per sequence, the next ids of its prompt at their slots,
+        or its last token."""
+        out = []
+        for seq, n in self.items:
+            p = seq.prefill
+            if p.fill:
+                start = p.fill_start
+                out.append(BatchItem(p.fill[:n], seq.kv, positions=torch.arange(start, start + n),
+                                     logits=n == len(p.fill), start=start))
+            else:
+                out.append(BatchItem([seq.token_ids[-1]], seq.kv))
+        return out
+
+    def counters(self) -> dict:
+        """What this pass adds to the engine's counters (``EngineStats``)."""
+        n, tokens = len(self.items), self.tokens
+        return {"steps": 1, "step_sequences": n, "step_tokens": tokens, "batch_sizes": {bucket(n): 1},
+                "step_token_counts": {bucket(tokens): 1}}
+
+
+class Scheduler:
+    """FIFO admission with a bounded queue, within a KV budget; see the module docstring.
+
+    ``memory`` None (tests of the queue alone): admission is bounded by ``max_running`` only."""
+
+    def __init__(self, max_waiting: int = ServerConfig.max_queue, max_running: int = EngineConfig.max_running,
+                 memory: KVMemory | None = None, max_step_tokens: int = EngineConfig.max_step_tokens):
+        if max_waiting < 1 or max_running < 1 or max_step_tokens < 1:
+            raise ValueError("max_waiting, max_running and max_step_tokens must be >= 1")
+        self.max_waiting, self.max_running, self.max_step_tokens = max_waiting, max_running, max_step_tokens
+        self.memory = memory
+        self.computing = ComputingChunks()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -75,15 +129,15 @@ class Scheduler:
             self._waiting.append(seq)
             self._cond.notify_all()
 
-    def remove(self, seq: Sequence) -> bool:
-        """Take ``seq`` out of the queue if it still waits (its client left); True if it was."""
+    def remove(self, request: Request) -> Sequence | None:
+        """Take ``request``'s sequence out of the queue if it still waits (its client left), and
+        return it; None if it does not wait (it runs, or is done)."""
         with self._cond:
-            try:
+            seq = next((s for s in self._waiting if s.request is request), None)
+            if seq is not None:
                 self._waiting.remove(seq)
-            except ValueError:
-                return False
-            self.skipped += 1
-            return True
+                self.skipped += 1
+            return seq
 
     def close(self) -> list[Sequence]:
         """Refuse new sequences; remove and return the waiting ones."""
@@ -101,44 +155,87 @@ class Scheduler:
 
     # -- the engine thread ----------------------------------------------------------------------
 
-    def schedule(self, admit: Callable[[Sequence], bool] = lambda seq: True,
-                 defer: Callable[[Sequence], bool] = lambda seq: False) -> ScheduledStep:
+    def schedule(self) -> ScheduledStep:
         """The next step: drop cancelled waiting sequences, admit the oldest waiting ones while
-        there is room (``max_running``) and ``admit`` accepts them, run everything running.
-
-        ``defer(seq)`` True passes over a waiting sequence for this step, keeping its place: the
-        engine defers a prompt whose leading chunks a running sequence is computing right now, so
-        that it loads them once stored instead of computing them a second time alongside."""
+        there is room and memory, run everything running (see the module docstring). When nothing
+        can run although sequences wait, waits a little for KV memory to come back."""
         step = ScheduledStep()
+        self.computing.begin_step()
         with self._cond:
-            kept: deque[Sequence] = deque()
-            for seq in self._waiting:
-                if seq.request.cancel.is_set():
-                    step.skipped.append(seq)
-                else:
-                    kept.append(seq)
-            self._waiting = kept
+            step.skipped = [s for s in self._waiting if s.request.cancel.is_set()]
+            self._waiting = deque(s for s in self._waiting if not s.request.cancel.is_set())
             self.skipped += len(step.skipped)
             for seq in list(self._waiting):
                 if len(self._running) >= self.max_running:
                     break
-                if defer(seq):
+                if self.computing.blocks(seq):
                     continue  # keeps its place; later ones may be admitted
-                if not admit(seq):
+                if self.memory is not None and not self.memory.allocate(seq):
                     break
-                self._waiting.remove(seq)
-                seq.status = SequenceStatus.RUNNING
-                if seq.request.started_at is None:
-                    seq.request.started_at = time.monotonic()
-                self._running.append(seq)
+                self._start(seq)
                 step.admitted.append(seq)
             step.running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
+            starved = not step.running and not step.skipped and bool(self._waiting)
+        if starved and self.memory is not None:
+            self.memory.wait_for_release()
         return step
 
+    def _start(self, seq: Sequence) -> None:
+        """``seq`` leaves the queue and runs (under the lock)."""
+        self._waiting.remove(seq)
+        seq.status = SequenceStatus.RUNNING
+        if seq.request.started_at is None:
+            seq.request.started_at = time.monotonic()
+        self._running.append(seq)
+        self.computing.admitted(seq)
+
+    def batch(self, running: list[Sequence]) -> Batch:
+        """This step's forward pass over ``running`` (see the module docstring). Makes room in the
+        KV budget first, preempting if needed; a preempted sequence is not in the batch."""
+        out = Batch()
+        budget = self.max_step_tokens
+        order = [s for s in running if s.decoding] + [s for s in running if s.prefill.fill]
+        for seq in order:
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted to make room for an older one
+            fill = seq.prefill.fill
+            if fill and seq.request.cancel.is_set():
+                continue  # ends in post-processing
+            # Decodes always run; prompt chunks share what is left of the token budget, the oldest
+            # prompt at least MIN_PREFILL_CHUNK tokens so that it progresses under any decode load.
+            floor = MIN_PREFILL_CHUNK if not any(s.prefill.fill for s, _ in out.items) else 0
+            n = 1 if not fill else min(len(fill), max(budget, floor))
+            if n <= 0:
+                continue
+            if not self._make_room(seq, (seq.prefill.fill_start if fill else seq.kv.length) + n, out.preempted):
+                continue
+            out.items.append((seq, n))
+            budget -= n
+        # Room was made before any item refers to a cache: a preempted sequence's KV is free now.
+        out.items = [(seq, n) for seq, n in out.items if seq.status is SequenceStatus.RUNNING]
+        return out
+
+    def _make_room(self, seq: Sequence, total: int, preempted: list[Sequence]) -> bool:
+        """Grow ``seq``'s KV to ``total`` slots, preempting the most recently admitted running
+        sequences (``seq`` itself last) until it fits. False if ``seq`` was preempted."""
+        while self.memory is not None and not self.memory.grow(seq, total):
+            victims = [s for s in self.running() if s.status is SequenceStatus.RUNNING]
+            victim = next((s for s in reversed(victims) if s is not seq), seq)
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
     def preempt(self, seq: Sequence) -> None:
-        """Put running ``seq`` back at the front of the queue (its KV was freed to make room); it
-        is admitted again before anything that arrived after it. Not refused when the queue is full:
-        it was accepted already."""
+        """Free running ``seq``'s KV (``KVMemory.release``) and put it back at the front of the
+        queue, keeping its tokens: it is admitted again before anything that arrived after it. Not
+        refused when the queue is full: it was accepted already."""
+        log.info("request %s preempted (KV budget full) after %d tokens", seq.request.request_id, len(seq.token_ids))
+        if self.memory is not None and seq.kv is not None:
+            self.memory.release(seq)
+        self.computing.done(seq)
+        seq.preempted()
         with self._cond:
             if seq in self._running:
                 self._running.remove(seq)
@@ -148,6 +245,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done (whatever the reason): it leaves the running set."""
+        self.computing.done(seq)
         with self._cond:
             seq.status = SequenceStatus.FINISHED
             if seq in self._running:
@@ -182,6 +280,14 @@ class Scheduler:
     def upcoming_keys(self) -> list[ChunkKey]:
         """Every key the waiting sequences will ask for, in run order, each once."""
         return list(dict.fromkeys(k for _, keys in self.lookahead() for k in keys))
+
+    def state(self) -> dict[str, int]:
+        """Queue and memory figures for the server (``/v1/kv/stats``, ``/metrics``)."""
+        out = {"waiting": len(self), "running": len(self.running()), "max_queue": self.max_waiting,
+               "skipped": self.skipped, "max_running": self.max_running, "preempted": self.preempted}
+        if self.memory is not None:
+            out.update(self.memory.state())
+        return out
 
     @property
     def closed(self) -> bool:

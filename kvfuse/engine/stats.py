@@ -6,6 +6,14 @@ from dataclasses import dataclass, field
 
 from kvfuse.counters import Counters
 
+# Histogram buckets of sequences / tokens per step (powers of two).
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def bucket(n: int) -> str:
+    """The smallest bucket >= n (the last one for anything larger), as a counter key."""
+    return str(next((b for b in BUCKETS if n <= b), BUCKETS[-1]))
+
 
 @dataclass
 class EngineStats(Counters):

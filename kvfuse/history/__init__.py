@@ -5,7 +5,8 @@ conversation outgrows the context window.
 - ``align``: pure functions that line a new prompt up against stored ids (re-tokenized text,
   a modified answer, dropped turns);
 - ``records``: the in-memory index of stored histories (by ``prompt_cache_key`` or by content);
-- ``truncate``: which turns to drop, keeping the system prompt.
+- ``truncate``: which turns to drop, keeping the system prompt;
+- ``response_store``: the Responses API's stored responses (SQLite), each with its history record.
 """
 
 from .align import Alignment, Run, align, byte_sync

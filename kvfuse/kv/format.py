@@ -56,19 +56,18 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 import torch
 import xxhash
 
+from kvfuse import dtypes
+from kvfuse.codecs import get_codec_by_id
+from kvfuse.codecs.base import Codec
 from kvfuse.kv.chunk import KVChunk
-
-if TYPE_CHECKING:
-    from kvfuse.codecs.base import Codec
-    from kvfuse.kv.keys import ChunkKey
-
-FORMAT_VERSION = 3
+from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.version import FORMAT_VERSION
 MAX_TOKENS = 1 << 20  # per entry; a header claiming more is not an entry (positions are allocated from it)
 MAGIC = b"KVFZ"
 
@@ -84,8 +83,6 @@ MIN_READ = 4096  # a header read of this many bytes holds most whole headers (se
 # still be in the CPU's cache when it is hashed, right after its read.
 PIECE_BYTES = 256 << 10
 
-_DTYPE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
-_CODE_DTYPES = {v: k for k, v in _DTYPE_CODES.items()}
 
 
 class FormatError(ValueError):
@@ -131,11 +128,6 @@ class Entry:
         self.header_size = len(header) if header is not None else _padded_header_len(
             len(key.encode("utf-8")), len(_position_bytes(positions)[1]), len(self.layer_sizes),
             0 if token_ids is None else 4 * token_ids.shape[0])
-
-    @classmethod
-    def from_blob(cls, blob: bytes | bytearray | memoryview) -> Entry:
-        """The entry of an intact one-buffer blob, sharing its memory; FormatError otherwise."""
-        return open_entry(blob)
 
     @property
     def num_layers(self) -> int:
@@ -340,8 +332,7 @@ def encode_entry(chunk: KVChunk, key: ChunkKey | str, codec: Codec, token_ids=No
     and defers the header (and its layer checksums) until the entry is serialized. ``token_ids``
     (one per token: the ids whose KV this is) are recorded in the entry; by default the chunk's
     own (``KVChunk.token_ids``), if any."""
-    if chunk.dtype not in _DTYPE_CODES:
-        raise ValueError(f"KV dtype {chunk.dtype} is not supported; use one of {list(_DTYPE_CODES)}")
+    dtypes.name_of(chunk.dtype)  # ValueError for a dtype entries cannot hold
     key = str(key)
     if len(key.encode("utf-8")) > 0xFFFF:
         raise ValueError(f"storage key is {len(key.encode('utf-8'))} bytes; at most 65535 fit in an entry")
@@ -394,7 +385,7 @@ def _build_header(e: Entry) -> bytes:
                     - _CHECKSUM.size)
     flags = (_FLAG_CONTIGUOUS if contiguous else 0) | (0 if e.token_ids is None else _FLAG_TOKENS)
     fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, header_len, e.codec.codec_id, e.codec.level, _DTYPE_CODES[e.dtype],
+        MAGIC, FORMAT_VERSION, header_len, e.codec.codec_id, e.codec.level, dtypes.code_of(e.dtype),
         flags, *e.shape, e.positions.shape[0], len(key_bytes), e.payload.nbytes,
     )
     head = b"".join((fixed, key_bytes, pos_bytes, tok_bytes, table, padding))
@@ -440,7 +431,8 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
     # The checksum only proves the bytes are the writer's; now check the writer spoke our dialect.
     if flags & ~_KNOWN_FLAGS:
         raise FormatError(f"unknown header flags {flags:#x}")
-    if dtype_code not in _CODE_DTYPES:
+    dtype = dtypes.from_code(dtype_code)
+    if dtype is None:
         raise FormatError(f"unknown dtype code {dtype_code}")
     if shape[1] != 2 or n_pos != shape[2] or min(shape[0], shape[3], shape[4]) < 1 or n_pos > MAX_TOKENS:
         raise FormatError(f"inconsistent shape {shape} / {n_pos} positions")
@@ -470,7 +462,6 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
     sizes = table[0::2]
     if sum(sizes) != payload_len:
         raise FormatError(f"layer sizes add up to {sum(sizes)}, payload length says {payload_len}")
-    dtype = _CODE_DTYPES[dtype_code]
     codec = _codec_of(codec_id, level)
     expected = codec.layer_size(shape[1:], dtype)
     if expected is not None and sizes.count(expected) != len(sizes):
@@ -480,8 +471,6 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
 
 
 def _codec_of(codec_id: int, level: int) -> Codec:
-    from kvfuse.codecs import get_codec_by_id  # imported here: codecs -> format is the other direction
-
     try:
         return get_codec_by_id(codec_id, level)
     except ValueError as e:

@@ -42,7 +42,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvfuse.kv.format import FORMAT_VERSION
+from kvfuse.kv.version import FORMAT_VERSION
 
 _NS_TAG = b"kvfuse.ns.v2\x00"
 _TENANT_TAG = b"kvfuse.tenant\x00"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from .. import dtypes
 from .cache import KVCache
 from .config import ModelConfig
 from .loader import fingerprint, load_folder, sha256_file, weight_files
@@ -35,8 +36,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -77,9 +76,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; use one of: {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[dtype]
+    return dtypes.torch_dtype(dtype)
 
 
 def load_model(

@@ -197,11 +197,3 @@ class KVCache:
             raise ValueError(f"layers {first_layer}.. of slots [{start}, {start + n}) are outside this cache")
         self.kv[first_layer : first_layer + kv.shape[0], :, :, start : start + n] = \
             kv.transpose(2, 3).to(self.device, self.dtype)
-
-    def append_chunk(self, chunk: KVChunk) -> None:
-        """Append a chunk's KV and positions after the valid slots."""
-        c = self.config
-        expected = (c.num_layers, 2, chunk.num_tokens, c.num_kv_heads, c.head_dim)
-        if tuple(chunk.kv.shape) != expected:
-            raise ValueError(f"chunk shape {tuple(chunk.kv.shape)} does not fit this model's KV {expected}")
-        self.write(self.length, chunk.kv, chunk.positions)

@@ -165,7 +165,7 @@ def _token_text(value) -> str | None:
     return value
 
 
-class StreamDecoder:
+class IncrementalDecoder:
     """Turns generated token ids into text pieces as they arrive.
 
     Byte-level BPE emits a multi-byte character over several tokens; text is released only once

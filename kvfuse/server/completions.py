@@ -20,8 +20,8 @@ from kvfuse.engine import Outcome, QueueClosed, QueueFull, Request as EngineRequ
 from .deps import current_tenant, get_state
 from .errors import APIError, internal_error
 from .events import RequestEvents
-from .records import RECORD_KEY, RequestRecord
-from .responses import SSE_DONE, ResponseBuilder, sse_event
+from .request_log import RECORD_KEY, RequestRecord
+from .bodies import SSE_DONE, ResponseBuilder, sse_event
 from .schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse
 from .state import ServerState
 from .translate import check_model, plan_chat, plan_completion

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from .records import record_of
+from .request_log import record_of
 
 if TYPE_CHECKING:
     from .state import ServerState

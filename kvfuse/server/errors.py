@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .records import record_of
+from .request_log import record_of
 
 log = logging.getLogger(__name__)
 

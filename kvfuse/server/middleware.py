@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_body, internal_error
 from .metrics import ServerMetrics
-from .records import RECORD_KEY, RequestRecord
+from .request_log import RECORD_KEY, RequestRecord
 
 log = logging.getLogger(__name__)
 request_log = logging.getLogger("kvfuse.server.requests")

@@ -35,14 +35,14 @@ from pydantic import ValidationError
 
 from kvfuse.engine import GenerationResult, Outcome
 from kvfuse.history.records import decode_record, encode_record
-from kvfuse.history.responses import ResponseExpired, ResponseNotFound, StoredResponse
+from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
 
 from .completions import ERRORS, outcome_result, submit, watch_disconnect
 from .deps import current_tenant, get_state
 from .errors import APIError, bad_request
 from .events import RequestEvents
-from .records import RECORD_KEY, RequestRecord
-from .responses import usage as chat_usage
+from .request_log import RECORD_KEY, RequestRecord
+from .bodies import usage as chat_usage
 from .schemas import ChatCompletionRequest, ResponseCreateRequest
 from .state import ServerState
 from .translate import check_model, plan_chat

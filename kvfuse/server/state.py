@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 
 from kvfuse.config import Config
-from kvfuse.history.responses import ResponseStore
+from kvfuse.history.response_store import ResponseStore
 
 from .auth import Authenticator
 from .metrics import ServerMetrics

@@ -50,11 +50,12 @@ class Limits:
     context_window: int
 
 
-def cache_options(opts: KVFuseOptions, tenant: str) -> CacheOptions:
-    """The engine's cache behaviour for a request of ``tenant`` with extension fields ``opts``."""
+def cache_options(opts: SamplingRequest, tenant: str) -> CacheOptions:
+    """The engine's cache behaviour for a request of ``tenant`` (its extension fields and its
+    prompt-caching fields)."""
     return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "",
-                        history_key=getattr(opts, "prompt_cache_key", None), kv_slo_ms=opts.kv_slo_ms,
-                        retention=retention(getattr(opts, "prompt_cache_retention", None)))
+                        history_key=opts.prompt_cache_key, kv_slo_ms=opts.kv_slo_ms,
+                        retention=retention(opts.prompt_cache_retention))
 
 
 def retention(value: str | None) -> Retention | None:
@@ -209,7 +210,7 @@ def _engine_call(req: SamplingRequest, prompt: Prompt, tenant: str, limits: Limi
 
 def _document_prompt(engine, req: SamplingRequest, **prompt) -> Prompt:
     try:
-        return engine.document_prompt(req.documents, **prompt)
+        return engine.prompts.document_prompt(req.documents, **prompt)
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
     except ValueError as e:
@@ -227,7 +228,7 @@ def plan_completion(engine, req: CompletionRequest, tenant: str, limits: Limits)
                               param="documents")
         return _engine_call(req, _document_prompt(engine, req, prompt=prompt), tenant, limits, engine)
     try:
-        ids = engine.encode_prompt(prompt)
+        ids = engine.prompts.encode_prompt(prompt)
     except ValueError as e:  # token ids outside the vocabulary
         raise bad_request(f"prompt: {e}", param="prompt") from None
     if not ids:
@@ -242,7 +243,7 @@ def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -
     try:
         # A conversation beyond the context window loses its oldest turns (cache.truncation).
         reserve = requested_max_tokens(req) or limits.default_max_tokens
-        ids, dropped = engine.encode_chat(chat_messages(req), reserve=min(reserve, limits.context_window - 1))
+        ids, dropped = engine.prompts.encode_chat(chat_messages(req), reserve=min(reserve, limits.context_window - 1))
     except ChatTemplateError as e:
         raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
     if not ids:
@@ -250,7 +251,7 @@ def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -
     call = _engine_call(req, Prompt.plain(ids), tenant, limits, engine)
     marks = chat_marks(req)
     if marks and dropped == 0 and call.cache.enabled:
-        positions = engine.breakpoint_positions(chat_messages(req), [(m, c) for m, c, _ in marks], ids)
+        positions = engine.prompts.breakpoint_positions(chat_messages(req), [(m, c) for m, c, _ in marks], ids)
         points = tuple(sorted({Breakpoint(p, ttl) for p, (_, _, ttl) in zip(positions, marks) if p}))
         call = replace(call, cache=replace(call.cache, breakpoints=points))
     return call

@@ -6,7 +6,8 @@ entry, the one asked for, is checked in one place above the tiers (``TieredStore
 
 A tier never raises for an operational failure (disk full, server down, a vanished file): it logs,
 counts the error and answers as for a miss (``get`` -> None, ``contains`` -> False, writes dropped).
-Bad arguments (something that is not a ``ChunkKey``) are TypeErrors.
+Bad arguments (something that is not a ``ChunkKey``) are TypeErrors. The store calls tiers through
+``guarded``, so that a tier which raises anyway (a bug) is a counted miss, not a failed request.
 
 Expiry (retention): a put may give an entry an ``expires_at``, an absolute time on the tier's
 ``clock`` (wall-clock seconds since the epoch, ``time.time`` unless the store sets another); None
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from typing import Any, Callable, Iterable, TypeVar
 from kvfuse.counters import Counters
 from kvfuse.kv.format import Blob, Entry  # noqa: F401  (re-exported for the tiers)
 from kvfuse.kv.keys import ChunkKey
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Clock = Callable[[], float]  # wall-clock seconds since the epoch (``time.time``); injectable for tests
@@ -107,6 +111,18 @@ class Expiries:
         return out
 
 
+def guarded(tier: "Tier", what: str, fn: Callable, default, *args):
+    """``fn(*args)``, or ``default`` when it raises: the error is logged and counted as an error of
+    ``tier``. Tiers answer their own failures as misses; this is the store's guard against a tier
+    bug, which must not take a request down."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        log.exception("tier %s: %s raised %s", tier.name, what, e)
+        tier.stats.add(errors=1)
+        return default
+
+
 def put_many_expiring(tier: "Tier", items: list, expires_at: float | None) -> None:
     """``tier.put_many(items, expires_at)``, without the argument when it is None (so a tier
     subclass written before expiry existed keeps working for entries without one)."""
@@ -130,6 +146,8 @@ class Tier(ABC):
     # (disk: from the file): the store then checks each piece of an entry as it arrives
     # (``kv.format.read_entry``) instead of reading the whole entry and checking it afterwards.
     streams_reads: bool = False
+    # The most bytes the tier keeps, where it has such a bound (memory, disk); None otherwise.
+    capacity_bytes: int | None = None
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -150,7 +168,7 @@ class Tier(ABC):
 
     @abstractmethod
     def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
-        """Store ``value`` under ``key`` until ``expires_at`` (None: no expiry), replacing any previous
+        """Save ``value`` under ``key`` until ``expires_at`` (None: no expiry), replacing any previous
         value and its expiry; failures drop the write. An ``expires_at`` that has passed stores
         nothing and removes an older value."""
 
@@ -234,6 +252,13 @@ class Tier(ABC):
     def delete_many(self, keys: Iterable[ChunkKey]) -> int:
         """``delete`` of every key; the count removed."""
         return sum(bool(self.delete(k)) for k in keys)
+
+    def keys(self, limit: int | None = None) -> list[ChunkKey]:
+        """Up to ``limit`` stored keys (None: all): most recently used first where the tier knows
+        recency (memory, disk), else in the tier's own order (Redis: SCAN's). The default raises
+        NotImplementedError: a tier that cannot list what it holds cheaply (S3: a whole bucket
+        listing) says so rather than answering with a partial list."""
+        raise NotImplementedError(f"the {self.name} tier ({type(self).__name__}) cannot list its keys")
 
     def entries(self) -> int | None:
         """Number of entries, or None where the tier does not track it cheaply."""

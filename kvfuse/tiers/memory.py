@@ -182,6 +182,10 @@ class MemoryTier(Tier):
         with self._lock:
             return self._index.keys()
 
+    def keys(self, limit: int | None = None) -> list[ChunkKey]:
+        """Up to ``limit`` keys (None: all), most recently used first."""
+        return self.keys_lru()[::-1][:limit]
+
     def entries(self) -> int:
         with self._lock:
             return len(self._index)

@@ -11,7 +11,8 @@ would only evict what it fetched a moment ago.
 
 Counted in the store's statistics: ``prefetched`` (entries brought up), ``prefetch_hits`` (a
 request found a prefetched entry in memory) and ``prefetch_misses`` (a request still had to read
-an entry from a lower tier).
+an entry from a lower tier). The store keeps that count through a ``PrefetchTally``
+(``prefetch_tally.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from .store import TieredStore
+from kvfuse.tiers.store import TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +49,17 @@ class Prefetcher:
         """Promote what the queue will need next (in run order, up to the fill limit, until
         ``stop`` is set); the number of entries promoted."""
         store = self.store
-        first = store.tiers[0]
+        memory = store.memory
         keys = store.upcoming()
-        if not keys or len(store.tiers) < 2:
+        if not keys or not store.lower:
             return 0
         where = store.lookup(keys, count=False).where
-        below = [k for k, w in zip(keys, where) if w is not None and w != first.name]
-        capacity = getattr(first, "capacity_bytes", None)
+        below = [k for k, w in zip(keys, where) if w is not None and w != memory.name]
         done = 0
         for i in range(0, len(below), self.batch):
             if stop is not None and stop.is_set():
                 break
-            if capacity is not None and hasattr(first, "bytes_of") and first.bytes_of(keys) >= self.fill * capacity:
+            if memory.bytes_of(keys) >= self.fill * memory.capacity_bytes:
                 break
             got = store.fetch(below[i : i + self.batch], prefetch=True)
             done += sum(f.entry is not None for f in got)

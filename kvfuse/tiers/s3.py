@@ -4,7 +4,8 @@ One object per entry, ``<prefix><key>`` in ``bucket``. The tier behaves like the
 the store is away: every call is bounded (connect/read time-outs, a few quick retries with
 back-off inside botocore's ``standard`` mode), a failure is logged once, counted, answered as a
 miss (writes dropped and counted), and starts a back-off of ``backoff_s`` during which calls return
-at once without touching the network; the first call after it tries again.
+at once without touching the network; the first call after it tries again (``backoff.py``, shared
+with the Redis tier).
 
 - Entries larger than ``multipart_bytes`` go up in parts (``multipart_bytes`` each, uploaded
   concurrently by boto3's transfer manager); batched reads (``get_many``, ``contains_many``) run
@@ -25,17 +26,14 @@ Counting entries or bytes would need a full listing, so ``entries``/``used_bytes
 from __future__ import annotations
 
 import io
-import logging
 import math
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
+from kvfuse.config import CacheConfig
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.tiers.backoff import Backoff
 from kvfuse.tiers.base import Blob, Entry, Tier, check_key, nbytes
-
-log = logging.getLogger(__name__)
 
 _EXPIRES = "kvfuse-expires-at"  # metadata key (x-amz-meta-kvfuse-expires-at)
 _RETENTION_TAG = "kvfuse-retention-days"
@@ -65,9 +63,9 @@ class S3Tier(Tier):
     def __init__(
         self,
         url: str,
-        endpoint_url: str | None = None,
-        region: str | None = None,
-        timeout_s: float = 2.0,
+        endpoint_url: str | None = CacheConfig.s3_endpoint,
+        region: str | None = CacheConfig.s3_region,
+        timeout_s: float = CacheConfig.s3_timeout_s,
         retries: int = 2,
         backoff_s: float = 1.0,
         multipart_bytes: int = 8 * 1024**2,
@@ -102,9 +100,7 @@ class S3Tier(Tier):
         self._transfer = TransferConfig(multipart_threshold=multipart_bytes, multipart_chunksize=multipart_bytes,
                                         max_concurrency=max_concurrency, use_threads=True)
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="kvfuse-s3")
-        self._down_until = 0.0
-        self._down = False
-        self._lock = threading.Lock()
+        self._backoff = Backoff("s3 tier", url, backoff_s, self.stats)
         if create_bucket:
             self._create_bucket(region)
 
@@ -120,29 +116,9 @@ class S3Tier(Tier):
             if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
 
-    # -- failure handling (as the Redis tier) -----------------------------------------------------
-
-    def _available(self) -> bool:
-        return time.monotonic() >= self._down_until
-
-    def _failed(self, op: str, error: Exception) -> None:
-        with self._lock:
-            first = not self._down
-            self._down = True
-            self._down_until = time.monotonic() + self.backoff_s
-        if first:
-            log.warning("s3 tier %s: %s failed (%s); backing off %.1fs", self.url, op, error, self.backoff_s)
-        self.stats.add(errors=1)
-
-    def _succeeded(self) -> None:
-        if self._down:
-            with self._lock:
-                was_down, self._down = self._down, False
-            if was_down:
-                log.info("s3 tier %s: reachable again", self.url)
-
     def is_backing_off(self) -> bool:
-        return not self._available()
+        """True while calls are answered as misses without trying the store (``backoff.py``)."""
+        return self._backoff.backing_off()
 
     @staticmethod
     def _missing(error: Exception) -> bool:
@@ -159,20 +135,20 @@ class S3Tier(Tier):
         failure with back-off (also ``default``)."""
         from botocore.exceptions import BotoCoreError, ClientError
 
-        if not self._available():
+        if not self._backoff.available():
             return default
         try:
             out = fn(*args, **kwargs)
         except ClientError as e:
             if self._missing(e):
-                self._succeeded()
+                self._backoff.succeeded()
                 return default
-            self._failed(op, e)
+            self._backoff.failed(op, e)
             return default
         except (BotoCoreError, OSError) as e:
-            self._failed(op, e)
+            self._backoff.failed(op, e)
             return default
-        self._succeeded()
+        self._backoff.succeeded()
         return out
 
     # -- expiry ---------------------------------------------------------------------------------
@@ -263,7 +239,7 @@ class S3Tier(Tier):
         if self._expired_at(expires_at):
             self.delete(key)
             return
-        if not self._available():
+        if not self._backoff.available():
             self.stats.add(dropped_writes=1)
             return
         data = value.join() if isinstance(value, Entry) else value
@@ -329,7 +305,7 @@ class S3Tier(Tier):
 
     def delete_prefix(self, prefix: str) -> int:
         names = []
-        if not self._available():
+        if not self._backoff.available():
             return 0
         paginator = self._client.get_paginator("list_objects_v2")
         pages = self._call("list", lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)),

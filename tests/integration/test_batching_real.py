@@ -14,9 +14,10 @@ import urllib.request
 import openai
 import pytest
 
+from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
-from kvfuse.testing import ServerProcess
+from kvfuse_testkit import ServerProcess
 from kvfuse.tiers import MemoryTier, TieredStore
 from kvfuse_helpers import greedy_reference, load_builtin, long_text, model_home
 
@@ -58,7 +59,7 @@ def test_concurrent_greedy_requests_match_running_them_one_by_one(smollm2):
     stop = tok.decode(refs[3][0][6:8])  # request 3 stops at a string its answer contains
     cancel_after = 5  # request 5 is cancelled after this many text pieces
 
-    engine = Engine(smollm2, TieredStore([MemoryTier(1 << 30)]), max_running=8, max_step_tokens=128)
+    engine = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(max_running=8, max_step_tokens=128))
     engine.generate(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))  # the shared prefix, cached
     done: dict[int, object] = {}
     requests = []

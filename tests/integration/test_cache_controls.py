@@ -15,7 +15,7 @@ from kvfuse.config import load_config
 from kvfuse.engine import CacheOptions, Retention
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import prefix_keys
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -47,14 +47,14 @@ def setup(kvfuse_home, tmp_path):
 
 
 def prompt(engine, tag: int) -> list[int]:
-    ids = engine.encode_prompt(f"Document {tag}. " + long_text(8))
+    ids = engine.prompts.encode_prompt(f"Document {tag}. " + long_text(8))
     assert len(ids) > 2 * 256 + 10
     return ids[: 2 * 256 + 10]  # two whole chunks and a few tokens
 
 
 def where(engine, ids) -> list[tuple]:
     """For each whole chunk of ``ids``: which tiers hold it."""
-    keys = prefix_keys(ids, engine.chunk_size, engine.namespace())
+    keys = prefix_keys(ids, engine.settings.cache.chunk_size, engine.namespace())
     engine.store.flush()
     return [tuple(t.name for t in engine.store.tiers if t.contains(k)) for k in keys]
 

@@ -12,7 +12,7 @@ import pytest
 from kvfuse_helpers import long_text
 from openai import BadRequestError, OpenAI
 
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 

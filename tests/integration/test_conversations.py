@@ -13,7 +13,7 @@ import pytest
 from kvfuse_helpers import uncached_engine
 from openai import OpenAI
 
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -150,16 +150,17 @@ def test_a_conversation_beyond_the_context_window_drops_its_oldest_turns_and_reu
 
 
 def test_truncation_keeps_the_system_prompt_and_the_last_turn(home):
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
 
-    engine = Engine(uncached_engine(home, MODEL).model, None, context_tokens=120)
+    engine = Engine(uncached_engine(home, MODEL).model, None, EngineSettings.of(context_tokens=120))
     tok = engine.model.tokenizer
     messages = [{"role": "system", "content": SYSTEM}]
     for i in range(6):
         messages += [{"role": "user", "content": f"Question number {i}: what is {i} plus {i}?"},
                      {"role": "assistant", "content": f"It is {2 * i}."}]
     messages.append({"role": "user", "content": "And 7 plus 7?"})
-    ids, dropped = engine.encode_chat(messages, reserve=16)
+    ids, dropped = engine.prompts.encode_chat(messages, reserve=16)
     text = tok.decode(ids, skip_special_tokens=False)
     assert dropped > 0 and len(ids) + 16 <= 120
     assert SYSTEM in text and "And 7 plus 7?" in text and "Question number 0" not in text

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from kvfuse.testing import ServerProcess, ensure_model, free_port
+from kvfuse_testkit import ServerProcess, ensure_model, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
@@ -33,25 +34,25 @@ def expected(smollm2, prompt) -> list[int]:
 
 def test_hits_from_memory_and_disk_give_the_same_output(smollm2, prompt, expected, tmp_path):
     def store():
-        return TieredStore([MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)])
+        return TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)])
 
     with store() as s:
-        engine = Engine(smollm2, s, history=False)
+        engine = Engine(smollm2, s, EngineSettings.of(history=False))
         first = engine.generate(prompt, GREEDY)
         assert (first.cached_tokens, first.stored_chunks) == (0, 2) and first.token_ids == expected
         hit = engine.generate(prompt, GREEDY)
         assert (hit.cached_tokens, hit.hit_tiers) == (512, ("memory", "memory"))
         assert hit.token_ids == expected
     with store() as s:  # a restart: empty memory, the same directory
-        hit = Engine(smollm2, s, history=False).generate(prompt, GREEDY)
+        hit = Engine(smollm2, s, EngineSettings.of(history=False)).generate(prompt, GREEDY)
         assert (hit.cached_tokens, hit.hit_tiers) == (512, ("disk", "disk"))
         assert hit.token_ids == expected
 
 
 def test_hits_from_redis_give_the_same_output(smollm2, prompt, expected, redis_server):
     # a memory tier too small for any chunk: every read has to come from Redis
-    with TieredStore([MemoryTier(1), RedisTier(redis_server.url, timeout_s=2.0)]) as s:
-        engine = Engine(smollm2, s, history=False)
+    with TieredStore(MemoryTier(1), [RedisTier(redis_server.url, timeout_s=2.0)]) as s:
+        engine = Engine(smollm2, s, EngineSettings.of(history=False))
         first = engine.generate(prompt, GREEDY)
         assert first.stored_chunks == 2 and first.token_ids == expected
         engine.flush()
@@ -59,8 +60,8 @@ def test_hits_from_redis_give_the_same_output(smollm2, prompt, expected, redis_s
         assert (hit.cached_tokens, hit.hit_tiers) == (512, ("redis", "redis"))
         assert hit.token_ids == expected
     # a fresh engine with a roomy (empty) memory tier: Redis hits, then promoted into memory
-    with TieredStore([MemoryTier(1 << 30), RedisTier(redis_server.url, timeout_s=2.0)]) as s:
-        engine = Engine(smollm2, s, history=False)
+    with TieredStore(MemoryTier(1 << 30), [RedisTier(redis_server.url, timeout_s=2.0)]) as s:
+        engine = Engine(smollm2, s, EngineSettings.of(history=False))
         hit = engine.generate(prompt, GREEDY)
         assert hit.hit_tiers == ("redis", "redis") and hit.token_ids == expected
         again = engine.generate(prompt, GREEDY)
@@ -68,8 +69,8 @@ def test_hits_from_redis_give_the_same_output(smollm2, prompt, expected, redis_s
 
 
 def test_int8_hits_run_and_their_output_is_reported(smollm2, prompt, expected, record_property, capsys):
-    with TieredStore([MemoryTier(1 << 30)]) as s:
-        engine = Engine(smollm2, s, codec="int8", history=False)
+    with TieredStore(MemoryTier(1 << 30)) as s:
+        engine = Engine(smollm2, s, EngineSettings.of(codec="int8", history=False))
         first = engine.generate(prompt, GREEDY)
         assert first.token_ids == expected  # no hit yet: a plain prefill
         hit = engine.generate(prompt, GREEDY)

@@ -7,7 +7,7 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 

@@ -245,7 +245,7 @@ def test_gemma3_prefill_on_prefix_equals_full(n, via_chunk, gemma3, gemma3_full)
     if via_chunk:
         chunk = cache.chunk(0, n)
         cache = runner.new_cache()
-        cache.append_chunk(chunk)
+        cache.write(cache.length, chunk.kv, chunk.positions)
     # All logits rows only for a short suffix: 444 rows x 262k vocab cost seconds twice over, and
     # the K/V of every slot and layer compared below already covers every token's hidden states.
     if N_LONG - n <= 128:
@@ -386,6 +386,7 @@ def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, bot
     a stored value by that step. Ratio 0 (full reuse) is far off, so the comparison can tell them
     apart."""
     from kvfuse.blend import BlendOptions
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import CacheOptions, Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.tiers import MemoryTier, TieredStore
@@ -393,9 +394,9 @@ def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, bot
     model = both[name]
     sentences = TEXT.split(". ")
     docs = [". ".join(sentences[i::3]) + "." for i in range(3)] * 2  # each document twice: 6 in all
-    engine = Engine(model, TieredStore([MemoryTier(1 << 30)]), chunk_size=256, kv_dtype=kv_dtype,
-                    blend=BlendOptions(recompute_ratio=1.0, store_blended=False))
-    prompt = engine.document_prompt(docs, prompt="Question: when did the trams stop running?\nAnswer:")
+    engine = Engine(model, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=256, kv_dtype=kv_dtype,
+                    blend=BlendOptions(recompute_ratio=1.0, store_blended=False)))
+    prompt = engine.prompts.document_prompt(docs, prompt="Question: when did the trams stop running?\nAnswer:")
     assert len(prompt) > 600
     params = SamplingParams(max_tokens=8, temperature=0.0)
     off = CacheOptions(enabled=False)

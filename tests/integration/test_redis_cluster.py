@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from kvfuse.kv.keys import Namespace, prefix_keys
-from kvfuse.testing import LocalRedisCluster, ServerProcess, ensure_model
+from kvfuse_testkit import LocalRedisCluster, ServerProcess, ensure_model
 from kvfuse.tiers import RedisTier
 
 pytestmark = pytest.mark.integration
@@ -61,7 +61,7 @@ def test_a_cluster_tier_spreads_keys_and_batches_per_node(cluster):
 
 
 def test_a_dead_cluster_at_start_up_is_a_miss_not_a_crash():
-    from kvfuse.testing import free_port
+    from kvfuse_testkit import free_port
 
     tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", cluster=True, timeout_s=0.2, backoff_s=0.2)
     try:

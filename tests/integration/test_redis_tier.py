@@ -283,7 +283,7 @@ def test_a_store_carries_expiries_to_redis_promotes_extends_and_deletes(redis_se
 
     raw = redis.Redis.from_url(redis_server.url)
     mem, r = MemoryTier(10**6), _tier(redis_server)
-    with TieredStore([mem, r], clock=lambda: 1000.0, stream_levels=(1,)) as store:
+    with TieredStore(mem, [r], clock=lambda: 1000.0, stream_levels=(1,)) as store:
         a, b = Ks("a", "b")
         store.put([(a, blob(a)), (b, blob(b))], expires_at=1030.0)
         store.flush()

@@ -15,7 +15,7 @@ import pytest
 import uvicorn
 from openai import OpenAI
 
-from kvfuse.testing import ServerProcess, ensure_model, free_port
+from kvfuse_testkit import ServerProcess, ensure_model, free_port
 
 pytestmark = pytest.mark.integration
 

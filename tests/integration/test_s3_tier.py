@@ -11,7 +11,7 @@ import time
 import pytest
 
 from kvfuse.kv.keys import Namespace, prefix_keys
-from kvfuse.testing import S3_ENV, LocalS3
+from kvfuse_testkit import S3_ENV, LocalS3
 
 pytestmark = pytest.mark.integration
 
@@ -132,14 +132,15 @@ def test_an_outage_is_a_miss_and_the_tier_recovers(s3):
 def test_an_engine_serves_chunks_from_s3(s3, tmp_path):
     from kvfuse_helpers import load_builtin, long_text
 
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.tiers import MemoryTier, TieredStore
 
     model = load_builtin("smollm2")
     tier = make_tier(s3, "engine/")
-    store = TieredStore([MemoryTier(1), tier])  # memory keeps nothing: every hit comes from S3
-    engine = Engine(model, store, history=False)
+    store = TieredStore(MemoryTier(1), [tier])  # memory keeps nothing: every hit comes from S3
+    engine = Engine(model, store, EngineSettings.of(history=False))
     try:
         ids = model.tokenizer.encode(long_text(6))[:600]
         params = SamplingParams(max_tokens=4, temperature=0.0)

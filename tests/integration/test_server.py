@@ -16,7 +16,7 @@ import pytest
 from kvfuse_helpers import uncached_engine
 from openai import OpenAI
 
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ def local_engine(home):
 def local_greedy(engine, max_tokens: int, prompt: str | None = None, messages: list | None = None) -> str:
     from kvfuse.generation import SamplingParams
 
-    ids = engine.encode_prompt(prompt, messages=messages)
+    ids = engine.prompts.encode_prompt(prompt, messages=messages)
     return engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)).text
 
 

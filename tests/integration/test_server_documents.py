@@ -13,7 +13,7 @@ import pytest
 from kvfuse_helpers import uncached_engine
 from openai import OpenAI
 
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -62,7 +62,7 @@ def engine(home):
 def reference(engine, max_tokens: int, **prompt) -> str:
     from kvfuse.generation import SamplingParams
 
-    ids = engine.document_prompt(DOCS if "docs" not in prompt else prompt.pop("docs"), **prompt).ids
+    ids = engine.prompts.document_prompt(DOCS if "docs" not in prompt else prompt.pop("docs"), **prompt).ids
     return engine.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0)).text
 
 
@@ -76,7 +76,7 @@ def test_completion_with_documents_is_reused_at_any_position(client, engine):
     again = client.completions.create(model=MODEL, prompt="Question: Where do puffins nest?\nAnswer:", max_tokens=8,
                                       temperature=0, extra_body={"documents": DOCS[::-1]})
     d = again.usage.prompt_tokens_details
-    doc_tokens = sum(len(engine.encode_document(x)) for x in DOCS)
+    doc_tokens = sum(len(engine.prompts.encode_document(x)) for x in DOCS)
     assert d.cached_tokens + d.model_extra["recomputed_tokens"] == doc_tokens  # every document token reused
     assert d.model_extra["recomputed_tokens"] == round(0.2 * doc_tokens)
 
@@ -162,4 +162,4 @@ def test_precompute_fills_the_cache_a_server_reads(home, engine, tmp_path):
                                  extra_body={"documents": DOCS})
         d = r.usage.prompt_tokens_details
         assert d.cached_tokens > 0  # precomputed: read from the disk tier, nothing computed on the way
-        assert d.cached_tokens + d.model_extra["recomputed_tokens"] == sum(len(engine.encode_document(x)) for x in DOCS)
+        assert d.cached_tokens + d.model_extra["recomputed_tokens"] == sum(len(engine.prompts.encode_document(x)) for x in DOCS)

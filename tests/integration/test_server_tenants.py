@@ -7,7 +7,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 

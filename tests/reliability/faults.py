@@ -26,7 +26,7 @@ import httpx
 import openai
 import torch
 
-from kvfuse.testing import ServerProcess, free_port
+from kvfuse_testkit import ServerProcess, free_port
 from kvfuse_helpers import SENTENCES
 
 MODEL = "smollm2"
@@ -107,7 +107,7 @@ class Reference:
         if job not in self._done:
             model = self._model()
             engine = chat_engine(model)
-            ids, dropped = engine.encode_chat(job.body())
+            ids, dropped = engine.prompts.encode_chat(job.body())
             assert dropped == 0
             runner = model.runner
             cache = runner.new_cache(len(ids) + job.max_tokens, dtype=torch.float16)
@@ -605,7 +605,7 @@ def chain_paths(model, job: Job, chunk_size: int, root: Path, salt: str = "", te
     from kvfuse.tiers.disk import DiskTier
 
     engine = chat_engine(model)
-    ids, _ = engine.encode_chat(job.body())
+    ids, _ = engine.prompts.encode_chat(job.body())
     keys = prefix_keys(ids, chunk_size, engine.namespace(tenant, salt))
     return [Path(DiskTier._path(SimpleNamespace(root=root), k)) for k in keys]  # the tier's own layout rule
 

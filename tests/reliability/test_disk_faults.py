@@ -33,8 +33,9 @@ from faults import (NO_DAC, Load, PrefixedServer, Reference, can_drop_dac, chain
                     remount, run_all, temp_files, tier, tmpfs, truncate, used_bytes, wait_until, warm_up)
 from keyed import K
 from kvfuse.history.records import HistoryIndex
-from kvfuse.testing import ServerProcess, ensure_model
-from kvfuse.tiers.disk import DiskTier, stale_temp
+from kvfuse_testkit import ServerProcess, ensure_model
+from kvfuse.tiers.disk import DiskTier
+from kvfuse.tiers.disk_files import stale_temp
 from kvfuse_helpers import load_builtin, model_home
 
 pytestmark = pytest.mark.integration
@@ -104,7 +105,7 @@ def dead_pid() -> int:
 
 
 def test_stale_temp_names():
-    """The rule both start-up sweeps use (tiers/disk.py ``stale_temp``)."""
+    """The rule both start-up sweeps use (tiers/disk_files.py ``stale_temp``)."""
     dead, alive, now = dead_pid(), os.getpid(), time.time()
     assert stale_temp(f".{dead}.ab12.tmp", now, now, 600)  # its writer was killed
     assert not stale_temp(f".{alive}.ab12.tmp", now, now, 600)  # being written right now
@@ -162,21 +163,22 @@ def test_history_record_temp_files_of_dead_writers_are_removed_at_start_up(tmp_p
 
 
 def test_a_damaged_chunk_under_a_stored_history_of_another_prompt_is_planned_around(model, tmp_path):
-    """The fix in engine/core.py for the 500 the kill test found (KeyError in executor.prefill):
-    prompt P's first chunk is held but torn; the best stored history for P is another prompt's
+    """The fix (now ``Prefiller.fetch``) for the 500 the kill test found (a KeyError while a plan's
+    loads were executed): prompt P's first chunk is held but torn; the best stored history for P is another prompt's
     (Q shares P's first ~26 tokens), whose first entry lines up with those slots. Covered by P's
     chain, that entry was not read; once the torn chunk broke the chain, the new plan loaded it
     unread. Now every plan's entries are read (and checked) before anything is loaded."""
+    from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.tiers import MemoryTier, TieredStore
 
     p_job, q_job = jobs(3, 1, 1, max_tokens=4)[0], jobs(3, 1, 1, max_tokens=4)[2]
-    ids = {j: chat_engine(model).encode_chat(j.body())[0] for j in (p_job, q_job)}
+    ids = {j: chat_engine(model).prompts.encode_chat(j.body())[0] for j in (p_job, q_job)}
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    store = TieredStore([MemoryTier(1), DiskTier(tmp_path, 1 << 30)])  # every hit read from disk
-    without_history = Engine(model, store, chunk_size=64, history=False)
-    engine = Engine(model, store, chunk_size=64)
+    store = TieredStore(MemoryTier(1), [DiskTier(tmp_path, 1 << 30)])  # every hit read from disk
+    without_history = Engine(model, store, EngineSettings.of(chunk_size=64, history=False))
+    engine = Engine(model, store, EngineSettings.of(chunk_size=64))
     try:
         without_history.generate(ids[p_job], params)  # P's chain, and no record of P
         without_history.flush()

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from kvfuse.codecs import get_codec
+from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import FORMAT_VERSION, Entry, EntrySpec, FormatError, open_entry, read_header
@@ -70,9 +71,9 @@ class Rig:
         self.model, self.chunk_size = model, chunk_size
         self.disk = DiskTier(tmp_path / "kv", 1 << 30)
         self.redis = RedisTier(redis_url, timeout_s=2.0)
-        self.store = TieredStore([MemoryTier(1), self.disk, self.redis],
+        self.store = TieredStore(MemoryTier(1), [self.disk, self.redis],
                                  codecs={k: get_codec(*v) for k, v in codecs.items()})
-        self.engine = Engine(model, self.store, chunk_size=chunk_size, history=False, prefetch=False)  # chunks only
+        self.engine = Engine(model, self.store, EngineSettings.of(chunk_size=chunk_size, history=False, prefetch=False))  # chunks only
 
     def tier(self, name: str):
         return {"disk": self.disk, "redis": self.redis}[name]
@@ -101,7 +102,7 @@ def rig(smollm2, tmp_path, redis_server, CH):
 
 
 def keys_of(engine: Engine, ids: list[int]):
-    return prefix_keys(ids, engine.chunk_size, engine.namespace())
+    return prefix_keys(ids, engine.settings.cache.chunk_size, engine.namespace())
 
 
 def stored(rig: Rig, ids: list[int]) -> list[bytes]:
@@ -171,12 +172,12 @@ def test_a_document_relabelled_as_another_document_of_the_same_length_is_rejecte
     doc_a, doc_b = doc_a[:n], doc_b[:n]  # same length: same positions behind BOS, same shape
     question = tok.encode("\n\nWhat is this about?")
     engine = rig.engine
-    context = engine.document_context()
+    context = engine.keying.document_context()
     ka, kb = (document_key(d, engine.namespace(), context) for d in (doc_a, doc_b))
     engine.generate(Prompt.of(documents=[doc_a], suffix=question), GREEDY)
     engine.flush()
-    reference = Engine(smollm2, TieredStore([MemoryTier(1 << 30)]), chunk_size=rig.chunk_size, history=False,
-                       prefetch=False)
+    reference = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=rig.chunk_size, history=False,
+                       prefetch=False))
     want = reference.generate(Prompt.of(documents=[doc_b], suffix=question), GREEDY)  # b computed, not loaded
     reference.close()
 
@@ -195,11 +196,11 @@ def test_entries_of_another_model_configuration_are_never_used(rig, smollm2, pro
     """fp32 KV of the same model is another namespace: other keys (never looked up). Filed under
     this engine's keys anyway, as they are or relabelled, its dtype rejects it."""
     p = prompts["p"]
-    other = Engine(smollm2, TieredStore([MemoryTier(1 << 30)]), chunk_size=CH, kv_dtype="float32", history=False,
-                   prefetch=False)
+    other = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, kv_dtype="float32", history=False,
+                   prefetch=False))
     other.generate(p, SamplingParams(max_tokens=1))
     other.flush()
-    theirs = [bytes(other.store.tiers[0].get(k).join()) for k in keys_of(other, p)]
+    theirs = [bytes(other.store.memory.get(k).join()) for k in keys_of(other, p)]
     ours = keys_of(rig.engine, p)
     assert set(keys_of(other, p)).isdisjoint(ours)  # another namespace: another key for the same tokens
     other.close()
@@ -215,10 +216,10 @@ def test_an_entry_of_another_model_architecture_is_never_used(rig, tiny_loaded, 
     p = prompts["p"]
     tiny = tiny_loaded("llama")
     ids = [t % tiny.runner.config.vocab_size for t in p[:CH]]
-    other = Engine(tiny, TieredStore([MemoryTier(1 << 30)]), chunk_size=CH, history=False, prefetch=False)
+    other = Engine(tiny, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, history=False, prefetch=False))
     other.generate(ids + [1], SamplingParams(max_tokens=1))
     other.flush()
-    theirs = bytes(other.store.tiers[0].get(keys_of(other, ids)[0]).join())
+    theirs = bytes(other.store.memory.get(keys_of(other, ids)[0]).join())
     other.close()
     ours = keys_of(rig.engine, p)[0]
     rig.plant("redis", ours, relabel(theirs, ours))
@@ -249,12 +250,12 @@ def encodings(smollm2, prompts, CH):
     a key names content, not encoding, so all three are under the key the test engines look up)."""
     p, out, keys = prompts["p"], {}, set()
     for codec in ("raw", "int8", "cachegen"):
-        e = Engine(smollm2, TieredStore([MemoryTier(1 << 30)]), chunk_size=CH, codec=codec, history=False,
-                   prefetch=False)
+        e = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, codec=codec, history=False,
+                   prefetch=False))
         e.generate(p, SamplingParams(max_tokens=1))
         e.flush()
         keys.add(keys_of(e, p)[0])
-        out[codec] = bytes(e.store.tiers[0].get(keys_of(e, p)[0]).join())
+        out[codec] = bytes(e.store.memory.get(keys_of(e, p)[0]).join())
         e.close()
     assert len(keys) == 1
     assert read_header(out["cachegen"]).codec == "cachegen" and out["cachegen"][read_header(
@@ -328,10 +329,10 @@ def test_every_entry_the_engine_writes_records_its_token_ids(smollm2, prompts, C
     from kvfuse.engine.planner import history_entries
 
     ids = prompts["p"][: 2 * CH - 12]
-    engine = Engine(smollm2, TieredStore([MemoryTier(1 << 30)]), chunk_size=CH, prefetch=False)  # history on
+    engine = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, prefetch=False))  # history on
     r = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.flush()
-    memory = engine.store.tiers[0]
+    memory = engine.store.memory
     state = ids + r.token_ids[:-1]  # the KV holds the prompt and every answer token fed back
     entries = history_entries(state, CH, engine.namespace())
     assert [(e.source, e.tokens) for e in entries] == [(0, CH), (CH, CH), (2 * CH, len(state) - 2 * CH)]
@@ -340,6 +341,6 @@ def test_every_entry_the_engine_writes_records_its_token_ids(smollm2, prompts, C
         assert read_header(bytes(memory.get(e.key).join())).has_token_ids
     doc = smollm2.tokenizer.encode(SENTENCES[0])
     engine.generate(Prompt.of(documents=[doc], suffix=[13]), SamplingParams(max_tokens=1))
-    dk = document_key(doc, engine.namespace(), engine.document_context())
+    dk = document_key(doc, engine.namespace(), engine.keying.document_context())
     assert memory.get(dk).token_ids.tolist() == doc
     engine.close()

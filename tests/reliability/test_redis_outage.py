@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
 from kvfuse.tiers import MemoryTier, RedisTier, TieredStore
@@ -46,8 +47,8 @@ def expected(smollm2, prompts) -> dict[str, list[int]]:
 
 def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prompts, expected, redis_server):
     redis = RedisTier(redis_server.url, timeout_s=0.3, backoff_s=BACKOFF)
-    store = TieredStore([MemoryTier(1), redis])  # memory holds nothing: every hit comes from Redis
-    engine = Engine(smollm2, store, history=False)  # chunk-level reuse: what this test pins down
+    store = TieredStore(MemoryTier(1), [redis])  # memory holds nothing: every hit comes from Redis
+    engine = Engine(smollm2, store, EngineSettings.of(history=False))  # chunk-level reuse: what this test pins down
     try:
         def run(name: str, **kw):
             result = engine.generate(prompts[name], GREEDY, **kw)

@@ -54,7 +54,7 @@ from openai import OpenAI
 from kvfuse.config import load_config
 from kvfuse.generation import SamplingParams
 from kvfuse.runtime import open_engine
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 from kvfuse.tiers import MemoryTier, TieredStore
 from kvfuse_helpers import SENTENCES, load_builtin
 from load import NEAR_TIE, Tally, greedy_reference, rss_bytes
@@ -177,7 +177,7 @@ class References:
         base = {"home": str(home), "model": MODEL, "cache.chunk_size": CH}
         self.encoder = open_engine(load_config(overrides={**base, "cache.enabled": False}), model=self.model)
         self.blender = open_engine(load_config(overrides={**base, "cache.disk": False}), model=self.model,
-                                   store=TieredStore([MemoryTier(1 << 30)]))
+                                   store=TieredStore(MemoryTier(1 << 30)))
         self.tokenizer = self.model.tokenizer
         self.eos = set(self.model.eos_token_ids)
         self.refs: dict[str, list[tuple[list[int], list[float], bool]]] = {}
@@ -190,9 +190,9 @@ class References:
 
     def _compute(self, kind: str, payload):
         if kind == "plain":
-            return [(*greedy_reference(self.model, self.encoder.encode_prompt(payload), MAX_TOKENS), False)]
+            return [(*greedy_reference(self.model, self.encoder.prompts.encode_prompt(payload), MAX_TOKENS), False)]
         if kind in ("conv", "resp"):
-            ids, dropped = self.encoder.encode_chat(payload)
+            ids, dropped = self.encoder.prompts.encode_chat(payload)
             assert dropped == 0
             return [(*greedy_reference(self.model, ids, MAX_TOKENS), kind == "resp")]  # responses stop at EOS
         # RAG, served by a cache-empty engine with the server's settings. Two answers are right:
@@ -200,7 +200,7 @@ class References:
         # same documents stored its KV as prefix chunks, the prefix hit's (those chunks loaded,
         # the rest of the prompt computed in full): not the same numbers at a ratio below 1.
         docs, question = payload
-        prompt = self.blender.document_prompt(docs, messages=[{"role": "user", "content": question}])
+        prompt = self.blender.prompts.document_prompt(docs, messages=[{"role": "user", "content": question}])
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         out = []
         self.blender.clear_cache("")

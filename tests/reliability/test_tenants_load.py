@@ -27,7 +27,7 @@ import pytest
 from openai import OpenAI
 
 from kvfuse.kv.keys import tenant_tag
-from kvfuse.testing import ServerProcess, ensure_model
+from kvfuse_testkit import ServerProcess, ensure_model
 from kvfuse_helpers import SENTENCES, long_text
 
 pytestmark = pytest.mark.integration

@@ -13,6 +13,7 @@ import threading
 import pytest
 import torch
 
+from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.models.cache import KVBudget, OutOfKVMemory, slot_bytes
@@ -115,11 +116,11 @@ def test_the_budget_counts_every_buffer_and_refuses_beyond_its_limit(tiny_loaded
 
 
 def engine_for(loaded, **kw) -> Engine:
-    return Engine(loaded, TieredStore([MemoryTier(64 << 20)]), chunk_size=16, **kw)
+    return Engine(loaded, TieredStore(MemoryTier(64 << 20)), EngineSettings.of(chunk_size=16, **kw))
 
 
 def one_by_one(loaded, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
-    engine = Engine(loaded, None, chunk_size=16, max_running=1)
+    engine = Engine(loaded, None, EngineSettings.of(chunk_size=16, max_running=1))
     return [engine.generate(ids, params).token_ids for ids, params in requests]
 
 
@@ -144,7 +145,7 @@ def run_all(engine: Engine, requests, cancel_after: dict[int, int] | None = None
         engine.step()
         steps += 1
         peak = max(peak, len(engine.scheduler.running()))
-        assert engine.kv_budget.limit is None or engine.kv_budget.used <= engine.kv_budget.limit
+        assert engine.scheduler.memory.budget.limit is None or engine.scheduler.memory.budget.used <= engine.scheduler.memory.budget.limit
         assert steps < max_steps
     return [results[i] for i in range(len(requests))], steps, peak
 
@@ -193,10 +194,10 @@ def test_the_memory_budget_is_never_exceeded_and_preempted_requests_lose_nothing
     engine = engine_for(loaded, max_running=6, max_step_tokens=64, kv_memory_bytes=limit)
     outcomes, steps, peak = run_all(engine, requests)
     assert [o.result.token_ids for o in outcomes] == ref
-    assert engine.kv_budget.peak <= limit and engine.kv_budget.peak > limit // 2
+    assert engine.scheduler.memory.budget.peak <= limit and engine.scheduler.memory.budget.peak > limit // 2
     assert engine.stats_snapshot()["preemptions"] > 0 and engine.queue_state()["preempted"] > 0
     engine.flush()
-    assert engine.kv_budget.used == 0
+    assert engine.scheduler.memory.budget.used == 0
     engine.close()
 
 
@@ -260,7 +261,7 @@ def test_a_request_cancelled_during_its_chunked_prefill_ends_without_a_token(tin
     cancelled = [x for x in results.values() if x.finish_reason == "cancelled"]
     assert len(cancelled) == 1 and cancelled[0].token_ids == []
     engine.flush()
-    assert engine.kv_budget.used == 0
+    assert engine.scheduler.memory.budget.used == 0
     engine.close()
 
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from kvfuse.blend import BlendOptions, blend_prefill
+from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import document_key, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk import key_to_filename
+from kvfuse.tiers.disk_files import key_to_filename
 
 CH = 16
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -121,17 +122,17 @@ def test_the_check_layer_the_deviation_and_gradual_filtering(runner):
 # ------------------------------------------------------------------------------ the engine
 
 def engine_with(model, store, **blend) -> Engine:
-    return Engine(model, store, chunk_size=CH, blend=BlendOptions(**{"store_blended": False, **blend}))
+    return Engine(model, store, EngineSettings.of(chunk_size=CH, blend=BlendOptions(**{"store_blended": False, **blend})))
 
 
 def baseline(model, ids) -> list[int]:
-    return Engine(model, None, chunk_size=CH).generate(ids, GREEDY).token_ids
+    return Engine(model, None, EngineSettings.of(chunk_size=CH)).generate(ids, GREEDY).token_ids
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_engine_ratio_one_answers_as_a_full_prefill(family, tiny_loaded):
     model = tiny_loaded(family)
-    engine = engine_with(model, TieredStore([MemoryTier(1 << 26)]), recompute_ratio=1.0)
+    engine = engine_with(model, TieredStore(MemoryTier(1 << 26)), recompute_ratio=1.0)
     prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
     expected = baseline(model, prompt.ids)
     first = engine.generate(prompt, GREEDY)  # documents precomputed on their own, then blended
@@ -148,7 +149,7 @@ def test_one_document_behind_its_context_is_an_exact_prefix(family, tiny_loaded)
     model = tiny_loaded(family)
     doc, q = ids_of(45, 6), ids_of(7, 7)
     for ratio in (0.0, 0.15, 1.0):
-        engine = engine_with(model, TieredStore([MemoryTier(1 << 26)]), recompute_ratio=ratio)
+        engine = engine_with(model, TieredStore(MemoryTier(1 << 26)), recompute_ratio=ratio)
         for _ in range(2):  # precomputed, then loaded
             result = engine.generate(Prompt.of(documents=[doc], suffix=q), GREEDY)
             assert result.token_ids == baseline(model, doc + q), ratio
@@ -157,7 +158,7 @@ def test_one_document_behind_its_context_is_an_exact_prefix(family, tiny_loaded)
 
 def test_documents_in_any_order_repeated_and_at_the_end(tiny_loaded):
     model = tiny_loaded("llama")
-    store = TieredStore([MemoryTier(1 << 26)])
+    store = TieredStore(MemoryTier(1 << 26))
     engine = engine_with(model, store, recompute_ratio=0.2)
     engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     puts = store.stats()["memory"]["puts"]
@@ -172,7 +173,7 @@ def test_documents_in_any_order_repeated_and_at_the_end(tiny_loaded):
 
 def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
     model = tiny_loaded("qwen3")
-    store = TieredStore([MemoryTier(1 << 26)])
+    store = TieredStore(MemoryTier(1 << 26))
     engine = engine_with(model, store, recompute_ratio=0.2, store_blended=True)
     first = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     assert first.stored_chunks == 1 + 3 + 8  # prefix chunk, three documents, the blended chain (130 // 16)
@@ -181,9 +182,9 @@ def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
     assert hit.hit_tiers == ("memory",) * 8 and hit.recomputed_tokens == 0 and hit.cached_tokens == 128
     # the chain: the prefix keys of everything before the question, in the namespace of the blend settings
     chain = prefix_keys(PREFIX + sum(DOCS, []), CH, engine.namespace(blend=engine.blend))
-    assert all(store.tiers[0].get(k) is not None for k in chain)
+    assert all(store.memory.get(k) is not None for k in chain)
     # other blend settings or a plain prompt with the same tokens never see the blended KV
-    other = Engine(model, store, chunk_size=CH, blend=BlendOptions(recompute_ratio=0.5))
+    other = Engine(model, store, EngineSettings.of(chunk_size=CH, blend=BlendOptions(recompute_ratio=0.5)))
     assert other.generate(Prompt.of(PREFIX, DOCS, other_question), GREEDY).recomputed_tokens == 55
     flat = engine.generate(PREFIX + sum(DOCS, []) + other_question, GREEDY)
     assert flat.cached_tokens == 16 and flat.token_ids == baseline(model, PREFIX + sum(DOCS, []) + other_question)
@@ -191,7 +192,7 @@ def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
 
 def test_a_question_aware_blend_is_stored_for_its_question_only(tiny_loaded):
     model = tiny_loaded("llama")
-    store = TieredStore([MemoryTier(1 << 26)])
+    store = TieredStore(MemoryTier(1 << 26))
     engine = engine_with(model, store, recompute_ratio=0.2, method="hkvd-attn", store_blended=True)
     first = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     assert first.recomputed_tokens == 22 and first.stored_chunks == 1 + 3 + 8
@@ -224,10 +225,10 @@ def test_attention_selection_picks_what_the_question_attends_to(runner):
 def test_documents_on_disk_load_layer_by_layer_and_are_promoted(tiny_loaded, tmp_path):
     model = tiny_loaded("gemma3")
     prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
-    warm = TieredStore([MemoryTier(1 << 26), DiskTier(tmp_path, 1 << 30)])
+    warm = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])
     expected = engine_with(model, warm, recompute_ratio=0.15).generate(prompt, GREEDY)
     warm.close()
-    store = TieredStore([MemoryTier(1 << 26), DiskTier(tmp_path, 1 << 30)])  # a restart: documents on disk only
+    store = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])  # a restart: documents on disk only
     engine = engine_with(model, store, recompute_ratio=0.15)
     cold = engine.generate(prompt, GREEDY)
     assert cold.token_ids == expected.token_ids and cold.hit_tiers == ("disk",) * 4
@@ -239,7 +240,7 @@ def test_documents_on_disk_load_layer_by_layer_and_are_promoted(tiny_loaded, tmp
 def test_a_damaged_document_on_disk_is_computed_again_mid_blend(tiny_loaded, tmp_path):
     model = tiny_loaded("llama")
     prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
-    warm = TieredStore([MemoryTier(1 << 26), DiskTier(tmp_path, 1 << 30)])
+    warm = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])
     engine = engine_with(model, warm, recompute_ratio=0.15)
     expected = engine.generate(prompt, GREEDY)
     ns = engine.namespace()
@@ -248,7 +249,7 @@ def test_a_damaged_document_on_disk_is_computed_again_mid_blend(tiny_loaded, tmp
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x20  # in the last layer: found only when the blend gets there
     path.write_bytes(bytes(data))
-    store = TieredStore([MemoryTier(1 << 26), DiskTier(tmp_path, 1 << 30)])
+    store = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])
     engine = engine_with(model, store, recompute_ratio=0.15)
     again = engine.generate(prompt, GREEDY)
     assert again.token_ids == expected.token_ids and again.stored_chunks == 1  # the document again
@@ -260,7 +261,7 @@ def test_a_damaged_document_on_disk_is_computed_again_mid_blend(tiny_loaded, tmp
 
 def test_documents_need_the_cache_and_tokens(tiny_loaded):
     model = tiny_loaded("llama")
-    engine = engine_with(model, TieredStore([MemoryTier(1 << 26)]))
+    engine = engine_with(model, TieredStore(MemoryTier(1 << 26)))
     with pytest.raises(ValueError, match="cache"):
         engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY, cache=CacheOptions(enabled=False))
     with pytest.raises(ValueError, match="empty"):
@@ -268,7 +269,7 @@ def test_documents_need_the_cache_and_tokens(tiny_loaded):
     with pytest.raises(ValueError, match="context window"):
         engine.generate(Prompt.of(PREFIX, [ids_of(4090, 9)], SUFFIX), GREEDY)
     with pytest.raises(ValueError, match="check_layer"):
-        Engine(model, None, blend=BlendOptions(check_layer=3))  # the tiny llama has 3 layers
+        Engine(model, None, EngineSettings.of(blend=BlendOptions(check_layer=3)))  # the tiny llama has 3 layers
 
 
 def test_score_gives_teacher_forced_logits_through_the_request_path(tiny_loaded):
@@ -277,7 +278,7 @@ def test_score_gives_teacher_forced_logits_through_the_request_path(tiny_loaded)
     cont_a, cont_b = ids_of(5, 10), ids_of(3, 11)
     prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
     ref = r.forward(prompt.ids + cont_a, r.new_cache(dtype=torch.float16), logits="all")[len(prompt) - 1 :]
-    engine = engine_with(model, TieredStore([MemoryTier(1 << 26)]), recompute_ratio=1.0)
+    engine = engine_with(model, TieredStore(MemoryTier(1 << 26)), recompute_ratio=1.0)
     a, b = engine.score(prompt, [cont_a, cont_b])
     assert a.shape == (6, r.config.vocab_size) and b.shape == (4, r.config.vocab_size)
     assert (a - ref).abs().max() <= 1e-3 and torch.equal(a[0], b[0])

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvfuse.cli import main
-from kvfuse.history.responses import ResponseStore, StoredResponse
+from kvfuse.history.response_store import ResponseStore, StoredResponse
 from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.tiers import DiskTier
 

@@ -293,16 +293,16 @@ def test_unreadable_file(tmp_path):
     assert str(tmp_path) in message and "cannot read" in message
 
 
-def test_the_blend_section_defaults_are_the_blend_options_defaults():
-    """``BlendConfig`` mirrors ``BlendOptions`` field by field (config.py cannot import the blend
-    package when it is imported: ``models.registry`` imports ``kvfuse.config``); this keeps the two
-    from drifting apart."""
+def test_the_blend_section_is_the_blend_options_and_checks_itself(tmp_path):
+    """The ``blend:`` section is ``BlendOptions`` itself (one set of defaults, one set of checks,
+    shared with a request's override); a bad value is a config error naming the section and its
+    source."""
     from kvfuse.blend import BlendOptions
-    from kvfuse.config import BlendConfig
 
-    assert [f.name for f in dataclasses.fields(BlendConfig)] == [f.name for f in dataclasses.fields(BlendOptions)]
-    assert BlendConfig().options() == BlendOptions()
-    assert load_config(env={}).blend.options() == BlendOptions()
+    assert load_config(env={}).blend == BlendOptions()
+    assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "0.3"}).blend == BlendOptions(recompute_ratio=0.3)
+    message = _error(env={"KVFUSE_BLEND_METHOD": "best"})
+    assert message.startswith("blend:") and "best" in message and "KVFUSE_BLEND_METHOD" in message
 
 
 def test_per_tier_codecs_stream_levels_and_the_kv_budget(tmp_path):
@@ -340,3 +340,78 @@ def test_responses_section_and_retention(tmp_path):
     assert c.responses_path == tmp_path / "responses.sqlite3" and c.responses.store
     c = load_config(overrides={"responses.path": str(tmp_path / "r.db"), "cache.retention": "24h"})
     assert c.responses_path == tmp_path / "r.db" and c.cache.retention == "24h"
+
+
+# ------------------------------------------------------------------------------ cache.tiers sections
+
+def test_tier_sections_describe_the_same_tiers_as_the_flat_keys(tmp_path):
+    """``cache.tiers`` lists the tiers below memory in order; the flat keys of earlier versions keep
+    working and describe the same tiers."""
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"home": str(tmp_path), "cache": {"tiers": [
+        {"kind": "disk", "capacity_bytes": "1GiB", "codec": "cachegen", "codec_level": 3},
+        {"kind": "redis", "url": "redis://127.0.0.1:6390/0", "timeout_s": 0.25},
+        {"kind": "s3", "url": "s3://bucket/kv", "endpoint": "http://127.0.0.1:9000"}]}}))
+    sections = load_config(f, env={})
+    flat = load_config(env={"KVFUSE_HOME": str(tmp_path), "KVFUSE_CACHE_DISK_BYTES": "1GiB",
+                            "KVFUSE_CACHE_DISK_CODEC": "cachegen", "KVFUSE_CACHE_DISK_CODEC_LEVEL": "3",
+                            "KVFUSE_CACHE_REDIS_URL": "redis://127.0.0.1:6390/0", "KVFUSE_CACHE_REDIS_TIMEOUT_S": "0.25",
+                            "KVFUSE_CACHE_S3_URL": "s3://bucket/kv", "KVFUSE_CACHE_S3_ENDPOINT": "http://127.0.0.1:9000"})
+    want = [("disk", "disk", str(tmp_path / "kv"), 1 << 30, None, "cachegen", 3),
+            ("redis", "redis", None, None, 0.25, None, 0), ("s3", "s3", None, None, 2.0, None, 0)]
+
+    def rows(config):
+        return [(t.kind, t.tier_name, t.path, t.capacity if t.kind == "disk" else None,
+                 t.timeout if t.kind != "disk" else None, t.codec, t.codec_level) for t in config.lower_tiers()]
+
+    assert rows(sections) == rows(flat) == want
+    assert sections.disk_path == flat.disk_path == tmp_path / "kv"
+    assert sections.engine_settings().history_path == str(tmp_path / "kv" / "histories")
+    # no disk tier: no folder for the histories' records either
+    redis_only = load_config(env={"KVFUSE_CACHE_TIERS": '[{kind: redis, url: "redis://127.0.0.1:6390"}]'})
+    assert [t.kind for t in redis_only.lower_tiers()] == ["redis"] and redis_only.disk_path is None
+    assert redis_only.engine_settings().history_path is None
+    assert load_config(env={"KVFUSE_CACHE_TIERS": "[]"}).lower_tiers() == ()  # memory only
+
+
+@pytest.mark.parametrize("tiers, words", [
+    ("{kind: disk}", "expected a list of tier sections"),
+    ("[{kind: tape}]", "cache.tiers[0]: expected a section with a kind (disk, redis, s3)"),
+    ("[{kind: redis, url: 'redis://h', path: /x}]", "'path' is not a setting of a redis tier"),
+    ("[{kind: redis}]", "cache.tiers[0].url: a redis tier needs a url starting with redis://"),
+    ("[{kind: s3, url: 'http://bucket'}]", "cache.tiers[0].url: a s3 tier needs a url starting with s3://"),
+    ("[{kind: disk}, {kind: disk}]", "tier names must be unique"),
+    ("[{kind: disk, capacity_bytes: lots}]", "cache.tiers[0].capacity_bytes: expected a size"),
+    ("[{kind: redis, url: 'redis://h', timeout_s: 0}]", "cache.tiers[0].timeout_s: must be > 0"),
+    ("[{kind: disk, codec: zip}]", "cache.tiers[0].codec: unknown codec 'zip'"),
+    ("[{kind: disk", "not a YAML list of tier sections"),
+])
+def test_bad_tier_sections_name_the_tier_and_the_fix(tiers, words):
+    message = _error(env={"KVFUSE_CACHE_TIERS": tiers})
+    assert words in message and "KVFUSE_CACHE_TIERS" in message
+
+
+def test_tier_sections_and_flat_tier_keys_are_not_mixed(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"cache": {"tiers": [{"kind": "disk"}], "redis_url": "redis://127.0.0.1:6390"}}))
+    message = _error(f, env={})
+    assert "either as cache.tiers or as flat keys" in message and "cache.redis_url" in message and str(f) in message
+
+
+def test_two_named_disk_tiers_open_in_order_with_their_codecs(tmp_path):
+    """The store opened from tier sections: the tiers in the listed order, under their names, each
+    writing its own codec (a fast disk and a slow one)."""
+    from kvfuse.runtime import open_store
+    from kvfuse.tiers import DiskTier
+
+    f = tmp_path / "c.yaml"
+    f.write_text(yaml.safe_dump({"cache": {"tiers": [
+        {"kind": "disk", "name": "nvme", "path": str(tmp_path / "fast"), "capacity_bytes": "64MiB"},
+        {"kind": "disk", "name": "hdd", "path": str(tmp_path / "slow"), "codec": "int8"}]}}))
+    store = open_store(load_config(f, env={}))
+    try:
+        assert [t.name for t in store.lower] == ["nvme", "hdd"] and all(isinstance(t, DiskTier) for t in store.lower)
+        assert store.lower[0].root == tmp_path / "fast" and store.lower[0].capacity_bytes == 64 << 20
+        assert {name: c.name for name, c in store.codecs.items()} == {"hdd": "int8"}
+    finally:
+        store.close()

@@ -22,8 +22,8 @@ from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import Entry, FormatError, decode_chunk, encode_chunk
 from kvfuse.kv.keys import ChunkKind
-from kvfuse.tiers import DiskTier, TieredStore
-from kvfuse.tiers.disk import filename_to_key, key_to_filename
+from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.tiers.disk_files import filename_to_key, key_to_filename
 
 CAP = 10**9
 
@@ -81,7 +81,7 @@ def test_exact_eviction_order_by_bytes(tmp_path):
     assert t.contains(K("a"))  # no recency change
     assert t.get(K("b")) is not None  # recency change
     t.put(K("d"), blob(K("d"), tokens=6))  # needs room: "a" goes, then "c" (b was used)
-    assert t.keys_lru() == Ks("b", "d")
+    assert t.keys_lru() == Ks("b", "d") and t.keys() == Ks("d", "b") and t.keys(limit=1) == Ks("d")
     assert not t.contains(K("a")) and not t.contains(K("c")) and t.stats.snapshot()["evictions"] == 2
     assert sorted(p.name for p in tmp_path.rglob("*.kvf")) == names(K("b"), K("d"))
 
@@ -153,7 +153,7 @@ def _reseal_version(b: bytes, version: int) -> bytes:
 def test_damaged_files_are_removed_misses(tmp_path, damage):
     """The tier hands back bytes; the store's one validation path rejects them and removes the file."""
     t = DiskTier(tmp_path, CAP)
-    store = TieredStore([t])
+    store = TieredStore(MemoryTier(CAP), [t])  # memory misses: the disk copy is read and checked
     t.put(K("k"), blob(K("k")))
     (path,) = tmp_path.rglob(key_to_filename(K("k")))
     path.write_bytes(damage(path.read_bytes()))

@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from kvfuse.codecs import get_codec
+from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import decode_chunk, encode_chunk, verify
 from kvfuse.kv.keys import prefix_keys
 from kvfuse.models import LoadedModel
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk import key_to_filename
+from kvfuse.tiers.disk_files import key_to_filename
 
 CH = 32  # chunk size of every engine here
 
@@ -27,7 +28,7 @@ CH = 32  # chunk size of every engine here
 def prefix_engine(model, store, **kw) -> Engine:
     """Chunk-level prefix caching alone, saved on the request path: what these tests pin down.
     Whole-history reuse and the asynchronous saver are tested in test_history.py."""
-    return Engine(model, store, history=False, async_save=False, **{"chunk_size": CH, **kw})
+    return Engine(model, store, EngineSettings.of(history=False, async_save=False, **{"chunk_size": CH, **kw}))
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
@@ -52,7 +53,7 @@ class Stores:
     def fresh(self) -> TieredStore:
         for s in self.opened:
             s.flush()
-        store = TieredStore([MemoryTier(64 << 20), DiskTier(self.path, 256 << 20)])
+        store = TieredStore(MemoryTier(64 << 20), [DiskTier(self.path, 256 << 20)])
         self.opened.append(store)
         return store
 
@@ -153,10 +154,10 @@ def test_the_tail_chunk_is_never_stored(model, stores):
     ids = ids_of(3 * CH + 30, seed=3)  # prompt + 8 generated tokens crosses into a 5th chunk
     result = engine.generate(ids, GREEDY)
     assert result.stored_chunks == 3
-    memory = store.tiers[0]
+    memory = store.memory
     assert set(memory.keys_lru()) == set(prefix_keys(ids, CH, engine.namespace()))
     store.flush()
-    assert store.tiers[1].entries() == 3
+    assert store.lower[0].entries() == 3
 
 
 def test_a_disabled_cache_neither_reads_nor_writes(model, stores):
@@ -233,7 +234,7 @@ def test_store_generated_stores_the_answer_chunks_for_the_follow_up(model, store
 
 
 def _entry_file(store: TieredStore, key):
-    disk = store.tiers[1]
+    disk = store.lower[0]
     (path,) = disk.root.glob(f"*/{key_to_filename(key)}")
     return path
 
@@ -256,7 +257,7 @@ def test_a_corrupted_disk_entry_is_a_miss_and_is_replaced(model, stores, where):
     result = engine.generate(ids, GREEDY)
     assert result.cached_tokens == 2 * CH and result.hit_tiers == ("disk", "disk")
     assert result.token_ids == baseline(model, ids)
-    assert store.tiers[1].stats.snapshot()["errors"] == 1
+    assert store.lower[0].stats.snapshot()["errors"] == 1
     store.flush()  # chunks 2.. were prefilled again and re-stored: the file is valid once more
     assert path.read_bytes() != bytes(data) and verify(path.read_bytes(), key)
     assert engine.generate(ids, GREEDY).cached_tokens == 4 * CH
@@ -269,7 +270,7 @@ def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
     engine.generate(ids, GREEDY)
     store.flush()
     key = prefix_keys(ids, CH, engine.namespace())[1]
-    memory = store.tiers[0]
+    memory = store.memory
     bad = memory.get(key).join()  # an Entry in memory; a serialized copy of it is verified on use
     bad[-1] ^= 1
     memory.put(key, bytes(bad))
@@ -296,18 +297,18 @@ def test_entries_of_another_dtype_or_model_are_never_used(model, stores):
         assert reader.namespace() != writer.namespace()
         result = reader.generate(ids, GREEDY, cache=CacheOptions(store_generated=False))
         assert result.cached_tokens == 0, name
-        assert result.token_ids == baseline(reader.model, ids, kv_dtype=reader.kv_dtype_name), name
+        assert result.token_ids == baseline(reader.model, ids, kv_dtype=reader.settings.cache.kv_dtype), name
         assert result.stored_chunks == 3, name  # into its own namespace
 
     # even the writer's bytes put under a reader's keys are rejected (the key is inside the entry)
-    memory = store.tiers[0]
+    memory = store.memory
     reader = readers["float32"]
     mine = prefix_keys(ids, CH, writer.namespace())
     theirs = prefix_keys(ids, CH, reader.namespace())
     for a, b in zip(mine, theirs):
         memory.put(b, memory.get(a))
     store.flush()
-    store.tiers[1].clear()
+    store.lower[0].clear()
     result = reader.generate(ids, GREEDY)
     assert result.cached_tokens == 0
     assert result.token_ids == baseline(model, ids, kv_dtype="float32")
@@ -324,7 +325,7 @@ def test_a_key_names_content_not_encoding_so_entries_of_any_codec_are_read(model
     assert result.cached_tokens == 3 * CH and result.token_ids == baseline(model, ids)
     other = ids_of(3 * CH + 9, seed=21)
     assert int8.generate(other, GREEDY).stored_chunks == 3  # written as int8 ...
-    assert {store.tiers[0].get(k).codec.name for k in prefix_keys(other, CH, raw.namespace())} == {"int8"}
+    assert {store.memory.get(k).codec.name for k in prefix_keys(other, CH, raw.namespace())} == {"int8"}
     hit = raw.generate(other, GREEDY)  # ... and read by an engine that writes raw
     assert hit.cached_tokens == 3 * CH and hit.hit_tiers == ("memory",) * 3
     assert raw.stats.chunk_load_failures == 0
@@ -335,7 +336,7 @@ def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, sto
     ids = ids_of(3 * CH + 9, seed=15)
     fp16 = prefix_engine(model, store, chunk_size=CH)
     fp16.generate(ids, GREEDY)
-    memory = store.tiers[0]
+    memory = store.memory
     keys16 = prefix_keys(ids, CH, fp16.namespace())
     chunk0 = decode_chunk(memory.get(keys16[0]))
 
@@ -349,7 +350,7 @@ def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, sto
 
     # chunk 0's KV (positions 0..31) stored as chunk 1: the engine checks the positions
     store.flush()
-    store.tiers[1].clear()  # no good copy of chunk 1 on disk to fall back to
+    store.lower[0].clear()  # no good copy of chunk 1 on disk to fall back to
     memory.put(keys16[1], encode_chunk(chunk0, keys16[1], get_codec("raw")))
     result = fp16.generate(ids, GREEDY)
     assert result.cached_tokens == CH and fp16.stats.chunk_load_failures == 1
@@ -426,7 +427,7 @@ def test_bad_prompts_are_value_errors(model):
     with pytest.raises(ValueError, match="empty"):
         engine.generate([], GREEDY)
     with pytest.raises(ValueError, match="token ids"):
-        engine.encode_prompt([1, 2, 512])
+        engine.prompts.encode_prompt([1, 2, 512])
     with pytest.raises(ValueError):
         prefix_engine(model, None, kv_dtype="int8")
 

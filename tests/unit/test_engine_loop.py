@@ -9,8 +9,9 @@ import time
 
 import pytest
 
+from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Outcome, Prompt, QueueClosed, Request, RequestCancelled
-from kvfuse.engine import executor
+from kvfuse.engine import prefill
 from kvfuse.generation import SamplingParams
 from kvfuse.server.events import RequestEvents
 from kvfuse.tiers import MemoryTier, TieredStore
@@ -20,7 +21,7 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 @pytest.fixture
 def engine(tiny_loaded):
-    e = Engine(tiny_loaded("llama"), TieredStore([MemoryTier(1 << 26)]), chunk_size=16, max_waiting=4, max_running=1)
+    e = Engine(tiny_loaded("llama"), TieredStore(MemoryTier(1 << 26)), EngineSettings.of(chunk_size=16, max_queue=4, max_running=1))
     e.start()
     yield e
     e.close()
@@ -53,14 +54,14 @@ def test_the_loop_runs_requests_and_delivers_text_and_outcome_to_the_event_loop(
     # the first run's whole history (prompt + answer) is kept: all but the last prompt token is reused
     assert run(engine, list(range(3, 40)), stream=False)[1].result.cached_tokens == 36
 
-    real = executor.prefill
+    real = prefill.execute
 
-    def failing(runner, kv, ids, plan, entries, **kw):  # a fault no real input produces
+    def failing(runner, kv, ids, plan, source, **kw):  # a fault no real input produces
         if ids[0] == 13:
             raise RuntimeError("boom")
-        return real(runner, kv, ids, plan, entries, **kw)
+        return real(runner, kv, ids, plan, source, **kw)
 
-    monkeypatch.setattr(executor, "prefill", failing)
+    monkeypatch.setattr(prefill, "execute", failing)
     pieces, outcome = run(engine, [13, 14, 15])  # an engine failure is this request's outcome ...
     assert pieces == [] and isinstance(outcome.error, RuntimeError)
     assert run(engine, [20, 21, 22])[1].result is not None  # ... and the loop keeps serving others
@@ -101,8 +102,8 @@ def test_withdraw_stops_the_running_request_and_drops_the_waiting_one(engine):
 
 
 def test_a_request_cancelled_as_it_is_admitted_stops_before_its_prefill(tiny_loaded, monkeypatch):
-    store = TieredStore([MemoryTier(1 << 26)])
-    engine = Engine(tiny_loaded("llama"), store, chunk_size=16)
+    store = TieredStore(MemoryTier(1 << 26))
+    engine = Engine(tiny_loaded("llama"), store, EngineSettings.of(chunk_size=16))
     req = Request(Prompt.plain(range(3, 40)), PARAMS)
     real = store.lookup
     def lookup(keys, count=True):  # the prefill's lookup (submit's probe is not counted): the client leaves now
@@ -137,7 +138,7 @@ def test_stop_cancels_waiting_requests_and_refuses_new_ones(engine):
 
 
 def test_generate_waits_for_the_loop(engine):
-    direct = Engine(engine.model, None, chunk_size=16).generate(list(range(3, 40)), PARAMS)
+    direct = Engine(engine.model, None, EngineSettings.of(chunk_size=16)).generate(list(range(3, 40)), PARAMS)
     assert engine.generate(list(range(3, 40)), PARAMS).token_ids == direct.token_ids
     with pytest.raises(ValueError, match="context window"):
         engine.generate([1] * engine.model.config.max_position_embeddings, PARAMS)

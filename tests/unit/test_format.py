@@ -288,16 +288,16 @@ def test_an_entry_is_the_same_bytes_as_the_joined_form_without_copying_the_paylo
 
 
 def test_an_entry_from_a_verified_blob_shares_its_memory_and_keeps_its_header():
-    from kvfuse.kv.format import Entry
+    from kvfuse.kv.format import open_entry
 
     blob = encode_chunk(_chunk(torch.bfloat16, seed=6), KEY, get_codec("raw"))
-    entry = Entry.from_blob(blob)
+    entry = open_entry(blob)
     assert entry.join() == blob and entry.header == bytes(blob[: entry.header_size])
     assert np.shares_memory(np.asarray(entry.payload), np.frombuffer(blob, dtype=np.uint8))
     damaged = bytearray(blob)
     damaged[3] ^= 0xFF
     with pytest.raises(FormatError):
-        Entry.from_blob(damaged)
+        open_entry(damaged)
 
 
 @pytest.mark.parametrize("codec", ["raw", "int8"])

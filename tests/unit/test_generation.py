@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvfuse.generation import Sampler, SamplingParams, StopMatcher, top_p_filter
-from kvfuse.models.tokenizer import StreamDecoder
+from kvfuse.models.tokenizer import IncrementalDecoder
 
 # ------------------------------------------------------------------------------ SamplingParams
 
@@ -149,7 +149,7 @@ def test_stop_matcher_ignores_everything_once_stopped():
     assert m.feed("more") == "" and m.feed("x") == "" and m.flush() == ""
 
 
-# ------------------------------------------------------------------------------ StreamDecoder
+# ------------------------------------------------------------------------------ IncrementalDecoder
 
 TEXTS = [
     "Hello, world! Plain ASCII text with numbers 12345.",
@@ -171,7 +171,7 @@ def real_tokenizer(request):
 
 
 def _stream(tok, ids: list[int]) -> list[str]:
-    d = StreamDecoder(tok)
+    d = IncrementalDecoder(tok)
     pieces = [d.push(i) for i in ids]
     return pieces + [d.flush()]
 
@@ -197,7 +197,7 @@ def test_stream_decoder_holds_back_an_incomplete_character(real_tokenizer):
             break
     else:
         pytest.skip("this tokenizer has every candidate character as one token")
-    d = StreamDecoder(real_tokenizer)
+    d = IncrementalDecoder(real_tokenizer)
     assert d.push(ids[0]) == ""  # only some of the 4 UTF-8 bytes
     out = "".join(d.push(i) for i in ids[1:]) + d.flush()
     assert out == text

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfuse.engine.planner import Compute, Load, Plan, Store, history_entries, make_plan, prompt_keys, tail_probe
+from kvfuse.engine.planner import Compute, Load, Plan, Save, history_entries, make_plan, prompt_keys, tail_probe
 from kvfuse.engine.prompt import Prompt
 from kvfuse.history import HistoryIndex, Record, Run, StoredEntry, align, byte_sync, drop_oldest_turns
 from kvfuse.history.align import common_prefix
@@ -196,7 +196,7 @@ def test_a_stored_history_loads_its_tail_and_only_the_new_tokens_are_computed():
     plan = make_plan(prompt, keys, [M, M, None, D])  # chain chunk 2 ([8, 12)) is new: a miss
     assert plan == Plan(13, loads=(Load(chain[0], M, 0, 4, 0), Load(chain[1], M, 4, 8, 4),
                                    Load(entries[2].key, D, 8, 10, 8, 0, 2)),
-                        computes=(Compute(10, 13),), stores=(Store(chain[2], 8, 12),))
+                        computes=(Compute(10, 13),), saves=(Save(chain[2], 8, 12),))
     assert plan.reused_tokens == 10
 
 

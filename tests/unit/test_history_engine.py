@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 
+from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
 from kvfuse.engine.prompt import Prompt
 from kvfuse.engine.request import Request
@@ -31,7 +32,7 @@ def model(tiny_loaded):
 
 
 def reference(model, ids, params=GREEDY):
-    return Engine(model, None, chunk_size=CH).generate(ids, params).token_ids
+    return Engine(model, None, EngineSettings.of(chunk_size=CH)).generate(ids, params).token_ids
 
 
 def converse(engine, model, turns=5, seed=0, cache=CacheOptions()):
@@ -48,7 +49,7 @@ def converse(engine, model, turns=5, seed=0, cache=CacheOptions()):
 
 
 def test_every_turn_reuses_the_previous_prompt_and_answer(model, tmp_path):
-    engine = Engine(model, TieredStore([MemoryTier(64 << 20)]), chunk_size=CH)
+    engine = Engine(model, TieredStore(MemoryTier(64 << 20)), EngineSettings.of(chunk_size=CH))
     results = converse(engine, model)
     for (prev_prompt, prev), (prompt, r) in zip(results, results[1:]):
         # ignore_eos: the last answer token is never fed back, so its KV does not exist
@@ -60,7 +61,7 @@ def test_every_turn_reuses_the_previous_prompt_and_answer(model, tmp_path):
 
 
 def test_a_repeated_prompt_reuses_all_but_its_last_token(model):
-    engine = Engine(model, TieredStore([MemoryTier(64 << 20)]), chunk_size=CH)
+    engine = Engine(model, TieredStore(MemoryTier(64 << 20)), EngineSettings.of(chunk_size=CH))
     ids = ids_of(2 * CH + 5, 7)
     engine.generate(ids, GREEDY)
     again = engine.generate(ids, GREEDY)
@@ -70,12 +71,12 @@ def test_a_repeated_prompt_reuses_all_but_its_last_token(model):
 
 def test_after_a_restart_the_history_is_found_on_disk_by_content(model, tmp_path):
     def store():
-        return TieredStore([MemoryTier(64 << 20), DiskTier(tmp_path / "kv", 64 << 20)])
+        return TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 64 << 20)])
 
-    first = Engine(model, store(), chunk_size=CH)
+    first = Engine(model, store(), EngineSettings.of(chunk_size=CH))
     (prompt, r), = converse(first, model, turns=1, seed=3)
     first.close()  # saves and flushes: the disk tier keeps the history
-    restarted = Engine(model, store(), chunk_size=CH)  # no records: found through the chain and the tail
+    restarted = Engine(model, store(), EngineSettings.of(chunk_size=CH))  # no records: found through the chain and the tail
     follow = prompt + r.token_ids + ids_of(5, 99)
     again = restarted.generate(follow, GREEDY)
     assert again.cached_tokens == len(prompt) + len(r.token_ids) - 1
@@ -86,9 +87,9 @@ def test_after_a_restart_the_history_is_found_on_disk_by_content(model, tmp_path
 
 def test_a_keyed_conversation_that_tokenizes_differently_is_lined_up_after_a_restart(model, tmp_path):
     def engine():
-        e = Engine(model, TieredStore([MemoryTier(64 << 20), DiskTier(tmp_path / "kv", 64 << 20)]), chunk_size=CH,
-                   history_path=str(tmp_path / "kv" / "histories"))
-        e._token_bytes = table
+        e = Engine(model, TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 64 << 20)]), EngineSettings.of(chunk_size=CH,
+                   history_path=str(tmp_path / "kv" / "histories")))
+        e.keying.token_bytes = table
         return e
 
     table = [b"<%d>" % i for i in range(model.config.vocab_size)]
@@ -108,12 +109,12 @@ def test_a_keyed_conversation_that_tokenizes_differently_is_lined_up_after_a_res
 
 
 def test_a_history_that_tokenizes_differently_reuses_the_stored_ids(model):
-    engine = Engine(model, TieredStore([MemoryTier(64 << 20)]), chunk_size=CH)
+    engine = Engine(model, TieredStore(MemoryTier(64 << 20)), EngineSettings.of(chunk_size=CH))
     # A byte table in which token 300 spells what tokens 301 and 302 spell together: the client's
     # text of the history re-tokenizes to [300] where the engine generated [301, 302].
     table = [b"<%d>" % i for i in range(model.config.vocab_size)]
     table[300] = b"<301><302>"
-    engine._token_bytes = table
+    engine.keying.token_bytes = table
     first = ids_of(20, 5) + [301, 302] + ids_of(5, 6)
     engine.generate(first, GREEDY)
     retokenized = ids_of(20, 5) + [300] + ids_of(5, 6)
@@ -126,7 +127,7 @@ def test_a_history_that_tokenizes_differently_reuses_the_stored_ids(model):
 
 @pytest.mark.parametrize("mode", ["reuse", "recompute"])
 def test_kept_turns_after_dropped_ones_are_reused_at_their_new_positions_or_recomputed(model, mode):
-    engine = Engine(model, TieredStore([MemoryTier(64 << 20)]), chunk_size=CH, truncation=mode)
+    engine = Engine(model, TieredStore(MemoryTier(64 << 20)), EngineSettings.of(chunk_size=CH, truncation=mode))
     system, dropped, kept = ids_of(10, 1), ids_of(40, 2), ids_of(40, 3)
     engine.generate(system + dropped + kept, GREEDY)
     truncated = system + kept + ids_of(6, 4)
@@ -157,8 +158,8 @@ class GatedTier(MemoryTier):
 
 def test_the_answer_does_not_wait_for_any_store_write(model):
     slow = GatedTier()
-    store = TieredStore([MemoryTier(64 << 20), slow], write_queue_size=1)
-    engine = Engine(model, store, chunk_size=CH)
+    store = TieredStore(MemoryTier(64 << 20), [slow], write_queue_size=1)
+    engine = Engine(model, store, EngineSettings.of(chunk_size=CH))
     ids = ids_of(3 * CH + 3, 11)
     r = engine.generate(ids, GREEDY)  # returns while the slow tier is still blocked
     assert r.token_ids == reference(model, ids) and slow.entries() == 0
@@ -172,8 +173,8 @@ def test_the_answer_does_not_wait_for_any_store_write(model):
 
 def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(model):
     slow = GatedTier()
-    store = TieredStore([MemoryTier(1), slow])  # memory keeps nothing: the history is findable only below
-    engine = Engine(model, store, chunk_size=CH)
+    store = TieredStore(MemoryTier(1), [slow])  # memory keeps nothing: the history is findable only below
+    engine = Engine(model, store, EngineSettings.of(chunk_size=CH))
     first = ids_of(2 * CH + 3, 12)
     r = engine.generate(first, GREEDY)
     assert engine.saver.pending() > 0  # handed over, not findable yet
@@ -188,15 +189,15 @@ def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(mo
 
 @pytest.mark.parametrize("eviction", ["queue", "lru"])
 def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(model, tmp_path, eviction):
-    writer = Engine(model, TieredStore([MemoryTier(64 << 20), DiskTier(tmp_path / "kv", 256 << 20)]), chunk_size=CH)
+    writer = Engine(model, TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 256 << 20)]), EngineSettings.of(chunk_size=CH))
     history = ids_of(4 * CH + 2, 40)
     history += writer.generate(history, GREEDY).token_ids
     writer.close()  # the conversation's history is on disk now
     c = model.config
     chunk_bytes = c.num_layers * 2 * CH * c.num_kv_heads * c.head_dim * 2
     memory = MemoryTier(7 * chunk_bytes)  # room for about one conversation
-    store = TieredStore([memory, DiskTier(tmp_path / "kv", 256 << 20)])
-    engine = Engine(model, store, chunk_size=CH, eviction=eviction, max_running=1)  # one at a time: a queue
+    store = TieredStore(memory, [DiskTier(tmp_path / "kv", 256 << 20)])
+    engine = Engine(model, store, EngineSettings.of(chunk_size=CH, eviction=eviction, max_running=1))  # one at a time: a queue
     prefetcher = engine.prefetcher or Prefetcher(store)
     prefetcher.close()  # driven by hand below, so that nothing depends on timing
     store.prefetching = True

@@ -21,6 +21,7 @@ def test_capacity_is_counted_in_bytes_and_eviction_is_lru():
     t.put(K("b"), _v(40))
     t.put(K("c"), _v(20))
     assert t.used_bytes() == 100 and t.keys_lru() == Ks("a", "b", "c")
+    assert t.keys() == Ks("c", "b", "a") and t.keys(limit=2) == Ks("c", "b")  # most recent first
     t.put(K("d"), _v(30))  # needs 30 bytes: "a" (40) goes
     assert t.keys_lru() == Ks("b", "c", "d") and t.used_bytes() == 90
     t.put(K("e"), _v(60))  # needs 50 more: "b" then "c" go

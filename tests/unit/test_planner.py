@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvfuse.engine.planner import (Compute, Load, Plan, Precompute, Store, full_prefill, generated_stores, make_plan,
+from kvfuse.engine.planner import (Compute, Load, Plan, Precompute, Save, full_prefill, generated_saves, make_plan,
                                    prompt_keys, replan)
 from kvfuse.engine.prompt import Prompt
 from kvfuse.kv.keys import Namespace, document_key, prefix_keys
@@ -33,22 +33,22 @@ P4, K4 = plain(4)
 CASES = {
     "miss: compute all, store every whole chunk": (
         P10, [None, None],
-        Plan(10, computes=(Compute(0, 10),), stores=(Store(K10[0], 0, 4), Store(K10[1], 4, 8)))),
+        Plan(10, computes=(Compute(0, 10),), saves=(Save(K10[0], 0, 4), Save(K10[1], 4, 8)))),
     "hit: load the chunks, compute the tail": (
         P10, [M, D],
         Plan(10, loads=(Load(K10[0], M, 0, 4, 0), Load(K10[1], D, 4, 8, 4)), computes=(Compute(8, 10),))),
     "partial hit: load the first, compute and store the rest": (
         P10, [M, None],
-        Plan(10, loads=(Load(K10[0], M, 0, 4, 0),), computes=(Compute(4, 10),), stores=(Store(K10[1], 4, 8),))),
+        Plan(10, loads=(Load(K10[0], M, 0, 4, 0),), computes=(Compute(4, 10),), saves=(Save(K10[1], 4, 8),))),
     "a later hit after a miss is not a prefix: nothing loads, the hit is not stored again": (
         P10, [None, M],
-        Plan(10, computes=(Compute(0, 10),), stores=(Store(K10[0], 0, 4),))),
+        Plan(10, computes=(Compute(0, 10),), saves=(Save(K10[0], 0, 4),))),
     "whole chunks all cached: everything loads, the last token is computed for its logits": (
         P8, [M, M],
         Plan(8, loads=(Load(K8[0], M, 0, 4, 0), Load(K8[1], M, 4, 8, 4)), computes=(Compute(7, 8),))),
     "whole chunks, the last one missing: computed and stored": (
         P8, [D, None],
-        Plan(8, loads=(Load(K8[0], D, 0, 4, 0),), computes=(Compute(4, 8),), stores=(Store(K8[1], 4, 8),))),
+        Plan(8, loads=(Load(K8[0], D, 0, 4, 0),), computes=(Compute(4, 8),), saves=(Save(K8[1], 4, 8),))),
     "one cached chunk is the whole prompt: loaded, its last token computed, nothing stored": (
         P4, [M], Plan(4, loads=(Load(K4[0], M, 0, 4, 0),), computes=(Compute(3, 4),))),
     "a prompt shorter than a chunk has no keys": (
@@ -70,10 +70,10 @@ def test_unusable_entries_are_planned_around_as_misses():
     # computed and stored again; chunk 2 is computed (it follows a miss) but still held by disk: not stored
     after = replan(prompt, prompt_keys(prompt, CH, NS), where, {keys[1]})
     assert after == Plan(14, loads=(Load(keys[0], M, 0, 4, 0),), computes=(Compute(4, 14),),
-                         stores=(Store(keys[1], 4, 8),))
+                         saves=(Save(keys[1], 4, 8),))
     # the first chunk damaged: nothing is loaded
     assert replan(prompt, prompt_keys(prompt, CH, NS), where, {keys[0]}) == Plan(
-        14, computes=(Compute(0, 14),), stores=(Store(keys[0], 0, 4),))
+        14, computes=(Compute(0, 14),), saves=(Save(keys[0], 0, 4),))
     assert replan(prompt, prompt_keys(prompt, CH, NS), where, set()) == plan_of(prompt, where)
 
 
@@ -107,7 +107,7 @@ def test_a_missing_document_is_precomputed_on_its_own_once_then_loaded():
     kd1, kd2 = document_key(DOC1, NS, (1,)), document_key(DOC2, NS, (1,))  # computed behind BOS: other keys
     assert plan.precomputes == (Precompute(kd1, tuple(DOC1), (1,)),)
     assert plan.loads == (Load(kd1, None, 6, 11, 1), Load(kd2, M, 11, 14, 1), Load(kd1, None, 14, 19, 1))
-    assert plan.computes == (Compute(0, 6), Compute(19, 21)) and plan.stores == (Store(KP[0], 0, 4),)
+    assert plan.computes == (Compute(0, 6), Compute(19, 21)) and plan.saves == (Save(KP[0], 0, 4),)
     assert plan.reused_tokens == 3  # only the stored doc2 was reused; doc1 was computed for this request
 
 
@@ -126,13 +126,13 @@ def test_a_blended_prompt_is_stored_as_a_chain_and_then_an_exact_prefix_hit():
     chain = prefix_keys(BLENDED.ids[:14], CH, BLEND_NS)  # everything before the suffix: 3 whole chunks
     assert keys.blended == tuple(chain) and keys.all()[-3:] == chain
     plan = make_plan(BLENDED, keys, [M, M, M, None, None, None])
-    assert plan.stores == tuple(Store(k, 4 * i, 4 * i + 4) for i, k in enumerate(chain))  # after the blend
+    assert plan.saves == tuple(Save(k, 4 * i, 4 * i + 4) for i, k in enumerate(chain))  # after the blend
     assert plan.computes == (Compute(4, 6), Compute(14, 16)) and plan.has_documents
     hit = make_plan(BLENDED, keys, [M, None, None, M, D, D])  # blended before: the documents are not needed
     assert hit == Plan(16, loads=(Load(chain[0], M, 0, 4, 0), Load(chain[1], D, 4, 8, 4), Load(chain[2], D, 8, 12, 8)),
                        computes=(Compute(12, 16),))
     partial = make_plan(BLENDED, keys, [M, M, M, M, None, D])  # a partial chain is not used
-    assert partial.has_documents and len(partial.stores) == 3
+    assert partial.has_documents and len(partial.saves) == 3
     assert prompt_keys(Prompt.plain(range(20)), CH, NS, blend_namespace=BLEND_NS).blended == ()  # no documents
 
 
@@ -160,5 +160,5 @@ def test_without_a_cache_everything_is_computed():
 def test_generated_stores_cover_the_answer_chunks_whose_kv_exists():
     ids = list(range(100, 100 + 13))  # a 6-token prompt (1 whole chunk) + 7 generated tokens
     keys = prefix_keys(ids[:12], CH, NS)
-    assert generated_stores(ids, 12, CH, NS, first_chunk=1) == [Store(keys[1], 4, 8), Store(keys[2], 8, 12)]
-    assert generated_stores(ids, 11, CH, NS, first_chunk=1) == [Store(keys[1], 4, 8)]  # chunk 2's KV is not all there
+    assert generated_saves(ids, 12, CH, NS, first_chunk=1) == [Save(keys[1], 4, 8), Save(keys[2], 8, 12)]
+    assert generated_saves(ids, 11, CH, NS, first_chunk=1) == [Save(keys[1], 4, 8)]  # chunk 2's KV is not all there

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from kvfuse_helpers import write_word_tokenizer
 
+from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
 from kvfuse.models import QuantizationUnavailable, load_model
@@ -214,11 +215,11 @@ def test_an_int8_engine_never_reads_full_precision_entries(tiny_model_dir, tiny_
                                weights="int8",
                                fingerprint=fingerprint(fp32.config, [sha256_file(f) for f in
                                                                       weight_files(tiny_model_dir("llama"))], "int8"))
-    store = TieredStore([MemoryTier(64 << 20)])
+    store = TieredStore(MemoryTier(64 << 20))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     ids = torch.randint(3, 512, (100,), generator=torch.Generator().manual_seed(5)).tolist()
-    writer = Engine(fp32, store, chunk_size=32, history=False, async_save=False)
-    reader = Engine(int8, store, chunk_size=32, history=False, async_save=False)
+    writer = Engine(fp32, store, EngineSettings.of(chunk_size=32, history=False, async_save=False))
+    reader = Engine(int8, store, EngineSettings.of(chunk_size=32, history=False, async_save=False))
     try:
         writer.generate(ids, params)
         assert writer.generate(ids, params).cached_tokens == 96  # fp32 reuses its own entries

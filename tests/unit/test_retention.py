@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvfuse.durations import parse_duration
-from kvfuse.engine.planner import Store, breakpoint_stores
+from kvfuse.engine.planner import Save, breakpoint_saves
 from kvfuse.engine.retention import Breakpoint, Retention, keep_until, write_policy
-from kvfuse.history.responses import ResponseExpired, ResponseNotFound, ResponseStore, StoredResponse
+from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, ResponseStore, StoredResponse
 from kvfuse.kv.keys import Namespace, prefix_keys, tail_key
 from kvfuse.server.errors import APIError
 from kvfuse.server.responses_api import chat_request, input_messages, plain_messages
@@ -82,14 +82,14 @@ def test_breakpoint_stores_add_tails_inside_chunks_only():
     ids = list(range(1, 41))  # chunks of 16: [0,16) [16,32), then 8 more
     chain = prefix_keys(ids, 16, ns)
     bps = [Breakpoint(20), Breakpoint(32), Breakpoint(38, 5.0), Breakpoint(20, 9.0), Breakpoint(41), Breakpoint(5)]
-    got = breakpoint_stores(ids, chain, bps, 16, ns)
+    got = breakpoint_saves(ids, chain, bps, 16, ns)
     assert got == [
-        Store(tail_key(None, ids[0:5], ns), 0, 5),
-        Store(tail_key(chain[0], ids[16:20], ns), 16, 20),
-        Store(tail_key(chain[1], ids[32:38], ns), 32, 38),
+        Save(tail_key(None, ids[0:5], ns), 0, 5),
+        Save(tail_key(chain[0], ids[16:20], ns), 16, 20),
+        Save(tail_key(chain[1], ids[32:38], ns), 32, 38),
     ]  # 32: a chunk boundary; 41: past the prompt; 20 twice: once
     planned = {got[1].key}
-    assert [s.end for s in breakpoint_stores(ids, chain, bps, 16, ns, planned)] == [5, 38]
+    assert [s.end for s in breakpoint_saves(ids, chain, bps, 16, ns, planned)] == [5, 38]
 
 
 def test_breakpoint_tail_is_what_a_later_prompt_probes():
@@ -100,7 +100,7 @@ def test_breakpoint_tail_is_what_a_later_prompt_probes():
     ns = Namespace("model", "float16", "L2")
     ids = list(range(1, 41))
     later = ids[:37] + [99, 98, 97, 96, 95]
-    stored = breakpoint_stores(ids, prefix_keys(ids, 16, ns), [Breakpoint(37)], 16, ns)[0]
+    stored = breakpoint_saves(ids, prefix_keys(ids, 16, ns), [Breakpoint(37)], 16, ns)[0]
     probe = tail_probe(later, prefix_keys(later, 16, ns), 2, 16, ns)
     assert stored.key in [e.key for e in probe]
 

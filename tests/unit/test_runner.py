@@ -13,7 +13,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvfuse.kv.chunk import KVChunk
 from kvfuse.models import rope
 from kvfuse.models.attention import position_mask
 from kvfuse.models.config import FULL, SLIDING, RopeConfig
@@ -179,7 +178,7 @@ def test_prefill_on_prefix_equals_full_prefill(family, n, via_chunk, tiny_runner
         chunk = cache.chunk(0, n)
         assert chunk.kv.shape == (runner.config.num_layers, 2, n, runner.config.num_kv_heads, runner.config.head_dim)
         cache = runner.new_cache()
-        cache.append_chunk(chunk)
+        cache.write(cache.length, chunk.kv, chunk.positions)
         assert cache.length == n and cache.next_position == n
     suffix = runner.forward(ids[n:], cache, logits="all")
 
@@ -553,7 +552,7 @@ def test_cache_errors(tiny_runner):
     }
     for shape in shapes.values():
         with pytest.raises(ValueError, match="does not fit"):
-            cache.append_chunk(KVChunk(torch.zeros(shape), torch.arange(4)))
+            cache.write(cache.length, torch.zeros(shape), torch.arange(4))
     assert cache.length == 10
     cache.truncate(4)
     assert cache.length == 4 and cache.next_position == 4
@@ -587,7 +586,7 @@ def test_fp16_kv_prefix_loaded_equals_one_go(family, n, tiny_runner):
     chunk = prefix_cache.chunk(0, n)
     assert chunk.dtype == torch.float16
     loaded = runner.new_cache(dtype=torch.float16)
-    loaded.append_chunk(chunk)
+    loaded.write(loaded.length, chunk.kv, chunk.positions)
     assert loaded.kv.dtype == torch.float16
     from_prefix, _ = greedy(runner, ids[n:], 32, cache=loaded)
     assert from_prefix == one_go

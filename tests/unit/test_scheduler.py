@@ -6,17 +6,21 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from kvfuse.engine import Prompt, QueueClosed, QueueFull, Request, Scheduler, Sequence, SequenceStatus
+from kvfuse.engine.kv_memory import KVMemory
 from kvfuse.engine.planner import prompt_keys
+from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import Namespace
+from kvfuse.models.cache import slot_bytes
 
 NS = Namespace("model", "float16", "L2xH1xD4")
 
 
-def seq(name: str, ids=(1, 2, 3), keyed: bool = False) -> Sequence:
+def seq(name: str, ids=(1, 2, 3), keyed: bool = False, max_tokens: int = 256) -> Sequence:
     prompt = Prompt.plain(ids)
-    return Sequence(Request(prompt, request_id=name), NS if keyed else None,
+    return Sequence(Request(prompt, SamplingParams(max_tokens=max_tokens), request_id=name), NS if keyed else None,
                     prompt_keys(prompt, 4, NS) if keyed else None)
 
 
@@ -44,22 +48,24 @@ def test_admission_is_first_come_first_served_up_to_max_running():
     assert s.schedule().empty and not s.has_work()
 
 
-def test_admission_stops_at_the_first_sequence_that_does_not_fit():
-    """The admission test (the engine's KV budget) is asked in queue order and admission stops at
-    the first refusal: a large request is never overtaken by the smaller ones behind it."""
-    s = Scheduler(max_waiting=4, max_running=8)
-    a, big, c = seq("a"), seq("big", ids=range(50)), seq("c")
+def test_admission_stops_at_the_first_sequence_that_does_not_fit(tiny_loaded):
+    """Admission takes each sequence's live KV from the budget in queue order and stops at the
+    first refusal: a large request is never overtaken by the smaller ones behind it."""
+    runner = tiny_loaded("llama").runner
+    per_slot = slot_bytes(runner.config, torch.float16)
+    # a: 3 prompt tokens + 64 slots to decode; big: 50 + 64; c: 3 + 1 (max_tokens=1). 150 slots
+    # hold a, or big and c, but not a and big.
+    memory = KVMemory(runner, torch.float16, 150 * per_slot)
+    s = Scheduler(max_waiting=4, max_running=8, memory=memory)
+    a, big, c = seq("a"), seq("big", ids=range(50)), seq("c", max_tokens=1)
     for x in (a, big, c):
         s.add(x)
-    asked = []
-
-    def admit(x):
-        asked.append(x.request.request_id)
-        return len(x.request.prompt) < 10
-
-    step = s.schedule(admit)
-    assert step.admitted == [a] and asked == ["a", "big"] and names(s.waiting()) == ["big", "c"]
-    assert s.schedule(lambda x: True).admitted == [big, c]
+    step = s.schedule()
+    assert step.admitted == [a] and names(s.waiting()) == ["big", "c"]  # c would fit, but waits behind big
+    assert memory.budget.used == a.kv.capacity * per_slot == 67 * per_slot
+    s.finish(a)
+    memory.release(a)
+    assert s.schedule().admitted == [big, c] and memory.budget.used == (114 + 4) * per_slot
 
 
 def test_a_preempted_sequence_goes_back_first_in_line_and_keeps_its_start_time():
@@ -121,12 +127,12 @@ def test_remove_frees_the_slot_and_counts():
     s = Scheduler(max_waiting=1)
     a = seq("a")
     s.add(a)
-    assert s.remove(a) and not s.remove(a) and s.skipped == 1
+    assert s.remove(a.request) is a and s.remove(a.request) is None and s.skipped == 1
     s.add(seq("b"))
 
 
 def test_lookahead_lists_waiting_requests_in_run_order_with_their_keys():
-    s = Scheduler(max_waiting=4)
+    s = Scheduler(max_waiting=4, max_running=1)
     shared = list(range(8))
     a, b, c = seq("a", shared + [9], keyed=True), seq("b", shared + [7, 7, 7, 7], keyed=True), seq("c")
     for x in (a, b, c):
@@ -136,7 +142,7 @@ def test_lookahead_lists_waiting_requests_in_run_order_with_their_keys():
     assert look[0][1] == a.keys.all() and len(look[1][1]) == 3 and look[2][1] == []
     # every key once, in the order the requests will need them
     assert s.upcoming_keys() == a.keys.all() + [b.keys.all()[2]]
-    s.schedule(lambda x: x is a)  # a runs: it is no longer ahead
+    assert s.schedule().admitted == [a]  # a runs: it is no longer ahead
     assert [name for name, _ in s.lookahead()] == ["b", "c"]
 
 

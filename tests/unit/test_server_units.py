@@ -15,7 +15,7 @@ from kvfuse.models.tokenizer import ChatTemplateError
 from kvfuse.server.auth import Authenticator
 from kvfuse.server.errors import APIError, error_body, validation_error
 from kvfuse.server.metrics import ServerMetrics
-from kvfuse.server.responses import SSE_DONE, ResponseBuilder, sse_event, usage
+from kvfuse.server.bodies import SSE_DONE, ResponseBuilder, sse_event, usage
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvfuse.server.translate import (EngineCall, Limits, cache_options, chat_messages, completion_prompt, plan_chat,
                                      sampling_params)
@@ -115,12 +115,15 @@ def test_context_error_names_the_limit():
 
 
 def test_chat_template_failure_is_a_400():
-    class TemplateFails:  # stands in for the engine: only its encode_chat is involved
+    class TemplateFails:  # stands in for the engine's prompt builder: only its encode_chat is involved
         def encode_chat(self, messages, reserve=0):
             raise ChatTemplateError("Conversation roles must alternate user/assistant")
 
+    class Engine:
+        prompts = TemplateFails()
+
     with pytest.raises(APIError) as exc:
-        plan_chat(TemplateFails(), chat(), "", LIMITS)
+        plan_chat(Engine(), chat(), "", LIMITS)
     assert exc.value.status == 400 and exc.value.code == "invalid_chat_template" and "alternate" in exc.value.message
 
 
@@ -160,7 +163,8 @@ def test_error_body_shape():
 
 
 def result(text="ab", ids=(1, 2), reason="length", prompt=5, cached=0) -> GenerationResult:
-    return GenerationResult(text, list(ids), reason, prompt, cached, Timings(queued_s=0.01, ttft_s=0.02, decode_s=0.03))
+    return GenerationResult(text=text, token_ids=list(ids), finish_reason=reason, prompt_tokens=prompt,
+                            cached_tokens=cached, timings=Timings(queued_s=0.01, ttft_s=0.02, decode_s=0.03))
 
 
 def test_usage_reports_cached_tokens_where_they_came_from_and_the_save_time():

@@ -52,7 +52,7 @@ class BrokenTier(MemoryTier):
 @pytest.fixture
 def three(tmp_path):
     mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
-    store = TieredStore([mem, disk, remote])
+    store = TieredStore(mem, [disk, remote])
     yield store, mem, disk, remote
     store.close()
 
@@ -112,7 +112,7 @@ def test_a_chunk_vanishing_between_lookup_and_get_is_a_none(three):
 
 def test_put_writes_memory_now_and_lower_tiers_after_flush(tmp_path):
     mem, slow = MemoryTier(10**6), GatedTier("slow")
-    with TieredStore([mem, slow]) as store:
+    with TieredStore(mem, [slow]) as store:
         store.put([(k, blob(k)) for k in KEYS[:2]])
         assert mem.contains(KEYS[0]) and mem.contains(KEYS[1])
         assert slow.entered.wait(5) and not slow.contains(KEYS[0])
@@ -125,7 +125,7 @@ def test_put_writes_memory_now_and_lower_tiers_after_flush(tmp_path):
 
 def test_a_full_queue_drops_lower_tier_writes_without_blocking():
     mem, slow = MemoryTier(10**6), GatedTier("slow")
-    store = TieredStore([mem, slow], write_queue_size=2, write_batch=1)
+    store = TieredStore(mem, [slow], write_queue_size=2, write_batch=1)
     store.put([(KEYS[0], blob(KEYS[0]))])
     assert slow.entered.wait(5)  # the writer holds KEYS[0]; the queue is empty again
     t0 = time.monotonic()
@@ -142,7 +142,7 @@ def test_a_full_queue_drops_lower_tier_writes_without_blocking():
 
 def test_corrupt_entry_in_a_lower_tier_is_removed_and_the_next_tier_tried():
     mem, mid, low = MemoryTier(10**6), MemoryTier(10**6, name="mid"), MemoryTier(10**6, name="low")
-    with TieredStore([mem, mid, low]) as store:
+    with TieredStore(mem, [mid, low]) as store:
         good = blob(KEYS[0])
         mid.put(KEYS[0], good[:-1] + bytes([good[-1] ^ 1]))
         low.put(KEYS[0], good)
@@ -155,7 +155,7 @@ def test_corrupt_entry_in_a_lower_tier_is_removed_and_the_next_tier_tried():
 
 def test_corrupt_file_in_the_disk_tier_is_a_removed_miss(tmp_path):
     mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
-    with TieredStore([mem, disk]) as store:
+    with TieredStore(mem, [disk]) as store:
         disk.put(KEYS[0], blob(KEYS[0]))
         (path,) = tmp_path.rglob("*.kvf")
         path.write_bytes(path.read_bytes()[:-5])
@@ -166,7 +166,7 @@ def test_corrupt_file_in_the_disk_tier_is_a_removed_miss(tmp_path):
 
 def test_a_raising_tier_is_a_counted_miss():
     mem, broken = MemoryTier(10**6), BrokenTier(10**6, name="broken")
-    with TieredStore([mem, broken]) as store:
+    with TieredStore(mem, [broken]) as store:
         mem.put(KEYS[0], blob(KEYS[0]))
         assert store.lookup(KEYS[:2]) == LookupResult(("memory", None))
         assert store.get(KEYS[:2]) == [blob(KEYS[0]), None]
@@ -175,7 +175,7 @@ def test_a_raising_tier_is_a_counted_miss():
 
 def test_delete_prefix_and_clear_reach_every_tier_after_queued_writes(tmp_path):
     mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
-    store = TieredStore([mem, disk])
+    store = TieredStore(mem, [disk])
     a1, a2, b1 = K("1", "a"), K("2", "a"), K("1", "b")
     store.put([(a1, blob(a1)), (a2, blob(a2)), (b1, blob(b1))])
     assert store.delete_prefix(ns_prefix("a")) == {"memory": 2, "disk": 2}
@@ -189,24 +189,43 @@ def test_delete_prefix_and_clear_reach_every_tier_after_queued_writes(tmp_path):
 
 def test_close_flushes_pending_writes(tmp_path):
     mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
-    store = TieredStore([mem, disk])
+    store = TieredStore(mem, [disk])
     store.put([(k, blob(k)) for k in KEYS])
     store.close()
     assert DiskTier(tmp_path, 10**6).entries() == len(KEYS)
 
 
-def test_stats_shape_and_bad_configuration():
-    with TieredStore([MemoryTier(100)]) as store:
+def test_stats_shape_and_bad_configuration(tmp_path):
+    with TieredStore(MemoryTier(100)) as store:
         s = store.stats()
         assert set(s) == {"memory", "store"} and s["memory"]["entries"] == 0 and s["memory"]["used_bytes"] == 0
     with pytest.raises(ValueError, match="unique"):
-        TieredStore([MemoryTier(1), MemoryTier(1)])
-    with pytest.raises(ValueError, match="at least one"):
+        TieredStore(MemoryTier(1), [MemoryTier(1)])
+    with pytest.raises(TypeError, match="must be a MemoryTier"):  # the memory role: a MemoryTier, nothing else
         TieredStore([])
+    with pytest.raises(TypeError, match="must be a MemoryTier"):
+        TieredStore(DiskTier(tmp_path, 10**6))
+    with pytest.raises(TypeError, match="sequence"):
+        TieredStore(MemoryTier(1), DiskTier(tmp_path, 10**6))
+
+
+def test_the_store_takes_its_tiers_by_role(tmp_path):
+    mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
+    clock = lambda: 1234.5  # noqa: E731
+    with TieredStore(mem, [disk, remote], clock=clock) as store:
+        assert store.memory is mem and store.lower == (disk, remote) and store.tiers == (mem, disk, remote)
+        assert store.tier("disk") is disk and store.tier("memory") is mem and store.clock() == 1234.5
+        with pytest.raises(ValueError, match="no tier named 'nvme'"):
+            store.tier("nvme")
+        with pytest.raises(ValueError, match="no tier named 'nvme'"):
+            store.fetch_encoded(KEYS[0], "nvme")
+    with TieredStore(MemoryTier(10)) as alone:
+        assert alone.lower == () and alone.tiers == (alone.memory,)
+        assert alone.protect_upcoming() is None and alone.flush(0) is True  # no writer thread to wait for
 
 
 def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path, monkeypatch):
-    import kvfuse.tiers.store as store_module
+    import kvfuse.tiers.checked_reads as checked_reads
     from kvfuse.kv.format import Entry, encode_entry, open_entry, read_entry
 
     checked: list = []
@@ -221,21 +240,21 @@ def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_pa
         return read_entry(readinto, size, key, spec)
 
     # the one validation path, in both its forms (a blob; a stream of bytes, as the disk tier's), counted
-    monkeypatch.setattr(store_module, "open_entry", counting_open)
-    monkeypatch.setattr(store_module, "read_entry", counting_read)
+    monkeypatch.setattr(checked_reads, "open_entry", counting_open)
+    monkeypatch.setattr(checked_reads, "read_entry", counting_read)
     chunk = KVChunk(torch.randn((2, 2, 4, 2, 8)).half(), torch.arange(4))
     disk = DiskTier(tmp_path, 10**9)
-    with TieredStore([MemoryTier(10**9), disk]) as store:
+    with TieredStore(MemoryTier(10**9), [disk]) as store:
         store.put([(KEYS[0], encode_entry(chunk, KEYS[0], get_codec("raw")))])
         store.flush()
         assert isinstance(store.get([KEYS[0]])[0], Entry) and checked == []  # in-process: trusted
-        store.tiers[0].clear()
+        store.memory.clear()
         (promoted,) = store.get([KEYS[0]])  # from disk: verified once, then kept as an Entry
         assert checked == [KEYS[0]] and isinstance(promoted, Entry)
-        assert isinstance(store.tiers[0].get(KEYS[0]), Entry)
+        assert isinstance(store.memory.get(KEYS[0]), Entry)
         assert torch.equal(decode_chunk(store.get([KEYS[0]])[0], KEYS[0]).kv, chunk.kv) and checked == [KEYS[0]]
         # an Entry stored under another key is never served for this one
-        store.tiers[0].put(KEYS[1], encode_entry(chunk, KEYS[0], get_codec("raw")))
+        store.memory.put(KEYS[1], encode_entry(chunk, KEYS[0], get_codec("raw")))
         assert store.get([KEYS[1]]) == [None]
         assert store.stats()["store"]["unusable_entries"] == 1
 
@@ -244,7 +263,7 @@ def test_fetch_checks_the_callers_spec_and_reports_what_it_rejected(tmp_path):
     from kvfuse.kv.format import EntrySpec
 
     mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
-    with TieredStore([mem, disk]) as store:
+    with TieredStore(mem, [disk]) as store:
         disk.put(KEYS[0], blob(KEYS[0]))
         mem.put(KEYS[0], encode_chunk(KVChunk(torch.zeros((2, 2, 4, 2, 8)).float(), torch.arange(4)), KEYS[0],
                                       get_codec("raw")))  # intact, but fp32: not what the reader expects
@@ -271,7 +290,7 @@ def test_a_layer_range_is_read_without_the_rest_of_the_entry(tmp_path, where, re
         tier = RedisTier(request.getfixturevalue("redis_server").url, timeout_s=2.0)
     else:
         tier = MemoryTier(10**6) if where == "memory" else DiskTier(tmp_path, 10**6)
-    with TieredStore([tier] if where == "memory" else [MemoryTier(10**6), tier]) as store:
+    with TieredStore(tier) if where == "memory" else TieredStore(MemoryTier(10**6), [tier]) as store:
         tier.put(KEYS[0], data)
         read = tier.stats.snapshot()["bytes_out"]
         got = store.fetch_layers(KEYS[0], 2, 4, EntrySpec(torch.float16, 6, 2, 32, tokens=64, first_position=8))
@@ -279,7 +298,7 @@ def test_a_layer_range_is_read_without_the_rest_of_the_entry(tmp_path, where, re
         assert torch.equal(got.kv, full[2:4]) and torch.equal(got.positions, torch.arange(8, 72))
         if where != "memory":
             assert tier.stats.snapshot()["bytes_out"] - read < len(data) / 2  # the header and two layers of six
-            assert not store.tiers[0].contains(KEYS[0])  # a layer range is not promoted
+            assert not store.memory.contains(KEYS[0])  # a layer range is not promoted
         assert store.fetch_layers(KEYS[1], 0, 1) is None
         assert store.fetch_layers(KEYS[0], 0, 1, EntrySpec(torch.float32, 6, 2, 32)) is None  # not as expected
         assert not tier.contains(KEYS[0]) and store.stats()["store"]["unusable_entries"] == 1

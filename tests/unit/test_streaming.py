@@ -11,15 +11,16 @@ import pytest
 import torch
 
 from kvfuse.codecs import get_codec
+from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
-from kvfuse.engine.streaming import RECOMPUTE, LoadEstimates, Option, StreamReport, choose, quality
+from kvfuse.engine.kv_stream import RECOMPUTE, KVStreamReport, LoadEstimates, Option, choose, quality
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import Entry, encode_entry, open_entry, read_header
 from kvfuse.kv.keys import ChunkKey, ChunkKind, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk import key_to_filename
-from kvfuse.tiers.throttled import ThrottledTier, load_trace
+from kvfuse.tiers.disk_files import key_to_filename
+from kvfuse_testkit.throttled import ThrottledTier, load_trace
 
 CH = 32
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
@@ -153,12 +154,12 @@ def _chunk(tokens=16, seed=0):
 
 def test_tiers_write_their_own_codec_and_the_stream_levels(tmp_path):
     disk = DiskTier(tmp_path / "kv", 1 << 30)
-    store = TieredStore([MemoryTier(1 << 30), disk], codecs={"disk": get_codec("cachegen", 2)}, stream_levels=(1, 2, 3))
+    store = TieredStore(MemoryTier(1 << 30), [disk], codecs={"disk": get_codec("cachegen", 2)}, stream_levels=(1, 2, 3))
     key = prefix_keys(list(range(16)), 16, _ns())[0]
     chunk = _chunk()
     store.put([(key, encode_entry(chunk, key, get_codec("raw")))])
     store.flush()
-    assert read_header(store.tiers[0].get(key)).codec == "raw"  # memory: as put
+    assert read_header(store.memory.get(key)).codec == "raw"  # memory: as put
     h = read_header(disk.get(key))
     assert (h.codec, h.level) == ("cachegen", 2)
     levels = {read_header(disk.get(key.encoded_as("cachegen", lv))).level for lv in (1, 3)}
@@ -167,7 +168,7 @@ def test_tiers_write_their_own_codec_and_the_stream_levels(tmp_path):
     assert store.encodings("disk") == ["cachegen.1", "cachegen.2", "cachegen.3"] and store.encodings("memory") == []
 
     # Lookups find the chunk whatever wrote it; a fetch from disk decodes the CacheGen entry.
-    store.tiers[0].clear()
+    store.memory.clear()
     assert store.lookup([key]).where == ("disk",)
     got = store.fetch([key])[0]
     assert got.tier == "disk" and got.entry.codec.name == "cachegen"
@@ -185,7 +186,7 @@ def test_tiers_write_their_own_codec_and_the_stream_levels(tmp_path):
 
 def test_a_damaged_variant_is_removed_and_the_primary_serves(tmp_path):
     disk = DiskTier(tmp_path / "kv", 1 << 30)
-    store = TieredStore([MemoryTier(1 << 30), disk], stream_levels=(1,))
+    store = TieredStore(MemoryTier(1 << 30), [disk], stream_levels=(1,))
     key = prefix_keys(list(range(16)), 16, _ns())[0]
     store.put([(key, encode_entry(_chunk(), key, get_codec("raw")))])
     store.flush()
@@ -202,12 +203,12 @@ def test_a_damaged_variant_is_removed_and_the_primary_serves(tmp_path):
 
 def test_a_codec_that_refuses_the_kv_skips_that_tier_only(tmp_path):
     disk = DiskTier(tmp_path / "kv", 1 << 30)
-    store = TieredStore([MemoryTier(1 << 30), disk], codecs={"disk": get_codec("cachegen")})
+    store = TieredStore(MemoryTier(1 << 30), [disk], codecs={"disk": get_codec("cachegen")})
     key = prefix_keys(list(range(16)), 16, _ns())[0]
     bad = KVChunk(kv=torch.full((2, 2, 16, 2, 8), float("inf")).half(), positions=torch.arange(16))
     store.put([(key, encode_entry(bad, key, get_codec("raw")))])
     store.flush()
-    assert store.tiers[0].get(key) is not None and disk.get(key) is None
+    assert store.memory.get(key) is not None and disk.get(key) is None
     assert store.stats()["store"]["reencode_errors"] == 1
     store.close()
 
@@ -240,9 +241,9 @@ class Setup:
         self.disk = DiskTier(path, 1 << 30)
         self.slow = ThrottledTier(self.disk, list(trace), scale=1.0)
         self.memory = MemoryTier(1 << 30)
-        self.store = TieredStore([self.memory, self.slow], stream_levels=(1, 3))
-        self.engine = Engine(model, self.store, chunk_size=CH, history=False, async_save=False, prefetch=False,
-                             **engine_kw)
+        self.store = TieredStore(self.memory, [self.slow], stream_levels=(1, 3))
+        self.engine = Engine(model, self.store, EngineSettings.of(chunk_size=CH, history=False, async_save=False, prefetch=False,
+                             **engine_kw))
 
     def cold(self):
         """Forget what memory holds: the next request reads the slow tier."""
@@ -261,7 +262,7 @@ def setup(model, tmp_path):
 
 
 def _reference(model, ids):
-    return Engine(model, None, chunk_size=CH).generate(ids, GREEDY).token_ids
+    return Engine(model, None, EngineSettings.of(chunk_size=CH)).generate(ids, GREEDY).token_ids
 
 
 def test_a_generous_budget_loads_lossless_and_answers_as_a_full_prefill(model, setup):
@@ -271,19 +272,19 @@ def test_a_generous_budget_loads_lossless_and_answers_as_a_full_prefill(model, s
     setup.cold()
     # A link never measured is probed with its smallest encoding first (a slow start) ...
     first = setup.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=60_000))
-    assert first.stream.chunks == {"cachegen.1": 1, "raw": 4} and setup.engine.estimates.measured("disk")
+    assert first.kv_stream.chunks == {"cachegen.1": 1, "raw": 4} and setup.engine.estimates.measured("disk")
     setup.cold()
     # ... then, measured fast, every chunk is read lossless.
     r = setup.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=60_000))
     assert r.token_ids == expected and r.cached_tokens == 5 * CH and r.hit_tiers == ("disk",) * 5
-    assert r.stream.chunks == {"raw": 5} and r.stream.met and r.stream.bytes_read > 0
+    assert r.kv_stream.chunks == {"raw": 5} and r.kv_stream.met and r.kv_stream.bytes_read > 0
     s = setup.engine.stats_snapshot()
     assert s["streamed_requests"] == 2 and s["stream_chunks"] == {"raw": 9, "cachegen.1": 1}
     assert s["stream_slo_violations"] == 0
     # Without a budget the same chunks load as before (one batch, promoted into memory).
     setup.cold()
     plain = setup.engine.generate(ids, GREEDY)
-    assert plain.stream is None and plain.token_ids == expected and plain.hit_tiers == ("disk",) * 5
+    assert plain.kv_stream is None and plain.token_ids == expected and plain.hit_tiers == ("disk",) * 5
 
 
 def test_when_no_level_fits_the_chunks_are_recomputed_exactly(model, setup):
@@ -296,8 +297,8 @@ def test_when_no_level_fits_the_chunks_are_recomputed_exactly(model, setup):
     est.compute_s_per_token = 1e-7  # and recomputing is nearly free
     est.computed = lambda tokens, seconds: None  # keep it so for this test
     r = setup.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=1))
-    assert r.stream.chunks == {RECOMPUTE: 4} and r.cached_tokens == 0 and r.hit_tiers == ()
-    assert r.token_ids == expected and r.stream.bytes_read == 0
+    assert r.kv_stream.chunks == {RECOMPUTE: 4} and r.cached_tokens == 0 and r.hit_tiers == ()
+    assert r.token_ids == expected and r.kv_stream.bytes_read == 0
 
 
 def test_a_tight_budget_picks_smaller_levels_and_spends_the_slack(model, setup):
@@ -325,7 +326,7 @@ def test_a_tight_budget_picks_smaller_levels_and_spends_the_slack(model, setup):
     for budget_ms, expected in cases:
         setup.cold()
         r = setup.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=budget_ms))
-        assert r.stream.chunks == expected and r.cached_tokens == 4 * CH
+        assert r.kv_stream.chunks == expected and r.cached_tokens == 4 * CH
         assert len(r.token_ids) == GREEDY.max_tokens
 
 
@@ -337,8 +338,8 @@ def test_streaming_from_a_slow_link_measures_it(model, tmp_path):
         s.cold()
         r = s.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=60))
         # The first chunk goes at the prior's choice; once the link is measured, the rest shrink.
-        assert sum(r.stream.chunks.values()) == 3 and s.engine.estimates.bandwidth["disk"] < 1e6
-        assert r.stream.chunks.get("raw", 0) <= 1
+        assert sum(r.kv_stream.chunks.values()) == 3 and s.engine.estimates.bandwidth["disk"] < 1e6
+        assert r.kv_stream.chunks.get("raw", 0) <= 1
     finally:
         s.close()
 
@@ -349,20 +350,20 @@ def test_an_entry_that_does_not_decode_is_a_miss_and_is_removed(model):
     ids = _ids(3 * CH + 4, seed=4)
 
     def run(damage: bool):
-        store = TieredStore([MemoryTier(1 << 30)])
-        engine = Engine(model, store, chunk_size=CH, history=False, async_save=False, codec="cachegen")
+        store = TieredStore(MemoryTier(1 << 30))
+        engine = Engine(model, store, EngineSettings.of(chunk_size=CH, history=False, async_save=False, codec="cachegen"))
         engine.generate(ids, GREEDY)
         key = prefix_keys(ids, CH, engine.namespace())[1]
         if damage:
-            e = store.tiers[0].get(key)
+            e = store.memory.get(key)
             payload = bytearray(e.payload)
             payload[40] ^= 0xFF
             forged = Entry(e.key, e.codec, e.shape, e.dtype, e.positions, memoryview(payload), e.layer_sizes)
-            store.tiers[0].put(key, open_entry(forged.join()))  # fresh checksums: only decoding can tell
+            store.memory.put(key, open_entry(forged.join()))  # fresh checksums: only decoding can tell
         else:
-            store.tiers[0].delete(key)  # the reference: the same chunk simply missing
+            store.memory.delete(key)  # the reference: the same chunk simply missing
         r = engine.generate(ids, GREEDY)
-        stats, store_stats, left = engine.stats_snapshot(), store.stats()["store"], store.tiers[0].get(key)
+        stats, store_stats, left = engine.stats_snapshot(), store.stats()["store"], store.memory.get(key)
         engine.close()
         return r, stats, store_stats, left
 
@@ -374,7 +375,7 @@ def test_an_entry_that_does_not_decode_is_a_miss_and_is_removed(model):
 
 
 def test_stream_report_counts():
-    r = StreamReport(0.1)
+    r = KVStreamReport(0.1)
     r.add("raw")
     r.add("raw")
     r.add(RECOMPUTE)

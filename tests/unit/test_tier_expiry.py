@@ -23,8 +23,9 @@ from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import encode_chunk, encode_entry, read_header
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk import JOURNAL, journal_line, key_to_filename, parse_journal
-from kvfuse.tiers.throttled import ThrottledTier
+from kvfuse.tiers.disk_files import key_to_filename
+from kvfuse.tiers.disk_journal import JOURNAL, journal_line, parse_journal
+from kvfuse_testkit.throttled import ThrottledTier
 
 T0 = 1_000_000.0  # the fake clock's start
 
@@ -493,7 +494,7 @@ class Recording(MemoryTier):
 def three(tmp_path):
     clock = Clock()
     mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
-    store = TieredStore([mem, disk, remote], clock=clock)
+    store = TieredStore(mem, [disk, remote], clock=clock)
     yield store, mem, disk, remote, clock
     store.close()
 
@@ -503,13 +504,13 @@ def test_the_store_sets_its_clock_on_every_tier(tmp_path):
     inner = MemoryTier(10, name="slow")
     slow = ThrottledTier(inner, [1.0], clock=lambda: 0.0, sleep=lambda s: None)
     mem, disk = MemoryTier(10), DiskTier(tmp_path, 10)
-    with TieredStore([mem, disk, slow], clock=clock) as store:
+    with TieredStore(mem, [disk, slow], clock=clock) as store:
         assert mem.clock is clock and disk.clock is clock and inner.clock is clock and store.clock is clock
     plain = MemoryTier(10)
-    with TieredStore([plain]) as store:
+    with TieredStore(plain) as store:
         assert abs(plain.clock() - store.clock()) < 5 and plain.clock() > 1e9  # time.time by default
     with pytest.raises(ValueError, match="expire_interval_s"):
-        TieredStore([MemoryTier(1)], expire_interval_s=-1)
+        TieredStore(MemoryTier(1), expire_interval_s=-1)
 
 
 def test_a_put_with_an_expiry_reaches_every_tier(three):
@@ -537,7 +538,7 @@ def test_memory_only_writes_the_first_tier_only(three):
 def test_the_writer_groups_a_batch_by_expiry():
     clock = Clock()
     mem, low = MemoryTier(10**6), Recording("low")
-    with TieredStore([mem, low], clock=clock, write_batch=16) as store:
+    with TieredStore(mem, [low], clock=clock, write_batch=16) as store:
         low.gate.clear()
         store.put([(KEYS[5], blob(KEYS[5]))])  # the writer takes it and waits at the gate
         assert low.entered.wait(5)
@@ -556,7 +557,7 @@ def test_the_writer_groups_a_batch_by_expiry():
 def test_variants_get_the_expiry_of_their_chunk(tmp_path):
     clock = Clock()
     disk = DiskTier(tmp_path, 1 << 30)
-    with TieredStore([MemoryTier(1 << 30), disk], codecs={"disk": get_codec("cachegen", 2)}, stream_levels=(1, 2),
+    with TieredStore(MemoryTier(1 << 30), [disk], codecs={"disk": get_codec("cachegen", 2)}, stream_levels=(1, 2),
                      clock=clock) as store:
         k = KEYS[0]
         v1 = k.encoded_as("cachegen", 1)
@@ -565,7 +566,7 @@ def test_variants_get_the_expiry_of_their_chunk(tmp_path):
         assert read_header(disk.get(k)).level == 2 and disk.contains(v1)
         assert disk.expiries([k, v1]) == [T0 + 10, T0 + 10]
         store.extend([k], T0 + 40)
-        assert disk.expiries([k, v1]) == [T0 + 40, T0 + 40] and store.tiers[0].expiry(k) == T0 + 40
+        assert disk.expiries([k, v1]) == [T0 + 40, T0 + 40] and store.memory.expiry(k) == T0 + 40
         clock.advance(40)
         assert store.expire() == {"memory": 1, "disk": 2} and disk.entries() == 0
 
@@ -588,7 +589,7 @@ def test_a_promotion_keeps_the_expiry_of_the_tier_it_came_from(three):
 def test_promote_looks_the_expiry_up_below_and_skips_what_is_gone(tmp_path):
     clock = Clock()
     mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
-    with TieredStore([mem, disk, remote], clock=clock, stream_levels=(1,)) as store:
+    with TieredStore(mem, [disk, remote], clock=clock, stream_levels=(1,)) as store:
         a, b, c, d, e = KEYS[:5]
         disk.put(a, blob(a), expires_at=T0 + 10)
         remote.put(a, blob(a), expires_at=T0 + 99)  # the first tier holding it rules
@@ -599,9 +600,9 @@ def test_promote_looks_the_expiry_up_below_and_skips_what_is_gone(tmp_path):
         assert mem.expiries([a, b, c, d]) == [T0 + 10, T0 + 20, None, T0 + 30]
         assert [mem.contains(k) for k in (a, b, c, d, e)] == [True, True, True, True, False]
         assert store.stats()["store"]["promotions"] == 4
-    with TieredStore([MemoryTier(10**6)], clock=clock) as single:
+    with TieredStore(MemoryTier(10**6), clock=clock) as single:
         single.promote([(a, entry(a))])  # no lower tier to ask: put as it is
-        assert single.tiers[0].contains(a) and single.tiers[0].expiry(a) is None
+        assert single.memory.contains(a) and single.memory.expiry(a) is None
 
 
 def test_extend_reaches_every_tier_and_never_shortens(three):
@@ -620,7 +621,7 @@ def test_extend_reaches_every_tier_and_never_shortens(three):
 def test_a_queued_write_gets_an_extension_asked_while_it_waits():
     clock = Clock()
     mem, low = MemoryTier(10**6), Recording("low")
-    with TieredStore([mem, low], clock=clock) as store:
+    with TieredStore(mem, [low], clock=clock) as store:
         low.gate.clear()
         store.put([(KEYS[0], blob(KEYS[0]))], expires_at=T0 + 10)
         assert low.entered.wait(5)  # being written: the time is taken, the write not done yet
@@ -632,13 +633,13 @@ def test_a_queued_write_gets_an_extension_asked_while_it_waits():
         assert low.expiries(KEYS[:3]) == [T0 + 60, T0 + 60, None] and mem.expiries(KEYS[:3]) == [T0 + 60] * 2 + [None]
         # the queued write was made with the later time (KEYS[0] was past that point: extended after)
         assert sorted(low.calls[1:], key=lambda c: c[1] or 0) == [([KEYS[2]], None), ([KEYS[1]], T0 + 60)]
-        assert not store._queued and not store._extended  # bookkeeping gone with the writes
+        assert not store._writer._queued and not store._writer._extended  # bookkeeping gone with the writes
 
 
 def test_an_extension_racing_the_write_is_applied_after_it():
     clock = Clock()
     mem, low = MemoryTier(10**6), Recording("low")
-    with TieredStore([mem, low], clock=clock) as store:
+    with TieredStore(mem, [low], clock=clock) as store:
         low.hook = lambda: (store.extend([KEYS[0]], T0 + 60), low.hook_done.set())
         low.hook_done = threading.Event()
         store.put([(KEYS[0], blob(KEYS[0]))], expires_at=T0 + 10)
@@ -650,7 +651,7 @@ def test_an_extension_racing_the_write_is_applied_after_it():
 def test_lookup_sweeps_every_tier_at_most_once_per_interval(tmp_path):
     clock = Clock()
     mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
-    with TieredStore([mem, disk], clock=clock, expire_interval_s=1.0) as store:
+    with TieredStore(mem, [disk], clock=clock, expire_interval_s=1.0) as store:
         a, b, c = KEYS[:3]
         store.put([(a, blob(a))], expires_at=T0 + 0.5)
         store.put([(b, blob(b))])
@@ -691,7 +692,7 @@ def test_delete_removes_keys_and_their_variants_everywhere(tmp_path):
     clock = Clock()
     mem, disk = MemoryTier(1 << 30), DiskTier(tmp_path, 1 << 30)
     remote = MemoryTier(1 << 30, name="remote")
-    with TieredStore([mem, disk, remote], clock=clock, stream_levels=(1, 3)) as store:
+    with TieredStore(mem, [disk, remote], clock=clock, stream_levels=(1, 3)) as store:
         keys = KEYS[:2]
         store.put([(k, entry(k)) for k in keys])
         store.put([(KEYS[2], entry(KEYS[2]))])

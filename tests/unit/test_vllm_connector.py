@@ -288,7 +288,7 @@ def _store_chunks(store: TieredStore, tokens, chunks, salt="", rank=0, tp=1):
 
 @pytest.fixture
 def mem_store():
-    s = TieredStore([MemoryTier(1 << 30)])
+    s = TieredStore(MemoryTier(1 << 30))
     yield s
     s.close()
 
@@ -419,12 +419,12 @@ H, D, NL = 2, 8, 4  # kv heads, head dim, layers
 KB = 64  # kernel block (= vLLM block) tokens in these tests
 
 
-def _worker_setup(tmp_path, name="cpu_vec", layerwise=True, tiers=None, blocks=40):
+def _worker_setup(tmp_path, name="cpu_vec", layerwise=True, lower=None, blocks=40):
     views = _cache(name, blocks, KB, H, D, torch.bfloat16, layers=NL)
     layout = probe_layout(views[0], _fake_writer(name, views[0], H, D), H, D)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(NL)]
     layers = CacheLayers(dict(zip(names, views)), names, layout, KB)
-    store = TieredStore(tiers or [MemoryTier(1 << 30), DiskTier(tmp_path / "kv", 1 << 30)])
+    store = TieredStore(MemoryTier(1 << 30), lower if lower is not None else [DiskTier(tmp_path / "kv", 1 << 30)])
     worker = KVWorker(store, get_codec("raw"), layers, dtype=torch.bfloat16, kv_heads=H, head_dim=D, chunk_size=CHUNK,
                       layerwise=layerwise)
     return worker, layers, store, names
@@ -469,7 +469,7 @@ def test_worker_saves_then_loads_bit_exact(tmp_path, layerwise):
     keys = _keys(p)
     _save_chunks(worker, layers, names, table, 3, keys, p)
     for i in range(3):  # the stored entries hold exactly vLLM's KV, at their positions
-        entry = open_entry(bytes(store.tiers[1].get(keys[i])), keys[i])
+        entry = open_entry(bytes(store.lower[0].get(keys[i])), keys[i])
         assert torch.equal(entry.decode(), kv[:, :, i * CHUNK:(i + 1) * CHUNK])
         assert torch.equal(entry.positions, torch.arange(i * CHUNK, (i + 1) * CHUNK))
         assert entry.token_ids.tolist() == p[i * CHUNK:(i + 1) * CHUNK]
@@ -514,7 +514,7 @@ def test_worker_partial_chunk_load_leaves_vllms_blocks(tmp_path):
 
 
 def test_worker_reports_failed_loads_instead_of_using_them(tmp_path):
-    worker, layers, store, names = _worker_setup(tmp_path, tiers=None)
+    worker, layers, store, names = _worker_setup(tmp_path, lower=None)
     table = list(range(8))
     _fill_request(layers, table, 512)
     keys = _keys(_prompt(512))
@@ -561,7 +561,7 @@ def test_scheduler_and_worker_in_two_processes_share_only_the_lower_tiers(tmp_pa
     """The worker's memory tier is its own: a scheduler in another process (its own store over the
     same disk folder) counts only what the disk holds, which the worker can then read."""
     worker, layers, wstore, names = _worker_setup(tmp_path)
-    sstore = TieredStore([MemoryTier(1 << 30), DiskTier(tmp_path / "kv", 1 << 30)])
+    sstore = TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path / "kv", 1 << 30)])
 
     def keys_for(tokens, salt, n):
         return [prefix_keys(list(tokens[: n * CHUNK]), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D))]

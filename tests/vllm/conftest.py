@@ -43,7 +43,7 @@ def vllm_python() -> str:
 @pytest.fixture(scope="session")
 def smollm2_folder(kvfuse_home) -> Path:
     """SmolLM2 converted by kvfuse into an HF folder (what vLLM serves)."""
-    from kvfuse.testing import ensure_model
+    from kvfuse_testkit import ensure_model
 
     ensure_model(kvfuse_home, "smollm2")
     folder = default_model_path(kvfuse_home)

@@ -199,7 +199,9 @@ class KvfuseConnector(KVConnectorBase_V1):
         self._requests: OrderedDict[str, str | None] = OrderedDict()  # req_id -> cache_salt (eligible requests)
         self._closed = False
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
-        where = f"{c.disk_path or self.settings.config.disk_path}" if c.disk else "off"
+        disk = self.settings.config.disk_path
+        where = str(disk) if disk is not None else "off"
+        redis = any(t.kind == "redis" for t in self.settings.config.lower_tiers())
         # kv_role: kv_both loads and saves, kv_consumer only loads, kv_producer only saves
         self.load_enabled = self.settings.load and self._kv_transfer_config.is_kv_consumer
         self.save_enabled = self.settings.save and self._kv_transfer_config.is_kv_producer
@@ -212,7 +214,7 @@ class KvfuseConnector(KVConnectorBase_V1):
             log.info("kvfuse connector (scheduler): chunks of %d tokens (%d blocks), KV %s %s, tiers %s (disk %s, "
                      "redis %s), codec %s, model fingerprint %s, load %s, save %s", self.settings.chunk_size,
                      self.settings.chunk_size // self.block_size, self.kv_dtype, self._layout_name(0),
-                     [t.name for t in self.store.tiers], where, "on" if c.redis_url else "off", self.codec.name,
+                     [t.name for t in self.store.tiers], where, "on" if redis else "off", self.codec.name,
                      self.fingerprint, self.load_enabled, self.save_enabled)
             if policy != "recompute" and self.load_enabled:
                 log.warning("kvfuse connector: kv_load_failure_policy is %r: a chunk that fails to load (evicted, "

@@ -1,5 +1,6 @@
-"""Helpers for tests, benchmarks and demos: free ports, a throwaway redis-server, a local
-S3-compatible server (moto), a ``kvfuse serve`` child process. Not used by kvfuse itself.
+"""Helpers for kvfuse's tests and benchmarks: free ports, a throwaway redis-server, a local
+S3-compatible server (moto), a ``kvfuse serve`` child process. A package of its own, beside
+``kvfuse`` (installed with it from this repository): kvfuse itself never imports it.
 
 Processes started here are ended by their PID (SIGTERM, then SIGKILL), never by name.
 """

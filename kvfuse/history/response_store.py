@@ -106,7 +106,7 @@ class ResponseStore:
     # -- writes ---------------------------------------------------------------------------------
 
     def put(self, r: StoredResponse) -> None:
-        """Store ``r`` (its ``expires_at`` set from ``ttl_s`` when not given)."""
+        """Save ``r`` (its ``expires_at`` set from ``ttl_s`` when not given)."""
         if r.expires_at is None and self.ttl_s is not None:
             r.expires_at = r.created_at + self.ttl_s
         with self._lock, self._tx():

@@ -1,9 +1,12 @@
-"""Bandwidth-adaptive loading (CacheGen's streaming): per chunk, the best encoding that still meets
-the KV budget, or recomputing the chunk from its tokens when none does.
+"""The KV stream (CacheGen's bandwidth-adaptive loading): per chunk, the best encoding that still
+meets the KV budget, or recomputing the chunk from its tokens when none does. Pure rules and
+measurements; "kv stream" names this and nothing else in kvfuse (a server's ``stream`` is
+server-sent events, a tokenizer's is ``IncrementalDecoder``).
 
 A prompt whose chunks lie in a slow tier (disk, Redis, a throttled link) is loaded chunk by chunk
-(``stream_loader.stream_prefill``): a reader thread reads chunk after chunk while the request's
-thread decodes them into the live KV, or recomputes the ones chosen for recomputation. Before
+(``kv_stream_reader.StreamedSource``, the plan executor's source): a reader thread reads chunk
+after chunk while the request's thread decodes them into the live KV, or recomputes the ones
+chosen for recomputation. Before
 each read, :func:`choose` (pure, table-tested) picks among that chunk's encodings in the tier
 (its primary copy, plus the CacheGen levels stored as variants) and recomputation, given the time
 left in the budget (``kv_slo_ms``), the slow chunks still to load, the request thread's backlog,
@@ -149,7 +152,7 @@ class LoadEstimates:
 
 
 @dataclass
-class StreamReport:
+class KVStreamReport:
     """How one prompt's slow chunks were loaded."""
 
     slo_s: float

@@ -165,6 +165,9 @@ class ThrottledTier(Tier):
     def clear(self) -> int:
         return self.inner.clear()
 
+    def keys(self, limit: int | None = None) -> list[ChunkKey]:
+        return self.inner.keys(limit)
+
     def entries(self) -> int | None:
         return self.inner.entries()
 

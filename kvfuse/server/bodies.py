@@ -30,8 +30,8 @@ def usage(result: GenerationResult) -> dict[str, Any]:
     details = {"cached_tokens": result.cached_tokens, "recomputed_tokens": result.recomputed_tokens,
                "cached_entries_by_tier": {t: result.hit_tiers.count(t) for t in sorted(set(result.hit_tiers))},
                "save_ms": round(result.timings.store_s * 1000, 3)}
-    if result.stream is not None:
-        r = result.stream
+    if result.kv_stream is not None:
+        r = result.kv_stream
         details["kv_stream"] = {"chunks": dict(r.chunks), "load_ms": round(r.load_s * 1000, 3),
                                 "slo_ms": round(r.slo_s * 1000, 3), "met": r.met, "bytes_read": r.bytes_read}
     return {

@@ -1,0 +1,343 @@
+"""The configuration's sections and their defaults: the only place kvfuse's defaults are written.
+
+Every section is a frozen dataclass; ``Config`` holds them all. ``load.load_config`` fills them
+from a file, the environment and flags, and ``validate.validate`` checks them. ``EngineSettings``
+is what an engine reads of a ``Config``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from kvfuse import dtypes
+from kvfuse.durations import parse_duration
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, its source and the fix."""
+
+
+KV_DTYPES = dtypes.KV_DTYPES
+WEIGHT_FORMATS = ("auto", "int8")  # = models.quant.WEIGHT_FORMATS (a unit test keeps them equal)
+METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd", "attn", "hkvd-attn")  # blend token selection
+QUERY_AWARE = ("attn", "hkvd-attn")  # selections that look at the suffix: their blend depends on it
+DEVIATIONS = ("k", "v")
+CONTEXTS = ("bos", "none")
+TIER_KINDS = ("disk", "redis", "s3")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One tier below memory: an entry of ``cache.tiers``, asked in list order (disk, then Redis,
+    then S3 is the usual order: fastest first). Fields per kind:
+
+    - ``disk``: ``path`` (default ``<home>/kv``), ``capacity_bytes`` (default ``cache.disk_bytes``'s);
+    - ``redis``: ``url`` (``redis://``, ``rediss://``, ``unix://``), ``timeout_s``, ``cluster``;
+    - ``s3``: ``url`` (``s3://BUCKET[/PREFIX]``), ``endpoint``, ``region``, ``timeout_s``;
+    - all: ``name`` (default: the kind; unique), ``codec`` and ``codec_level`` (the encoding the
+      tier writes; none: as the memory tier holds it).
+
+    A field left out takes the default of the flat key it stands for (``cache.redis_timeout_s``...)."""
+
+    kind: str
+    name: str = ""
+    path: str | None = None
+    capacity_bytes: int | None = None
+    url: str | None = None
+    timeout_s: float | None = None
+    cluster: bool = False
+    endpoint: str | None = None
+    region: str | None = None
+    codec: str | None = None
+    codec_level: int = 0
+
+    KIND_FIELDS = {"disk": ("path", "capacity_bytes"), "redis": ("url", "timeout_s", "cluster"),
+              "s3": ("url", "endpoint", "region", "timeout_s")}
+    COMMON = ("kind", "name", "codec", "codec_level")
+
+    @property
+    def tier_name(self) -> str:
+        return self.name or self.kind
+
+    @property
+    def timeout(self) -> float:
+        """The tier's time-out: its own, or the default of its kind's flat key."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        return CacheConfig.redis_timeout_s if self.kind == "redis" else CacheConfig.s3_timeout_s
+
+    @property
+    def capacity(self) -> int:
+        """A disk tier's capacity: its own, or ``cache.disk_bytes``'s default."""
+        return self.capacity_bytes if self.capacity_bytes is not None else CacheConfig.disk_bytes
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV store: chunking, encoding, and the tiers. The tiers below memory are either a list of
+    sections (``tiers``, see ``TierConfig``) or, as in earlier versions and still supported, the
+    flat keys ``disk*``, ``redis_*`` and ``s3_*`` (one tier of each kind at most); not both."""
+
+    enabled: bool = True
+    chunk_size: int = 256
+    kv_dtype: str = "float16"
+    codec: str = "raw"
+    codec_level: int = 0
+    memory_bytes: int = 2 * 1024**3
+    disk: bool = True
+    disk_path: str | None = None  # default: <home>/kv
+    disk_bytes: int = 20 * 1024**3
+    redis_url: str | None = None
+    redis_timeout_s: float = 0.5
+    redis_cluster: bool = False  # redis_url is a node of a Redis / Valkey cluster
+    # The S3 tier (cold, after disk and Redis): s3://bucket/prefix, an endpoint for S3-compatible
+    # stores (MinIO, Ceph, moto; none = AWS), credentials from boto3's usual chain.
+    s3_url: str | None = None
+    s3_endpoint: str | None = None
+    s3_region: str | None = None
+    s3_timeout_s: float = 2.0
+    s3_codec: str | None = None
+    s3_codec_level: int = 0
+    write_queue: int = 64
+    store_generated: bool = False  # without history: store the answers' whole chunks too
+    salt: str = ""
+    history: bool = True  # whole-history reuse: a turn's prompt and answer KV kept for the next turn
+    history_records: int = 2048  # stored histories whose ids are remembered (to line up later turns)
+    truncation: str = "reuse"  # a conversation beyond the context window: reuse | recompute | off
+    async_save: bool = True  # save new KV on a thread of its own, off the request path
+    prefetch: bool = True  # read queued requests' KV from disk / Redis into memory before they run
+    eviction: str = "queue"  # memory tier: queue (keep queued requests' entries) | lru
+    # Per-tier codecs: the memory tier writes ``codec``; disk and Redis write their own when set
+    # (e.g. cachegen), else the same. Readers accept any codec, whatever wrote an entry.
+    disk_codec: str | None = None
+    disk_codec_level: int = 0
+    redis_codec: str | None = None
+    redis_codec_level: int = 0
+    stream_levels: tuple[int, ...] = ()  # extra CacheGen levels written to disk / Redis for streaming
+    kv_slo_ms: float | None = None  # load slow-tier KV adaptively within this budget (None: off)
+    codec_workers: int | None = None  # processes that encode / decode CacheGen (None: one per core)
+    # How long the entries a request writes stay when it does not say (prompt_cache_retention):
+    # none = the tiers' policy (every tier, until evicted), in_memory, or a duration such as 24h.
+    retention: str | None = None
+    tiers: tuple[TierConfig, ...] | None = None  # the tiers below memory, in order (None: the flat keys)
+
+    def flat_tiers(self) -> tuple[TierConfig, ...]:
+        """The tiers the flat keys describe: disk (unless ``disk: false``), Redis and S3 when their
+        URLs are set, in that order."""
+        out = []
+        if self.disk:
+            out.append(TierConfig("disk", path=self.disk_path, capacity_bytes=self.disk_bytes, codec=self.disk_codec,
+                                  codec_level=self.disk_codec_level))
+        if self.redis_url:
+            out.append(TierConfig("redis", url=self.redis_url, timeout_s=self.redis_timeout_s,
+                                  cluster=self.redis_cluster, codec=self.redis_codec,
+                                  codec_level=self.redis_codec_level))
+        if self.s3_url:
+            out.append(TierConfig("s3", url=self.s3_url, endpoint=self.s3_endpoint, region=self.s3_region,
+                                  timeout_s=self.s3_timeout_s, codec=self.s3_codec, codec_level=self.s3_codec_level))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class BlendOptions:
+    """The ``blend:`` section, and a request's blend (the server's ``recompute_ratio`` overrides
+    the ratio): one frozen value, checked when it is made (a request's override too).
+
+    ``recompute_ratio``: the fraction of document tokens recomputed in context (0 = full reuse:
+    the documents' KV concatenated as stored; 1 = every token recomputed, a full prefill).
+
+    - ``method``: how tokens are chosen. ``hkvd``: the largest deviation between fresh and cached
+      K or V at the check layer (CacheBlend); ``hkvd-head``: the same, scored by the head that
+      deviates most (each head's deviations scaled to its mean); ``sinks``: the first tokens of
+      every document (EPIC); ``sinks+hkvd``: the first ``sink_tokens`` of every document, the rest
+      of the budget by deviation; ``attn``: the document tokens the suffix (the question) attends
+      to most at the check layer; ``hkvd-attn``: deviation times that attention. The last two
+      depend on the question, so their blended prompt is stored under keys of the whole prompt.
+    - ``check_layer``: the layer whose deviation ranks tokens; layers before it ("full" layers)
+      are computed for every document token, later ones only for the selected tokens.
+    - ``deviation``: compare K or V.
+    - ``gradual``: select twice the budget at the check layer and shrink to the budget over the
+      next three layers, each time by that layer's deviation (the paper's gradual filtering).
+    - ``document_context``: what a document's KV is computed behind when it is cached on its own:
+      ``bos`` (the model's BOS token, dropped from the entry) or ``none``.
+    - ``store_blended``: store a blended prompt's KV as prefix chunks (in the blend namespace), so
+      a repeated prompt with the same documents is an exact prefix hit.
+    """
+
+    recompute_ratio: float = 0.15
+    method: str = "hkvd"
+    check_layer: int = 1
+    deviation: str = "v"
+    gradual: bool = False
+    sink_tokens: int = 4
+    document_context: str = "bos"
+    store_blended: bool = True
+
+    def __post_init__(self) -> None:
+        r = self.recompute_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {r!r}")
+        object.__setattr__(self, "recompute_ratio", float(r))
+        if self.method not in METHODS:
+            raise ValueError(f"blend method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        if self.deviation not in DEVIATIONS:
+            raise ValueError(f"blend deviation must be 'k' or 'v', got {self.deviation!r}")
+        if self.document_context not in CONTEXTS:
+            raise ValueError(f"document_context must be one of {', '.join(CONTEXTS)}, got {self.document_context!r}")
+        for name in ("check_layer", "sink_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+
+    def with_ratio(self, ratio: float | None) -> BlendOptions:
+        """These options with another recompute ratio (None: unchanged)."""
+        return self if ratio is None else replace(self, recompute_ratio=ratio)
+
+    @property
+    def query_aware(self) -> bool:
+        return self.method in QUERY_AWARE and not self.full_reuse
+
+    @property
+    def full_reuse(self) -> bool:
+        return self.recompute_ratio == 0.0
+
+    def identity(self) -> str:
+        """Everything that changes the blended KV, as a namespace salt."""
+        if self.full_reuse:
+            return f"blend:reuse:{self.document_context}"
+        return (f"blend:{self.method}:{self.recompute_ratio:g}:L{self.check_layer}:{self.deviation}:"
+                f"{'gradual' if self.gradual else 'once'}:{self.sink_tokens}:{self.document_context}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Continuous batching: how many sequences share a step, and the live KV they may hold."""
+
+    max_running: int = 32  # sequences decoded / prefilled together in one step
+    max_step_tokens: int = 256  # tokens per forward pass: decodes first, then prompt chunks
+    kv_memory_bytes: int | None = 4 * 1024**3  # live KV of all running sequences together (None: unbounded)
+
+
+@dataclass(frozen=True)
+class ResponsesConfig:
+    """Stored responses of the Responses API (what ``previous_response_id`` names)."""
+
+    store: bool = True  # keep responses whose request says store: true (false: keep none)
+    path: str | None = None  # the SQLite file; default: <home>/responses.sqlite3
+    ttl: str = "30d"  # a stored response expires this long after it was created
+
+    @property
+    def ttl_s(self) -> float:
+        return parse_duration(self.ttl)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The OpenAI-compatible HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()  # "KEY:TENANT" entries; empty = no authentication
+    max_queue: int = 64
+    max_body_bytes: int = 4 * 1024**2
+    max_tokens_limit: int = 4096
+    default_max_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything kvfuse reads. Build it with ``load_config``; it never changes afterwards."""
+
+    home: str = ""  # "" -> ~/.cache/kvfuse
+    model: str = "smollm2"
+    device: str = "auto"
+    dtype: str = "auto"
+    weights: str = "auto"  # auto (the compute dtype) | int8 (CPU only; its own cache namespace)
+    threads: int = 0  # 0 = all cores
+    context_tokens: int = 0  # the context window; 0 = the model's (lower it to truncate conversations sooner)
+    tune_malloc: bool = True  # keep freed multi-MB buffers for reuse (see runtime.tune_allocator)
+    log_level: str = "info"
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    blend: BlendOptions = field(default_factory=BlendOptions)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).expanduser() if self.home else Path.home() / ".cache" / "kvfuse"
+
+    def lower_tiers(self) -> tuple[TierConfig, ...]:
+        """The tiers below memory, in order (``cache.tiers``, or the flat keys), disk paths resolved."""
+        tiers = self.cache.tiers if self.cache.tiers is not None else self.cache.flat_tiers()
+        return tuple(replace(t, path=str(self._path_or(t.path, "kv"))) if t.kind == "disk" else t for t in tiers)
+
+    @property
+    def disk_path(self) -> Path | None:
+        """The first disk tier's folder (where the records of stored histories live too), or None."""
+        disk = next((t for t in self.lower_tiers() if t.kind == "disk"), None)
+        return Path(disk.path) if disk is not None else None
+
+    def _path_or(self, path: str | None, default: str) -> Path:
+        return Path(path).expanduser() if path else self.home_path / default
+
+    @property
+    def responses_path(self) -> Path:
+        return self._path_or(self.responses.path, "responses.sqlite3")
+
+    def engine_settings(self) -> EngineSettings:
+        """The settings an engine runs with (see ``EngineSettings``); the records of stored
+        histories live next to their KV on the disk tier, and survive restarts with it."""
+        return EngineSettings(cache=self.cache, blend=self.blend, engine=self.engine,
+                              context_tokens=self.context_tokens, max_queue=self.server.max_queue,
+                              history_path=str(self.disk_path / "histories") if self.disk_path is not None else None)
+
+    def api_key_map(self) -> dict[str, str]:
+        return dict(entry.split(":", 1) for entry in self.server.api_keys)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the engine reads, in one object: the cache, blend and engine sections, the context
+    window, the queue bound and where the records of stored histories are kept.
+
+    ``Config.engine_settings()`` builds it from a validated configuration, and the engine takes it
+    as it is (it checks only what depends on the model, such as the blend's check layer).
+    ``EngineSettings.of(chunk_size=16, history=False, ...)`` builds one from the sections' field
+    names (tests, benchmarks); unset fields keep the defaults above, the only ones there are."""
+
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    blend: BlendOptions = field(default_factory=BlendOptions)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    context_tokens: int = 0  # as Config.context_tokens: 0 = the model's context window
+    max_queue: int = ServerConfig.max_queue
+    history_path: str | None = None  # a folder for the records of stored histories (None: memory only)
+
+    @classmethod
+    def of(cls, blend: BlendOptions | None = None, **fields: Any) -> EngineSettings:
+        """Settings from field names of ``CacheConfig`` and ``EngineConfig`` (and this class's
+        own: ``context_tokens``, ``max_queue``, ``history_path``); ``blend``: the blend options.
+        A name that is no such field is a TypeError."""
+        sections: dict[str, dict[str, Any]] = {"cache": {}, "engine": {}}
+        own: dict[str, Any] = {}
+        for name, value in fields.items():
+            if name in ("context_tokens", "max_queue", "history_path"):
+                own[name] = value
+            elif name in FIELDS["cache"]:
+                sections["cache"][name] = value
+            elif name in FIELDS["engine"]:
+                sections["engine"][name] = value
+            else:
+                raise TypeError(f"unknown engine setting {name!r}")
+        return cls(cache=CacheConfig(**sections["cache"]), engine=EngineConfig(**sections["engine"]),
+                   blend=blend if blend is not None else BlendOptions(), **own)
+
+
+
+
+SECTIONS = {"cache": CacheConfig, "blend": BlendOptions, "engine": EngineConfig, "responses": ResponsesConfig,
+            "server": ServerConfig}
+FIELDS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}

@@ -1,0 +1,122 @@
+"""Checking a loaded configuration: ranges and consistency, with errors that say where each bad
+value came from (``sources``: the file, the variable, the command line, or the default) and what
+to write instead. Sections that check themselves (``BlendOptions``) were checked when made.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from kvfuse import dtypes
+from kvfuse.codecs import codec_names, get_codec
+from kvfuse.codecs.cachegen import LEVELS
+from kvfuse.durations import parse_duration
+
+from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError
+
+_FLAT_TIER_KEYS = ("disk", "disk_path", "disk_bytes", "disk_codec", "disk_codec_level", "redis_url",
+                   "redis_timeout_s", "redis_cluster", "redis_codec", "redis_codec_level", "s3_url", "s3_endpoint",
+                   "s3_region", "s3_timeout_s", "s3_codec", "s3_codec_level")
+_URL_SCHEMES = {"redis": ("redis://", "rediss://", "unix://"), "s3": ("s3://",)}
+
+
+def validate(c: Config, sources: Mapping[str, str]) -> None:
+    """Range and consistency checks; ``sources`` says where each non-default value came from."""
+
+    def need(ok: bool, name: str, message: str):
+        if not ok:
+            source = sources.get(name) or sources.get(name.split("[")[0])  # a tier's field: its list's source
+            where = f" (from {source})" if source else " (the default)"
+            raise ConfigError(f"{name}: {message}{where}")
+
+    need(c.device in ("auto", "cpu", "cuda") or c.device.startswith("cuda:"), "device", f"must be auto, cpu or cuda[:N], got {c.device!r}")
+    need(c.dtype == "auto" or c.dtype in dtypes.COMPUTE_DTYPES, "dtype",
+         f"must be auto, {', '.join(dtypes.COMPUTE_DTYPES)}, got {c.dtype!r}")
+    need(c.weights in WEIGHT_FORMATS, "weights",
+         f"must be one of {', '.join(WEIGHT_FORMATS)} (auto = the compute dtype, int8 = int8 projections on CPU), "
+         f"got {c.weights!r}")
+    need(c.weights == "auto" or not c.device.startswith("cuda"), "weights",
+         f"int8 runs on the CPU only (PyTorch's fbgemm kernels), not on device {c.device!r}; use weights: auto "
+         "with a GPU, or device: cpu")
+    need(c.threads >= 0, "threads", "must be >= 0 (0 = all cores)")
+    need(c.log_level.lower() in ("debug", "info", "warning", "error"), "log_level", "must be debug, info, warning or error")
+    need(bool(c.model), "model", "must name a built-in model, a model folder or a .gguf file")
+    k = c.cache
+    e = c.engine
+    need(e.max_running >= 1, "engine.max_running", f"must be >= 1 sequences per step, got {e.max_running}")
+    need(e.max_step_tokens >= 1, "engine.max_step_tokens", f"must be >= 1 token per step, got {e.max_step_tokens}")
+    need(e.kv_memory_bytes is None or e.kv_memory_bytes > 0, "engine.kv_memory_bytes",
+         "must be a size > 0 (e.g. 1GiB), or none for no limit")
+    need(16 <= k.chunk_size <= 65536, "cache.chunk_size", f"must be between 16 and 65536 tokens, got {k.chunk_size} (256 is the default)")
+    need(k.kv_dtype in dtypes.KV_DTYPES, "cache.kv_dtype", f"must be one of {', '.join(dtypes.KV_DTYPES)}, got {k.kv_dtype!r}")
+    need(k.codec_level >= 0, "cache.codec_level", "must be >= 0")
+    need(k.write_queue >= 1, "cache.write_queue", "must be >= 1")
+    need(k.redis_timeout_s > 0, "cache.redis_timeout_s", "must be > 0 seconds")
+    need(k.history_records >= 0, "cache.history_records", "must be >= 0 (0: remember no histories' ids)")
+    need(k.truncation in ("reuse", "recompute", "off"), "cache.truncation",
+         f"must be reuse, recompute or off, got {k.truncation!r}")
+    need(k.eviction in ("queue", "lru"), "cache.eviction", f"must be queue or lru, got {k.eviction!r}")
+    need(c.context_tokens == 0 or c.context_tokens >= 16, "context_tokens",
+         f"must be 0 (the model's context window) or at least 16 tokens, got {c.context_tokens}")
+    need(k.redis_url is None or k.redis_url.startswith(("redis://", "rediss://", "unix://")), "cache.redis_url",
+         f"must start with redis://, rediss:// or unix://, got {k.redis_url!r}")
+    s = c.server
+    need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
+    need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
+    need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    need(1 <= s.default_max_tokens <= s.max_tokens_limit, "server.default_max_tokens", "must be between 1 and server.max_tokens_limit")
+    for entry in s.api_keys:
+        key, sep, tenant = entry.partition(":")
+        need(bool(sep and key and tenant), "server.api_keys", f"entries must look like KEY:TENANT, got {entry!r}")
+    need(k.codec in codec_names(), "cache.codec", f"unknown codec {k.codec!r}; known codecs: {', '.join(codec_names())}")
+    need(k.s3_url is None or (k.s3_url.startswith("s3://") and len(k.s3_url) > 5), "cache.s3_url",
+         f"must look like s3://BUCKET or s3://BUCKET/PREFIX, got {k.s3_url!r}")
+    need(k.s3_timeout_s > 0, "cache.s3_timeout_s", "must be > 0 seconds")
+    for tier in ("", "disk_", "redis_", "s3_"):
+        _check_codec(need, f"cache.{tier}codec", getattr(k, f"{tier}codec"), getattr(k, f"{tier}codec_level"))
+    _check_tiers(k, sources, need)
+    need(all(level in LEVELS for level in k.stream_levels), "cache.stream_levels",
+         f"must be CacheGen levels ({', '.join(map(str, LEVELS))}), got {list(k.stream_levels)}")
+    need(k.kv_slo_ms is None or k.kv_slo_ms > 0, "cache.kv_slo_ms", f"must be > 0 milliseconds, got {k.kv_slo_ms}")
+    need(k.codec_workers is None or k.codec_workers >= 0, "cache.codec_workers",
+         "must be >= 0 (0: code in the calling process)")
+    if k.retention is not None and k.retention != "in_memory":  # engine.retention.Retention.parse's forms
+        try:
+            parse_duration(k.retention)
+        except ValueError as e:
+            need(False, "cache.retention", f"{e}; or 'in_memory' (or none: the tiers' policy)")
+    try:
+        parse_duration(c.responses.ttl)
+    except ValueError as e:
+        need(False, "responses.ttl", str(e))
+
+
+def _check_codec(need: Callable, name: str, codec: str | None, level: int) -> None:
+    """A tier's write codec: a known one, at a level it has."""
+    if codec is None:
+        return
+    need(codec in codec_names(), name, f"unknown codec {codec!r}; known codecs: {', '.join(codec_names())}")
+    try:
+        get_codec(codec, level)
+    except ValueError as e:
+        need(False, f"{name}_level", str(e))
+
+
+def _check_tiers(k: CacheConfig, sources: Mapping[str, str], need: Callable) -> None:
+    """``cache.tiers``: not mixed with the flat tier keys, unique names, and per tier its URL, its
+    time-out and its codec."""
+    if k.tiers is None:
+        return
+    flat = [f"cache.{key}" for key in _FLAT_TIER_KEYS if f"cache.{key}" in sources]
+    need(not flat, "cache.tiers", f"give the tiers either as cache.tiers or as flat keys, not both; remove "
+                                  f"{', '.join(flat)} (set by {', '.join(sorted({sources[f] for f in flat}))})")
+    names = [t.tier_name for t in k.tiers]
+    need(len(set(names)) == len(names) and "memory" not in names, "cache.tiers",
+         f"tier names must be unique and not 'memory', got {names}; give each tier a name: ...")
+    for i, t in enumerate(k.tiers):
+        where = f"cache.tiers[{i}]"
+        if t.kind in _URL_SCHEMES:
+            need(bool(t.url) and t.url.startswith(_URL_SCHEMES[t.kind]) and len(t.url) > 5, f"{where}.url",
+                 f"a {t.kind} tier needs a url starting with {' or '.join(_URL_SCHEMES[t.kind])}, got {t.url!r}")
+        need(t.timeout_s is None or t.timeout_s > 0, f"{where}.timeout_s", "must be > 0 seconds")
+        _check_codec(need, f"{where}.codec", t.codec, t.codec_level)

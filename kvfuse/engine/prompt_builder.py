@@ -1,0 +1,90 @@
+"""Building an engine's prompts from what clients send: text, token ids, chat messages, documents.
+
+``PromptBuilder`` knows the model's tokenizer and chat template and the engine's context window:
+it renders chat messages, drops the oldest turns of a conversation that no longer fits
+(``history.drop_oldest_turns``, keeping system messages and the last message; ``cache.truncation``
+off disables it), places documents (``engine.encode``: each tokenized on its own), finds cache
+breakpoints' positions, and says when a prompt and its answer cannot fit the context window.
+The server, the CLI and benchmarks build prompts here; the engine takes them as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from kvfuse.history import drop_oldest_turns
+from kvfuse.models import LoadedModel
+
+from . import encode
+from .prompt import Prompt
+from .stats import EngineStats
+
+
+class PromptBuilder:
+    """Prompts for one model within one context window; see the module docstring."""
+
+    def __init__(self, model: LoadedModel, context_window: int, truncate: bool, stats: EngineStats):
+        self.model, self.context_window, self.truncate, self.stats = model, context_window, truncate, stats
+
+    def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+        """Token ids for a text prompt, a list of ids, or chat ``messages`` (rendered by the chat template)."""
+        tok = self.model.tokenizer
+        if messages is not None:
+            return tok.encode_chat(messages)
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        if prompt is None:
+            raise ValueError("give a prompt or messages")
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        return ids
+
+    def encode_chat(self, messages: list[dict], reserve: int = 0) -> tuple[list[int], int]:
+        """The ids of chat ``messages`` and how many messages were dropped to make them fit: when
+        they and ``reserve`` more tokens (the answer) exceed the context window, the oldest turns
+        go (unless truncation is off), keeping the system prompt and the last message. The ids
+        are the full conversation's when nothing fits (``check`` then reports it)."""
+        tok = self.model.tokenizer
+        ids = tok.encode_chat(messages)
+        if not self.truncate or len(ids) + reserve <= self.context_window:
+            return ids, 0
+        lengths: dict[int, list[int]] = {}
+
+        def fits(msgs: list[dict]) -> bool:
+            lengths[len(msgs)] = tok.encode_chat(msgs)
+            return len(lengths[len(msgs)]) + reserve <= self.context_window
+
+        kept = drop_oldest_turns(messages, fits)
+        if kept is None:
+            return ids, 0
+        self.stats.add(truncated_requests=1, truncated_messages=len(messages) - len(kept))
+        return lengths[len(kept)], len(messages) - len(kept)
+
+    def encode_document(self, text: str) -> list[int]:
+        """A document's token ids, the same wherever it is used (``engine.encode``)."""
+        return encode.encode_document(self.model.tokenizer, text)
+
+    def document_prompt(self, documents: Seq[str], prompt: str | None = None,
+                        messages: list[dict] | None = None) -> Prompt:
+        """A prompt with ``documents``: before a completion ``prompt``, or at the start of the last
+        user message of chat ``messages``. ValueError (naming the document) for bad input."""
+        if messages is not None:
+            return encode.chat_prompt(self.model.tokenizer, documents, messages)
+        if not isinstance(prompt, str):
+            raise ValueError("documents need a text prompt, not token ids")
+        return encode.completion_prompt(self.model.tokenizer, documents, prompt)
+
+    def breakpoint_positions(self, messages: list[dict], marks: Seq[tuple[int, int]],
+                             ids: Seq[int]) -> list[int | None]:
+        """Prompt positions of cache breakpoints at ``marks`` (message index, character offset in its
+        content) of chat ``messages`` rendered as ``ids`` (``encode.breakpoint_positions``)."""
+        return encode.breakpoint_positions(self.model.tokenizer, messages, marks, ids)
+
+    def check(self, prompt: Prompt, max_tokens: int) -> None:
+        """ValueError when the prompt and ``max_tokens`` exceed the context window."""
+        if len(prompt) + max_tokens > self.context_window:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's context window "
+                f"of {self.context_window} tokens")
