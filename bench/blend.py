@@ -257,7 +257,11 @@ def speed(args, model: str, home: Path) -> dict:
             for _ in range(args.runs):
                 off = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))
                 times.setdefault(("full prefill", "-"), []).append(off.timings.ttft_s)
-                engine.generate(prompt.ids, greedy(1))  # stores / promotes the plain prompt's chunks
+                # Stores / promotes the plain prompt's chunks and its tail. Twice: the turn before
+                # may have left a longer tail in memory (the prompt and its answer) and the prompt's
+                # own tail on disk only; the second run promotes that one.
+                engine.generate(prompt.ids, greedy(1))
+                engine.generate(prompt.ids, greedy(1))
                 hit = engine.generate(prompt.ids, params)
                 if set(hit.hit_tiers) != {"memory"}:
                     raise RuntimeError(f"prefix hit served from {hit.hit_tiers}")
@@ -266,6 +270,7 @@ def speed(args, model: str, home: Path) -> dict:
                 for name, opts in blends:
                     for tier in ("memory", "disk"):
                         if tier == "disk":
+                            engine.flush()  # no save still queued lands in memory after the clear
                             engine.store.memory.clear()
                             if cold_note is None:
                                 cold_note = drop_page_cache()
