@@ -190,7 +190,10 @@ def cmd_models(args, config: Config) -> int:
         for m in registry.BUILTIN.values():
             installed = registry.package_installed(m)
             converted = (registry.converted_dir(home, m.name) / registry.MANIFEST).is_file()
-            state = "ready" if converted else ("installed" if installed else f"missing: {m.install_hint()}")
+            if converted or installed:
+                state = "ready" if converted else "installed"
+            else:
+                state = f"{'not downloaded' if m.split is not None else 'missing'}: {m.install_hint()}"
             rows.append((m.name, state, m.description))
         width = max(len(r[0]) for r in rows)
         swidth = max(len(r[1]) for r in rows)

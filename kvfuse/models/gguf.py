@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 import torch
 from safetensors.torch import save_file
 
@@ -129,7 +130,8 @@ def convert_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
     arch_is = config["model_type"]
     layer_names = _GEMMA_LAYER_NAMES if arch_is == "gemma3_text" else _LAYER_NAMES
     out: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    # Dequantizing takes minutes for the larger models: a progress bar on a terminal (none in logs).
+    for t in tqdm(reader.tensors, desc="converting weights", unit="tensor", disable=None, leave=False):
         if t.name in _GLOBAL_NAMES:
             name = _GLOBAL_NAMES[t.name]
         elif m := _BLOCK.match(t.name):

