@@ -1,6 +1,6 @@
 """CacheBlend: answer quality and time to first token of blended prompts vs full prefill.
 
-Quality, on fictional QA (``bench/fictional_qa.py``: facts no model knows, 5 documents per item,
+Quality, on fictional QA (``kvfuse/calibration/fictional_qa.py``: facts no model knows, 5 documents per item,
 single- and cross-document questions, distractors; ``--split dev`` to tune, ``test`` to report):
 
 - ``accuracy``: the gold answer appears in the greedy answer (normalised text), as a fraction of
@@ -31,7 +31,6 @@ import argparse
 import json
 import re
 import statistics
-import string
 import sys
 import tempfile
 import time
@@ -43,14 +42,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import DATA, OUT, drop_page_cache, environment, print_table  # noqa: E402
-import fictional_qa  # noqa: E402
+from kvfuse.calibration import fictional_qa  # noqa: E402
+from kvfuse.calibration.measure import correct, kl, normalize  # noqa: E402
 
 from kvfuse.blend import BlendOptions  # noqa: E402
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine, Prompt  # noqa: E402
 from kvfuse.generation import SamplingParams  # noqa: E402
 
-MODELS = ("smollm2", "gemma3-270m")
+MODELS = ("smollm2", "gemma3-270m", "qwen2.5-0.5b")
+CHAT_MODELS = ("smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")  # instruct models: asked in a chat turn
 METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd")
 RATIOS = (0.05, 0.1, 0.15, 0.3)
 
@@ -70,7 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--default", default="", help="key=value list of the options tested as the default")
     p.add_argument("--examples", type=int, default=3, help="MuSiQue examples for the speed part (default 3)")
     p.add_argument("--words", type=int, default=200, help="words per MuSiQue document (default 200)")
-    p.add_argument("--speed-ratios", default="0.05,0.1,0.15,0.3")
+    p.add_argument("--speed-ratios", default="0.05,0.1,0.15,0.3",
+                   help="budgets for the speed part; 'auto' is the model's calibrated blend")
     p.add_argument("--runs", type=int, default=3, help="timed runs per speed cell (default 3)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer tokens (default 16)")
     p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
@@ -93,13 +95,6 @@ def parse_kv(text: str) -> dict:
 # ------------------------------------------------------------------------------------ scoring
 
 
-def normalize(text: str) -> str:
-    text = text.lower()
-    text = "".join(c for c in text if c not in string.punctuation)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
 def f1(pred: str, ref: str) -> float:
     p, r = normalize(pred).split(), normalize(ref).split()
     if not p and not r:
@@ -109,17 +104,6 @@ def f1(pred: str, ref: str) -> float:
         return 0.0
     precision, recall = common / len(p), common / len(r)
     return 2 * precision * recall / (precision + recall)
-
-
-def correct(answer: str, gold: str) -> bool:
-    return normalize(gold) in normalize(answer)
-
-
-def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """Mean over rows of KL(softmax(ref) || softmax(logits))."""
-    p = F.log_softmax(ref_logits.float(), dim=-1)
-    q = F.log_softmax(logits.float(), dim=-1)
-    return float((p.exp() * (p - q)).sum(dim=-1).mean())
 
 
 def nll(logits: torch.Tensor, ids: list[int]) -> float:
@@ -144,7 +128,7 @@ def open_engine(name: str, home: Path, store_dir: Path | None = None) -> Engine:
 
 
 def qa_prompt(engine: Engine, model: str, it: fictional_qa.Item) -> Prompt:
-    if model == "smollm2":  # an instruct model: a chat turn, documents before the question
+    if model in CHAT_MODELS:  # an instruct model: a chat turn, documents before the question
         text = f"Answer the question using the passages above, in a few words.\nQuestion: {it.question}"
         return engine.prompts.document_prompt(list(it.documents), messages=[{"role": "user", "content": text}])
     return engine.prompts.document_prompt(list(it.documents), prompt=f"Question: {it.question}\nAnswer:")
@@ -186,7 +170,7 @@ def quality(args, model: str, home: Path) -> dict:
         ref = engine.generate(prompt.ids, params, cache=off)
         ref_ids = ref.token_ids or [tok.eos_token_id or 0]
         # a chat answer starts a new turn (no leading space); a completion continues "Answer:"
-        gold_ids = tok.encode(it.answer if model == "smollm2" else " " + it.answer, add_special_tokens=False)
+        gold_ids = tok.encode(it.answer if model in CHAT_MODELS else " " + it.answer, add_special_tokens=False)
         engine.precompute_documents(it.documents)  # outside the timed requests
         ref_logits, ref_gold = engine.score(prompt.ids, [ref_ids, gold_ids], cache=off)
         rows["full prefill"].append({"correct": correct(ref.text, it.answer), "f1": 1.0, "kl": 0.0,
@@ -228,23 +212,29 @@ def quality(args, model: str, home: Path) -> dict:
 def musique_prompt(engine: Engine, model: str, example: dict, words: int) -> Prompt:
     docs = [" ".join(c["text"].split()[:words]) for c in example["ctxs"]]
     q = example["question"]
-    if model == "smollm2":
+    if model in CHAT_MODELS:
         text = f"Answer the question using the passages above, within 5 words.\nQuestion: {q}"
         return engine.prompts.document_prompt(docs, messages=[{"role": "user", "content": text}])
     return engine.prompts.document_prompt(docs, prompt=f"Question: {q}\nAnswer:")
+
+
+def _ratio_name(base: BlendOptions, ratio) -> str:
+    return "auto" if ratio == "auto" else f"{base.method} {ratio:g}"
 
 
 def speed(args, model: str, home: Path) -> dict:
     rows = json.loads((DATA / "musique_s.json").read_text())
     examples = list(range(0, 50) if args.split == "dev" else range(50, 150))[: args.examples]
     base = BlendOptions(store_blended=False, **parse_kv(args.default))
-    ratios = [float(r) for r in args.speed_ratios.split(",") if r]
-    blends = [("full reuse", base.with_ratio(0.0))] + [(f"{base.method} {r:g}", base.with_ratio(r)) for r in ratios]
+    ratios = [r if r == "auto" else float(r) for r in args.speed_ratios.split(",") if r]
+    blends = [("full reuse", base.with_ratio(0.0))] + [(_ratio_name(base, r), base.with_ratio(r)) for r in ratios]
     params = greedy(args.max_tokens)
     cold_note = None if not args.no_drop_caches else "skipped"
     cells = []
     with tempfile.TemporaryDirectory(prefix="kvfuse-blend-") as d:
         engine = open_engine(model, home, Path(d))
+        if not engine.keying.resolve(base.with_ratio("auto")).blends:  # the model's profile: prefix reuse only
+            blends = [(n, o) for n, o in blends if o.recompute_ratio != "auto"]
         for ex in examples:
             prompt = musique_prompt(engine, model, rows[ex], args.words)
             ref = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))

@@ -34,7 +34,7 @@ levels), the prompt's whole chunks loaded from entries of that encoding:
   conversation's last 64 tokens before the question, teacher-forced after the rest;
 - relative NLL increase against the lossless run (the "quality within 2%" target).
 
-Part ``fictional``: the fictional-QA generator of the CacheBlend work (``bench/fictional_qa.py``,
+Part ``fictional``: the fictional-QA generator of the CacheBlend work (``kvfuse/calibration/fictional_qa.py``,
 facts no model knows), ``--limit`` items (default 40) of ``--split`` with ``--documents``
 documents each (default 12, ~1.5k tokens: 5-6 whole chunks), as plain prompts (documents, then
 the question): accuracy per encoding and agreement with the lossless answer. Results:
@@ -90,6 +90,9 @@ def parse_args(argv=None):
     p.add_argument("--limit", type=int, default=0, help="LongChat prompts per model (0: the whole split)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--context", type=int, default=8000, help="SmolLM2 prompt budget in tokens (its window is 8192)")
+    p.add_argument("--encodings", default="",
+                   help="quality part: the encodings compared (default int8 and every cachegen level; "
+                        "cachegen.N-uniform: without the per-model layer bins)")
     p.add_argument("--tag", default="", help="suffix of the result file (runs of one model at a time in parallel)")
     return p.parse_args(argv)
 
@@ -353,11 +356,16 @@ def normalise(s: str) -> str:
     return re.sub(r"[^a-z0-9 ]", "", s.lower()).strip()
 
 
-def reencoded_store(raw_tier, encoding: str):
+def reencoded_store(raw_tier, encoding: str, layer_types=()):
+    """The raw entries re-encoded as ``encoding`` ("int8", "cachegen.2": as the engine writes it for
+    this model, with its per-layer bins; "cachegen.2-uniform": every layer by the level's table)."""
     from kvfuse.tiers import MemoryTier, TieredStore
 
     name, _, level = encoding.partition(".")
+    level, _, variant = level.partition("-")
     codec = get_codec(name, int(level or 0))
+    if variant != "uniform":
+        codec = codec.for_model(layer_types)
     tier = MemoryTier(1 << 34)
     for key in raw_tier.keys_lru():
         entry = raw_tier.get(key)
@@ -380,7 +388,8 @@ def run_quality(args, checkpoint=None) -> dict:
     for name in args.models:
         m = load_model(name)
         budget = args.context if name == "smollm2" else None
-        per = {e: {"correct": 0, "agree": 0, "kl": [], "nll": []} for e in ["lossless", *ENCODINGS]}
+        encodings = args.encodings.split(",") if args.encodings else ENCODINGS
+        per = {e: {"correct": 0, "agree": 0, "kl": [], "nll": []} for e in ["lossless", *encodings]}
         truncated = 0
         t0 = time.perf_counter()
         for i, r in enumerate(rows):
@@ -395,8 +404,8 @@ def run_quality(args, checkpoint=None) -> dict:
             answers = {"lossless": lossless.text}
             per["lossless"]["nll"].append(float(-ref_logp[torch.arange(len(cont)), torch.tensor(cont)].mean()))
             per["lossless"]["kl"].append(0.0)
-            for enc in ENCODINGS:
-                store = reencoded_store(raw.memory, enc)
+            for enc in encodings:
+                store = reencoded_store(raw.memory, enc, m.config.layer_types)
                 lossy_engine = Engine(m, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
                 res = lossy_engine.generate(ids, greedy)
                 assert res.cached_tokens >= (len(ids) // 256) * 256 - 256, "the lossy entries were not used"
@@ -430,7 +439,7 @@ def run_quality(args, checkpoint=None) -> dict:
 
 def run_fictional(args) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
-    import fictional_qa
+    from kvfuse.calibration import fictional_qa
     from blend import correct, qa_prompt
 
     from kvfuse.config import EngineSettings
@@ -455,7 +464,7 @@ def run_fictional(args) -> dict:
             per["lossless"]["correct"] += correct(lossless.text, it.answer)
             per["lossless"]["agree"] += 1
             for enc in ENCODINGS:
-                store = reencoded_store(raw.memory, enc)
+                store = reencoded_store(raw.memory, enc, m.config.layer_types)
                 lossy = Engine(m, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
                 r = lossy.generate(ids, greedy)
                 per[enc]["correct"] += correct(r.text, it.answer)

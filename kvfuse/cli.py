@@ -8,6 +8,7 @@ the fix and exit with status 2; they never print a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -27,11 +28,47 @@ class UserError(Exception):
 # ----------------------------------------------------------------------------------- parsing
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _ratio_number(text: str) -> float:
+    try:
+        r = float(text)
+    except ValueError:
+        r = -1.0
+    if not 0.0 <= r <= 1.0:
+        raise UserError(f"a recompute budget must be a number in [0, 1], got {text!r}")
+    return r
+
+
+def _ratio(text: str) -> float | str:
+    """--recompute-ratio: a number in [0, 1], or auto."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _ratio_number(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(f"{e}, or auto") from None
+
+
+def _blend_text(blend) -> str:
+    if not blend.blends:
+        return f"documents not blended (reused as an exact prefix; from the {blend.source}), "
+    return f"blend {blend.method} at {blend.recompute_ratio:g} (from the {blend.source}), "
+
+
 def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
     p.add_argument("--config", metavar="FILE", help="YAML configuration file (default: $KVFUSE_CONFIG)")
     p.add_argument("--home", metavar="DIR", help="kvfuse home: converted models, disk cache (default: ~/.cache/kvfuse)")
     if model:
-        p.add_argument("--model", metavar="NAME|PATH", help="built-in name (smollm2, gemma3-270m), HF folder or .gguf file")
+        p.add_argument("--model", metavar="NAME|PATH", help="built-in name (kvfuse models list), HF folder or .gguf file")
         p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
         p.add_argument("--dtype", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
         p.add_argument("--weights", choices=("auto", "int8"),
@@ -79,8 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--document", action="append", default=[], metavar="FILE",
                    help="a document placed before the prompt (a .txt file, or a .jsonl file of {\"text\": ...} "
                         "lines); its KV is cached on its own and blended (repeatable)")
-    p.add_argument("--recompute-ratio", type=float, metavar="R",
-                   help="fraction of document tokens recomputed in context, 0..1 (default: blend.recompute_ratio)")
+    p.add_argument("--recompute-ratio", type=_ratio, metavar="R",
+                   help="fraction of document tokens recomputed in context, 0..1, or auto (the model's calibrated "
+                        "budget; default: blend.recompute_ratio)")
     _common(p)
 
     p = sub.add_parser("chat", help="a multi-turn conversation: one user turn per line of stdin, the whole history "
@@ -101,6 +139,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".txt files (one document each), .jsonl files (one {\"text\": ...} per line), or folders of them")
     p.add_argument("--tenant", default="", help="the tenant whose requests will use them (its API key's name)")
     p.add_argument("--cache-salt", default="", help="the cache_salt the requests will send")
+    _common(p)
+
+    p = sub.add_parser("calibrate", help="measure how much recomputation keeps a model's answers when blending "
+                                         "documents (recompute_ratio: auto) and which CacheGen level keeps its "
+                                         "predictions (codec_level: 0), and store its profile")
+    p.add_argument("calibrate_model", nargs="?", metavar="MODEL", help="the model (default: --model or the configuration's)")
+    p.add_argument("--part", choices=("blend", "codec", "all"), default="all",
+                   help="what is measured: the blend budget, the default CacheGen level, or both (default); the part "
+                        "not measured is kept from the model's current profile")
+    p.add_argument("--items", type=_positive, default=30, help="fictional QA dev items measured (default 30)")
+    p.add_argument("--methods", default="hkvd,sinks+hkvd", help="selection methods tried (default hkvd,sinks+hkvd)")
+    p.add_argument("--ratios", default="0.05,0.1,0.15,0.3,0.6", help="recompute budgets tried (default "
+                                                                       "0.05,0.1,0.15,0.3,0.6)")
+    p.add_argument("--contexts", help="document contexts tried (bos, eos, prefix, none; default: bos, and prefix "
+                                      "too for a chat model, whose documents follow a system prompt)")
+    p.add_argument("--codec-items", type=_positive, default=6,
+                   help="fictional QA dev items (12 documents each) the CacheGen levels are measured on (default 6)")
+    p.add_argument("--output", metavar="FILE",
+                   help="write the profile here (default: <home>/profiles/<fingerprint>.json, where auto finds it)")
     _common(p)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -157,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     overrides = {
         "home": getattr(args, "home", None),
-        "model": getattr(args, "model", None),
+        "model": getattr(args, "calibrate_model", None) or getattr(args, "model", None),
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "weights": getattr(args, "weights", None),
@@ -244,6 +301,7 @@ def cmd_generate(args, config: Config) -> int:
                 f"[kvfuse] prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached"
                 f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}"
                 f"{f', {result.recomputed_tokens} document tokens recomputed' if documents else ''}), "
+                f"{_blend_text(result.blend) if result.blend is not None else ''}"
                 f"{result.completion_tokens} generated, finish={result.finish_reason}\n"
                 f"[kvfuse] time to first token {t.ttft_s * 1000:.0f} ms (load {t.load_s * 1000:.0f} ms, "
                 f"prefill {t.prefill_s * 1000:.0f} ms), decode {t.decode_tokens_per_s(result.completion_tokens):.1f} tokens/s",
@@ -348,6 +406,124 @@ def cmd_precompute(args, config: Config) -> int:
         engine.close()  # flushes the writes to disk / Redis
     print(f"{counts['documents']} documents ({counts['tokens']} tokens): {counts['computed']} computed and stored, "
           f"{counts['cached']} already cached")
+    return 0
+
+
+def _blend_grid(args) -> tuple[list[str], list[float], list[str] | None]:
+    """The methods, budgets and document contexts of ``kvfuse calibrate``, checked."""
+    from .config import CONTEXTS, METHODS
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = [m for m in methods if m not in METHODS or m == "prefix"]
+    if bad or not methods:
+        raise UserError(f"--methods: unknown blend method {bad[0] if bad else '(none)'}; use a list of: "
+                        f"{', '.join(m for m in METHODS if m != 'prefix')}")
+    ratios = [_ratio_number(r) for r in args.ratios.split(",") if r.strip()]
+    if not ratios:
+        raise UserError("--ratios: give at least one budget, e.g. --ratios 0.15,0.3")
+    contexts = [c.strip() for c in (args.contexts or "").split(",") if c.strip()] or None
+    bad = [c for c in contexts or () if c not in CONTEXTS]
+    if bad:
+        raise UserError(f"--contexts: unknown document context {bad[0]!r}; use a list of: {', '.join(CONTEXTS)}")
+    return methods, ratios, contexts
+
+
+def _current_profile(path: Path, config: Config, model, needed: bool):
+    """The model's profile whose part not measured now is kept: the one at ``path`` (the output),
+    else the user's, else the shipped one; None if there is none. An unusable file at ``path`` is
+    an error when ``needed``, else ignored (it is about to be replaced)."""
+    from .calibration import profile
+
+    if not path.is_file():
+        return profile.find(model.fingerprint, config.home_path / "profiles")
+    try:
+        found = profile.load(path)
+        problem = None if found.fingerprint == model.fingerprint else \
+            f"{path} is the profile of another model ({found.model}, fingerprint {found.fingerprint})"
+    except profile.ProfileError as e:
+        found, problem = None, str(e)
+    if problem is None:
+        return found
+    if needed:
+        raise UserError(f"{problem}: give another --output, or measure both parts with --part all")
+    log.warning("%s: replaced", problem)
+    return None
+
+
+def _calibrate_blend(args, config: Config, model, grid):
+    """The blend part of ``kvfuse calibrate``: a profile (its ``codec`` not set), the table printed."""
+    from .calibration import calibrate
+    from .runtime import open_engine
+    from .tiers import MemoryTier, TieredStore
+
+    methods, ratios, contexts = grid
+    # In memory only: calibration must not fill the configured disk or Redis tiers.
+    engine = open_engine(config, model, TieredStore(MemoryTier(2 << 30), []))
+    command = f"kvfuse calibrate {config.model} --items {args.items} --methods {','.join(methods)} " \
+              f"--ratios {','.join(f'{r:g}' for r in ratios)}" + (f" --contexts {','.join(contexts)}" if contexts else "")
+    command += " --part blend" if args.part == "blend" else f" --codec-items {args.codec_items}"
+    try:
+        from tqdm import tqdm
+
+        with tqdm(total=args.items, unit="item", file=sys.stderr, disable=None) as bar:
+            result, report = calibrate.calibrate(engine, command, items=args.items, methods=methods, ratios=ratios,
+                                                 contexts=contexts, progress=lambda done, total, s: bar.update(1))
+    finally:
+        engine.close()
+    for row in report.rows():
+        print(f"  {row['config']:>22}  correct {row['correct']:>3}/{row['items']}  accuracy/full "
+              f"{row['accuracy_vs_full'] if row['accuracy_vs_full'] is not None else '-':>6}  KL {row['kl']:.3f}  "
+              f"TTFT {row['ttft_ms']:.0f} ms")
+    return result
+
+
+def _calibrate_codec(args, config: Config, model) -> dict:
+    """The codec part of ``kvfuse calibrate``: the profile's ``codec`` field, the levels printed."""
+    from tqdm import tqdm
+
+    from .calibration import codec_level
+
+    command = f"kvfuse calibrate {config.model} --part codec --codec-items {args.codec_items}"
+    with tqdm(total=args.codec_items, unit="item", file=sys.stderr, disable=None) as bar:
+        codec = codec_level.calibrate_level(model, command, items=args.codec_items, chunk_size=config.cache.chunk_size,
+                                            progress=lambda done, total: bar.update(1))
+    print("  cachegen level   NLL      vs lossless  KL       vs int8  bytes/token")
+    for row in codec["measured"]:
+        print(f"  {row['level']:>14}   {row['nll']:<7.4f}  {row['nll_increase']:>+10.2%}   {row['kl']:<7.4f}  "
+              f"{row['ratio_vs_int8']:>6.2f}x  {row['bytes_per_token']:>11.1f}")
+    return codec
+
+
+def cmd_calibrate(args, config: Config) -> int:
+    from .calibration import profile
+    from .runtime import open_model
+
+    grid = _blend_grid(args)  # checked before a model is loaded, whatever the part
+    # Each setting is measured as given (not through the model's current profile).
+    config = dataclasses.replace(config, blend=dataclasses.replace(config.blend, recompute_ratio=0.15))
+    model = open_model(config)
+    path = Path(args.output) if args.output else profile.path_for(config.home_path / "profiles", model.fingerprint)
+    current = _current_profile(path, config, model, args.part == "codec") if args.part != "all" else None
+    if args.part == "codec" and current is None:
+        raise UserError(f"no profile of {config.model} to add the CacheGen level to (none at {path}, among the "
+                        f"user's or the shipped ones): run `kvfuse calibrate {config.model}` to measure the blend "
+                        "and the level together")
+    result = current if args.part == "codec" else _calibrate_blend(args, config, model, grid)
+    if args.part != "blend":
+        result = dataclasses.replace(result, codec=_calibrate_codec(args, config, model))
+    elif current is not None:  # the level measured before stays with the new blend
+        result = dataclasses.replace(result, codec=current.codec)
+    if args.output:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    else:
+        profile.save(result, path.parent)
+    b = result.blend
+    what = "no blending (documents reused as an exact prefix)" if b["method"] == "prefix" else \
+        f"{b['method']} at {b['recompute_ratio']:g}"
+    level = f"CacheGen level {result.codec['cachegen_level']}: {result.codec['reason']}" if result.codec else \
+        "CacheGen level: not calibrated (the default)"
+    print(f"{config.model}: {what}: {result.reason}\n{config.model}: {level}\nprofile: {path}")
     return 0
 
 
@@ -532,7 +708,7 @@ def _free(config: Config, keys: list[str]) -> int:
 
 
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "precompute": cmd_precompute, "cache": cmd_cache, "responses": cmd_responses}
+            "precompute": cmd_precompute, "calibrate": cmd_calibrate, "cache": cmd_cache, "responses": cmd_responses}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,14 @@ used: measured on SmolLM2 and Gemma3 KV they made the symbols *less* compressibl
 bits) at a *higher* error, because keys are stored rotated by RoPE, which destroys the
 token-to-token locality the deltas rely on (``bench/codec.py --part deltas``).
 
+Per model (``for_model``): in a model that mixes sliding-window and global attention (Gemma 3),
+the global layers get twice the K bins of their group. Their keys are read by every later query
+over the whole context, so their quantization error costs the most answer quality: measured on
+Gemma 3 (LongChat, ``bench/codec.py --part allocation``) at level 2, see the README (CacheGen benchmarks).
+The level itself is per model too: a codec configured at level 0 takes the level ``kvfuse
+calibrate`` chose for the model (its profile's ``codec`` field, ``kvfuse/calibration/codec_level.py``),
+else ``DEFAULT_LEVEL``; a level set in the configuration always wins.
+
 Encoding and decoding of a whole chunk run in worker processes, a group of layers each
 (``kvfuse/entropy/pool.py``); a single layer (layer-wise loading) is decoded in-process.
 """
@@ -68,7 +76,16 @@ LEVELS: dict[int, LevelBins] = {
     4: LevelBins(k_early=128, k_late=128, v_early=64, v_late=64),
 }
 DEFAULT_LEVEL = 2
+MAX_BINS = 128
 POOL_MIN_VALUES = 1 << 18  # below this many values a chunk is coded in the calling process
+
+
+def sensitive_layers(layer_types: Sequence[str]) -> frozenset[int]:
+    """The layers whose K gets more bins: the global-attention ("full") layers of a model that
+    mixes them with sliding-window ones; none in a model whose layers are all alike."""
+    if len(set(layer_types)) < 2:
+        return frozenset()
+    return frozenset(i for i, t in enumerate(layer_types) if t == "full")
 
 
 def dequantize(symbols: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -80,19 +97,39 @@ def dequantize(symbols: torch.Tensor, scales: torch.Tensor, levels: torch.Tensor
 
 
 class CacheGenCodec(Codec):
-    """Lossy; see the module docstring. ``level`` 0 means the default level."""
+    """Lossy; see the module docstring. ``level`` 0 means the model's calibrated level
+    (``model_level``, set by ``for_model``), else the default level."""
 
     name = "cachegen"
     codec_id = 3
     is_lossless = False
 
-    def __init__(self, level: int = 0) -> None:
-        level = DEFAULT_LEVEL if level == 0 else level
-        if level not in LEVELS:
-            raise ValueError(f"cachegen levels are {', '.join(map(str, LEVELS))} (0: the default, "
-                             f"{DEFAULT_LEVEL}); got {level}")
-        self.level = level
-        self.bins = LEVELS[level]
+    def __init__(self, level: int = 0, boosted: frozenset[int] = frozenset(), model_level: int = 0) -> None:
+        for lv in (level, model_level):
+            if lv != 0 and lv not in LEVELS:
+                raise ValueError(f"cachegen levels are {', '.join(map(str, LEVELS))} (0: the model's "
+                                 f"calibrated level, else {DEFAULT_LEVEL}); got {lv}")
+        self.configured_level = level  # kept through for_model: 0 lets each model's calibration decide
+        self.level = level or model_level or DEFAULT_LEVEL
+        self.bins = LEVELS[self.level]
+        self.boosted = frozenset(boosted)  # layers whose K gets twice its group's bins
+
+    def for_model(self, layer_types: Sequence[str], level: int = 0) -> CacheGenCodec:
+        """This codec with the model's sensitive layers boosted and, when it was configured at
+        level 0, the model's calibrated ``level`` (0: none, the default level)."""
+        boosted = sensitive_layers(layer_types)
+        resolved = self.configured_level or level or DEFAULT_LEVEL
+        if (boosted, resolved) == (self.boosted, self.level):
+            return self
+        return CacheGenCodec(self.configured_level, boosted, model_level=level)
+
+    def layer_bins(self, num_layers: int) -> list[tuple[int, int]]:
+        """(K bins, V bins) of every layer."""
+        out = []
+        for i in range(num_layers):
+            k, v = self.bins.of_layer(i, num_layers)
+            out.append((min(2 * k, MAX_BINS) if i in self.boosted else k, v))
+        return out
 
     # -- encoding -------------------------------------------------------------------------------
 
@@ -100,7 +137,9 @@ class CacheGenCodec(Codec):
         kv = check_kv(kv)
         L, _, T, H, D = kv.shape
         values = kv.float().reshape(L, 2, T, H * D).numpy()
-        bins = [self.bins.of_layer(i, L) for i in range(L)]
+        if self.boosted and max(self.boosted) >= L:
+            raise ValueError(f"cachegen was set up for a model with more than {L} layers")
+        bins = self.layer_bins(L)
         try:
             parts = self._run("encode", [(values[a:b], bins[a:b]) for a, b in self._groups(L, kv.numel())])
         except (JobError, ModelsError) as e:

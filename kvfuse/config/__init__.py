@@ -14,7 +14,7 @@ The file mirrors the dataclasses::
         - {kind: disk, path: /var/cache/kvfuse, capacity_bytes: 100GiB, codec: cachegen}
         - {kind: redis, url: redis://127.0.0.1:6379/0}
     blend:
-      recompute_ratio: 0.15
+      recompute_ratio: auto       # the model's calibrated budget (kvfuse calibrate), or 0..1
     engine:
       max_running: 16
       kv_memory_bytes: 1GiB
@@ -34,12 +34,12 @@ Every error names the field, where the bad value came from, and what to write in
 """
 
 from .load import default_home, load_config, load_from_environment
-from .sections import (CONTEXTS, DEVIATIONS, KV_DTYPES, METHODS, QUERY_AWARE, TIER_KINDS, WEIGHT_FORMATS,
+from .sections import (BUDGET_SOURCES, CONTEXTS, DEVIATIONS, KV_DTYPES, METHODS, QUERY_AWARE, TIER_KINDS, WEIGHT_FORMATS,
                        BlendOptions, CacheConfig, Config, ConfigError, EngineConfig, EngineSettings, ResponsesConfig,
                        ServerConfig, TierConfig)
 
 __all__ = [
-    "CONTEXTS", "DEVIATIONS", "KV_DTYPES", "METHODS", "QUERY_AWARE", "TIER_KINDS", "WEIGHT_FORMATS", "BlendOptions",
+    "BUDGET_SOURCES", "CONTEXTS", "DEVIATIONS", "KV_DTYPES", "METHODS", "QUERY_AWARE", "TIER_KINDS", "WEIGHT_FORMATS", "BlendOptions",
     "CacheConfig", "Config", "ConfigError", "EngineConfig", "EngineSettings", "ResponsesConfig", "ServerConfig",
     "TierConfig", "default_home", "load_config", "load_from_environment",
 ]

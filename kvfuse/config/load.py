@@ -149,13 +149,15 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
             return int(str(value).strip()) if not isinstance(value, int) else value
         except ValueError:
             fail("an integer", f"{name.split('.')[-1]}: 256")
-    if base == "float":
+    if base == "float | str" and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"  # e.g. blend.recompute_ratio: a number, or auto
+    if base in ("float", "float | str"):
         try:
             f = float(value)
         except (TypeError, ValueError):
             f = math.nan
         if isinstance(value, bool) or not math.isfinite(f):
-            fail("a number", f"{name.split('.')[-1]}: 0.5")
+            fail("a number" if base == "float" else "a number or auto", f"{name.split('.')[-1]}: 0.5")
         return f
     if base.startswith("tuple"):
         items = value.split(",") if isinstance(value, str) else value

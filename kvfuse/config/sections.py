@@ -22,10 +22,11 @@ class ConfigError(ValueError):
 
 KV_DTYPES = dtypes.KV_DTYPES
 WEIGHT_FORMATS = ("auto", "int8")  # = models.quant.WEIGHT_FORMATS (a unit test keeps them equal)
-METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd", "attn", "hkvd-attn")  # blend token selection
+METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd", "attn", "hkvd-attn", "prefix")  # blend token selection
+BUDGET_SOURCES = ("config", "request", "profile", "default")  # what decided a blend's budget
 QUERY_AWARE = ("attn", "hkvd-attn")  # selections that look at the suffix: their blend depends on it
 DEVIATIONS = ("k", "v")
-CONTEXTS = ("bos", "none")
+CONTEXTS = ("bos", "none", "prefix", "eos")
 TIER_KINDS = ("disk", "redis", "s3")
 
 
@@ -85,7 +86,7 @@ class CacheConfig:
     chunk_size: int = 256
     kv_dtype: str = "float16"
     codec: str = "raw"
-    codec_level: int = 0
+    codec_level: int = 0  # 0: the model's calibrated level (kvfuse calibrate), else the codec's default (cachegen: 2)
     memory_bytes: int = 2 * 1024**3
     disk: bool = True
     disk_path: str | None = None  # default: <home>/kv
@@ -147,7 +148,11 @@ class BlendOptions:
     the ratio): one frozen value, checked when it is made (a request's override too).
 
     ``recompute_ratio``: the fraction of document tokens recomputed in context (0 = full reuse:
-    the documents' KV concatenated as stored; 1 = every token recomputed, a full prefill).
+    the documents' KV concatenated as stored; 1 = every token recomputed, a full prefill), or
+    ``auto`` (the default): the method and budget the model's calibrated profile found to keep its
+    answers (``kvfuse calibrate``; ``kvfuse.calibration.profile``), a conservative budget for a
+    model without one. The engine resolves ``auto`` when it starts; ``source`` says what decided
+    the budget (config, request, profile, default).
 
     - ``method``: how tokens are chosen. ``hkvd``: the largest deviation between fresh and cached
       K or V at the check layer (CacheBlend); ``hkvd-head``: the same, scored by the head that
@@ -156,18 +161,22 @@ class BlendOptions:
       of the budget by deviation; ``attn``: the document tokens the suffix (the question) attends
       to most at the check layer; ``hkvd-attn``: deviation times that attention. The last two
       depend on the question, so their blended prompt is stored under keys of the whole prompt.
+      ``prefix``: no blending: the documents are part of the prompt, reused only as an exact
+      prefix (what ``auto`` picks for a model whose calibration found no budget that pays off).
     - ``check_layer``: the layer whose deviation ranks tokens; layers before it ("full" layers)
       are computed for every document token, later ones only for the selected tokens.
     - ``deviation``: compare K or V.
     - ``gradual``: select twice the budget at the check layer and shrink to the budget over the
       next three layers, each time by that layer's deviation (the paper's gradual filtering).
     - ``document_context``: what a document's KV is computed behind when it is cached on its own:
-      ``bos`` (the model's BOS token, dropped from the entry) or ``none``.
+      ``bos`` (the model's BOS token, dropped from the entry), ``eos`` (its end-of-text token),
+      ``prefix`` (the prompt's own tokens before the first document, e.g. the system prompt and
+      chat header: a document's entry is then reused only behind the same prefix) or ``none``.
     - ``store_blended``: store a blended prompt's KV as prefix chunks (in the blend namespace), so
       a repeated prompt with the same documents is an exact prefix hit.
     """
 
-    recompute_ratio: float = 0.15
+    recompute_ratio: float | str = "auto"
     method: str = "hkvd"
     check_layer: int = 1
     deviation: str = "v"
@@ -175,12 +184,16 @@ class BlendOptions:
     sink_tokens: int = 4
     document_context: str = "bos"
     store_blended: bool = True
+    source: str = "config"  # what decided the budget (BUDGET_SOURCES); not part of the identity
 
     def __post_init__(self) -> None:
         r = self.recompute_ratio
-        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-            raise ValueError(f"recompute_ratio must be a number in [0, 1], got {r!r}")
-        object.__setattr__(self, "recompute_ratio", float(r))
+        if r != "auto":
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
+                raise ValueError(f"recompute_ratio must be a number in [0, 1] or \"auto\", got {r!r}")
+            object.__setattr__(self, "recompute_ratio", float(r))
+        if self.source not in BUDGET_SOURCES:
+            raise ValueError(f"blend source must be one of {', '.join(BUDGET_SOURCES)}, got {self.source!r}")
         if self.method not in METHODS:
             raise ValueError(f"blend method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.deviation not in DEVIATIONS:
@@ -192,9 +205,25 @@ class BlendOptions:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
 
-    def with_ratio(self, ratio: float | None) -> BlendOptions:
-        """These options with another recompute ratio (None: unchanged)."""
-        return self if ratio is None else replace(self, recompute_ratio=ratio)
+    def with_ratio(self, ratio: float | str | None) -> BlendOptions:
+        """These options with a request's recompute ratio (None: unchanged; ``auto``: to be
+        resolved by the engine from the model's profile)."""
+        if ratio is None:
+            return self
+        if ratio == "auto":
+            return replace(self, recompute_ratio="auto", source="config")
+        method = "hkvd" if self.method == "prefix" else self.method  # a budget asks for a blend
+        return replace(self, recompute_ratio=ratio, method=method, source="request")
+
+    @property
+    def auto(self) -> bool:
+        """The budget is the model's calibrated one (``kvfuse.calibration.profile.resolve``)."""
+        return self.recompute_ratio == "auto"
+
+    @property
+    def blends(self) -> bool:
+        """Documents are blended (``prefix``: reused only as an exact prompt prefix, no blending)."""
+        return self.method != "prefix"
 
     @property
     def query_aware(self) -> bool:
@@ -206,6 +235,8 @@ class BlendOptions:
 
     def identity(self) -> str:
         """Everything that changes the blended KV, as a namespace salt."""
+        if self.auto:
+            raise ValueError("recompute_ratio auto has no identity: resolve it against the model's profile first")
         if self.full_reuse:
             return f"blend:reuse:{self.document_context}"
         return (f"blend:{self.method}:{self.recompute_ratio:g}:L{self.check_layer}:{self.deviation}:"
@@ -293,7 +324,8 @@ class Config:
         histories live next to their KV on the disk tier, and survive restarts with it."""
         return EngineSettings(cache=self.cache, blend=self.blend, engine=self.engine,
                               context_tokens=self.context_tokens, max_queue=self.server.max_queue,
-                              history_path=str(self.disk_path / "histories") if self.disk_path is not None else None)
+                              history_path=str(self.disk_path / "histories") if self.disk_path is not None else None,
+                              profiles_path=str(self.home_path / "profiles"))
 
     def api_key_map(self) -> dict[str, str]:
         return dict(entry.split(":", 1) for entry in self.server.api_keys)
@@ -315,16 +347,18 @@ class EngineSettings:
     context_tokens: int = 0  # as Config.context_tokens: 0 = the model's context window
     max_queue: int = ServerConfig.max_queue
     history_path: str | None = None  # a folder for the records of stored histories (None: memory only)
+    profiles_path: str | None = None  # the user's blend profiles (kvfuse calibrate); None: shipped ones only
 
     @classmethod
     def of(cls, blend: BlendOptions | None = None, **fields: Any) -> EngineSettings:
         """Settings from field names of ``CacheConfig`` and ``EngineConfig`` (and this class's
-        own: ``context_tokens``, ``max_queue``, ``history_path``); ``blend``: the blend options.
+        own: ``context_tokens``, ``max_queue``, ``history_path``, ``profiles_path``); ``blend``: the
+        blend options.
         A name that is no such field is a TypeError."""
         sections: dict[str, dict[str, Any]] = {"cache": {}, "engine": {}}
         own: dict[str, Any] = {}
         for name, value in fields.items():
-            if name in ("context_tokens", "max_queue", "history_path"):
+            if name in ("context_tokens", "max_queue", "history_path", "profiles_path"):
                 own[name] = value
             elif name in FIELDS["cache"]:
                 sections["cache"][name] = value

@@ -60,30 +60,31 @@ class Engine:
     def __init__(self, model: LoadedModel, store: TieredStore | None = None,
                  settings: EngineSettings = EngineSettings()):
         s, c = settings, settings.cache
-        if s.blend.check_layer >= model.config.num_layers:  # depends on the model: not the config's to know
-            raise ValueError(f"blend check_layer {s.blend.check_layer} is not a layer of this model "
-                             f"({model.config.num_layers} layers)")
-        self.model, self.store, self.settings, self.blend = model, store, settings, s.blend
+        self.model, self.store, self.settings = model, store, settings
         self.kv_dtype = dtypes.torch_dtype(c.kv_dtype)
-        self.codec = get_codec(c.codec, c.codec_level)  # how this engine writes entries; any codec is read
         self.stats, self.estimates = EngineStats(), LoadEstimates()
-        limit = model.config.max_position_embeddings
-        self.context_window = min(limit, s.context_tokens or limit)
+        self.context_window = min(model.config.max_position_embeddings, s.context_tokens or 1 << 62)
         self.prompts = PromptBuilder(model, self.context_window, c.truncation != "off", self.stats)
         # Conversations: the ids each stored history was built from (found again for a later turn),
         # its KV saved off the request path, queued requests' KV prefetched and kept in memory.
         history = HistoryIndex(c.history_records, s.history_path) if store is not None and c.history else None
         self.saver = Saver(store) if store is not None and c.async_save else None
         retention = Retention.parse(c.retention) if c.retention is not None else None
+        self.keying = Keying(model, store, self.saver, s, history, self.context_window)  # its profile: codec level too
+        self.codec = get_codec(c.codec, c.codec_level).for_model(model.config.layer_types, self.keying.codec_level)
         self.writer = CacheWriter(store, self.saver, self.codec, c.chunk_size, retention, c.store_generated,
                                   history) if store is not None else None
-        self.keying = Keying(model, store, self.saver, s, history, self.context_window)
+        self.blend = self.keying.blend  # ``auto`` resolved against the model's blend profile
+        if self.blend.check_layer >= model.config.num_layers:  # depends on the model: not the config's to know
+            raise ValueError(f"blend check_layer {self.blend.check_layer} is not a layer of this model "
+                             f"({model.config.num_layers} layers)")
         self.prefiller = Prefiller(model, store, self.saver, self.keying, self.writer, self.kv_dtype, self.codec,
                                    c.kv_slo_ms, self.stats, self.estimates)
         memory = KVMemory(model.runner, self.kv_dtype, s.engine.kv_memory_bytes, self.saver)
         self.scheduler = Scheduler(s.max_queue, s.engine.max_running, memory, s.engine.max_step_tokens)
         self.prefetcher = None
         if store is not None:
+            store.use_model(model.config.layer_types, self.keying.codec_level)
             store.set_lookahead(self.scheduler.upcoming_keys)
             store.protect_upcoming(c.eviction == "queue")
             if c.prefetch and store.lower:
@@ -100,12 +101,12 @@ class Engine:
 
     def check(self, request: Request) -> None:
         """ValueError for a request that cannot run: beyond the context window or the whole KV
-        budget, a blend check layer the model lacks, documents without a cache."""
+        budget, a blend check layer the model lacks, documents to blend without a cache."""
         self.prompts.check(request.prompt, request.params.max_tokens)
-        blend = request.blend or self.blend
+        blend = self.keying.resolve(request.blend)
         if blend.check_layer >= self.model.config.num_layers:
             raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model")
-        if request.prompt.documents and (self.store is None or not request.cache.enabled):
+        if request.prompt.documents and blend.blends and (self.store is None or not request.cache.enabled):
             raise ValueError("documents need the KV cache: it is disabled for this request")
         self.scheduler.memory.check(len(request.prompt), request.params.max_tokens)
 

@@ -13,17 +13,25 @@ hits (e.g. after a restart, or the partial chunk a cache breakpoint stored).
 Keys never mix: the namespace names the model, the KV dtype and layout, the format version, the
 tenant and every salt (the engine's, the request's, the blend settings'); a conversation continued
 after dropped turns gets a namespace derived from what it was derived from.
+
+A request's blend is resolved here too: ``recompute_ratio: auto`` becomes the model's calibrated
+blend (``kvfuse.calibration.profile``), and a prompt whose blend is ``prefix`` (no blending: what
+``auto`` picks for a model where blending does not pay) is keyed as a plain prompt, its documents
+reused only as part of an exact prefix.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence as Seq
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
 from kvfuse.blend.options import BlendOptions
+from kvfuse.calibration import profile
 from kvfuse.config import EngineSettings
 from kvfuse.history import Alignment, HistoryIndex, Record, Run, align
 from kvfuse.kv.keys import Namespace, layout_of
@@ -47,7 +55,11 @@ class Keying:
         self.kv_dtype = settings.cache.kv_dtype
         self.salt = settings.cache.salt
         self.allow_gap = settings.cache.truncation == "reuse"  # reuse the kept turns' KV after dropped ones
-        self.blend = settings.blend
+        folder = Path(settings.profiles_path) if settings.profiles_path else None
+        self.profile = profile.find(model.fingerprint, folder)
+        self.codec_level = profile.codec_level(self.profile)  # CacheGen at level 0 writes this (0: the default)
+        # the engine's blend, ``auto`` resolved (without a cache there are no documents: nothing to warn of)
+        self.blend = profile.resolve(settings.blend, self.profile, model.name, warn=store is not None)
         self.context_window = context_window
         c = model.config
         self.layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
@@ -61,15 +73,37 @@ class Keying:
         return Namespace(tenant=tenant, model_fingerprint=self.model.fingerprint, kv_dtype=self.kv_dtype,
                          kv_layout=self.layout, salt=full_salt)
 
-    def document_context(self, blend: BlendOptions | None = None) -> tuple[int, ...]:
-        """What documents' KV is computed behind when cached on their own: the model's BOS token
-        (``document_context: bos``, when it has one), or nothing."""
-        bos = self.model.tokenizer.bos_token_id
-        return (bos,) if (blend or self.blend).document_context == "bos" and bos is not None else ()
+    def document_context(self, blend: BlendOptions | None = None, prompt_prefix: Seq[int] | None = None) -> tuple[int, ...]:
+        """What documents' KV is computed behind when cached on their own (``document_context``):
+        the model's BOS token (``bos``, when it has one), its end-of-text token (``eos``), the
+        prompt's own prefix (``prefix``: the tokens before the first document), or nothing."""
+        mode = (blend or self.blend).document_context
+        tok = self.model.tokenizer
+        if mode == "prefix":
+            if prompt_prefix is None:
+                raise ValueError("document_context 'prefix' computes documents behind each prompt's prefix: "
+                                 "give the prefix")
+            return tuple(prompt_prefix)
+        token = tok.bos_token_id if mode == "bos" else tok.eos_token_id if mode == "eos" else None
+        return (token,) if token is not None else ()
+
+    def resolve(self, blend: BlendOptions | None) -> BlendOptions:
+        """``blend`` (None: the engine's) with an ``auto`` budget replaced by the model's profile's."""
+        if blend is None:
+            return self.blend
+        return profile.resolve(blend, self.profile, self.model.name)
 
     def sequence(self, request: Request) -> Sequence:
         """``request``'s sequence, with its keys computed (hashing only)."""
-        blend = request.blend or self.blend
+        documents = bool(request.prompt.documents)
+        request.blend = self.resolve(request.blend)
+        if documents and not request.blend.blends:  # no blending: the documents are prompt text
+            request.prompt = Prompt.plain(request.prompt.ids)
+        seq = self._sequence(request, request.blend)
+        seq.documents = documents
+        return seq
+
+    def _sequence(self, request: Request, blend: BlendOptions) -> Sequence:
         if self.store is None or not request.cache.enabled:
             return Sequence(request, None, None, blend)
         c = request.cache
@@ -77,7 +111,7 @@ class Keying:
         if self.history is not None and request.prompt.is_prefix_only:
             return self._lined_up(request, ns, blend)
         blend_ns = self.namespace(c.tenant, c.salt, blend) if blend.store_blended else None
-        keys = prompt_keys(request.prompt, self.chunk_size, ns, self.document_context(blend), blend_ns,
+        keys = prompt_keys(request.prompt, self.chunk_size, ns, self.document_context(blend, request.prompt.prefix), blend_ns,
                            chain_over_suffix=blend.query_aware)
         return Sequence(request, ns, keys, blend)
 

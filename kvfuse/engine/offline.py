@@ -60,7 +60,15 @@ def precompute_documents(engine, texts: Seq[str], cache: CacheOptions = CacheOpt
     documents, computed, already cached, tokens."""
     if engine.store is None:
         raise ValueError("precompute needs the KV cache, and it is disabled in this configuration")
-    ns, context = engine.namespace(cache.tenant, cache.salt), engine.keying.document_context(blend)
+    blend = engine.keying.resolve(blend)
+    if not blend.blends:
+        raise ValueError("documents are not blended for this model (blend method prefix: its calibration found no "
+                         "budget that keeps the answers and pays off): a prompt's documents are reused only as part "
+                         "of an exact prefix, so there is nothing to precompute")
+    # ``document_context: prefix``: behind what a chat turn without a system message starts with
+    # (a completion's special tokens for a model without a chat template)
+    prefix = engine.prompts.default_document_prefix() if blend.document_context == "prefix" else None
+    ns, context = engine.namespace(cache.tenant, cache.salt), engine.keying.document_context(blend, prefix)
     counts = {"documents": 0, "computed": 0, "cached": 0, "tokens": 0}
     for i, text in enumerate(texts):
         try:

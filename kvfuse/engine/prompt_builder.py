@@ -76,6 +76,14 @@ class PromptBuilder:
             raise ValueError("documents need a text prompt, not token ids")
         return encode.completion_prompt(self.model.tokenizer, documents, prompt)
 
+    def default_document_prefix(self) -> list[int]:
+        """The tokens before the documents of a chat turn without a system message (of a completion
+        for a model without a chat template): what ``document_context: prefix`` precomputes behind."""
+        tok = self.model.tokenizer
+        if tok.chat_template is None:
+            return list(encode.completion_prompt(tok, ["."], "").prefix)
+        return list(encode.chat_prompt(tok, ["."], [{"role": "user", "content": ""}]).prefix)
+
     def breakpoint_positions(self, messages: list[dict], marks: Seq[tuple[int, int]],
                              ids: Seq[int]) -> list[int | None]:
         """Prompt positions of cache breakpoints at ``marks`` (message index, character offset in its

@@ -72,6 +72,7 @@ class GenerationResult:
     kv_stream: KVStreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
     written_tokens: int = 0  # prompt tokens whose KV this request handed to the cache
     history: Record | None = None  # the stored history of the KV this turn kept (None: none kept)
+    blend: BlendOptions | None = None  # how the prompt's documents were used (None: it had none)
 
     @classmethod
     def cancelled(cls, prompt_tokens: int) -> GenerationResult:

@@ -109,6 +109,7 @@ class Sequence:
     namespace: Namespace | None  # None: this request does not use the cache
     keys: PromptKeys | None
     blend: BlendOptions = field(default_factory=BlendOptions)  # for prompts with documents
+    documents: bool = False  # the request came with documents: its result and counters say how they were used
     record: Record | None = None  # the stored history this prompt was lined up with
     scope: str = ""  # where its own history record goes (the cache namespace's key prefix)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -189,6 +190,8 @@ class Sequence:
                        history_requests=int(self.record is not None), history_tokens_reused=u.history_reused,
                        moved_tokens_reused=u.moved_reused,
                        hits_by_tier={tier: u.hit_tiers.count(tier) for tier in set(u.hit_tiers)})
+            if self.documents:
+                out["blends"] = {blend_label(self.blend): 1}
         return out
 
     def preempted(self) -> None:
@@ -241,4 +244,10 @@ class Sequence:
                                 finish_reason=self.decode.finish_reason, prompt_tokens=self.prompt_len,
                                 cached_tokens=u.reused, timings=self.timings, hit_tiers=u.hit_tiers,
                                 stored_chunks=u.stored, recomputed_tokens=u.recomputed, kv_stream=u.kv_stream,
-                                written_tokens=u.written, history=u.kept)
+                                written_tokens=u.written, history=u.kept,
+                                blend=self.blend if self.documents else None)
+
+
+def blend_label(blend: BlendOptions) -> str:
+    """How a request's documents were used, for counters: ``method:budget:source``."""
+    return f"{blend.method}:{blend.recompute_ratio:g}:{blend.source}"

@@ -27,6 +27,7 @@ class EngineStats(Counters):
     tokens_generated: int = 0
     tokens_recomputed: int = 0  # document tokens a blend recomputed in context
     blended_requests: int = 0
+    blends: dict[str, int] = field(default_factory=dict)  # requests with documents by "method:budget:source"
     chunks_stored: int = 0
     chunk_load_failures: int = 0  # entries found by lookup but unusable when fetched
     hits_by_tier: dict[str, int] = field(default_factory=dict)

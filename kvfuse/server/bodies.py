@@ -34,6 +34,9 @@ def usage(result: GenerationResult) -> dict[str, Any]:
         r = result.kv_stream
         details["kv_stream"] = {"chunks": dict(r.chunks), "load_ms": round(r.load_s * 1000, 3),
                                 "slo_ms": round(r.slo_s * 1000, 3), "met": r.met, "bytes_read": r.bytes_read}
+    if result.blend is not None:
+        b = result.blend
+        details["blend"] = {"method": b.method, "recompute_ratio": b.recompute_ratio, "source": b.source}
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,

@@ -103,6 +103,12 @@ class CacheCollector(Collector):
                                   value=s["blended_requests"])
         yield CounterMetricFamily("kvfuse_blend_recomputed_tokens", "Document tokens recomputed in context by blends.",
                                   value=s["tokens_recomputed"])
+        blends = CounterMetricFamily("kvfuse_blend_budget_requests", "Requests with documents, by how they were used: "
+                                     "method (prefix: not blended), budget and its source (profile, default, config, "
+                                     "request).", labels=["method", "recompute_ratio", "source"])
+        for label, n in sorted(s.get("blends", {}).items()):
+            blends.add_metric(label.split(":"), n)
+        yield blends
         reused = CounterMetricFamily("kvfuse_reused_chunks", "Chunks reused by requests, by the tier they came from.",
                                      labels=["tier"])
         for tier, n in sorted(s["hits_by_tier"].items()):

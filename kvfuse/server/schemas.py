@@ -19,6 +19,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from typing_extensions import Annotated
+
+Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
@@ -50,10 +53,12 @@ class KVFuseOptions(_Strict):
                     "recomputed in context (recompute_ratio).",
         examples=[["Velmora is a harbour town on the river Aske.", "Its lighthouse was built in 1847."]],
     )
-    recompute_ratio: float | None = Field(
-        None, ge=0.0, le=1.0, allow_inf_nan=False,
+    recompute_ratio: Ratio | Literal["auto"] | None = Field(
+        None,
         description="kvfuse extension: the fraction of document tokens recomputed in context, in [0, 1] (0: reuse "
-                    "the documents' KV as it is; 1: a full prefill). Default: the server's blend.recompute_ratio.",
+                    "the documents' KV as it is; 1: a full prefill), or \"auto\": the budget the model's calibrated "
+                    "profile found to keep its answers (kvfuse calibrate). Default: the server's "
+                    "blend.recompute_ratio (auto unless configured).",
     )
     kv_slo_ms: float | None = Field(
         None, gt=0, le=3_600_000, allow_inf_nan=False,
@@ -228,6 +233,10 @@ class PromptTokensDetails(BaseModel):
     kv_stream: dict[str, Any] | None = Field(
         None, description="kvfuse extension: how chunks in slow tiers were streamed within kv_slo_ms: chunks per "
                           "encoding (\"raw\", \"cachegen.2\", ... or \"recompute\"), load_ms, slo_ms, met.")
+    blend: dict[str, Any] | None = Field(
+        None, description="kvfuse extension (requests with documents): how the documents' KV was used: method "
+                          "(hkvd, ..., or prefix: not blended, reused only as an exact prefix), recompute_ratio "
+                          "(the budget) and source (what decided it: profile, default, config or request).")
 
 
 class Usage(BaseModel):

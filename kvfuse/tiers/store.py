@@ -153,6 +153,11 @@ class TieredStore:
         """A lower tier's write codec by tier name (absent: entries as put)."""
         return self._transcoder.codecs
 
+    def use_model(self, layer_types: Sequence[str], level: int = 0) -> None:
+        """Encode lower tiers' entries for a model whose layers are ``layer_types`` and whose
+        calibrated CacheGen level is ``level`` (0: none; ``Transcoder.use_model``)."""
+        self._transcoder.use_model(layer_types, level)
+
     @property
     def stream_levels(self) -> tuple[int, ...]:
         """The CacheGen levels written as variants to the lower tiers."""

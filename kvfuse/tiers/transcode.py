@@ -43,6 +43,13 @@ class Transcoder:
         self.stream_codecs = [get_codec("cachegen", level) for level in self.stream_levels]
         self._counters = counters
 
+    def use_model(self, layer_types: Sequence[str], level: int = 0) -> None:
+        """Encode for a model whose layers are ``layer_types`` and whose calibrated CacheGen level
+        is ``level`` (0: none): ``Codec.for_model``. The level replaces only a tier codec configured
+        at level 0; the stream levels are explicit and stay."""
+        self.codecs = {name: c.for_model(layer_types, level) for name, c in self.codecs.items()}
+        self.stream_codecs = [c.for_model(layer_types) for c in self.stream_codecs]
+
     def encodings(self) -> list[str]:
         """The variants a chunk has in a lower tier besides its primary copy ("cachegen.1", ...)."""
         return [f"{c.name}.{c.level}" for c in self.stream_codecs]

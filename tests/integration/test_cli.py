@@ -145,10 +145,11 @@ def test_cache_stats_inspect_and_clear(long_runs, tmp_path):
 
 
 def test_cachegen_on_disk_listed_by_inspect_and_streamed_back(smollm2_ready, tmp_path):
-    """Raw in memory, CacheGen level 2 on disk plus levels 1 and 3 for streaming; a second process
-    streams the prompt back from disk within a budget."""
+    """Raw in memory, CacheGen level 2 on disk (set explicitly: level 0 would be the model's
+    calibrated level) plus levels 1 and 3 for streaming; a second process streams the prompt back
+    from disk within a budget."""
     disk = tmp_path / "kv"
-    env = {"KVFUSE_CACHE_DISK_CODEC": "cachegen", "KVFUSE_CACHE_STREAM_LEVELS": "1,3", "KVFUSE_CACHE_HISTORY": "false"}
+    env = {"KVFUSE_CACHE_DISK_CODEC": "cachegen", "KVFUSE_CACHE_DISK_CODEC_LEVEL": "2", "KVFUSE_CACHE_STREAM_LEVELS": "1,3", "KVFUSE_CACHE_HISTORY": "false"}
     prompt = long_text() + "\n\nQuestion: Who built the lighthouse of Velmora?\nAnswer:"
     args = ["generate", "--model", "smollm2", "--max-tokens", "4", "--verbose", "-"]
     first = kvfuse(args, disk=disk, stdin=prompt, env_extra=env)
@@ -173,3 +174,57 @@ def test_cachegen_on_disk_listed_by_inspect_and_streamed_back(smollm2_ready, tmp
     assert cached == "512" and tiers == "disk"
     assert re.search(r"streamed from slow tiers: 2 raw|streamed from slow tiers: .*cachegen", second.stderr), second.stderr
     assert_user_error(kvfuse(["cache", "inspect", "--limit", "0"], disk=disk), "--limit")
+
+
+def test_calibrate_writes_a_profile_and_generate_reports_the_blend(smollm2_ready, tmp_path):
+    """``kvfuse calibrate`` measures the given grid and the CacheGen levels and writes a profile
+    tied to the model; a generate with documents says which blend it used and where its budget
+    came from."""
+    out = tmp_path / "profile.json"
+    proc = kvfuse(["calibrate", "smollm2", "--items", "2", "--methods", "hkvd", "--ratios", "1", "--contexts", "bos",
+                   "--codec-items", "1", "--output", str(out)])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "full prefill" in proc.stdout and "hkvd 1" in proc.stdout and str(out) in proc.stdout
+    assert "cachegen level" in proc.stdout and "smollm2: CacheGen level" in proc.stdout
+    prof = json.loads(out.read_text())
+    assert prof["model"] == "smollm2" and len(prof["fingerprint"]) == 32
+    assert prof["command"].startswith("kvfuse calibrate smollm2 --items 2 --methods hkvd --ratios 1")
+    assert prof["command"].endswith("--codec-items 1")
+    assert prof["blend"]["method"] in ("hkvd", "prefix") and prof["reason"]
+    assert [r["config"] for r in prof["measured"]] == ["full prefill", "full reuse", "hkvd 1"]
+    codec = prof["codec"]
+    assert codec["cachegen_level"] in (1, 2, 3, 4) and codec["reason"] and codec["meta"]["items"] == 1
+    assert [r["level"] for r in codec["measured"]] == [1, 2, 3, 4]
+    assert all(r["ratio_vs_int8"] > 1 for r in codec["measured"])
+    doc = tmp_path / "doc.txt"
+    doc.write_text("Velmora's lighthouse was built in 1847 by the stonemason Ilse Garrow.")
+    proc = kvfuse(["generate", "--model", "smollm2", "--document", str(doc), "--recompute-ratio", "0.5",
+                   "--max-tokens", "4", "--verbose", "Who built the lighthouse?"], disk=tmp_path / "kv")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "blend hkvd at 0.5 (from the request)" in proc.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    (["calibrate", "smollm2", "--methods", "magic"], ["--methods", "magic", "hkvd"]),
+    (["calibrate", "smollm2", "--ratios", "2"], ["recompute budget", "[0, 1]"]),
+    (["calibrate", "smollm2", "--contexts", "elsewhere"], ["--contexts", "prefix"]),
+])
+def test_calibrate_rejects_bad_flags_naming_the_fix(args, words):
+    assert_user_error(kvfuse(args), *words)
+
+
+def test_calibrate_codec_part_keeps_a_profile_of_the_model_only(smollm2_ready, tmp_path):
+    """``--part codec`` adds the level to the model's profile: a file at --output that is another
+    model's is an error naming the fix, not a profile to change."""
+    out = tmp_path / "other.json"
+    out.write_text(json.dumps({"format": 1, "model": "other", "fingerprint": "0" * 32, "reason": "test",
+                               "command": "test", "blend": {"method": "hkvd", "recompute_ratio": 0.3}}))
+    assert_user_error(kvfuse(["calibrate", "smollm2", "--part", "codec", "--output", str(out)]),
+                      "another model", "--part all")
+    proc = kvfuse(["calibrate", "smollm2", "--part", "everything"])
+    assert proc.returncode == 2 and "codec" in proc.stderr and "blend" in proc.stderr
+
+
+def test_a_bad_recompute_ratio_flag_is_a_usage_error():
+    proc = kvfuse(["generate", "--recompute-ratio", "most", "hi"])
+    assert proc.returncode == 2 and "or auto" in proc.stderr

@@ -112,6 +112,7 @@ def test_streaming_with_documents_reports_usage(client):
     ({"prompt": "q", "extra_body": {"documents": ["ok", "   "]}}, "documents"),
     ({"prompt": "q", "extra_body": {"documents": DOCS, "recompute_ratio": 1.5}}, "recompute_ratio"),
     ({"prompt": "q", "extra_body": {"recompute_ratio": 0.5}}, "recompute_ratio"),
+    ({"prompt": "q", "extra_body": {"documents": DOCS, "recompute_ratio": "most"}}, "recompute_ratio"),
     ({"prompt": "q", "extra_body": {"documents": DOCS, "cache": False}}, "documents"),
     ({"prompt": "q", "extra_body": {"documents": "not a list"}}, "documents"),
     ({"prompt": "q", "extra_body": {"documents": [DOCS[0] * 300]}}, "prompt"),  # longer than the context window
@@ -135,6 +136,32 @@ def test_metrics_count_blends(client, server):
     line = next(x for x in text.splitlines() if x.startswith("kvfuse_blend_requests_total"))
     assert float(line.split()[-1]) >= 1
     assert "kvfuse_blend_recomputed_tokens_total" in text
+
+
+def test_usage_and_metrics_say_which_budget_was_used(client, server, engine):
+    """The configured budget, a request's own, and ``auto`` (the model's calibrated profile, or the
+    conservative default without one): each response says which, and ``/metrics`` counts them."""
+    from kvfuse.calibration import profile
+    from kvfuse.config import BlendOptions
+
+    def blend_of(**extra) -> dict:
+        got = client.completions.create(model=MODEL, prompt="Q: Who lives on Brell?\nA:", max_tokens=2,
+                                        temperature=0, extra_body={"documents": DOCS[1:], **extra})
+        return got.usage.prompt_tokens_details.model_extra["blend"]
+
+    assert blend_of() == {"method": "hkvd", "recompute_ratio": 0.2, "source": "config"}
+    assert blend_of(recompute_ratio=0.5) == {"method": "hkvd", "recompute_ratio": 0.5, "source": "request"}
+    auto = profile.resolve(BlendOptions(), profile.find(engine.model.fingerprint), MODEL)
+    assert blend_of(recompute_ratio="auto") == {"method": auto.method, "recompute_ratio": auto.recompute_ratio,
+                                                 "source": auto.source}
+    plain = client.completions.create(model=MODEL, prompt="Q: hello", max_tokens=1)
+    assert plain.usage.prompt_tokens_details.model_extra.get("blend") is None  # no documents
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    counts = {line.split("{")[1].split("}")[0]: float(line.split()[-1]) for line in text.splitlines()
+              if line.startswith("kvfuse_blend_budget_requests_total{")}
+    assert counts['method="hkvd",recompute_ratio="0.5",source="request"'] >= 1
+    assert counts['method="hkvd",recompute_ratio="0.2",source="config"'] >= 1
+    assert counts[f'method="{auto.method}",recompute_ratio="{auto.recompute_ratio:g}",source="{auto.source}"'] >= 1
 
 
 def test_precompute_fills_the_cache_a_server_reads(home, engine, tmp_path):

@@ -86,7 +86,8 @@ def test_gradual_schedule_shrinks_to_the_budget():
 @pytest.mark.parametrize("bad,match", [
     ({"recompute_ratio": 1.5}, "recompute_ratio"), ({"recompute_ratio": -0.1}, "recompute_ratio"),
     ({"recompute_ratio": True}, "recompute_ratio"), ({"method": "random"}, "method"),
-    ({"deviation": "q"}, "deviation"), ({"document_context": "prefix"}, "document_context"),
+    ({"deviation": "q"}, "deviation"), ({"document_context": "suffix"}, "document_context"),
+    ({"recompute_ratio": "half"}, "recompute_ratio"), ({"source": "guess"}, "source"),
     ({"check_layer": -1}, "check_layer"), ({"sink_tokens": 1.5}, "sink_tokens"),
 ])
 def test_options_are_checked(bad, match):
@@ -95,11 +96,36 @@ def test_options_are_checked(bad, match):
 
 
 def test_the_identity_names_what_changes_the_kv():
-    a = BlendOptions()
-    assert a.identity() == BlendOptions().identity()
-    changed = [BlendOptions(recompute_ratio=0.3), BlendOptions(method="sinks"), BlendOptions(check_layer=2),
-               BlendOptions(deviation="k"), BlendOptions(gradual=True), BlendOptions(sink_tokens=8),
-               BlendOptions(document_context="none")]
+    def opts(**kw) -> BlendOptions:
+        return BlendOptions(**{"recompute_ratio": 0.15, **kw})
+
+    a = opts()
+    assert a.identity() == opts().identity()
+    changed = [opts(recompute_ratio=0.3), opts(method="sinks"), opts(check_layer=2), opts(deviation="k"),
+               opts(gradual=True), opts(sink_tokens=8), opts(document_context="none"),
+               opts(document_context="prefix"), opts(document_context="eos")]
     assert len({a.identity()} | {b.identity() for b in changed}) == 1 + len(changed)
-    assert BlendOptions(store_blended=False).identity() == a.identity()  # storing does not change the KV
+    assert opts(store_blended=False).identity() == a.identity()  # storing does not change the KV
+    assert opts(source="profile").identity() == a.identity()  # nor what decided the budget
     assert BlendOptions(recompute_ratio=0, method="sinks").identity() == BlendOptions(recompute_ratio=0).identity()
+
+
+def test_auto_is_resolved_before_it_names_a_namespace():
+    auto = BlendOptions()
+    assert auto.auto and not auto.full_reuse and auto.recompute_ratio == "auto"
+    with pytest.raises(ValueError, match="resolve"):
+        auto.identity()
+    assert BlendOptions(recompute_ratio=0.2).with_ratio("auto").auto
+
+
+def test_a_request_budget_asks_for_a_blend():
+    """A number from a request overrides the budget and says so; over a model that does not
+    blend (``prefix``), it turns blending back on with the default method."""
+    b = BlendOptions(recompute_ratio=0.3, method="sinks", source="profile").with_ratio(0.1)
+    assert (b.recompute_ratio, b.method, b.source) == (0.1, "sinks", "request")
+    off = BlendOptions(recompute_ratio=1.0, method="prefix", source="profile")
+    assert not off.blends
+    on = off.with_ratio(0.2)
+    assert on.blends and on.method == "hkvd" and on.source == "request"
+    assert off.with_ratio(None) is off
+

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvfuse.codecs import CacheGenCodec, get_codec, get_codec_by_id
 from kvfuse.codecs.base import CodecError
-from kvfuse.codecs.cachegen import DEFAULT_LEVEL, LEVELS, LevelBins
+from kvfuse.codecs.cachegen import DEFAULT_LEVEL, LEVELS, LevelBins, sensitive_layers
 from kvfuse.entropy import layer, models, pool
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import FormatError, encode_entry, open_entry
@@ -35,7 +35,7 @@ def _reference(kv: torch.Tensor, codec: CacheGenCodec) -> torch.Tensor:
     L, _, T, H, D = kv.shape
     out = torch.empty(kv.shape, dtype=torch.float32)
     for i in range(L):
-        bins = codec.bins.of_layer(i, L)
+        bins = codec.layer_bins(L)[i]
         for part in range(2):
             sym, scales = layer.quantize(kv[i, part].float().reshape(T, H * D).numpy(), bins[part])
             out[i, part] = torch.from_numpy(layer.dequantize(sym, scales, bins[part])).view(T, H, D)
@@ -260,3 +260,39 @@ def test_worker_pool_matches_in_process_and_survives_a_dead_worker():
         assert p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])[0][0].shape == (3, 2, 32, 40)
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("layer_types,expected", [
+    (("full",) * 4, frozenset()),  # every layer alike: nothing is special
+    (("sliding",) * 3, frozenset()),
+    (("sliding", "sliding", "full", "sliding", "sliding", "full"), frozenset({2, 5})),  # Gemma 3's pattern
+    (("full", "sliding"), frozenset({0})),
+])
+def test_sensitive_layers(layer_types, expected):
+    assert sensitive_layers(layer_types) == expected
+
+
+def test_a_model_with_global_layers_gets_more_k_bins_there(workers):
+    """Gemma-like layers: the global ones get twice the K bins (capped), the rest as the level says;
+    the entry decodes with any cachegen codec (each layer carries its bins), closer to the KV there."""
+    types = ("sliding", "sliding", "full", "sliding", "sliding", "full")
+    plain = get_codec("cachegen", 2)
+    codec = plain.for_model(types)
+    assert plain.for_model(("full",) * 6) is plain
+    assert codec.boosted == {2, 5} and codec.level == 2
+    expected = [(2 * k if i in (2, 5) else k, v) for i, (k, v) in enumerate(plain.layer_bins(6))]
+    assert codec.layer_bins(6) == expected
+    assert get_codec("cachegen", 4).for_model(types).layer_bins(6)[2][0] == 128  # the most a layer may have
+    kv = _kv(6, 64, 2, 16, seed=3)
+    payload, sizes = codec.encode(kv)
+    out = plain.decode(memoryview(payload), sizes, tuple(kv.shape[1:]), kv.dtype)
+    assert torch.equal(out, _reference(kv, codec))
+    err = (out.float() - kv.float()).pow(2).mean(dim=(1, 2, 3, 4))
+    plain_payload, plain_sizes = plain.encode(kv)
+    plain_err = (plain.decode(memoryview(plain_payload), plain_sizes, tuple(kv.shape[1:]), kv.dtype).float()
+                 - kv.float()).pow(2).mean(dim=(1, 2, 3, 4))
+    assert all(err[i] < plain_err[i] for i in (2, 5)) and all(err[i] == plain_err[i] for i in (0, 1, 3, 4))
+    assert sum(sizes) > sum(plain_sizes)
+    with pytest.raises(ValueError, match="more than"):
+        codec.encode(_kv(4, 8, 2, 16))  # a codec set up for a deeper model
+

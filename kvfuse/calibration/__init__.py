@@ -1,0 +1,10 @@
+"""Per-model calibration of blending (how much recomputation keeps a model's answers) and of
+the default CacheGen level.
+
+- ``fictional_qa``  the seeded question set (dev / test splits) blends are measured on
+- ``measure``       a model's blends against full prefill: accuracy, KL, TTFT
+- ``choose``        the smallest budget meeting the quality targets, or no blending (pure)
+- ``profile``       the stored result, tied to the model's fingerprint, and ``auto`` resolved
+- ``calibrate``     the three together: what ``kvfuse calibrate MODEL`` runs
+- ``codec_level``   the model's default CacheGen level: the most compressed that keeps its NLL
+"""

@@ -1,0 +1,181 @@
+"""Measuring a model's blends against full prefill: what ``kvfuse calibrate`` runs.
+
+On fictional QA items (``fictional_qa``: facts no model knows, single- and cross-document
+questions with look-alike distractors; the dev split by default), each item's prompt is answered
+by a full prefill (the reference) and by every blend setting given, with greedy decoding:
+
+- accuracy: the gold answer appears in the answer (normalised text), summed over items, as a
+  fraction of full prefill's;
+- KL: the mean KL(full prefill || blend) of the next-token distributions along full prefill's
+  answer (teacher-forced), as a fraction of full reuse's (ratio 0);
+- NLL: the mean negative log-likelihood of full prefill's answer (teacher-forced), in nats per
+  token (full prefill's own is its confidence in its answer; a blend's is higher when it drifts);
+- TTFT: the median time to the first token with the documents' KV in memory, as a fraction of a
+  full prefill's.
+
+A blend's documents are cached before its timed request (the score pass stores them), and the
+blended prompt itself is never stored (``store_blended`` off), so every timed request blends.
+A setting that does not blend (method ``prefix``) runs with the cache off: reusing documents in a
+new order is then a full prefill, while the repeated identical prompt would be a prefix hit that
+says nothing about reuse at another position.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import string
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn.functional as F
+
+from kvfuse.config import BlendOptions
+
+from . import fictional_qa
+from .choose import Measurement
+
+QUESTION = "Answer the question using the passages above, in a few words.\nQuestion: {question}"
+BASE_MODELS = ("gemma3-270m",)  # built-in models without instruction tuning: asked as completions
+
+
+def normalize(text: str) -> str:
+    """Lower case, without punctuation and articles, single spaces."""
+    text = "".join(c for c in text.lower() if c not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def correct(answer: str, gold: str) -> bool:
+    """The gold answer's words appear, in order, in the answer (normalised)."""
+    return re.search(rf"\b{re.escape(normalize(gold))}\b", normalize(answer)) is not None
+
+
+def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """Mean KL(ref || other) over rows of next-token logits."""
+    p = F.log_softmax(ref_logits.float(), dim=-1)
+    q = F.log_softmax(logits.float(), dim=-1)
+    return float((p.exp() * (p - q)).sum(dim=-1).mean())
+
+
+def nll(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
+    """Mean negative log-likelihood of ``token_ids`` under rows of next-token logits."""
+    return float(F.cross_entropy(logits.float(), torch.tensor(list(token_ids), dtype=torch.long)))
+
+
+def asks_in_chat(engine) -> bool:
+    """Whether items go to the model as a chat turn: it has a chat template and is not a base model."""
+    return engine.model.tokenizer.chat_template is not None and engine.model.name not in BASE_MODELS
+
+
+def item_prompt(engine, item: fictional_qa.Item, chat: bool):
+    """The item as a prompt: a chat turn (documents before the question), or a completion."""
+    if chat:
+        text = QUESTION.format(question=item.question)
+        return engine.prompts.document_prompt(list(item.documents), messages=[{"role": "user", "content": text}])
+    return engine.prompts.document_prompt(list(item.documents), prompt=f"Question: {item.question}\nAnswer:")
+
+
+@dataclass
+class Tally:
+    """One configuration's results over the items."""
+
+    correct: int = 0
+    kl: list[float] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)
+    ttft_s: list[float] = field(default_factory=list)
+
+
+@dataclass
+class Report:
+    """Every configuration's tally, full prefill's first (under ``"full prefill"``)."""
+
+    items: int
+    tallies: dict[str, Tally]
+    configs: dict[str, BlendOptions]
+
+    def measurements(self) -> list[Measurement]:
+        full, reuse = self.tallies["full prefill"], self.tallies.get("full reuse")
+        reuse_kl = statistics.mean(reuse.kl) if reuse and reuse.kl else None
+        full_ttft = statistics.median(full.ttft_s)
+        out = []
+        for name, opts in self.configs.items():
+            if opts.full_reuse:
+                continue
+            t = self.tallies[name]
+            out.append(Measurement(
+                opts.method, float(opts.recompute_ratio), t.correct / full.correct if full.correct else 0.0,
+                statistics.mean(t.kl) / reuse_kl if reuse_kl else float("inf"),
+                statistics.median(t.ttft_s) / full_ttft, extra=_extra(opts)))
+        return out
+
+    def rows(self) -> list[dict]:
+        """A table row per configuration (accuracy, KL, TTFT), for printing and the profile."""
+        full = self.tallies["full prefill"]
+        out = []
+        for name, t in self.tallies.items():
+            out.append({"config": name, "correct": t.correct, "items": self.items,
+                        "accuracy_vs_full": round(t.correct / full.correct, 4) if full.correct else None,
+                        "kl": round(statistics.mean(t.kl), 4) if t.kl else 0.0,
+                        "nll": round(statistics.mean(t.nll), 4),
+                        "ttft_ms": round(1000 * statistics.median(t.ttft_s), 1)})
+        return out
+
+
+def _extra(opts: BlendOptions) -> tuple[tuple[str, object], ...]:
+    base = BlendOptions()
+    return tuple((k, getattr(opts, k)) for k in ("check_layer", "deviation", "document_context")
+                 if getattr(opts, k) != getattr(base, k))
+
+
+def configurations(methods: Sequence[str], ratios: Sequence[float], base: BlendOptions = BlendOptions(),
+                   variants: Sequence[dict] = ()) -> dict[str, BlendOptions]:
+    """Full reuse, then every method at every ratio, then each variant (options over ``base``) at
+    every ratio; named for tables."""
+    base = replace(base, store_blended=False, source="config")
+    out = {"full reuse": replace(base, recompute_ratio=0.0, method="hkvd")}
+    for m in methods:
+        for r in ratios:
+            out[f"{m} {r:g}"] = replace(base, method=m, recompute_ratio=float(r))
+    for v in variants:
+        label = " ".join(f"{k}={x}" for k, x in v.items())
+        for r in ratios:
+            opts = replace(base, **v, recompute_ratio=float(r))
+            out[f"{opts.method} {label} {r:g}"] = opts
+    return out
+
+
+def measure(engine, items: Sequence[fictional_qa.Item], configs: dict[str, BlendOptions], max_tokens: int = 16,
+            progress: Callable[[int, int, float], None] | None = None, chat: bool | None = None) -> Report:
+    """Run ``configs`` and full prefill on ``items`` with ``engine`` (which needs its KV cache);
+    ``chat`` None: ``asks_in_chat``."""
+    chat = asks_in_chat(engine) if chat is None else chat
+    from kvfuse.engine import CacheOptions
+    from kvfuse.generation import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=("\n",))
+    off = CacheOptions(enabled=False)
+    tallies = {"full prefill": Tally(), **{name: Tally() for name in configs}}
+    t0 = time.perf_counter()
+    for n, it in enumerate(items):
+        prompt = item_prompt(engine, it, chat)
+        ref = engine.generate(prompt.ids, params, cache=off)
+        ref_ids = ref.token_ids or [engine.model.tokenizer.eos_token_id or 0]
+        (ref_logits,) = engine.score(prompt.ids, [ref_ids], cache=off)
+        full = tallies["full prefill"]
+        full.correct += correct(ref.text, it.answer)
+        full.ttft_s.append(ref.timings.ttft_s)
+        full.nll.append(nll(ref_logits[: len(ref_ids)], ref_ids))
+        for name, opts in configs.items():
+            cache = CacheOptions() if opts.blends else off  # see the module docstring
+            (logits,) = engine.score(prompt, [ref_ids], blend=opts, cache=cache)  # also caches the documents
+            got = engine.generate(prompt, params, blend=opts, cache=cache)
+            t = tallies[name]
+            t.correct += correct(got.text, it.answer)
+            t.kl.append(kl(ref_logits[: len(ref_ids)], logits[: len(ref_ids)]))
+            t.nll.append(nll(logits[: len(ref_ids)], ref_ids))
+            t.ttft_s.append(got.timings.ttft_s)
+        if progress is not None:
+            progress(n + 1, len(items), time.perf_counter() - t0)
+    return Report(len(items), tallies, dict(configs))
