@@ -171,7 +171,8 @@ def test_precompute_fills_the_cache_a_server_reads(home, engine, tmp_path):
     (docs / "more.jsonl").write_text('{"text": "%s"}\n"%s"\n' % (DOCS[1], DOCS[2]))
     kv = tmp_path / "kv"
     config = tmp_path / "c.yaml"
-    config.write_text(f"model: {MODEL}\ncache:\n  disk_path: {kv}\n")
+    # a blending budget: the model's calibrated ``auto`` may be prefix reuse only (nothing to precompute)
+    config.write_text(f"model: {MODEL}\ncache:\n  disk_path: {kv}\nblend:\n  recompute_ratio: 0.2\n")
     cli = [sys.executable, "-m", "kvfuse.cli"]
     run = subprocess.run(cli + ["precompute", str(docs), "--home", str(home), "--config", str(config)],
                          capture_output=True, text=True, timeout=300)
@@ -183,7 +184,7 @@ def test_precompute_fills_the_cache_a_server_reads(home, engine, tmp_path):
     bad = subprocess.run(cli + ["precompute", str(tmp_path / "nope"), "--home", str(home), "--config", str(config)],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no such file or folder" in bad.stderr
-    with ServerProcess(home, config={"model": MODEL, "cache": {"disk_path": str(kv)}}) as srv:
+    with ServerProcess(home, config={"model": MODEL, "cache": {"disk_path": str(kv)}, "blend": {"recompute_ratio": 0.2}}) as srv:
         c = OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
         r = c.completions.create(model=MODEL, prompt="Q: who built the lighthouse?\nA:", max_tokens=4,
                                  extra_body={"documents": DOCS})

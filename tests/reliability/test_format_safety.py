@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvfuse.codecs import get_codec
-from kvfuse.config import EngineSettings
+from kvfuse.config import BlendOptions, EngineSettings
 from kvfuse.engine import Engine, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import FORMAT_VERSION, Entry, EntrySpec, FormatError, open_entry, read_header
@@ -27,6 +27,9 @@ from kvfuse.kv.keys import Namespace, document_key, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
 from kvfuse_helpers import SENTENCES, load_builtin, long_text
 from load import CODEC_ID, CODEC_LEVEL, VERSION, greedy_reference, near_tie_verdict, relabel, reseal
+
+# Documents blend at a fixed budget: smollm2's calibrated ``auto`` reuses them only as a prefix.
+BLEND = BlendOptions(recompute_ratio=0.15)
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +76,8 @@ class Rig:
         self.redis = RedisTier(redis_url, timeout_s=2.0)
         self.store = TieredStore(MemoryTier(1), [self.disk, self.redis],
                                  codecs={k: get_codec(*v) for k, v in codecs.items()})
-        self.engine = Engine(model, self.store, EngineSettings.of(chunk_size=chunk_size, history=False, prefetch=False))  # chunks only
+        settings = EngineSettings.of(chunk_size=chunk_size, history=False, prefetch=False, blend=BLEND)
+        self.engine = Engine(model, self.store, settings)  # chunks only
 
     def tier(self, name: str):
         return {"disk": self.disk, "redis": self.redis}[name]
@@ -176,7 +180,7 @@ def test_a_document_relabelled_as_another_document_of_the_same_length_is_rejecte
     ka, kb = (document_key(d, engine.namespace(), context) for d in (doc_a, doc_b))
     engine.generate(Prompt.of(documents=[doc_a], suffix=question), GREEDY)
     engine.flush()
-    reference = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=rig.chunk_size, history=False,
+    reference = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=rig.chunk_size, blend=BLEND, history=False,
                        prefetch=False))
     want = reference.generate(Prompt.of(documents=[doc_b], suffix=question), GREEDY)  # b computed, not loaded
     reference.close()
@@ -329,7 +333,7 @@ def test_every_entry_the_engine_writes_records_its_token_ids(smollm2, prompts, C
     from kvfuse.engine.planner import history_entries
 
     ids = prompts["p"][: 2 * CH - 12]
-    engine = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, prefetch=False))  # history on
+    engine = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, prefetch=False, blend=BLEND))  # history on
     r = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.flush()
     memory = engine.store.memory
