@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from common import DATA, REPO, median, plot_path, print_table, write_json
 
 BASELINE_TOK_S = 10.9  # the issue's measurement of kvfuse fp32 (SmolLM2, this machine)
-DEFAULT_LLAMA_VENV = Path("/work/llama-venv/bin/python")
+DEFAULT_LLAMA_VENV = REPO / ".baselines/llama-venv/bin/python"
 
 
 # ------------------------------------------------------------------------------------- inputs
@@ -235,7 +235,7 @@ class LlamaWorker:
 
 
 def find_llama_python(explicit: str | None) -> str | None:
-    """An interpreter that imports llama_cpp: ``explicit``, this one, or /work/llama-venv's."""
+    """An interpreter that imports llama_cpp: ``explicit``, this one, or .baselines/llama-venv's."""
     if explicit is None and importlib.util.find_spec("llama_cpp") is not None:
         return sys.executable
     python = explicit or (str(DEFAULT_LLAMA_VENV) if DEFAULT_LLAMA_VENV.is_file() else None)
@@ -400,7 +400,7 @@ def main() -> None:
     ap.add_argument("--agree-tokens", type=int, default=48, help="answer tokens compared per prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--gguf", default="f32,q8_0", help="extra GGUF precisions for llama.cpp ('' for none)")
-    ap.add_argument("--llama-python", help="interpreter with llama_cpp (default: this one, else /work/llama-venv)")
+    ap.add_argument("--llama-python", help="interpreter with llama_cpp (default: this one, else .baselines/llama-venv)")
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
     ap.add_argument("--tag", default="", help="suffix of the result files (decode<tag>.json/.png)")

@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="kvfuse: a config file merged over the benchmark's settings (e.g. engine batching keys)")
     p.add_argument("--kvfuse-arg", action="append", default=[], metavar="ARGS",
                    help="kvfuse: extra `kvfuse serve` flags, shell-split, repeatable; write --kvfuse-arg='--threads 2'")
-    p.add_argument("--vllm-python", default=None, help="vLLM's venv python (default /work/vllm-venv/bin/python or "
+    p.add_argument("--vllm-python", default=None, help="vLLM's venv python (default .baselines/vllm-venv/bin/python or "
                    "$KVFUSE_VLLM_PYTHON)")
     p.add_argument("--vllm-model-path", type=Path, help="the HF folder vLLM serves (default <home>/models/<model>)")
     p.add_argument("--vllm-kv-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 4)")

@@ -3,13 +3,13 @@
 # baseline by bench/decode.py (and bench/prefill.py when importable). It is deliberately NOT a
 # kvfuse dependency: the benchmark runs it through that venv's interpreter in a subprocess.
 #
-# Usage: bash bench/setup_llamacpp.sh [VENV_DIR]     (default: /work/llama-venv)
+# Usage: bash bench/setup_llamacpp.sh [VENV_DIR]     (default: .baselines/llama-venv)
 #        an existing venv (even kvfuse's .venv) is installed into as it is.
 # The CPU build compiles llama.cpp from the sdist: about 5-10 minutes on 2 cores (run under nice).
 # CMAKE_ARGS may be set by the caller; the default builds for this CPU (-DGGML_NATIVE=ON).
 set -euo pipefail
 
-VENV_DIR="${1:-/work/llama-venv}"
+VENV_DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/.baselines/llama-venv}"
 PYTHON="${PYTHON:-python3}"
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 

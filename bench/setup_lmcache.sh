@@ -4,11 +4,11 @@
 # dependency: it lives in its own venv so that its pins (cupy, cuda-python, ...) never touch
 # kvfuse's environment.
 #
-# Usage: bash bench/setup_lmcache.sh [VENV_DIR]     (default: /work/lmcache-venv)
+# Usage: bash bench/setup_lmcache.sh [VENV_DIR]     (default: .baselines/lmcache-venv)
 # Takes about 3.5 minutes; torch must come first so that pip picks the CPU wheel.
 set -euo pipefail
 
-VENV_DIR="${1:-/work/lmcache-venv}"
+VENV_DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/.baselines/lmcache-venv}"
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV_DIR/bin/python" ]; then

@@ -4,12 +4,12 @@
 # kvfuse dependency: it lives in its own venv, outside the repository, so that its pins
 # (torch 2.13.0+cpu, transformers, ...) never touch kvfuse's environment.
 #
-# Usage: bash bench/setup_vllm.sh [VENV_DIR]     (default: /work/vllm-venv)
+# Usage: bash bench/setup_vllm.sh [VENV_DIR]     (default: .baselines/vllm-venv)
 # About 3.5 GB and ~6 minutes on the 2-core benchmark machine. Idempotent: rerunning it on a
 # ready venv only re-checks the pins and the import.
 set -euo pipefail
 
-VENV_DIR="${1:-/work/vllm-venv}"
+VENV_DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/.baselines/vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 
 if [ ! -x "$VENV_DIR/bin/python" ]; then

@@ -92,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the disk tier, raw files and LMCache's disk backend write (default: system temp)")
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server",
                    help="redis-server executable (default: from PATH)")
-    p.add_argument("--lmcache-python", default="/work/lmcache-venv/bin/python",
+    p.add_argument("--lmcache-python", default=str(Path(__file__).resolve().parent.parent / ".baselines/lmcache-venv/bin/python"),
                    help="python of the LMCache venv (bench/setup_lmcache.sh); skipped with a note if missing")
     p.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
     p.add_argument("--lmcache-torch-threads", type=int, default=1,

@@ -1,7 +1,7 @@
 """vLLM's CPU build as a benchmark baseline: its OpenAI-compatible server as a child process.
 
 vLLM is not a kvfuse dependency: it lives in its own virtual environment outside the repository
-(``bash bench/setup_vllm.sh [VENV]``, default ``/work/vllm-venv``; ``$KVFUSE_VLLM_PYTHON`` or
+(``bash bench/setup_vllm.sh [VENV]``, default ``.baselines/vllm-venv``; ``$KVFUSE_VLLM_PYTHON`` or
 ``python=`` point at another one). ``VLLMServer`` starts
 
     HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=4 <venv>/bin/python -m vllm.entrypoints.openai.api_server \\
@@ -46,7 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from kvfuse_testkit import free_port  # noqa: E402
 
-DEFAULT_PYTHON = os.environ.get("KVFUSE_VLLM_PYTHON", "/work/vllm-venv/bin/python")
+DEFAULT_PYTHON = os.environ.get("KVFUSE_VLLM_PYTHON", str(REPO / ".baselines/vllm-venv/bin/python"))
 
 
 def default_model_path(home: str | Path | None = None, model: str = "smollm2") -> Path:

@@ -4,14 +4,14 @@
 # (~6 minutes, 3.5 GB) and each server start-up (2-3.5 minutes on 2 cores) do not fit there.
 #
 # Usage: scripts/test_vllm.sh [pytest args]        (about 7 minutes)
-#   VLLM_VENV=/path/to/venv   vLLM's venv (default /work/vllm-venv; created by bench/setup_vllm.sh if missing)
+#   VLLM_VENV=/path/to/venv   vLLM's venv (default .baselines/vllm-venv; created by bench/setup_vllm.sh if missing)
 #
 # kvfuse is installed into vLLM's venv editable and without dependencies (vLLM's torch stays as it
 # is), with the few small packages kvfuse imports that vLLM lacks, at the versions of kvfuse's .venv.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVFUSE_HOME=${KVFUSE_HOME:-$(pwd)/.kvfuse-home}
-VLLM_VENV=${VLLM_VENV:-/work/vllm-venv}
+VLLM_VENV=${VLLM_VENV:-$(cd "$(dirname "$0")/.." && pwd)/.baselines/vllm-venv}
 export KVFUSE_VLLM_PYTHON="$VLLM_VENV/bin/python"
 
 if [ ! -x .venv/bin/python ]; then
