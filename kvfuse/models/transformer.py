@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import rope
-from . import attention
+from . import attention, batch
 from .attention import attend
 from .cache import KVBudget, KVCache
 from .config import ModelConfig
@@ -85,6 +85,7 @@ class Transformer:
         self.weights = weights
         self.device = device
         self.dtype = dtype
+        self.use_kernels = True  # the batched CPU attention kernel when it builds (see ``kernels``)
         self._freqs = {t: rope.inv_freq(r, config.head_dim).to(device) for t, r in config.rope.items()}
         c = config
         self._q_size = c.num_heads * c.head_dim
@@ -156,79 +157,33 @@ class Transformer:
 
         Weights are read once per step whatever the number of sequences, which is what makes
         batching pay on a memory-bound decode; attention stays per sequence (own slots, own
-        positions), planned once per step and reused in every layer. Returns, per item, the
+        positions): see ``batch`` (one kernel call per layer for the decoding sequences, SDPA for
+        prefill chunks, both prepared once per step). Returns, per item, the
         ``(vocab,)`` logits of its last token, or None where ``item.logits`` is False.
         Each item gets exactly what ``forward(item.ids, item.cache, item.positions)`` computes, up
         to the rounding of GEMMs over more rows."""
         if not items:
             return []
-        c = self.config
-        spans, plans, last_plans, lengths, pos_list = [], [], [], [], []
-        windows = {c.window(layer) for layer in range(c.num_layers)}
-        row = 0
-        for it in items:
-            n = len(it.ids)
-            if n == 0:
-                raise ValueError("forward_batch() needs at least one token per item")
-            cache = it.cache
-            start = cache.length if it.start is None else it.start
-            if not 0 <= start <= cache.length:
-                raise ValueError(f"slot {start} would leave a gap after the {cache.length} valid slots")
-            positions = it.positions
-            if positions is None:
-                nxt = cache.next_position
-                positions = torch.arange(nxt, nxt + n, device=self.device)
-            positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).reshape(-1)
-            if positions.shape[0] != n:
-                raise ValueError(f"{n} tokens but {positions.shape[0]} positions")
-            cache.reserve(start + n)
-            cache.positions[start : start + n] = positions
-            kv_len = max(cache.length, start + n)
-            k_pos = cache.positions[:kv_len]
-            sorted_keys = cache.keys_sorted(kv_len)
-            plans.append({win: attention.plan(positions, k_pos, win, sorted_keys) for win in windows})
-            last_plans.append({win: attention.plan(positions[-1:], k_pos, win, sorted_keys) for win in windows}
-                              if it.logits else None)
-            spans.append((row, row + n, start))
-            lengths.append(kv_len)
-            pos_list.append(positions)
-            row += n
+        step, positions = batch.prepare(self, items)
         ids = torch.as_tensor([t for it in items for t in it.ids], dtype=torch.int64, device=self.device)
-        positions = torch.cat(pos_list)
         tables = self.rope_tables(positions, self.dtype)
         h = self.embed(ids)
-        last = c.num_layers - 1
-        for layer in range(c.num_layers):
-            w = c.window(layer)
+        last = self.config.num_layers - 1
+        for layer in range(self.config.num_layers):
             q, k, v = self.project(layer, h, positions, tables)
-            outs, rows = [], []
-            for it, (a, b, start), kv_len, pl, lp in zip(items, spans, lengths, plans, last_plans):
-                kv = it.cache.kv
-                kv[layer, 0, :, start : start + b - a] = k[a:b].transpose(0, 1)
-                kv[layer, 1, :, start : start + b - a] = v[a:b].transpose(0, 1)
-                if layer == last:
-                    if lp is None:
-                        continue
-                    a, parts = b - 1, lp[w]
-                else:
-                    parts = pl[w]
-                outs.append(attention.run(q[a:b].transpose(0, 1), kv[layer, 0, :, :kv_len], kv[layer, 1, :, :kv_len],
-                                          parts, scale=c.scaling, softcap=c.attn_logit_softcap))
-                rows.append((a, b))
-            if not outs:
-                h = h[:0]
-                break
+            step.write_kv(layer, k, v)
             if layer == last:
-                h = torch.cat([h[a:b] for a, b in rows])
-            attn = outs[0] if len(outs) == 1 else torch.cat(outs)
-            h = self.post_attention(layer, attn, h)
-        for it, kv_len in zip(items, lengths):
-            it.cache.length = kv_len
+                if not step.last_rows:
+                    h = h[:0]
+                    break
+                h = h[step.last_rows]
+            h = self.post_attention(layer, step.attend(layer, q, last=layer == last), h)
+        for s in step.spans:
+            s.cache.length = s.kv_len
         out: list[torch.Tensor | None] = [None] * len(items)
         if h.shape[0]:
             logits = self.logits(h)
-            wanted = [i for i, it in enumerate(items) if it.logits]
-            for j, i in enumerate(wanted):
+            for j, i in enumerate(i for i, it in enumerate(items) if it.logits):
                 out[i] = logits[j]
         return out
 

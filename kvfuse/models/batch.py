@@ -1,0 +1,199 @@
+"""One batched step over several sequences: what ``Transformer.forward_batch`` prepares once per
+step and then uses in every layer.
+
+A step runs the dense parts (projections, MLP, vocabulary) once over all the step's tokens; what
+stays per sequence is where its fresh K/V go and what its queries attend to. ``BatchStep`` holds
+that per-sequence part:
+
+- ``write_kv``: the fresh K/V rows into each sequence's own buffer (one kernel call per layer on
+  the CPU, else one copy per sequence);
+- ``attend``: the attention of every row. Sequences with a few new tokens (decoding, the usual
+  case) go through the batched CPU kernel (``kernels``): one call per layer for all of them,
+  reading each buffer in place in its stored dtype. Sequences with more tokens (prefill chunks)
+  keep PyTorch's SDPA, split by ``attention.plan`` once per step: for many queries its blocked
+  matmuls beat a per-query loop. Both use the same position mask, so a sequence gets the same
+  numbers (up to float rounding) whichever path it takes, and the same as ``forward``.
+
+At the last layer only the rows whose logits are wanted are computed (``last_rows``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import attention, kernels
+from .cache import KVCache
+
+# Sequences with at most this many new tokens use the kernel: it loops over queries, which wins
+# for a handful (decode steps, short appends) and loses to SDPA's blocked matmuls for a long chunk.
+KERNEL_MAX_QUERIES = 16
+
+
+@dataclass(frozen=True)
+class Span:
+    """One sequence of the step: rows ``[row0, row1)`` of the step's tokens go to slots ``slot0..``
+    of ``cache``; its queries see slots ``[0, kv_len)``."""
+
+    cache: KVCache
+    row0: int
+    row1: int
+    slot0: int
+    kv_len: int
+    positions: torch.Tensor
+    logits: bool
+    plans: dict | None = None       # window -> attention parts, for the SDPA path
+    last_plans: dict | None = None  # the same for its last row alone (the last layer)
+
+
+@dataclass
+class BatchStep:
+    """The per-sequence part of one batched step (see the module docstring)."""
+
+    spans: list[Span]
+    kernel: object | None  # the compiled kernel module, or None
+    windows: dict[int, int | None]  # layer -> sliding window
+    scale: float
+    softcap: float | None
+    _kv: list[torch.Tensor] = field(default_factory=list)
+
+    def __post_init__(self):
+        self._kv = [s.cache.kv for s in self.spans]
+        self._kernel_spans = [i for i, s in enumerate(self.spans) if s.plans is None]
+        self._row_args = self._kernel_args(last=False)
+        self._last_args = self._kernel_args(last=True)
+        self.last_rows = [s.row1 - 1 for s in self.spans if s.logits]
+
+    # ----------------------------------------------------------------------------------- K/V
+
+    def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Put rows of ``k``/``v`` ``(n, kv_heads, head_dim)`` into each sequence's slots at ``layer``."""
+        if self.kernel is not None and k.dtype == torch.float32:
+            self.kernel.write_kv(self._kv, layer, k, v, [s.row0 for s in self.spans], [s.slot0 for s in self.spans],
+                                 [s.row1 - s.row0 for s in self.spans])
+            return
+        for s, kv in zip(self.spans, self._kv):
+            kv[layer, 0, :, s.slot0 : s.slot0 + s.row1 - s.row0] = k[s.row0 : s.row1].transpose(0, 1)
+            kv[layer, 1, :, s.slot0 : s.slot0 + s.row1 - s.row0] = v[s.row0 : s.row1].transpose(0, 1)
+
+    # ------------------------------------------------------------------------------ attention
+
+    def attend(self, layer: int, q: torch.Tensor, last: bool) -> torch.Tensor:
+        """Attention outputs ``(rows, heads * head_dim)`` of the queries ``q`` (every row of the step;
+        at the ``last`` layer, the rows of ``last_rows`` in that order)."""
+        window = self.windows[layer]
+        rows = self.last_rows if last else None
+        n_out = len(rows) if last else q.shape[0]
+        kernel_out = self._kernel_attend(layer, q, window, last)
+        if len(self._kernel_spans) == len(self.spans):
+            return kernel_out  # every sequence took the kernel: already in row order
+        out = q.new_empty(n_out, q.shape[1] * q.shape[2])
+        row_of = {r: i for i, r in enumerate(rows)} if last else None
+        if kernel_out is not None:
+            out[self._out_index(last)] = kernel_out
+        for s in self.spans:
+            if s.plans is None or (last and not s.logits):
+                continue
+            a = s.row1 - 1 if last else s.row0
+            parts = (s.last_plans if last else s.plans)[window]
+            kv = s.cache.kv
+            res = attention.run(q[a : s.row1].transpose(0, 1), kv[layer, 0, :, : s.kv_len], kv[layer, 1, :, : s.kv_len],
+                                parts, scale=self.scale, softcap=self.softcap)
+            if last:
+                out[row_of[a]] = res[0]
+            else:
+                out[a : s.row1] = res
+        return out
+
+    def _kernel_attend(self, layer: int, q: torch.Tensor, window: int | None, last: bool) -> torch.Tensor | None:
+        if not self._kernel_spans:
+            return None
+        args = self._last_args if last else self._row_args
+        if args is None:
+            return None
+        rows, q_seq, q_pos = args
+        if rows is not None:
+            q = q[rows]
+        return self.kernel.attend(q, self._kv, [s.cache.positions for s in self.spans],
+                                  [s.kv_len for s in self.spans], q_seq, q_pos, layer, self.scale, window or 0,
+                                  self.softcap or 0.0)
+
+    def _kernel_args(self, last: bool):
+        """(rows of q to take or None for all, sequence index per row, position per row) of the
+        kernel's queries; None when no query of this layer takes the kernel."""
+        rows, q_seq, q_pos = [], [], []
+        for i in self._kernel_spans:
+            s = self.spans[i]
+            if last and not s.logits:
+                continue
+            a = s.row1 - 1 if last else s.row0
+            rows.extend(range(a, s.row1))
+            q_seq.extend([i] * (s.row1 - a))
+            q_pos.extend(s.positions[a - s.row0 :].tolist())
+        if not rows:
+            return None
+        every = not last and len(self._kernel_spans) == len(self.spans)  # q as it is, no gather
+        return (None if every else torch.tensor(rows)), q_seq, q_pos
+
+    def _out_index(self, last: bool) -> torch.Tensor:
+        """Where the kernel's rows go in ``attend``'s output."""
+        rows = (self._last_args if last else self._row_args)[0]
+        if rows is None:
+            return torch.arange(0, 0)
+        if not last:
+            return rows
+        where = {r: i for i, r in enumerate(self.last_rows)}
+        return torch.tensor([where[int(r)] for r in rows])
+
+
+def prepare(runner, items) -> tuple[BatchStep, torch.Tensor]:
+    """Validate ``items`` (``transformer.BatchItem``), reserve their slots and set their positions;
+    return the step and the positions of all its tokens, in row order."""
+    c = runner.config
+    windows = {layer: c.window(layer) for layer in range(c.num_layers)}
+    kernel = _kernel_for(runner, items)
+    spans, row = [], 0
+    for it in items:
+        span = _span(runner, it, row, set(windows.values()), use_kernel=kernel is not None)
+        spans.append(span)
+        row = span.row1
+    step = BatchStep(spans, kernel, windows, c.scaling, c.attn_logit_softcap)
+    return step, torch.cat([s.positions for s in spans])
+
+
+def _kernel_for(runner, items):
+    """The kernel module when this step can use it: a float32 runner on the CPU, KV in a dtype the
+    kernel reads, and the runner's kernels not switched off."""
+    if not getattr(runner, "use_kernels", True) or runner.device.type != "cpu" or runner.dtype != torch.float32:
+        return None
+    if any(it.cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) for it in items):
+        return None
+    return kernels.get()
+
+
+def _span(runner, it, row: int, windows: set, use_kernel: bool) -> Span:
+    n = len(it.ids)
+    if n == 0:
+        raise ValueError("forward_batch() needs at least one token per item")
+    cache = it.cache
+    start = cache.length if it.start is None else it.start
+    if not 0 <= start <= cache.length:
+        raise ValueError(f"slot {start} would leave a gap after the {cache.length} valid slots")
+    positions = it.positions
+    if positions is None:
+        nxt = cache.next_position
+        positions = torch.arange(nxt, nxt + n, device=runner.device)
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=runner.device).reshape(-1)
+    if positions.shape[0] != n:
+        raise ValueError(f"{n} tokens but {positions.shape[0]} positions")
+    cache.reserve(start + n)
+    cache.positions[start : start + n] = positions
+    kv_len = max(cache.length, start + n)
+    plans = last_plans = None
+    if not (use_kernel and n <= KERNEL_MAX_QUERIES):
+        k_pos = cache.positions[:kv_len]
+        sorted_keys = cache.keys_sorted(kv_len)
+        plans = {w: attention.plan(positions, k_pos, w, sorted_keys) for w in windows}
+        last_plans = {w: attention.plan(positions[-1:], k_pos, w, sorted_keys) for w in windows} if it.logits else None
+    return Span(cache, row, row + n, start, kv_len, positions, it.logits, plans, last_plans)

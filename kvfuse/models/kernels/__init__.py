@@ -1,0 +1,73 @@
+"""CPU kernels the runner uses when it can build them: today one, ``batch_attention.cpp``.
+
+Why a kernel: a batched decode step attends one query per running sequence over that
+sequence's own KV buffer. In PyTorch that is one SDPA call per sequence and layer (480 calls for
+16 sequences of SmolLM2), each paying a fixed dispatch and threading cost plus a conversion of
+fp16 K/V to fp32, and padding every sequence into one tensor copies all the KV at every layer
+(``bench/kv_layout.py``). The kernel reads each sequence's buffer in place, in its stored dtype,
+with the same position mask as ``attention.position_mask`` (sliding windows and soft-capping
+included), in one call per layer; ``write_kv`` likewise writes a step's fresh K/V rows into every
+sequence's buffer in one call.
+
+The kernel is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; about
+a minute) into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``). ``get()`` returns the built module, or None when it cannot be
+built (no compiler, not x86, ``KVFUSE_KERNELS=off``): the runner then keeps its PyTorch path,
+which computes the same numbers up to float rounding. ``python -m kvfuse.models.kernels`` builds
+it ahead of time (``scripts/install.sh`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).with_name("batch_attention.cpp")
+_NAME = "kvfuse_batch_attention_v3"  # bump when the source changes in a way the cache must not reuse
+_lock = threading.Lock()
+_state: dict[str, ModuleType | None] = {}
+
+
+def enabled() -> bool:
+    """False when ``KVFUSE_KERNELS`` is ``off`` (or ``0``/``false``)."""
+    return os.environ.get("KVFUSE_KERNELS", "auto").strip().lower() not in ("off", "0", "false", "no")
+
+
+def get() -> ModuleType | None:
+    """The compiled kernel module, building it on first use; None if disabled or it cannot be built
+    (logged once, with the reason)."""
+    if not enabled():
+        return None
+    with _lock:
+        if "module" not in _state:
+            _state["module"] = _build()
+        return _state["module"]
+
+
+def _flags() -> list[str]:
+    """-O3, plus the vector extensions this CPU has (F16C widens fp16 K/V eight at a time)."""
+    flags = ["-O3"]
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return flags
+    have = set(next((line for line in cpu.splitlines() if line.startswith("flags")), "").split())
+    flags += [f"-m{f}" for f in ("avx", "avx2", "fma", "f16c") if f in have]
+    return flags
+
+
+def _build() -> ModuleType | None:
+    try:
+        from torch.utils import cpp_extension
+
+        log.info("loading the batched-attention CPU kernel (compiled once per machine, about a minute)")
+        return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_flags(), verbose=False)
+    except Exception as exc:  # no compiler, no ninja, headers missing: the PyTorch path still works
+        log.warning("batched-attention kernel unavailable (%s: %s); using the PyTorch attention path "
+                    "(set KVFUSE_KERNELS=off to skip the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200])
+        return None
