@@ -93,7 +93,7 @@ def make_prompts(folder: Path, data: Path, lengths: list[int], per_length: int) 
     from kvfuse.models.tokenizer import Tokenizer
 
     if not data.is_file():
-        raise SystemExit(f"{data} not found (MuSiQue, see README's benchmark section)")
+        raise SystemExit(f"{data} not found (MuSiQue, see docs/benchmarks.md)")
     tok = Tokenizer(folder)
     need = sum(lengths) * per_length
     ids: list[int] = []

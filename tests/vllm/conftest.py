@@ -1,7 +1,7 @@
 """Fixtures for the tests that run a real vLLM server with kvfuse's connector.
 
 They need vLLM's own virtual environment (``bash bench/setup_vllm.sh``, default
-``/work/vllm-venv``; ``$KVFUSE_VLLM_PYTHON`` points at another) with kvfuse installed into it, and
+``.baselines/vllm-venv`` in the checkout; ``$KVFUSE_VLLM_PYTHON`` points at another) with kvfuse installed into it, and
 take minutes (each vLLM start-up is 2-3.5 minutes on the 2-core machine): they are marked ``vllm``
 and ``slow``, so the default run (``-m "not slow"``) leaves them out. Run them with
 ``scripts/test_vllm.sh``.
