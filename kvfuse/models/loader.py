@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import gemma3, llama, qwen
+from . import gemma3, llama, packed, qwen
 from .config import ModelConfig
 from .family import Family
 from .quant import WEIGHT_FORMATS, WEIGHT_IDENTITY, check_int8_supported, quantize_weights
@@ -130,6 +130,8 @@ def load_folder(folder: str | Path, device: str | torch.device = "cpu", dtype: t
     if weights != "auto":
         check_int8_supported(device)  # before reading the weights
     built = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
+    if weights == "auto" and packed.available(device, dtype):
+        return Transformer(config, packed.pack_weights(built), device, dtype)  # see packed: faster, same numbers
     return Transformer(config, quantize_weights(built, weights), device, dtype)
 
 
