@@ -39,6 +39,17 @@ Every kvfuse and LMCache path is checked bit-exact once. A ``redis-server`` is s
 
     python bench/store.py                 # full run (5 runs)
     python bench/store.py --quick         # smoke run (2 runs)
+    python bench/store.py --signing       # signed vs unsigned entries (cache.signing_key), disk and Redis
+
+``--signing`` measures the cost of signed entries instead of the comparison above: the disk and
+Redis tiers' put (``encode_entry``, then ``Entry.signed``: SHA-256 of every layer and the HMAC,
+what the store's background writer adds with a key) and get (the same reads, checked with the
+signer: the tag, then every layer against its SHA-256 digest instead of its xxh3 checksum), each
+signed and unsigned in the same repetition, alternating which goes first; ``--reps`` repetitions
+(default 5), each cell the median of ``--runs`` runs. The ratio signed / unsigned is taken within
+each repetition and reported as its median (min-max). The memory tier is not measured: it holds
+in-process entries, never signed or checked. Results go to ``docs/bench/store_signing.json``
+(only from a full run: the default --reps, --runs and --tokens).
 """
 
 from __future__ import annotations
@@ -61,6 +72,7 @@ from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry, read_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
+from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
 from kvfuse_testkit import LocalRedis
 
@@ -88,6 +100,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5,
                    help="repetitions of the whole comparison, interleaved (default 5)")
     p.add_argument("--quick", action="store_true", help="smoke mode: 2 runs, 2 repetitions")
+    p.add_argument("--signing", action="store_true",
+                   help="measure signed vs unsigned entries on the disk and Redis tiers instead (see above)")
+    p.add_argument("--signing-json", default=str(OUT / "store_signing.json"),
+                   help="--signing results (default docs/bench/store_signing.json; written by a full run only)")
     p.add_argument("--dir", default=tempfile.gettempdir(),
                    help="where the disk tier, raw files and LMCache's disk backend write (default: system temp)")
     p.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server",
@@ -209,36 +225,40 @@ def _copy_in(chunks: list[KVChunk], kv: dict) -> None:
         dest[:, :, i * size : (i + 1) * size].copy_(ch.kv)
 
 
-def _encode_all(keys: list, chunks: list[KVChunk], codec) -> list[tuple]:
-    return [(k, encode_entry(ch, k, codec)) for k, ch in zip(keys, chunks)]
+def _encode_all(keys: list, chunks: list[KVChunk], codec, signer: EntrySigner | None = None) -> list[tuple]:
+    """Entries of ``chunks``; signed with ``signer`` if given (what the store writes below memory)."""
+    entries = [(k, encode_entry(ch, k, codec)) for k, ch in zip(keys, chunks)]
+    return entries if signer is None else [(k, e.signed(signer)) for k, e in entries]
 
 
-def _decode_all(keys: list, values) -> list[KVChunk]:
+def _decode_all(keys: list, values, signer: EntrySigner | None = None) -> list[KVChunk]:
     """KVChunks of what a tier or the store returned: serialized blobs go through ``open_entry``
     (the store's one validation path, as ``TieredStore.fetch`` does), entries are decoded as they are."""
     if any(v is None for v in values):
         raise RuntimeError(f"{sum(v is None for v in values)} of {len(values)} chunks missing on get (tier error?)")
-    return [open_entry(v, k).chunk() for k, v in zip(keys, values)]
+    return [open_entry(v, k, signer=signer).chunk() for k, v in zip(keys, values)]
 
 
-def _get_checked(tier, keys: list) -> list[KVChunk]:
+def _get_checked(tier, keys: list, signer: EntrySigner | None = None) -> list[KVChunk]:
     """A batch read from ``tier`` as ``TieredStore.fetch`` reads it: one ``get_many`` for a tier
     with batched reads (Redis), else key by key; the disk tier streams each entry through
-    ``read_entry``, which checks every piece of it right after reading it."""
+    ``read_entry``, which checks every piece of it right after reading it. ``signer``: checked
+    with it, as the store checks with ``cache.signing_key``."""
     if tier.batch_reads:
-        return _decode_all(keys, tier.get_many(keys))
+        return _decode_all(keys, tier.get_many(keys), signer)
     if tier.streams_reads:
-        got = [tier.read_with(k, lambda readinto, size, k=k: read_entry(readinto, size, k)) for k in keys]
+        got = [tier.read_with(k, lambda readinto, size, k=k: read_entry(readinto, size, k, signer=signer))
+               for k in keys]
         return _decode_all(keys, got)
-    return [_decode_all([k], [tier.get(k)])[0] for k in keys]
+    return [_decode_all([k], [tier.get(k)], signer)[0] for k in keys]
 
 
-def tier_case(name: str, tier, kv: dict, codec) -> KvfuseCase:
+def tier_case(name: str, tier, kv: dict, codec, signer: EntrySigner | None = None) -> KvfuseCase:
     keys = kv["keys"]
     return KvfuseCase(
         name,
-        put=lambda chunks: tier.put_many(_encode_all(keys, chunks, codec)),
-        get=lambda: _get_checked(tier, keys),
+        put=lambda chunks: tier.put_many(_encode_all(keys, chunks, codec, signer)),
+        get=lambda: _get_checked(tier, keys, signer),
         clear=tier.clear,
         close=tier.close,
     )
@@ -558,6 +578,94 @@ def plot(res: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
+# -- signed entries -------------------------------------------------------------------------------
+
+
+def measure_signing(kv: dict, args, workdir: Path, redis_url: str) -> dict:
+    """Signed vs unsigned put / get of the disk and Redis tiers, ``--reps`` interleaved repetitions
+    (see the module docstring); per tier and mode, the repetitions' cells."""
+    codec, signer = get_codec("raw"), EntrySigner([os.urandom(32)])
+    tiers = {"disk": DiskTier(workdir / "signing-disk", 4 * kv["nbytes"] + GIB),
+             "redis": RedisTier(redis_url, timeout_s=10.0)}
+    cells: dict[str, dict[str, list]] = {name: {"unsigned": [], "signed": []} for name in tiers}
+    try:
+        for rep in range(args.reps):
+            modes = ("unsigned", "signed") if rep % 2 == 0 else ("signed", "unsigned")
+            print(f"\nrepetition {rep + 1} of {args.reps} (load average {os.getloadavg()[0]:.2f})")
+            for name, tier in tiers.items():
+                for mode in modes:
+                    case = tier_case(name, tier, kv, codec, signer if mode == "signed" else None)
+                    times, state = {"put": [], "get": [], "put_kv": [], "get_kv": []}, {}
+                    for i in range(-args.warmup, args.runs):
+                        run_case(case, kv, i, times, state)
+                    case.clear()
+                    r = _summary(kv["nbytes"], times["put"], times["get"], roundtrip_exact=state["exact"])
+                    cells[name][mode].append(r)
+                    print(f"  {name} {mode}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s")
+    finally:
+        for t in tiers.values():
+            t.close()
+    return cells
+
+
+def signing_breakdown(kv: dict, runs: int) -> dict:
+    """Milliseconds per batch of the CPU work alone, in memory, median of ``runs``: the header an
+    unsigned put builds (xxh3 per layer) vs ``Entry.signed`` (xxh3, SHA-256 per layer, HMAC), and
+    the check of a get: ``open_entry`` unsigned (xxh3) vs signed with the signer (HMAC, SHA-256)."""
+    codec, signer = get_codec("raw"), EntrySigner([os.urandom(32)])
+    entries = _encode_all(kv["keys"], kv["chunks"], codec)
+    plain = [bytearray(e.join()) for _, e in entries]
+    signed = [bytearray(e.signed(signer).join()) for _, e in entries]
+    pieces = {
+        "unsigned header (xxh3)": lambda: [encode_entry(c, k, codec).header for k, c in zip(kv["keys"], kv["chunks"])],
+        "signed header (xxh3 + SHA-256 + HMAC)": lambda: [e.signed(signer) for _, e in entries],
+        "open_entry unsigned (xxh3)": lambda: [open_entry(b) for b in plain],
+        "open_entry signed, checked (HMAC + SHA-256)": lambda: [open_entry(b, signer=signer) for b in signed],
+    }
+    out = {}
+    for name, fn in pieces.items():
+        out[name] = round(statistics.median(_timed(fn)[0] * 1e3 for _ in range(runs)), 2)
+        print(f"  {out[name]:8.1f} ms  {kv['nbytes'] / 1e3 / out[name]:7.0f} MB/s  {name}")
+    return out
+
+
+def signing_summary(cells: dict) -> dict:
+    """Per tier and operation: MB/s unsigned and signed (median, min, max over the repetitions) and
+    the time signed / unsigned taken within each repetition (1.10 = 10% slower)."""
+    out = {}
+    for name, modes in cells.items():
+        for op in ("put", "get"):
+            plain = [r[f"{op}_mbs_median"] for r in modes["unsigned"]]
+            signed = [r[f"{op}_mbs_median"] for r in modes["signed"]]
+            out[f"{name} {op}"] = {"unsigned_mbs": _mmm(plain), "signed_mbs": _mmm(signed),
+                                   "time_signed_over_unsigned": _mmm([a / b for a, b in zip(plain, signed)])}
+        out[f"{name} exact"] = all(r["roundtrip_exact"] for m in modes.values() for r in m)
+    return out
+
+
+def report_signing(summary: dict, cpu_ms: dict, args, kv: dict) -> None:
+    rows = [[row, f"{c['unsigned_mbs']['median']:,.0f}", f"{c['signed_mbs']['median']:,.0f}",
+             f"{c['time_signed_over_unsigned']['median']:.2f} ({c['time_signed_over_unsigned']['min']:.2f}-"
+             f"{c['time_signed_over_unsigned']['max']:.2f})", "PASS" if c["time_signed_over_unsigned"]["median"] <= 1.1
+             else "FAIL"] for row, c in summary.items() if not row.endswith("exact")]
+    print(f"\nsigned vs unsigned entries, MB/s of KV ({len(kv['chunks'])} chunks of {kv['chunks'][0].nbytes / 1e6:.1f} "
+          f"MB): median over {args.reps} interleaved repetitions, each the median of {args.runs} runs; time ratio "
+          f"signed / unsigned within each repetition, median (min-max); target <= 1.10")
+    print_table(["tier op", "unsigned", "signed", "time signed/unsigned", "<= 1.10"], rows)
+    full = (args.reps, args.runs, args.tokens) == (5, 5, 4096) and not args.quick
+    if full:
+        out = Path(args.signing_json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"summary": summary, "cpu_ms": cpu_ms,
+                                   "env": {**environment(), "loadavg_end": os.getloadavg()},
+                                   "config": {"reps": args.reps, "runs": args.runs, "warmup": args.warmup,
+                                              "tokens": args.tokens, "chunk_tokens": args.chunk_tokens}},
+                                  indent=1) + "\n")
+        print(f"wrote {out}")
+    else:
+        print("(a reduced run: no JSON written)")
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -577,6 +685,15 @@ def main(argv: list[str] | None = None) -> int:
     redis = LocalRedis(args.redis_server).start()
     redis_url = redis.url
     print(f"redis-server pid {redis.proc.pid} on 127.0.0.1:{redis.port}")
+    if args.signing:
+        try:
+            summary = signing_summary(measure_signing(kv, args, workdir, redis_url))
+        finally:
+            redis.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
+        print(f"\nCPU alone, ms per batch of {len(kv['chunks'])} chunks, median of {args.runs}:")
+        report_signing(summary, signing_breakdown(kv, args.runs), args, kv)
+        return 0
     cases: list[KvfuseCase] = []
     reps: list[dict] = []
     lmcache_note = None

@@ -596,7 +596,7 @@ def _inspect(target: str, store) -> int:
         if blob is None:
             raise UserError(f"{target!r} is neither an entry file nor a key held by the disk or Redis tier")
     try:
-        header = read_header(blob)
+        header = read_header(blob, store.signer)  # with signing on, whether an accepted key signed it
     except FormatError as e:
         raise UserError(f"{where}: not a valid kvfuse entry: {e}") from e
     info = {"source": where, **{k: getattr(header, k) for k in header.__dataclass_fields__}}
@@ -604,6 +604,13 @@ def _inspect(target: str, store) -> int:
     info["compression_ratio"] = round(header.compression_ratio, 3)
     print(json.dumps(info, indent=2, default=str))
     return 0
+
+
+def _signature_note(signature: str, signing: bool) -> str:
+    """What the listing says about an entry's signature: only what would make a read refuse it."""
+    if signature == "invalid":
+        return "  (signed by no accepted key: refused)"
+    return "  (unsigned: refused)" if signing and signature == "unsigned" else ""
 
 
 def _inspect_all(store, limit: int, as_json: bool) -> int:
@@ -620,14 +627,14 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
             if blob is None:
                 continue
             try:
-                h = read_header(blob)
+                h = read_header(blob, store.signer)
             except FormatError as e:
                 rows.append({"tier": tier.name, "key": str(key), "error": str(e)})
                 continue
             encoding = h.codec if h.codec_id == 1 else f"{h.codec}.{h.level}"
             row = {"tier": tier.name, "key": str(key), "codec": h.codec, "level": h.level, "tokens": h.shape[2],
                    "bytes": h.header_size + h.payload_size, "raw_bytes": h.raw_payload_size,
-                   "ratio": round(h.compression_ratio, 2), "intact": h.payload_ok}
+                   "ratio": round(h.compression_ratio, 2), "intact": h.payload_ok, "signature": h.signature}
             rows.append(row)
             t = totals.setdefault((tier.name, encoding), [0, 0, 0])
             t[0], t[1], t[2] = t[0] + 1, t[1] + row["bytes"], t[2] + row["raw_bytes"]
@@ -644,8 +651,10 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
         if "error" in r:
             print(f"{r['tier']:<6} {'?':<9} {'?':>5} {'?':>6} {'?':>10} {'?':>6}  {r['key']}  ({r['error']})")
         else:
+            notes = ("" if r["intact"] else "  (damaged payload)") + _signature_note(r["signature"],
+                                                                                  store.signer is not None)
             print(f"{r['tier']:<6} {r['codec']:<9} {r['level']:>5} {r['tokens']:>6} {r['bytes']:>10} "
-                  f"{r['ratio']:>5.2f}x  {r['key']}{'' if r['intact'] else '  (damaged payload)'}")
+                  f"{r['ratio']:>5.2f}x  {r['key']}{notes}")
     print()
     for t in summary:
         print(f"{t['tier']:<6} {t['encoding']:<12} {t['entries']:>6} entries  {t['bytes'] / 2**20:9.1f} MiB  "

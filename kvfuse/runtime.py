@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from .config import Config, TierConfig
+from .config.signing import signer_of
 from .engine import Engine
 from .models import LoadedModel, load_model
 from .tiers.disk import DiskTier
@@ -26,10 +27,13 @@ log = logging.getLogger(__name__)
 def open_store(config: Config, clock: Callable[[], float] | None = None) -> TieredStore | None:
     """The memory tier (when the cache is enabled) and the tiers below it, in order
     (``Config.lower_tiers``: ``cache.tiers``, or the flat keys: disk unless disabled, then Redis
-    and S3 when their URLs are set). ``clock``: the wall clock entries expire by (tests inject one)."""
+    and S3 when their URLs are set). ``clock``: the wall clock entries expire by (tests inject one).
+    With signing keys (``cache.signing_key``...), the store signs what it writes to the lower tiers
+    and checks what it reads back (``config.signing.signer_of``; a ConfigError for a bad key)."""
     c = config.cache
     if not c.enabled:
         return None
+    signer = signer_of(c)
     if c.codec_workers is not None:
         set_shared_pool(c.codec_workers)
     lower = [open_tier(t) for t in config.lower_tiers()]
@@ -37,8 +41,10 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
     stream_levels = c.stream_levels if lower else ()
     if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
         shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request
+    if signer is not None:
+        log.info("cache entries below memory are signed and checked (%r)", signer)  # the count, never a key
     return TieredStore(MemoryTier(c.memory_bytes), lower, write_queue_size=c.write_queue, codecs=codecs,
-                       stream_levels=stream_levels, clock=clock)
+                       stream_levels=stream_levels, clock=clock, signer=signer)
 
 
 def open_tier(t: TierConfig) -> Tier:

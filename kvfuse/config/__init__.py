@@ -3,6 +3,7 @@
 - ``sections``  the sections (frozen dataclasses) and every default; ``EngineSettings``
 - ``load``      file, environment and flags -> typed values (``load_config``)
 - ``validate``  ranges and consistency, errors naming the field, its source and the fix
+- ``signing``   the entry signing keys (``cache.signing_key``, ``signing_keys``, ``signing_key_file``)
 
 The file mirrors the dataclasses::
 
@@ -13,6 +14,7 @@ The file mirrors the dataclasses::
       tiers:                      # below memory, in order (or the flat keys disk_path, redis_url, ...)
         - {kind: disk, path: /var/cache/kvfuse, capacity_bytes: 100GiB, codec: cachegen}
         - {kind: redis, url: redis://127.0.0.1:6379/0}
+      signing_key_file: /etc/kvfuse/signing.keys  # sign and check disk / Redis / S3 entries (one key per line)
     blend:
       recompute_ratio: auto       # the model's calibrated budget (kvfuse calibrate), or 0..1
     engine:

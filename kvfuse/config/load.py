@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from .sections import SECTIONS, Config, ConfigError, TierConfig
+from .signing import SECRET_SETTINGS
 from .validate import validate
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -121,7 +122,8 @@ def _build(values: dict[str, tuple[Any, str]]) -> Config:
 def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
     """Turn a YAML/env/flag value into the field's type, or raise a ConfigError naming the fix."""
     def fail(expected: str, example: str):
-        raise ConfigError(f"{name}: expected {expected}, got {value!r} (from {source}); for example {example}")
+        got = "a value not shown (a secret)" if name in SECRET_SETTINGS else repr(value)
+        raise ConfigError(f"{name}: expected {expected}, got {got} (from {source}); for example {example}")
 
     if name == "cache.tiers":
         return _tiers(value, source)

@@ -124,6 +124,13 @@ class CacheConfig:
     # none = the tiers' policy (every tier, until evicted), in_memory, or a duration such as 24h.
     retention: str | None = None
     tiers: tuple[TierConfig, ...] | None = None  # the tiers below memory, in order (None: the flat keys)
+    # Signed entries (config/signing.py, docs/deploy.md): with keys, every entry written to disk,
+    # Redis or S3 carries an HMAC-SHA256 and every entry read back must carry one an accepted key
+    # made. Give them one way: one key, a list (the first signs, every one is accepted: rotation),
+    # or a file of one key per line (the first signs). Secrets: left out of reprs and error messages.
+    signing_key: str | None = field(default=None, repr=False)
+    signing_keys: tuple[str, ...] = field(default=(), repr=False)
+    signing_key_file: str | None = None
 
     def flat_tiers(self) -> tuple[TierConfig, ...]:
         """The tiers the flat keys describe: disk (unless ``disk: false``), Redis and S3 when their

@@ -13,6 +13,7 @@ from kvfuse.codecs.cachegen import LEVELS
 from kvfuse.durations import parse_duration
 
 from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError
+from .signing import signer_of
 
 _FLAT_TIER_KEYS = ("disk", "disk_path", "disk_bytes", "disk_codec", "disk_codec_level", "redis_url",
                    "redis_timeout_s", "redis_cluster", "redis_codec", "redis_codec_level", "s3_url", "s3_endpoint",
@@ -89,6 +90,7 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
         parse_duration(c.responses.ttl)
     except ValueError as e:
         need(False, "responses.ttl", str(e))
+    signer_of(k, sources)  # the signing keys: one way, long enough, a key file that holds some
 
 
 def _check_codec(need: Callable, name: str, codec: str | None, level: int) -> None:

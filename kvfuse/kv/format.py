@@ -13,6 +13,9 @@ Layout (all integers little-endian)::
     token ids     flags & 2: n x u32, the token ids whose KV the entry holds, in slot order (every
                   entry the engine writes has them; absent only in entries built without them)
     layer table   one (u64 size, u64 xxh3_64 of the layer's bytes) per layer, in layer order
+    signature     flags & 4 (signed): one SHA-256 digest (32 bytes) of each layer's bytes, in layer
+                  order, then the HMAC-SHA256 tag (32 bytes) of every header byte before it
+                  (``kv/signing.py``)
     padding       zero bytes, so that the payload starts at a multiple of 64 (aligned tensor views)
     checksum      u64 xxh3_64 of every header byte before it
     payload       the codec's bytes of layer 0, then layer 1, ...: exactly the sizes of the table
@@ -24,7 +27,19 @@ checks every layer.
 
 The header says how the payload is encoded (codec id and level): keys name a chunk's content, not
 its encoding (``kv/keys.py``), so a reader accepts any registered codec. xxh3 is an integrity
-check (torn writes, bit rot, truncation), not an authentication: tiers are trusted storage.
+check (torn writes, bit rot, truncation), not an authentication.
+
+Signatures. Authentication is the signature (``kv/signing.py``): a writer given an ``EntrySigner``
+(the store's background writer, when ``cache.signing_key`` is set) adds the layers' SHA-256 digests
+and an HMAC tag over the header, flagged by flag bit 4. A reader given a signer checks the tag
+before anything else in the header is interpreted (only the lengths that locate the tag are read
+first), and then each layer it reads against its signed digest instead of its xxh3 checksum. An
+entry without a signature, or whose tag or digests do not match, is a ``SignatureError`` (a
+``FormatError``: a miss). A reader given no signer reads signed and unsigned entries alike (the
+signature is skipped, the xxh3 checksums checked): signing is checked only where a key is
+configured, and turning it on needs no new format version, so no cache key changes; entries
+written before it are then refused as "unsigned". (A build from before signing refuses signed
+entries: flag 4 is unknown to it.)
 
 Token ids. A key is a SHA-256 over the chunk's tokens (and, for a prefix chunk, every token
 before it), and the entry repeats its key; since format version 3 it also records the token ids
@@ -56,7 +71,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -67,7 +82,9 @@ from kvfuse.codecs import get_codec_by_id
 from kvfuse.codecs.base import Codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.signing import DIGEST_SIZE, TAG_SIZE, EntrySigner, layer_digest
 from kvfuse.kv.version import FORMAT_VERSION
+
 MAX_TOKENS = 1 << 20  # per entry; a header claiming more is not an entry (positions are allocated from it)
 MAGIC = b"KVFZ"
 
@@ -77,7 +94,8 @@ _CHECKSUM = struct.Struct("<Q")
 _ALIGN = 64
 _FLAG_CONTIGUOUS = 1
 _FLAG_TOKENS = 2
-_KNOWN_FLAGS = _FLAG_CONTIGUOUS | _FLAG_TOKENS
+_FLAG_SIGNED = 4
+_KNOWN_FLAGS = _FLAG_CONTIGUOUS | _FLAG_TOKENS | _FLAG_SIGNED
 MIN_READ = 4096  # a header read of this many bytes holds most whole headers (see header_length)
 # read_entry reads the payload a few layers at a time, at least this many bytes: a piece must
 # still be in the CPU's cache when it is hashed, right after its read.
@@ -90,8 +108,24 @@ class FormatError(ValueError):
     (a cache miss, never used)."""
 
 
-def _padded_header_len(key_len: int, positions_len: int, num_layers: int, tokens_len: int = 0) -> int:
-    unpadded = _FIXED.size + key_len + positions_len + tokens_len + _LAYER.size * num_layers + _CHECKSUM.size
+class SignatureError(FormatError):
+    """An entry refused by a reader that checks signatures: ``reason`` is ``"unsigned"`` (no
+    signature) or ``"signature"`` (a tag no accepted key made, or a payload that does not match
+    its signed digests)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _signature_len(num_layers: int, signed: bool) -> int:
+    return DIGEST_SIZE * num_layers + TAG_SIZE if signed else 0
+
+
+def _padded_header_len(key_len: int, positions_len: int, num_layers: int, tokens_len: int = 0,
+                       signed: bool = False) -> int:
+    unpadded = (_FIXED.size + key_len + positions_len + tokens_len + _LAYER.size * num_layers
+                + _signature_len(num_layers, signed) + _CHECKSUM.size)
     return -(-unpadded // _ALIGN) * _ALIGN
 
 
@@ -109,7 +143,8 @@ class Entry:
     checksums are computed with the header, in the store's background writer for the lower tiers.
     An entry built in this process is trusted (nothing stored it where it could be damaged); a
     serialized one becomes an ``Entry`` only through :func:`open_entry`. Whoever stores an
-    ``Entry`` owns the chunk's memory from then on: it must not be modified.
+    ``Entry`` owns the chunk's memory from then on: it must not be modified. ``signed(signer)`` is
+    the same entry with a signed header (what a shared tier is given when signing is on).
     """
 
     __slots__ = ("key", "codec", "shape", "dtype", "positions", "payload", "layer_sizes", "header_size", "_offsets",
@@ -152,6 +187,12 @@ class Entry:
 
     def parts(self) -> tuple[bytes, memoryview]:
         return self.header, self.payload
+
+    def signed(self, signer: EntrySigner) -> Entry:
+        """This entry with a header signed by ``signer`` (its first key); the payload is shared,
+        not copied. Hashes every payload byte (SHA-256): done by the store's background writer."""
+        return Entry(self.key, self.codec, self.shape, self.dtype, self.positions, self.payload, self.layer_sizes,
+                     _build_header(self, signer), self.token_ids)
 
     def join(self) -> bytearray:
         """The serialized entry as one contiguous buffer (one copy)."""
@@ -258,6 +299,8 @@ class EntryHeader:
     layer_sizes: tuple[int, ...]
     payload_ok: bool  # every layer present at its declared size, checksums match, no trailing bytes
     has_token_ids: bool = False  # the entry records the token ids of its KV (every entry the engine writes)
+    # "unsigned"; "signed" (not checked: no signer given); "valid" or "invalid" (checked with a signer)
+    signature: str = "unsigned"
 
     @property
     def raw_payload_size(self) -> int:
@@ -276,18 +319,20 @@ class EntryHeader:
 class Header:
     """A parsed, checked header: enough to find, check and decode any layer range of the payload.
     (A plain slotted class: it is built for every entry read, and a frozen dataclass's
-    ``__init__`` costs several times more.)"""
+    ``__init__`` costs several times more.) ``digests``: a signed entry's SHA-256 per layer (None:
+    unsigned); ``verified``: its tag was checked, so layers are checked against those digests."""
 
     __slots__ = ("key", "codec", "dtype", "shape", "positions", "contiguous", "header_len", "layer_sizes",
-                 "layer_checksums", "raw", "token_ids")
+                 "layer_checksums", "raw", "token_ids", "digests", "verified")
 
     def __init__(self, key: str, codec: Codec, dtype: torch.dtype, shape: tuple[int, ...], positions: torch.Tensor,
                  contiguous: bool, header_len: int, layer_sizes: tuple[int, ...], layer_checksums: tuple[int, ...],
-                 raw: bytes, token_ids: torch.Tensor | None = None):
+                 raw: bytes, token_ids: torch.Tensor | None = None, digests: tuple[bytes, ...] | None = None,
+                 verified: bool = False):
         self.key, self.codec, self.dtype, self.shape, self.positions = key, codec, dtype, shape, positions
         self.contiguous, self.header_len, self.raw = contiguous, header_len, raw
         self.layer_sizes, self.layer_checksums = layer_sizes, layer_checksums
-        self.token_ids = token_ids
+        self.token_ids, self.digests, self.verified = token_ids, digests, verified
 
     @property
     def payload_len(self) -> int:
@@ -300,16 +345,25 @@ class Header:
         start = self.header_len + sum(self.layer_sizes[:first])
         return start, start + sum(self.layer_sizes[first:last])
 
+    def check_layer(self, i: int, data: memoryview) -> None:
+        """FormatError unless ``data`` are layer ``i``'s bytes: against its signed SHA-256 digest
+        when the signature was verified (a ``SignatureError``: damage and forgery look alike
+        there), else its xxh3 checksum."""
+        if self.verified:
+            if layer_digest(data) != self.digests[i]:
+                raise SignatureError("signature", f"payload of layer {i} does not match its signed digest")
+        elif xxhash.xxh3_64_intdigest(data) != self.layer_checksums[i]:
+            raise FormatError(f"payload checksum mismatch in layer {i}")
+
     def check_layers(self, data: memoryview, first: int, last: int) -> None:
         """FormatError unless ``data`` is exactly the intact bytes of layers ``[first, last)``."""
         expected = sum(self.layer_sizes[first:last])
         if len(data) != expected:
             kind = "truncated" if len(data) < expected else "trailing bytes after"
             raise FormatError(f"{kind} payload ({len(data)} bytes, header says {expected})")
-        off, digest = 0, xxhash.xxh3_64_intdigest
-        for i, size, checksum in zip(range(first, last), self.layer_sizes[first:last], self.layer_checksums[first:last]):
-            if digest(data[off : off + size]) != checksum:
-                raise FormatError(f"payload checksum mismatch in layer {i}")
+        off = 0
+        for i, size in zip(range(first, last), self.layer_sizes[first:last]):
+            self.check_layer(i, data[off : off + size])
             off += size
 
     def decode_layers(self, data: memoryview, first: int, last: int) -> torch.Tensor:
@@ -374,21 +428,25 @@ def _position_bytes(pos: torch.Tensor) -> tuple[bool, bytes]:
     return False, pos.numpy().astype("<i8").tobytes()
 
 
-def _build_header(e: Entry) -> bytes:
+def _build_header(e: Entry, signer: EntrySigner | None = None) -> bytes:
+    """The header of ``e``; signed by ``signer`` (its layers' SHA-256 digests and the tag) if given."""
     key_bytes = e.key.encode("utf-8")
     contiguous, pos_bytes = _position_bytes(e.positions)
     tok_bytes = b"" if e.token_ids is None else e.token_ids.numpy().astype("<u4").tobytes()
-    table = b"".join(_LAYER.pack(size, xxhash.xxh3_64_intdigest(e.layer_bytes(i, i + 1)))
-                     for i, size in enumerate(e.layer_sizes))
-    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes), len(tok_bytes))
-    padding = bytes(header_len - _FIXED.size - len(key_bytes) - len(pos_bytes) - len(tok_bytes) - len(table)
-                    - _CHECKSUM.size)
-    flags = (_FLAG_CONTIGUOUS if contiguous else 0) | (0 if e.token_ids is None else _FLAG_TOKENS)
+    layers = [e.layer_bytes(i, i + 1) for i in range(len(e.layer_sizes))]
+    table = b"".join(_LAYER.pack(size, xxhash.xxh3_64_intdigest(v)) for size, v in zip(e.layer_sizes, layers))
+    digests = b"".join(layer_digest(v) for v in layers) if signer is not None else b""
+    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes), len(tok_bytes),
+                                    signer is not None)
+    flags = ((_FLAG_CONTIGUOUS if contiguous else 0) | (0 if e.token_ids is None else _FLAG_TOKENS)
+             | (0 if signer is None else _FLAG_SIGNED))
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, header_len, e.codec.codec_id, e.codec.level, dtypes.code_of(e.dtype),
         flags, *e.shape, e.positions.shape[0], len(key_bytes), e.payload.nbytes,
     )
-    head = b"".join((fixed, key_bytes, pos_bytes, tok_bytes, table, padding))
+    body = b"".join((fixed, key_bytes, pos_bytes, tok_bytes, table, digests))
+    tag = signer.sign(body) if signer is not None else b""
+    head = body + tag + bytes(header_len - len(body) - len(tag) - _CHECKSUM.size)
     return head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
 
 
@@ -410,18 +468,42 @@ def _check_version(mv: memoryview) -> None:
         raise FormatError(f"entry format version {version}; this build reads version {FORMAT_VERSION}")
 
 
-def parse_header(blob: bytes | bytearray | memoryview) -> Header:
-    """Parse and check everything up to the payload (``blob`` may hold only the header); FormatError."""
-    mv = _as_view(blob)
+class _Frame(NamedTuple):
+    """The fixed header's fields and where the variable parts lie: what ``_frame`` checked."""
+
+    header_len: int
+    codec_id: int
+    level: int
+    dtype_code: int
+    flags: int
+    shape: tuple[int, ...]
+    n_pos: int
+    key_len: int
+    payload_len: int
+    pos_len: int
+    tok_len: int
+
+    @property
+    def table(self) -> int:
+        """Offset of the layer table."""
+        return _FIXED.size + self.key_len + self.pos_len + self.tok_len
+
+    @property
+    def tag_at(self) -> int:
+        """Offset of a signed header's tag (every byte before it is signed)."""
+        return self.table + (_LAYER.size + DIGEST_SIZE) * self.shape[0]
+
+
+def _frame(mv: memoryview) -> _Frame:
+    """The fixed header, its lengths consistent, the header checksum and the flags checked."""
     _check_version(mv)
     if len(mv) < _FIXED.size:
         raise FormatError(f"truncated header ({len(mv)} bytes)")
     (_, _, header_len, codec_id, level, dtype_code, flags, *rest) = _FIXED.unpack_from(mv)
     shape, (n_pos, key_len, payload_len) = tuple(rest[:5]), rest[5:]
-    contiguous = bool(flags & _FLAG_CONTIGUOUS)
-    pos_len = 8 if contiguous else 8 * n_pos
+    pos_len = 8 if flags & _FLAG_CONTIGUOUS else 8 * n_pos
     tok_len = 4 * n_pos if flags & _FLAG_TOKENS else 0
-    if header_len != _padded_header_len(key_len, pos_len, shape[0], tok_len):
+    if header_len != _padded_header_len(key_len, pos_len, shape[0], tok_len, bool(flags & _FLAG_SIGNED)):
         raise FormatError(f"inconsistent header length {header_len}")
     if len(mv) < header_len:
         raise FormatError(f"truncated header ({len(mv)} of {header_len} bytes)")
@@ -431,43 +513,75 @@ def parse_header(blob: bytes | bytearray | memoryview) -> Header:
     # The checksum only proves the bytes are the writer's; now check the writer spoke our dialect.
     if flags & ~_KNOWN_FLAGS:
         raise FormatError(f"unknown header flags {flags:#x}")
-    dtype = dtypes.from_code(dtype_code)
+    return _Frame(header_len, codec_id, level, dtype_code, flags, shape, n_pos, key_len, payload_len, pos_len,
+                  tok_len)
+
+
+def _check_signature(mv: memoryview, f: _Frame, signer: EntrySigner) -> None:
+    """SignatureError unless the header carries a tag that one of ``signer``'s keys made over
+    every header byte before it."""
+    if not f.flags & _FLAG_SIGNED:
+        raise SignatureError("unsigned", "the entry is not signed (written without cache.signing_key, or before "
+                                         "signing was turned on)")
+    at = f.tag_at
+    if not signer.verify(mv[:at], mv[at : at + TAG_SIZE]):
+        raise SignatureError("signature", f"the entry's signature matches none of the {signer.key_count} accepted "
+                                          f"signing key(s)")
+
+
+def parse_header(blob: bytes | bytearray | memoryview, signer: EntrySigner | None = None) -> Header:
+    """Parse and check everything up to the payload (``blob`` may hold only the header); FormatError.
+    With ``signer``, the signature is checked right after the lengths that locate it, before any
+    other field is interpreted (a ``SignatureError``), and the header is ``verified``."""
+    mv = _as_view(blob)
+    f = _frame(mv)
+    if signer is not None:
+        _check_signature(mv, f, signer)
+    return _fields(mv, f, verified=signer is not None)
+
+
+def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
+    """The header's fields after ``_frame`` (and, when ``verified``, the signature) checked it."""
+    dtype = dtypes.from_code(f.dtype_code)
     if dtype is None:
-        raise FormatError(f"unknown dtype code {dtype_code}")
+        raise FormatError(f"unknown dtype code {f.dtype_code}")
+    shape, n_pos = f.shape, f.n_pos
     if shape[1] != 2 or n_pos != shape[2] or min(shape[0], shape[3], shape[4]) < 1 or n_pos > MAX_TOKENS:
         raise FormatError(f"inconsistent shape {shape} / {n_pos} positions")
     off = _FIXED.size
     try:
-        key = bytes(mv[off : off + key_len]).decode("utf-8")
+        key = bytes(mv[off : off + f.key_len]).decode("utf-8")
     except UnicodeDecodeError:
         raise FormatError("storage key is not valid UTF-8") from None
-    off += key_len
-    if contiguous:
+    off += f.key_len
+    if f.flags & _FLAG_CONTIGUOUS:
         (start,) = struct.unpack_from("<q", mv, off)
         if start > 2**63 - 1 - n_pos:
             raise FormatError(f"positions overflow int64 (first {start}, {n_pos} positions)")
         positions = torch.arange(start, start + n_pos, dtype=torch.int64)
     else:
         positions = torch.from_numpy(np.frombuffer(mv, dtype="<i8", count=n_pos, offset=off).astype(np.int64))
-    off += pos_len
+    off += f.pos_len
     token_ids = None
-    if tok_len:
+    if f.tok_len:
         token_ids = torch.from_numpy(np.frombuffer(mv, dtype="<u4", count=n_pos, offset=off).astype(np.int64))
-        off += tok_len
-    table = struct.unpack_from(f"<{2 * shape[0]}Q", mv, off)  # (size, checksum) per layer
-    off += _LAYER.size * shape[0]
-    padding = bytes(mv[off : header_len - _CHECKSUM.size])
-    if padding != bytes(len(padding)):
+    table = struct.unpack_from(f"<{2 * shape[0]}Q", mv, f.table)  # (size, checksum) per layer
+    off = f.table + _LAYER.size * shape[0]
+    digests = None
+    if f.flags & _FLAG_SIGNED:
+        digests = tuple(bytes(mv[off + DIGEST_SIZE * i : off + DIGEST_SIZE * (i + 1)]) for i in range(shape[0]))
+        off = f.tag_at + TAG_SIZE
+    if any(mv[off : f.header_len - _CHECKSUM.size]):
         raise FormatError("non-zero header padding")
     sizes = table[0::2]
-    if sum(sizes) != payload_len:
-        raise FormatError(f"layer sizes add up to {sum(sizes)}, payload length says {payload_len}")
-    codec = _codec_of(codec_id, level)
+    if sum(sizes) != f.payload_len:
+        raise FormatError(f"layer sizes add up to {sum(sizes)}, payload length says {f.payload_len}")
+    codec = _codec_of(f.codec_id, f.level)
     expected = codec.layer_size(shape[1:], dtype)
     if expected is not None and sizes.count(expected) != len(sizes):
-        raise FormatError(f"payload length {payload_len} does not match {codec.name} {shape} ({expected} per layer)")
-    return Header(key, codec, dtype, shape, positions, contiguous, header_len, sizes, table[1::2],
-                  bytes(mv[:header_len]), token_ids)
+        raise FormatError(f"payload length {f.payload_len} does not match {codec.name} {shape} ({expected} per layer)")
+    return Header(key, codec, dtype, shape, positions, f.flags & _FLAG_CONTIGUOUS != 0, f.header_len, sizes,
+                  table[1::2], bytes(mv[: f.header_len]), token_ids, digests, verified)
 
 
 def _codec_of(codec_id: int, level: int) -> Codec:
@@ -482,13 +596,16 @@ def _check_key(key: str, expected_key: ChunkKey | str | None) -> None:
         raise FormatError(f"entry holds key {key!r}, expected {str(expected_key)!r}")
 
 
-def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: EntrySpec | None = None) -> Entry:
+def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: EntrySpec | None = None,
+               signer: EntrySigner | None = None) -> Entry:
     """The one validation path: the checked ``Entry`` of ``blob`` (sharing its memory), or a
     FormatError saying what is wrong.
 
     A serialized blob is fully checked: header, every layer's checksum, lengths, a known codec
-    and dtype, the key. An ``Entry`` built in this process is trusted and only its key is checked.
-    Either way ``spec``, when given, must match. For the raw codec, decoding the result is
+    and dtype, the key; with ``signer``, first its signature and then every layer against its
+    signed digest (a ``SignatureError`` if unsigned or not signed by an accepted key). An ``Entry``
+    built in this process is trusted and only its key is checked (it was never outside the
+    process, so there is nothing to authenticate). Either way ``spec``, when given, must match. For the raw codec, decoding the result is
     zero-copy when the blob's memory is writable (a fresh read buffer); a read-only ``bytes``
     blob is decoded through one private copy.
     """
@@ -500,7 +617,7 @@ def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: Ent
             mv = _as_view(blob)
         except TypeError:
             raise FormatError(f"not a buffer: {type(blob).__name__}") from None
-        h = parse_header(mv)
+        h = parse_header(mv, signer)
         _check_key(h.key, expected_key)
         payload = mv[h.header_len :]
         h.check_layers(payload, 0, len(h.layer_sizes))
@@ -511,7 +628,7 @@ def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: Ent
 
 
 def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: ChunkKey | str | None = None,
-               spec: EntrySpec | None = None) -> Entry:
+               spec: EntrySpec | None = None, signer: EntrySigner | None = None) -> Entry:
     """The checked ``Entry`` of an entry of ``size`` bytes that ``readinto`` reads in order (as
     ``os.readv`` into the view it is given: the count read, 0 at the end), or a FormatError: the
     same checks as :func:`open_entry` on a serialized blob, done while reading.
@@ -521,8 +638,9 @@ def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: C
     Here the payload is read a few layers at a time (``PIECE_BYTES``) and each piece is checked
     right after it arrived, still in cache: in a one-off A/B on the 2-core development VM, the
     disk tier's reads of a 94 MB prompt went from ~19-22 ms to ~14 ms this way (plain
-    ``readinto`` of the same bytes: ~12 ms). The header is checked, and the key and ``spec`` compared, before any payload
-    byte is read. The returned entry owns a fresh writable buffer (raw payloads decode without a
+    ``readinto`` of the same bytes: ~12 ms). The header is checked (with ``signer``: its signature
+    first), and the key and ``spec`` compared, before any payload byte is read; each layer is then
+    checked against its signed digest when the signature was. The returned entry owns a fresh writable buffer (raw payloads decode without a
     copy).
     """
     buf = memoryview(np.empty(size, dtype=np.uint8))
@@ -542,47 +660,61 @@ def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: C
     if header_len > have:
         fill(have, header_len)
         have = header_len
-    h = parse_header(buf[:header_len])
+    h = parse_header(buf[:header_len], signer)
     _check_key(h.key, expected_key)
     if spec is not None:
         spec.check(h)
     if size != header_len + h.payload_len:
         kind = "truncated" if size < header_len + h.payload_len else "trailing bytes after"
         raise FormatError(f"{kind} payload ({size - header_len} bytes, header says {h.payload_len})")
-    off, digest = header_len, xxhash.xxh3_64_intdigest
-    for i, (n, checksum) in enumerate(zip(h.layer_sizes, h.layer_checksums)):
+    off = header_len
+    for i, n in enumerate(h.layer_sizes):
         if off + n > have:  # read on: at least this layer, at least PIECE_BYTES bytes
             more = min(size, max(off + n, have + PIECE_BYTES))
             fill(have, more)
             have = more
-        if digest(buf[off : off + n]) != checksum:
-            raise FormatError(f"payload checksum mismatch in layer {i}")
+        h.check_layer(i, buf[off : off + n])
         off += n
     return h.entry(buf[header_len:])
 
 
-def verify(blob: Blob, expected_key: ChunkKey | str | None = None) -> bool:
+def verify(blob: Blob, expected_key: ChunkKey | str | None = None, signer: EntrySigner | None = None) -> bool:
     """True when ``blob`` is an intact entry (as :func:`open_entry` checks it); decodes nothing."""
     try:
-        open_entry(blob, expected_key)
+        open_entry(blob, expected_key, signer=signer)
     except FormatError:
         return False
     return True
 
 
-def decode_chunk(blob: Blob, expected_key: ChunkKey | str | None = None) -> KVChunk:
+def decode_chunk(blob: Blob, expected_key: ChunkKey | str | None = None, signer: EntrySigner | None = None) -> KVChunk:
     """The KV chunk of an entry after the full check of :func:`open_entry`; FormatError otherwise.
 
     Do not modify the returned tensor: for the raw codec it may be the cached entry's memory.
     """
-    return open_entry(blob, expected_key).chunk()
+    return open_entry(blob, expected_key, signer=signer).chunk()
 
 
-def read_header(blob: Blob) -> EntryHeader:
-    """The header of an entry, for inspection; FormatError if the header itself is not intact.
-    A damaged or missing payload is reported as ``payload_ok=False``."""
-    mv = _as_view(blob.header if isinstance(blob, Entry) else blob)
+def _inspected(mv: memoryview, signer: EntrySigner | None) -> tuple[Header, str]:
+    """The header and its signature's state (``EntryHeader.signature``); FormatError only if the
+    header is not intact (a bad signature is reported, not raised)."""
     h = parse_header(mv)
+    if h.digests is None:
+        return h, "unsigned"
+    if signer is None:
+        return h, "signed"
+    try:
+        return parse_header(mv, signer), "valid"
+    except SignatureError:
+        return h, "invalid"
+
+
+def read_header(blob: Blob, signer: EntrySigner | None = None) -> EntryHeader:
+    """The header of an entry, for inspection; FormatError if the header itself is not intact.
+    A damaged or missing payload is reported as ``payload_ok=False``; with ``signer``, whether the
+    signature is valid (and then the payload is checked against the signed digests)."""
+    mv = _as_view(blob.header if isinstance(blob, Entry) else blob)
+    h, signature = _inspected(mv, signer)
     try:
         payload = _as_view(blob.payload) if isinstance(blob, Entry) else mv[h.header_len :]
         h.check_layers(payload, 0, len(h.layer_sizes))
@@ -606,4 +738,5 @@ def read_header(blob: Blob) -> EntryHeader:
         layer_sizes=h.layer_sizes,
         payload_ok=payload_ok,
         has_token_ids=h.token_ids is not None,
+        signature=signature,
     )

@@ -183,6 +183,12 @@ def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
     store = stats.get("store", {})
     for key, (name, help_) in _STORE_COUNTERS.items():
         yield CounterMetricFamily(name, help_, value=store.get(key, 0))
+    refused = CounterMetricFamily("kvfuse_store_signature_rejects", "Entries read from disk, Redis or S3 with signing "
+                                  "on that were unsigned or signed by no accepted key (removed; each a miss, never "
+                                  "used; counted in kvfuse_store_unusable_entries too).", labels=["reason"])
+    for reason, key in (("unsigned", "signature_unsigned"), ("mismatch", "signature_mismatch")):
+        refused.add_metric([reason], store.get(key, 0))
+    yield refused
     yield GaugeMetricFamily("kvfuse_store_write_queue_depth", "Lower-tier writes waiting.",
                             value=store.get("queue_depth", 0))
 

@@ -8,6 +8,14 @@ the spec) and its layers' checksums (``Header.decode_layers``). An unusable entr
 its tier and counted (``unusable_entries`` in the store's counters, and as an error of that tier,
 whose hit becomes a miss).
 
+Signatures. Given an ``EntrySigner`` (``cache.signing_key``), every read from a tier that stores
+bytes (disk, Redis, S3: anything that left the process and may have been written by someone
+else) checks the entry's signature before anything else of it is used: whole entries, streamed
+reads and layer ranges alike. An unsigned or wrongly signed entry is rejected like any unusable
+one (removed, a miss, ``unusable_entries``) and counted by reason (``signature_unsigned``,
+``signature_mismatch``). The memory tier is not checked: it holds ``Entry`` objects that only
+this process put there, either built here or read from a lower tier through this very check.
+
 A seam of its own because the store reads in three ways (whole entries for ``fetch``, one copy
 of one tier for ``fetch_encoded``, a layer range for ``fetch_layers``) and all three must check,
 reject and count the same way: keeping the checks in one module keeps them one path.
@@ -18,9 +26,10 @@ from __future__ import annotations
 import logging
 from typing import Iterator, Sequence
 
-from kvfuse.kv.format import (MIN_READ, Entry, EntrySpec, FormatError, Header, header_length, open_entry, parse_header,
-                              read_entry)
+from kvfuse.kv.format import (MIN_READ, Entry, EntrySpec, FormatError, Header, SignatureError, header_length, open_entry,
+                              parse_header, read_entry)
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers.base import Blob, Tier, guarded, nbytes
 from kvfuse.tiers.results import Encoded, LayerRange, StoreCounters
 
@@ -33,10 +42,18 @@ class CheckedReads:
     """Reads from one tier at a time, each checked; see the module docstring.
 
     Side effects, stated: an unusable entry is deleted from its tier, counted in ``counters``
-    (``unusable_entries``) and in the tier's stats (an error, and its hit turned into a miss)."""
+    (``unusable_entries``, and ``signature_*`` for a signature's reason) and in the tier's stats
+    (an error, and its hit turned into a miss). ``signer``: check signatures (None: do not)."""
 
-    def __init__(self, counters: StoreCounters) -> None:
+    _REASONS = {"unsigned": "signature_unsigned", "signature": "signature_mismatch"}
+
+    def __init__(self, counters: StoreCounters, signer: EntrySigner | None = None) -> None:
         self._counters = counters
+        self._signer = signer
+
+    def signer_for(self, tier: Tier) -> EntrySigner | None:
+        """The signer reads from ``tier`` are checked with: none for a tier of in-process entries."""
+        return None if tier.holds_entries else self._signer
 
     def batch(self, tier: Tier, keys: Sequence[ChunkKey], specs: Sequence[EntrySpec | None],
               promoted: bool) -> Iterator[Checked]:
@@ -66,14 +83,15 @@ class CheckedReads:
             # first tier then decodes without a copy at every later hit.
             value = bytearray(value)
         try:
-            return open_entry(value, key, spec), False
+            return open_entry(value, key, spec, self.signer_for(tier)), False
         except FormatError as e:
             self.reject(tier, key, e)
             return None, True
 
     def _streamed(self, tier: Tier, key: ChunkKey, spec: EntrySpec | None) -> Checked:
+        signer = self.signer_for(tier)
         try:
-            return tier.read_with(key, lambda readinto, size: read_entry(readinto, size, key, spec)), False
+            return tier.read_with(key, lambda readinto, size: read_entry(readinto, size, key, spec, signer)), False
         except FormatError as e:
             self.reject(tier, key, e)
             return None, True
@@ -83,6 +101,8 @@ class CheckedReads:
         log.warning("tier %s: unusable entry %s removed (%s)", tier.name, key, error)
         tier.stats.add(hits=-1, misses=1, errors=1)  # the tier counted a hit; it was not one
         self._counters.add(unusable_entries=1)
+        if isinstance(error, SignatureError):
+            self._counters.add(**{self._REASONS[error.reason]: 1})
         guarded(tier, "delete", tier.delete, False, key)
 
     def discard(self, tiers: Sequence[Tier], key: ChunkKey) -> None:
@@ -116,7 +136,7 @@ class CheckedReads:
                     return None
                 entry = open_entry(value, key, spec)
                 return LayerRange(entry.decode(first, last), entry.positions, first, last, tier.name)
-            h = self._header(tier, key, spec)
+            h = self._header(tier, key, spec, self.signer_for(tier))
             if h is None:
                 return None
             header, head = h
@@ -131,16 +151,18 @@ class CheckedReads:
         return LayerRange(kv, header.positions, first, last, tier.name)
 
     @staticmethod
-    def _header(tier: Tier, key: ChunkKey, spec: EntrySpec | None) -> tuple[Header, bytes | memoryview] | None:
-        """The checked header of ``key`` in ``tier`` and the bytes read for it (at least
-        ``MIN_READ``: often the first layers too); None on a miss; FormatError if unusable."""
+    def _header(tier: Tier, key: ChunkKey, spec: EntrySpec | None,
+                signer: EntrySigner | None) -> tuple[Header, bytes | memoryview] | None:
+        """The checked header of ``key`` in ``tier`` (with ``signer``: its signature first) and the
+        bytes read for it (at least ``MIN_READ``: often the first layers too); None on a miss;
+        FormatError if unusable."""
         head = tier.read_range(key, 0, MIN_READ)
         if head is None:
             return None
         need = header_length(head)
         if need > len(head):
             head = bytes(head) + bytes(tier.read_range(key, len(head), need) or b"")
-        header = parse_header(head)
+        header = parse_header(head, signer)
         if header.key != str(key):
             raise FormatError(f"entry holds key {header.key!r}, expected {str(key)!r}")
         if spec is not None:

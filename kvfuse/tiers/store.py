@@ -27,6 +27,11 @@ Semantics in brief:
   extra ``stream_levels`` of CacheGen are written under the chunk's variant keys for the
   streaming loader (``fetch_encoded``; see ``transcode.py``). ``flush()`` waits for the queued
   writes.
+- Signing (``signer``, from ``cache.signing_key``): every entry written to a lower tier is signed
+  (``transcode.py``, on the background writer) and every entry read back from one is checked
+  before use (``checked_reads.py``); an unsigned or wrongly signed one is an unusable entry. The
+  key reaches only those two seams: the tiers store bytes and never see it, and the memory tier,
+  whose entries never leave the process, is neither signed nor checked.
 - A tier that raises (it should not: tiers count their own failures) is logged, counted, and
   treated as a miss.
 - ``upcoming()`` is what the engine's queue will ask for next (``set_lookahead``), in order.
@@ -56,6 +61,7 @@ from kvfuse.codecs.base import Codec
 from kvfuse.config import CacheConfig
 from kvfuse.kv.format import Entry, EntrySpec
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers.base import Blob, Clock, Tier, guarded, put_many_expiring
 from kvfuse.tiers.checked_reads import CheckedReads
 from kvfuse.tiers.memory import MemoryTier
@@ -76,12 +82,14 @@ class TieredStore:
     ``stream_levels``: the CacheGen levels written as variants to the lower tiers;
     ``write_queue_size`` / ``write_batch``: the background write queue's bound and batch;
     ``clock``: the wall clock of expiries, set on every tier (None: ``time.time``, the tiers' own);
-    ``expire_interval_s``: the least time between two sweeps ``lookup`` makes."""
+    ``expire_interval_s``: the least time between two sweeps ``lookup`` makes;
+    ``signer``: sign the lower tiers' entries and check them when read (None: no signing)."""
 
     def __init__(self, memory: MemoryTier, lower: Sequence[Tier] = (), *,
                  write_queue_size: int = CacheConfig.write_queue, write_batch: int = 16,
                  codecs: Mapping[str, Codec] | None = None, stream_levels: Sequence[int] = CacheConfig.stream_levels,
-                 clock: Clock | None = None, expire_interval_s: float = 1.0) -> None:
+                 clock: Clock | None = None, expire_interval_s: float = 1.0,
+                 signer: EntrySigner | None = None) -> None:
         self._memory, self._lower = self._roles(memory, lower)
         self._tiers: tuple[Tier, ...] = (self._memory, *self._lower)
         names = [t.name for t in self._tiers]
@@ -100,8 +108,9 @@ class TieredStore:
         self._next_sweep = self._clock() + expire_interval_s
         self._sweep_lock = threading.Lock()
         self._counters = StoreCounters()
-        self._reads = CheckedReads(self._counters)
-        self._transcoder = Transcoder(codecs or {}, stream_levels, self._counters)
+        self._reads = CheckedReads(self._counters, signer)
+        self._transcoder = Transcoder(codecs or {}, stream_levels, self._counters, signer)
+        self._signer = signer
         self._writer = WriteBehind(self._lower, self._transcoder, self._counters, write_queue_size, write_batch)
         self._prefetch = PrefetchTally(self._counters, self._memory.name)
         self._lookahead: Callable[[], list[ChunkKey]] | None = None
@@ -157,6 +166,11 @@ class TieredStore:
         """Encode lower tiers' entries for a model whose layers are ``layer_types`` and whose
         calibrated CacheGen level is ``level`` (0: none; ``Transcoder.use_model``)."""
         self._transcoder.use_model(layer_types, level)
+
+    @property
+    def signer(self) -> EntrySigner | None:
+        """What the lower tiers' entries are signed and checked with (None: signing is off)."""
+        return self._signer
 
     @property
     def stream_levels(self) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """Per-tier encodings: the codec each lower tier writes, and the extra CacheGen levels (variants)
-written beside a chunk for the streaming loader; re-encoding an entry for them.
+written beside a chunk for the streaming loader; re-encoding an entry for them; and, with a
+signer, the signature every entry written to a lower tier carries.
 
 Each lower tier may have its own codec (``codecs``: e.g. raw in memory, CacheGen on disk and
 Redis): an entry put in another encoding is re-encoded for that tier. The ``stream_levels`` of
@@ -11,7 +12,13 @@ codec change stay usable.
 A seam of its own because it is the one step of the background writes that decodes and encodes
 KV (CPU-heavy, and the only part of the store that knows codecs): the write-behind queue moves
 bytes to tiers; this decides which bytes each tier gets. A memo shared by the tiers of one batch
-encodes an entry once per encoding, however many tiers want it.
+encodes (and signs) an entry once per encoding, however many tiers want it.
+
+Signing lives here, on the one path by which entries reach the lower tiers (the write-behind
+queue), rather than in ``encode_entry``'s callers (the saver, the prefill, the blend loader, the
+vLLM worker...): they build in-process entries for the memory tier, which never leaves the
+process and needs no signature, and none of them has to know the key. Signing hashes every
+payload byte (SHA-256), so it runs on the background writer's thread, off the request path.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from kvfuse.codecs import get_codec
 from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import Entry, FormatError, encode_entry, open_entry
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers.base import Blob, Tier
 from kvfuse.tiers.results import StoreCounters
 
@@ -35,13 +43,16 @@ class Transcoder:
     """Which encodings the lower tiers get, and the re-encoding into them.
 
     ``counters`` receives ``reencoded`` (an entry encoded anew) and ``reencode_errors`` (a value
-    that could not be: damaged, or KV the codec refuses; the write of that copy is skipped)."""
+    that could not be: damaged, or KV the codec refuses; the write of that copy is skipped).
+    ``signer``: every entry written to a lower tier is signed with it (None: as it is)."""
 
-    def __init__(self, codecs: Mapping[str, Codec], stream_levels: Sequence[int], counters: StoreCounters) -> None:
+    def __init__(self, codecs: Mapping[str, Codec], stream_levels: Sequence[int], counters: StoreCounters,
+                 signer: EntrySigner | None = None) -> None:
         self.codecs: dict[str, Codec] = dict(codecs)  # a tier's write codec by name (absent: as put)
         self.stream_levels = tuple(sorted(set(stream_levels)))
         self.stream_codecs = [get_codec("cachegen", level) for level in self.stream_levels]
         self._counters = counters
+        self.signer = signer
 
     def use_model(self, layer_types: Sequence[str], level: int = 0) -> None:
         """Encode for a model whose layers are ``layer_types`` and whose calibrated CacheGen level
@@ -67,11 +78,11 @@ class Transcoder:
         """The writes of ``batch`` for ``tier``: each entry in the tier's codec, plus its variants.
         ``memo`` shares the encodings between the tiers of one batch."""
         codec = self.codecs.get(tier.name)
-        if codec is None and not self.stream_codecs:
+        if codec is None and not self.stream_codecs and self.signer is None:
             return batch
         out = []
         for key, value in batch:
-            primary = value if codec is None else self._reencode(key, value, codec, memo)
+            primary = self._reencode(key, value, codec, memo)
             if primary is not None:
                 out.append((key, primary))
             if key.variant:
@@ -85,21 +96,25 @@ class Transcoder:
                     out.append((vkey, encoded))
         return out
 
-    def _reencode(self, key: ChunkKey, value: Blob, codec: Codec, memo: dict) -> Entry | None:
-        """``value`` as an entry of ``codec`` under ``key`` (itself when it is one already); None
-        (counted, logged) when it cannot be (a damaged value, KV the codec refuses)."""
-        memo_key = (str(key), codec.name, codec.level)
+    def _reencode(self, key: ChunkKey, value: Blob, codec: Codec | None, memo: dict) -> Blob | None:
+        """``value`` as an entry of ``codec`` under ``key`` (itself when it is one already; None:
+        the value's own encoding), signed when there is a signer; None (counted, logged) when it
+        cannot be (a damaged value, KV the codec refuses)."""
+        memo_key = (str(key), codec.name, codec.level) if codec is not None else (str(key), None, None)
         if memo_key in memo:
             return memo[memo_key]
+        if codec is None and self.signer is None:
+            return value  # as put (the memo would gain nothing)
         try:
-            entry = open_entry(value)
-            if entry.key == str(key) and (entry.codec.name, entry.codec.level) == (codec.name, codec.level):
-                out = entry
-            else:
-                out = encode_entry(entry.chunk(), key, codec)
+            entry = open_entry(value)  # an in-process value (put by this process): nothing to authenticate
+            if codec is not None and (entry.key != str(key) or (entry.codec.name, entry.codec.level) != (
+                    codec.name, codec.level)):
+                entry = encode_entry(entry.chunk(), key, codec)
                 self._counters.add(reencoded=1)
+            out = entry if self.signer is None else entry.signed(self.signer)
         except (FormatError, ValueError) as e:
-            log.warning("cannot encode %s with %s level %d: %s", key, codec.name, codec.level, e)
+            name, level = (codec.name, codec.level) if codec is not None else ("its own codec", 0)
+            log.warning("cannot encode %s with %s level %d: %s", key, name, level, e)
             self._counters.add(reencode_errors=1)
             out = None
         memo[memo_key] = out

@@ -144,6 +144,33 @@ def test_cache_stats_inspect_and_clear(long_runs, tmp_path):
     assert json.loads(kvfuse(["cache", "stats", "--json"], disk=disk).stdout)["disk"]["entries"] == 0
 
 
+def test_signed_entries_through_the_cli(smollm2_ready, tmp_path):
+    """A key file in the environment: a second process reuses the first one's signed entries,
+    ``cache inspect`` reports their signature, a process with another key refuses them, and a
+    missing key file is a user error naming the fix. No command prints a key."""
+    disk, key, other = tmp_path / "kv", "ab" * 32, "cd" * 32
+    for name, k in (("signing.keys", key), ("other.keys", other)):
+        (tmp_path / name).write_text(f"{k}\n")
+        (tmp_path / name).chmod(0o600)
+    env = {"KVFUSE_CACHE_SIGNING_KEY_FILE": str(tmp_path / "signing.keys"), "KVFUSE_CACHE_CHUNK_SIZE": "32"}
+    intruder = {**env, "KVFUSE_CACHE_SIGNING_KEY_FILE": str(tmp_path / "other.keys")}
+    generate = ["generate", "--model", "smollm2", "--max-tokens", "2", "--verbose", "-"]
+    prompt = long_text(1) + "\n\nSummary:"
+    runs = [kvfuse(generate, disk=disk, stdin=prompt, env_extra=env) for _ in range(2)]
+    assert [int(VERBOSE.search(r.stderr).group(2)) > 0 for r in runs] == [False, True], runs[1].stderr[-2000:]
+    listing = json.loads(kvfuse(["cache", "inspect", "--json"], disk=disk, env_extra=env).stdout)
+    assert listing["entries"] and {r["signature"] for r in listing["entries"]} == {"valid"}
+    seen = kvfuse(["cache", "inspect"], disk=disk, env_extra=intruder)
+    assert "signed by no accepted key: refused" in seen.stdout
+    refused = kvfuse(generate, disk=disk, stdin=prompt, env_extra=intruder)
+    assert VERBOSE.search(refused.stderr).group(2) == "0" and refused.stdout == runs[0].stdout
+    missing = kvfuse(["cache", "stats"], disk=disk,
+                     env_extra={"KVFUSE_CACHE_SIGNING_KEY_FILE": str(tmp_path / "absent.keys")})
+    assert_user_error(missing, "cache.signing_key_file", "absent.keys", "openssl rand -hex 32")
+    for proc in (*runs, seen, refused, missing):
+        assert key not in proc.stdout + proc.stderr and other not in proc.stdout + proc.stderr
+
+
 def test_cachegen_on_disk_listed_by_inspect_and_streamed_back(smollm2_ready, tmp_path):
     """Raw in memory, CacheGen level 2 on disk (set explicitly: level 0 would be the model's
     calibrated level) plus levels 1 and 3 for streaming; a second process streams the prompt back

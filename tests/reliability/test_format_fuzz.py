@@ -18,7 +18,11 @@ type (``FormatError`` for the format, ``CodecError`` for a codec) or returns a v
   entry: re-serialized from its parsed fields it parses to the same fields, and it decodes to a
   tensor of its declared shape and dtype or raises ``FormatError``;
 - a codec returns a tensor of the shape and dtype asked for; CacheGen (whose layers carry a
-  checksum of bytes and decoded symbols) only the original's values, int8 only finite values.
+  checksum of bytes and decoded symbols) only the original's values, int8 only finite values;
+- signed entries (some bases are signed): a reader given the signer (``open_entry``,
+  ``read_entry``, ``parse_header``, ``read_header``) accepts a mutated input only if it *is* the
+  original signed entry (for a header read: only if the header bytes are the original's), however
+  the change was resealed; an unsigned base and random bytes are never accepted with a signer.
 
 The default run is small (``FAST``: a few hundred examples per target, derandomized so CI is
 reproducible); ``-m slow`` runs ``SLOW`` examples per target (10000, or ``$KVFUSE_FUZZ_EXAMPLES``)
@@ -46,8 +50,9 @@ from kvfuse.codecs import get_codec
 from kvfuse.codecs.base import CodecError
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import (MAGIC, Entry, EntrySpec, FormatError, encode_entry, header_length, open_entry,
-                              parse_header, read_header)
+                              parse_header, read_entry, read_header)
 from kvfuse.kv.keys import Namespace, prefix_keys
+from kvfuse.kv.signing import EntrySigner
 
 HARD_LIMIT_S = 20.0  # one call; the watchdog kills the process at 3x this (a hang in native code)
 FAST = settings(max_examples=300, deadline=timedelta(seconds=5), derandomize=True, database=None,
@@ -92,6 +97,7 @@ def attempt(fn, allowed: type[BaseException], *args):
 # ------------------------------------------------------------------------------ valid inputs
 
 NS = Namespace("fuzz-model", "float16", "L3xH2xD8")
+SIGNER = EntrySigner([b"the fuzzer's signing key, 32 bytes+"])
 
 
 @dataclass(frozen=True)
@@ -104,17 +110,18 @@ class Base:
     layer_starts: tuple[int, ...]
     layer_sizes: tuple[int, ...]
     header_len: int
+    signed: bool = False
 
 
 def _base(codec: str, level: int, dtype: torch.dtype, layers: int, tokens: int, contiguous: bool, with_ids: bool,
-          seed: int) -> Base:
+          seed: int, signed: bool = False) -> Base:
     g = torch.Generator().manual_seed(seed)
     kv = (torch.randn((layers, 2, tokens, 2, 8), generator=g) * 3).to(dtype)
     positions = (torch.arange(7, 7 + tokens) if contiguous else torch.randperm(tokens, generator=g) * 3).to(torch.int64)
     ids = torch.randint(0, 50000, (tokens,), generator=g) if with_ids else None
     key = str(prefix_keys(list(range(max(tokens, 1))), max(tokens, 1), NS)[0])
     entry = encode_entry(KVChunk(kv, positions, ids), key, get_codec(codec, level))
-    blob = bytes(entry.join())
+    blob = bytes((entry.signed(SIGNER) if signed else entry).join())
     h = parse_header(blob)
     key_len = len(key.encode())
     table = 50 + key_len + (8 if contiguous else 8 * tokens) + (4 * tokens if with_ids else 0)
@@ -125,7 +132,7 @@ def _base(codec: str, level: int, dtype: torch.dtype, layers: int, tokens: int, 
     spec = EntrySpec(dtype, layers, 2, 8, tokens=tokens, first_position=7 if contiguous else None,
                      token_ids=tuple(ids.tolist()) if with_ids else None)
     decoded = open_entry(bytearray(blob)).decode().clone()
-    return Base(blob, key, spec, decoded, table, tuple(starts), tuple(h.layer_sizes), h.header_len)
+    return Base(blob, key, spec, decoded, table, tuple(starts), tuple(h.layer_sizes), h.header_len, signed)
 
 
 BASES = [
@@ -140,6 +147,11 @@ BASES = [
     _base("cachegen", 2, torch.bfloat16, 2, 5, False, True, 8),
     _base("cachegen", 3, torch.float32, 1, 4, True, False, 9),
     _base("cachegen", 4, torch.float16, 2, 3, True, True, 10),
+    # signed (the layer table is where it was; a digest per layer and the tag follow it)
+    _base("raw", 0, torch.float16, 3, 5, True, True, 11, signed=True),
+    _base("raw", 0, torch.bfloat16, 1, 4, False, False, 12, signed=True),
+    _base("int8", 0, torch.float16, 2, 6, True, True, 13, signed=True),
+    _base("cachegen", 2, torch.float16, 2, 5, True, True, 14, signed=True),
 ]
 
 # Fixed-header fields ("<4sHIHHBB5IIHQ"): (offset, struct format).
@@ -286,15 +298,49 @@ def check_blob(blob: bytes, resealed: bool, base: Base | None) -> None:
         assert err is not None or (isinstance(n, int) and n >= 0)
 
 
+def _streamed(blob: bytes, **kw) -> Entry:
+    """``read_entry`` over ``blob`` in pieces of at most 97 bytes (short reads, as a file gives)."""
+    pos = 0
+
+    def readinto(view: memoryview) -> int:
+        nonlocal pos
+        n = min(len(view), len(blob) - pos, 97)
+        view[:n] = blob[pos : pos + n]
+        pos += n
+        return n
+
+    return read_entry(readinto, len(blob), **kw)
+
+
+def check_signed(blob: bytes, base: Base | None) -> None:
+    """With the signer, nothing but the original signed entry is accepted (see the module docstring)."""
+    original = base is not None and base.signed and blob == base.blob
+    for kw in ({}, {"expected_key": base.key, "spec": base.spec} if base is not None else {}):
+        for read in (lambda: open_entry(bytearray(blob), signer=SIGNER, **kw), lambda: _streamed(blob, signer=SIGNER,
+                                                                                                 **kw)):
+            entry, err = attempt(read, FormatError)
+            assert (err is None) == original, f"signed read: {'accepted a changed entry' if err is None else err}"
+            if original:
+                assert same_bits(entry.decode(), base.kv)
+    same_header = base is not None and base.signed and blob[: base.header_len] == base.blob[: base.header_len]
+    h, err = attempt(parse_header, FormatError, blob, SIGNER)
+    assert err is None or not original
+    assert err is not None or same_header, "a changed header was accepted as signed"
+    header, err = attempt(read_header, FormatError, blob, SIGNER)
+    assert err is not None or header.signature != "valid" or same_header
+
+
 def check_mutated(case) -> None:
     index, ops = case
     base = BASES[index]
     blob, resealed = mutate(base, ops)
     check_blob(blob, resealed, base)
+    check_signed(blob, base)
 
 
 def check_random(blob: bytes) -> None:
     check_blob(blob, resealed=True, base=None)  # random bytes may be a (resealed) entry by design
+    check_signed(blob, None)  # ... but never a signed one
 
 
 # -- codecs on their own
@@ -397,7 +443,9 @@ def test_every_base_input_is_valid():
     """The fuzzers' starting points decode to what was encoded (else mutations prove nothing)."""
     for base in BASES:
         check_blob(base.blob, False, base)
+        check_signed(base.blob, base)
         assert open_entry(bytearray(base.blob), base.key, base.spec).shape == tuple(base.kv.shape)
+        assert read_header(base.blob, SIGNER).signature == ("valid" if base.signed else "unsigned")
     for base in CODEC_BASES:
         check_codec((CODEC_BASES.index(base), [], None, "same"))
 

@@ -11,7 +11,10 @@ What must hold:
   document or prompt text, no tenant name in what another tenant receives from ``/v1/kv/stats``,
   ``/metrics``, ``DELETE /v1/kv``, error bodies (404s for another tenant's Responses id answer
   exactly like an unknown id; 400s), or its own completions;
-- ``DELETE /v1/kv`` of one tenant removes its entries only (the others still hit).
+- ``DELETE /v1/kv`` of one tenant removes its entries only (the others still hit);
+- with signing on (``cache.signing_key_file``, two keys: the first signs), as a shared deployment
+  runs: every entry on disk is signed, the hits above are read through the signature check, and
+  no key shows in anything a tenant receives or in the server's log.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 import re
+import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +30,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from kvfuse.kv.format import read_header
 from kvfuse.kv.keys import tenant_tag
+from kvfuse.kv.signing import EntrySigner
 from kvfuse_testkit import ServerProcess, ensure_model
 from kvfuse_helpers import SENTENCES, long_text
 
@@ -38,19 +44,24 @@ CH = 64  # small chunks: short prompts still have whole chunks to share (or not)
 MAX_TOKENS = 4
 KEY_RE = re.compile(r"[0-9a-f]{24}:[pdt]:[0-9a-f]{64}")
 HEX64_RE = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
+SIGNING_KEYS = [secrets.token_hex(32), secrets.token_hex(32)]  # the first signs (a rotation's list)
 
 
 @pytest.fixture(scope="module")
 def server(kvfuse_home, tmp_path_factory):
     ensure_model(kvfuse_home, MODEL)
     tmp = tmp_path_factory.mktemp("tenants-load")
+    key_file = tmp / "signing.keys"
+    key_file.write_text("# the first key signs\n" + "\n".join(SIGNING_KEYS) + "\n")
+    key_file.chmod(0o600)
     config = {"model": MODEL,
-              "cache": {"disk_path": str(tmp / "kv"), "chunk_size": CH},
+              "cache": {"disk_path": str(tmp / "kv"), "chunk_size": CH, "signing_key_file": str(key_file)},
               "engine": {"max_running": 8},
               "responses": {"path": str(tmp / "responses.sqlite3")},
               "server": {"api_keys": [f"{key}:{tenant}" for tenant, key in TENANTS.items()], "max_queue": 256}}
     srv = ServerProcess(kvfuse_home, config=config)
     srv.start()
+    srv.kv_dir = tmp / "kv"
     yield srv
     srv.close()
 
@@ -191,6 +202,7 @@ def tenants_under_load(server, per_kind: int, run: str) -> None:
     probe_everything(server, seen, private)
     check_delete_isolation(server, clients, specs, seen)
     scan(seen, private)
+    check_signing(server)
     print(f"\ntenants: {len(TENANTS)}, {len(firsts)} first requests (0 reused anything), {len(repeats)} repeats "
           f"({sum(r[2] for r in repeats)} cached tokens), {sum(map(len, seen.bodies.values()))} bodies scanned, "
           f"0 leaks")
@@ -275,6 +287,19 @@ def check_delete_isolation(server, clients, specs, seen) -> None:
         assert send(clients[tenant], spec)[0] > 0, f"{tenant}'s entries went with bob's"
 
 
+def check_signing(server) -> None:
+    """Every entry the server wrote to disk is signed by the first key; nothing was refused (every
+    entry read back was its own); no key in the log."""
+    files = list(server.kv_dir.rglob("*.kvf"))
+    assert files, "no entries on disk"
+    signer = EntrySigner([SIGNING_KEYS[0].encode()])
+    assert {read_header(f.read_bytes(), signer).signature for f in files} == {"valid"}
+    stats = httpx.get(server.base_url + "/kv/stats", headers=headers("alice"), timeout=60).json()["tiers"]["store"]
+    assert stats["signature_unsigned"] == stats["signature_mismatch"] == stats["unusable_entries"] == 0
+    log = server.log_path.read_text(errors="replace")
+    assert not [k for k in SIGNING_KEYS if k in log], "a signing key is in the server's log"
+
+
 def scan(seen: Seen, private: dict[str, list[str]]) -> None:
     """No body a tenant received holds another tenant's markers, texts, name, tag, or any key.
     (Names are looked for outside generated text only, where a model could say "bob" by itself.)"""
@@ -292,6 +317,7 @@ def scan(seen: Seen, private: dict[str, list[str]]) -> None:
                     leaks.append(f"{tenant} saw {t}'s tenant tag in {body[:200]!r}")
             for m in KEY_RE.findall(body) + HEX64_RE.findall(body):
                 leaks.append(f"{tenant} saw a key or digest {m!r} in {body[:120]!r}")
+            leaks += [f"{tenant} saw a signing key in {body[:120]!r}" for k in SIGNING_KEYS if k in body]
     assert not leaks, "\n".join(leaks[:20])
     for tenant, bodies in seen.bodies.items():  # the scan looked at everything each tenant can see
         kinds = {b.split(":", 1)[0].split(" ")[0] for b in bodies}

@@ -230,14 +230,14 @@ def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_pa
 
     checked: list = []
 
-    def counting_open(value, key=None, spec=None):
+    def counting_open(value, key=None, spec=None, signer=None):
         if not isinstance(value, Entry):
             checked.append(key)
-        return open_entry(value, key, spec)
+        return open_entry(value, key, spec, signer)
 
-    def counting_read(readinto, size, key=None, spec=None):
+    def counting_read(readinto, size, key=None, spec=None, signer=None):
         checked.append(key)
-        return read_entry(readinto, size, key, spec)
+        return read_entry(readinto, size, key, spec, signer)
 
     # the one validation path, in both its forms (a blob; a stream of bytes, as the disk tier's), counted
     monkeypatch.setattr(checked_reads, "open_entry", counting_open)

@@ -212,10 +212,11 @@ class KvfuseConnector(KVConnectorBase_V1):
                                          load=self.load_enabled, save=self.save_enabled)
             self._deltas = _Deltas(self.bookkeeper.counters)
             log.info("kvfuse connector (scheduler): chunks of %d tokens (%d blocks), KV %s %s, tiers %s (disk %s, "
-                     "redis %s), codec %s, model fingerprint %s, load %s, save %s", self.settings.chunk_size,
-                     self.settings.chunk_size // self.block_size, self.kv_dtype, self._layout_name(0),
-                     [t.name for t in self.store.tiers], where, "on" if redis else "off", self.codec.name,
-                     self.fingerprint, self.load_enabled, self.save_enabled)
+                     "redis %s), codec %s, model fingerprint %s, load %s, save %s, signed entries %s",
+                     self.settings.chunk_size, self.settings.chunk_size // self.block_size, self.kv_dtype,
+                     self._layout_name(0), [t.name for t in self.store.tiers], where, "on" if redis else "off",
+                     self.codec.name, self.fingerprint, self.load_enabled, self.save_enabled,
+                     "on" if self.store.signer is not None else "off")
             if policy != "recompute" and self.load_enabled:
                 log.warning("kvfuse connector: kv_load_failure_policy is %r: a chunk that fails to load (evicted, "
                             "damaged, Redis down) fails its request. Set \"kv_load_failure_policy\": \"recompute\" "
