@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from .secrets import check_secrets
 from .sections import SECTIONS, Config, ConfigError, TierConfig
 from .validate import validate
 
@@ -47,7 +48,9 @@ def load_config(
         if value is not None:
             _known(name, "command line")
             values[name] = (value, "command line")
-    return _build(values)
+    config = _build(values)
+    check_secrets(config, env)  # the secrets it names can be read (the same environment as above)
+    return config
 
 
 def _from_file(path: Path) -> dict[str, tuple[Any, str]]:

@@ -15,6 +15,8 @@ from typing import Any
 from kvfuse import dtypes
 from kvfuse.durations import parse_duration
 
+from .api_keys import split_entry
+
 
 class ConfigError(ValueError):
     """A configuration value is invalid; the message names the field, its source and the fix."""
@@ -271,11 +273,16 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()  # "KEY:TENANT" entries; empty = no authentication
+    # "KEY:TENANT" or "sha256:<hex>:TENANT" entries (kvfuse keys digest); empty = no authentication
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024**2
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
+    # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the
+    # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
+    metrics_token: str | None = field(default=None, repr=False)
+    metrics_token_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -328,7 +335,8 @@ class Config:
                               profiles_path=str(self.home_path / "profiles"))
 
     def api_key_map(self) -> dict[str, str]:
-        return dict(entry.split(":", 1) for entry in self.server.api_keys)
+        """Key (or ``sha256:<hex>`` digest) -> tenant, from ``server.api_keys``."""
+        return dict(split_entry(entry) for entry in self.server.api_keys)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from kvfuse.codecs import codec_names, get_codec
 from kvfuse.codecs.cachegen import LEVELS
 from kvfuse.durations import parse_duration
 
-from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError
+from .api_keys import digest_bytes, entry_problem, is_digest
+from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError, ServerConfig
 
 _FLAT_TIER_KEYS = ("disk", "disk_path", "disk_bytes", "disk_codec", "disk_codec_level", "redis_url",
                    "redis_timeout_s", "redis_cluster", "redis_codec", "redis_codec_level", "s3_url", "s3_endpoint",
@@ -66,8 +67,9 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
     need(1 <= s.default_max_tokens <= s.max_tokens_limit, "server.default_max_tokens", "must be between 1 and server.max_tokens_limit")
     for entry in s.api_keys:
-        key, sep, tenant = entry.partition(":")
-        need(bool(sep and key and tenant), "server.api_keys", f"entries must look like KEY:TENANT, got {entry!r}")
+        problem = entry_problem(entry)
+        need(problem is None, "server.api_keys", problem or "")
+    _check_metrics_token(s, need)
     need(k.codec in codec_names(), "cache.codec", f"unknown codec {k.codec!r}; known codecs: {', '.join(codec_names())}")
     need(k.s3_url is None or (k.s3_url.startswith("s3://") and len(k.s3_url) > 5), "cache.s3_url",
          f"must look like s3://BUCKET or s3://BUCKET/PREFIX, got {k.s3_url!r}")
@@ -89,6 +91,21 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
         parse_duration(c.responses.ttl)
     except ValueError as e:
         need(False, "responses.ttl", str(e))
+
+
+def _check_metrics_token(s: ServerConfig, need: Callable) -> None:
+    """``server.metrics_token`` (a token or its digest) or ``metrics_token_file``: one of them, well formed."""
+    need(not (s.metrics_token and s.metrics_token_file), "server.metrics_token",
+         "give the /metrics token one way: server.metrics_token (or KVFUSE_SERVER_METRICS_TOKEN) or "
+         "server.metrics_token_file, not both")
+    if s.metrics_token is not None:
+        need(s.metrics_token != "", "server.metrics_token", "is empty; set a token, or remove the setting to "
+                                                             "leave /metrics open")
+        if is_digest(s.metrics_token):
+            try:
+                digest_bytes(s.metrics_token)
+            except ValueError as e:
+                need(False, "server.metrics_token", str(e))
 
 
 def _check_codec(need: Callable, name: str, codec: str | None, level: int) -> None:

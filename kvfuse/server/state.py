@@ -13,9 +13,10 @@ import time
 from collections.abc import Callable
 
 from kvfuse.config import Config
+from kvfuse.config.secrets import read_secret
 from kvfuse.history.response_store import ResponseStore
 
-from .auth import Authenticator
+from .auth import Authenticator, MetricsToken
 from .metrics import ServerMetrics
 from .translate import Limits
 
@@ -33,6 +34,9 @@ class ServerState:
         self.owns_engine = engine is None
         self.clock = clock or time.time  # stored responses expire by it (tests inject one)
         self.auth = Authenticator(config.api_key_map())
+        s = config.server
+        self.metrics_token = MetricsToken(s.metrics_token or read_secret("server.metrics_token_file",
+                                                                         path=s.metrics_token_file))
         self.metrics = ServerMetrics(lambda: self.engine, queue=lambda: self.engine.queue_state() if self.engine else {})
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
         self.metrics.stored_responses.set_function(lambda: len(self.responses) if self.responses is not None else 0)
