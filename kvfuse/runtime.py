@@ -10,15 +10,18 @@ from collections.abc import Callable
 import torch
 
 from .config import Config, TierConfig
+from .config.tenants import tier_quotas
 from .engine import Engine
 from .models import LoadedModel, load_model
 from .tiers.disk import DiskTier
 from .codecs import get_codec
 from .entropy.pool import set_shared_pool, shared_pool
+from .kv.keys import tenant_tag
 from .tiers.base import Tier
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
 from .tiers.store import TieredStore
+from .tiers.tenant_quota import TenantQuotas
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +35,29 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
         return None
     if c.codec_workers is not None:
         set_shared_pool(c.codec_workers)
-    lower = [open_tier(t) for t in config.lower_tiers()]
+    lower = [open_tier(t, tenant_quotas(config, t.tier_name)) for t in config.lower_tiers()]
     codecs = {t.tier_name: get_codec(t.codec, t.codec_level) for t in config.lower_tiers() if t.codec is not None}
     stream_levels = c.stream_levels if lower else ()
     if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
         shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request
-    return TieredStore(MemoryTier(c.memory_bytes), lower, write_queue_size=c.write_queue, codecs=codecs,
+    memory = MemoryTier(c.memory_bytes, quotas=tenant_quotas(config, "memory"))
+    return TieredStore(memory, lower, write_queue_size=c.write_queue, codecs=codecs,
                        stream_levels=stream_levels, clock=clock)
 
 
-def open_tier(t: TierConfig) -> Tier:
-    """The tier a ``cache.tiers`` section describes."""
+def tenant_quotas(config: Config, tier: str) -> TenantQuotas | None:
+    """The per-tenant byte quotas of the tier named ``tier`` (``tenants:``), by tenant tag; None
+    when no tenant has one there."""
+    named, default = tier_quotas(config.tenants, tier)
+    if not named and default is None:
+        return None
+    return TenantQuotas({tenant_tag(name): limit for name, limit in named.items()}, default)
+
+
+def open_tier(t: TierConfig, quotas: TenantQuotas | None = None) -> Tier:
+    """The tier a ``cache.tiers`` section describes (``quotas``: a disk tier's per-tenant quotas)."""
     if t.kind == "disk":
-        return DiskTier(t.path, t.capacity, name=t.tier_name)
+        return DiskTier(t.path, t.capacity, name=t.tier_name, quotas=quotas)
     if t.kind == "redis":
         return RedisTier(t.url, timeout_s=t.timeout, cluster=t.cluster, name=t.tier_name)
     from .tiers.s3 import S3Tier  # boto3 is an optional dependency (kvfuse[s3])

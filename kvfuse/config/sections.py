@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfuse import dtypes
 from kvfuse.durations import parse_duration
 
 from .api_keys import split_entry
+
+if TYPE_CHECKING:
+    from .tenants import TenantQuota
 
 
 class ConfigError(ValueError):
@@ -303,6 +306,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    tenants: tuple[TenantQuota, ...] = ()  # per-tenant quotas (config/tenants.py); () = none
 
     @property
     def home_path(self) -> Path:

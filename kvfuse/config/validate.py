@@ -12,8 +12,9 @@ from kvfuse.codecs import codec_names, get_codec
 from kvfuse.codecs.cachegen import LEVELS
 from kvfuse.durations import parse_duration
 
-from .api_keys import digest_bytes, entry_problem, is_digest
+from .api_keys import digest_bytes, entry_problem, is_digest, split_entry
 from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError, ServerConfig
+from .tenants import check_tenants
 
 _FLAT_TIER_KEYS = ("disk", "disk_path", "disk_bytes", "disk_codec", "disk_codec_level", "redis_url",
                    "redis_timeout_s", "redis_cluster", "redis_codec", "redis_codec_level", "s3_url", "s3_endpoint",
@@ -26,7 +27,8 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
 
     def need(ok: bool, name: str, message: str):
         if not ok:
-            source = sources.get(name) or sources.get(name.split("[")[0])  # a tier's field: its list's source
+            # a tier's field: its list's source; a tenant's quota: the tenants mapping's source
+            source = sources.get(name) or sources.get(name.split("[")[0]) or sources.get(name.split(".")[0])
             where = f" (from {source})" if source else " (the default)"
             raise ConfigError(f"{name}: {message}{where}")
 
@@ -77,6 +79,7 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     for tier in ("", "disk_", "redis_", "s3_"):
         _check_codec(need, f"cache.{tier}codec", getattr(k, f"{tier}codec"), getattr(k, f"{tier}codec_level"))
     _check_tiers(k, sources, need)
+    _check_tenants(c, need)
     need(all(level in LEVELS for level in k.stream_levels), "cache.stream_levels",
          f"must be CacheGen levels ({', '.join(map(str, LEVELS))}), got {list(k.stream_levels)}")
     need(k.kv_slo_ms is None or k.kv_slo_ms > 0, "cache.kv_slo_ms", f"must be > 0 milliseconds, got {k.kv_slo_ms}")
@@ -106,6 +109,18 @@ def _check_metrics_token(s: ServerConfig, need: Callable) -> None:
                 digest_bytes(s.metrics_token)
             except ValueError as e:
                 need(False, "server.metrics_token", str(e))
+
+
+def _check_tenants(c: Config, need: Callable) -> None:
+    """``tenants``: see ``tenants.check_tenants``."""
+    if not c.tenants:
+        return
+    tiers = c.lower_tiers()
+    kinds = {"memory": "memory", **{t.tier_name: t.kind for t in tiers}}
+    capacities = {"memory": c.cache.memory_bytes if c.cache.enabled else None,
+                  **{t.tier_name: t.capacity if t.kind == "disk" else None for t in tiers}}
+    key_tenants = {tenant for _, tenant in map(split_entry, c.server.api_keys)}
+    check_tenants(c.tenants, key_tenants, kinds, capacities, need)
 
 
 def _check_codec(need: Callable, name: str, codec: str | None, level: int) -> None:

@@ -32,7 +32,9 @@ async def health(request: Request) -> Health:
             description="Prometheus text format. No API key: with `server.metrics_token` (or "
                         "`server.metrics_token_file`) set, a bearer token of its own (401 without it); otherwise "
                         "open, like /health. The metrics are server-wide counts (requests, tokens, cache tiers, "
-                        "latencies) and carry no tenant names or content.")
+                        "latencies) and carry no content; per-tenant series (bytes held, quota evictions and "
+                        "rejections) appear for the tenants with a quota (`tenants:`): set a metrics token where "
+                        "tenants must not see each other's names.")
 async def metrics(request: Request, _: None = Depends(metrics_access)) -> Response:
     state = get_state(request)
     body = await asyncio.to_thread(state.metrics.render)  # the store's tiers may be remote (Redis)
