@@ -5,11 +5,13 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 from collections.abc import Callable
 
 import torch
 
 from .config import Config, TierConfig
+from .config.secrets import read_secret
 from .config.tenants import tier_quotas
 from .engine import Engine
 from .models import LoadedModel, load_model
@@ -20,6 +22,7 @@ from .kv.keys import tenant_tag
 from .tiers.base import Tier
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
+from .tiers.redis_connection import Security
 from .tiers.store import TieredStore
 from .tiers.tenant_quota import TenantQuotas
 
@@ -59,10 +62,17 @@ def open_tier(t: TierConfig, quotas: TenantQuotas | None = None) -> Tier:
     if t.kind == "disk":
         return DiskTier(t.path, t.capacity, name=t.tier_name, quotas=quotas)
     if t.kind == "redis":
-        return RedisTier(t.url, timeout_s=t.timeout, cluster=t.cluster, name=t.tier_name)
+        return RedisTier(t.url, timeout_s=t.timeout, cluster=t.cluster, name=t.tier_name, security=redis_security(t))
     from .tiers.s3 import S3Tier  # boto3 is an optional dependency (kvfuse[s3])
 
     return S3Tier(t.url, endpoint_url=t.endpoint, region=t.region, timeout_s=t.timeout, name=t.tier_name)
+
+
+def redis_security(t: TierConfig) -> Security:
+    """A Redis tier's ACL user, its password (read now from its variable or file) and TLS files."""
+    password = read_secret(f"the {t.tier_name} tier's password", env_var=t.password_env, path=t.password_file)
+    files = [os.path.expanduser(f) if f else None for f in (t.tls_ca_file, t.tls_cert_file, t.tls_key_file)]
+    return Security(t.username, password, *files)
 
 
 def set_threads(config: Config) -> None:

@@ -4,7 +4,8 @@ The configuration holds where a secret is (``cache.redis_password_env: REDIS_PAS
 ``cache.redis_password_file: /run/secrets/redis``, ``server.metrics_token_file``), never the
 secret itself, so a dump of it (or a log line, or a traceback) reveals nothing. The loader checks
 that each named secret can be read (``check_secrets``, a ConfigError naming the setting and the
-fix); the parts that use one read it when they open (``read_secret``).
+fix); the parts that use one read it when they open (``read_secret``, from this process's
+environment). A password written in a URL anyway is never shown: ``redact_url``.
 
 A secret file holds the secret alone; one trailing newline (as ``echo`` or an editor leaves it)
 is not part of it.
@@ -13,10 +14,34 @@ is not part of it.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from .sections import ConfigError
+
+REDACTED = "***"
+_QUERY_SECRET = re.compile(r"([?&](?:password|pass|secret|token)=)[^&#]*", re.IGNORECASE)
+
+
+def redact_url(url: str | None) -> str | None:
+    """``url`` with any password replaced by ``***`` (``rediss://user:***@host:6380/0``; a
+    ``?password=`` query argument too), for log lines, error messages and listings. A URL that does
+    not parse is redacted after its scheme (``rediss://***``) rather than shown."""
+    if not url:
+        return url
+    try:
+        parts = urlsplit(url)
+        password = parts.password
+    except ValueError:
+        scheme, sep, _ = url.partition("://")
+        return f"{scheme}://{REDACTED}" if sep else REDACTED
+    if password is not None:
+        user = parts.username or ""
+        host = parts.netloc.rpartition("@")[2]
+        url = parts._replace(netloc=f"{user}:{REDACTED}@{host}").geturl()
+    return _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, url)
 
 
 def read_secret(setting: str, *, env_var: str | None = None, path: str | None = None,
@@ -52,6 +77,11 @@ def check_secrets(config, env: Mapping[str, str]) -> None:
     the setting and the fix otherwise. Called once by the loader, after ``validate``."""
     from .api_keys import digest_bytes
 
+    for i, tier in enumerate(config.lower_tiers()):
+        if tier.kind == "redis" and (tier.password_env or tier.password_file):
+            where = "cache.redis_password" if config.cache.tiers is None else f"cache.tiers[{i}].password"
+            suffix = "_env" if tier.password_env else "_file"
+            read_secret(where + suffix, env_var=tier.password_env, path=tier.password_file, env=env)
     token = read_secret("server.metrics_token_file", path=config.server.metrics_token_file, env=env)
     if token is not None:
         try:

@@ -41,7 +41,9 @@ class TierConfig:
     then S3 is the usual order: fastest first). Fields per kind:
 
     - ``disk``: ``path`` (default ``<home>/kv``), ``capacity_bytes`` (default ``cache.disk_bytes``'s);
-    - ``redis``: ``url`` (``redis://``, ``rediss://``, ``unix://``), ``timeout_s``, ``cluster``;
+    - ``redis``: ``url`` (``redis://``, ``rediss://``, ``unix://``), ``timeout_s``, ``cluster``,
+      ``username``, ``password_env`` or ``password_file`` (where the password is), ``tls_ca_file``,
+      ``tls_cert_file`` and ``tls_key_file`` (TLS: a ``rediss://`` URL);
     - ``s3``: ``url`` (``s3://BUCKET[/PREFIX]``), ``endpoint``, ``region``, ``timeout_s``;
     - all: ``name`` (default: the kind; unique), ``codec`` and ``codec_level`` (the encoding the
       tier writes; none: as the memory tier holds it).
@@ -59,8 +61,15 @@ class TierConfig:
     region: str | None = None
     codec: str | None = None
     codec_level: int = 0
+    username: str | None = None
+    password_env: str | None = None
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
 
-    KIND_FIELDS = {"disk": ("path", "capacity_bytes"), "redis": ("url", "timeout_s", "cluster"),
+    REDIS_SECURITY = ("username", "password_env", "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
+    KIND_FIELDS = {"disk": ("path", "capacity_bytes"), "redis": ("url", "timeout_s", "cluster", *REDIS_SECURITY),
               "s3": ("url", "endpoint", "region", "timeout_s")}
     COMMON = ("kind", "name", "codec", "codec_level")
 
@@ -99,6 +108,15 @@ class CacheConfig:
     redis_url: str | None = None
     redis_timeout_s: float = 0.5
     redis_cluster: bool = False  # redis_url is a node of a Redis / Valkey cluster
+    # Redis ACL and TLS (rediss:// URLs): the user, where its password is (a variable or a file,
+    # never the password itself: config/secrets.py), the CA that signed the server's certificate,
+    # and a client certificate and key when the server asks for one (tls-auth-clients).
+    redis_username: str | None = None
+    redis_password_env: str | None = None
+    redis_password_file: str | None = None
+    redis_tls_ca_file: str | None = None
+    redis_tls_cert_file: str | None = None
+    redis_tls_key_file: str | None = None
     # The S3 tier (cold, after disk and Redis): s3://bucket/prefix, an endpoint for S3-compatible
     # stores (MinIO, Ceph, moto; none = AWS), credentials from boto3's usual chain.
     s3_url: str | None = None
@@ -140,7 +158,8 @@ class CacheConfig:
         if self.redis_url:
             out.append(TierConfig("redis", url=self.redis_url, timeout_s=self.redis_timeout_s,
                                   cluster=self.redis_cluster, codec=self.redis_codec,
-                                  codec_level=self.redis_codec_level))
+                                  codec_level=self.redis_codec_level,
+                                  **{f: getattr(self, f"redis_{f}") for f in TierConfig.REDIS_SECURITY}))
         if self.s3_url:
             out.append(TierConfig("s3", url=self.s3_url, endpoint=self.s3_endpoint, region=self.s3_region,
                                   timeout_s=self.s3_timeout_s, codec=self.s3_codec, codec_level=self.s3_codec_level))

@@ -5,7 +5,9 @@ to write instead. Sections that check themselves (``BlendOptions``) were checked
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
+from urllib.parse import urlsplit
 
 from kvfuse import dtypes
 from kvfuse.codecs import codec_names, get_codec
@@ -13,12 +15,15 @@ from kvfuse.codecs.cachegen import LEVELS
 from kvfuse.durations import parse_duration
 
 from .api_keys import digest_bytes, entry_problem, is_digest, split_entry
-from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError, ServerConfig
+from .secrets import redact_url
+from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError, ServerConfig, TierConfig
 from .tenants import check_tenants
 
+_REDIS_SECURITY_KEYS = ("redis_username", "redis_password_env", "redis_password_file", "redis_tls_ca_file",
+                        "redis_tls_cert_file", "redis_tls_key_file")
 _FLAT_TIER_KEYS = ("disk", "disk_path", "disk_bytes", "disk_codec", "disk_codec_level", "redis_url",
                    "redis_timeout_s", "redis_cluster", "redis_codec", "redis_codec_level", "s3_url", "s3_endpoint",
-                   "s3_region", "s3_timeout_s", "s3_codec", "s3_codec_level")
+                   "s3_region", "s3_timeout_s", "s3_codec", "s3_codec_level", *_REDIS_SECURITY_KEYS)
 _URL_SCHEMES = {"redis": ("redis://", "rediss://", "unix://"), "s3": ("s3://",)}
 
 
@@ -62,7 +67,9 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     need(c.context_tokens == 0 or c.context_tokens >= 16, "context_tokens",
          f"must be 0 (the model's context window) or at least 16 tokens, got {c.context_tokens}")
     need(k.redis_url is None or k.redis_url.startswith(("redis://", "rediss://", "unix://")), "cache.redis_url",
-         f"must start with redis://, rediss:// or unix://, got {k.redis_url!r}")
+         f"must start with redis://, rediss:// or unix://, got {redact_url(k.redis_url)!r}")
+    if k.tiers is None:
+        _check_flat_redis_security(c, need)
     s = c.server
     need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
@@ -123,6 +130,42 @@ def _check_tenants(c: Config, need: Callable) -> None:
     check_tenants(c.tenants, key_tenants, kinds, capacities, need)
 
 
+def _check_flat_redis_security(c: Config, need: Callable) -> None:
+    """The flat ``cache.redis_*`` ACL and TLS keys: only with ``cache.redis_url``, then as a tier's."""
+    k = c.cache
+    given = [key for key in _REDIS_SECURITY_KEYS if getattr(k, key) is not None]
+    if not k.redis_url:
+        need(not given, f"cache.{given[0]}" if given else "cache.redis_url",
+             "is set but there is no Redis tier; set cache.redis_url (e.g. rediss://host:6380/0) or remove it")
+        return
+    tier = next(t for t in c.lower_tiers() if t.kind == "redis")
+    _check_redis_security(tier, lambda field: f"cache.redis_{field}", need)
+
+
+def _check_redis_security(t: TierConfig, name: Callable[[str], str], need: Callable) -> None:
+    """A Redis tier's ACL user and TLS files: the password in one place, TLS only over rediss://,
+    a client certificate with its key, files that can be read. ``name(field)``: the setting's name."""
+    need(not (t.password_env and t.password_file), name("password_env"),
+         f"give the password one way: {name('password_env')} or {name('password_file')}, not both")
+    try:
+        in_url = urlsplit(t.url or "").password is not None or "password=" in (t.url or "")
+    except ValueError:
+        in_url = False
+    need(not (in_url and (t.password_env or t.password_file)),
+         name("password_env" if t.password_env else "password_file"),
+         "the URL holds a password already; remove it from the URL (a URL is easily logged) and keep the setting")
+    tls = [f for f in ("tls_ca_file", "tls_cert_file", "tls_key_file") if getattr(t, f)]
+    if tls:
+        need((t.url or "").startswith("rediss://"), name(tls[0]),
+             f"TLS settings need a rediss:// URL, got {redact_url(t.url)!r}; write rediss://HOST:PORT/DB")
+    need(bool(t.tls_cert_file) == bool(t.tls_key_file), name("tls_cert_file" if t.tls_cert_file else "tls_key_file"),
+         f"a client certificate needs its key: give both {name('tls_cert_file')} and {name('tls_key_file')}")
+    for f in tls:
+        path = getattr(t, f)
+        need(os.access(os.path.expanduser(path), os.R_OK) and os.path.isfile(os.path.expanduser(path)), name(f),
+             f"cannot read {path}; check the path and that this user may read it")
+
+
 def _check_codec(need: Callable, name: str, codec: str | None, level: int) -> None:
     """A tier's write codec: a known one, at a level it has."""
     if codec is None:
@@ -149,6 +192,9 @@ def _check_tiers(k: CacheConfig, sources: Mapping[str, str], need: Callable) -> 
         where = f"cache.tiers[{i}]"
         if t.kind in _URL_SCHEMES:
             need(bool(t.url) and t.url.startswith(_URL_SCHEMES[t.kind]) and len(t.url) > 5, f"{where}.url",
-                 f"a {t.kind} tier needs a url starting with {' or '.join(_URL_SCHEMES[t.kind])}, got {t.url!r}")
+                 f"a {t.kind} tier needs a url starting with {' or '.join(_URL_SCHEMES[t.kind])}, "
+                 f"got {redact_url(t.url)!r}")
+        if t.kind == "redis":
+            _check_redis_security(t, lambda field, i=i: f"cache.tiers[{i}].{field}", need)
         need(t.timeout_s is None or t.timeout_s > 0, f"{where}.timeout_s", "must be > 0 seconds")
         _check_codec(need, f"{where}.codec", t.codec, t.codec_level)

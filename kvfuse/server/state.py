@@ -41,8 +41,8 @@ class ServerState:
         self.metrics_token = MetricsToken(s.metrics_token or read_secret("server.metrics_token_file",
                                                                          path=s.metrics_token_file))
         names = {tenant_tag(name): name for name in self.auth.tenants | {ANONYMOUS}}
-        self.metrics = ServerMetrics(lambda: self.engine, queue=lambda: self.engine.queue_state() if self.engine else {},
-                                     tenant_names=names)
+        self.metrics = ServerMetrics(lambda: self.engine, tenant_names=names,
+                                     queue=lambda: self.engine.queue_state() if self.engine else {})
         self.limiter = RateLimiter(self._requests_per_minute)
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
         self.metrics.stored_responses.set_function(lambda: len(self.responses) if self.responses is not None else 0)
