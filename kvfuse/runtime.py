@@ -65,7 +65,8 @@ def open_tier(t: TierConfig, quotas: TenantQuotas | None = None) -> Tier:
         return RedisTier(t.url, timeout_s=t.timeout, cluster=t.cluster, name=t.tier_name, security=redis_security(t))
     from .tiers.s3 import S3Tier  # boto3 is an optional dependency (kvfuse[s3])
 
-    return S3Tier(t.url, endpoint_url=t.endpoint, region=t.region, timeout_s=t.timeout, name=t.tier_name)
+    return S3Tier(t.url, endpoint_url=t.endpoint, region=t.region, timeout_s=t.timeout, name=t.tier_name,
+                  sse=t.sse, sse_kms_key_id=t.sse_kms_key_id)
 
 
 def redis_security(t: TierConfig) -> Security:

@@ -44,7 +44,8 @@ class TierConfig:
     - ``redis``: ``url`` (``redis://``, ``rediss://``, ``unix://``), ``timeout_s``, ``cluster``,
       ``username``, ``password_env`` or ``password_file`` (where the password is), ``tls_ca_file``,
       ``tls_cert_file`` and ``tls_key_file`` (TLS: a ``rediss://`` URL);
-    - ``s3``: ``url`` (``s3://BUCKET[/PREFIX]``), ``endpoint``, ``region``, ``timeout_s``;
+    - ``s3``: ``url`` (``s3://BUCKET[/PREFIX]``), ``endpoint``, ``region``, ``timeout_s``, ``sse``
+      (``AES256`` or ``aws:kms``) and ``sse_kms_key_id``;
     - all: ``name`` (default: the kind; unique), ``codec`` and ``codec_level`` (the encoding the
       tier writes; none: as the memory tier holds it).
 
@@ -67,10 +68,12 @@ class TierConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    sse: str | None = None
+    sse_kms_key_id: str | None = None
 
     REDIS_SECURITY = ("username", "password_env", "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
     KIND_FIELDS = {"disk": ("path", "capacity_bytes"), "redis": ("url", "timeout_s", "cluster", *REDIS_SECURITY),
-              "s3": ("url", "endpoint", "region", "timeout_s")}
+              "s3": ("url", "endpoint", "region", "timeout_s", "sse", "sse_kms_key_id")}
     COMMON = ("kind", "name", "codec", "codec_level")
 
     @property
@@ -125,6 +128,10 @@ class CacheConfig:
     s3_timeout_s: float = 2.0
     s3_codec: str | None = None
     s3_codec_level: int = 0
+    # Server-side encryption of every object the S3 tier writes: AES256 (S3-managed keys) or aws:kms
+    # (with s3_sse_kms_key_id, or the account's default KMS key); none: the bucket's default.
+    s3_sse: str | None = None
+    s3_sse_kms_key_id: str | None = None
     write_queue: int = 64
     store_generated: bool = False  # without history: store the answers' whole chunks too
     salt: str = ""
@@ -162,7 +169,8 @@ class CacheConfig:
                                   **{f: getattr(self, f"redis_{f}") for f in TierConfig.REDIS_SECURITY}))
         if self.s3_url:
             out.append(TierConfig("s3", url=self.s3_url, endpoint=self.s3_endpoint, region=self.s3_region,
-                                  timeout_s=self.s3_timeout_s, codec=self.s3_codec, codec_level=self.s3_codec_level))
+                                  timeout_s=self.s3_timeout_s, codec=self.s3_codec, codec_level=self.s3_codec_level,
+                                  sse=self.s3_sse, sse_kms_key_id=self.s3_sse_kms_key_id))
         return tuple(out)
 
 

@@ -23,7 +23,9 @@ _REDIS_SECURITY_KEYS = ("redis_username", "redis_password_env", "redis_password_
                         "redis_tls_cert_file", "redis_tls_key_file")
 _FLAT_TIER_KEYS = ("disk", "disk_path", "disk_bytes", "disk_codec", "disk_codec_level", "redis_url",
                    "redis_timeout_s", "redis_cluster", "redis_codec", "redis_codec_level", "s3_url", "s3_endpoint",
-                   "s3_region", "s3_timeout_s", "s3_codec", "s3_codec_level", *_REDIS_SECURITY_KEYS)
+                   "s3_region", "s3_timeout_s", "s3_codec", "s3_codec_level", "s3_sse", "s3_sse_kms_key_id",
+                   *_REDIS_SECURITY_KEYS)
+SSE_MODES = ("AES256", "aws:kms")  # S3 server-side encryption (what the S3 API's ServerSideEncryption takes)
 _URL_SCHEMES = {"redis": ("redis://", "rediss://", "unix://"), "s3": ("s3://",)}
 
 
@@ -83,6 +85,10 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     need(k.s3_url is None or (k.s3_url.startswith("s3://") and len(k.s3_url) > 5), "cache.s3_url",
          f"must look like s3://BUCKET or s3://BUCKET/PREFIX, got {k.s3_url!r}")
     need(k.s3_timeout_s > 0, "cache.s3_timeout_s", "must be > 0 seconds")
+    if k.tiers is None:
+        need(k.s3_url is not None or (k.s3_sse is None and k.s3_sse_kms_key_id is None), "cache.s3_sse",
+             "is set but there is no S3 tier; set cache.s3_url (s3://BUCKET/PREFIX) or remove it")
+        _check_sse(k.s3_sse, k.s3_sse_kms_key_id, lambda f: f"cache.s3_{f}", need)
     for tier in ("", "disk_", "redis_", "s3_"):
         _check_codec(need, f"cache.{tier}codec", getattr(k, f"{tier}codec"), getattr(k, f"{tier}codec_level"))
     _check_tiers(k, sources, need)
@@ -166,6 +172,14 @@ def _check_redis_security(t: TierConfig, name: Callable[[str], str], need: Calla
              f"cannot read {path}; check the path and that this user may read it")
 
 
+def _check_sse(sse: str | None, kms_key_id: str | None, name: Callable[[str], str], need: Callable) -> None:
+    """An S3 tier's server-side encryption: AES256 or aws:kms, a KMS key only with aws:kms."""
+    need(sse in (None, *SSE_MODES), name("sse"),
+         f"must be AES256 (S3-managed keys) or aws:kms (a KMS key), got {sse!r}; or none: the bucket's default")
+    need(kms_key_id is None or sse == "aws:kms", name("sse_kms_key_id"),
+         f"a KMS key is used by aws:kms encryption only: set {name('sse')}: aws:kms, or remove the key")
+
+
 def _check_codec(need: Callable, name: str, codec: str | None, level: int) -> None:
     """A tier's write codec: a known one, at a level it has."""
     if codec is None:
@@ -196,5 +210,7 @@ def _check_tiers(k: CacheConfig, sources: Mapping[str, str], need: Callable) -> 
                  f"got {redact_url(t.url)!r}")
         if t.kind == "redis":
             _check_redis_security(t, lambda field, i=i: f"cache.tiers[{i}].{field}", need)
+        if t.kind == "s3":
+            _check_sse(t.sse, t.sse_kms_key_id, lambda field, i=i: f"cache.tiers[{i}].{field}", need)
         need(t.timeout_s is None or t.timeout_s > 0, f"{where}.timeout_s", "must be > 0 seconds")
         _check_codec(need, f"{where}.codec", t.codec, t.codec_level)
