@@ -1,4 +1,4 @@
-"""``kvfuse`` command line: models | generate | chat | serve | precompute | cache | responses.
+"""``kvfuse`` command line: models | generate | chat | serve | precompute | cache | responses | keys.
 
 Every command reads the configuration as ``defaults < --config FILE < KVFUSE_* env < flags``.
 User errors (a wrong model name, a bad flag value, a missing package) print one line naming
@@ -209,6 +209,16 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, model=False)
     p = rsub.add_parser("purge", help="delete the expired responses (responses.ttl) and free their KV entries")
     _common(p, model=False)
+
+    keys = sub.add_parser("keys", help="API keys: print the digest to configure instead of a key")
+    ksub = keys.add_subparsers(dest="action", metavar="ACTION")
+    ksub.required = True
+    p = ksub.add_parser("digest", help="print sha256:<hex> of an API key (or the metrics token), for server.api_keys "
+                                       "(sha256:<hex>:TENANT) or server.metrics_token; the key is read from stdin "
+                                       "unless given (an argument stays in the shell's history)")
+    p.add_argument("key", nargs="?", metavar="KEY", help="the key (default: one line of stdin)")
+    p.add_argument("--tenant", metavar="NAME", help="print the whole server.api_keys entry, sha256:<hex>:NAME")
+    p.set_defaults(verbose=False)
     return parser
 
 
@@ -703,6 +713,24 @@ def cmd_responses(args, config: Config) -> int:
         responses.close()
 
 
+def cmd_keys(args, config: Config) -> int:
+    from .config.api_keys import is_digest, key_digest
+
+    key = args.key
+    if key is None:
+        line = sys.stdin.readline()
+        key = line[:-1] if line.endswith("\n") else line
+    if not key:
+        raise UserError("no key given: pass it as an argument or on stdin (echo -n KEY | kvfuse keys digest)")
+    if is_digest(key):
+        raise UserError("that is a digest already (sha256:...): give the key itself")
+    if args.tenant is not None and not args.tenant:
+        raise UserError("--tenant: give the tenant's name (the API key's owner)")
+    digest = key_digest(key)
+    print(f"{digest}:{args.tenant}" if args.tenant else digest)
+    return 0
+
+
 def _free(config: Config, keys: list[str]) -> int:
     """Remove the entries ``keys`` from the configured tiers; how many were removed."""
     from .kv.keys import ChunkKey
@@ -718,7 +746,8 @@ def _free(config: Config, keys: list[str]) -> int:
 
 
 COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "precompute": cmd_precompute, "calibrate": cmd_calibrate, "cache": cmd_cache, "responses": cmd_responses}
+            "precompute": cmd_precompute, "calibrate": cmd_calibrate, "cache": cmd_cache, "responses": cmd_responses,
+            "keys": cmd_keys}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,16 +56,19 @@ class LocalRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    def _args(self) -> list[str]:
+        """redis-server's command line (a subclass adds TLS and ACL settings)."""
+        return [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+    def _ready(self) -> bool:
+        return _ping(self.port)
+
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.proc = subprocess.Popen(
-            [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        while not _ping(self.port):
+        while not self._ready():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
             if time.monotonic() > deadline:

@@ -18,8 +18,10 @@ from typing import Any
 
 import yaml
 
+from .secrets import check_secrets
 from .sections import SECTIONS, Config, ConfigError, TierConfig
 from .signing import SECRET_SETTINGS
+from .tenants import parse_tenants
 from .validate import validate
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
@@ -48,7 +50,9 @@ def load_config(
         if value is not None:
             _known(name, "command line")
             values[name] = (value, "command line")
-    return _build(values)
+    config = _build(values)
+    check_secrets(config, env)  # the secrets it names can be read (the same environment as above)
+    return config
 
 
 def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
@@ -62,7 +66,9 @@ def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
         raise ConfigError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
     out: dict[str, tuple[Any, str]] = {}
     for key, value in data.items():
-        if key in SECTIONS:
+        if key == "tenants":  # a mapping of tenant names (config/tenants.py), not a section of fields
+            out["tenants"] = (value, str(path))
+        elif key in SECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: in {path} must be a mapping of {key} settings")
             for sub, v in value.items():
@@ -127,6 +133,8 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
 
     if name == "cache.tiers":
         return _tiers(value, source)
+    if name == "tenants":
+        return parse_tenants(value, source, _size)
     is_size = name.endswith("_bytes")
     base = typ.replace(" | None", "")
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null") and "None" in typ):

@@ -10,10 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfuse import dtypes
 from kvfuse.durations import parse_duration
+
+from .api_keys import split_entry
+
+if TYPE_CHECKING:
+    from .tenants import TenantQuota
 
 
 class ConfigError(ValueError):
@@ -36,8 +41,11 @@ class TierConfig:
     then S3 is the usual order: fastest first). Fields per kind:
 
     - ``disk``: ``path`` (default ``<home>/kv``), ``capacity_bytes`` (default ``cache.disk_bytes``'s);
-    - ``redis``: ``url`` (``redis://``, ``rediss://``, ``unix://``), ``timeout_s``, ``cluster``;
-    - ``s3``: ``url`` (``s3://BUCKET[/PREFIX]``), ``endpoint``, ``region``, ``timeout_s``;
+    - ``redis``: ``url`` (``redis://``, ``rediss://``, ``unix://``), ``timeout_s``, ``cluster``,
+      ``username``, ``password_env`` or ``password_file`` (where the password is), ``tls_ca_file``,
+      ``tls_cert_file`` and ``tls_key_file`` (TLS: a ``rediss://`` URL);
+    - ``s3``: ``url`` (``s3://BUCKET[/PREFIX]``), ``endpoint``, ``region``, ``timeout_s``, ``sse``
+      (``AES256`` or ``aws:kms``) and ``sse_kms_key_id``;
     - all: ``name`` (default: the kind; unique), ``codec`` and ``codec_level`` (the encoding the
       tier writes; none: as the memory tier holds it).
 
@@ -54,9 +62,18 @@ class TierConfig:
     region: str | None = None
     codec: str | None = None
     codec_level: int = 0
+    username: str | None = None
+    password_env: str | None = None
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    sse: str | None = None
+    sse_kms_key_id: str | None = None
 
-    KIND_FIELDS = {"disk": ("path", "capacity_bytes"), "redis": ("url", "timeout_s", "cluster"),
-              "s3": ("url", "endpoint", "region", "timeout_s")}
+    REDIS_SECURITY = ("username", "password_env", "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
+    KIND_FIELDS = {"disk": ("path", "capacity_bytes"), "redis": ("url", "timeout_s", "cluster", *REDIS_SECURITY),
+              "s3": ("url", "endpoint", "region", "timeout_s", "sse", "sse_kms_key_id")}
     COMMON = ("kind", "name", "codec", "codec_level")
 
     @property
@@ -94,6 +111,15 @@ class CacheConfig:
     redis_url: str | None = None
     redis_timeout_s: float = 0.5
     redis_cluster: bool = False  # redis_url is a node of a Redis / Valkey cluster
+    # Redis ACL and TLS (rediss:// URLs): the user, where its password is (a variable or a file,
+    # never the password itself: config/secrets.py), the CA that signed the server's certificate,
+    # and a client certificate and key when the server asks for one (tls-auth-clients).
+    redis_username: str | None = None
+    redis_password_env: str | None = None
+    redis_password_file: str | None = None
+    redis_tls_ca_file: str | None = None
+    redis_tls_cert_file: str | None = None
+    redis_tls_key_file: str | None = None
     # The S3 tier (cold, after disk and Redis): s3://bucket/prefix, an endpoint for S3-compatible
     # stores (MinIO, Ceph, moto; none = AWS), credentials from boto3's usual chain.
     s3_url: str | None = None
@@ -102,6 +128,10 @@ class CacheConfig:
     s3_timeout_s: float = 2.0
     s3_codec: str | None = None
     s3_codec_level: int = 0
+    # Server-side encryption of every object the S3 tier writes: AES256 (S3-managed keys) or aws:kms
+    # (with s3_sse_kms_key_id, or the account's default KMS key); none: the bucket's default.
+    s3_sse: str | None = None
+    s3_sse_kms_key_id: str | None = None
     write_queue: int = 64
     store_generated: bool = False  # without history: store the answers' whole chunks too
     salt: str = ""
@@ -142,10 +172,12 @@ class CacheConfig:
         if self.redis_url:
             out.append(TierConfig("redis", url=self.redis_url, timeout_s=self.redis_timeout_s,
                                   cluster=self.redis_cluster, codec=self.redis_codec,
-                                  codec_level=self.redis_codec_level))
+                                  codec_level=self.redis_codec_level,
+                                  **{f: getattr(self, f"redis_{f}") for f in TierConfig.REDIS_SECURITY}))
         if self.s3_url:
             out.append(TierConfig("s3", url=self.s3_url, endpoint=self.s3_endpoint, region=self.s3_region,
-                                  timeout_s=self.s3_timeout_s, codec=self.s3_codec, codec_level=self.s3_codec_level))
+                                  timeout_s=self.s3_timeout_s, codec=self.s3_codec, codec_level=self.s3_codec_level,
+                                  sse=self.s3_sse, sse_kms_key_id=self.s3_sse_kms_key_id))
         return tuple(out)
 
 
@@ -278,11 +310,16 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_keys: tuple[str, ...] = ()  # "KEY:TENANT" entries; empty = no authentication
+    # "KEY:TENANT" or "sha256:<hex>:TENANT" entries (kvfuse keys digest); empty = no authentication
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024**2
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
+    # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the
+    # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
+    metrics_token: str | None = field(default=None, repr=False)
+    metrics_token_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -303,6 +340,7 @@ class Config:
     engine: EngineConfig = field(default_factory=EngineConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    tenants: tuple[TenantQuota, ...] = ()  # per-tenant quotas (config/tenants.py); () = none
 
     @property
     def home_path(self) -> Path:
@@ -335,7 +373,8 @@ class Config:
                               profiles_path=str(self.home_path / "profiles"))
 
     def api_key_map(self) -> dict[str, str]:
-        return dict(entry.split(":", 1) for entry in self.server.api_keys)
+        """Key (or ``sha256:<hex>`` digest) -> tenant, from ``server.api_keys``."""
+        return dict(split_entry(entry) for entry in self.server.api_keys)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 
-from .deps import current_tenant, get_state
+from .deps import current_tenant, get_state, metrics_access
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
@@ -26,11 +26,16 @@ async def health(request: Request) -> Health:
 
 
 @router.get("/metrics", tags=["operations"], summary="Prometheus metrics", response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}},
-            description="Prometheus text format. No API key needed (like /health): the metrics are server-wide "
-                        "counts (requests, tokens, cache tiers, latencies) and carry no tenant names or content; "
-                        "restrict access to the port at the network level if that matters.")
-async def metrics(request: Request) -> Response:
+            responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
+                       401: {"model": ErrorResponse, "description": "Missing or wrong metrics token (only with "
+                                                                    "server.metrics_token)."}},
+            description="Prometheus text format. No API key: with `server.metrics_token` (or "
+                        "`server.metrics_token_file`) set, a bearer token of its own (401 without it); otherwise "
+                        "open, like /health. The metrics are server-wide counts (requests, tokens, cache tiers, "
+                        "latencies) and carry no content; per-tenant series (bytes held, quota evictions and "
+                        "rejections) appear for the tenants with a quota (`tenants:`): set a metrics token where "
+                        "tenants must not see each other's names.")
+async def metrics(request: Request, _: None = Depends(metrics_access)) -> Response:
     state = get_state(request)
     body = await asyncio.to_thread(state.metrics.render)  # the store's tiers may be remote (Redis)
     return Response(body, media_type=CONTENT_TYPE)

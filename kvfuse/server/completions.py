@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvfuse.engine import Outcome, QueueClosed, QueueFull, Request as EngineRequest, RequestCancelled
 
-from .deps import current_tenant, get_state
+from .deps import get_state, limited_tenant
 from .errors import APIError, internal_error
 from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
@@ -34,7 +34,9 @@ ERRORS = {
     401: {"model": ErrorResponse, "description": "Missing or wrong API key (only when the server has API keys)."},
     404: {"model": ErrorResponse, "description": "Unknown model (code model_not_found)."},
     413: {"model": ErrorResponse, "description": "Request body larger than server.max_body_bytes."},
-    429: {"model": ErrorResponse, "description": "The request queue is full (server.max_queue); retry later."},
+    429: {"model": ErrorResponse, "description": "The request queue is full (server.max_queue, code queue_full), or "
+                                                 "the tenant's requests per minute are spent (its quota, code "
+                                                 "rate_limit_exceeded, with Retry-After); retry later."},
 }
 _SSE = {"text/event-stream": {"schema": {"type": "string"},
                               "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
@@ -48,7 +50,7 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"},
                 "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`.",
 )
 async def create_completion(body: CompletionRequest, request: Request,
-                            tenant: str = Depends(current_tenant)) -> JSONResponse | StreamingResponse:
+                            tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:
     return await _generate(request, body, tenant, chat=False)
 
 
@@ -60,7 +62,7 @@ async def create_completion(body: CompletionRequest, request: Request,
                 "kvfuse extension fields: `cache_salt`, `cache`.",
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 tenant: str = Depends(current_tenant)) -> JSONResponse | StreamingResponse:
+                                 tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:
     return await _generate(request, body, tenant, chat=True)
 
 

@@ -31,3 +31,15 @@ async def current_tenant(request: Request, credentials: HTTPAuthorizationCredent
     if (record := record_of(request)) is not None:
         record.tenant = tenant
     return tenant
+
+
+async def limited_tenant(request: Request, tenant: str = Depends(current_tenant)) -> str:
+    """The caller's tenant, after counting the request against its rate limit (429 beyond it:
+    ``tenants.<name>.quota.requests_per_minute``)."""
+    get_state(request).admit(tenant)
+    return tenant
+
+
+async def metrics_access(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    """401 unless ``/metrics`` is open or the request carries the metrics token (``server.metrics_token``)."""
+    get_state(request).metrics_token.check(credentials.credentials if credentials else None)

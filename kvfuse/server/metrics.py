@@ -9,7 +9,7 @@ ones ``GET /v1/kv/stats`` reports.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -193,10 +193,46 @@ def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
                             value=store.get("queue_depth", 0))
 
 
-class ServerMetrics:
-    """The metrics of one app. ``render()`` gives the Prometheus text exposition."""
+class TenantCollector(Collector):
+    """Per-tenant series of the tenants with a byte quota in a tier (``tenants:``), read at scrape
+    time (``engine.tenant_usage()``): bytes and entries held, the quota, the evictions it caused.
+    Tenants are named by ``names`` (tenant tag -> name); a tag no configured tenant has (entries
+    of a tenant since removed from ``server.api_keys``) is shown as ``tag:<tag>``."""
 
-    def __init__(self, engine_getter: Callable[[], object | None], queue: Callable[[], dict[str, int]]):
+    def __init__(self, engine_getter: Callable[[], object | None], names: Mapping[str, str]):
+        self._engine = engine_getter
+        self._names = dict(names)
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine()
+        usage = engine.tenant_usage() if engine is not None and engine.cache_enabled else {}
+        families = {key: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_,
+                                                                                          labels=["tenant", "tier"])
+                    for key, (name, kind, help_) in _TENANT_SERIES.items()}
+        for tier, tenants in sorted(usage.items()):
+            for tag, u in sorted(tenants.items()):
+                for key, family in families.items():
+                    family.add_metric([self._names.get(tag, f"tag:{tag}"), tier], u[key])
+        yield from families.values()
+
+
+# tier.tenant_usage() fields -> (metric name, type, help)
+_TENANT_SERIES = {
+    "used_bytes": ("kvfuse_tenant_used_bytes", "gauge", "Bytes a tenant with a quota holds in the tier."),
+    "entries": ("kvfuse_tenant_entries", "gauge", "Entries a tenant with a quota holds in the tier."),
+    "quota_bytes": ("kvfuse_tenant_quota_bytes", "gauge", "The tenant's byte quota in the tier "
+                                                         "(tenants.<name>.quota.<tier>_bytes)."),
+    "quota_evictions": ("kvfuse_tenant_quota_evictions", "counter", "Entries of the tenant evicted because it was "
+                                                                  "over its quota in the tier (its own oldest)."),
+}
+
+
+class ServerMetrics:
+    """The metrics of one app. ``render()`` gives the Prometheus text exposition. ``tenant_names``:
+    tenant tag -> name, for the per-tenant series (``TenantCollector``)."""
+
+    def __init__(self, engine_getter: Callable[[], object | None], queue: Callable[[], dict[str, int]],
+                 tenant_names: Mapping[str, str] | None = None):
         r = self.registry = CollectorRegistry()
         self.requests = Counter("kvfuse_http_requests", "HTTP requests by endpoint and status.",
                                 ["endpoint", "status"], registry=r)
@@ -230,7 +266,11 @@ class ServerMetrics:
                                  "from previous_response_id, deleted, expired).", ["event"], registry=r)
         self.stored_responses = Gauge("kvfuse_stored_responses", "Responses API: responses stored (all tenants).",
                                       registry=r)
+        self.quota_rejections = Counter("kvfuse_tenant_rejected_requests", "Requests refused (429) because the "
+                                        "tenant was over a quota, by tenant and limit (requests_per_minute).",
+                                        ["tenant", "limit"], registry=r)
         r.register(CacheCollector(engine_getter))
+        r.register(TenantCollector(engine_getter, tenant_names or {}))
 
     def observe_outcome(self, outcome: Outcome) -> None:
         """Count one finished request (called on the engine thread; prometheus_client is thread-safe)."""

@@ -38,7 +38,7 @@ from kvfuse.history.records import decode_record, encode_record
 from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
 
 from .completions import ERRORS, outcome_result, submit, watch_disconnect
-from .deps import current_tenant, get_state
+from .deps import current_tenant, get_state, limited_tenant
 from .errors import APIError, bad_request
 from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
@@ -231,7 +231,7 @@ def _purge(state: ServerState) -> None:
                 "kvfuse extension fields: `cache_salt`, `cache`, `kv_slo_ms`, `seed`.",
 )
 async def create_response(body: ResponseCreateRequest, request: Request,
-                          tenant: str = Depends(current_tenant)) -> JSONResponse | StreamingResponse:
+                          tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     record: RequestRecord = request.scope[RECORD_KEY]
     record.model, record.stream = body.model, bool(body.stream)

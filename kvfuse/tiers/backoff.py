@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from kvfuse.tiers.base import TierStats
 
@@ -21,13 +22,15 @@ log = logging.getLogger(__name__)
 
 class Backoff:
     """The back-off state of one remote tier: ``what`` names it in the log ("redis tier"),
-    ``where`` is its address; ``stats`` gets an error per failure. Thread-safe."""
+    ``where`` is its address (with no password in it: ``config.secrets.redact_url``); ``stats`` gets
+    an error per failure; ``hint(error)``: what to check, added to the logged failure. Thread-safe."""
 
     def __init__(self, what: str, where: str, backoff_s: float, stats: TierStats,
-                 recovered: str = "reachable again") -> None:
+                 recovered: str = "reachable again", hint: Callable[[Exception], str] | None = None) -> None:
         self.what, self.where, self.backoff_s = what, where, backoff_s
         self._stats = stats
         self._recovered = recovered
+        self._hint = hint  # error -> what to check, appended to the logged failure ("" for none)
         self._down_until = 0.0
         self._down = False
         self._lock = threading.Lock()
@@ -47,7 +50,12 @@ class Backoff:
             self._down = True
             self._down_until = time.monotonic() + self.backoff_s
         if first:
-            log.warning("%s %s: %s failed (%s); backing off %.1fs", self.what, self.where, op, error, self.backoff_s)
+            try:
+                hint = self._hint(error) if self._hint is not None else ""
+            except Exception:  # a hint is a courtesy: never a reason for the failure path to fail
+                hint = ""
+            log.warning("%s %s: %s failed (%s); backing off %.1fs%s", self.what, self.where, op, error,
+                        self.backoff_s, hint)
         self._stats.add(errors=1)
 
     def succeeded(self) -> None:

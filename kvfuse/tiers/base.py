@@ -268,6 +268,12 @@ class Tier(ABC):
         """Bytes of stored values, or None where the tier does not track it cheaply."""
         return None
 
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant tag with a byte quota in this tier: ``used_bytes``, ``entries``,
+        ``quota_bytes``, ``quota_evictions`` (``tiers/tenant_quota.py``); {} where the tier has no
+        quotas (the default; only the memory and disk tiers account bytes per tenant)."""
+        return {}
+
     def close(self) -> None:
         """Release resources; the tier must not be used afterwards."""
 

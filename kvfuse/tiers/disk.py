@@ -39,6 +39,7 @@ from kvfuse.tiers.base import Blob, Clock, Entry, T, Tier, nbytes
 from kvfuse.tiers.disk_expiry import DiskExpiries
 from kvfuse.tiers.disk_scan import Scan, scan
 from kvfuse.tiers.key_index import KeyIndex
+from kvfuse.tiers.tenant_quota import TenantQuotas, capacity_owner, over_quota
 
 log = logging.getLogger(__name__)
 
@@ -51,13 +52,16 @@ class DiskTier(Tier):
     whose expiry passed on ``clock`` (the journal, see ``disk_expiry.py``; ``clock`` defaults to
     ``time.time`` and can be replaced later, as ``TieredStore`` does, but the start-up sweep has
     run by then). ``io_threads``: how many files of one ``put_many`` (the store's background
-    writes) are written at once (default: one per core, at most 4; 1: one by one).
+    writes) are written at once (default: one per core, at most 4; 1: one by one). ``quotas``:
+    per-tenant byte quotas (``tiers/tenant_quota.py``), enforced by each process over the files it
+    knows, like the capacity.
     """
 
     streams_reads = True  # read_with reads the file as the store's check asks for it
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int, fsync: bool = False, name: str = "disk",
-                 stale_temp_s: float = 600.0, clock: Clock | None = None, io_threads: int | None = None) -> None:
+                 stale_temp_s: float = 600.0, clock: Clock | None = None, io_threads: int | None = None,
+                 quotas: TenantQuotas | None = None) -> None:
         super().__init__()
         if clock is not None:
             self.clock = clock  # given here, it is the start-up sweep's time too
@@ -67,7 +71,9 @@ class DiskTier(Tier):
         self.root = Path(path)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self._index = KeyIndex()  # key -> size, least recent first (compact: ~70 bytes an entry)
+        self._quotas = quotas  # per-tenant byte quotas (tiers/tenant_quota.py); None: plain LRU
+        # key -> size, least recent first, and per owner with quotas (compact: ~70 bytes an entry)
+        self._index = KeyIndex(owner_of=quotas.owner_of if quotas is not None else None)
         self._used = 0
         self._lock = threading.Lock()
         self._last_ns = 0
@@ -125,25 +131,58 @@ class DiskTier(Tier):
         old = self._index.put(key, size)
         self._used += size - (old or 0)
 
-    def _evict_locked(self) -> int:
-        """Remove least-recent files until within capacity (never the most recent entry)."""
+    def _evict_locked(self, key: ChunkKey | None = None) -> int:
+        """Remove least-recent files: with quotas, a tenant's own over its quota (``key``'s tenant,
+        or every tenant after the start-up scan), then until within capacity (by
+        ``tenant_quota.capacity_owner``; plain LRU without quotas). Never the most recent entry
+        (``key``, just written or used)."""
         evicted, lines = 0, []
+        quotas, putter = self._quotas, None
+        if quotas is not None:
+            putter = self._index.owner_of(key) if key is not None else None
+            for owner in [putter] if key is not None else self._index.owners():
+                keep = 1 if owner == putter else 0
+                while over_quota(quotas.use(self._index, owner)) and self._index.owner_entries(owner) > keep:
+                    self._evict_one_locked(owner, lines)
+                    quotas.counted_eviction(owner)
+                    evicted += 1
         while self._used > self.capacity_bytes and len(self._index) > 1:
-            key, size, _ = self._index.pop_oldest()
-            self._used -= size
-            line = self._expiry.drop_locked(key)
-            if line is not None:
-                lines.append(line)
-            try:
-                os.unlink(self._path(key))
-            except FileNotFoundError:
-                pass  # another process evicted it first
-            except OSError as e:
-                log.warning("disk tier %s: cannot evict %s: %s", self.root, key, e)
-                self.stats.add(errors=1)
+            owner = capacity_owner(quotas.uses(self._index), putter) if quotas is not None else None
+            self._evict_one_locked(owner, lines)
             evicted += 1
         self._expiry.settle_locked(lines)
         return evicted
+
+    def _evict_one_locked(self, owner: int | None, lines: list) -> None:
+        """Remove the least recent entry (of ``owner``; None: of anyone) and its file."""
+        key, size, _ = self._index.pop_oldest(owner)
+        self._used -= size
+        line = self._expiry.drop_locked(key)
+        if line is not None:
+            lines.append(line)
+        try:
+            os.unlink(self._path(key))
+        except FileNotFoundError:
+            pass  # another process evicted it first
+        except OSError as e:
+            log.warning("disk tier %s: cannot evict %s: %s", self.root, key, e)
+            self.stats.add(errors=1)
+
+    def _room(self, key: ChunkKey) -> int:
+        """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
+        if self._quotas is None:
+            return self.capacity_bytes
+        with self._lock:
+            limit = self._quotas.limit(self._index.owner_of(key))
+        return self.capacity_bytes if limit is None else min(limit, self.capacity_bytes)
+
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant tag with a quota here: bytes and entries this process knows, the quota, its
+        evictions."""
+        if self._quotas is None:
+            return {}
+        with self._lock:
+            return self._quotas.usage(self._index)
 
     def _touch(self, path: str, key: ChunkKey, size: int) -> None:
         """Make ``key`` the most recent entry, in the index and in the file's mtime."""
@@ -154,7 +193,7 @@ class DiskTier(Tier):
             pass  # replaced or evicted meanwhile: the data we read is still valid
         with self._lock:
             self._record_locked(key, size)
-            evicted = self._evict_locked()
+            evicted = self._evict_locked(key)
         self.stats.add(evictions=evicted)
 
     def _missing(self, key: ChunkKey) -> None:
@@ -278,7 +317,7 @@ class DiskTier(Tier):
             self.delete(key)  # stores nothing, and no older value stays behind
             return None
         size = nbytes(value)
-        if size > self.capacity_bytes:
+        if size > self._room(key):  # larger than the tier, or than its tenant's quota
             self.delete(key)  # never leave an older value behind a dropped write
             self.stats.add(dropped_writes=1)
             return None
@@ -299,7 +338,7 @@ class DiskTier(Tier):
             with self._lock:
                 self._expiry.commit_locked(key, expires_at, ino, lambda: os.replace(tmp, path))
                 self._record_locked(key, size)
-                evicted = self._evict_locked()
+                evicted = self._evict_locked(key)
             if self.fsync:
                 files.fsync_dir(os.path.dirname(path))
         except OSError as e:

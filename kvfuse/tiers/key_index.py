@@ -26,12 +26,18 @@ down with churn.
 numpy and finishes with scalar probes the few keys whose home slot held another key. Scalar paths
 read the arrays through memoryviews (a few times faster than numpy scalar indexing).
 
+**Owners** (``owner_of``, given by tiers with per-tenant quotas, ``tiers/tenant_quota.py``): each
+group belongs to an owner (a small int, computed once per group from its namespace), and every
+row is also on its owner's own LRU list (``oprev``/``onext``, 8 more bytes per row), with each
+owner's bytes and entries kept: an owner's oldest entry is found without walking the others'.
+Without ``owner_of`` none of this is kept.
+
 Not thread-safe: the owning tier's lock guards it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
 from typing import Any
 
@@ -51,9 +57,20 @@ class KeyIndex:
     """``ChunkKey -> (size, value)`` in least-recent-first order, compactly (see the module
     docstring). ``with_values``: keep a value per entry (the memory tier's blobs)."""
 
-    def __init__(self, with_values: bool = False, rows: int = 64) -> None:
+    def __init__(self, with_values: bool = False, rows: int = 64,
+                 owner_of: Callable[[str], int] | None = None) -> None:
         self._groups: dict[str, int] = {}  # ChunkKey.group -> group id
         self._group_keys: list[tuple[str, ChunkKind, str]] = []
+        # Owners (see the module docstring): namespace id -> owner, per group its owner, per owner
+        # the head and tail of its LRU list, its bytes and its entries.
+        self._owner_of = owner_of
+        self._group_owner: list[int] = []
+        self._ohead: list[int] = []
+        self._otail: list[int] = []
+        self._obytes: list[int] = []
+        self._ocount: list[int] = []
+        self._oprev = np.zeros(0, dtype=np.int32)
+        self._onext = np.zeros(0, dtype=np.int32)
         self._values: list[Any] | None = [] if with_values else None
         self._len = 0
         self._head = self._tail = _NIL  # least / most recent row
@@ -78,6 +95,8 @@ class KeyIndex:
         self._size_v = memoryview(self._size)
         self._prev_v = memoryview(self._prev)
         self._next_v = memoryview(self._next)
+        self._oprev_v = memoryview(self._oprev)
+        self._onext_v = memoryview(self._onext)
 
     def _grow_rows(self, cap: int) -> None:
         old = self._cap
@@ -97,13 +116,16 @@ class KeyIndex:
         nxt[cap - 1] = self._free
         self._next = nxt
         self._free = old
+        if self._owner_of is not None:
+            self._oprev = grown(self._oprev, cap, _NIL)
+            self._onext = grown(self._onext, cap, _NIL)
         if self._values is not None:
             self._values.extend([None] * (cap - old))
         self._cap = cap
         self._views()
 
     def _release_views(self) -> None:
-        for name in ("_dig_v", "_dig_b", "_grp_v", "_size_v", "_prev_v", "_next_v"):
+        for name in ("_dig_v", "_dig_b", "_grp_v", "_size_v", "_prev_v", "_next_v", "_oprev_v", "_onext_v"):
             view = self.__dict__.pop(name, None)
             if view is not None:
                 view.release()
@@ -227,6 +249,8 @@ class KeyIndex:
             self._tail = p
         else:
             prev[n] = p
+        if self._owner_of is not None:
+            self._owner_unlink(r)
 
     def _append(self, r: int) -> None:
         prev, nxt = self._prev_v, self._next_v
@@ -236,6 +260,32 @@ class KeyIndex:
         else:
             nxt[self._tail] = r
         self._tail = r
+        if self._owner_of is not None:
+            self._owner_append(r)
+
+    def _owner_unlink(self, r: int) -> None:
+        o = self._group_owner[self._grp_v[r]]
+        prev, nxt = self._oprev_v, self._onext_v
+        p, n = prev[r], nxt[r]
+        if p == _NIL:
+            self._ohead[o] = n
+        else:
+            nxt[p] = n
+        if n == _NIL:
+            self._otail[o] = p
+        else:
+            prev[n] = p
+
+    def _owner_append(self, r: int) -> None:
+        o = self._group_owner[self._grp_v[r]]
+        prev, nxt = self._oprev_v, self._onext_v
+        tail = self._otail[o]
+        prev[r], nxt[r] = tail, _NIL
+        if tail == _NIL:
+            self._ohead[o] = r
+        else:
+            nxt[tail] = r
+        self._otail[o] = r
 
     def _to_end(self, r: int) -> None:
         """Make row ``r`` the most recent."""
@@ -263,7 +313,26 @@ class KeyIndex:
         if gid is None:
             gid = self._groups[g] = len(self._group_keys)
             self._group_keys.append((key.namespace_id, key.kind, key.variant))
+            if self._owner_of is not None:
+                self._group_owner.append(self._owner(key.namespace_id))
         return gid
+
+    def _owner(self, namespace_id: str) -> int:
+        """The owner of a namespace, with its list and counts made room for."""
+        o = self._owner_of(namespace_id)
+        while len(self._ohead) <= o:
+            self._ohead.append(_NIL)
+            self._otail.append(_NIL)
+            self._obytes.append(0)
+            self._ocount.append(0)
+        return o
+
+    def _owned(self, r: int, size: int, count: int) -> None:
+        """Row ``r``'s owner holds ``size`` more bytes and ``count`` more entries."""
+        if self._owner_of is not None:
+            o = self._group_owner[self._grp_v[r]]
+            self._obytes[o] += size
+            self._ocount[o] += count
 
     def put(self, key: ChunkKey, size: int, value: Any = None) -> int | None:
         """Hold ``key`` with ``size`` (and ``value``) as the most recent entry. Returns the size it
@@ -272,6 +341,7 @@ class KeyIndex:
         if r >= 0:
             old = self._size_v[r]
             self._size_v[r] = size
+            self._owned(r, size - old, 0)
             if self._values is not None:
                 self._values[r] = value
             self._to_end(r)
@@ -289,6 +359,7 @@ class KeyIndex:
         if self._values is not None:
             self._values[r] = value
         self._append(r)
+        self._owned(r, size, 1)
         mask, slots = self._mask, self._slots_v
         s = self._home(r)
         while slots[s] >= 0:
@@ -319,6 +390,7 @@ class KeyIndex:
         slots[hole] = -1
         self._unlink(r)
         size = self._size_v[r]
+        self._owned(r, -size, -1)
         value = None
         if self._values is not None:
             value, self._values[r] = self._values[r], None
@@ -333,14 +405,37 @@ class KeyIndex:
         r = self._find(key)
         return None if r < 0 else self._remove_row(r)
 
-    def pop_oldest(self) -> tuple[ChunkKey, int, Any]:
-        """Remove and return the least recent entry as (key, size, value); KeyError when empty."""
-        if self._head == _NIL:
-            raise KeyError("pop_oldest from an empty KeyIndex")
-        r = self._head
+    def pop_oldest(self, owner: int | None = None) -> tuple[ChunkKey, int, Any]:
+        """Remove and return the least recent entry (of ``owner``, if given) as (key, size, value);
+        KeyError when there is none."""
+        r = self._head if owner is None else self._owner_head(owner)
+        if r == _NIL:
+            raise KeyError("pop_oldest from an empty KeyIndex" if owner is None else f"owner {owner} holds nothing")
         key = self._key(r)
         size, value = self._remove_row(r)
         return key, size, value
+
+    # -- owners ---------------------------------------------------------------------------------
+
+    def _owner_head(self, owner: int) -> int:
+        if self._owner_of is None:
+            raise ValueError("this KeyIndex keeps no owners (give owner_of)")
+        return self._ohead[owner] if owner < len(self._ohead) else _NIL
+
+    def owner_of(self, key: ChunkKey) -> int:
+        """The owner of ``key``'s entries (held or not)."""
+        gid = self._groups.get(_group_of(key))
+        return self._group_owner[gid] if gid is not None else self._owner(key.namespace_id)
+
+    def owner_bytes(self, owner: int) -> int:
+        return self._obytes[owner] if owner < len(self._obytes) else 0
+
+    def owner_entries(self, owner: int) -> int:
+        return self._ocount[owner] if owner < len(self._ocount) else 0
+
+    def owners(self) -> list[int]:
+        """The owners holding at least one entry."""
+        return [o for o, n in enumerate(self._ocount) if n]
 
     # -- listing --------------------------------------------------------------------------------
 
@@ -348,8 +443,11 @@ class KeyIndex:
         ns, kind, variant = self._group_keys[self._grp_v[r]]
         return ChunkKey(ns, bytes(self._dig_b[32 * r : 32 * r + 32]), kind, variant)
 
-    def _rows(self) -> Iterator[int]:
-        r, nxt = self._head, self._next_v
+    def _rows(self, owner: int | None = None) -> Iterator[int]:
+        if owner is None:
+            r, nxt = self._head, self._next_v
+        else:
+            r, nxt = self._owner_head(owner), self._onext_v
         while r != _NIL:
             following = nxt[r]  # read first: the caller may remove r
             yield r
@@ -359,9 +457,10 @@ class KeyIndex:
         """Every key, least recent first (the eviction order)."""
         return [self._key(r) for r in self._rows()]
 
-    def items(self) -> Iterator[tuple[ChunkKey, int, Any]]:
-        """(key, size, value) per entry, least recent first. Entries may be removed meanwhile."""
-        for r in self._rows():
+    def items(self, owner: int | None = None) -> Iterator[tuple[ChunkKey, int, Any]]:
+        """(key, size, value) per entry (of ``owner``, if given), least recent first. Entries may
+        be removed meanwhile."""
+        for r in self._rows(owner):
             yield self._key(r), self._size_v[r], None if self._values is None else self._values[r]
 
     def keys_with_prefix(self, prefix: str) -> list[ChunkKey]:
@@ -387,7 +486,7 @@ class KeyIndex:
 
     def nbytes(self) -> int:
         """Bytes this index holds in its arrays and group table (not the values themselves)."""
-        arrays = (self._dig, self._grp, self._size, self._prev, self._next, self._slots)
+        arrays = (self._dig, self._grp, self._size, self._prev, self._next, self._slots, self._oprev, self._onext)
         values = 8 * len(self._values) + 56 if self._values is not None else 0
         return sum(a.nbytes for a in arrays) + values + 200 * len(self._group_keys)
 
@@ -423,8 +522,25 @@ class KeyIndex:
         self._head, self._tail = (0, n - 1) if n else (_NIL, _NIL)
         self._free = n if n < cap else _NIL
         self._cap, self._len = cap, n
+        if self._owner_of is not None:
+            self._load_owners(cap, n)
         self._views()
         self._rehash(_table_size(n))
+
+    def _load_owners(self, cap: int, n: int) -> None:
+        """The owners' lists of freshly loaded rows 0..n-1 (in LRU order, so each owner's rows in
+        row order are its LRU order)."""
+        self._oprev = np.full(cap, _NIL, dtype=np.int32)
+        self._onext = np.full(cap, _NIL, dtype=np.int32)
+        owner_of_group = np.array(self._group_owner, dtype=np.int64)
+        row_owner = owner_of_group[self._grp[:n]] if n else np.zeros(0, dtype=np.int64)
+        for o in np.unique(row_owner).tolist():
+            rows = np.flatnonzero(row_owner == o).astype(np.int32)
+            self._onext[rows[:-1]] = rows[1:]
+            self._oprev[rows[1:]] = rows[:-1]
+            self._ohead[o], self._otail[o] = int(rows[0]), int(rows[-1])
+            self._obytes[o] = int(self._size[rows].sum())
+            self._ocount[o] = int(rows.size)
 
 
 def _table_size(entries: int) -> int:

@@ -1,8 +1,9 @@
 """The memory tier: an LRU dictionary bounded by the bytes of its values, optionally queue-aware
 (``set_protect``: the entries queued requests will load are evicted last), with per-entry
-expiry beside the LRU (see ``tiers/base.py``). The keys, sizes and LRU order live in a compact
-``KeyIndex`` (about 70 bytes per entry with the value's pointer, instead of ~265 in an
-``OrderedDict`` of key objects)."""
+expiry beside the LRU (see ``tiers/base.py``) and optional per-tenant byte quotas
+(``tiers/tenant_quota.py``: a tenant over its quota loses its own oldest entries). The keys,
+sizes and LRU order live in a compact ``KeyIndex`` (about 70 bytes per entry with the value's
+pointer, instead of ~265 in an ``OrderedDict`` of key objects)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Callable, Collection, Iterable
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Blob, Expiries, Tier, check_key, nbytes
 from kvfuse.tiers.key_index import KeyIndex
+from kvfuse.tiers.tenant_quota import TenantQuotas, capacity_owner, over_quota
 
 
 class MemoryTier(Tier):
@@ -28,13 +30,15 @@ class MemoryTier(Tier):
 
     holds_entries = True
 
-    def __init__(self, capacity_bytes: int, name: str = "memory") -> None:
+    def __init__(self, capacity_bytes: int, name: str = "memory", quotas: TenantQuotas | None = None) -> None:
         super().__init__()
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise ValueError(f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
         self.name = name
         self.capacity_bytes = capacity_bytes
-        self._index = KeyIndex(with_values=True)  # key -> (size, value), least recent first
+        self._quotas = quotas  # per-tenant byte quotas (tiers/tenant_quota.py); None: plain LRU
+        # key -> (size, value), least recent first (and per owner, with quotas)
+        self._index = KeyIndex(with_values=True, owner_of=quotas.owner_of if quotas is not None else None)
         self._used = 0
         self._lock = threading.Lock()
         self._protect: Callable[[], Collection[ChunkKey]] | None = None
@@ -95,37 +99,82 @@ class MemoryTier(Tier):
                 self._remove(key)
             return
         size = nbytes(value)
-        evicted = forced = 0
         # The protected set is asked for outside the lock (it comes from the engine's queue), and
         # only when this put has to evict something.
-        protected = self._protect() if self._protect is not None and self._used + size > self.capacity_bytes else ()
+        protected = self._protect() if self._protect is not None and self._must_evict(key, size) else ()
         with self._lock:
             self._remove(key)
-            if size > self.capacity_bytes:
+            if size > self._room_locked(key):
                 self.stats.add(dropped_writes=1)
                 return
             self._index.put(key, size, value)
             self._used += size
             if expires_at is not None:
                 self._expiry.set(key, expires_at)
-            if self._used > self.capacity_bytes and protected:
-                protected = set(protected)
-                for k, k_size, _ in self._index.items():
-                    if self._used <= self.capacity_bytes:
-                        break
-                    if k in protected or k == key:
-                        continue
-                    self._index.pop(k)
-                    self._used -= k_size
-                    self._expiry.pop(k)
-                    evicted += 1
-            while self._used > self.capacity_bytes:
-                k, k_size, _ = self._index.pop_oldest()
-                self._used -= k_size
-                self._expiry.pop(k)
-                evicted += 1
-                forced += k in protected
+            evicted, forced = self._evict_locked(key, set(protected) if protected else ())
         self.stats.add(puts=1, bytes_in=size, evictions=evicted, protected_evictions=forced)
+
+    def _must_evict(self, key: ChunkKey, size: int) -> bool:
+        """Whether putting ``size`` bytes under ``key`` is to evict something (over the capacity,
+        or over the quota of ``key``'s tenant)."""
+        if self._quotas is None:
+            return self._used + size > self.capacity_bytes
+        with self._lock:
+            use = self._quotas.use(self._index, self._index.owner_of(key))
+            return self._used + size > self.capacity_bytes or (use.limit is not None and use.bytes + size > use.limit)
+
+    def _room_locked(self, key: ChunkKey) -> int:
+        """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
+        if self._quotas is None:
+            return self.capacity_bytes
+        limit = self._quotas.limit(self._index.owner_of(key))
+        return self.capacity_bytes if limit is None else min(limit, self.capacity_bytes)
+
+    def _evict_locked(self, key: ChunkKey, protected: Collection[ChunkKey]) -> tuple[int, int]:
+        """Evict for the entry just put under ``key`` (never it): its tenant's own oldest entries
+        while the tenant is over its quota, then while the tier is over capacity, by
+        ``tenant_quota.capacity_owner`` (plain LRU without quotas); within each, queued requests'
+        entries (``protected``) last. The counts (evicted, protected ones among them)."""
+        evicted = forced = 0
+        quotas, owner = self._quotas, None
+        if quotas is not None:
+            owner = self._index.owner_of(key)
+            while over_quota(quotas.use(self._index, owner)):
+                victim, was_protected = self._victim_locked(owner, key, protected)
+                if victim is None:
+                    break
+                self._remove(victim)
+                quotas.counted_eviction(owner)
+                evicted, forced = evicted + 1, forced + was_protected
+        while self._used > self.capacity_bytes:
+            group = capacity_owner(quotas.uses(self._index), owner) if quotas is not None else None
+            victim, was_protected = self._victim_locked(group, key, protected)
+            if victim is None:
+                break
+            self._remove(victim)
+            evicted, forced = evicted + 1, forced + was_protected
+        return evicted, forced
+
+    def _victim_locked(self, owner: int | None, key: ChunkKey,
+                       protected: Collection[ChunkKey]) -> tuple[ChunkKey | None, bool]:
+        """The least recently used entry (of ``owner``; None: of anyone) other than ``key``, one
+        not in ``protected`` if there is one; and whether it is protected."""
+        fallback = None
+        for k, _, _ in self._index.items(owner):
+            if k == key:
+                continue
+            if k not in protected:
+                return k, False
+            if fallback is None:
+                fallback = k
+        return fallback, fallback is not None
+
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant tag with a quota here: bytes and entries held, the quota, its evictions."""
+        if self._quotas is None:
+            return {}
+        with self._lock:
+            return self._quotas.usage(self._index)
 
     def bytes_of(self, keys: Collection[ChunkKey]) -> int:
         """The bytes the entries of ``keys`` take here (those held)."""

@@ -34,12 +34,29 @@ from typing import Iterable
 import redis
 
 from kvfuse.config import CacheConfig
+from kvfuse.config.secrets import redact_url
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.backoff import Backoff
 from kvfuse.tiers.base import Blob, Tier, check_key, nbytes
-from kvfuse.tiers.redis_connection import MIN_RATE, bounded_call, make_client
+from kvfuse.tiers.redis_connection import MIN_RATE, Security, bounded_call, make_client
 
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
+
+
+def failure_hint(error: Exception) -> str:
+    """What to check after ``error``, for the log line of a failure ("" when it is no ACL or TLS
+    problem: an outage speaks for itself)."""
+    text = str(error)
+    acl = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError,
+           redis.exceptions.NoPermissionError)
+    if isinstance(error, acl) or text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")):
+        return ("; check the ACL user and its password (redis_username, redis_password_env or "
+                "redis_password_file) and the user's permissions (ACL SETUSER ... ~kvfuse:* +@all)")
+    if "ssl" in text.lower() or "certificate" in text.lower() or "handshake" in text.lower():
+        return ("; check TLS: a rediss:// URL, redis_tls_ca_file (the CA that signed the server's certificate, "
+                "whose name must match the URL's host), and redis_tls_cert_file with redis_tls_key_file when the "
+                "server asks for client certificates")
+    return ""
 
 
 class RedisTier(Tier):
@@ -48,6 +65,9 @@ class RedisTier(Tier):
     ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://`` for TLS, ``unix://``); with
     ``cluster``, the URL of any node of a Redis Cluster (database 0). ``min_rate``: the slowest
     transfer, in bytes per second, a call waits for beyond ``timeout_s`` (see the module docstring).
+    ``security``: the ACL user and password and the TLS files (``redis_connection.Security``). A
+    wrong password, an untrusted certificate or a refused handshake is a failure like an outage:
+    logged once with what to check (``failure_hint``), counted, misses and back-off.
     """
 
     batch_reads = True  # MGET: one round trip for a batch
@@ -62,6 +82,7 @@ class RedisTier(Tier):
         name: str = "redis",
         cluster: bool = CacheConfig.redis_cluster,
         min_rate: float = MIN_RATE,
+        security: Security = Security(),
     ) -> None:
         super().__init__()
         if timeout_s <= 0:
@@ -81,10 +102,13 @@ class RedisTier(Tier):
         self.backoff_s = backoff_s
         self.cluster = cluster
         try:
-            self._client = make_client(url, timeout_s, cluster)
+            self._client = make_client(url, timeout_s, cluster, security)
         except ValueError as e:
-            raise ValueError(f"bad Redis URL {url!r}: {e} (expected e.g. redis://127.0.0.1:6379/0)") from None
-        self._backoff = Backoff("redis tier", url, backoff_s, self.stats, recovered="server reachable again")
+            raise ValueError(f"bad Redis URL {redact_url(url)!r}: {e} (expected e.g. redis://127.0.0.1:6379/0)") from None
+        except TypeError as e:  # TLS arguments with a plain redis:// or unix:// URL
+            raise ValueError(f"Redis URL {redact_url(url)!r}: {e}; TLS settings need a rediss:// URL") from None
+        self._backoff = Backoff("redis tier", redact_url(url), backoff_s, self.stats, recovered="server reachable again",
+                                hint=failure_hint)
 
     def is_backing_off(self) -> bool:
         """True while calls are answered as misses without trying the server."""

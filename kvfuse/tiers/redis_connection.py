@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import redis
@@ -31,6 +32,7 @@ from redis.connection import (Connection, Encoder, PythonRespSerializer, SSLConn
                               parse_url)
 from redis.retry import Retry
 
+from kvfuse.config.secrets import redact_url
 from kvfuse.tiers.base import Entry
 
 _BUFFER_CUTOFF = 6000  # redis-py's default: values above it are sent without being copied
@@ -181,8 +183,8 @@ class _LazyCluster:
     failure to make it is a ``redis.ConnectionError`` (a tier failure like any other), retried at
     the next call after the back-off."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
-        self._url, self._timeout_s, self._real = url, timeout_s, None
+    def __init__(self, url: str, timeout_s: float, security: dict) -> None:
+        self._url, self._timeout_s, self._security, self._real = url, timeout_s, security, None
         self._lock = threading.Lock()
 
     def _get(self):
@@ -196,11 +198,13 @@ class _LazyCluster:
                     client = RedisCluster.from_url(
                         self._url, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
                         retry=Retry(NoBackoff(), 0),
-                        connection_class=_DeadlineConnection)  # bounded calls (a rediss:// URL keeps its TLS class)
+                        connection_class=_DeadlineConnection,  # bounded calls (a rediss:// URL keeps its TLS class)
+                        **self._security)
                 except redis.RedisError:
                     raise
                 except Exception as e:  # RedisClusterException is not a RedisError
-                    raise redis.ConnectionError(f"cannot reach the Redis cluster at {self._url}: {e}") from None
+                    raise redis.ConnectionError(f"cannot reach the Redis cluster at {redact_url(self._url)}: "
+                                                f"{e}") from None
                 client.mget = client.mget_nonatomic  # one MGET per slot, replies in key order
                 self._real = client
             return self._real
@@ -213,14 +217,36 @@ class _LazyCluster:
             self._real.close()
 
 
-def make_client(url: str, timeout_s: float, cluster: bool):
+@dataclass(frozen=True)
+class Security:
+    """A Redis connection's ACL user and password and its TLS files (``rediss://`` URLs): the CA
+    that signed the server's certificate (None: the system's CAs), and the client's certificate
+    and key for a server that asks for one. The password is kept out of the repr."""
+
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def client_kwargs(self) -> dict:
+        """redis-py's arguments for these settings (only those given: a plain connection takes no
+        TLS arguments)."""
+        out = {"username": self.username, "password": self.password, "ssl_ca_certs": self.tls_ca_file,
+               "ssl_certfile": self.tls_cert_file, "ssl_keyfile": self.tls_key_file}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+def make_client(url: str, timeout_s: float, cluster: bool, security: Security = Security()):
     """A redis-py client for ``url`` whose calls are bounded (see the module docstring) and never
-    retried: a ``redis.Redis``, or with ``cluster`` a ``_LazyCluster``. ValueError for a bad URL."""
+    retried: a ``redis.Redis``, or with ``cluster`` a ``_LazyCluster``. ``security``: the ACL user
+    and TLS files. ValueError for a bad URL."""
     if cluster:
-        return _LazyCluster(url, timeout_s)
+        return _LazyCluster(url, timeout_s, security.client_kwargs())
     scheme_class = parse_url(url).get("connection_class", Connection)
     return redis.Redis.from_url(
         url,
+        **security.client_kwargs(),
         connection_class=_DEADLINE_CLASSES.get(scheme_class, scheme_class),  # bounded calls
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,

@@ -17,8 +17,13 @@ with the Redis tier).
   lifecycle rule filtered on that tag deletes cold entries without kvfuse (S3 itself has no
   per-object expiry). ``extend`` rewrites the metadata in place (a server-side copy).
 - Addressing: path style by default (``http://host:port/bucket/key``), which local and on-premises
-  stores need; ``addressing_style="virtual"`` for AWS if wanted. Credentials come from boto3's
-  usual chain (environment, config files, instance roles).
+  stores need; ``addressing_style="virtual"`` for AWS if wanted.
+- Credentials come from boto3's usual chain only (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``
+  or ``AWS_PROFILE`` with ``~/.aws/credentials``, web identity / IRSA, ECS task roles, EC2 instance
+  roles): kvfuse's configuration holds no keys.
+- Encryption at rest: ``sse`` (``AES256`` or ``aws:kms`` with ``sse_kms_key_id``) is sent with every
+  put, multipart upload and the copy ``extend`` makes (a copy without it would fall back to the
+  bucket's default). The caller needs ``kms:GenerateDataKey`` and ``kms:Decrypt`` on the key.
 
 Counting entries or bytes would need a full listing, so ``entries``/``used_bytes`` are None.
 """
@@ -50,6 +55,24 @@ def parse_s3_url(url: str) -> tuple[str, str]:
     return bucket, prefix
 
 
+def sse_args(sse: str | None, kms_key_id: str | None = None) -> dict[str, str]:
+    """The S3 API's server-side encryption arguments of every put and copy: ``AES256`` (keys S3
+    manages) or ``aws:kms`` (``kms_key_id``, an id, ARN or alias; none: the account's default KMS
+    key); {} for none (the bucket's default encryption). ValueError for anything else."""
+    if sse is None:
+        if kms_key_id is not None:
+            raise ValueError("an SSE KMS key id needs sse='aws:kms'")
+        return {}
+    if sse not in ("AES256", "aws:kms"):
+        raise ValueError(f"sse must be AES256 or aws:kms, got {sse!r}")
+    if kms_key_id is not None and sse != "aws:kms":
+        raise ValueError("an SSE KMS key id needs sse='aws:kms'")
+    out = {"ServerSideEncryption": sse}
+    if kms_key_id:
+        out["SSEKMSKeyId"] = kms_key_id
+    return out
+
+
 def retention_days(expires_at: float, now: float) -> int:
     """The whole days a lifecycle rule must keep an entry expiring at ``expires_at`` (>= 1)."""
     return max(1, math.ceil((expires_at - now) / 86400.0))
@@ -73,6 +96,8 @@ class S3Tier(Tier):
         addressing_style: str = "path",
         create_bucket: bool = False,
         name: str = "s3",
+        sse: str | None = CacheConfig.s3_sse,
+        sse_kms_key_id: str | None = CacheConfig.s3_sse_kms_key_id,
     ) -> None:
         super().__init__()
         import boto3  # an optional dependency (kvfuse[s3])
@@ -85,6 +110,7 @@ class S3Tier(Tier):
             raise ValueError(f"S3 parts are at least 5 MiB; multipart_bytes={multipart_bytes} is smaller")
         if addressing_style not in ("path", "virtual", "auto"):
             raise ValueError(f"addressing_style must be path, virtual or auto, got {addressing_style!r}")
+        self._sse = sse_args(sse, sse_kms_key_id)
         self.name = name
         self.url = url
         self.bucket, self.prefix = parse_s3_url(url)
@@ -243,7 +269,7 @@ class S3Tier(Tier):
             self.stats.add(dropped_writes=1)
             return
         data = value.join() if isinstance(value, Entry) else value
-        extra: dict = {}
+        extra: dict = dict(self._sse)
         if expires_at is not None:
             extra["Metadata"] = {_EXPIRES: repr(float(expires_at))}
             extra["Tagging"] = f"{_RETENTION_TAG}={retention_days(expires_at, self.clock())}"
@@ -276,7 +302,8 @@ class S3Tier(Tier):
                    CopySource={"Bucket": self.bucket, "Key": k}, MetadataDirective="REPLACE",
                    Metadata={**head.get("Metadata", {}), _EXPIRES: repr(float(expires_at))},
                    TaggingDirective="REPLACE",
-                   Tagging=f"{_RETENTION_TAG}={retention_days(expires_at, self.clock())}")
+                   Tagging=f"{_RETENTION_TAG}={retention_days(expires_at, self.clock())}",
+                   **self._sse)  # a copy is encrypted as asked again (else: the bucket's default)
         return True
 
     def expire(self) -> int:

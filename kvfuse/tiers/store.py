@@ -437,6 +437,18 @@ class TieredStore:
         out[_STORE] = {**self._counters.snapshot(), "queue_depth": self._writer.depth()}
         return out
 
+    def tenant_usage(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Per tier name, per tenant tag with a byte quota there: bytes and entries held, the
+        quota, the evictions it caused (``Tier.tenant_usage``; tiers without quotas are left out).
+        Apart from ``stats()`` on purpose: it names tenants, and ``stats()`` is shown to every
+        tenant (``GET /v1/kv/stats``)."""
+        out = {}
+        for t in self._tiers:
+            usage = guarded(t, "tenant_usage", t.tenant_usage, {})
+            if usage:
+                out[t.name] = usage
+        return out
+
     def close(self) -> None:
         """Flush the queued writes, stop the writer thread, close the tiers. Idempotent."""
         if self._closed:

@@ -106,6 +106,66 @@ def test_expiry_metadata_lifecycle_tag_and_extend(s3):
         tier.close()
 
 
+def _head(s3, key: str) -> dict:
+    client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1")
+    return client.head_object(Bucket="kvfuse-test", Key=key)
+
+
+def test_server_side_encryption_is_applied_to_every_put_upload_and_copy(s3):
+    kms = boto3.client("kms", endpoint_url=s3.endpoint_url, region_name="us-east-1")
+    key_id = kms.create_key(Description="kvfuse test")["KeyMetadata"]["Arn"]
+    for sse, kms_key, prefix in (("AES256", None, "sse-s3/"), ("aws:kms", key_id, "sse-kms/")):
+        tier = make_tier(s3, prefix, sse=sse, sse_kms_key_id=kms_key, multipart_bytes=5 * 1024**2)
+        tier.clock = lambda: 1_900_000_000.0
+        try:
+            tier.put(KEYS[0], b"a" * 100, expires_at=1_900_000_000.0 + 86400)
+            tier.put(KEYS[1], os.urandom(6 * 1024**2))  # a multipart upload
+            assert tier.extend(KEYS[0], 1_900_000_000.0 + 9 * 86400)  # a server-side copy
+            for k in KEYS[:2]:
+                head = _head(s3, prefix + str(k))
+                assert head["ServerSideEncryption"] == sse, (sse, k, head)
+                assert head.get("SSEKMSKeyId") == kms_key
+            assert tier.get(KEYS[0]) == b"a" * 100 and tier.stats.snapshot()["errors"] == 0
+        finally:
+            tier.close()
+    plain = make_tier(s3, "sse-none/")
+    try:
+        plain.put(KEYS[0], b"x")
+        assert _head(s3, "sse-none/" + str(KEYS[0])).get("SSEKMSKeyId") is None  # the bucket's default
+    finally:
+        plain.close()
+
+
+def test_sse_settings_from_the_configuration(s3):
+    from kvfuse.config import ConfigError, load_config
+    from kvfuse.runtime import open_store
+    from kvfuse.tiers.s3 import sse_args
+
+    env = {"KVFUSE_CACHE_DISK": "false", "KVFUSE_CACHE_S3_URL": "s3://kvfuse-test/sse-config/",
+           "KVFUSE_CACHE_S3_ENDPOINT": s3.endpoint_url, "KVFUSE_CACHE_S3_REGION": "us-east-1",
+           "KVFUSE_CACHE_S3_SSE": "aws:kms", "KVFUSE_CACHE_S3_SSE_KMS_KEY_ID": "alias/kvfuse"}
+    store = open_store(load_config(env=env))  # no keys in the configuration: boto3's chain (S3_ENV here)
+    try:
+        store.tier("s3").put(KEYS[3], b"v")
+        head = _head(s3, "sse-config/" + str(KEYS[3]))
+        assert head["ServerSideEncryption"] == "aws:kms" and head["SSEKMSKeyId"] == "alias/kvfuse"
+    finally:
+        store.close()
+    for bad, words in (({"KVFUSE_CACHE_S3_SSE": "aes256"}, "cache.s3_sse: must be AES256"),
+                       ({"KVFUSE_CACHE_S3_SSE": "AES256"}, "cache.s3_sse_kms_key_id: a KMS key is used by aws:kms"),
+                       ({"KVFUSE_CACHE_S3_URL": None}, "cache.s3_sse: is set but there is no S3 tier")):
+        full = {k: v for k, v in {**env, **bad}.items() if v is not None}
+        with pytest.raises(ConfigError, match=words):
+            load_config(env=full)
+    tiers = '[{kind: s3, url: "s3://b/p", sse: aws:kms, sse_kms_key_id: k1}]'
+    assert load_config(env={"KVFUSE_CACHE_TIERS": tiers}).lower_tiers()[0].sse_kms_key_id == "k1"
+    with pytest.raises(ConfigError, match=r"cache.tiers\[0\].sse: must be AES256"):
+        load_config(env={"KVFUSE_CACHE_TIERS": '[{kind: s3, url: "s3://b", sse: kms}]'})
+    assert sse_args(None) == {} and sse_args("AES256") == {"ServerSideEncryption": "AES256"}
+    with pytest.raises(ValueError):
+        sse_args("AES256", "k")
+
+
 def test_an_outage_is_a_miss_and_the_tier_recovers(s3):
     tier = make_tier(s3, "outage/")
     try:
