@@ -64,6 +64,7 @@ class BatchStep:
         self._row_args = self._kernel_args(last=False)
         self._last_args = self._kernel_args(last=True)
         self.last_rows = [s.row1 - 1 for s in self.spans if s.logits]
+        self._out_rows = {last: self._out_index(last) for last in (False, True)}
 
     # ----------------------------------------------------------------------------------- K/V
 
@@ -91,7 +92,7 @@ class BatchStep:
         out = q.new_empty(n_out, q.shape[1] * q.shape[2])
         row_of = {r: i for i, r in enumerate(rows)} if last else None
         if kernel_out is not None:
-            out[self._out_index(last)] = kernel_out
+            out[self._out_rows[last]] = kernel_out
         for s in self.spans:
             if s.plans is None or (last and not s.logits):
                 continue
@@ -136,11 +137,12 @@ class BatchStep:
         every = not last and len(self._kernel_spans) == len(self.spans)  # q as it is, no gather
         return (None if every else torch.tensor(rows)), q_seq, q_pos
 
-    def _out_index(self, last: bool) -> torch.Tensor:
-        """Where the kernel's rows go in ``attend``'s output."""
-        rows = (self._last_args if last else self._row_args)[0]
-        if rows is None:
-            return torch.arange(0, 0)
+    def _out_index(self, last: bool) -> torch.Tensor | None:
+        """Where the kernel's rows go in ``attend``'s output (computed once per step)."""
+        args = self._last_args if last else self._row_args
+        if args is None or args[0] is None:
+            return None  # no kernel rows, or all of them in order
+        rows = args[0]
         if not last:
             return rows
         where = {r: i for i, r in enumerate(self.last_rows)}
