@@ -76,6 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="timed runs per speed cell (default 3)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer tokens (default 16)")
     p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (compute dtype: that device's default)")
     p.add_argument("--out", default=str(OUT / "blend"), help="output path without suffix")
     p.add_argument("--no-drop-caches", action="store_true")
     p.add_argument("--combine", nargs="+", metavar="JSON",
@@ -115,13 +116,13 @@ def nll(logits: torch.Tensor, ids: list[int]) -> float:
 # ------------------------------------------------------------------------------------ setup
 
 
-def open_engine(name: str, home: Path, store_dir: Path | None = None) -> Engine:
+def open_engine(name: str, home: Path, store_dir: Path | None = None, device: str = "cpu") -> Engine:
     from kvfuse.models import load_model
     from kvfuse.runtime import tune_allocator
     from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 
     tune_allocator()
-    model = load_model(name, home=home, device="cpu", dtype="auto")
+    model = load_model(name, home=home, device=device, dtype="auto")
     lower = [DiskTier(store_dir, 64 << 30)] if store_dir else []
     return Engine(model, TieredStore(MemoryTier(8 << 30), lower), EngineSettings.of(chunk_size=256,
                   blend=BlendOptions(store_blended=False)))
@@ -157,7 +158,7 @@ def configurations(args) -> list[tuple[str, BlendOptions]]:
 
 
 def quality(args, model: str, home: Path) -> dict:
-    engine = open_engine(model, home)
+    engine = open_engine(model, home, device=args.device)
     tok = engine.model.tokenizer
     data = fictional_qa.items(args.split, args.items, args.documents)
     configs = configurations(args)
@@ -232,7 +233,7 @@ def speed(args, model: str, home: Path) -> dict:
     cold_note = None if not args.no_drop_caches else "skipped"
     cells = []
     with tempfile.TemporaryDirectory(prefix="kvfuse-blend-") as d:
-        engine = open_engine(model, home, Path(d))
+        engine = open_engine(model, home, Path(d), args.device)
         if not engine.keying.resolve(base.with_ratio("auto")).blends:  # the model's profile: prefix reuse only
             blends = [(n, o) for n, o in blends if o.recompute_ratio != "auto"]
         for ex in examples:
@@ -381,7 +382,8 @@ def main(argv=None) -> None:
     from kvfuse.config import default_home
 
     home = Path(args.home) if args.home else default_home()
-    result = {"benchmark": "blend", "environment": environment(), "split": args.split, "quality": [], "speed": []}
+    result = {"benchmark": "blend", "environment": environment(), "split": args.split, "device": args.device,
+              "quality": [], "speed": []}
     if args.combine:
         result = combine(args.combine)
     for model in filter(None, args.models.split(",") if not args.combine else ()):

@@ -12,7 +12,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("KVFUSE_DATA", REPO.parent / "shared" / "data"))
-OUT = REPO / "docs" / "bench"
+# Where results go: docs/bench, or $KVFUSE_BENCH_OUT (scripts/gpu_check.sh: $OUT or docs/bench/gpu).
+OUT = Path(os.environ.get("KVFUSE_BENCH_OUT") or REPO / "docs" / "bench")
 
 MUSIQUE_DEV = range(0, 50)  # examples 50-149 are the test split: final numbers only
 

@@ -8,6 +8,7 @@ Target: ours no slower than transformers at every length.
 
     python bench/prefill.py                   # full: smollm2 + gemma3-270m, 512..4096, 5 runs
     python bench/prefill.py --quick           # smoke: 512/1024, 2 runs
+    python bench/prefill.py --quick --device cuda --dtype bfloat16 --models smollm2   # on a GPU (both engines)
 """
 
 from __future__ import annotations
@@ -21,19 +22,29 @@ import torch
 from common import dev_text_tokens, median, plot_path, print_table, write_json
 
 
+def sync(device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run after the call that launched them returns)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def time_ours(model, ids: list[int]) -> float:
     runner = model.runner
     cache = runner.new_cache(len(ids), dtype=torch.float16)  # the engine's default KV dtype
+    sync(runner.device)
     t = time.perf_counter()
     runner.forward(ids, cache)
+    sync(runner.device)
     return time.perf_counter() - t
 
 
 def time_transformers(hf_model, ids: list[int]) -> float:
-    x = torch.tensor([ids])
+    x = torch.tensor([ids], device=hf_model.device)
+    sync(hf_model.device)
     t = time.perf_counter()
     with torch.inference_mode():
         hf_model(x, logits_to_keep=1, use_cache=True)
+    sync(hf_model.device)
     return time.perf_counter() - t
 
 
@@ -65,15 +76,16 @@ def gguf_of(name: str, home):
     return model.locate(model, home)
 
 
-def bench_model(name: str, lengths: list[int], runs: int, home) -> list[dict]:
+def bench_model(name: str, lengths: list[int], runs: int, home, device: str = "cpu",
+                dtype: torch.dtype = torch.float32) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from kvfuse.models import load_model
 
-    ours = load_model(name, home=home, device="cpu", dtype=torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(ours.folder, dtype=torch.float32).eval()
+    ours = load_model(name, home=home, device=device, dtype=dtype)
+    hf = AutoModelForCausalLM.from_pretrained(ours.folder, dtype=dtype).eval().to(ours.runner.device)
     ids_all = dev_text_tokens(ours.tokenizer, max(lengths))
-    cpp = llama_cpp_timer(lambda: gguf_of(name, home), max(lengths))
+    cpp = llama_cpp_timer(lambda: gguf_of(name, home), max(lengths)) if ours.runner.device.type == "cpu" else None
     timers = {"kvfuse": lambda ids: time_ours(ours, ids), "transformers": lambda ids: time_transformers(hf, ids)}
     if cpp is not None:
         timers["llama.cpp"] = cpp
@@ -96,7 +108,7 @@ def bench_model(name: str, lengths: list[int], runs: int, home) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, where: str = "fp32 CPU") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -110,7 +122,7 @@ def plot(rows: list[dict], path) -> None:
         for key, style in (("kvfuse_s", "o-"), ("transformers_s", "s--"), ("llama.cpp_s", "^:")):
             if key in mr[0]:
                 ax.plot(xs, [r[key] for r in mr], style, label=key[:-2])
-        ax.set_title(f"{m}: prefill time (median), fp32 CPU")
+        ax.set_title(f"{m}: prefill time (median), {where}")
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("seconds")
         ax.set_xscale("log", base=2)
@@ -127,26 +139,31 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
     ap.add_argument("--quick", action="store_true", help="512 and 1024 tokens, 2 runs")
+    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: both engines run there")
+    ap.add_argument("--dtype", default="float32", help="compute dtype of both engines (default float32)")
     args = ap.parse_args()
     lengths = [512, 1024] if args.quick else [int(x) for x in args.lengths.split(",")]
     runs = 2 if args.quick else args.runs
     from kvfuse.models import default_home
 
     home = args.home or default_home()
+    from kvfuse import dtypes
+
+    dtype = dtypes.torch_dtype(args.dtype)
     print(f"prefill benchmark: data = MuSiQue dev split (examples 0-49); {runs} runs per cell; "
-          f"torch threads = {torch.get_num_threads()}")
+          f"torch threads = {torch.get_num_threads()}; {args.dtype} on {args.device}")
     rows = []
     for name in args.models.split(","):
-        rows += bench_model(name, lengths, runs, home)
+        rows += bench_model(name, lengths, runs, home, args.device, dtype)
     has_cpp = any("llama.cpp_s" in r for r in rows)
     headers = ["model", "tokens", "kvfuse s", "transformers s", "speed-up"] + (["llama.cpp s"] if has_cpp else [])
     print_table(headers, [[r["model"], r["tokens"], r["kvfuse_s"], r["transformers_s"],
                            r["speedup_vs_transformers"]] + ([r.get("llama.cpp_s", "-")] if has_cpp else []) for r in rows])
     ok = all(r["kvfuse_s"] <= r["transformers_s"] for r in rows)
     print(f"target: kvfuse no slower than transformers at every length: {'PASS' if ok else 'FAIL'}")
-    write_json("prefill", {"rows": rows, "target_met": ok})
-    plot(rows, plot_path("prefill"))
-    print("wrote docs/bench/prefill.json and docs/bench/prefill.png")
+    path = write_json("prefill", {"rows": rows, "target_met": ok, "device": args.device, "dtype": args.dtype})
+    plot(rows, plot_path("prefill"), f"{args.dtype} {args.device}")
+    print(f"wrote {path} and {plot_path('prefill')}")
 
 
 if __name__ == "__main__":

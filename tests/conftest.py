@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from fixtures_redis import redis_server  # noqa: F401  (a real redis-server per test)
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+
+CUDA_TESTS = Path(__file__).parent / "cuda"
+
+
+def cuda_skip_reason() -> str | None:
+    """Why tests marked ``cuda`` cannot run here, or None. ``KVFUSE_TEST_DEVICE=cpu`` runs them
+    against the CPU instead: a dry run of the tests' own logic, which proves nothing about CUDA."""
+    device = os.environ.get("KVFUSE_TEST_DEVICE", "cuda")
+    if not device.startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        return (f"no CUDA GPU: torch {torch.__version__} ({build}) reports torch.cuda.is_available() False; "
+                "scripts/gpu_check.sh runs these on a GPU (docs/gpu.md)")
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Everything under tests/cuda is marked ``cuda``; a ``cuda`` test skips, with the reason,
+    where there is no CUDA GPU."""
+    reason = cuda_skip_reason()
+    for item in items:
+        if CUDA_TESTS in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.cuda)
+        if reason is not None and item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")

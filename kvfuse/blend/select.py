@@ -59,7 +59,10 @@ def round_robin_firsts(spans: Spans, n: int) -> list[int]:
 
 def select(method: str, deviation: torch.Tensor, spans: Spans, ratio: float, sink_tokens: int = 4) -> torch.Tensor:
     """The document tokens to recompute (see ``BlendOptions.method``). ``deviation`` is ``(n,)``
-    (or ``(n, heads)`` for ``hkvd-head``), one row per document token."""
+    (or ``(n, heads)`` for ``hkvd-head``), one row per document token, on any device; the
+    selection (a CPU tensor) is computed on the CPU: a CUDA deviation would otherwise index the
+    CPU candidate list with CUDA indices, which PyTorch refuses."""
+    deviation = deviation.detach().cpu()
     n = deviation.shape[0]
     if sum(e - s for s, e in spans) != n:
         raise ValueError(f"spans cover {sum(e - s for s, e in spans)} tokens, deviation has {n}")

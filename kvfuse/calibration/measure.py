@@ -61,7 +61,8 @@ def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 def nll(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
     """Mean negative log-likelihood of ``token_ids`` under rows of next-token logits."""
-    return float(F.cross_entropy(logits.float(), torch.tensor(list(token_ids), dtype=torch.long)))
+    targets = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)  # logits may be on a GPU
+    return float(F.cross_entropy(logits.float(), targets))
 
 
 def asks_in_chat(engine) -> bool:
