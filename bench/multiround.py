@@ -43,10 +43,13 @@ tokens: above 1x, the histories do not fit.
 rounds each) are swept upwards; kvfuse's cache-on and cache-off runs alternate at each load (the
 order alternates too) in one server process (``"cache": false`` per request for off: no lookup,
 load or store), then vLLM runs the same loads. A series stops after its first load whose p95
-TTFT exceeds the bound (the loads above it are not run). A run sends no new round after
-``--max-point-s`` (a guard; such a run fails); ``--stop-early`` also stops a run once more of its
-requests are over the bound than its p95 allows (faster; its p95 is then a lower bound, marked
-``cut``). TTFT is client-side: request sent -> first streamed content token.
+TTFT exceeds the bound (the loads above it are not run). A series' first (smallest) load runs
+in full; at the others, once more of a run's requests are over the bound than its p95 allows
+(the run cannot pass any more), the users send no further rounds: the run is marked ``cut`` and
+its p50/p95 are over the requests done (its p95 a lower bound). This keeps failing runs, the
+slowest ones, short on a shared machine; ``--no-stop-early`` runs them in full. A run sends no
+new round after ``--max-point-s`` either (a guard; such a run fails). TTFT is client-side:
+request sent -> first streamed content token.
 
 **Score** (``score``): the largest users x rounds such that this load and every smaller load
 measured kept p95 TTFT <= ``--bound`` with every planned request served. The issue's target:
@@ -557,9 +560,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kvfuse-tier-mib", type=float, default=64, help="of --kv-mib, kvfuse's memory tier (default 64); "
                    "the rest is its live KV budget (engine.kv_memory_bytes)")
     p.add_argument("--seed", type=int, default=0, help="orders the conversations and draws think times")
-    p.add_argument("--stop-early", action="store_true",
-                   help="stop a run (no new rounds) once its p95 can no longer pass: faster, the failing run's p95 "
-                        "is then a lower bound")
+    p.add_argument("--no-stop-early", dest="stop_early", action="store_false",
+                   help="run every round of every load (by default a run after a series' first stops once its p95 "
+                        "can no longer pass: its p95 is then a lower bound)")
     p.add_argument("--max-point-s", type=float, default=240, help="a run sends no new round after this many s "
                    "(a guard: such a run counts as failing)")
     p.add_argument("--sharegpt", type=Path, default=DATA / "sharegpt_multiturn_dev.jsonl")
@@ -719,7 +722,8 @@ def run_kvfuse(args, workloads: dict[int, Workload], modes: list[bool], kv_bytes
                     salt = f"multiround-{series}-{u}-{time.time_ns()}"
                     warm_s = driver.warm(wl, salt) if cache else None
                     before = kvfuse_metrics(srv.url)
-                    point, texts = driver.run(wl, series, cache, salt, args.bound, args.stop_early, args.max_point_s)
+                    point, texts = driver.run(wl, series, cache, salt, args.bound, args.stop_early and i > 0,
+                                              args.max_point_s)
                     m = delta(kvfuse_metrics(srv.url), before)
                     point.metrics = {"kvfuse": m, "split": time_split(m, point.requests)}
                     point.warm_s = _r(warm_s, 1)
@@ -762,11 +766,11 @@ def run_vllm(args, workloads: dict[int, Workload], kv_bytes: int, ignore_eos: bo
         print(f"vLLM up in {srv.startup_s:.0f} s (pid {srv.proc.pid})", file=sys.stderr)
         driver = Driver(srv.base_url, args.model, ignore_eos)
         warm_up(driver.runner, max(workloads))
-        for u, wl in sorted(workloads.items()):
+        for i, (u, wl) in enumerate(sorted(workloads.items())):
             salt = f"multiround-vllm-{u}-{time.time_ns()}"
             warm_s = driver.warm(wl, salt)
             before = vllm_metrics(srv.url)
-            point, texts = driver.run(wl, "vllm", True, salt, args.bound, args.stop_early, args.max_point_s)
+            point, texts = driver.run(wl, "vllm", True, salt, args.bound, args.stop_early and i > 0, args.max_point_s)
             point.metrics = {"vllm": delta(vllm_metrics(srv.url), before)}
             point.warm_s = _r(warm_s, 1)
             record(point, texts)
