@@ -419,8 +419,7 @@ class Driver:
                         history_end[u.name] = s["prompt_tokens"] + s["completion_tokens"]
                     point.over_bound += s["ttft"] > bound_s
                     if stop_early and p95_cannot_pass(point.over_bound, point.planned):
-                        point.cut = True
-                        stop.set()
+                        stop.set()  # no new rounds; the run is "cut" if requests were left unsent
                 msgs.append({"role": "assistant", "content": s["text"]})
                 if r < len(u.think_s) and stop.wait(u.think_s[r]):
                     return
@@ -440,7 +439,7 @@ class Driver:
         cached = [s["cached"] for s in samples if s["cached"] is not None]
         out_tokens = sum(s["completion_tokens"] or 0 for s in samples)
         point.requests, point.errors, point.error_samples = len(samples), len(errors), errors[:3]
-        point.cut = point.cut or (len(samples) + len(errors) < point.planned)
+        point.cut = len(samples) + len(errors) < point.planned
         point.wall_s = round(wall, 2)
         point.ttft_p50_s, point.ttft_p95_s = _r(percentile(ttft, 0.5)), _r(percentile(ttft, 0.95))
         point.ttft_max_s = _r(max(ttft)) if ttft else None
@@ -578,7 +577,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="vLLM: extra environment")
     p.add_argument("--tag", help="output name docs/bench/multiround-TAG.{json,png}")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvfuse-bench-multiround")
+    p.add_argument("--replot", action="store_true", help="run nothing: read the output JSON back, recompute the "
+                   "derived fields (cut, scores, agreement), print the tables and redraw the plot")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(f"multiround-{args.tag}" if args.tag else "multiround-quick" if args.quick else "multiround")
 
     q = args.quick
     users = sorted(set(args.users or ([2, 4] if q else [2, 4, 8, 16])))
@@ -680,6 +683,25 @@ def main(argv: list[str] | None = None) -> int:
          f"KV RAM {args.kv_mib:g} MiB per server ({os.cpu_count()} CPU cores)")
     print(f"wrote docs/bench/{name}.json and {name}.png ({time.perf_counter() - t_start:.0f} s)", file=sys.stderr)
     return 1 if meta["failures"] else 0
+
+
+def replot(name: str) -> int:
+    """Tables and plot again from ``docs/bench/<name>.json``; derived fields recomputed from the measurements."""
+    path = plot_path(name).with_suffix(".json")
+    data = json.loads(path.read_text())
+    meta, points, outputs = data["meta"], data["points"], data["outputs"]
+    for p in points:
+        p["cut"] = p["requests"] + p["errors"] < p["planned"]
+    series = {s: [p for p in points if p["series"] == s] for s in SERIES if any(p["series"] == s for p in points)}
+    cmp_ = comparison(series, meta["bound_s"])
+    agree = agreement(points, outputs)
+    meta["replotted"] = _dt.datetime.now().isoformat(timespec="seconds")
+    path.write_text(json.dumps({**data, "meta": meta, "points": points, "comparison": cmp_, "agreement": agree},
+                               indent=2))
+    print_results(points, cmp_, agree, meta)
+    plot(series, cmp_, plot_path(name), f"{meta['model']}, {meta['rounds']} rounds per user, {meta['answer_tokens']}"
+         f"-token answers, KV RAM {meta['kv_ram_bytes'] / 2**20:g} MiB per server ({os.cpu_count()} CPU cores)")
+    return 0
 
 
 def _s(x: float | None) -> str:
@@ -872,6 +894,9 @@ def plot(series: dict[str, list[dict]], cmp_: dict, path: Path, title: str) -> N
         style, color = styles[s]
         xs = [p["load"] for p in pts if p["ttft_p95_s"] is not None]
         a.plot(xs, [p["ttft_p95_s"] for p in pts if p["ttft_p95_s"] is not None], style, color=color, label=LABELS[s])
+        a.plot([p["load"] for p in pts if p["ttft_p50_s"] is not None],
+               [p["ttft_p50_s"] for p in pts if p["ttft_p50_s"] is not None], ":", marker=style[-1], color=color,
+               alpha=0.4, markersize=4)
         for p in pts:
             if p["cut"] and p["ttft_p95_s"] is not None:
                 a.annotate("cut (≥)", (p["load"], p["ttft_p95_s"]), textcoords="offset points", xytext=(4, 4),
@@ -879,7 +904,7 @@ def plot(series: dict[str, list[dict]], cmp_: dict, path: Path, title: str) -> N
         b.plot([p["load"] for p in pts], [p["output_tokens_per_s"] for p in pts], style, color=color, label=LABELS[s])
     a.axhline(cmp_["bound_s"], color="k", lw=1, ls=":", label=f"bound {cmp_['bound_s']:g} s")
     loads = sorted({p["load"] for pts in series.values() for p in pts})
-    for ax, ylabel, ttl in ((a, "p95 TTFT (s, log)", "p95 time to first token"),
+    for ax, ylabel, ttl in ((a, "TTFT (s, log)", "p95 time to first token (faint: p50)"),
                             (b, "output tokens/s", "throughput")):
         ax.set_xscale("log", base=2)
         ax.set_xticks(loads, [str(x) for x in loads])
@@ -889,6 +914,8 @@ def plot(series: dict[str, list[dict]], cmp_: dict, path: Path, title: str) -> N
         ax.legend(fontsize=8)
     a.set_yscale("log")
     a.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    a.yaxis.set_minor_formatter(matplotlib.ticker.FuncFormatter(
+        lambda v, _: f"{v:g}" if v > 0 and round(v / 10 ** math.floor(math.log10(v))) in (2, 3, 5) else ""))
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.96))
     fig.savefig(path, dpi=110)
