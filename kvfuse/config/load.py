@@ -125,6 +125,8 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
 
     if name == "cache.tiers":
         return _tiers(value, source)
+    if name == "blend.auto" and isinstance(value, bool):  # YAML reads on / off as booleans
+        return "on" if value else "off"
     is_size = name.endswith("_bytes")
     base = typ.replace(" | None", "")
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null") and "None" in typ):

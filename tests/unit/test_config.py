@@ -302,7 +302,7 @@ def test_the_blend_section_is_the_blend_options_and_checks_itself(tmp_path):
     assert load_config(env={}).blend == BlendOptions()
     assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "0.3"}).blend == BlendOptions(recompute_ratio=0.3)
     assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "AUTO"}).blend == BlendOptions(recompute_ratio="auto")
-    assert BlendOptions().auto  # the default: the model's calibrated budget
+    assert BlendOptions().auto_budget  # the default: the model's calibrated budget
     with pytest.raises(ConfigError, match="a number or auto"):
         load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "most"})
     message = _error(env={"KVFUSE_BLEND_METHOD": "best"})
