@@ -96,8 +96,8 @@ def blend_prefill(
         raise ValueError(f"blend needs a suffix and a cache of {n} slots (documents [{start}, {suffix_start}))")
     cached = _cached_rows(start, suffix_start, n, spans, fresh).to(kv.device)
     stats = BlendStats(doc_tokens=int(cached.sum()))
-    run = _BlendRun(runner, kv, n, start, suffix_start, options,
-                    [(max(s, start) - start, min(e, suffix_start) - start) for s, e in spans if min(e, suffix_start) > s])
+    rel_spans = [(max(s, start) - start, min(e, suffix_start) - start) for s, e in spans if min(e, suffix_start) > s]
+    run = _BlendRun(runner, kv, n, start, suffix_start, options, rel_spans)
     slots = torch.arange(start, n, device=kv.device)
     run.slots, run.is_doc = (slots[~cached], cached[~cached]) if options.full_reuse else (slots, cached)  # full
     # reuse: only the fresh rows run

@@ -45,8 +45,8 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"},
     responses={200: {"content": _SSE, "description": "The completion, or with stream=true an event stream of chunks."},
                **ERRORS},
     description="OpenAI-compatible text completion. `usage.prompt_tokens_details.cached_tokens` counts the prompt "
-                "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`, `documents`, "
-                "`recompute_ratio`, `blend_auto`, `kv_slo_ms`.",
+                "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`, "
+                "`documents`, `recompute_ratio`, `blend_auto`, `kv_slo_ms`.",
 )
 async def create_completion(body: CompletionRequest, request: Request,
                             tenant: str = Depends(current_tenant)) -> JSONResponse | StreamingResponse:
