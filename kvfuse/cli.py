@@ -81,6 +81,9 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--kv-slo-ms", type=float, metavar="MS",
                        help="load KV from disk / Redis within this budget, each chunk at the best encoding that "
                             "fits or recomputed (CacheGen streaming; cache.kv_slo_ms)")
+        p.add_argument("--blend-auto", choices=("on", "off"),
+                       help="automatic reuse: find cached passages inside plain prompts, at any position, and "
+                            "blend them with the model's calibrated budget (blend.auto; default off)")
     p.add_argument("--redis-url", metavar="URL", help="add a Redis/Valkey tier, e.g. redis://127.0.0.1:6379/0")
     p.add_argument("--no-disk", action="store_true", help="no disk tier")
     p.add_argument("-v", "--verbose", action="store_true", help="log progress and timings to stderr")
@@ -239,6 +242,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "cache.truncation": getattr(args, "truncation", None),
         "context_tokens": getattr(args, "context_tokens", None),
         "cache.kv_slo_ms": getattr(args, "kv_slo_ms", None),
+        "blend.auto": getattr(args, "blend_auto", None),
         "cache.retention": getattr(args, "retention", None),
         "engine.max_running": getattr(args, "max_running", None),
         "engine.kv_memory_bytes": getattr(args, "kv_memory", None),

@@ -80,74 +80,102 @@ def blend_prefill(
     spans: Sequence[tuple[int, int]],
     options: BlendOptions,
     ready: Callable[[int], None] | None = None,
+    fresh: Sequence[tuple[int, int]] = (),
 ) -> tuple[torch.Tensor, BlendStats]:
     """Fill slots ``[start, n)`` of ``kv`` for documents ``spans`` (absolute, inside ``[start,
     suffix_start)``) followed by the suffix ``[suffix_start, n)``; the logits of the last token.
+    ``fresh``: slots inside ``[start, suffix_start)`` without cached KV (between found spans),
+    computed at every layer like the suffix; so are slots no span covers.
 
     The cache must hold valid positions ``0..n-1`` in slots ``0..n-1`` and ``length >= n``; the
     slots before ``start`` hold the exact KV of the prefix, the document slots their cached KV
     (or receive it through ``ready``)."""
     n = len(ids)
     c = runner.config
-    n_doc, n_suffix = suffix_start - start, n - suffix_start
-    if n_suffix < 1 or n_doc < 0 or kv.length < n:
+    if n - suffix_start < 1 or suffix_start < start or kv.length < n:
         raise ValueError(f"blend needs a suffix and a cache of {n} slots (documents [{start}, {suffix_start}))")
+    cached = _cached_rows(start, suffix_start, n, spans, fresh).to(kv.device)
+    stats = BlendStats(doc_tokens=int(cached.sum()))
     rel_spans = [(max(s, start) - start, min(e, suffix_start) - start) for s, e in spans if min(e, suffix_start) > s]
-    stats = BlendStats(doc_tokens=n_doc)
-    ratio = options.recompute_ratio
+    run = _BlendRun(runner, kv, n, start, suffix_start, options, rel_spans)
+    slots = torch.arange(start, n, device=kv.device)
+    run.slots, run.is_doc = (slots[~cached], cached[~cached]) if options.full_reuse else (slots, cached)  # full
+    # reuse: only the fresh rows run
+    h = runner.embed(torch.as_tensor(list(ids[start:n]), dtype=torch.int64, device=runner.device)[run.slots - start])
+    run.tables = runner.rope_tables(kv.positions[run.slots], h.dtype)
     check = min(options.check_layer, c.num_layers - 1)
-    per_head = options.method == "hkvd-head"
-    which = 0 if options.deviation == "k" else 1
-    schedule = sel.gradual_ratios(ratio) if options.gradual else [ratio]
-
-    slots = torch.arange(start, n, device=kv.device)  # the rows still computed, as cache slots
-    n_active_docs = n_doc
-    if options.full_reuse:  # only the suffix runs: the documents' KV is used as stored
-        slots, n_active_docs = slots[n_doc:], 0
-    h = runner.embed(torch.as_tensor(list(ids[start:n]) if not options.full_reuse else list(ids[suffix_start:n]),
-                                     dtype=torch.int64, device=runner.device))
-    tables = runner.rope_tables(kv.positions[slots], h.dtype)
-
-    def keep(rows: torch.Tensor) -> None:  # the rows computed from now on (h is already theirs)
-        nonlocal slots, tables, n_active_docs
-        n_active_docs = int((rows < n_active_docs).sum())
-        slots = slots[rows]
-        tables = {t: (cos[rows], sin[rows]) for t, (cos, sin) in tables.items()}
-
+    schedule = sel.gradual_ratios(options.recompute_ratio) if options.gradual else [options.recompute_ratio]
     for layer in range(c.num_layers):
         if ready is not None:
             ready(layer)
-        stats.active.append(n_active_docs)
-        last = layer == c.num_layers - 1
-        step = layer - check
-        filtering = not options.full_reuse and 0 <= step < len(schedule) and n_active_docs > 0
-        if not filtering:
-            rows = slice(h.shape[0] - 1, h.shape[0]) if last else None
-            h = runner.layer(layer, h, kv, slots, kv_len=n, keys_sorted=True, tables=tables, outputs=rows)
+        n_active = int(run.is_doc.sum())
+        stats.active.append(n_active)
+        last, step = layer == c.num_layers - 1, layer - check
+        if options.full_reuse or not 0 <= step < len(schedule) or n_active == 0:
+            out = slice(h.shape[0] - 1, h.shape[0]) if last else None
+            h = runner.layer(layer, h, kv, run.slots, kv_len=n, keys_sorted=True, tables=run.tables, outputs=out)
             continue
-        doc_slots = slots[:n_active_docs]
-        cached = kv.kv[layer, which][:, doc_slots].clone()
-        q = runner.write_kv(layer, h, kv, slots, tables)
-        deviation = _deviation(kv.kv[layer, which][:, doc_slots], cached, per_head)
-        if options.method in ("attn", "hkvd-attn"):
-            mass = _attention_mass(runner, layer, q[n_active_docs:], slots[n_active_docs:], kv, n, doc_slots)
-            deviation = mass if options.method == "attn" else deviation * mass
-        # the budget counts all document tokens; the active ones (after an earlier filter) are
-        # ranked among themselves, each document still known by its span
-        k = sel.budget(n_doc, schedule[step])
-        if k >= n_active_docs:
-            chosen = torch.arange(n_active_docs)
-        else:
-            active_spans = _spans_of(doc_slots - start, rel_spans)
-            chosen = sel.select(options.method, deviation, active_spans, k / n_active_docs, options.sink_tokens)
-        rows = sel.with_suffix(chosen, n_active_docs, h.shape[0] - n_active_docs)
+        q, rows, chosen_slots = run.select(layer, h, sel.budget(stats.doc_tokens, schedule[step]))
         if step == 0:
-            stats.recomputed = doc_slots[chosen].cpu()
-        out_rows = rows[-1:] if last else rows
-        h = runner.attend_mlp(layer, q, h, kv, slots, kv_len=n, keys_sorted=True, rows=out_rows)
+            stats.recomputed = chosen_slots.cpu()
+        h = runner.attend_mlp(layer, q, h, kv, run.slots, kv_len=n, keys_sorted=True, rows=rows[-1:] if last else rows)
         if not last:
-            keep(rows)
+            run.keep_rows(rows)
     return runner.logits(h[-1:])[0], stats
+
+
+def _cached_rows(start: int, suffix_start: int, n: int, spans: Sequence[tuple[int, int]],
+                 fresh: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Which slots of ``[start, n)`` hold cached KV to blend: the spans' before the suffix, less ``fresh``."""
+    mask = torch.zeros(n - start, dtype=torch.bool)
+    for s, e in spans:
+        mask[max(s, start) - start : max(min(e, suffix_start) - start, 0)] = True
+    for s, e in fresh:
+        mask[max(s, start) - start : max(min(e, n) - start, 0)] = False
+    return mask
+
+
+class _BlendRun:
+    """The rows a blend still computes (as cache slots, in slot order), which of them hold cached
+    KV (``is_doc``), their rotary tables, and the selection at a filtering layer."""
+
+    def __init__(self, runner: Transformer, kv: KVCache, n: int, start: int, suffix_start: int,
+                 options: BlendOptions, rel_spans: list[tuple[int, int]]):
+        self.runner, self.kv, self.n, self.start, self.suffix_start = runner, kv, n, start, suffix_start
+        self.options, self.rel_spans = options, rel_spans
+        self.slots = self.is_doc = torch.zeros(0)
+        self.tables: dict = {}
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Compute only ``rows`` of the current rows from now on."""
+        self.slots, self.is_doc = self.slots[rows], self.is_doc[rows]
+        self.tables = {t: (cos[rows], sin[rows]) for t, (cos, sin) in self.tables.items()}
+
+    def select(self, layer: int, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """At a filtering layer: write every row's fresh K/V, rank the cached rows by deviation
+        (and attention), keep ``k`` of them and every fresh row. Returns the queries, the rows
+        kept (indices into the current rows, ascending) and the slots of the cached ones kept."""
+        o, kv = self.options, self.kv
+        which = 0 if o.deviation == "k" else 1
+        doc_idx = torch.nonzero(self.is_doc).flatten()
+        doc_slots = self.slots[doc_idx]
+        cached = kv.kv[layer, which][:, doc_slots].clone()
+        q = self.runner.write_kv(layer, h, kv, self.slots, self.tables)
+        deviation = _deviation(kv.kv[layer, which][:, doc_slots], cached, o.method == "hkvd-head")
+        if o.method in ("attn", "hkvd-attn"):
+            question = torch.nonzero(self.slots >= self.suffix_start).flatten()
+            mass = _attention_mass(self.runner, layer, q[question], self.slots[question], kv, self.n, doc_slots)
+            deviation = mass if o.method == "attn" else deviation * mass
+        # the budget counts all cached tokens; the active ones (after an earlier filter) are ranked
+        # among themselves, each document still known by its span
+        if k >= doc_idx.numel():
+            chosen = torch.arange(doc_idx.numel())
+        else:
+            active_spans = _spans_of(doc_slots - self.start, self.rel_spans)
+            chosen = sel.select(o.method, deviation, active_spans, k / doc_idx.numel(), o.sink_tokens)
+        keep = ~self.is_doc.clone()
+        keep[doc_idx[chosen.to(doc_idx.device)]] = True
+        return q, torch.nonzero(keep).flatten(), doc_slots[chosen.to(doc_slots.device)]
 
 
 def _spans_of(positions: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -140,7 +140,7 @@ def find(fingerprint: str, folder: Path | None = None) -> BlendProfile | None:
 def resolve(options: BlendOptions, profile: BlendProfile | None, model: str, warn: bool = True) -> BlendOptions:
     """Concrete blend options: ``options`` as they are unless their budget is ``auto``; then the
     profile's blend, or the conservative budget (with a warning, if ``warn``) without one."""
-    if not options.auto:
+    if not options.auto_budget:
         return options
     if profile is not None:
         return profile.options(options)

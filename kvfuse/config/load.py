@@ -135,6 +135,8 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
         return _tiers(value, source)
     if name == "tenants":
         return parse_tenants(value, source, _size)
+    if name == "blend.auto" and isinstance(value, bool):  # YAML reads on / off as booleans
+        return "on" if value else "off"
     is_size = name.endswith("_bytes")
     base = typ.replace(" | None", "")
     if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null") and "None" in typ):

@@ -32,6 +32,7 @@ BUDGET_SOURCES = ("config", "request", "profile", "default")  # what decided a b
 QUERY_AWARE = ("attn", "hkvd-attn")  # selections that look at the suffix: their blend depends on it
 DEVIATIONS = ("k", "v")
 CONTEXTS = ("bos", "none", "prefix", "eos")
+AUTO_MODES = ("off", "on")  # blend.auto: automatic reuse of cached passages inside plain prompts
 TIER_KINDS = ("disk", "redis", "s3")
 
 
@@ -213,6 +214,13 @@ class BlendOptions:
       chat header: a document's entry is then reused only behind the same prefix) or ``none``.
     - ``store_blended``: store a blended prompt's KV as prefix chunks (in the blend namespace), so
       a repeated prompt with the same documents is an exact prefix hit.
+    - ``auto``: automatic reuse (``on`` | ``off``, the default): plain prompts (no ``documents``, no
+      cache breakpoints) are also cut into content-defined chunks; chunks a tier holds from
+      another prompt, at another position, are loaded and blended with this section's method
+      and budget (none when the model's blend is ``prefix``); a request's ``blend_auto`` overrides
+      it. Not part of the identity: it changes which prompts blend, not how.
+    - ``auto_min_tokens``: prompts at least this long store their content chunks (shorter ones
+      only look them up): what bounds the extra storage.
     """
 
     recompute_ratio: float | str = "auto"
@@ -223,6 +231,8 @@ class BlendOptions:
     sink_tokens: int = 4
     document_context: str = "bos"
     store_blended: bool = True
+    auto: str = "off"  # automatic reuse of passages found in plain prompts (AUTO_MODES)
+    auto_min_tokens: int = 1024  # prompts at least this long store their content chunks
     source: str = "config"  # what decided the budget (BUDGET_SOURCES); not part of the identity
 
     def __post_init__(self) -> None:
@@ -237,9 +247,11 @@ class BlendOptions:
             raise ValueError(f"blend method must be one of {', '.join(METHODS)}, got {self.method!r}")
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"blend deviation must be 'k' or 'v', got {self.deviation!r}")
+        if self.auto not in AUTO_MODES:
+            raise ValueError(f"blend.auto must be one of {', '.join(AUTO_MODES)}, got {self.auto!r}")
         if self.document_context not in CONTEXTS:
             raise ValueError(f"document_context must be one of {', '.join(CONTEXTS)}, got {self.document_context!r}")
-        for name in ("check_layer", "sink_tokens"):
+        for name in ("check_layer", "sink_tokens", "auto_min_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
@@ -255,9 +267,14 @@ class BlendOptions:
         return replace(self, recompute_ratio=ratio, method=method, source="request")
 
     @property
-    def auto(self) -> bool:
+    def auto_budget(self) -> bool:
         """The budget is the model's calibrated one (``kvfuse.calibration.profile.resolve``)."""
         return self.recompute_ratio == "auto"
+
+    @property
+    def auto_reuse(self) -> bool:
+        """Plain prompts look for cached passages unless a request says otherwise (``blend.auto: on``)."""
+        return self.auto == "on"
 
     @property
     def blends(self) -> bool:
@@ -274,7 +291,7 @@ class BlendOptions:
 
     def identity(self) -> str:
         """Everything that changes the blended KV, as a namespace salt."""
-        if self.auto:
+        if self.auto_budget:
             raise ValueError("recompute_ratio auto has no identity: resolve it against the model's profile first")
         if self.full_reuse:
             return f"blend:reuse:{self.document_context}"

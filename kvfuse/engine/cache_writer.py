@@ -5,12 +5,13 @@ A request writes at three moments:
 - a missing document computed on its own (``precomputed``): stored at once, since the prompt loads
   it right after;
 - after its prefill (``after_prefill``): the entries read from below memory are promoted into
-  memory, the plan's new chunks and the partial chunks its cache breakpoints mark are saved, and
-  the entries it reused are kept at least as long as it asks (``retention.keep_until``);
+  memory, the plan's new chunks and the partial chunks its cache breakpoints mark are saved (its
+  content chunks, with automatic reuse, unless a tier holds them already), and the entries it
+  reused are kept at least as long as it asks (``retention.keep_until``);
 - when its turn ends (``after_turn``): for a plain prompt, the ids its KV holds are recorded in the
   history index and the entries its prompt's chunks do not cover (the answer's chunks, the partial
   last chunk as a tail) are saved; without history, the answer's whole chunks when it asks to
-  store generated tokens.
+  store generated tokens. Not after a blend (documents, found spans): its KV is not a prefill's.
 
 Saves go to the ``Saver`` thread when there is one (no request waits for a store write), each group
 of spans with its write policy (``retention.write_policy``: expiry, memory only), or are written on
@@ -28,7 +29,7 @@ import numpy as np
 from kvfuse.codecs.base import Codec
 from kvfuse.history import HistoryIndex, Record
 from kvfuse.kv.format import Entry
-from kvfuse.kv.keys import ChunkKey
+from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.tiers.store import TieredStore
 
 from .planner import Load, Save, breakpoint_saves, generated_saves, history_entries
@@ -64,19 +65,23 @@ class CacheWriter:
         chunks its breakpoints mark), and keep what it reused as long as it asks."""
         req, plan, filled = seq.request, seq.prefill.plan, seq.prefill.filled
         self.store.promote(filled.promotions.entries(self.codec))  # after the first token
-        saves = list(plan.saves)
+        saves = [s for s in plan.saves if s.key.kind is not ChunkKind.CONTENT]
+        planned = len(saves)
         if seq.keys is not None and req.cache.breakpoints and req.prompt.is_prefix_only:
             saves += breakpoint_saves(req.prompt.ids, seq.keys.prefix, req.cache.breakpoints, self.chunk_size,
                                         seq.namespace, {s.key for s in saves})
         if saves:
-            seq.usage.stored += self.save(seq, saves, skip_held=len(saves) > len(plan.saves))
+            seq.usage.stored += self.save(seq, saves, skip_held=len(saves) > planned)
+        content = [s for s in plan.saves if s.key.kind is ChunkKind.CONTENT]
+        if content:  # a copy of KV saved under the chain too, or found spans' neighbours: not counted as written
+            seq.usage.stored += self.save(seq, content, skip_held=True, written=False)
         self.retain(seq, plan.loads)
 
     def after_turn(self, seq: Sequence) -> None:
         """The turn is over: keep its history (a plain prompt with history on), or store the
         answer's whole chunks (``store_generated``)."""
         req = seq.request
-        if seq.keys is None:
+        if seq.keys is None or seq.prefill.plan.blended:  # a blend's KV is not a prefill's: no history
             return
         if self.history is not None and req.prompt.is_prefix_only:
             self._keep_history(seq)
@@ -102,12 +107,14 @@ class CacheWriter:
                                         req.cache.history_key)
         seq.usage.stored += self.save(seq, new, skip_held=True)
 
-    def save(self, seq: Sequence, spans: list[Save], skip_held: bool = False) -> int:
+    def save(self, seq: Sequence, spans: list[Save], skip_held: bool = False, written: bool = True) -> int:
         """Save spans of ``seq``'s live cache, each group of spans with its write policy: handed to
-        the saver thread, or written now without one. Returns how many entries."""
+        the saver thread, or written now without one. Returns how many entries. ``written``: count
+        the prompt tokens in the request's ``written`` tokens."""
         req, kv = seq.request, seq.kv
         ids = req.prompt.ids + list(seq.token_ids)  # the token id of every slot of the live KV
-        seq.usage.written += sum(min(s.end, seq.prompt_len) - s.start for s in spans if s.start < seq.prompt_len)
+        if written:
+            seq.usage.written += sum(min(s.end, seq.prompt_len) - s.start for s in spans if s.start < seq.prompt_len)
         groups: dict[tuple[float | None, bool], list[Save]] = {}
         for s in spans:
             groups.setdefault(self.policy(req.cache, s.end), []).append(s)

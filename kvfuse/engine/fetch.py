@@ -35,12 +35,13 @@ class FetchedEntries:
 
 def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load, ids) -> EntrySpec:
     """What ``load``'s entry must be for a prompt of token ids ``ids``: the engine's KV dtype and
-    layout, its size and stored positions, and, from the entry's token ``load.offset`` on, the ids
-    of the slots it fills (a stored history's ids are the running prompt's wherever it is loaded)."""
+    layout, its size and stored positions (any contiguous ones for a found span, ``source`` None),
+    and, from the entry's token ``load.offset`` on, the ids of the slots it fills (a stored
+    history's ids are the running prompt's wherever it is loaded)."""
     c = runner.config
     return EntrySpec(kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim, tokens=load.stored_tokens,
                      first_position=load.source, token_ids=tuple(ids[load.start : load.end]),
-                     token_offset=load.offset)
+                     token_offset=load.offset, contiguous=load.source is None)
 
 
 def span_fits(runner: Transformer, kv_dtype: torch.dtype, load: Load, ids, entry: Entry) -> str | None:

@@ -17,7 +17,8 @@ after dropped turns gets a namespace derived from what it was derived from.
 A request's blend is resolved here too: ``recompute_ratio: auto`` becomes the model's calibrated
 blend (``kvfuse.calibration.profile``), and a prompt whose blend is ``prefix`` (no blending: what
 ``auto`` picks for a model where blending does not pay) is keyed as a plain prompt, its documents
-reused only as part of an exact prefix.
+reused only as part of an exact prefix. With automatic reuse (``auto_reuse``), a plain prompt's
+content-defined chunks are keyed too, in the request's plain namespace.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from kvfuse.kv.keys import Namespace, layout_of
 from kvfuse.models import LoadedModel
 from kvfuse.tiers.store import TieredStore
 
+from .auto_reuse import AutoReuse
 from .planner import prompt_keys, tail_probe
 from .prompt import Prompt
 from .request import Request
@@ -61,6 +63,7 @@ class Keying:
         # the engine's blend, ``auto`` resolved (without a cache there are no documents: nothing to warn of)
         self.blend = profile.resolve(settings.blend, self.profile, model.name, warn=store is not None)
         self.context_window = context_window
+        self.auto = AutoReuse.of(settings.blend)
         c = model.config
         self.layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
         # The bytes each token id spells (None: unknown, ids must then match exactly); read once, lazily.
@@ -99,8 +102,13 @@ class Keying:
         request.blend = self.resolve(request.blend)
         if documents and not request.blend.blends:  # no blending: the documents are prompt text
             request.prompt = Prompt.plain(request.prompt.ids)
+        auto = self.auto.status(request.cache, request.blend, cached=self.store is not None and request.cache.enabled,
+                                plain=not documents and request.prompt.is_prefix_only)
         seq = self._sequence(request, request.blend)
-        seq.documents = documents
+        seq.documents, seq.auto = documents, auto
+        if auto == "on":  # the prompt as it runs (lined up with a history), keyed in the plain namespace
+            c = request.cache
+            seq.keys = self.auto.with_content(seq.keys, request.prompt.ids, self.namespace(c.tenant, c.salt))
         return seq
 
     def _sequence(self, request: Request, blend: BlendOptions) -> Sequence:

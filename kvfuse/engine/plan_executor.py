@@ -8,9 +8,10 @@ its ``KVSource``'s business:
   as their loads come up;
 - ``kv_stream_reader.StreamedSource``: chunks in slow tiers read by a reader thread at the
   encoding the KV budget allows, or recomputed from their tokens (the source says which);
-- with ``blend``, the plan's documents and its suffix are one step: the documents' KV is written
-  layer by layer (``blend.LayerLoader``: in-hand entries, or layer ranges read from their tier)
-  while ``blend.blend_prefill`` computes and recomputes the tokens it selects.
+- with ``blend``, the plan's documents (or found spans) and everything after the first of them
+  are one step: their KV is written layer by layer (``blend.LayerLoader``: in-hand entries, or
+  layer ranges read from their tier) while ``blend.blend_prefill`` computes the slots between
+  and after them and recomputes the tokens it selects.
 
 A load whose entry turns out unusable raises ``LoadFailed`` (its entry already removed and
 counted where that applies): the caller plans around it and executes again. The result,
@@ -36,7 +37,7 @@ from kvfuse.tiers.store import TieredStore
 
 from .fetch import entry_spec
 from .kv_stream import KVStreamReport
-from .planner import Compute, Load, Plan
+from .planner import BLENDED, Compute, Load, Plan
 
 
 class LoadFailed(Exception):
@@ -161,14 +162,18 @@ def execute(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan, source
 
 
 def _document_region(plan: Plan) -> int:
-    """Where a blended plan's documents start; RuntimeError if it computes anything between its
-    documents (a blend computes its document region and suffix as one step)."""
-    steps = plan.in_order()
-    docs = [s for s in steps if isinstance(s, Load) and s.key.kind is ChunkKind.DOCUMENT]
-    region, suffix = docs[0].start, plan.computes[-1]
-    if any(isinstance(s, Compute) and s.start >= region and s is not suffix for s in steps):
-        raise RuntimeError("a blended plan computes nothing between its documents")
-    return region
+    """Where a blended plan's documents (or found spans) start: the blend computes the rest."""
+    return min(s.start for s in plan.loads if s.key.kind in BLENDED)
+
+
+def load_shift(load: Load, entry: Entry | None) -> int:
+    """How far a blended load's keys move: from where its entry was stored to its slots (a found
+    span's entry, ``source`` None, says where; it is in hand, read whole before the blend)."""
+    if load.source is not None:
+        return load.start - load.source
+    if entry is None:
+        raise RuntimeError(f"found span {load.key} must be read before the blend")
+    return load.start - int(entry.positions[0])
 
 
 class _Run:
@@ -197,16 +202,20 @@ class _Run:
             self.filled.logits = out
 
     def blend(self, plan: Plan, region: int, run: BlendRun) -> None:
-        """The documents (from ``region``) and the suffix: KV loaded layer by layer, blended."""
+        """The documents or found spans (from ``region``), the slots between them and the suffix:
+        KV loaded layer by layer, blended."""
         kv, ids, n = self.kv, self.ids, len(self.ids)
-        docs = [s for s in plan.in_order() if isinstance(s, Load) and s.key.kind is ChunkKind.DOCUMENT]
-        suffix = plan.computes[-1]
+        docs = [s for s in plan.in_order() if isinstance(s, Load) and s.key.kind in BLENDED]
+        fresh = [c for c in plan.computes if c.end > region]  # between the spans, and the suffix
+        suffix = fresh[-1]
         kv.reserve(n)
         kv.positions[region:n] = torch.arange(region, n, device=kv.device)  # the slots' positions, set once
-        kv.kv[:, :, :, suffix.start : n] = 0  # not computed yet: never garbage under an attention mask
+        for c in fresh:
+            kv.kv[:, :, :, c.start : c.end] = 0  # not computed yet: never garbage under an attention mask
         kv.length = n
-        loads = [DocumentLoad(d.key, d.start, d.end, shift=d.start - d.source, entry=self.source.entries.get(d.key),
-                              spec=entry_spec(self.runner, run.kv_dtype, d, ids)) for d in docs]
+        loads = [DocumentLoad(d.key, d.start, d.end, shift=load_shift(d, self.source.entries.get(d.key)),
+                              entry=self.source.entries.get(d.key), spec=entry_spec(self.runner, run.kv_dtype, d, ids))
+                 for d in docs]
         loader = LayerLoader(self.runner, kv, loads, run.store).start()
         waited = 0.0
 
@@ -219,7 +228,7 @@ class _Run:
         t = time.perf_counter()
         try:
             logits, stats = blend_prefill(self.runner, kv, ids, region, suffix.start, [(d.start, d.end) for d in docs],
-                                          run.options, ready)
+                                          run.options, ready, fresh=[(c.start, c.end) for c in fresh[:-1]])
         except LayerLoadFailed as e:
             raise LoadFailed(e.key, "a layer could not be read") from None
         finally:

@@ -34,7 +34,14 @@ Rules:
 - a prompt with documents also has a *blended chain*: prefix keys over everything before the
   suffix, in a namespace of the blend settings. When all its chunks are stored (the same
   documents were blended before, with whatever question), the prompt is planned as a plain
-  prefix hit on them; otherwise the blend's result is stored under them.
+  prefix hit on them; otherwise the blend's result is stored under them;
+- a plain prompt with *content chunks* (``PromptKeys.content``: automatic reuse, ``kv/content.py``)
+  also loads the chunks found in a tier after the slots its chain's hits and stored history fill
+  (``found``: where each chunk is; a chunk covering the last token is never used): *found
+  spans*, moved from wherever they were stored (``Load.source`` None: as the entry says) and
+  blended like documents, the slots between them computed in the blend. Its prefix chunks after
+  the first found span hold blended KV: they are not stored; its content chunks that were not
+  found are (``PromptKeys.store_content``; the saver skips those some tier holds).
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ from kvfuse.history.align import Run
 from kvfuse.history.records import StoredEntry
 from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, document_key, prefix_keys, tail_key
 
+BLENDED = (ChunkKind.DOCUMENT, ChunkKind.CONTENT)  # loads a blend fuses: documents and found spans
+
 from .prompt import Prompt, SegmentKind
 
 
@@ -57,13 +66,13 @@ class Load:
     tier: str | None  # where lookup found it; None: made by this plan's Precompute
     start: int
     end: int
-    source: int  # the position the entry's first token was stored at
+    source: int | None  # the position the entry's first token was stored at (None: as the entry says)
     offset: int = 0  # the entry's first token used (a span of a longer stored history)
     entry_tokens: int | None = None  # tokens the entry holds (None: end - start)
 
     @property
     def moved(self) -> bool:
-        return self.source + self.offset != self.start
+        return self.source is None or self.source + self.offset != self.start
 
     @property
     def stored_tokens(self) -> int:
@@ -124,13 +133,33 @@ class Plan:
         return any(load.key.kind is ChunkKind.DOCUMENT for load in self.loads)
 
     @property
+    def blended(self) -> bool:
+        """Whether the plan is executed as a blend: it loads documents or found spans."""
+        return any(load.key.kind in BLENDED for load in self.loads)
+
+    @property
+    def found_spans(self) -> tuple[Load, ...]:
+        """The content chunks found at other positions that it loads (automatic reuse)."""
+        return tuple(x for x in self.loads if x.key.kind is ChunkKind.CONTENT)
+
+    @property
     def computed_tokens(self) -> int:
         return sum(c.end - c.start for c in self.computes)
 
 
 @dataclass(frozen=True)
+class ContentChunk:
+    """A content-defined chunk of a prompt (``kv/content.py``): slots ``[start, end)``, its key."""
+
+    key: ChunkKey
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
 class PromptKeys:
-    """Every key a prompt can be served from: its prefix chunks' chain, one key per document."""
+    """Every key a prompt can be served from: its prefix chunks' chain, one key per document, and
+    (automatic reuse) its content chunks, looked up separately (``content_lookups``)."""
 
     chunk_size: int
     prefix: tuple[ChunkKey, ...]
@@ -139,9 +168,12 @@ class PromptKeys:
     blended: tuple[ChunkKey, ...] = ()  # the blended chain (see the module docstring)
     history: tuple[StoredEntry, ...] = ()  # entries of a stored history this prompt lines up with
     runs: tuple[Run, ...] = ()  # the slots those entries' tokens fill (``kvfuse.history.align``)
+    content: tuple[ContentChunk, ...] = ()  # content-defined chunks (automatic reuse on), in order
+    store_content: bool = False  # save the content chunks no tier was found to hold
 
     def all(self) -> list[ChunkKey]:
-        """The keys to look up, prefix chunks first (their order is the lookup's hit order)."""
+        """The keys to look up, prefix chunks first (their order is the lookup's hit order); not
+        the content chunks (see ``content_lookups``)."""
         return list(self.prefix) + list(self.documents) + list(self.blended) + [e.key for e in self.history]
 
     def with_history(self, entries: Sequence[StoredEntry], runs: Sequence[Run]) -> PromptKeys:
@@ -178,8 +210,11 @@ def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace, document_
     )
 
 
-def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> Plan:
-    """The plan for ``prompt`` given ``where[i]``, the tier holding ``keys.all()[i]`` (None: none)."""
+def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None],
+              found: Sequence[str | None] = ()) -> Plan:
+    """The plan for ``prompt`` given ``where[i]``, the tier holding ``keys.all()[i]`` (None: none),
+    and ``found[i]``, the tier holding content chunk ``keys.content[i]`` (None, or no ``found``:
+    not looked up, or nowhere)."""
     all_keys = keys.all()
     if len(where) != len(all_keys):
         raise ValueError(f"{len(all_keys)} keys but {len(where)} lookup answers")
@@ -195,9 +230,9 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
         return Plan(n, loads=loads, computes=(Compute(len(loads) * ch, n),))
     p = len(prompt.prefix)
     if p == n:
-        return _plain_plan(n, keys, prefix_where, history_where)
+        return _plain_plan(n, keys, prefix_where, history_where, list(found) or [None] * len(keys.content))
 
-    hits = next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
+    hits = _chain_hits(prefix_where)
     loadable = min(hits, (n - 1) // ch) if p == n else hits  # the last token must be computed
     loads = [Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(loadable)]
     computes = [Compute(loadable * ch, p)] if loadable * ch < p else []
@@ -221,12 +256,33 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None]) -> 
     return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(saves))
 
 
-def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: list) -> Plan:
+def _chain_hits(prefix_where: Sequence[str | None]) -> int:
+    """How many prefix chunks hit in a row from the first (a chain: a later hit after a miss is no use)."""
+    return next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
+
+
+def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: list, found: list) -> Plan:
     """A prompt without documents or suffix: the chain's hits, then a stored history's entries
-    over the slots they line up with, then computes for every slot left and for the last token
-    (its logits give the first token; a compute replaces what a load put in its slot)."""
+    over the slots they line up with, then found spans after those; computes for every slot left
+    and for the last token (its logits give the first token; a compute replaces what a load put
+    in its slot)."""
     ch = keys.chunk_size
-    hits = next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
+    hits = _chain_hits(prefix_where)
+    loads = _exact_loads(keys, hits, prefix_where, history_where)
+    spans = found_spans(keys.content, found, max((x.end for x in loads), default=0), n)
+    loads = sorted(loads + spans, key=lambda x: x.start)
+    region = spans[0].start if spans else n  # KV after a found span is blended: not a prefill's
+    saves = [Save(keys.prefix[i], i * ch, (i + 1) * ch) for i in range(hits, len(keys.prefix))
+             if prefix_where[i] is None and (i + 1) * ch <= region]
+    if keys.store_content:
+        saves += [Save(c.key, c.start, c.end) for c, tier in zip(keys.content, found) if tier is None]
+    return Plan(n, loads=tuple(loads), computes=tuple(_uncovered(n, loads)), saves=tuple(saves))
+
+
+def _exact_loads(keys: PromptKeys, hits: int, prefix_where: list, history_where: list) -> list[Load]:
+    """The chain's ``hits``, then a stored history's entries over the slots its runs line up with
+    (a span of an entry where only part of it does), after the slots the loads before cover."""
+    ch = keys.chunk_size
     loads = [Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(hits)]
     covered = hits * ch
     for run in keys.runs:
@@ -240,7 +296,11 @@ def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: lis
             a += max(0, covered - s0)
             s0 = max(s0, covered)
             loads.append(Load(e.key, tier, s0, s1, e.source, a - e.source, e.tokens))
-    loads.sort(key=lambda x: x.start)
+    return sorted(loads, key=lambda x: x.start)
+
+
+def _uncovered(n: int, loads: Sequence[Load]) -> list[Compute]:
+    """Computes for the slots no load fills, and for the last one (its logits are needed)."""
     slot = [False] * n
     for x in loads:
         slot[x.start : x.end] = [True] * (x.end - x.start)
@@ -255,8 +315,25 @@ def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: lis
             j += 1
         computes.append(Compute(i, j))
         i = j
-    saves = [Save(keys.prefix[i], i * ch, (i + 1) * ch) for i in range(hits, len(keys.prefix)) if prefix_where[i] is None]
-    return Plan(n, loads=tuple(loads), computes=tuple(computes), saves=tuple(saves))
+    return computes
+
+
+def found_spans(content: Sequence[ContentChunk], found: Sequence[str | None], after: int, n: int) -> list[Load]:
+    """Loads of the content chunks found in a tier (``found[i]``) that start at or after slot
+    ``after`` (what exact loads fill) and leave the prompt's last token (of ``n``) to compute:
+    moved from wherever their entries were stored (``source`` None)."""
+    return [Load(c.key, tier, c.start, c.end, None) for c, tier in zip(content, found)
+            if tier is not None and c.start >= after and c.end <= n - 1]
+
+
+def content_lookups(keys: PromptKeys, where: Sequence[str | None]) -> list[int]:
+    """Which of ``keys.content`` are worth looking up given ``where`` (the lookup of
+    ``keys.all()``): the chunks after the chain's hits that do not hold the last token."""
+    if not keys.content:
+        return []
+    start = _chain_hits(where[: len(keys.prefix)]) * keys.chunk_size
+    n = keys.content[-1].end
+    return [i for i, c in enumerate(keys.content) if c.start >= start and c.end <= n - 1]
 
 
 def tail_probe(ids: Sequence[int], chain: Sequence[ChunkKey], hits: int, chunk_size: int,
@@ -304,9 +381,11 @@ def full_prefill(prompt: Prompt) -> Plan:
     return Plan(len(prompt), computes=(Compute(0, len(prompt)),))
 
 
-def replan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None], unusable: set[ChunkKey]) -> Plan:
+def replan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None], unusable: set[ChunkKey],
+           found: Sequence[str | None] = ()) -> Plan:
     """The plan after fetching: ``unusable`` keys (missing or damaged when read) count as misses."""
-    return make_plan(prompt, keys, [None if k in unusable else w for k, w in zip(keys.all(), where)])
+    return make_plan(prompt, keys, [None if k in unusable else w for k, w in zip(keys.all(), where)],
+                     [None if c.key in unusable else f for c, f in zip(keys.content, found)])
 
 
 def generated_saves(ids: Sequence[int], kv_length: int, chunk_size: int, namespace: Namespace,

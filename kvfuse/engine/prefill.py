@@ -4,14 +4,15 @@
 
 1. ``lookup``: where the tiers hold the prompt's keys (after the previous turn's pending saves of
    those keys, and, for a plain prompt without a lined-up history, a stored history's tail found
-   by content: ``Keying.probe_tail``);
+   by content: ``Keying.probe_tail``), and, with automatic reuse, its content chunks after the
+   chain's hits (``planner.content_lookups``: one batched lookup, not counted as the chain's);
 2. ``fetch``: the plan (``planner.replan``: the lookup, less the keys found unusable), and every
    entry it loads, read and checked in one batch; an entry that turns out missing or damaged is
    planned around and the new plan's loads read too, until all of them are in hand;
 3. ``precompute``: documents no tier holds, computed on their own and stored;
 4. ``fill``: the plan executed into the live KV (``plan_executor.execute``), from the entries in
    hand, as a KV stream when the request has a load budget and chunks in slow tiers, or as a blend
-   when it has documents.
+   when it has documents or found spans.
 
 A load that fails while the plan runs (``LoadFailed``: an entry that does not decode, a document's
 layer that cannot be read) is planned around and the prefill starts again, at most
@@ -41,7 +42,7 @@ from .kv_memory import initial_slots
 from .kv_stream import LoadEstimates
 from .kv_stream_reader import StreamedSource
 from .plan_executor import BlendRun, Filled, KVSource, LoadFailed, execute
-from .planner import Plan, Precompute, full_prefill, replan
+from .planner import Plan, Precompute, content_lookups, full_prefill, replan
 from .saver import Saver
 from .sequence import Sequence
 from .stats import EngineStats
@@ -77,16 +78,17 @@ class Prefiller:
             seq.start_clock()
         if seq.kv is None:  # Engine.score: outside the scheduler and its budget
             seq.kv = self.runner.new_cache(initial_slots(seq), dtype=self.kv_dtype)
-        filled = self._attempts(seq, self.lookup(seq) if seq.keys is not None else (), chunked)
+        where, found = self.lookup(seq) if seq.keys is not None else ((), ())
+        filled = self._attempts(seq, where, found, chunked)
         if filled is not None:  # None: cancelled
             self._left_to_compute(seq, filled)
 
-    def _attempts(self, seq: Sequence, where: tuple, chunked: bool) -> Filled | None:
+    def _attempts(self, seq: Sequence, where: tuple, found: tuple, chunked: bool) -> Filled | None:
         """Fetch, precompute and fill, planning around the keys whose loads fail; None when the
         request was cancelled meanwhile."""
         unusable: set[ChunkKey] = set()
         for _ in range(MAX_ATTEMPTS):
-            fetched = self.fetch(seq, where, unusable)
+            fetched = self.fetch(seq, where, unusable, found)
             seq.prefill.plan = fetched.plan
             if seq.request.cancel.is_set():  # e.g. the client left just as the request was admitted
                 seq.cancel()
@@ -100,8 +102,9 @@ class Prefiller:
                 unusable.add(e.key)
         raise RuntimeError("the prompt's entries could not be loaded after several attempts")
 
-    def lookup(self, seq: Sequence) -> tuple:
-        """Where each of ``seq``'s keys is held (None: nowhere), its lookup time in its timings."""
+    def lookup(self, seq: Sequence) -> tuple[tuple, tuple]:
+        """Where each of ``seq``'s keys is held (None: nowhere), and each of its content chunks
+        (None also where not looked up); its lookup time in its timings."""
         t0 = time.perf_counter()
         keys = seq.keys
         if self.saver is not None:
@@ -109,10 +112,29 @@ class Prefiller:
         where = self.store.lookup(keys.all()).where
         if seq.request.prompt.is_prefix_only and not keys.runs:
             where = self.keying.probe_tail(seq, where)  # a stored history's tail, or a breakpoint's
+        found = self._find_spans(seq, where)
         seq.timings.lookup_s = time.perf_counter() - t0
-        return where
+        return where, found
 
-    def fetch(self, seq: Sequence, where: tuple, unusable: set[ChunkKey]) -> ReadyPlan:
+    def _find_spans(self, seq: Sequence, where: tuple) -> tuple:
+        """Where each content chunk after the chain's hits is held (one batched lookup, after
+        the saves still pending for them); counted in the sequence's usage."""
+        chunks = seq.keys.content
+        asked = content_lookups(seq.keys, where)
+        if not asked:
+            return (None,) * len(chunks)
+        keys = [chunks[i].key for i in asked]
+        if self.saver is not None:
+            self.saver.wait(keys)  # an earlier prompt's chunks, if still being saved
+        tiers = self.store.lookup(keys, count=False).where
+        found: list[str | None] = [None] * len(chunks)
+        for i, tier in zip(asked, tiers):
+            found[i] = tier
+        hits = sum(t is not None for t in tiers)
+        seq.usage.span_lookups = (hits, len(tiers) - hits)
+        return tuple(found)
+
+    def fetch(self, seq: Sequence, where: tuple, unusable: set[ChunkKey], found: tuple = ()) -> ReadyPlan:
         """The plan around ``unusable`` keys, and its loads' entries read; keys found unusable on
         the way are added to ``unusable`` and planned around too (each round adds some, so this
         ends). A new plan can load entries the one before did not (a stored history's entry over
@@ -122,12 +144,12 @@ class Prefiller:
         if seq.keys is None:  # the cache is off for this request: compute everything
             return ReadyPlan(full_prefill(prompt), FetchedEntries(), False)
         t0 = time.perf_counter()
-        plan = replan(prompt, seq.keys, where, unusable)
-        kv_stream = bool(self._slo_ms(seq)) and not plan.has_documents and any(
+        plan = replan(prompt, seq.keys, where, unusable, found)
+        kv_stream = bool(self._slo_ms(seq)) and not plan.blended and any(
             streamed(self.store, x) for x in plan.loads)
         got, rejected = FetchedEntries(), 0
         while True:
-            more = fetch_entries(self.store, self.runner, self.kv_dtype, plan, prompt.ids, blended=plan.has_documents,
+            more = fetch_entries(self.store, self.runner, self.kv_dtype, plan, prompt.ids, blended=plan.blended,
                                  kv_stream=kv_stream, have=set(got.entries))
             rejected += more.rejected
             got.entries.update(more.entries)
@@ -135,7 +157,7 @@ class Prefiller:
             if not more.unusable:
                 break
             unusable |= more.unusable
-            plan = replan(prompt, seq.keys, where, unusable)
+            plan = replan(prompt, seq.keys, where, unusable, found)
         seq.timings.load_s += time.perf_counter() - t0
         self.stats.add(chunk_load_failures=rejected)
         return ReadyPlan(plan, got, kv_stream)
@@ -160,7 +182,7 @@ class Prefiller:
                                     self._slo_ms(seq) / 1000, self.estimates)
             return execute(self.runner, seq.kv, ids, plan, source)
         source = KVSource(got.entries, got.served, self.store)
-        if plan.has_documents:
+        if plan.blended:
             return execute(self.runner, seq.kv, ids, plan, source,
                            blend=BlendRun(seq.blend, self.store, self.kv_dtype))
         return execute(self.runner, seq.kv, ids, plan, source, defer_last=chunked)
@@ -178,7 +200,7 @@ class Prefiller:
             r = filled.kv_stream
             self.stats.add(streamed_requests=1, stream_slo_violations=int(not r.met), stream_chunks=dict(r.chunks),
                            stream_bytes=r.bytes_read)
-        elif not plan.has_documents and plan.computed_tokens:
+        elif not plan.blended and plan.computed_tokens:
             self.estimates.computed(plan.computed_tokens, filled.compute_s)
 
     def _left_to_compute(self, seq: Sequence, filled: Filled) -> None:

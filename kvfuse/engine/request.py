@@ -38,6 +38,7 @@ class CacheOptions:
     # A stored history to line the prompt up with first (e.g. the one a Responses API
     # previous_response_id names); used only when its scope is the request's cache namespace.
     history_hint: Record | None = None
+    auto_reuse: bool | None = None  # look for cached passages inside a plain prompt (None: blend.auto)
 
 
 @dataclass
@@ -72,7 +73,10 @@ class GenerationResult:
     kv_stream: KVStreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
     written_tokens: int = 0  # prompt tokens whose KV this request handed to the cache
     history: Record | None = None  # the stored history of the KV this turn kept (None: none kept)
-    blend: BlendOptions | None = None  # how the prompt's documents were used (None: it had none)
+    blend: BlendOptions | None = None  # how the prompt's documents (or found spans) were used (None: neither)
+    prefix_reused_tokens: int = 0  # of cached_tokens, those loaded at their own positions (prefix, history)
+    span_reused_tokens: int = 0  # of cached_tokens, those of documents and found spans (blended)
+    auto_reuse: str = "off"  # automatic reuse: off | skipped | prefix | none_found | blended
 
     @classmethod
     def cancelled(cls, prompt_tokens: int) -> GenerationResult:

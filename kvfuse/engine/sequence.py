@@ -33,7 +33,8 @@ from kvfuse.models.tokenizer import IncrementalDecoder
 
 from .kv_stream import KVStreamReport
 from .plan_executor import Filled
-from .planner import Plan, PromptKeys
+from .auto_reuse import settled
+from .planner import BLENDED, Plan, PromptKeys
 from .request import GenerationResult, Request, Timings
 
 
@@ -93,7 +94,9 @@ class Usage:
     """What the request's prompt reused and recomputed, and what it stored and kept."""
 
     reused: int = 0  # prompt tokens whose KV was loaded, not computed
-    recomputed: int = 0  # document tokens a blend recomputed in context
+    span_reused: int = 0  # of those, tokens of documents and found spans (blended; the rest: exact loads)
+    recomputed: int = 0  # document (or found span) tokens a blend recomputed in context
+    span_lookups: tuple[int, int] = (0, 0)  # content chunks looked up: (found, missing)
     history_reused: int = 0  # prompt tokens loaded from a stored history's entries
     moved_reused: int = 0  # of those, at new positions
     hit_tiers: tuple[str, ...] = ()  # the tier of each entry it reused
@@ -110,6 +113,7 @@ class Sequence:
     keys: PromptKeys | None
     blend: BlendOptions = field(default_factory=BlendOptions)  # for prompts with documents
     documents: bool = False  # the request came with documents: its result and counters say how they were used
+    auto: str = "off"  # automatic reuse (``auto_reuse.STATUSES``): ``on`` until its prefill is planned
     record: Record | None = None  # the stored history this prompt was lined up with
     scope: str = ""  # where its own history record goes (the cache namespace's key prefix)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -148,7 +152,8 @@ class Sequence:
     def count_prefill(self) -> None:
         """The prompt's KV is complete: count what it reused (loads from a tier, less those the KV
         stream recomputed instead, less the document tokens a blend recomputed in context), from
-        which tiers, and how much of it came from a stored history."""
+        which tiers, how much of it came from a stored history, and how much from blended loads
+        (documents, found spans)."""
         plan, filled, u = self.prefill.plan, self.prefill.filled, self.usage
         skipped = set(filled.recomputed_loads)
         from_store = [x for x in plan.loads if x.tier is not None and x not in skipped]
@@ -156,17 +161,19 @@ class Sequence:
         u.reused = plan.reused_tokens - sum(x.end - x.start for x in skipped)
         u.kv_stream = filled.kv_stream
         self.started = True
+        self.auto = settled(self.auto, len(plan.found_spans))
         if self.keys is not None and self.keys.history:
             stored = {e.key for e in self.keys.history}
             u.history_reused = plan.reused_by(lambda x: x.key in stored and x not in skipped)
             u.moved_reused = plan.reused_by(lambda x: x.key in stored and x.moved and x not in skipped)
-        if plan.has_documents:
+        if plan.blended:
             recomputed = filled.recomputed_positions
             cached_slots = torch.zeros(self.prompt_len, dtype=torch.bool)
             for x in from_store:
                 cached_slots[x.start : x.end] = True
             u.recomputed = int(recomputed.numel())
             u.reused -= int(cached_slots[recomputed].sum())  # recomputed in context: not reused
+            u.span_reused = plan.reused_by(lambda x: x.key.kind in BLENDED) - int(cached_slots[recomputed].sum())
 
     def start_decoding(self, tokenizer, eos_token_ids) -> None:
         """The prompt's last logits are in: sample the first token (pending), note the time to it,
@@ -190,8 +197,10 @@ class Sequence:
                        history_requests=int(self.record is not None), history_tokens_reused=u.history_reused,
                        moved_tokens_reused=u.moved_reused,
                        hits_by_tier={tier: u.hit_tiers.count(tier) for tier in set(u.hit_tiers)})
-            if self.documents:
+            if self.documents or self.auto == "blended":
                 out["blends"] = {blend_label(self.blend): 1}
+            out.update(auto_requests={self.auto: 1}, span_hits=u.span_lookups[0], span_misses=u.span_lookups[1],
+                       span_tokens_reused=u.span_reused if not self.documents else 0)
         return out
 
     def preempted(self) -> None:
@@ -245,7 +254,9 @@ class Sequence:
                                 cached_tokens=u.reused, timings=self.timings, hit_tiers=u.hit_tiers,
                                 stored_chunks=u.stored, recomputed_tokens=u.recomputed, kv_stream=u.kv_stream,
                                 written_tokens=u.written, history=u.kept,
-                                blend=self.blend if self.documents else None)
+                                blend=self.blend if self.documents or self.auto == "blended" else None,
+                                prefix_reused_tokens=u.reused - u.span_reused, span_reused_tokens=u.span_reused,
+                                auto_reuse=self.auto)
 
 
 def blend_label(blend: BlendOptions) -> str:

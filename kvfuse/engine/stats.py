@@ -28,6 +28,12 @@ class EngineStats(Counters):
     tokens_recomputed: int = 0  # document tokens a blend recomputed in context
     blended_requests: int = 0
     blends: dict[str, int] = field(default_factory=dict)  # requests with documents by "method:budget:source"
+    # Automatic reuse: requests by status (off, skipped, prefix, none_found, blended), content
+    # chunks looked up and found / missing, tokens reused from found spans.
+    auto_requests: dict[str, int] = field(default_factory=dict)
+    span_hits: int = 0
+    span_misses: int = 0
+    span_tokens_reused: int = 0
     chunks_stored: int = 0
     chunk_load_failures: int = 0  # entries found by lookup but unusable when fetched
     hits_by_tier: dict[str, int] = field(default_factory=dict)

@@ -242,7 +242,8 @@ Blob = bytes | bytearray | memoryview | Entry
 @dataclass(frozen=True)
 class EntrySpec:
     """What the reader expects of an entry beyond its integrity: the KV dtype and layout, and
-    optionally the number of tokens, the first of their (contiguous) positions, and the token ids
+    optionally the number of tokens, the first of their (contiguous) positions, or only that they
+    are contiguous (``contiguous``: an entry moved from wherever it was stored), and the token ids
     it needs: ``token_ids`` must be what the entry records from its token ``token_offset`` on
     (a reader may use a span of a longer entry). An entry that records no ids fails that check."""
 
@@ -254,6 +255,7 @@ class EntrySpec:
     first_position: int | None = None
     token_ids: tuple[int, ...] | None = None
     token_offset: int = 0
+    contiguous: bool = False
 
     def check(self, e: Entry) -> None:
         """FormatError naming the first mismatch."""
@@ -269,6 +271,9 @@ class EntrySpec:
             expected = torch.arange(self.first_position, self.first_position + T)
             if not torch.equal(e.positions, expected):
                 raise FormatError(f"entry positions do not start at {self.first_position} contiguously")
+        elif self.contiguous and T and not torch.equal(e.positions, torch.arange(int(e.positions[0]),
+                                                                                 int(e.positions[0]) + T)):
+            raise FormatError("entry positions are not contiguous")
         if self.token_ids is not None:
             held = e.token_ids
             if held is None:

@@ -13,6 +13,7 @@ Encoding (``u32``/``u64`` little-endian, ``str`` = ``u32 byte length + UTF-8``):
     h_i        = SHA256(b"kvfuse.prefix\\0" h_{i-1} u32(len_i) tokens_i as u32...)
     document   = SHA256(b"kvfuse.doc\\0" namespace u64(len ctx) ctx as u32... u64(len) tokens as u32...)
     tail       = SHA256(b"kvfuse.tail\\0" h_parent u64(len) tokens as u32...)   (h_parent: h_root or a prefix h_i)
+    content    = SHA256(b"kvfuse.content\\0" namespace u64(len) tokens as u32...)
 
 A key names a chunk's *content*, not its encoding: the codec and its level are not in the
 namespace. The entry header says how an entry is encoded (``kv/format.py``), a lookup accepts any
@@ -21,7 +22,7 @@ must match for KV to be valid (the model, the KV dtype and layout, the format ve
 tenant and salt) is in the namespace, so a different model or format is a different key: a miss.
 
 Storage keys print as ``<tenant_tag 8 hex><namespace 16 hex>:<kind>:<digest 64 hex>`` with kind
-``p`` (prefix), ``d`` (document) or ``t`` (tail), and for an extra encoding of the same chunk
+``p`` (prefix), ``d`` (document), ``t`` (tail) or ``c`` (content chunk), and for an extra encoding of the same chunk
 (CacheGen's streaming levels) a ``@<codec>.<level>`` suffix: the *variant*. Lookups and plans use
 the plain key (the chunk's primary copy, in whatever codec its tier writes); only the streaming
 loader asks for a variant, and falls back to the primary. Kinds: distinct domain tags make the kinds' digests
@@ -50,9 +51,10 @@ _ROOT_TAG = b"kvfuse.root.v1\x00"
 _PREFIX_TAG = b"kvfuse.prefix\x00"
 _DOC_TAG = b"kvfuse.doc\x00"
 _TAIL_TAG = b"kvfuse.tail\x00"
+_CONTENT_TAG = b"kvfuse.content\x00"
 
 _U32_MAX = 2**32 - 1
-_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dpt]):([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?$")
+_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dptc]):([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?$")
 _VARIANT_RE = re.compile(r"[a-z0-9]+\.[0-9]+")
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
@@ -60,12 +62,15 @@ Tokens = Sequence[int] | np.ndarray | torch.Tensor
 
 class ChunkKind(enum.Enum):
     """What a key names: a chunk of a prompt's prefix (its key chains over every earlier chunk), a
-    document cached on its own (reusable at any position), or the partial last chunk after a
-    prefix chain (a conversation's tail)."""
+    document cached on its own (reusable at any position), the partial last chunk after a prefix
+    chain (a conversation's tail), or a content-defined chunk of a prompt (``kv/content.py``:
+    keyed by its own tokens only, its KV computed in the context of the prompt that stored it,
+    reusable at any position of another prompt, blended like a document)."""
 
     PREFIX = "p"
     DOCUMENT = "d"
     TAIL = "t"
+    CONTENT = "c"
 
 
 def layout_of(num_layers: int, kv_heads: int, head_dim: int) -> str:
@@ -208,7 +213,7 @@ class ChunkKey:
         """Inverse of ``str(key)``; raises ValueError on anything not in exactly that form."""
         m = _KEY_RE.match(s) if isinstance(s, str) else None
         if m is None:
-            raise ValueError(f"not a chunk key (expected '<24 hex>:<p|d|t>:<64 hex>[@codec.level]'): {s!r}")
+            raise ValueError(f"not a chunk key (expected '<24 hex>:<p|d|t|c>:<64 hex>[@codec.level]'): {s!r}")
         return cls(m.group(1), bytes.fromhex(m.group(3)), ChunkKind(m.group(2)), m.group(4) or "")
 
 
@@ -285,3 +290,19 @@ def tail_key(parent: ChunkKey | None, tokens: Tokens, namespace: Namespace) -> C
     h = _root(namespace) if parent is None else parent.digest
     digest = hashlib.sha256(b"".join((_TAIL_TAG, h, struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
     return ChunkKey(namespace.short_id(), digest, ChunkKind.TAIL)
+
+
+def content_keys(tokens: Tokens, spans: Sequence[tuple[int, int]], namespace: Namespace) -> list[ChunkKey]:
+    """Position-independent keys of the content-defined chunks ``spans`` (``[start, end)`` into
+    ``tokens``, none empty): each names the chunk's own tokens in ``namespace``, whatever precedes
+    it, so the same passage has the same keys wherever it appears (``kv/content.py``)."""
+    arr = _token_bytes(tokens)
+    ns_digest, ns_id = namespace.digest(), namespace.short_id()
+    keys = []
+    for start, end in spans:
+        if not 0 <= start < end <= len(arr):
+            raise ValueError(f"content_keys: span [{start}, {end}) is empty or outside the {len(arr)} tokens")
+        h = hashlib.sha256(b"".join((_CONTENT_TAG, ns_digest, struct.pack("<Q", end - start),
+                                     arr[start:end].tobytes()))).digest()
+        keys.append(ChunkKey(ns_id, h, ChunkKind.CONTENT))
+    return keys

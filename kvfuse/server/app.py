@@ -38,7 +38,9 @@ prefixes across memory, disk and Redis tiers.
 
 * `usage.prompt_tokens_details.cached_tokens` reports the prompt tokens reused from the cache.
 * kvfuse extension fields in the request body (`extra_body` with the `openai` client): `cache_salt`
-  (an extra namespace inside your tenant) and `cache` (`false`: neither read nor write the cache).
+  (an extra namespace inside your tenant), `cache` (`false`: neither read nor write the cache),
+  `documents` and `recompute_ratio` (CacheBlend), `blend_auto` (`on`: find cached passages inside a
+  plain prompt, at any position) and `kv_slo_ms`.
 * With API keys configured (`--api-key KEY:TENANT`), each key's tenant has its own cache namespace.
 * Errors have OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; every response carries
   an `x-request-id` header, also found in the server's JSON request log.

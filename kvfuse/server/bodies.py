@@ -28,6 +28,8 @@ def finish_reason(result: GenerationResult) -> str:
 
 def usage(result: GenerationResult) -> dict[str, Any]:
     details = {"cached_tokens": result.cached_tokens, "recomputed_tokens": result.recomputed_tokens,
+               "prefix_reused_tokens": result.prefix_reused_tokens, "span_reused_tokens": result.span_reused_tokens,
+               "prefilled_tokens": result.prompt_tokens - result.cached_tokens, "auto_reuse": result.auto_reuse,
                "cached_entries_by_tier": {t: result.hit_tiers.count(t) for t in sorted(set(result.hit_tiers))},
                "save_ms": round(result.timings.store_s * 1000, 3)}
     if result.kv_stream is not None:

@@ -47,7 +47,8 @@ _SSE = {"text/event-stream": {"schema": {"type": "string"},
     responses={200: {"content": _SSE, "description": "The completion, or with stream=true an event stream of chunks."},
                **ERRORS},
     description="OpenAI-compatible text completion. `usage.prompt_tokens_details.cached_tokens` counts the prompt "
-                "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`.",
+                "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`, "
+                "`documents`, `recompute_ratio`, `blend_auto`, `kv_slo_ms`.",
 )
 async def create_completion(body: CompletionRequest, request: Request,
                             tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:
@@ -59,7 +60,8 @@ async def create_completion(body: CompletionRequest, request: Request,
     responses={200: {"content": _SSE, "description": "The reply, or with stream=true an event stream of chunks."},
                **ERRORS},
     description="OpenAI-compatible chat completion; the messages are rendered with the model's chat template. "
-                "kvfuse extension fields: `cache_salt`, `cache`.",
+                "kvfuse extension fields: `cache_salt`, `cache`, `documents`, `recompute_ratio`, `blend_auto`, "
+                "`kv_slo_ms`.",
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request,
                                  tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:

@@ -99,16 +99,7 @@ class CacheCollector(Collector):
         yield CounterMetricFamily("kvfuse_chunks_stored", "KV chunks written to the store.", value=s["chunks_stored"])
         yield CounterMetricFamily("kvfuse_chunk_load_failures", "Cached chunks that could not be used.",
                                   value=s["chunk_load_failures"])
-        yield CounterMetricFamily("kvfuse_blend_requests", "Requests with documents (blended).",
-                                  value=s["blended_requests"])
-        yield CounterMetricFamily("kvfuse_blend_recomputed_tokens", "Document tokens recomputed in context by blends.",
-                                  value=s["tokens_recomputed"])
-        blends = CounterMetricFamily("kvfuse_blend_budget_requests", "Requests with documents, by how they were used: "
-                                     "method (prefix: not blended), budget and its source (profile, default, config, "
-                                     "request).", labels=["method", "recompute_ratio", "source"])
-        for label, n in sorted(s.get("blends", {}).items()):
-            blends.add_metric(label.split(":"), n)
-        yield blends
+        yield from _blend_metrics(s)
         reused = CounterMetricFamily("kvfuse_reused_chunks", "Chunks reused by requests, by the tier they came from.",
                                      labels=["tier"])
         for tier, n in sorted(s["hits_by_tier"].items()):
@@ -141,6 +132,39 @@ class CacheCollector(Collector):
                                     value=saver.get("pending", 0))
         if engine.cache_enabled:
             yield from _store_metrics(engine.cache_stats())
+
+
+def _blend_metrics(s: dict) -> Iterator[Metric]:
+    """Blends (documents, found spans): requests, recomputed tokens, budgets; automatic reuse."""
+    yield CounterMetricFamily("kvfuse_blend_requests", "Requests with documents (blended).",
+                              value=s["blended_requests"])
+    yield CounterMetricFamily("kvfuse_blend_recomputed_tokens", "Document (and found passage) tokens recomputed in "
+                              "context by blends.", value=s["tokens_recomputed"])
+    blends = CounterMetricFamily("kvfuse_blend_budget_requests", "Requests with documents (or with passages found "
+                                 "by automatic reuse), by how they were used: method (prefix: not blended), budget "
+                                 "and its source (profile, default, config, request).",
+                                 labels=["method", "recompute_ratio", "source"])
+    for label, n in sorted(s.get("blends", {}).items()):
+        blends.add_metric(label.split(":"), n)
+    yield blends
+    yield from _auto_reuse_metrics(s)
+
+
+def _auto_reuse_metrics(s: dict) -> Iterator[Metric]:
+    """Automatic reuse: requests by what it did, content chunks found and missing, tokens reused."""
+    requests = CounterMetricFamily("kvfuse_auto_reuse_requests", "Requests by what automatic reuse did: off, skipped "
+                                   "(documents, breakpoints, no cache), prefix (the model's blend is prefix: nothing "
+                                   "blended), none_found, blended.", labels=["status"])
+    for status, n in sorted(s.get("auto_requests", {}).items()):
+        requests.add_metric([status], n)
+    yield requests
+    spans = CounterMetricFamily("kvfuse_auto_reuse_span_lookups", "Content chunks of plain prompts looked up after "
+                                "their prefix hit, by whether a tier held them.", labels=["result"])
+    spans.add_metric(["hit"], s.get("span_hits", 0))
+    spans.add_metric(["miss"], s.get("span_misses", 0))
+    yield spans
+    yield CounterMetricFamily("kvfuse_auto_reuse_span_tokens", "Prompt tokens reused from passages found at other "
+                              "positions (after blending: not those recomputed).", value=s.get("span_tokens_reused", 0))
 
 
 def _histogram(name: str, help_: str, counts: dict, total: float) -> HistogramMetricFamily:

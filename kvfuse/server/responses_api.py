@@ -126,7 +126,7 @@ def chat_request(body: ResponseCreateRequest, history: list[dict[str, Any]],
                   temperature=body.temperature, top_p=body.top_p, seed=body.seed, stream=False,
                   ignore_eos=body.ignore_eos, prompt_cache_key=body.prompt_cache_key,
                   prompt_cache_retention=body.prompt_cache_retention, prompt_cache_options=body.prompt_cache_options,
-                  cache_salt=body.cache_salt, cache=body.cache, kv_slo_ms=body.kv_slo_ms)
+                  cache_salt=body.cache_salt, cache=body.cache, kv_slo_ms=body.kv_slo_ms, blend_auto=body.blend_auto)
     try:
         return ChatCompletionRequest.model_validate(
             {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()})
@@ -228,7 +228,7 @@ def _purge(state: ServerState) -> None:
     responses={200: {"description": "The response object, or with stream=true its events."}, **ERRORS},
     description="OpenAI's Responses API (text). `previous_response_id` continues a stored response's conversation "
                 "without sending it again, reusing its KV; `usage.input_tokens_details.cached_tokens` says how much. "
-                "kvfuse extension fields: `cache_salt`, `cache`, `kv_slo_ms`, `seed`.",
+                "kvfuse extension fields: `cache_salt`, `cache`, `kv_slo_ms`, `blend_auto`, `seed`.",
 )
 async def create_response(body: ResponseCreateRequest, request: Request,
                           tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:

@@ -55,10 +55,18 @@ class KVFuseOptions(_Strict):
     )
     recompute_ratio: Ratio | Literal["auto"] | None = Field(
         None,
-        description="kvfuse extension: the fraction of document tokens recomputed in context, in [0, 1] (0: reuse "
-                    "the documents' KV as it is; 1: a full prefill), or \"auto\": the budget the model's calibrated "
-                    "profile found to keep its answers (kvfuse calibrate). Default: the server's "
-                    "blend.recompute_ratio (auto unless configured).",
+        description="kvfuse extension: the fraction of document (or found passage) tokens recomputed in context, in "
+                    "[0, 1] (0: reuse the documents' KV as it is; 1: a full prefill), or \"auto\": the budget the "
+                    "model's calibrated profile found to keep its answers (kvfuse calibrate). Default: the server's "
+                    "blend.recompute_ratio (auto unless configured). Needs documents or automatic reuse.",
+    )
+    blend_auto: Literal["on", "off"] | None = Field(
+        None,
+        description="kvfuse extension (automatic reuse): \"on\" looks for passages of this plain prompt that "
+                    "earlier prompts computed (at any position, in any order) and blends their cached KV with the "
+                    "model's calibrated budget (or recompute_ratio); \"off\" reuses exact prefixes only. Default: "
+                    "the server's blend.auto. Ignored with documents or cache breakpoints; nothing is blended when "
+                    "the model's calibrated blend is prefix (usage.prompt_tokens_details.auto_reuse says so).",
     )
     kv_slo_ms: float | None = Field(
         None, gt=0, le=3_600_000, allow_inf_nan=False,
@@ -234,9 +242,19 @@ class PromptTokensDetails(BaseModel):
         None, description="kvfuse extension: how chunks in slow tiers were streamed within kv_slo_ms: chunks per "
                           "encoding (\"raw\", \"cachegen.2\", ... or \"recompute\"), load_ms, slo_ms, met.")
     blend: dict[str, Any] | None = Field(
-        None, description="kvfuse extension (requests with documents): how the documents' KV was used: method "
-                          "(hkvd, ..., or prefix: not blended, reused only as an exact prefix), recompute_ratio "
-                          "(the budget) and source (what decided it: profile, default, config or request).")
+        None, description="kvfuse extension (requests with documents, or found passages): how the documents' KV was "
+                          "used: method (hkvd, ..., or prefix: not blended, reused only as an exact prefix), "
+                          "recompute_ratio (the budget) and source (what decided it: profile, default, config or "
+                          "request).")
+    prefix_reused_tokens: int = Field(0, description="kvfuse extension: of cached_tokens, those loaded at their own "
+                                                     "positions (an exact prefix, a stored conversation).")
+    span_reused_tokens: int = Field(0, description="kvfuse extension: of cached_tokens, those of documents and of "
+                                                   "passages found at other positions (blended).")
+    prefilled_tokens: int = Field(0, description="kvfuse extension: prompt tokens computed for this request "
+                                                 "(prompt_tokens - cached_tokens; recomputed_tokens among them).")
+    auto_reuse: str = Field("off", description="kvfuse extension (automatic reuse): off (not asked), skipped (documents, "
+                                               "cache breakpoints, no cache), prefix (the model's calibrated blend "
+                                               "is prefix: no passage is blended), none_found, or blended.")
 
 
 class Usage(BaseModel):

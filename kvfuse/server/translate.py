@@ -55,7 +55,8 @@ def cache_options(opts: SamplingRequest, tenant: str) -> CacheOptions:
     prompt-caching fields)."""
     return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "",
                         history_key=opts.prompt_cache_key, kv_slo_ms=opts.kv_slo_ms,
-                        retention=retention(opts.prompt_cache_retention))
+                        retention=retention(opts.prompt_cache_retention),
+                        auto_reuse=None if opts.blend_auto is None else opts.blend_auto == "on")
 
 
 def retention(value: str | None) -> Retention | None:
@@ -192,12 +193,17 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) ->
 
 
 def blend_options(engine, opts: KVFuseOptions) -> BlendOptions | None:
-    """The request's blend options (its ``recompute_ratio`` over the server's), None without documents."""
+    """The request's blend options (its ``recompute_ratio`` over the server's), None without
+    documents (or, with automatic reuse, without a ``recompute_ratio``)."""
     if opts.documents is None:
-        if opts.recompute_ratio is not None:
-            raise bad_request("recompute_ratio: applies to requests with documents; add documents or remove it",
+        if opts.recompute_ratio is None:
+            return None
+        auto = opts.blend_auto == "on" if opts.blend_auto is not None else engine.blend.auto_reuse
+        if not auto:
+            raise bad_request("recompute_ratio: applies to requests with documents or with automatic reuse "
+                              "(blend_auto: \"on\", or the server's blend.auto); add one or remove it",
                               param="recompute_ratio")
-        return None
+        return engine.blend.with_ratio(opts.recompute_ratio)
     if not opts.cache:
         raise bad_request("documents: need the KV cache; remove \"cache\": false", param="documents")
     return engine.blend.with_ratio(opts.recompute_ratio)

@@ -37,7 +37,7 @@ _SEP = "_3A"  # ":" in file names
 _TMP_RE = re.compile(r"^\.(\d+)\.[0-9a-f]+\.tmp$")
 SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
 # The names key_to_filename writes (a key's text with ":" as "_3A"): namespace, kind, digest, variant.
-NAME_RE = re.compile(r"^([0-9a-f]{24})_3A([dpt])_3A([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?\.kvf$")
+NAME_RE = re.compile(r"^([0-9a-f]{24})_3A([dptc])_3A([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?\.kvf$")
 
 
 def key_to_filename(key: ChunkKey) -> str:

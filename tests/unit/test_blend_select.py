@@ -112,10 +112,10 @@ def test_the_identity_names_what_changes_the_kv():
 
 def test_auto_is_resolved_before_it_names_a_namespace():
     auto = BlendOptions()
-    assert auto.auto and not auto.full_reuse and auto.recompute_ratio == "auto"
+    assert auto.auto_budget and not auto.full_reuse and auto.recompute_ratio == "auto"
     with pytest.raises(ValueError, match="resolve"):
         auto.identity()
-    assert BlendOptions(recompute_ratio=0.2).with_ratio("auto").auto
+    assert BlendOptions(recompute_ratio=0.2).with_ratio("auto").auto_budget
 
 
 def test_a_request_budget_asks_for_a_blend():

@@ -302,11 +302,30 @@ def test_the_blend_section_is_the_blend_options_and_checks_itself(tmp_path):
     assert load_config(env={}).blend == BlendOptions()
     assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "0.3"}).blend == BlendOptions(recompute_ratio=0.3)
     assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "AUTO"}).blend == BlendOptions(recompute_ratio="auto")
-    assert BlendOptions().auto  # the default: the model's calibrated budget
+    assert BlendOptions().auto_budget  # the default: the model's calibrated budget
     with pytest.raises(ConfigError, match="a number or auto"):
         load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "most"})
     message = _error(env={"KVFUSE_BLEND_METHOD": "best"})
     assert message.startswith("blend:") and "best" in message and "KVFUSE_BLEND_METHOD" in message
+
+
+def test_automatic_reuse_is_off_by_default_and_set_by_file_env_or_flag(tmp_path):
+    assert load_config(env={}).blend.auto == "off" and not load_config(env={}).blend.auto_reuse
+    f = tmp_path / "c.yaml"
+    f.write_text("blend:\n  auto: on\n  auto_min_tokens: 512\n")  # YAML reads on as a boolean
+    b = load_config(f, env={}).blend
+    assert (b.auto, b.auto_reuse, b.auto_min_tokens) == ("on", True, 512)
+    assert load_config(f, env={"KVFUSE_BLEND_AUTO": "off"}).blend.auto == "off"
+    assert load_config(env={}, overrides={"blend.auto": "on"}).blend.auto == "on"
+    message = _error(env={"KVFUSE_BLEND_AUTO": "sometimes"})
+    assert message.startswith("blend:") and "blend.auto must be one of off, on" in message and "KVFUSE_BLEND_AUTO" in message
+    assert "auto_min_tokens" in _error(env={"KVFUSE_BLEND_AUTO_MIN_TOKENS": "-1"})
+    from kvfuse.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--blend-auto", "on"])
+    assert args.blend_auto == "on"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--blend-auto", "yes"])
 
 
 def test_per_tier_codecs_stream_levels_and_the_kv_budget(tmp_path):

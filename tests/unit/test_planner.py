@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvfuse.engine.planner import (Compute, Load, Plan, Precompute, Save, full_prefill, generated_saves, make_plan,
-                                   prompt_keys, replan)
+from dataclasses import replace
+
+from kvfuse.engine.planner import (Compute, ContentChunk, Load, Plan, Precompute, Save, content_lookups, full_prefill,
+                                   generated_saves, make_plan, prompt_keys, replan)
 from kvfuse.engine.prompt import Prompt
-from kvfuse.kv.keys import Namespace, document_key, prefix_keys
+from kvfuse.kv.keys import Namespace, content_keys, document_key, prefix_keys
 
 CH = 4
 NS = Namespace("model", "float16", "L2xH1xD4")
@@ -75,6 +77,66 @@ def test_unusable_entries_are_planned_around_as_misses():
     assert replan(prompt, prompt_keys(prompt, CH, NS), where, {keys[0]}) == Plan(
         14, computes=(Compute(0, 14),), saves=(Save(keys[0], 0, 4),))
     assert replan(prompt, prompt_keys(prompt, CH, NS), where, set()) == plan_of(prompt, where)
+
+
+# ------------------------------------------------------------------------------- found spans (automatic reuse)
+
+P24, K24 = plain(24)  # 6 chunks
+C_SPANS = [(0, 5), (5, 9), (9, 14), (14, 20), (20, 24)]  # content-defined chunks (kv/content.py gives them)
+KC = content_keys(P24.ids, C_SPANS, NS)
+CONTENT_KEYS = replace(prompt_keys(P24, CH, NS), content=tuple(ContentChunk(k, s, e) for k, (s, e) in zip(KC, C_SPANS)),
+                       store_content=True)
+NO_PREFIX = [M] + [None] * 5  # the first chunk hits, the rest of the chain misses
+
+FOUND = {
+    "found spans after the chain's hits: loaded as stored, the rest computed; nothing stored under the "
+    "chain after the first span; the chunks not found stored as content": (
+        NO_PREFIX, [None, M, None, D, None],
+        Plan(24, loads=(Load(K24[0], M, 0, 4, 0), Load(KC[1], M, 5, 9, None), Load(KC[3], D, 14, 20, None)),
+             computes=(Compute(4, 5), Compute(9, 14), Compute(20, 24)),
+             saves=(Save(KC[0], 0, 5), Save(KC[2], 9, 14), Save(KC[4], 20, 24)))),
+    "a found chunk holding the last token is not used (its logits are needed); the chain is stored": (
+        NO_PREFIX, [None, None, None, None, M],
+        Plan(24, loads=(Load(K24[0], M, 0, 4, 0),), computes=(Compute(4, 24),),
+             saves=(*(Save(K24[i], 4 * i, 4 * i + 4) for i in range(1, 6)), Save(KC[0], 0, 5), Save(KC[1], 5, 9),
+                    Save(KC[2], 9, 14), Save(KC[3], 14, 20)))),
+    "a found chunk overlapping the chain's hits is not used": (
+        [M, M, M, None, None, None], [None, M, None, None, None],
+        Plan(24, loads=tuple(Load(K24[i], M, 4 * i, 4 * i + 4, 4 * i) for i in range(3)), computes=(Compute(12, 24),),
+             saves=(*(Save(K24[i], 4 * i, 4 * i + 4) for i in range(3, 6)), Save(KC[0], 0, 5), Save(KC[2], 9, 14),
+                    Save(KC[3], 14, 20), Save(KC[4], 20, 24)))),
+    "a span right at the start, nothing from the chain: every prefix chunk after it holds blended KV": (
+        [None] * 6, [M, None, None, None, None],
+        Plan(24, loads=(Load(KC[0], M, 0, 5, None),), computes=(Compute(5, 24),),
+             saves=(Save(KC[1], 5, 9), Save(KC[2], 9, 14), Save(KC[3], 14, 20), Save(KC[4], 20, 24)))),
+}
+
+
+@pytest.mark.parametrize("name", list(FOUND))
+def test_found_span_plans(name):
+    where, found, expected = FOUND[name]
+    plan = make_plan(P24, CONTENT_KEYS, where, found)
+    assert plan == expected
+    assert plan.blended == bool(plan.found_spans) and all(x.moved for x in plan.found_spans)
+
+
+def test_found_spans_without_storage_and_when_damaged():
+    keys = replace(CONTENT_KEYS, store_content=False)  # a prompt below blend.auto_min_tokens
+    plan = make_plan(P24, keys, NO_PREFIX, [None, M, None, D, None])
+    assert plan.saves == () and [x.key for x in plan.found_spans] == [KC[1], KC[3]]
+    assert plan.reused_tokens == 4 + 4 + 6 and plan.computed_tokens == 10
+    # a span found damaged when read: planned around like any unusable entry (computed, stored again)
+    after = replan(P24, CONTENT_KEYS, NO_PREFIX, {KC[3]}, [None, M, None, D, None])
+    assert [x.key for x in after.found_spans] == [KC[1]] and Compute(9, 24) in after.computes
+    assert Save(KC[3], 14, 20) in after.saves
+    assert make_plan(P24, CONTENT_KEYS, NO_PREFIX) == make_plan(P24, CONTENT_KEYS, NO_PREFIX, [None] * 5)
+
+
+def test_content_lookups_are_the_chunks_after_the_chain_before_the_last_token():
+    assert content_lookups(CONTENT_KEYS, NO_PREFIX) == [1, 2, 3]  # [5, 9) [9, 14) [14, 20)
+    assert content_lookups(CONTENT_KEYS, [None] * 6) == [0, 1, 2, 3]
+    assert content_lookups(CONTENT_KEYS, [M] * 6) == []  # a whole-prompt hit: nothing to look for
+    assert content_lookups(prompt_keys(P24, CH, NS), NO_PREFIX) == []  # automatic reuse off: no content keys
 
 
 # ------------------------------------------------------------------------------- documents

@@ -170,9 +170,11 @@ def result(text="ab", ids=(1, 2), reason="length", prompt=5, cached=0) -> Genera
 def test_usage_reports_cached_tokens_where_they_came_from_and_the_save_time():
     r = result(prompt=300, cached=299)
     r.hit_tiers, r.timings.store_s = ("memory", "disk", "memory"), 0.00012
+    r.prefix_reused_tokens = 299
     assert usage(r) == {
         "prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302,
-        "prompt_tokens_details": {"cached_tokens": 299, "recomputed_tokens": 0,
+        "prompt_tokens_details": {"cached_tokens": 299, "recomputed_tokens": 0, "prefix_reused_tokens": 299,
+                                  "span_reused_tokens": 0, "prefilled_tokens": 1, "auto_reuse": "off",
                                   "cached_entries_by_tier": {"disk": 1, "memory": 2}, "save_ms": 0.12}}
 
 
