@@ -329,10 +329,6 @@ class Engine:
         """Counters of every tier and of the store ({} without a cache)."""
         return self.store.stats() if self.store is not None else {}
 
-    def tenant_usage(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Per tier, per tenant tag with a byte quota: bytes held, quota, evictions ({} without any)."""
-        return self.store.tenant_usage() if self.store is not None else {}
-
     def queue_state(self) -> dict[str, int]:
         return self.scheduler.state()
 
