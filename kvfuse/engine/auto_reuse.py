@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
+
 from kvfuse.blend.options import BlendOptions
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, content_keys
@@ -60,9 +62,11 @@ class AutoReuse:
             return "skipped"
         return "on" if blend.blends else "prefix"
 
-    def with_content(self, keys: PromptKeys, ids: Sequence[int], namespace: Namespace) -> PromptKeys:
-        """``keys`` with the content chunks of the prompt ``ids`` (hashing only)."""
-        spans = content.chunks(ids)
+    def with_content(self, keys: PromptKeys, ids: Sequence[int], namespace: Namespace,
+                     separators: np.ndarray | None = None) -> PromptKeys:
+        """``keys`` with the content chunks of the prompt ``ids`` (hashing only); ``separators``:
+        the tokenizer's line-break ids (``content.separator_ids``), where segments start."""
+        spans = content.chunks(ids, separators=separators)
         chunks = tuple(ContentChunk(k, s, e) for k, (s, e) in zip(content_keys(ids, spans, namespace), spans))
         return replace(keys, content=chunks, store_content=len(ids) >= self.min_tokens)
 

@@ -21,6 +21,16 @@ The rule (pure; ``boundaries`` is table-tested):
   first context-free cut to its last, every cut and every chunk is the same wherever it appears;
 - positions before the first full window and before ``min_size`` tokens are never cuts (the
   first chunk is at least ``min_size`` long); only the prompt's last chunk may be shorter.
+
+Line breaks (``separators``: the ids whose text ends with a newline, ``separator_ids``): the
+rule above loses a passage's edges, about a chunk at each end (the chunk across its first token
+depends on what precedes it), some 12% of a RAG prompt of 300-token passages. Texts put together
+from passages almost always join them with line breaks, so a prompt is first cut into *segments*
+after line breaks, and each segment is cut by the rule above on its own: a passage that starts
+after a line break and ends with one has the same chunks in every prompt, edges included. A line
+of at least ``min_size`` tokens is a segment of its own; a run of shorter lines (code, lists) is
+one segment, so chunks do not shrink to single short lines. Whether a cut goes after a line
+depends only on that line and the next, so a long line's segment never depends on its neighbours.
 """
 
 from __future__ import annotations
@@ -75,12 +85,48 @@ def horizon(min_size: int = MIN_SIZE, window: int = WINDOW) -> int:
     return min_size + window - 1
 
 
+def separator_ids(token_bytes: Sequence[bytes]) -> np.ndarray:
+    """The ids (sorted) whose bytes end with a line break: where ``boundaries`` may start a segment."""
+    return np.array([i for i, b in enumerate(token_bytes) if b.endswith(b"\n")], dtype=np.int64)
+
+
+def segments(ids: Sequence[int] | np.ndarray, separators: np.ndarray | None, min_size: int = MIN_SIZE) -> list[int]:
+    """Where ``ids`` is cut into segments: ``[0, s1, ..., n]``. A line is what ends with a run of
+    separator tokens; each line of at least ``min_size`` tokens is a segment, and every run of
+    consecutive shorter lines is one (``[0, n]`` without separators)."""
+    arr = np.asarray(ids, dtype=np.int64)
+    n = arr.shape[0]
+    if separators is None or len(separators) == 0 or n == 0:
+        return [0, n] if n else [0]
+    sep = np.isin(arr, separators)
+    ends = np.flatnonzero(sep[:-1] & ~sep[1:]) + 1  # after the last separator of each run
+    lines = [0, *ends.tolist(), n]
+    out = [0]
+    for a, b, c in zip(lines, lines[1:], lines[2:]):  # keep cut b unless the lines on both sides are short
+        if b - a >= min_size or c - b >= min_size:
+            out.append(b)
+    return out + [n]
+
+
 def boundaries(ids: Sequence[int] | np.ndarray, min_size: int = MIN_SIZE, max_size: int = MAX_SIZE,
-               window: int = WINDOW) -> list[int]:
+               window: int = WINDOW, separators: np.ndarray | None = None) -> list[int]:
     """The cuts of ``ids``: ``[0, c1, ..., n]`` (chunk ``j`` is ``[cuts[j], cuts[j + 1])``); see
-    the module docstring. ``[0]`` for no tokens."""
+    the module docstring. ``[0]`` for no tokens. ``separators``: the line-break ids
+    (``separator_ids``) that start segments, each cut on its own; None: one segment."""
     if not (1 <= min_size and 2 * min_size <= max_size):
         raise ValueError(f"content chunks need 1 <= min_size and 2 * min_size <= max_size, got {min_size}, {max_size}")
+    arr = np.asarray(ids, dtype=np.int64)
+    segs = segments(arr, separators, min_size)
+    if len(segs) <= 2:
+        return _cut(arr, min_size, max_size, window)
+    out = [0]
+    for a, b in zip(segs, segs[1:]):
+        out += [a + c for c in _cut(arr[a:b], min_size, max_size, window)[1:]]
+    return out
+
+
+def _cut(ids: np.ndarray, min_size: int, max_size: int, window: int) -> list[int]:
+    """``boundaries`` of one segment: the content rule of the module docstring."""
     h = position_hashes(ids, window)
     n, radius = h.shape[0], min_size - 1
     if n == 0:
@@ -109,7 +155,7 @@ def _split_long(cuts: list[int], max_size: int) -> list[int]:
 
 
 def chunks(ids: Sequence[int] | np.ndarray, min_size: int = MIN_SIZE, max_size: int = MAX_SIZE,
-           window: int = WINDOW) -> list[tuple[int, int]]:
+           window: int = WINDOW, separators: np.ndarray | None = None) -> list[tuple[int, int]]:
     """``[start, end)`` of every content-defined chunk of ``ids``, in order, covering them all."""
-    cuts = boundaries(ids, min_size, max_size, window)
+    cuts = boundaries(ids, min_size, max_size, window, separators)
     return list(zip(cuts, cuts[1:]))

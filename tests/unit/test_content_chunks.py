@@ -117,3 +117,56 @@ def test_content_keys_name_the_tokens_only():
 def test_content_keys_refuse_bad_spans(span):
     with pytest.raises(ValueError):
         content_keys(R, [span], NS)
+
+
+# ------------------------------------------------------------------ line breaks start segments
+NL = np.array([10, 11])  # the "line-break" ids of these tests
+
+
+@pytest.mark.parametrize("ids, expected", [
+    ([], [0]),
+    ([1, 2, 3], [0, 3]),
+    ([1] * 20 + [10] + [2] * 20, [0, 21, 41]),  # a line break after >= min_size tokens closes a segment
+    ([1] * 5 + [10] + [2] * 20, [0, 6, 26]),  # a short line before a long one is a segment too
+    ([1] * 3 + [10] + [1] * 3 + [11] + [1] * 14 + [10] + [3] * 4, [0, 8, 23, 27]),  # short lines stay together
+    ([1] * 3 + [10] + [1] * 3 + [11] + [1] * 10 + [10] + [3] * 4, [0, 23]),  # all short: one segment
+    ([1] * 20 + [10, 11, 10] + [2] * 20, [0, 23, 43]),  # a run of line breaks ends one line
+    ([1] * 20 + [10], [0, 21]),  # a line break at the end closes nothing
+], ids=["empty", "short", "two lines", "a short first line", "short lines", "all short", "blank lines",
+        "final line break"])
+def test_segments(ids, expected):
+    assert content.segments(ids, NL) == expected
+    assert content.segments(ids, None) == ([0, len(ids)] if ids else [0])
+
+
+def test_without_separators_the_cuts_are_the_hash_rule_alone():
+    ids = R[:400] + [10] + R[400:800]
+    assert boundaries(ids) == boundaries(ids, separators=None) == boundaries(ids, separators=np.array([], dtype=np.int64))
+
+
+@pytest.mark.parametrize("before", [run(20, 37), run(21, 300) + [11, 10], R[:12]], ids=["short", "long", "the run"])
+@pytest.mark.parametrize("after", [[], run(22, 50)], ids=["at the end", "then more"])
+def test_a_passage_between_line_breaks_has_the_same_chunks_edges_included(before, after):
+    passage = [t for t in run(23, 420) if t not in (10, 11)]
+    alone = chunks(passage + ([10] if after else []), separators=NL)
+    joined = before + [10] + passage + ([10] + after if after else [])
+    start = len(before) + 1
+    found = {(s - start, e - start) for s, e in chunks(joined, separators=NL)}
+    assert set(alone) <= found  # every chunk of the passage, its first and last included
+    assert boundaries(joined, separators=NL)[-1] == len(joined)
+
+
+def test_content_keys_of_a_moved_passage_all_match():
+    docs = [[t for t in run(30 + i, 250) if t not in (10, 11)] for i in range(4)]
+    def prompt(order):
+        ids = [5, 6, 7, 10]
+        for i in order:
+            ids += docs[i] + [10, 10]
+        return ids + run(40, 20)
+    a, b = prompt([0, 1, 2, 3]), prompt([2, 0, 3, 1])
+    keys = lambda ids: set(content_keys(ids, chunks(ids, separators=NL), NS))  # noqa: E731
+    ka, kb = keys(a), keys(b)
+    doc_tokens = sum(len(d) for d in docs)
+    shared = sum(e - s for (s, e), k in zip(chunks(b, separators=NL), content_keys(b, chunks(b, separators=NL), NS)) if k in ka)
+    assert shared >= doc_tokens  # every passage token (and its trailing line breaks) found
+    assert len(kb - ka) <= 3
