@@ -42,9 +42,9 @@ Every kvfuse and LMCache path is checked bit-exact once. A ``redis-server`` is s
     python bench/store.py --signing       # signed vs unsigned entries (cache.signing_key), disk and Redis
 
 ``--signing`` measures the cost of signed entries instead of the comparison above: the disk and
-Redis tiers' put (``encode_entry``, then ``Entry.signed``: SHA-256 of every layer and the HMAC,
+Redis tiers' put (``encode_entry``, then ``Entry.signed``: BLAKE3 of every layer and the HMAC,
 what the store's background writer adds with a key) and get (the same reads, checked with the
-signer: the tag, then every layer against its SHA-256 digest instead of its xxh3 checksum), each
+signer: the tag, then every layer against its BLAKE3 digest instead of its xxh3 checksum), each
 signed and unsigned in the same repetition, alternating which goes first; ``--reps`` repetitions
 (default 5), each cell the median of ``--runs`` runs. The ratio signed / unsigned is taken within
 each repetition and reported as its median (min-max). The memory tier is not measured: it holds
@@ -610,17 +610,17 @@ def measure_signing(kv: dict, args, workdir: Path, redis_url: str) -> dict:
 
 def signing_breakdown(kv: dict, runs: int) -> dict:
     """Milliseconds per batch of the CPU work alone, in memory, median of ``runs``: the header an
-    unsigned put builds (xxh3 per layer) vs ``Entry.signed`` (xxh3, SHA-256 per layer, HMAC), and
-    the check of a get: ``open_entry`` unsigned (xxh3) vs signed with the signer (HMAC, SHA-256)."""
+    unsigned put builds (xxh3 per layer) vs ``Entry.signed`` (BLAKE3 per layer, HMAC), and the
+    check of a get: ``open_entry`` unsigned (xxh3) vs signed with the signer (HMAC, BLAKE3)."""
     codec, signer = get_codec("raw"), EntrySigner([os.urandom(32)])
     entries = _encode_all(kv["keys"], kv["chunks"], codec)
     plain = [bytearray(e.join()) for _, e in entries]
     signed = [bytearray(e.signed(signer).join()) for _, e in entries]
     pieces = {
         "unsigned header (xxh3)": lambda: [encode_entry(c, k, codec).header for k, c in zip(kv["keys"], kv["chunks"])],
-        "signed header (xxh3 + SHA-256 + HMAC)": lambda: [e.signed(signer) for _, e in entries],
+        "signed header (BLAKE3 + HMAC)": lambda: [e.signed(signer) for _, e in entries],
         "open_entry unsigned (xxh3)": lambda: [open_entry(b) for b in plain],
-        "open_entry signed, checked (HMAC + SHA-256)": lambda: [open_entry(b, signer=signer) for b in signed],
+        "open_entry signed, checked (HMAC + BLAKE3)": lambda: [open_entry(b, signer=signer) for b in signed],
     }
     out = {}
     for name, fn in pieces.items():

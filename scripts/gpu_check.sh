@@ -134,7 +134,7 @@ import importlib.util
 need = {"numpy": "numpy>=1.26", "safetensors": "safetensors>=0.4", "gguf": "gguf>=0.10", "tokenizers": "tokenizers>=0.20",
         "jinja2": "jinja2>=3.1", "transformers": "transformers>=4.50", "yaml": "pyyaml>=6", "xxhash": "xxhash>=3.4",
         "redis": "redis>=5", "hiredis": "hiredis>=2", "tqdm": "tqdm>=4.60", "prometheus_client": "prometheus-client>=0.20",
-        "constriction": "constriction>=0.4", "pytest": "pytest>=8"}
+        "constriction": "constriction>=0.4", "blake3": "blake3>=1.0", "pytest": "pytest>=8"}
 print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 }

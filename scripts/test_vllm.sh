@@ -21,7 +21,7 @@ if ! "$KVFUSE_VLLM_PYTHON" -c "import vllm" 2>/dev/null; then
     bash bench/setup_vllm.sh "$VLLM_VENV"
 fi
 if ! "$KVFUSE_VLLM_PYTHON" -c "import kvfuse.integrations.vllm.connector" 2>/dev/null; then
-    pins=$(.venv/bin/python -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('xxhash', 'redis', 'hiredis', 'constriction', 'gguf')))")
+    pins=$(.venv/bin/python -c "import importlib.metadata as m; print(' '.join(f'{p}=={m.version(p)}' for p in ('xxhash', 'blake3', 'redis', 'hiredis', 'constriction', 'gguf')))")
     # shellcheck disable=SC2086
     "$KVFUSE_VLLM_PYTHON" -m pip install -q --no-deps $pins
     "$KVFUSE_VLLM_PYTHON" -m pip install -q --no-deps --no-build-isolation -e .

@@ -12,10 +12,12 @@ Layout (all integers little-endian)::
                   otherwise n x i64
     token ids     flags & 2: n x u32, the token ids whose KV the entry holds, in slot order (every
                   entry the engine writes has them; absent only in entries built without them)
-    layer table   one (u64 size, u64 xxh3_64 of the layer's bytes) per layer, in layer order
-    signature     flags & 4 (signed): one SHA-256 digest (32 bytes) of each layer's bytes, in layer
-                  order, then the HMAC-SHA256 tag (32 bytes) of every header byte before it
-                  (``kv/signing.py``)
+    layer table   one (u64 size, u64 xxh3_64 of the layer's bytes) per layer, in layer order; in an
+                  entry with a digest id (flags & 8) the xxh3 fields are zero: its digests replace them
+    signature     flags & 4 (signed): flags & 8: one u8 digest algorithm id (``kv/digests.py``: 1 =
+                  BLAKE3; without flag 8, SHA-256: entries signed before ids); then one digest
+                  (32 bytes) of each layer's bytes, in layer order; then the HMAC-SHA256 tag
+                  (32 bytes) of every header byte before it (``kv/signing.py``)
     padding       zero bytes, so that the payload starts at a multiple of 64 (aligned tensor views)
     checksum      u64 xxh3_64 of every header byte before it
     payload       the codec's bytes of layer 0, then layer 1, ...: exactly the sizes of the table
@@ -30,16 +32,20 @@ its encoding (``kv/keys.py``), so a reader accepts any registered codec. xxh3 is
 check (torn writes, bit rot, truncation), not an authentication.
 
 Signatures. Authentication is the signature (``kv/signing.py``): a writer given an ``EntrySigner``
-(the store's background writer, when ``cache.signing_key`` is set) adds the layers' SHA-256 digests
-and an HMAC tag over the header, flagged by flag bit 4. A reader given a signer checks the tag
-before anything else in the header is interpreted (only the lengths that locate the tag are read
-first), and then each layer it reads against its signed digest instead of its xxh3 checksum. An
-entry without a signature, or whose tag or digests do not match, is a ``SignatureError`` (a
-``FormatError``: a miss). A reader given no signer reads signed and unsigned entries alike (the
-signature is skipped, the xxh3 checksums checked): signing is checked only where a key is
-configured, and turning it on needs no new format version, so no cache key changes; entries
-written before it are then refused as "unsigned". (A build from before signing refuses signed
-entries: flag 4 is unknown to it.)
+(the store's background writer, when ``cache.signing_key`` is set) adds the digest algorithm's id,
+the layers' BLAKE3 digests and an HMAC tag over the header, flagged by flag bits 4 and 8 (and
+skips the xxh3 pass: the digests are the payload's checks). A reader given a signer checks the tag
+before anything else in the header is interpreted (only the lengths and flags that locate the tag
+are read first), then the digest id (an unknown one is refused like a bad tag), and then each
+layer it reads against its signed digest instead of its xxh3 checksum. An entry without a
+signature, or whose tag, digest id or digests do not match, is a ``SignatureError`` (a
+``FormatError``: a miss). Entries signed before digest ids (flag 4 without 8: SHA-256 digests,
+xxh3 checksums too) are still read, and checked the same way. A reader given no signer does not
+check the tag: it checks an entry's xxh3 checksums, or, in an entry with a digest id, its digests
+(unkeyed: an integrity check, like xxh3). Signing is checked only where a key is configured, and
+turning it on needs no new format version, so no cache key changes; entries written before it are
+then refused as "unsigned". (A build from before signing refuses signed entries, and one from
+before digest ids refuses entries with one: flags 4 and 8 are unknown to them.)
 
 Token ids. A key is a SHA-256 over the chunk's tokens (and, for a prefix chunk, every token
 before it), and the entry repeats its key; since format version 3 it also records the token ids
@@ -71,7 +77,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -82,7 +88,9 @@ from kvfuse.codecs import get_codec_by_id
 from kvfuse.codecs.base import Codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.kv.signing import DIGEST_SIZE, TAG_SIZE, EntrySigner, layer_digest
+from kvfuse.kv.digests import (BLAKE3, DIGEST_SIZE, NAMES, SHA256, Pending, concurrent, gather, layer_digest,
+                               layer_digests)
+from kvfuse.kv.signing import TAG_SIZE, EntrySigner
 from kvfuse.kv.version import FORMAT_VERSION
 
 MAX_TOKENS = 1 << 20  # per entry; a header claiming more is not an entry (positions are allocated from it)
@@ -95,11 +103,16 @@ _ALIGN = 64
 _FLAG_CONTIGUOUS = 1
 _FLAG_TOKENS = 2
 _FLAG_SIGNED = 4
-_KNOWN_FLAGS = _FLAG_CONTIGUOUS | _FLAG_TOKENS | _FLAG_SIGNED
+_FLAG_DIGEST_ID = 8  # with _FLAG_SIGNED: the signature starts with its digest algorithm's id (u8)
+_KNOWN_FLAGS = _FLAG_CONTIGUOUS | _FLAG_TOKENS | _FLAG_SIGNED | _FLAG_DIGEST_ID
+_ID_BYTES = (BLAKE3,)  # the algorithm ids a digest id byte may hold (SHA-256 is written as no id)
 MIN_READ = 4096  # a header read of this many bytes holds most whole headers (see header_length)
 # read_entry reads the payload a few layers at a time, at least this many bytes: a piece must
 # still be in the CPU's cache when it is hashed, right after its read.
 PIECE_BYTES = 256 << 10
+# ... and a piece checked by digest (a signed entry) is hashed on a pool thread while the next one is
+# read (kv/digests.py): larger, so that the hand-off costs little beside the hashing.
+DIGEST_PIECE_BYTES = 1 << 20
 
 
 
@@ -110,22 +123,24 @@ class FormatError(ValueError):
 
 class SignatureError(FormatError):
     """An entry refused by a reader that checks signatures: ``reason`` is ``"unsigned"`` (no
-    signature) or ``"signature"`` (a tag no accepted key made, or a payload that does not match
-    its signed digests)."""
+    signature) or ``"signature"`` (a tag no accepted key made, an unknown digest algorithm, or a
+    payload that does not match its signed digests)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
 
 
-def _signature_len(num_layers: int, signed: bool) -> int:
-    return DIGEST_SIZE * num_layers + TAG_SIZE if signed else 0
+def _signature_len(num_layers: int, flags: int) -> int:
+    if not flags & _FLAG_SIGNED:
+        return 0
+    return (1 if flags & _FLAG_DIGEST_ID else 0) + DIGEST_SIZE * num_layers + TAG_SIZE
 
 
 def _padded_header_len(key_len: int, positions_len: int, num_layers: int, tokens_len: int = 0,
-                       signed: bool = False) -> int:
+                       flags: int = 0) -> int:
     unpadded = (_FIXED.size + key_len + positions_len + tokens_len + _LAYER.size * num_layers
-                + _signature_len(num_layers, signed) + _CHECKSUM.size)
+                + _signature_len(num_layers, flags) + _CHECKSUM.size)
     return -(-unpadded // _ALIGN) * _ALIGN
 
 
@@ -188,11 +203,12 @@ class Entry:
     def parts(self) -> tuple[bytes, memoryview]:
         return self.header, self.payload
 
-    def signed(self, signer: EntrySigner) -> Entry:
+    def signed(self, signer: EntrySigner, algorithm: int = BLAKE3) -> Entry:
         """This entry with a header signed by ``signer`` (its first key); the payload is shared,
-        not copied. Hashes every payload byte (SHA-256): done by the store's background writer."""
+        not copied. Hashes every payload byte (``algorithm``: BLAKE3; ``SHA256`` writes an entry as
+        builds before digest ids did): done by the store's background writer."""
         return Entry(self.key, self.codec, self.shape, self.dtype, self.positions, self.payload, self.layer_sizes,
-                     _build_header(self, signer), self.token_ids)
+                     _build_header(self, signer, algorithm), self.token_ids)
 
     def join(self) -> bytearray:
         """The serialized entry as one contiguous buffer (one copy)."""
@@ -324,20 +340,23 @@ class EntryHeader:
 class Header:
     """A parsed, checked header: enough to find, check and decode any layer range of the payload.
     (A plain slotted class: it is built for every entry read, and a frozen dataclass's
-    ``__init__`` costs several times more.) ``digests``: a signed entry's SHA-256 per layer (None:
-    unsigned); ``verified``: its tag was checked, so layers are checked against those digests."""
+    ``__init__`` costs several times more.) ``digests``: a signed entry's digest per layer (None:
+    unsigned), made with ``algorithm`` (``kv/digests.py``); ``verified``: its tag was checked, so
+    layers are checked against those digests; ``by_digest``: layers are checked against the digests
+    instead of the xxh3 checksums (verified, or an entry with a digest id, whose table has none)."""
 
     __slots__ = ("key", "codec", "dtype", "shape", "positions", "contiguous", "header_len", "layer_sizes",
-                 "layer_checksums", "raw", "token_ids", "digests", "verified")
+                 "layer_checksums", "raw", "token_ids", "digests", "verified", "algorithm", "by_digest")
 
     def __init__(self, key: str, codec: Codec, dtype: torch.dtype, shape: tuple[int, ...], positions: torch.Tensor,
                  contiguous: bool, header_len: int, layer_sizes: tuple[int, ...], layer_checksums: tuple[int, ...],
                  raw: bytes, token_ids: torch.Tensor | None = None, digests: tuple[bytes, ...] | None = None,
-                 verified: bool = False):
+                 verified: bool = False, algorithm: int = SHA256, by_digest: bool = False):
         self.key, self.codec, self.dtype, self.shape, self.positions = key, codec, dtype, shape, positions
         self.contiguous, self.header_len, self.raw = contiguous, header_len, raw
         self.layer_sizes, self.layer_checksums = layer_sizes, layer_checksums
         self.token_ids, self.digests, self.verified = token_ids, digests, verified
+        self.algorithm, self.by_digest = algorithm, by_digest or verified
 
     @property
     def payload_len(self) -> int:
@@ -351,25 +370,42 @@ class Header:
         return start, start + sum(self.layer_sizes[first:last])
 
     def check_layer(self, i: int, data: memoryview) -> None:
-        """FormatError unless ``data`` are layer ``i``'s bytes: against its signed SHA-256 digest
-        when the signature was verified (a ``SignatureError``: damage and forgery look alike
-        there), else its xxh3 checksum."""
-        if self.verified:
-            if layer_digest(data) != self.digests[i]:
-                raise SignatureError("signature", f"payload of layer {i} does not match its signed digest")
+        """FormatError unless ``data`` are layer ``i``'s bytes: against its digest when
+        ``by_digest`` (a ``SignatureError`` when the signature was verified: damage and forgery
+        look alike there), else its xxh3 checksum."""
+        if self.by_digest:
+            self.check_digest(i, layer_digest(data, self.algorithm))
         elif xxhash.xxh3_64_intdigest(data) != self.layer_checksums[i]:
             raise FormatError(f"payload checksum mismatch in layer {i}")
 
+    def check_digest(self, i: int, digest: bytes) -> None:
+        """FormatError (SignatureError when verified) unless ``digest`` is layer ``i``'s."""
+        if digest != self.digests[i]:
+            message = f"payload of layer {i} does not match its {NAMES[self.algorithm]} digest"
+            raise SignatureError("signature", message) if self.verified else FormatError(message)
+
+    def layer_views(self, data: memoryview, first: int, last: int) -> list[memoryview]:
+        """Views of the bytes of layers ``[first, last)`` in ``data`` (which starts at layer ``first``)."""
+        views, off = [], 0
+        for size in self.layer_sizes[first:last]:
+            views.append(data[off : off + size])
+            off += size
+        return views
+
     def check_layers(self, data: memoryview, first: int, last: int) -> None:
-        """FormatError unless ``data`` is exactly the intact bytes of layers ``[first, last)``."""
+        """FormatError unless ``data`` is exactly the intact bytes of layers ``[first, last)``
+        (digests: all layers hashed concurrently, ``kv/digests.py``)."""
         expected = sum(self.layer_sizes[first:last])
         if len(data) != expected:
             kind = "truncated" if len(data) < expected else "trailing bytes after"
             raise FormatError(f"{kind} payload ({len(data)} bytes, header says {expected})")
-        off = 0
-        for i, size in zip(range(first, last), self.layer_sizes[first:last]):
-            self.check_layer(i, data[off : off + size])
-            off += size
+        views = self.layer_views(data, first, last)
+        if self.by_digest:
+            for i, digest in zip(range(first, last), layer_digests(views, self.algorithm)):
+                self.check_digest(i, digest)
+        else:
+            for i, view in zip(range(first, last), views):
+                self.check_layer(i, view)
 
     def decode_layers(self, data: memoryview, first: int, last: int) -> torch.Tensor:
         """Check and decode the bytes of layers ``[first, last)`` (read on their own); FormatError."""
@@ -433,23 +469,28 @@ def _position_bytes(pos: torch.Tensor) -> tuple[bool, bytes]:
     return False, pos.numpy().astype("<i8").tobytes()
 
 
-def _build_header(e: Entry, signer: EntrySigner | None = None) -> bytes:
-    """The header of ``e``; signed by ``signer`` (its layers' SHA-256 digests and the tag) if given."""
+def _build_header(e: Entry, signer: EntrySigner | None = None, algorithm: int = BLAKE3) -> bytes:
+    """The header of ``e``; signed by ``signer`` if given: the digest id (none for ``SHA256``:
+    the layout of entries signed before ids), the layers' digests and the tag. An entry with a
+    digest id carries no xxh3 checksums (zeros): its digests are its payload's checks."""
     key_bytes = e.key.encode("utf-8")
     contiguous, pos_bytes = _position_bytes(e.positions)
     tok_bytes = b"" if e.token_ids is None else e.token_ids.numpy().astype("<u4").tobytes()
     layers = [e.layer_bytes(i, i + 1) for i in range(len(e.layer_sizes))]
-    table = b"".join(_LAYER.pack(size, xxhash.xxh3_64_intdigest(v)) for size, v in zip(e.layer_sizes, layers))
-    digests = b"".join(layer_digest(v) for v in layers) if signer is not None else b""
-    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes), len(tok_bytes),
-                                    signer is not None)
+    with_id = signer is not None and algorithm != SHA256
+    if with_id and algorithm not in _ID_BYTES:
+        raise ValueError(f"unknown digest algorithm id {algorithm}")
+    checksums = [0] * len(layers) if with_id else [xxhash.xxh3_64_intdigest(v) for v in layers]
+    table = b"".join(_LAYER.pack(size, c) for size, c in zip(e.layer_sizes, checksums))
+    digests = b"".join(layer_digests(layers, algorithm)) if signer is not None else b""
     flags = ((_FLAG_CONTIGUOUS if contiguous else 0) | (0 if e.token_ids is None else _FLAG_TOKENS)
-             | (0 if signer is None else _FLAG_SIGNED))
+             | (0 if signer is None else _FLAG_SIGNED) | (_FLAG_DIGEST_ID if with_id else 0))
+    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes), len(tok_bytes), flags)
     fixed = _FIXED.pack(
         MAGIC, FORMAT_VERSION, header_len, e.codec.codec_id, e.codec.level, dtypes.code_of(e.dtype),
         flags, *e.shape, e.positions.shape[0], len(key_bytes), e.payload.nbytes,
     )
-    body = b"".join((fixed, key_bytes, pos_bytes, tok_bytes, table, digests))
+    body = b"".join((fixed, key_bytes, pos_bytes, tok_bytes, table, bytes([algorithm]) if with_id else b"", digests))
     tag = signer.sign(body) if signer is not None else b""
     head = body + tag + bytes(header_len - len(body) - len(tag) - _CHECKSUM.size)
     return head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
@@ -494,9 +535,14 @@ class _Frame(NamedTuple):
         return _FIXED.size + self.key_len + self.pos_len + self.tok_len
 
     @property
+    def digests_at(self) -> int:
+        """Offset of a signed header's layer digests (its digest id, if any, is the byte before)."""
+        return self.table + _LAYER.size * self.shape[0] + (1 if self.flags & _FLAG_DIGEST_ID else 0)
+
+    @property
     def tag_at(self) -> int:
         """Offset of a signed header's tag (every byte before it is signed)."""
-        return self.table + (_LAYER.size + DIGEST_SIZE) * self.shape[0]
+        return self.digests_at + DIGEST_SIZE * self.shape[0]
 
 
 def _frame(mv: memoryview) -> _Frame:
@@ -508,7 +554,7 @@ def _frame(mv: memoryview) -> _Frame:
     shape, (n_pos, key_len, payload_len) = tuple(rest[:5]), rest[5:]
     pos_len = 8 if flags & _FLAG_CONTIGUOUS else 8 * n_pos
     tok_len = 4 * n_pos if flags & _FLAG_TOKENS else 0
-    if header_len != _padded_header_len(key_len, pos_len, shape[0], tok_len, bool(flags & _FLAG_SIGNED)):
+    if header_len != _padded_header_len(key_len, pos_len, shape[0], tok_len, flags):
         raise FormatError(f"inconsistent header length {header_len}")
     if len(mv) < header_len:
         raise FormatError(f"truncated header ({len(mv)} of {header_len} bytes)")
@@ -518,6 +564,8 @@ def _frame(mv: memoryview) -> _Frame:
     # The checksum only proves the bytes are the writer's; now check the writer spoke our dialect.
     if flags & ~_KNOWN_FLAGS:
         raise FormatError(f"unknown header flags {flags:#x}")
+    if flags & _FLAG_DIGEST_ID and not flags & _FLAG_SIGNED:
+        raise FormatError("a digest id in an unsigned header")
     return _Frame(header_len, codec_id, level, dtype_code, flags, shape, n_pos, key_len, payload_len, pos_len,
                   tok_len)
 
@@ -547,6 +595,7 @@ def parse_header(blob: bytes | bytearray | memoryview, signer: EntrySigner | Non
 
 def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
     """The header's fields after ``_frame`` (and, when ``verified``, the signature) checked it."""
+    algorithm = _digest_algorithm(mv, f, verified)
     dtype = dtypes.from_code(f.dtype_code)
     if dtype is None:
         raise FormatError(f"unknown dtype code {f.dtype_code}")
@@ -574,7 +623,8 @@ def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
     off = f.table + _LAYER.size * shape[0]
     digests = None
     if f.flags & _FLAG_SIGNED:
-        digests = tuple(bytes(mv[off + DIGEST_SIZE * i : off + DIGEST_SIZE * (i + 1)]) for i in range(shape[0]))
+        at = f.digests_at
+        digests = tuple(bytes(mv[at + DIGEST_SIZE * i : at + DIGEST_SIZE * (i + 1)]) for i in range(shape[0]))
         off = f.tag_at + TAG_SIZE
     if any(mv[off : f.header_len - _CHECKSUM.size]):
         raise FormatError("non-zero header padding")
@@ -586,7 +636,21 @@ def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
     if expected is not None and sizes.count(expected) != len(sizes):
         raise FormatError(f"payload length {f.payload_len} does not match {codec.name} {shape} ({expected} per layer)")
     return Header(key, codec, dtype, shape, positions, f.flags & _FLAG_CONTIGUOUS != 0, f.header_len, sizes,
-                  table[1::2], bytes(mv[: f.header_len]), token_ids, digests, verified)
+                  table[1::2], bytes(mv[: f.header_len]), token_ids, digests, verified, algorithm,
+                  bool(f.flags & _FLAG_DIGEST_ID))
+
+
+def _digest_algorithm(mv: memoryview, f: _Frame, verified: bool) -> int:
+    """The id of a signed header's digest algorithm (``SHA256`` when it has no id byte); an unknown
+    id is a ``SignatureError`` for a reader that checked the tag (a refusal like a bad tag), else a
+    FormatError (the payload cannot be checked)."""
+    if not f.flags & _FLAG_DIGEST_ID:
+        return SHA256
+    algorithm = mv[f.digests_at - 1]
+    if algorithm not in _ID_BYTES:
+        message = f"unknown digest algorithm id {algorithm}"
+        raise SignatureError("signature", message) if verified else FormatError(message)
+    return algorithm
 
 
 def _codec_of(codec_id: int, level: int) -> Codec:
@@ -644,9 +708,11 @@ def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: C
     right after it arrived, still in cache: in a one-off A/B on the 2-core development VM, the
     disk tier's reads of a 94 MB prompt went from ~19-22 ms to ~14 ms this way (plain
     ``readinto`` of the same bytes: ~12 ms). The header is checked (with ``signer``: its signature
-    first), and the key and ``spec`` compared, before any payload byte is read; each layer is then
-    checked against its signed digest when the signature was. The returned entry owns a fresh writable buffer (raw payloads decode without a
-    copy).
+    first), and the key and ``spec`` compared, before any payload byte is read. Layers checked by
+    digest (a signed entry: ``Header.by_digest``) are read in larger pieces (``DIGEST_PIECE_BYTES``),
+    each hashed on a pool thread while the next one is read (``kv/digests.py``), and all compared
+    before the entry is returned. The returned entry owns a fresh writable buffer (raw payloads
+    decode without a copy).
     """
     buf = memoryview(np.empty(size, dtype=np.uint8))
 
@@ -672,15 +738,34 @@ def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: C
     if size != header_len + h.payload_len:
         kind = "truncated" if size < header_len + h.payload_len else "trailing bytes after"
         raise FormatError(f"{kind} payload ({size - header_len} bytes, header says {h.payload_len})")
-    off = header_len
-    for i, n in enumerate(h.layer_sizes):
-        if off + n > have:  # read on: at least this layer, at least PIECE_BYTES bytes
-            more = min(size, max(off + n, have + PIECE_BYTES))
-            fill(have, more)
-            have = more
-        h.check_layer(i, buf[off : off + n])
-        off += n
+    views = h.layer_views(buf[header_len:], 0, len(h.layer_sizes))
+    pending: list[Pending] = []  # checked by digest on the pool: each piece's layers, started once read
+    piece_bytes = DIGEST_PIECE_BYTES if h.by_digest else PIECE_BYTES
+    for first, last, stop in _pieces(h.layer_sizes, header_len, have, piece_bytes):
+        if stop > have:
+            fill(have, stop)
+            have = stop
+        if h.by_digest and concurrent():
+            pending.append(Pending(views[first:last], h.algorithm))
+        else:
+            for i in range(first, last):
+                h.check_layer(i, views[i])
+    for i, digest in enumerate(gather(pending)):
+        h.check_digest(i, digest)
     return h.entry(buf[header_len:])
+
+
+def _pieces(sizes: tuple[int, ...], start: int, have: int, piece_bytes: int) -> Iterator[tuple[int, int, int]]:
+    """How ``read_entry`` reads a payload of layers of ``sizes`` that starts at offset ``start``
+    when ``have`` bytes are read: ``(first, last, stop)`` per piece, layers ``[first, last)``, whose
+    bytes end at offset ``stop``; each piece whole layers, at least ``piece_bytes`` not yet read
+    (but the last)."""
+    first, off = 0, start
+    for i, n in enumerate(sizes):
+        off += n
+        if i + 1 == len(sizes) or off - have >= piece_bytes:
+            yield first, i + 1, off
+            first, have = i + 1, max(have, off)
 
 
 def verify(blob: Blob, expected_key: ChunkKey | str | None = None, signer: EntrySigner | None = None) -> bool:

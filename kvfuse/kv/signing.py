@@ -5,13 +5,15 @@ tier (the Redis keyspace, the S3 bucket, the disk folder) can write an entry tha
 under the key a request looks up, with other KV, and steer every tenant's answers. With signing,
 only a holder of a configured key can write an entry that kvfuse loads.
 
-What is signed (``kv/format.py`` lays it out): a signed entry's header holds the SHA-256 digest of
-each layer's payload bytes and, after them, an HMAC-SHA256 tag over every header byte before the
-tag: the fixed fields (format version, codec, dtype, shape, flags), the storage key, the
-positions, the token ids, the layer table and those digests. The tag therefore covers the header
-and, through the digests, the payload. Digests per layer, rather than one MAC over the payload,
-because readers also load one layer range without the rest (layer-wise loading): the tag is
-checked on the header, then only the digests of the layers read.
+What is signed (``kv/format.py`` lays it out): a signed entry's header holds the id of a digest
+algorithm, the digest of each layer's payload bytes with it (BLAKE3; SHA-256 in entries signed
+before the id existed: ``kv/digests.py``) and, after them, an HMAC-SHA256 tag over every header
+byte before the tag: the fixed fields (format version, codec, dtype, shape, flags), the storage
+key, the positions, the token ids, the layer table, the digest id and the digests. The tag
+therefore covers the header and, through the digests, the payload. Digests per layer, rather than
+one MAC over the payload, because readers also load one layer range without the rest (layer-wise
+loading): the tag is checked on the header, then only the digests of the layers read. The tag
+stays HMAC-SHA256: it is over the header only (a few KB), where the hash's speed does not matter.
 
 Rotation: ``EntrySigner(keys)`` signs with ``keys[0]`` and accepts a tag of any of them, so a
 new key is added to every process's list first (accepted everywhere), then moved to the front
@@ -28,13 +30,7 @@ import hmac
 from typing import Sequence
 
 TAG_SIZE = 32  # HMAC-SHA256
-DIGEST_SIZE = 32  # SHA-256 of one layer's payload bytes
 MIN_KEY_BYTES = 32  # a shorter key is refused: HMAC's strength is the key's entropy
-
-
-def layer_digest(data) -> bytes:
-    """The SHA-256 digest of one layer's payload bytes (any buffer)."""
-    return hashlib.sha256(data).digest()
 
 
 class EntrySigner:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from kvfuse.kv.digests import SHA256, layer_digest
 from kvfuse_helpers import greedy_reference  # noqa: F401  (the references of the reliability tests)
 
 NEAR_TIE = 1e-3
@@ -53,8 +54,9 @@ def reseal(blob: bytes | bytearray | memoryview, fields: dict[int, tuple[str, in
            layer_edits: dict[tuple[int, int], int] = ()) -> bytes:
     """``blob`` with fixed-header fields changed (``{offset: (struct format, value)}``) and payload
     bytes changed (``{(layer, offset in the layer): byte}``), every checksum recomputed (each
-    edited layer's in the layer table, then the header's): a forgery that passes every integrity
-    check, so only what the fields *mean* is tested."""
+    edited layer's in the layer table, and in a signed entry its digest, then the header's): a
+    forgery that passes every integrity check, so only what the fields *mean* is tested (and, in a
+    signed entry, only the tag, which needs the key, is left wrong)."""
     b = bytearray(blob)
     fields, layer_edits = dict(fields), dict(layer_edits)
     header_len, _, _, _, flags = struct.unpack_from("<IHHBB", b, HEADER_LEN)
@@ -68,8 +70,13 @@ def reseal(blob: bytes | bytearray | memoryview, fields: dict[int, tuple[str, in
     for (layer, off), value in layer_edits.items():
         b[starts[layer] + off] = value
     for layer in {layer for layer, _ in layer_edits}:
-        digest = xxhash.xxh3_64_intdigest(bytes(b[starts[layer] : starts[layer] + sizes[layer]]))
-        struct.pack_into("<Q", b, table + 16 * layer + 8, digest)
+        data = bytes(b[starts[layer] : starts[layer] + sizes[layer]])
+        if flags & 8:  # a digest id: no xxh3 in the table, the digest alone checks the payload
+            struct.pack_into("32s", b, table + 16 * L + 1 + 32 * layer, layer_digest(data, b[table + 16 * L]))
+        else:
+            struct.pack_into("<Q", b, table + 16 * layer + 8, xxhash.xxh3_64_intdigest(data))
+            if flags & 4:  # signed before digest ids: SHA-256
+                struct.pack_into("32s", b, table + 16 * L + 32 * layer, layer_digest(data, SHA256))
     for offset, (fmt, value) in fields.items():
         struct.pack_into(fmt, b, offset, value)
     struct.pack_into("<Q", b, header_len - 8, xxhash.xxh3_64_intdigest(bytes(b[: header_len - 8])))

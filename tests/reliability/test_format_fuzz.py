@@ -19,10 +19,11 @@ type (``FormatError`` for the format, ``CodecError`` for a codec) or returns a v
   tensor of its declared shape and dtype or raises ``FormatError``;
 - a codec returns a tensor of the shape and dtype asked for; CacheGen (whose layers carry a
   checksum of bytes and decoded symbols) only the original's values, int8 only finite values;
-- signed entries (some bases are signed): a reader given the signer (``open_entry``,
-  ``read_entry``, ``parse_header``, ``read_header``) accepts a mutated input only if it *is* the
-  original signed entry (for a header read: only if the header bytes are the original's), however
-  the change was resealed; an unsigned base and random bytes are never accepted with a signer.
+- signed entries (some bases are signed, with BLAKE3 or, as before digest ids, SHA-256 digests):
+  a reader given the signer (``open_entry``, ``read_entry``, ``parse_header``, ``read_header``)
+  accepts a mutated input only if it *is* the original signed entry (for a header read: only if
+  the header bytes are the original's), however the change was resealed; an unsigned base and
+  random bytes are never accepted with a signer.
 
 The default run is small (``FAST``: a few hundred examples per target, derandomized so CI is
 reproducible); ``-m slow`` runs ``SLOW`` examples per target (10000, or ``$KVFUSE_FUZZ_EXAMPLES``)
@@ -52,6 +53,7 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import (MAGIC, Entry, EntrySpec, FormatError, encode_entry, header_length, open_entry,
                               parse_header, read_entry, read_header)
 from kvfuse.kv.keys import Namespace, prefix_keys
+from kvfuse.kv.digests import BLAKE3, SHA256
 from kvfuse.kv.signing import EntrySigner
 
 HARD_LIMIT_S = 20.0  # one call; the watchdog kills the process at 3x this (a hang in native code)
@@ -114,14 +116,14 @@ class Base:
 
 
 def _base(codec: str, level: int, dtype: torch.dtype, layers: int, tokens: int, contiguous: bool, with_ids: bool,
-          seed: int, signed: bool = False) -> Base:
+          seed: int, signed: bool = False, algorithm: int = BLAKE3) -> Base:
     g = torch.Generator().manual_seed(seed)
     kv = (torch.randn((layers, 2, tokens, 2, 8), generator=g) * 3).to(dtype)
     positions = (torch.arange(7, 7 + tokens) if contiguous else torch.randperm(tokens, generator=g) * 3).to(torch.int64)
     ids = torch.randint(0, 50000, (tokens,), generator=g) if with_ids else None
     key = str(prefix_keys(list(range(max(tokens, 1))), max(tokens, 1), NS)[0])
     entry = encode_entry(KVChunk(kv, positions, ids), key, get_codec(codec, level))
-    blob = bytes((entry.signed(SIGNER) if signed else entry).join())
+    blob = bytes((entry.signed(SIGNER, algorithm) if signed else entry).join())
     h = parse_header(blob)
     key_len = len(key.encode())
     table = 50 + key_len + (8 if contiguous else 8 * tokens) + (4 * tokens if with_ids else 0)
@@ -147,11 +149,14 @@ BASES = [
     _base("cachegen", 2, torch.bfloat16, 2, 5, False, True, 8),
     _base("cachegen", 3, torch.float32, 1, 4, True, False, 9),
     _base("cachegen", 4, torch.float16, 2, 3, True, True, 10),
-    # signed (the layer table is where it was; a digest per layer and the tag follow it)
+    # signed (the layer table is where it was; the digest id, a BLAKE3 digest per layer and the tag
+    # follow it), and signed as before digest ids (SHA-256 digests, no id)
     _base("raw", 0, torch.float16, 3, 5, True, True, 11, signed=True),
     _base("raw", 0, torch.bfloat16, 1, 4, False, False, 12, signed=True),
     _base("int8", 0, torch.float16, 2, 6, True, True, 13, signed=True),
     _base("cachegen", 2, torch.float16, 2, 5, True, True, 14, signed=True),
+    _base("raw", 0, torch.float16, 3, 5, True, True, 15, signed=True, algorithm=SHA256),
+    _base("int8", 0, torch.bfloat16, 2, 4, False, True, 16, signed=True, algorithm=SHA256),
 ]
 
 # Fixed-header fields ("<4sHIHHBB5IIHQ"): (offset, struct format).

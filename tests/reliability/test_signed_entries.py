@@ -7,10 +7,11 @@ right token ids, positions, dtype and shape, valid checksums) but holds other KV
 answers of everyone who reuses it. ``test_without_signing_the_forgery_would_be_used`` shows such
 an entry is loaded when signing is off (so the tests below prove something); with signing on,
 each forgery (unsigned, signed with another key, a signed entry with its payload changed and its
-checksum resealed, and the genuine KV merely unsigned) is refused when read, counted by reason
-(``signature_unsigned`` / ``signature_mismatch``, within ``unusable_entries``), removed, computed
-instead, and the answer is the cache-free reference (the near-tie rule of ``load.py``). The entry
-computed in its place is stored signed and serves the next request.
+checks resealed, its BLAKE3 digest included, and the genuine KV merely unsigned) is refused when
+read, counted by reason (``signature_unsigned`` / ``signature_mismatch``, within
+``unusable_entries``), removed, computed instead, and the answer is the cache-free reference (the
+near-tie rule of ``load.py``). The entry computed in its place is stored signed and serves the
+next request.
 
 Every tier is real: files in a temp folder, a ``redis-server`` per test, one ``moto_server`` for
 the module; the memory tier keeps nothing, so every hit is read back from the planted tier.

@@ -7,13 +7,19 @@ Decided and pinned here: a reader without a key reads signed and unsigned entrie
 signature is checked only where a key is configured); a reader with a key refuses unsigned
 entries ("unsigned") and entries no accepted key signed ("signature"), before their payload is
 used; a signed entry whose payload does not match its signed digests is a "signature" refusal too.
+Entries are signed with BLAKE3 digests and a digest id (an unknown id is a "signature" refusal);
+entries signed with SHA-256 before ids (``LEGACY``, byte for byte what that build wrote) are read
+and checked alike. A signed entry's payload is checked by its digests only: no xxh3 pass.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import struct
 
+import blake3
 import pytest
 import torch
 import xxhash
@@ -25,7 +31,8 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import (Entry, FormatError, SignatureError, encode_entry, open_entry, parse_header, read_entry,
                               read_header)
 from kvfuse.kv.keys import Namespace, prefix_keys
-from kvfuse.kv.signing import MIN_KEY_BYTES, TAG_SIZE, EntrySigner, layer_digest, parse_key_lines
+from kvfuse.kv.digests import BLAKE3, SHA256, Pending, gather, layer_digest, layer_digests
+from kvfuse.kv.signing import MIN_KEY_BYTES, TAG_SIZE, EntrySigner, parse_key_lines
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 
 OLD, NEW, STRANGER = b"o" * 32, b"n" * 40, b"s" * 32
@@ -61,29 +68,61 @@ def _layer_table(blob: bytes) -> int:
     return 50 + key_len + 8 + 4 * tokens
 
 
+def _digests_at(blob: bytes) -> int:
+    """Offset of a signed entry's layer digests (after its digest id byte, if it has one)."""
+    return _layer_table(blob) + 16 * 3 + (1 if blob[FLAGS] & 8 else 0)
+
+
 def _reseal_layer(blob: bytes, layer: int) -> bytes:
-    """``blob`` after a payload change in ``layer``, that layer's xxh3 and the header resealed:
-    what a writer without the key can forge."""
+    """``blob`` after a payload change in ``layer``, that layer's checks (its xxh3, or in an entry
+    with a digest id its digest) and the header resealed: what a writer without the key can forge."""
     b = bytearray(blob)
     h = parse_header(b)
-    start, stop = h.layer_span(layer, layer + 1)
-    struct.pack_into("<Q", b, _layer_table(blob) + 16 * layer + 8, xxhash.xxh3_64_intdigest(bytes(b[start:stop])))
+    data = bytes(b[slice(*h.layer_span(layer, layer + 1))])
+    if not b[FLAGS] & 8:  # no digest id: the table's xxh3 checks the payload (signed or not)
+        struct.pack_into("<Q", b, _layer_table(blob) + 16 * layer + 8, xxhash.xxh3_64_intdigest(data))
+    if b[FLAGS] & 4:
+        at = _digests_at(blob) + 32 * layer
+        b[at : at + 32] = layer_digest(data, h.algorithm)
     return _reseal(b)
 
 
-SIGNED = bytes(_entry().signed(EntrySigner([OLD])).join())
+def _resign(blob: bytes, key: bytes = OLD) -> bytes:
+    """``blob`` with its tag made again with ``key`` over its (changed) header, and resealed."""
+    b = bytearray(blob)
+    at = _digests_at(blob) + 32 * 3
+    b[at : at + TAG_SIZE] = hmac.new(key, bytes(b[:at]), hashlib.sha256).digest()
+    return _reseal(b)
+
+
+SIGNED = bytes(_entry().signed(EntrySigner([OLD])).join())  # BLAKE3, with a digest id
+LEGACY = bytes(_entry().signed(EntrySigner([OLD]), SHA256).join())  # SHA-256, as signed before digest ids
 UNSIGNED = bytes(_entry().join())
 _h = parse_header(SIGNED)
 PAYLOAD_AT = _h.header_len
-TAG_AT = _layer_table(SIGNED) + (16 + 32) * 3
+DIGEST_ID_AT = _layer_table(SIGNED) + 16 * 3
+TAG_AT = DIGEST_ID_AT + 1 + 32 * 3
+LEGACY_PAYLOAD_AT = parse_header(LEGACY).header_len
 POSITIONS_AT = 50 + len(str(KEYS[0]))
 TOKENS_AT = POSITIONS_AT + 8
 
 
-def _payload_forgery() -> bytes:
-    b = bytearray(SIGNED)
-    b[PAYLOAD_AT + 5] ^= 0x40  # layer 0
+def _payload_forgery(blob: bytes = SIGNED) -> bytes:
+    b = bytearray(blob)
+    b[parse_header(blob).header_len + 5] ^= 0x40  # layer 0
     return _reseal_layer(b, 0)
+
+
+def _with_flags(blob: bytes, flags: int) -> bytes:
+    """``blob`` with other header flags, resealed."""
+    return _reseal(blob[:FLAGS] + bytes([flags]) + blob[FLAGS + 1 :])
+
+
+def _with_digest_id(algorithm: int, key: bytes | None = OLD) -> bytes:
+    """``SIGNED`` with another digest id; its tag made again with ``key`` (None: left as it was)."""
+    b = bytearray(SIGNED)
+    b[DIGEST_ID_AT] = algorithm
+    return _resign(bytes(b), key) if key is not None else _reseal(b)
 
 
 def _unsigned_flag() -> bytes:
@@ -115,6 +154,23 @@ CASES = [
     # Signing off checks integrity only: a resealed forgery passes (what signing is for).
     ("flipped payload byte resealed, signing off", _payload_forgery(), None, "ok"),
     ("flipped payload byte, signing off", _flip(SIGNED, PAYLOAD_AT + 5, reseal=False), None, FormatError),
+    # The digest id: inside what the tag covers; an unknown one is refused even under a valid tag.
+    ("unknown digest id, tag made with the key", _with_digest_id(0x7F), [OLD], "signature"),
+    ("digest id 0 (SHA-256 is written without an id), tag made with the key", _with_digest_id(SHA256), [OLD],
+     "signature"),
+    ("digest id changed, tag not remade", _with_digest_id(0x7F, key=None), [OLD], "signature"),
+    ("unknown digest id, signing off", _with_digest_id(0x7F), None, FormatError),
+    ("digest id flag cleared (resealed)", _with_flags(SIGNED, SIGNED[FLAGS] & ~8), [OLD], "signature"),
+    ("digest id flag set on a SHA-256 entry (resealed)", _with_flags(LEGACY, LEGACY[FLAGS] | 8), [OLD], "signature"),
+    ("digest id flag on an unsigned entry", _with_flags(UNSIGNED, UNSIGNED[FLAGS] | 8), None, FormatError),
+    # Entries signed with SHA-256 before digest ids: read and checked as before.
+    ("SHA-256 entry, right key", LEGACY, [OLD], "ok"),
+    ("SHA-256 entry, rotated list", LEGACY, [NEW, OLD], "ok"),
+    ("SHA-256 entry, wrong key", LEGACY, [STRANGER], "signature"),
+    ("SHA-256 entry, flipped payload byte", _flip(LEGACY, LEGACY_PAYLOAD_AT + 5, reseal=False), [OLD], "signature"),
+    ("SHA-256 entry, payload forged and its checks resealed", _payload_forgery(LEGACY), [OLD], "signature"),
+    ("SHA-256 entry, signing off", LEGACY, None, "ok"),
+    ("SHA-256 entry, forged and resealed, signing off", _payload_forgery(LEGACY), None, "ok"),
 ]
 
 
@@ -163,11 +219,98 @@ def test_a_signed_entry_decodes_to_the_same_kv_and_costs_one_digest_per_layer_an
     entry = _entry()
     signed = entry.signed(EntrySigner([OLD]))
     assert signed.payload is entry.payload  # the payload is shared, not copied
-    assert len(signed) - len(entry) <= 3 * 32 + TAG_SIZE + 64  # digests, tag, at most one more padding block
+    assert len(signed) - len(entry) <= 1 + 3 * 32 + TAG_SIZE + 64  # id, digests, tag, at most one more block
     got = open_entry(bytearray(signed.join()), KEYS[0], signer=EntrySigner([OLD]))
     assert torch.equal(got.decode(), entry.decode()) and torch.equal(got.token_ids, entry.token_ids)
     h = parse_header(signed.join())
-    assert h.digests == tuple(layer_digest(entry.layer_bytes(i, i + 1)) for i in range(3))
+    layers = [entry.layer_bytes(i, i + 1) for i in range(3)]
+    assert h.algorithm == BLAKE3 and h.digests == tuple(blake3.blake3(v).digest() for v in layers)
+    assert SIGNED[DIGEST_ID_AT] == BLAKE3 and SIGNED[FLAGS] & 12 == 12
+    old = parse_header(LEGACY)
+    assert old.algorithm == SHA256 and old.digests == tuple(hashlib.sha256(v).digest() for v in layers)
+    with pytest.raises(ValueError, match="unknown digest algorithm"):
+        entry.signed(EntrySigner([OLD]), 0x7F)
+
+
+# What the build before digest ids wrote for ``_golden_entry()`` signed with ``OLD`` (SHA-256 of its bytes).
+GOLDEN_SHA256_ENTRY = "78904443a9643a47672994e1cac7e5a1fe02025e0716fd381aaf72fd856ad72c"
+
+
+def _golden_entry() -> Entry:
+    kv = (torch.arange(3 * 2 * 8 * 2 * 8, dtype=torch.float32).reshape(3, 2, 8, 2, 8) / 64).half()
+    return encode_entry(KVChunk(kv, torch.arange(8), torch.arange(100, 108)), KEYS[0], get_codec("raw"))
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"])
+def test_entries_signed_with_sha256_before_digest_ids_still_verify(read):
+    """The SHA-256 layout is written byte for byte as the build before digest ids wrote it, and
+    such an entry is read (and checked) by this build, with and without a key."""
+    blob = bytes(_golden_entry().signed(EntrySigner([OLD]), SHA256).join())
+    assert hashlib.sha256(blob).hexdigest() == GOLDEN_SHA256_ENTRY
+    assert _outcome(read, blob, [OLD]) == _outcome(read, blob, [NEW, OLD]) == _outcome(read, blob, None) == "ok"
+    assert _outcome(read, blob, [STRANGER]) == "signature"
+    got = open_entry(bytearray(blob), KEYS[0], signer=EntrySigner([OLD]))
+    assert torch.equal(got.decode(), _golden_entry().decode())
+    assert read_header(blob, EntrySigner([OLD])).signature == "valid"
+
+
+@pytest.mark.parametrize("blob", [SIGNED, LEGACY], ids=["blake3", "sha256"])
+@pytest.mark.parametrize("read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"])
+def test_flipping_any_payload_byte_of_a_signed_entry_is_refused(blob, read):
+    start = parse_header(blob).header_len
+    for offset in range(start, len(blob)):
+        assert _outcome(read, _flip(blob, offset, reseal=False), [OLD]) == "signature", offset
+        assert _outcome(read, _flip(blob, offset, reseal=False), None) == FormatError, offset
+
+
+class _CountedXxh3:
+    """``xxhash`` as ``kv/format.py`` sees it, recording the size of every input of xxh3."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def xxh3_64_intdigest(self, data) -> int:
+        self.sizes.append(memoryview(data).nbytes)
+        return xxhash.xxh3_64_intdigest(data)
+
+
+@pytest.mark.parametrize("read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"])
+def test_a_signed_entry_is_checked_by_its_digests_alone(monkeypatch, read):
+    """No xxh3 pass over a signed payload, written (its table's xxh3 fields are zero) or read with
+    the key; a damaged payload is still refused, by its signed digests ("signature")."""
+    import kvfuse.kv.format as fmt
+
+    counted = _CountedXxh3()
+    monkeypatch.setattr(fmt, "xxhash", counted)
+    blob = bytes(_entry().signed(EntrySigner([OLD])).join())
+    header_len = parse_header(blob).header_len
+    assert blob == SIGNED and counted.sizes and max(counted.sizes) < header_len  # the header's checksum only
+    table = struct.unpack_from("<6Q", blob, _layer_table(blob))
+    assert table[1::2] == (0, 0, 0) and table[0::2] == _h.layer_sizes
+    counted.sizes.clear()
+    assert _outcome(read, blob, [OLD]) == "ok"
+    assert counted.sizes and max(counted.sizes) < header_len
+    damaged = _flip(blob, PAYLOAD_AT + 100, reseal=False)
+    assert _outcome(read, damaged, [OLD]) == "signature"
+    assert max(counted.sizes) < header_len
+    with pytest.raises(SignatureError, match="blake3 digest"):
+        open_entry(bytearray(damaged), signer=EntrySigner([OLD]))
+
+
+@pytest.mark.parametrize("sizes", [[], [0], [10], [3 << 20], [197 * 1024] * 30, [3 << 20] * 4,
+                                   [1, 0, 700 << 10, 5, 0, 900 << 10], [64 << 10] * 9])
+@pytest.mark.parametrize("algorithm", [BLAKE3, SHA256], ids=["blake3", "sha256"])
+def test_layer_digests_match_one_at_a_time_however_they_are_split(sizes, algorithm):
+    g = torch.Generator().manual_seed(len(sizes))
+    layers = [memoryview(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy()) for n in sizes]
+    one = hashlib.sha256 if algorithm == SHA256 else blake3.blake3
+    expected = [one(v).digest() for v in layers]
+    assert layer_digests(layers, algorithm) == expected
+    assert [layer_digest(v, algorithm) for v in layers] == expected
+    pending = [Pending(layers[i : i + 2], algorithm) for i in range(0, len(layers), 2)]
+    assert gather(pending) == expected
+    with pytest.raises(ValueError, match="unknown digest algorithm"):
+        layer_digests(layers, 0x7F)
 
 
 def test_the_signature_is_checked_before_the_key_and_the_payload():
@@ -233,7 +376,11 @@ def test_the_store_signs_what_it_writes_below_memory_and_checks_what_it_reads(tm
 @pytest.mark.parametrize("planted, reason", [(UNSIGNED, "signature_unsigned"),
                                              (bytes(_entry().signed(EntrySigner([STRANGER])).join()),
                                               "signature_mismatch"),
-                                             (_payload_forgery(), "signature_mismatch")])
+                                             (_payload_forgery(), "signature_mismatch"),
+                                             (_with_digest_id(0x7F), "signature_mismatch"),
+                                             (bytes(_entry().signed(EntrySigner([STRANGER]), SHA256).join()),
+                                              "signature_mismatch"),
+                                             (_payload_forgery(LEGACY), "signature_mismatch")])
 @pytest.mark.parametrize("read", ["fetch", "layers", "encoded"])
 def test_an_unsigned_or_wrongly_signed_entry_below_memory_is_a_counted_miss(tmp_path, planted, reason, read):
     store, disk = _store(tmp_path, [OLD])
@@ -264,10 +411,13 @@ def test_rotation_keeps_entries_of_the_old_key_readable(tmp_path):
     store, disk = _store(tmp_path, [NEW, OLD])
     with store:
         disk.put(KEYS[0], SIGNED)  # signed by OLD
+        disk.put(KEYS[2], bytes(_entry(KEYS[2]).signed(EntrySigner([OLD]), SHA256).join()))  # before digest ids
         store.put([(KEYS[1], _entry(KEYS[1]))])
         store.flush()
         assert read_header(bytes(disk.get(KEYS[1])), EntrySigner([NEW])).signature == "valid"
-        assert [f.tier for f in store.fetch(KEYS[:2])] == ["disk", "memory"]
+        assert parse_header(bytes(disk.get(KEYS[1]))).algorithm == BLAKE3  # new entries: BLAKE3
+        assert [f.tier for f in store.fetch(KEYS[:3])] == ["disk", "memory", "disk"]
+        assert store.stats()["store"]["unusable_entries"] == 0
 
 
 # ------------------------------------------------------------------------------ configuration
