@@ -574,6 +574,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-python", default=None, help="vLLM's venv python (default .baselines/vllm-venv/bin/python)")
     p.add_argument("--vllm-model-path", type=Path, help="the HF folder vLLM serves (default <home>/models/<model>)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARGS", help="vLLM: extra api_server flags")
+    p.add_argument("--vllm-setup", choices=("tuned", "default"), default="tuned",
+                   help="vLLM CPU set-up: tuned (default; its CPU guide: tcmalloc and Intel OpenMP "
+                        "preloaded, no core reserved for HTTP: bench/vllm_server.tuned_env) or default (as installed)")
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE", help="vLLM: extra environment")
     p.add_argument("--tag", help="output name docs/bench/multiround-TAG.{json,png}")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvfuse-bench-multiround")
@@ -758,12 +761,13 @@ def run_kvfuse(args, workloads: dict[int, Workload], modes: list[bool], kv_bytes
 def run_vllm(args, workloads: dict[int, Workload], kv_bytes: int, ignore_eos: bool, name: str, meta: dict,
              record) -> None:
     from serve import warm_up
-    from vllm_server import DEFAULT_PYTHON, VLLMServer, default_model_path
+    from vllm_server import DEFAULT_PYTHON, VLLMServer, default_model_path, tuned_env
 
     model_path = args.vllm_model_path or default_model_path(args.home, args.model)
     extra_args = ["--enable-prompt-tokens-details", "--kv-cache-memory-bytes", str(kv_bytes),
                   *(a for s in args.vllm_arg for a in shlex.split(s))]
-    env = dict(kv.split("=", 1) for kv in args.vllm_env)
+    env = {**(tuned_env(args.vllm_python or DEFAULT_PYTHON) if args.vllm_setup == "tuned" else {}),
+           **dict(kv.split("=", 1) for kv in args.vllm_env)}
     log = args.log_dir / f"{name}-vllm.log"
     srv = VLLMServer(model_path, args.model, python=args.vllm_python or DEFAULT_PYTHON, extra_args=extra_args,
                      env=env, log_path=log)

@@ -608,9 +608,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vllm-kv-gib", type=float, default=4, help="VLLM_CPU_KVCACHE_SPACE in GiB (default 4)")
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARGS",
                    help="vLLM: extra api_server flags, shell-split, repeatable")
+    p.add_argument("--vllm-setup", choices=("tuned", "default"), default="tuned",
+                   help="vLLM CPU set-up: tuned (default; its CPU guide: tcmalloc and Intel OpenMP "
+                        "preloaded, no core reserved for HTTP: bench/vllm_server.tuned_env) or default (as installed)")
     p.add_argument("--vllm-env", action="append", default=[], metavar="KEY=VALUE",
-                   help="vLLM: extra environment, repeatable (e.g. VLLM_CPU_NUM_OF_RESERVED_CPU=0; by default vLLM "
-                        "CPU reserves one of the 2 cores for its API server and computes on the other)")
+                   help="vLLM: extra environment, repeatable, over --vllm-setup's (as installed, vLLM CPU "
+                        "reserves one of the 2 cores for its API server and computes on the other)")
     p.add_argument("--tag", help="output name docs/bench/serve-TAG.{json,png}")
     p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "kvfuse-bench-serve",
                    help="server logs (default: $TMPDIR/kvfuse-bench-serve)")
@@ -738,12 +741,13 @@ def main(argv: list[str] | None = None) -> int:
                     run_server("kvfuse", Runner(srv.base_url, args.model, "kvfuse", ignore_eos), cache_modes)
                 tmp.cleanup()
             else:
-                from vllm_server import DEFAULT_PYTHON, VLLMServer, default_model_path
+                from vllm_server import DEFAULT_PYTHON, VLLMServer, default_model_path, tuned_env
 
                 model_path = args.vllm_model_path or default_model_path(args.home, args.model)
                 extra_args = ["--enable-prompt-tokens-details", *(a for s in args.vllm_arg for a in shlex.split(s))]
                 log = args.log_dir / f"{out.name}-vllm.log"
-                env = dict(kv.split("=", 1) for kv in args.vllm_env)
+                env = {**(tuned_env(args.vllm_python or DEFAULT_PYTHON) if args.vllm_setup == "tuned" else {}),
+                       **dict(kv.split("=", 1) for kv in args.vllm_env)}
                 srv = VLLMServer(model_path, args.model, python=args.vllm_python or DEFAULT_PYTHON,
                                  kv_cache_gib=args.vllm_kv_gib, extra_args=extra_args, env=env, log_path=log)
                 meta["vllm_command"] = " ".join(srv.cmd)
