@@ -23,6 +23,7 @@ content-defined chunks are keyed too, in the request's plain namespace.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections.abc import Sequence as Seq
@@ -69,7 +70,6 @@ class Keying:
         self.layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
         # The bytes each token id spells (None: unknown, ids must then match exactly); read once, lazily.
         self.token_bytes: list[bytes] | tuple | None = None
-        self._separators: np.ndarray | None | bool = False  # line-break ids (content chunks); False: not read yet
 
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None) -> Namespace:
         """The cache namespace of this model/KV format for ``tenant``, inside request ``salt``; with
@@ -92,13 +92,12 @@ class Keying:
         token = tok.bos_token_id if mode == "bos" else tok.eos_token_id if mode == "eos" else None
         return (token,) if token is not None else ()
 
+    @functools.cached_property
     def separators(self) -> np.ndarray | None:
         """The ids whose text ends with a line break, where content chunks start segments (None:
         the tokenizer's bytes are unknown; content chunks are then cut by the hash rule alone)."""
-        if self._separators is False:
-            table = self.model.tokenizer.token_bytes()
-            self._separators = content.separator_ids(table) if table is not None else None
-        return self._separators
+        table = self.model.tokenizer.token_bytes()
+        return content.separator_ids(table) if table is not None else None
 
     def resolve(self, blend: BlendOptions | None) -> BlendOptions:
         """``blend`` (None: the engine's) with an ``auto`` budget replaced by the model's profile's."""
@@ -119,7 +118,7 @@ class Keying:
         if auto == "on":  # the prompt as it runs (lined up with a history), keyed in the plain namespace
             c = request.cache
             seq.keys = self.auto.with_content(seq.keys, request.prompt.ids, self.namespace(c.tenant, c.salt),
-                                              self.separators())
+                                              self.separators)
         return seq
 
     def _sequence(self, request: Request, blend: BlendOptions) -> Sequence:
