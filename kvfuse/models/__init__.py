@@ -24,7 +24,7 @@ from .registry import (
     read_manifest,
     verify_folder,
 )
-from .quant import WEIGHT_FORMATS, QuantizationUnavailable
+from .quant import WEIGHT_FORMATS, QuantizationUnavailable, identity_of
 from .tokenizer import Tokenizer
 from .transformer import Transformer
 
@@ -115,7 +115,7 @@ def load_model(
         )
     runner = load_folder(folder, device, dtype, weights)
     digests = _weight_digests(folder, verified)
-    return LoadedModel(name, folder, runner, Tokenizer(folder), fingerprint(runner.config, digests, weights), weights)
+    return LoadedModel(name, folder, runner, Tokenizer(folder), fingerprint(runner.config, digests, weights, identity_of(runner.weights)), weights)
 
 
 def _weight_digests(folder: Path, verified: bool) -> list[str]:

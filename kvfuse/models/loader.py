@@ -11,10 +11,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import gemma3, llama, packed, qwen
+from . import gemma3, kernels, llama, packed, qwen
 from .config import ModelConfig
 from .family import Family
-from .quant import WEIGHT_FORMATS, WEIGHT_IDENTITY, check_int8_supported, quantize_weights
+from .quant import INT8_IDENTITY, WEIGHT_FORMATS, check_int8_supported, quantize_weights
 from .transformer import LayerWeights, Transformer, Weights
 
 FAMILIES: dict[str, Family] = {
@@ -146,15 +146,20 @@ def sha256_file(path: Path, block: int = 8 << 20, on_block: Callable[[int], None
     return h.hexdigest()
 
 
-def fingerprint(config: ModelConfig, weight_digests: list[str], weights: str = "auto") -> str:
+def fingerprint(config: ModelConfig, weight_digests: list[str], weights: str = "auto",
+                implementation: str | None = None) -> str:
     """The model's identity in cache keys: a hash of its architecture, of its weight files and of
     the format its weights run in. int8 weights compute other KV than the files' own precision,
-    so their entries live in a namespace of their own (``auto`` adds nothing: the identity of
-    models loaded as before is unchanged)."""
+    so their entries live in a namespace of their own, one per int8 implementation
+    (``implementation``: a ``quant.INT8_IDENTITY`` value, default what ``quantize_weights``
+    picks on this machine; ``auto`` adds nothing: the identity of models loaded as before is
+    unchanged)."""
     h = hashlib.sha256(b"kvfuse-model-v1\0")
     h.update(config.to_json().encode())
     for d in weight_digests:
         h.update(b"\0" + d.encode())
     if weights != "auto":
-        h.update(b"\0weights=" + WEIGHT_IDENTITY[weights].encode())
+        if implementation is None:
+            implementation = INT8_IDENTITY["blocked" if kernels.get() is not None else "fbgemm"]
+        h.update(b"\0weights=" + implementation.encode())
     return h.hexdigest()[:32]

@@ -1,16 +1,24 @@
-"""float32 projections prepacked for oneDNN on the CPU: what ``weights: auto`` runs on a CPU.
+"""Projection weights prepacked for the CPU: what ``weights: auto`` (float32) and ``weights: int8``
+run on a CPU.
 
-``F.linear`` hands a plain row-major weight to MKL, which re-blocks it on every call; a batched
-decode step (16 rows) then cost ~3.5x one row at SmolLM2's shapes, and the vocabulary projection
-(49152 x 576) ~5x. oneDNN's linear with the weight reordered once, at load, into its blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile`` does on CPUs when
-it freezes weights) computes the same products (float32 accumulation; results equal up to
-rounding, ~3e-6 relative): on the 2-core development machine ~1.4-1.6x faster at 16 rows for the
-layer projections, ~3x for the vocabulary, and the same at one row (microbenchmark in
-``bench/decode.py``'s notes). The pack is laid out for ``ROWS_HINT`` rows and serves any number.
+``F.linear`` hands a plain row-major weight to MKL, which re-blocks it on every call. Two packed
+forms replace it:
 
-Only float32 on the CPU with PyTorch's oneDNN backend; anything else keeps plain tensors.
-``KVFUSE_KERNELS=off`` keeps plain tensors too (the plain PyTorch path, for measurements).
+- ``BlockedWeight`` (the default where kvfuse's CPU kernels build): the weight in blocks of 16
+  output channels, ``(ceil(out/16), in, 16)``, multiplied by ``kernels/linear.cpp``. A decode step
+  is memory-bound: one contiguous stream per block, read once whatever the number of rows, with
+  the rows' products kept in registers. Measured on the 2-core development machine against
+  oneDNN's packed linear (the previous default) over SmolLM2's projections with the weights
+  streamed from memory (``bench/batch_step.py`` measures the whole step): 1.96x faster at one
+  row, 1.51x at 16, 1.27x at 32, 0.8-1.2x for 128-2048 rows (prefill chunks). The same layout
+  holds int8 weights (one float32 scale per output channel, widened in registers): a quarter
+  of the bytes and float32 activations, so int8 no longer rounds the activations at all.
+- ``PackedWeight``: oneDNN's linear with the weight reordered once, at load, into its blocked
+  layout (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile`` does on CPUs when
+  it freezes weights): what ``weights: auto`` runs when the kernels cannot be built.
+
+Both compute the same products as ``F.linear`` (float32 accumulation; equal up to rounding).
+``KVFUSE_KERNELS=off`` keeps plain tensors (the plain PyTorch path, for measurements).
 """
 
 from __future__ import annotations
@@ -24,13 +32,68 @@ from . import kernels
 
 log = logging.getLogger(__name__)
 
-ROWS_HINT = 16  # a batched decode step's rows: the case packing is for
+ROWS_HINT = 16  # oneDNN's pack is laid out for a batched decode step's rows and serves any number
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projections on ``device`` in ``dtype`` can be packed here."""
-    return (device.type == "cpu" and dtype == torch.float32 and kernels.enabled()
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether projections on ``device`` in ``dtype`` can be packed here (by either form)."""
+    return device.type == "cpu" and dtype == torch.float32 and kernels.enabled() and (
+        kernels.get() is not None or _onednn_available())
+
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+class BlockedWeight:
+    """A ``(out, in)`` weight in blocks of 16 output channels, float32 or int8 (``fmt``);
+    ``linear(x, bias)`` as ``F.linear``. int8 is symmetric per output channel (scale = abs-max /
+    127, round to nearest), the quantization ``weights: int8`` has always used; inputs stay
+    float32."""
+
+    __slots__ = ("blocks", "scales", "shape", "fmt", "_kernel")
+
+    def __init__(self, weight: torch.Tensor, fmt: str = "float32"):
+        if weight.dim() != 2:
+            raise ValueError(f"a blocked weight must be 2-d (out, in), got shape {tuple(weight.shape)}")
+        if fmt not in ("float32", "int8"):
+            raise ValueError(f"blocked weights are float32 or int8, not {fmt!r}")
+        kernel = kernels.get()
+        if kernel is None:
+            raise RuntimeError("blocked weights need kvfuse's CPU kernels (python -m kvfuse.models.kernels)")
+        w = weight.detach().to("cpu", torch.float32)
+        if fmt == "int8":
+            self.blocks, self.scales = kernel.pack_linear_int8(w)
+        else:
+            self.blocks, self.scales = kernel.pack_linear(w), None
+        self.shape = tuple(w.shape)
+        self.fmt = fmt
+        self._kernel = kernel
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a multiplication reads: the values (int8 or float32) and int8's per-channel scales."""
+        out, inp = self.shape
+        return out * inp * (1 if self.fmt == "int8" else 4) + (4 * out if self.scales is not None else 0)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``(out, in)`` weight these blocks stand for (for tests and measurements)."""
+        w = self.blocks.transpose(1, 2).reshape(-1, self.shape[1])[: self.shape[0]].float()
+        return w * self.scales.unsqueeze(1) if self.scales is not None else w
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        dtype, lead = x.dtype, x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        y = self._kernel.blocked_linear(x2, self.blocks, self.shape[0], self.scales, bias)
+        y = y.reshape(*lead, self.shape[0])
+        return y if dtype == torch.float32 else y.to(dtype)
+
+    def __repr__(self) -> str:
+        return f"BlockedWeight(shape={self.shape}, fmt={self.fmt})"
 
 
 class PackedWeight:
@@ -57,17 +120,25 @@ class PackedWeight:
         return f"PackedWeight(shape={self.shape})"
 
 
+def map_projections(weights, pack):
+    """A copy of ``weights`` (``transformer.Weights``) with ``pack`` applied to every projection
+    (q/k/v, o, gate, up, down, vocabulary). The embedding table stays a plain tensor (lookups); a
+    tied vocabulary projection gets its own packed copy. Norms and biases stay as they are."""
+    layers = [
+        dataclasses.replace(lw, wqkv=pack(lw.wqkv), wo=pack(lw.wo), w_gate=pack(lw.w_gate), w_up=pack(lw.w_up),
+                            w_down=pack(lw.w_down))
+        for lw in weights.layers
+    ]
+    return dataclasses.replace(weights, layers=layers, lm_head=pack(weights.lm_head))
+
+
 def pack_weights(weights):
-    """A copy of ``weights`` (``transformer.Weights``) whose projections are ``PackedWeight``s; the
-    embedding table stays a plain tensor (lookups), a tied vocabulary projection gets its own pack.
-    Returns ``weights`` unchanged if oneDNN refuses (logged)."""
+    """A copy of ``weights`` whose float32 projections are ``BlockedWeight``s (``PackedWeight``s
+    where the kernels cannot be built). Returns ``weights`` unchanged if packing fails (logged)."""
     try:
-        layers = [
-            dataclasses.replace(lw, wqkv=PackedWeight(lw.wqkv), wo=PackedWeight(lw.wo), w_gate=PackedWeight(lw.w_gate),
-                                w_up=PackedWeight(lw.w_up), w_down=PackedWeight(lw.w_down))
-            for lw in weights.layers
-        ]
-        return dataclasses.replace(weights, layers=layers, lm_head=PackedWeight(weights.lm_head))
+        if kernels.get() is not None:
+            return map_projections(weights, lambda w: w if isinstance(w, BlockedWeight) else BlockedWeight(w))
+        return map_projections(weights, lambda w: w if isinstance(w, PackedWeight) else PackedWeight(w))
     except (RuntimeError, ValueError) as exc:
-        log.warning("keeping plain float32 weights: oneDNN packing failed (%s)", exc)
+        log.warning("keeping plain float32 weights: packing failed (%s)", exc)
         return weights

@@ -1,15 +1,22 @@
 """Reduced-precision weights: one ``linear`` for every projection of the runner.
 
 A weight is either a plain tensor (``F.linear``) or a packed object with a ``linear(x, bias)``
-method (quantized weights); the runner calls ``linear`` and does not care which.
+method (blocked or quantized weights); the runner calls ``linear`` and does not care which.
 
-``weights: int8`` (``quantize_weights``) packs every projection (q/k/v, o, gate, up, down and
-the vocabulary projection) as int8 with one symmetric scale per output channel, run by fbgemm's
-dynamic-quantized linear: each call quantizes its input to 8 bits (one scale per call) and
-multiplies in integers. A decode step reads a quarter of the fp32 weight bytes, which is what
-bounds single-stream decoding on a CPU. The embedding table stays in the compute dtype for
-lookups; when tied, the vocabulary projection gets a packed copy of it. The norms stay as they
-are. CPU only: PyTorch's quantized engines (fbgemm / x86) do not run on CUDA.
+``weights: int8`` (``quantize_weights``) stores every projection (q/k/v, o, gate, up, down and
+the vocabulary projection) as int8 with one symmetric scale per output channel. A decode step
+reads a quarter of the fp32 weight bytes, which is what bounds single-stream decoding on a CPU.
+Two implementations, with their own cache identity (``identity_of``: they compute slightly
+different numbers, so their KV never mixes):
+
+- where kvfuse's CPU kernels build (the usual case): ``packed.BlockedWeight`` in int8, widened
+  to float32 in registers and multiplied with float32 activations: the only rounding is the
+  weights'; faster than fbgemm at every row count measured (``bench/decode.py``);
+- otherwise ``Int8Weight``: fbgemm's dynamic-quantized linear, which also rounds each call's
+  input to 8 bits (with the per-token scales and split activations described there).
+
+The embedding table stays in the compute dtype for lookups; when tied, the vocabulary projection
+gets a packed copy of it. The norms stay as they are. CPU only: neither runs on CUDA.
 """
 
 from __future__ import annotations
@@ -26,15 +33,15 @@ log = logging.getLogger(__name__)
 
 #: Valid values of the ``weights`` setting: ``auto`` keeps the compute dtype (as loaded).
 WEIGHT_FORMATS = ("auto", "int8")
-#: What each reduced format adds to the model's fingerprint (``loader.fingerprint``): bump the
-#: version whenever the numbers it computes change (rounding, packing, which parts are packed).
-WEIGHT_IDENTITY = {"int8": "int8-rowwise-split-v1"}
+#: What each int8 implementation adds to the model's fingerprint (``loader.fingerprint``): bump
+#: the version whenever the numbers it computes change (rounding, packing, which parts are packed).
+INT8_IDENTITY = {"blocked": "int8-rowwise-f32act-v1", "fbgemm": "int8-rowwise-split-v1"}
 
 _ENGINES = ("x86", "fbgemm")  # engines whose packed dynamic linear is fbgemm's
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w.T + b`` for a plain weight tensor or a packed (quantized) weight."""
+    """``x @ w.T + b`` for a plain weight tensor or a packed (blocked or quantized) weight."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
     return w.linear(x, b)
@@ -44,14 +51,23 @@ class QuantizationUnavailable(ValueError):
     """int8 weights were asked for where PyTorch's quantized CPU kernels cannot run them."""
 
 
-def check_int8_supported(device: torch.device | str = "cpu") -> None:
-    """Raise ``QuantizationUnavailable`` (naming the fix) unless int8 weights can run on ``device``;
-    selects an fbgemm-based quantized engine if another one is active."""
+def check_int8_supported(device: torch.device | str = "cpu", fbgemm: bool | None = None) -> None:
+    """Raise ``QuantizationUnavailable`` (naming the fix) unless int8 weights can run on ``device``.
+
+    ``fbgemm``: whether the fbgemm implementation is the one to check (default: only where
+    kvfuse's kernels do not build); selects an fbgemm-based quantized engine if another one is
+    active."""
+    from . import kernels
+
     device = torch.device(device)
     if device.type != "cpu":
         raise QuantizationUnavailable(
-            f"weights: int8 runs on the CPU only (PyTorch's fbgemm quantized kernels), not on {device}; "
+            f"weights: int8 runs on the CPU only (kvfuse's CPU kernels or PyTorch's fbgemm), not on {device}; "
             "use weights: auto on a GPU, or --device cpu")
+    if fbgemm is None:
+        fbgemm = kernels.get() is None
+    if not fbgemm:
+        return
     supported = torch.backends.quantized.supported_engines
     if not any(e in supported for e in _ENGINES):
         raise QuantizationUnavailable(
@@ -92,7 +108,7 @@ class Int8Weight:
     def __init__(self, weight: torch.Tensor, split: bool = True, reduce_range: bool | None = None):
         if weight.dim() != 2:
             raise ValueError(f"int8 weights must be 2-d (out, in), got shape {tuple(weight.shape)}")
-        check_int8_supported(weight.device)
+        check_int8_supported(weight.device, fbgemm=True)
         w = weight.detach().float().contiguous()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.int64)
@@ -176,27 +192,48 @@ def default_reduce_range() -> bool:
     return not ({"avx512_vnni", "avx_vnni"} & set(flags))
 
 
-def quantize_weights(weights, fmt: str = "int8", split: bool = True, reduce_range: bool | None = None):
-    """A copy of ``weights`` (``transformer.Weights``) whose projections are ``Int8Weight``s.
+def quantize_weights(weights, fmt: str = "int8", split: bool = True, reduce_range: bool | None = None,
+                     implementation: str | None = None):
+    """A copy of ``weights`` (``transformer.Weights``) whose projections are int8.
 
     The input is not modified. ``fmt`` is a ``WEIGHT_FORMATS`` value (``auto`` returns ``weights``
-    as it is). The embedding table stays a plain tensor (``F.embedding`` looks rows up in it);
+    as it is). ``implementation`` is ``blocked`` (kvfuse's kernel, ``packed.BlockedWeight``) or
+    ``fbgemm`` (``Int8Weight``, with ``split`` and ``reduce_range``); default: ``blocked`` where the
+    kernels build. The embedding table stays a plain tensor (``F.embedding`` looks rows up in it);
     a tied vocabulary projection (the same tensor) gets its own packed copy. Norms and biases stay.
     """
+    from . import kernels, packed
+
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {fmt!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
     if fmt == "auto":
         return weights
+    if implementation is None:
+        implementation = "blocked" if kernels.get() is not None else "fbgemm"
+    if implementation not in INT8_IDENTITY:
+        raise ValueError(f"unknown int8 implementation {implementation!r}; use one of: {', '.join(INT8_IDENTITY)}")
 
     def pack(w):
-        return w if isinstance(w, Int8Weight) else Int8Weight(w, split, reduce_range)
+        if isinstance(w, (Int8Weight, packed.BlockedWeight)) and getattr(w, "fmt", "int8") == "int8":
+            return w
+        if implementation == "blocked":
+            return packed.BlockedWeight(w, "int8")
+        return Int8Weight(w, split, reduce_range)
 
-    layers = [
-        dataclasses.replace(lw, wqkv=pack(lw.wqkv), wo=pack(lw.wo), w_gate=pack(lw.w_gate), w_up=pack(lw.w_up),
-                            w_down=pack(lw.w_down))
-        for lw in weights.layers
-    ]
-    return dataclasses.replace(weights, layers=layers, lm_head=pack(weights.lm_head))
+    return packed.map_projections(weights, pack)
+
+
+def identity_of(weights) -> str | None:
+    """What ``weights`` add to the model's fingerprint: None for full-precision projections, else
+    the ``INT8_IDENTITY`` of their int8 implementation (read from the vocabulary projection)."""
+    from .packed import BlockedWeight
+
+    w = weights.lm_head
+    if isinstance(w, BlockedWeight) and w.fmt == "int8":
+        return INT8_IDENTITY["blocked"]
+    if isinstance(w, Int8Weight):
+        return INT8_IDENTITY["fbgemm"]
+    return None
 
 
 def weight_bytes(weights) -> dict[str, int]:

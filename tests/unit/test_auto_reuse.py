@@ -144,7 +144,9 @@ def test_a_blended_prompt_stores_no_approximate_kv_under_exact_keys(tiny_loaded,
 def test_found_spans_on_disk_and_a_damaged_one(tiny_loaded, tmp_path):
     model = tiny_loaded("llama")
     warm = TieredStore(MemoryTier(1 << 27), [DiskTier(tmp_path, 1 << 28)])
-    engine_with(model, warm, recompute_ratio=1.0).generate(FIRST, GREEDY)
+    writer = engine_with(model, warm, recompute_ratio=1.0)
+    writer.generate(FIRST, GREEDY)
+    writer.flush()  # the saves are asynchronous: let them reach the store before it closes
     warm.close()
     files = sorted(tmp_path.rglob("*_3Ac_3A*.kvf"))
     assert len(files) > 10

@@ -134,18 +134,20 @@ def test_a_batched_step_is_the_same_with_the_kernel_on_and_off(ext, family, kv_d
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
 def test_packed_float32_weights_compute_what_plain_weights_compute(family, tiny_model_dir, monkeypatch):
-    """``weights: auto`` on the CPU loads oneDNN-packed projections (``models.packed``); logits of a
-    prefill and of a batched step equal those of plain tensors up to float rounding."""
+    """``weights: auto`` on the CPU loads packed projections (``models.packed``: blocks for the
+    kernel); logits of a prefill and of a batched step equal those of plain tensors up to float
+    rounding."""
     from kvfuse.models import packed
     from kvfuse.models.loader import load_folder
 
     if not packed.available(torch.device("cpu"), torch.float32):
         pytest.skip("this PyTorch build has no oneDNN linear")
     fast = load_folder(tiny_model_dir(family))
+    kind = packed.BlockedWeight if kernels.get() is not None else packed.PackedWeight
     monkeypatch.setenv("KVFUSE_KERNELS", "off")
     plain = load_folder(tiny_model_dir(family))
-    assert isinstance(fast.weights.layers[0].w_up, packed.PackedWeight)
-    assert isinstance(fast.weights.lm_head, packed.PackedWeight)
+    assert isinstance(fast.weights.layers[0].w_up, kind)
+    assert isinstance(fast.weights.lm_head, kind)
     assert isinstance(plain.weights.layers[0].w_up, torch.Tensor)
     ids = torch.randint(3, 500, (37,), generator=torch.Generator().manual_seed(5)).tolist()
     outs = []

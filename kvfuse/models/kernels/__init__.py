@@ -1,6 +1,13 @@
-"""CPU kernels the runner uses when it can build them: today one, ``batch_attention.cpp``.
+"""CPU kernels the runner uses when it can build them, compiled into one module:
 
-Why a kernel: a batched decode step attends one query per running sequence over that
+- ``batch_attention.cpp``: attention of every decoding sequence of a batched step, and the write
+  of their fresh K/V (below);
+- ``linear.cpp``: the projections, for float32 and int8 weights in blocks of 16 output channels
+  (``packed.BlockedWeight`` says why);
+- ``pointwise.cpp``: RMSNorm (with the residual add before it), the gated activation and RoPE,
+  one call each instead of several PyTorch operators (``models.pointwise``).
+
+Why an attention kernel: a batched decode step attends one query per running sequence over that
 sequence's own KV buffer. In PyTorch that is one SDPA call per sequence and layer (480 calls for
 16 sequences of SmolLM2), each paying a fixed dispatch and threading cost plus a conversion of
 fp16 K/V to fp32, and padding every sequence into one tensor copies all the KV at every layer
@@ -9,12 +16,15 @@ with the same position mask as ``attention.position_mask`` (sliding windows and 
 included), in one call per layer; ``write_kv`` likewise writes a step's fresh K/V rows into every
 sequence's buffer in one call.
 
-The kernel is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; about
+The module is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; about
 a minute) into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``). ``get()`` returns the built module, or None when it cannot be
 built (no compiler, not x86, ``KVFUSE_KERNELS=off``): the runner then keeps its PyTorch path,
 which computes the same numbers up to float rounding. ``python -m kvfuse.models.kernels`` builds
-it ahead of time (``scripts/install.sh`` does).
+it ahead of time (``scripts/install.sh`` does). It is built with OpenMP: ``at::parallel_for``
+in a header compiled without it runs on one thread, which is how the attention kernel ran
+until the module was rebuilt with ``-fopenmp`` (the symbols resolve to PyTorch's own OpenMP
+runtime, so ``torch.set_num_threads`` governs the kernels too).
 """
 
 from __future__ import annotations
@@ -27,8 +37,8 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("batch_attention.cpp")
-_NAME = "kvfuse_batch_attention_v3"  # bump when the source changes in a way the cache must not reuse
+_SOURCES = [Path(__file__).with_name(f) for f in ("module.cpp", "batch_attention.cpp", "linear.cpp", "pointwise.cpp")]
+_NAME = "kvfuse_cpu_kernels_v5"  # bump when the sources change in a way the build cache must not reuse
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -50,8 +60,9 @@ def get() -> ModuleType | None:
 
 
 def _flags() -> list[str]:
-    """-O3, plus the vector extensions this CPU has (F16C widens fp16 K/V eight at a time)."""
-    flags = ["-O3"]
+    """-O3 and OpenMP, plus the vector extensions this CPU has (F16C widens fp16 K/V eight at a
+    time; AVX2 + FMA run the projections' register tiles)."""
+    flags = ["-O3", "-fopenmp"]
     try:
         cpu = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -65,9 +76,9 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        log.info("loading the batched-attention CPU kernel (compiled once per machine, about a minute)")
-        return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=_flags(), verbose=False)
+        log.info("loading kvfuse's CPU kernels (compiled once per machine, about a minute)")
+        return cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_flags(), verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: the PyTorch path still works
-        log.warning("batched-attention kernel unavailable (%s: %s); using the PyTorch attention path "
+        log.warning("CPU kernels unavailable (%s: %s); using PyTorch's attention and projections "
                     "(set KVFUSE_KERNELS=off to skip the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200])
         return None

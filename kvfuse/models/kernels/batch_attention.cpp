@@ -11,7 +11,8 @@
 // Scores are kept for the whole row (two passes: scores, then the softmax-weighted sum of values),
 // accumulated in float32.
 
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -253,9 +254,4 @@ void write_kv(std::vector<torch::Tensor> kvs, int64_t layer, torch::Tensor k, to
       default: TORCH_CHECK(false, "unsupported kv dtype");
     }
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend, "batched attention of a few queries per sequence over each sequence's own KV");
-  m.def("write_kv", &write_kv, "write a batched step's fresh K/V rows into each sequence's KV buffer");
 }

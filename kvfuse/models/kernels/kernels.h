@@ -1,0 +1,25 @@
+// The functions of kvfuse's CPU kernel module (bound to Python in module.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+// batch_attention.cpp
+torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs, std::vector<torch::Tensor> positions,
+                     std::vector<int64_t> lens, std::vector<int64_t> q_seq, std::vector<int64_t> q_pos, int64_t layer,
+                     double scale, int64_t window, double softcap);
+void write_kv(std::vector<torch::Tensor> kvs, int64_t layer, torch::Tensor k, torch::Tensor v,
+              std::vector<int64_t> row0, std::vector<int64_t> slot0, std::vector<int64_t> count);
+
+// linear.cpp
+torch::Tensor pack_linear(torch::Tensor w);
+std::vector<torch::Tensor> pack_linear_int8(torch::Tensor w);
+torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocks, int64_t out, c10::optional<torch::Tensor> scales,
+                             c10::optional<torch::Tensor> bias);
+
+// pointwise.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w, double eps);
+torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act);
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);

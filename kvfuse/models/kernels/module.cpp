@@ -1,0 +1,15 @@
+// The Python module of kvfuse's CPU kernels (kvfuse.models.kernels.get()).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("attend", &attend, "batched attention of a few queries per sequence over each sequence's own KV");
+  m.def("write_kv", &write_kv, "write a batched step's fresh K/V rows into each sequence's KV buffer");
+  m.def("pack_linear", &pack_linear, "a (out, in) float32 weight as (ceil(out/16), in, 16) blocks");
+  m.def("pack_linear_int8", &pack_linear_int8, "a weight as int8 blocks and per-channel float32 scales");
+  m.def("blocked_linear", &blocked_linear, "x @ W^T (+ bias) for blocked float32 or int8 weights",
+        py::arg("x"), py::arg("blocks"), py::arg("out"), py::arg("scales") = py::none(), py::arg("bias") = py::none());
+  m.def("rms_norm", &rms_norm, "RMSNorm of every row");
+  m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta))");
+  m.def("gated_act", &gated_act, "act(gate) * up, act silu (0) or gelu-tanh (1)");
+  m.def("rope", &rope, "rotary embedding, rotate-half layout");
+}

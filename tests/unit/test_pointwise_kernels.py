@@ -1,0 +1,92 @@
+"""The per-row kernels (``kernels/pointwise.cpp`` through ``models.pointwise``) against PyTorch's
+expressions: RMSNorm (rows, heads of a strided q/k view), the residual add + norm, silu and
+gelu-tanh gating, RoPE with full and partial rotation; and the fallbacks (no kernel, bf16)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvfuse.models import kernels, pointwise, rope
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = kernels.get()
+    if module is None:
+        if shutil.which("g++") and kernels.enabled():
+            pytest.fail("g++ is installed but kvfuse's CPU kernels did not build (see the log)")
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    return module
+
+
+def _g(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _ref_norm(x, w, eps):
+    return F.rms_norm(x.double(), w.shape, w.double(), eps).float()
+
+
+@pytest.mark.parametrize("n,d", [(1, 576), (7, 64), (16, 896), (3, 5)])
+def test_rms_norm_rows(ops, n, d):
+    x, w = torch.randn(n, d, generator=_g(n)) * 3, torch.randn(d, generator=_g(d))
+    torch.testing.assert_close(pointwise.rms_norm(x, w, 1e-6, ops), _ref_norm(x, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+def test_rms_norm_of_heads_in_a_strided_view(ops):
+    """q/k norms run on views of the fused qkv product: rows of head_dim, not contiguous overall."""
+    qkv = torch.randn(5, 12 * 16, generator=_g(1))
+    q = qkv[:, : 8 * 16].view(5, 8, 16)
+    assert not q.is_contiguous()
+    w = torch.randn(16, generator=_g(2))
+    got = pointwise.rms_norm(q, w, 1e-5, ops)
+    torch.testing.assert_close(got, _ref_norm(q, w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert got.shape == (5, 8, 16)
+
+
+def test_add_rms_norm(ops):
+    h, d, w = torch.randn(4, 96, generator=_g(3)), torch.randn(4, 96, generator=_g(4)), torch.randn(96, generator=_g(5))
+    s, y = pointwise.add_rms_norm(h, d, w, 1e-6, ops)
+    torch.testing.assert_close(s, h + d)
+    torch.testing.assert_close(y, _ref_norm(h + d, w, 1e-6), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_activation(ops, act):
+    gate, up = torch.randn(6, 300, generator=_g(6)) * 4, torch.randn(6, 300, generator=_g(7))
+    a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+    torch.testing.assert_close(pointwise.gated_act(gate, up, act, ops), a * up, atol=1e-5, rtol=1e-5)
+    both = torch.cat([gate, up], dim=1)  # column ranges of one product
+    torch.testing.assert_close(pointwise.gated_act(both[:, :300], both[:, 300:], act, ops), a * up, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rot", [64, 32])  # full and partial rotary embeddings
+def test_rope_matches_the_tensor_expression(ops, rot):
+    x = torch.randn(5, 3, 64, generator=_g(8))
+    freqs = 1.0 / (10000 ** (torch.arange(0, rot, 2, dtype=torch.float64) / rot))
+    cos, sin = rope.cos_sin(freqs, torch.tensor([0, 3, 7, 100, 4095]), torch.float32)
+    torch.testing.assert_close(pointwise.rope(x, cos, sin, ops), rope.apply(x, cos, sin), atol=1e-6, rtol=1e-6)
+    view = torch.randn(5, 6 * 64, generator=_g(9))[:, 64:].view(5, 5, 64)[:, 1:4]  # strided heads
+    torch.testing.assert_close(pointwise.rope(view, cos, sin, ops), rope.apply(view, cos, sin), atol=1e-6, rtol=1e-6)
+
+
+def test_without_the_kernel_or_in_bf16_pytorch_computes_the_same(ops):
+    x, w = torch.randn(3, 32, generator=_g(10)), torch.randn(32, generator=_g(11))
+    torch.testing.assert_close(pointwise.rms_norm(x, w, 1e-6, None), pointwise.rms_norm(x, w, 1e-6, ops), atol=1e-5, rtol=1e-5)
+    y = pointwise.rms_norm(x.bfloat16(), w, 1e-6, ops)  # not float32: PyTorch's path, bf16 out
+    assert y.dtype == torch.bfloat16
+    g, u = torch.randn(2, 8), torch.randn(2, 8)
+    torch.testing.assert_close(pointwise.gated_act(g, u, "silu", None), pointwise.gated_act(g, u, "silu", ops))
+
+
+def test_bad_shapes_are_errors(ops):
+    with pytest.raises(RuntimeError, match="norm weight"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    with pytest.raises(RuntimeError, match="same shape"):
+        ops.gated_act(torch.randn(2, 8), torch.randn(2, 7), 0)
+    with pytest.raises(RuntimeError, match="exceed"):
+        ops.rope(torch.randn(2, 1, 8), torch.randn(2, 5), torch.randn(2, 5))
