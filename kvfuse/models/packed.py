@@ -51,7 +51,7 @@ class BlockedWeight:
     127, round to nearest), the quantization ``weights: int8`` has always used; inputs stay
     float32."""
 
-    __slots__ = ("blocks", "scales", "shape", "fmt", "_kernel")
+    __slots__ = ("blocks", "scales", "shape", "fmt", "handle", "_kernel")
 
     def __init__(self, weight: torch.Tensor, fmt: str = "float32"):
         if weight.dim() != 2:
@@ -68,6 +68,7 @@ class BlockedWeight:
             self.blocks, self.scales = kernel.pack_linear(w), None
         self.shape = tuple(w.shape)
         self.fmt = fmt
+        self.handle = kernel.Blocked(self.blocks, self.shape[0], self.scales)  # for the fused layer halves
         self._kernel = kernel
 
     @property

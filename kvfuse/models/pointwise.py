@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from . import rope as rope_math
 
-_ACTS = {"silu": 0, "gelu_tanh": 1}  # ModelConfig.hidden_act -> the kernel's code
+ACTS = {"silu": 0, "gelu_tanh": 1}  # ModelConfig.hidden_act -> the kernel's code
 
 
 def _fits(x: torch.Tensor) -> bool:
@@ -41,8 +41,8 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str, ops=None) -> torch.Tensor:
     """``act(gate) * up``: ``silu``, or ``gelu_tanh`` (gelu's tanh approximation, Gemma's)."""
-    if ops is not None and act in _ACTS and _fits(gate) and _fits(up) and gate.dim() == 2:
-        return ops.gated_act(gate, up, _ACTS[act])
+    if ops is not None and act in ACTS and _fits(gate) and _fits(up) and gate.dim() == 2:
+        return ops.gated_act(gate, up, ACTS[act])
     a = F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
     return a.mul_(up)
 

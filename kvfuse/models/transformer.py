@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import attention, batch, kernels, pointwise, rope
+from . import attention, batch, kernels, packed, pointwise, rope
 from .attention import attend
 from .cache import KVBudget, KVCache
 from .config import ModelConfig
@@ -101,6 +101,10 @@ class Transformer:
         self._use_kernels = bool(on)
         cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
         self._ops = kernels.get() if on and cpu32 else None  # the module, for ``pointwise``
+        # The fused halves of a layer (kernels/layer.cpp) when every projection is in blocks.
+        self._fused = self._ops is not None and all(
+            isinstance(getattr(lw, f), packed.BlockedWeight)
+            for lw in self.weights.layers for f in ("wqkv", "wo", "w_gate", "w_up", "w_down"))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return pointwise.rms_norm(x, weight, self.config.rms_norm_eps, self._ops)
@@ -229,6 +233,12 @@ class Transformer:
         ``tables`` (from ``rope_tables(positions)``) saves recomputing the rotation tables.
         """
         c, w = self.config, self.weights.layers[layer]
+        tables = tables or self.rope_tables(positions, h.dtype)
+        cos, sin = tables[c.layer_types[layer]]
+        if self._fused and h.dtype == torch.float32 and h.dim() == 2:
+            q, k, v = self._ops.project_qkv(h, w.attn_norm, c.rms_norm_eps, w.wqkv.handle, w.bqkv, w.q_norm, w.k_norm,
+                                            c.num_heads, c.num_kv_heads, c.head_dim, cos, sin)
+            return q, k, v
         x = self._norm(h, w.attn_norm)
         qkv = linear(x, w.wqkv, w.bqkv)
         n = h.shape[0]
@@ -238,8 +248,6 @@ class Transformer:
         if c.qk_norm:
             q = self._norm(q, w.q_norm)
             k = self._norm(k, w.k_norm)
-        tables = tables or self.rope_tables(positions, h.dtype)
-        cos, sin = tables[c.layer_types[layer]]
         return pointwise.rope(q, cos, sin, self._ops), pointwise.rope(k, cos, sin, self._ops), v
 
     @torch.inference_mode()
@@ -311,6 +319,10 @@ class Transformer:
     def post_attention(self, layer: int, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The rest of ``layer`` after attention: output projection, residual, MLP, residual."""
         c, w = self.config, self.weights.layers[layer]
+        if self._fused and attn.dtype == torch.float32 and h.dtype == torch.float32 and h.dim() == 2:
+            return self._ops.post_attention(attn, h, w.wo.handle, w.attn_out_norm, w.mlp_norm, w.w_gate.handle,
+                                            w.w_up.handle, w.w_down.handle, w.mlp_out_norm,
+                                            pointwise.ACTS[c.hidden_act], c.rms_norm_eps)
         out = linear(attn, w.wo)
         if w.attn_out_norm is not None:
             out = self._norm(out, w.attn_out_norm)

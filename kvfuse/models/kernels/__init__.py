@@ -5,7 +5,9 @@
 - ``linear.cpp``: the projections, for float32 and int8 weights in blocks of 16 output channels
   (``packed.BlockedWeight`` says why);
 - ``pointwise.cpp``: RMSNorm (with the residual add before it), the gated activation and RoPE,
-  one call each instead of several PyTorch operators (``models.pointwise``).
+  one call each instead of several PyTorch operators (``models.pointwise``);
+- ``layer.cpp``: the two halves of a layer around attention (``Transformer.project`` and
+  ``post_attention``) as one call each, from those pieces, when every projection is blocked.
 
 Why an attention kernel: a batched decode step attends one query per running sequence over that
 sequence's own KV buffer. In PyTorch that is one SDPA call per sequence and layer (480 calls for
@@ -37,8 +39,9 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(f) for f in ("module.cpp", "batch_attention.cpp", "linear.cpp", "pointwise.cpp")]
-_NAME = "kvfuse_cpu_kernels_v5"  # bump when the sources change in a way the build cache must not reuse
+_SOURCES = [Path(__file__).with_name(f) for f in ("module.cpp", "batch_attention.cpp", "linear.cpp", "pointwise.cpp",
+                                                      "layer.cpp")]
+_NAME = "kvfuse_cpu_kernels_v6"  # bump when the sources change in a way the build cache must not reuse
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 

@@ -23,3 +23,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w, double eps);
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
+// layer.cpp: a blocked weight as the Python side holds it (packed.BlockedWeight)
+struct BlockedArg {
+  torch::Tensor blocks;
+  int64_t out;
+  c10::optional<torch::Tensor> scales;
+};
+std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm, double eps, BlockedArg wqkv,
+                                       c10::optional<torch::Tensor> bqkv, c10::optional<torch::Tensor> q_norm,
+                                       c10::optional<torch::Tensor> k_norm, int64_t heads, int64_t kv_heads,
+                                       int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor post_attention(torch::Tensor attn, torch::Tensor h, BlockedArg wo, c10::optional<torch::Tensor> attn_out_norm,
+                             torch::Tensor mlp_norm, BlockedArg w_gate, BlockedArg w_up, BlockedArg w_down,
+                             c10::optional<torch::Tensor> mlp_out_norm, int64_t act, double eps);
