@@ -65,14 +65,18 @@ class BatchStep:
         self._last_args = self._kernel_args(last=True)
         self.last_rows = [s.row1 - 1 for s in self.spans if s.logits]
         self._out_rows = {last: self._out_index(last) for last in (False, True)}
+        # The kernels' per-sequence arguments, the same in every layer: built once per step.
+        self._write_args = ([s.row0 for s in self.spans], [s.slot0 for s in self.spans],
+                            [s.row1 - s.row0 for s in self.spans])
+        self._positions = [s.cache.positions for s in self.spans]
+        self._lens = [s.kv_len for s in self.spans]
 
     # ----------------------------------------------------------------------------------- K/V
 
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Put rows of ``k``/``v`` ``(n, kv_heads, head_dim)`` into each sequence's slots at ``layer``."""
         if self.kernel is not None and k.dtype == torch.float32:
-            self.kernel.write_kv(self._kv, layer, k, v, [s.row0 for s in self.spans], [s.slot0 for s in self.spans],
-                                 [s.row1 - s.row0 for s in self.spans])
+            self.kernel.write_kv(self._kv, layer, k, v, *self._write_args)
             return
         for s, kv in zip(self.spans, self._kv):
             kv[layer, 0, :, s.slot0 : s.slot0 + s.row1 - s.row0] = k[s.row0 : s.row1].transpose(0, 1)
@@ -116,9 +120,8 @@ class BatchStep:
         rows, q_seq, q_pos = args
         if rows is not None:
             q = q[rows]
-        return self.kernel.attend(q, self._kv, [s.cache.positions for s in self.spans],
-                                  [s.kv_len for s in self.spans], q_seq, q_pos, layer, self.scale, window or 0,
-                                  self.softcap or 0.0)
+        return self.kernel.attend(q, self._kv, self._positions, self._lens, q_seq, q_pos, layer, self.scale,
+                                  window or 0, self.softcap or 0.0)
 
     def _kernel_args(self, last: bool):
         """(rows of q to take or None for all, sequence index per row, position per row) of the
