@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("module.cpp", "batch_attention.cpp", "linear.cpp", "pointwise.cpp",
                                                       "layer.cpp")]
-_NAME = "kvfuse_cpu_kernels_v6"  # bump when the sources change in a way the build cache must not reuse
+_NAME = "kvfuse_cpu_kernels_v7"  # bump when the sources change in a way the build cache must not reuse
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 

@@ -70,10 +70,11 @@ inline void load16(const int8_t* p, __m256& a, __m256& b) {
     _mm256_storeu_ps(c + r * NB + 8, a##r##1);                              \
   }
 template <typename T, int R>
-inline void tile(const T* w, int64_t kc, const float* x, float* c, bool first) {
+inline void tile(const T* w, int64_t kc, const float* x, float* c, bool first, const T* ahead) {
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
          a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   for (int64_t k = 0; k < kc; ++k) {
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * NB), _MM_HINT_T0);
     __m256 u, v;
     load16(w + k * NB, u, v);
     const float* xk = x + k * MR;
@@ -110,15 +111,18 @@ inline void row(const T* w, int64_t in, const float* x, float* c) {
   _mm256_storeu_ps(c + 8, _mm256_add_ps(_mm256_add_ps(a[1], a[3]), _mm256_add_ps(a[5], a[7])));
 }
 
+// ``ahead``: the weights of the next chunk, fetched into L1 while this panel computes from the
+// current one (the first panel of a chunk waits for memory, the others do not: without this the
+// stream and the arithmetic take turns instead of overlapping). Null: nothing to fetch.
 template <typename T>
-inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first) {
+inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first, const T* ahead) {
   switch (rows) {
-    case 6: tile<T, 6>(w, kc, x, c, first); break;
-    case 5: tile<T, 5>(w, kc, x, c, first); break;
-    case 4: tile<T, 4>(w, kc, x, c, first); break;
-    case 3: tile<T, 3>(w, kc, x, c, first); break;
-    case 2: tile<T, 2>(w, kc, x, c, first); break;
-    default: tile<T, 1>(w, kc, x, c, first); break;
+    case 6: tile<T, 6>(w, kc, x, c, first, ahead); break;
+    case 5: tile<T, 5>(w, kc, x, c, first, ahead); break;
+    case 4: tile<T, 4>(w, kc, x, c, first, ahead); break;
+    case 3: tile<T, 3>(w, kc, x, c, first, ahead); break;
+    case 2: tile<T, 2>(w, kc, x, c, first, ahead); break;
+    default: tile<T, 1>(w, kc, x, c, first, ahead); break;
   }
 }
 
@@ -140,7 +144,7 @@ inline void row(const T* w, int64_t in, const float* x, float* c) {
     for (int64_t j = 0; j < NB; ++j) c[j] += static_cast<float>(w[k * NB + j]) * x[k];
 }
 template <typename T>
-inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first) {
+inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first, const T*) {
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB] = {0.f};
     for (int64_t k = 0; k < kc; ++k)
@@ -182,15 +186,19 @@ void run(const float* x, int64_t n, int64_t in, const T* w, int64_t nblocks, int
         } else {
           for (int64_t k0 = 0; k0 < in; k0 += kc_max) {
             const int64_t kc = std::min(kc_max, in - k0);
+            // the next chunk: the rest of this block, else the start of the thread's next block
+            const T* next = k0 + kc < in ? wb + (k0 + kc) * NB : (blk + 1 < b1 ? wb + in * NB : nullptr);
             for (int64_t p = p0; p < p0 + pn; ++p) {
               const float* xp = packed.data() + p * in * MR + k0 * MR;
               float* cp = c.data() + (p - p0) * MR * NB;
               const int64_t rows = std::min(MR, n - p * MR);
+              const T* ahead = p == p0 + 1 ? next : nullptr;
               if (!wide.empty()) {
                 if (p == p0) widen_chunk(reinterpret_cast<const int8_t*>(wb) + k0 * NB, kc, wide.data());
-                panel<float>(wide.data(), kc, xp, rows, cp, k0 == 0);
+                panel<float>(wide.data(), kc, xp, rows, cp, k0 == 0, nullptr);
+                if (ahead) for (int64_t k = 0; k < kc; k += 4) __builtin_prefetch(ahead + k * NB);
               } else {
-                panel<T>(wb + k0 * NB, kc, xp, rows, cp, k0 == 0);
+                panel<T>(wb + k0 * NB, kc, xp, rows, cp, k0 == 0, ahead);
               }
             }
           }

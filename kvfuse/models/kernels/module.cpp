@@ -12,7 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta))");
   m.def("gated_act", &gated_act, "act(gate) * up, act silu (0) or gelu-tanh (1)");
   m.def("rope", &rope, "rotary embedding, rotate-half layout");
-  py::class_<BlockedArg>(m, "Blocked", "a blocked weight: blocks, output channels, int8 scales or None")
+  py::class_<BlockedArg>(m, "Blocked", py::module_local(), "a blocked weight: blocks, output channels, int8 scales or None")
       .def(py::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>>());
   m.def("project_qkv", &project_qkv, "norm, q/k/v product, q/k norms and RoPE of one layer");
   m.def("post_attention", &post_attention, "output product, residual, norm, gated MLP, residual of one layer");
