@@ -19,7 +19,7 @@ included), in one call per layer; ``write_kv`` likewise writes a step's fresh K/
 sequence's buffer in one call.
 
 The module is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; about
-a minute) into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, default
+two minutes on 2 cores) into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``). ``get()`` returns the built module, or None when it cannot be
 built (no compiler, not x86, ``KVFUSE_KERNELS=off``): the runner then keeps its PyTorch path,
 which computes the same numbers up to float rounding. ``python -m kvfuse.models.kernels`` builds
@@ -79,7 +79,7 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        log.info("loading kvfuse's CPU kernels (compiled once per machine, about a minute)")
+        log.info("loading kvfuse's CPU kernels (compiled once per machine, about two minutes on 2 cores)")
         return cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_flags(), verbose=False)
     except Exception as exc:  # no compiler, no ninja, headers missing: the PyTorch path still works
         log.warning("CPU kernels unavailable (%s: %s); using PyTorch's attention and projections "
