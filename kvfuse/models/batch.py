@@ -82,6 +82,27 @@ class BatchStep:
             kv[layer, 0, :, s.slot0 : s.slot0 + s.row1 - s.row0] = k[s.row0 : s.row1].transpose(0, 1)
             kv[layer, 1, :, s.slot0 : s.slot0 + s.row1 - s.row0] = v[s.row0 : s.row1].transpose(0, 1)
 
+    # ---------------------------------------------------------------------------- all layers
+
+    @property
+    def stacked(self) -> bool:
+        """Whether every layer of this step can run as one ``run_stack`` call: the kernel module is
+        in use and every sequence takes the attention kernel (decode steps, short appends)."""
+        return (self.kernel is not None and len(self._kernel_spans) == len(self.spans)
+                and self._row_args is not None and self._row_args[0] is None)
+
+    def run_stack(self, stack, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Every layer of the step in one kernel call (``kernels/stack.cpp``) over the embedded
+        tokens ``h``; ``tables``: (cos, sin) per rope kind, in the order the stack was built with.
+        Returns the hidden states of ``last_rows`` after the last layer."""
+        _, q_seq, q_pos = self._row_args
+        if self._last_args is None:
+            last_rows, last_seq, last_pos = torch.empty(0, dtype=torch.int64), [], []
+        else:
+            last_rows, last_seq, last_pos = self._last_args
+        return self.kernel.run_stack(stack, h, self._kv, self._positions, self._lens, q_seq, q_pos, *self._write_args,
+                                     [c for c, _ in tables], [s for _, s in tables], last_rows, last_seq, last_pos)
+
     # ------------------------------------------------------------------------------ attention
 
     def attend(self, layer: int, q: torch.Tensor, last: bool) -> torch.Tensor:
@@ -168,12 +189,13 @@ def prepare(runner, items) -> tuple[BatchStep, torch.Tensor]:
 
 
 def _kernel_for(runner, items):
-    """The kernel module when this step can use it: a float32 runner on the CPU, KV in a dtype the
-    kernel reads, and the runner's kernels not switched off."""
+    """The kernel module when this step can use it: a float32 runner on the CPU, every sequence's KV
+    in the same dtype, one the kernel reads, and the runner's kernels not switched off."""
     if not getattr(runner, "use_kernels", True) or runner.device.type != "cpu" or runner.dtype != torch.float32:
         return None
-    if any(it.cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) for it in items):
-        return None
+    dtypes = {it.cache.dtype for it in items}
+    if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
+        return None  # the kernel reads one KV dtype per call
     return kernels.get()
 
 

@@ -83,8 +83,8 @@ class Transformer:
         self.weights = weights
         self.device = device
         self.dtype = dtype
-        self.use_kernels = kernels.enabled()  # the CPU kernels when they build (see ``kernels``)
         self._freqs = {t: rope.inv_freq(r, config.head_dim).to(device) for t, r in config.rope.items()}
+        self.use_kernels = kernels.enabled()  # the CPU kernels when they build (see ``kernels``)
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -105,6 +105,22 @@ class Transformer:
         self._fused = self._ops is not None and all(
             isinstance(getattr(lw, f), packed.BlockedWeight)
             for lw in self.weights.layers for f in ("wqkv", "wo", "w_gate", "w_up", "w_down"))
+        # Every layer of a decode step in one call (kernels/stack.cpp), on the same fused halves.
+        self._stack = self._build_stack() if self._fused else None
+
+    def _build_stack(self):
+        """The model's layers described once for ``run_stack``: weights, windows, rope kinds (the
+        order of ``self._freqs``, in which ``forward_batch`` hands over the rotation tables)."""
+        c = self.config
+        kinds = list(self._freqs)
+        stack = self._ops.Stack(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+                                act=pointwise.ACTS[c.hidden_act], eps=c.rms_norm_eps, scale=c.scaling,
+                                softcap=c.attn_logit_softcap or 0.0)
+        for i, w in enumerate(self.weights.layers):
+            stack.add_layer(w.attn_norm, w.wqkv.handle, w.bqkv, w.q_norm, w.k_norm, w.wo.handle, w.attn_out_norm,
+                            w.mlp_norm, w.w_gate.handle, w.w_up.handle, w.w_down.handle, w.mlp_out_norm,
+                            c.window(i) or 0, kinds.index(c.layer_types[i]))
+        return stack
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return pointwise.rms_norm(x, weight, self.config.rms_norm_eps, self._ops)
@@ -185,6 +201,22 @@ class Transformer:
         ids = torch.as_tensor([t for it in items for t in it.ids], dtype=torch.int64, device=self.device)
         tables = self.rope_tables(positions, self.dtype)
         h = self.embed(ids)
+        if self._fused and self._stack is not None and step.stacked and h.dtype == torch.float32:
+            h = step.run_stack(self._stack, h, [tables[t] for t in self._freqs])
+        else:
+            h = self._layers_batch(step, h, positions, tables)
+        for s in step.spans:
+            s.cache.length = s.kv_len
+        out: list[torch.Tensor | None] = [None] * len(items)
+        if h.shape[0]:
+            logits = self.logits(h)
+            for j, i in enumerate(i for i, it in enumerate(items) if it.logits):
+                out[i] = logits[j]
+        return out
+
+    def _layers_batch(self, step: batch.BatchStep, h: torch.Tensor, positions: torch.Tensor, tables) -> torch.Tensor:
+        """``forward_batch``'s layers one by one (what ``run_stack`` does in one call when it applies):
+        the hidden states after the last layer, only the rows of ``step.last_rows`` there."""
         last = self.config.num_layers - 1
         for layer in range(self.config.num_layers):
             q, k, v = self._project(layer, h, positions, tables)
@@ -195,14 +227,7 @@ class Transformer:
                     break
                 h = h[step.last_rows]
             h = self.post_attention(layer, step.attend(layer, q, last=layer == last), h)
-        for s in step.spans:
-            s.cache.length = s.kv_len
-        out: list[torch.Tensor | None] = [None] * len(items)
-        if h.shape[0]:
-            logits = self.logits(h)
-            for j, i in enumerate(i for i, it in enumerate(items) if it.logits):
-                out[i] = logits[j]
-        return out
+        return h
 
     # ---------------------------------------------------------------------- layer-by-layer API
 

@@ -153,3 +153,19 @@ def test_packed_float32_weights_compute_what_plain_weights_compute(family, tiny_
         outs.append([first, *step])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_sequences_with_different_kv_dtypes_share_a_step(ext, tiny_loaded):
+    """The attention kernel reads one KV dtype per call: a step mixing fp32 and fp16 caches takes
+    the PyTorch path and gives each sequence what it gets alone."""
+    runner = tiny_loaded("llama").runner
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (30, 12)]
+    caches = [runner.new_cache(64, torch.float32), runner.new_cache(64, torch.float16)]
+    for p, c in zip(prompts, caches):
+        runner.forward(p, c, logits="none")
+    out = runner.forward_batch([BatchItem([5], caches[0]), BatchItem([6], caches[1])])
+    for p, c, tok, got in zip(prompts, (torch.float32, torch.float16), (5, 6), out):
+        alone = runner.new_cache(64, c)
+        runner.forward(p, alone, logits="none")
+        torch.testing.assert_close(got, runner.forward([tok], alone), atol=1e-4, rtol=1e-4)

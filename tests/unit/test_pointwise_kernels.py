@@ -107,3 +107,60 @@ def test_fused_layer_halves_compute_the_step_by_step_path(ops, tiny_model_dir, f
         outs.append([first, *runner.forward_batch([BatchItem([7], caches[0]), BatchItem(ids[11:], caches[1])])])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family,weights,kv_dtype", [
+    ("llama", "auto", torch.float16), ("llama", "int8", torch.float32), ("qwen2", "auto", torch.float32),
+    ("qwen3", "int8", torch.float16), ("gemma3", "auto", torch.float16), ("gemma3", "int8", torch.bfloat16)])
+def test_whole_stack_in_one_call_is_the_layer_loop_bit_for_bit(ops, tiny_model_dir, family, weights, kv_dtype,
+                                                               monkeypatch):
+    """``kernels/stack.cpp`` (every layer of a decode step in one call) against the runner's
+    Python loop over the same kernels: decode steps of three sequences (different lengths, one
+    without logits), then short appends of several tokens each, give identical logits and
+    identical caches."""
+    from kvfuse.models.loader import load_folder
+    from kvfuse.models.transformer import BatchItem
+
+    runner = load_folder(tiny_model_dir(family), weights=weights)
+    assert runner._stack is not None and len(runner._stack) == runner.config.num_layers
+    calls = []
+    real = ops.run_stack
+    monkeypatch.setattr(ops, "run_stack", lambda *a: calls.append(1) or real(*a))
+    ids = torch.randint(3, 500, (40,), generator=_g(5)).tolist()
+    results = []
+    for stacked in (True, False):
+        runner._stack = runner._build_stack() if stacked else None
+        caches = [runner.new_cache(80, dtype=kv_dtype) for _ in range(3)]
+        for cache, n in zip(caches, (40, 23, 9)):
+            runner.forward(ids[:n], cache, logits="none")
+        steps = [runner.forward_batch([BatchItem([5 + t], caches[0]), BatchItem([9 + t], caches[1], logits=False),
+                                       BatchItem([11 + t], caches[2])]) for t in range(3)]
+        steps.append(runner.forward_batch([BatchItem(ids[:5], caches[0]), BatchItem(ids[5:16], caches[1]),
+                                           BatchItem(ids[16:19], caches[2], logits=False)]))
+        results.append((steps, [c.kv[:, :, :, : c.length].clone() for c in caches]))
+    assert len(calls) == 4  # every step above took the one-call path when the stack was there
+    (steps_a, kv_a), (steps_b, kv_b) = results
+    for out_a, out_b in zip(steps_a, steps_b):
+        assert [o is None for o in out_a] == [o is None for o in out_b]
+        for a, b in zip(out_a, out_b):
+            if a is not None:
+                assert torch.equal(a, b)
+    for a, b in zip(kv_a, kv_b):
+        assert torch.equal(a, b)
+
+
+def test_a_prefill_chunk_in_the_step_keeps_the_layer_loop(ops, tiny_model_dir, monkeypatch):
+    """A step with a sequence of more new tokens than the attention kernel takes (a prefill chunk)
+    cannot run as one stack call: it runs layer by layer and still gives every sequence its logits."""
+    from kvfuse.models.loader import load_folder
+    from kvfuse.models.transformer import BatchItem
+
+    runner = load_folder(tiny_model_dir("llama"), weights="auto")
+    monkeypatch.setattr(ops, "run_stack", lambda *a: pytest.fail("run_stack used for a prefill chunk"))
+    ids = torch.randint(3, 500, (40,), generator=_g(6)).tolist()
+    a, b = runner.new_cache(64), runner.new_cache(64)
+    runner.forward(ids[:10], a, logits="none")
+    out = runner.forward_batch([BatchItem([3], a), BatchItem(ids, b)])
+    ref = runner.forward(ids, runner.new_cache(64))
+    assert out[0] is not None and out[0].shape == ref.shape
+    torch.testing.assert_close(out[1], ref, atol=1e-4, rtol=1e-4)

@@ -7,7 +7,9 @@
 - ``pointwise.cpp``: RMSNorm (with the residual add before it), the gated activation and RoPE,
   one call each instead of several PyTorch operators (``models.pointwise``);
 - ``layer.cpp``: the two halves of a layer around attention (``Transformer.project`` and
-  ``post_attention``) as one call each, from those pieces, when every projection is blocked.
+  ``post_attention``) as one call each, from those pieces, when every projection is blocked;
+- ``stack.cpp``: every layer of a decode step in one call (``batch.BatchStep.run_stack``), when
+  every sequence of the step takes the attention kernel.
 
 Why an attention kernel: a batched decode step attends one query per running sequence over that
 sequence's own KV buffer. In PyTorch that is one SDPA call per sequence and layer (480 calls for
@@ -40,8 +42,8 @@ from types import ModuleType
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(f) for f in ("module.cpp", "batch_attention.cpp", "linear.cpp", "pointwise.cpp",
-                                                      "layer.cpp")]
-_NAME = "kvfuse_cpu_kernels_v7"  # bump when the sources change in a way the build cache must not reuse
+                                                      "layer.cpp", "stack.cpp")]
+_NAME = "kvfuse_cpu_kernels_v8"  # bump when the sources change in a way the build cache must not reuse
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 

@@ -37,3 +37,32 @@ std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm,
 torch::Tensor post_attention(torch::Tensor attn, torch::Tensor h, BlockedArg wo, c10::optional<torch::Tensor> attn_out_norm,
                              torch::Tensor mlp_norm, BlockedArg w_gate, BlockedArg w_up, BlockedArg w_down,
                              c10::optional<torch::Tensor> mlp_out_norm, int64_t act, double eps);
+
+// stack.cpp: every layer of a decode step in one call
+struct StackLayer {
+  torch::Tensor attn_norm;
+  BlockedArg wqkv;
+  c10::optional<torch::Tensor> bqkv, q_norm, k_norm;
+  BlockedArg wo;
+  c10::optional<torch::Tensor> attn_out_norm;
+  torch::Tensor mlp_norm;
+  BlockedArg w_gate, w_up, w_down;
+  c10::optional<torch::Tensor> mlp_out_norm;
+  int64_t window;     // sliding window, 0 for none
+  int64_t rope_kind;  // which of the step's rotation tables
+};
+struct Stack {
+  int64_t heads, kv_heads, head_dim, act;
+  double eps, scale, softcap;
+  std::vector<StackLayer> layers;
+  void add_layer(torch::Tensor attn_norm, BlockedArg wqkv, c10::optional<torch::Tensor> bqkv,
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, BlockedArg wo,
+                 c10::optional<torch::Tensor> attn_out_norm, torch::Tensor mlp_norm, BlockedArg w_gate, BlockedArg w_up,
+                 BlockedArg w_down, c10::optional<torch::Tensor> mlp_out_norm, int64_t window, int64_t rope_kind);
+};
+torch::Tensor run_stack(const Stack& stack, torch::Tensor h, std::vector<torch::Tensor> kvs,
+                        std::vector<torch::Tensor> positions, std::vector<int64_t> lens, std::vector<int64_t> q_seq,
+                        std::vector<int64_t> q_pos, std::vector<int64_t> row0, std::vector<int64_t> slot0,
+                        std::vector<int64_t> count, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+                        c10::optional<torch::Tensor> last_rows, std::vector<int64_t> last_q_seq,
+                        std::vector<int64_t> last_q_pos);

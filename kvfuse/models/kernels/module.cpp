@@ -16,4 +16,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>>());
   m.def("project_qkv", &project_qkv, "norm, q/k/v product, q/k norms and RoPE of one layer");
   m.def("post_attention", &post_attention, "output product, residual, norm, gated MLP, residual of one layer");
+  py::class_<Stack>(m, "Stack", py::module_local(), "a model's layers, described once for run_stack")
+      .def(py::init([](int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t act, double eps, double scale,
+                       double softcap) { return Stack{heads, kv_heads, head_dim, act, eps, scale, softcap, {}}; }),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("act"), py::arg("eps"), py::arg("scale"),
+           py::arg("softcap"))
+      .def("add_layer", &Stack::add_layer)
+      .def("__len__", [](const Stack& s) { return s.layers.size(); });
+  m.def("run_stack", &run_stack, "every layer of a decode step: project, write K/V, attend, post-attention");
 }
