@@ -169,3 +169,19 @@ def test_sequences_with_different_kv_dtypes_share_a_step(ext, tiny_loaded):
         alone = runner.new_cache(64, c)
         runner.forward(p, alone, logits="none")
         torch.testing.assert_close(got, runner.forward([tok], alone), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("queries,keys,kernel", [
+    (1, 100_000, True),   # decode: always the kernel
+    (4, 5_000, True),     # a few queries: the kernel whatever the history
+    (5, 800, True),       # 4,000 scores
+    (5, 900, False),      # 4,500 scores: SDPA
+    (16, 256, True),
+    (16, 257, False),
+    (17, 10, False),      # beyond the kernel's query limit
+    (1, 0, True),
+])
+def test_which_sequences_take_the_attention_kernel(queries, keys, kernel):
+    from kvfuse.models.batch import kernel_fits
+
+    assert kernel_fits(queries, keys) is kernel
