@@ -144,6 +144,15 @@ def test_cache_stats_inspect_and_clear(long_runs, tmp_path):
     assert json.loads(kvfuse(["cache", "stats", "--json"], disk=disk).stdout)["disk"]["entries"] == 0
 
 
+def test_a_missing_signing_key_file_is_a_user_error(tmp_path):
+    """The default run's check of signing through the CLI (the whole path is the slow test below;
+    signed entries themselves are tested in tests/reliability/test_signed_entries.py)."""
+    missing = kvfuse(["cache", "stats"], disk=tmp_path / "kv",
+                     env_extra={"KVFUSE_CACHE_SIGNING_KEY_FILE": str(tmp_path / "absent.keys")})
+    assert_user_error(missing, "cache.signing_key_file", "absent.keys", "openssl rand -hex 32")
+
+
+@pytest.mark.slow  # six model-loading processes (~40 s); the pieces are covered by faster tests
 def test_signed_entries_through_the_cli(smollm2_ready, tmp_path):
     """A key file in the environment: a second process reuses the first one's signed entries,
     ``cache inspect`` reports their signature, a process with another key refuses them, and a
