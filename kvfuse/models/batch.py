@@ -14,7 +14,9 @@ that per-sequence part:
   matmuls beat a per-query loop. Both use the same position mask, so a sequence gets the same
   numbers (up to float rounding) whichever path it takes, and the same as ``forward``.
 
-At the last layer only the rows whose logits are wanted are computed (``last_rows``).
+At the last layer only the rows whose logits are wanted are computed (``last_rows``). When every
+sequence takes the kernel (``stacked``), ``run_stack`` runs all the layers in one kernel call
+(``kernels/stack.cpp``) instead of the runner's per-layer loop over ``write_kv`` and ``attend``.
 """
 
 from __future__ import annotations
@@ -102,8 +104,7 @@ class BatchStep:
     def stacked(self) -> bool:
         """Whether every layer of this step can run as one ``run_stack`` call: the kernel module is
         in use and every sequence takes the attention kernel (decode steps, short appends)."""
-        return (self.kernel is not None and len(self._kernel_spans) == len(self.spans)
-                and self._row_args is not None and self._row_args[0] is None)
+        return self.kernel is not None and len(self._kernel_spans) == len(self.spans)
 
     def run_stack(self, stack, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Every layer of the step in one kernel call (``kernels/stack.cpp``) over the embedded

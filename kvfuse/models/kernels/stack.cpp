@@ -12,8 +12,6 @@
 
 #include "kernels.h"
 
-#include <cstring>
-
 namespace {
 
 torch::Tensor rows_of(const torch::Tensor& x, const c10::optional<torch::Tensor>& rows) {
