@@ -50,27 +50,36 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blend import f1  # noqa: E402
-from common import DATA, OUT, environment, print_table  # noqa: E402
+from blend import f1
+from common import DATA, OUT, environment, print_table
 
-from kvfuse.calibration import fictional_qa  # noqa: E402
-from kvfuse.calibration.measure import BASE_MODELS, QUESTION, correct  # noqa: E402
+from kvfuse.calibration import fictional_qa
+from kvfuse.calibration.measure import BASE_MODELS, QUESTION, correct
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", default="qwen2.5-0.5b")
     p.add_argument("--part", choices=("speed", "quality", "all"), default="all")
     p.add_argument("--split", choices=("dev", "test"), default="dev")
     p.add_argument("--examples", type=int, default=2, help="MuSiQue examples (speed)")
     p.add_argument("--runs", type=int, default=2, help="rounds per example (speed)")
     p.add_argument("--words", type=int, default=200, help="words per MuSiQue passage")
-    p.add_argument("--budgets", default="auto,0.15,0.3", help="recompute budgets of auto and documents (speed)")
-    p.add_argument("--quality-budgets", default="auto", help="budgets of automatic reuse in the quality part "
-                   "(documents: at auto)")
+    p.add_argument(
+        "--budgets", default="auto,0.15,0.3", help="recompute budgets of auto and documents (speed)"
+    )
+    p.add_argument(
+        "--quality-budgets",
+        default="auto",
+        help="budgets of automatic reuse in the quality part (documents: at auto)",
+    )
     p.add_argument("--items", type=int, default=20, help="fictional QA items (quality)")
     p.add_argument("--max-tokens", type=int, default=12)
-    p.add_argument("--pairs", type=int, default=4, help="prompts sharing nothing: on/off pairs (speed)")
+    p.add_argument(
+        "--pairs", type=int, default=4, help="prompts sharing nothing: on/off pairs (speed)"
+    )
     p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME)")
     p.add_argument("--out", default=str(OUT / "auto_reuse"), help="output path without extension")
     p.add_argument("--combine", nargs="*", help="merge earlier JSON results instead of measuring")
@@ -90,12 +99,20 @@ class Bench:
 
         self.model, self.max_tokens = model, max_tokens
         self.chat = model not in BASE_MODELS
-        config = {"model": model, "cache": {"disk": False, "memory_bytes": 16 << 30},
-                  "blend": {"auto": "on", "auto_min_tokens": 256}, "server": {"max_tokens_limit": 512}}
+        config = {
+            "model": model,
+            "cache": {"disk": False, "memory_bytes": 16 << 30},
+            "blend": {"auto": "on", "auto_min_tokens": 256},
+            "server": {"max_tokens_limit": 512},
+        }
         t0 = time.perf_counter()
-        self.server = ServerProcess(home, config=config, log_path=tmp / f"{model}.log").start(timeout=600)
+        self.server = ServerProcess(home, config=config, log_path=tmp / f"{model}.log").start(
+            timeout=600
+        )
         self.startup_s = time.perf_counter() - t0
-        self.client = OpenAI(base_url=self.server.base_url, api_key="unused", max_retries=0, timeout=3600)
+        self.client = OpenAI(
+            base_url=self.server.base_url, api_key="unused", max_retries=0, timeout=3600
+        )
 
     def close(self) -> None:
         self.server.close()
@@ -109,10 +126,21 @@ class Bench:
         request with ``documents`` renders (each passage stripped, then a blank line)."""
         return "".join(f"{d.strip()}\n\n" for d in docs) + self.question(question)
 
-    def ask(self, docs: list[str], question: str, mode: str, budget: str | None = None, salt: str | None = None,
-            max_tokens: int | None = None) -> dict:
+    def ask(
+        self,
+        docs: list[str],
+        question: str,
+        mode: str,
+        budget: str | None = None,
+        salt: str | None = None,
+        max_tokens: int | None = None,
+    ) -> dict:
         """One streamed request of configuration ``mode`` (full, prefix, auto, documents)."""
-        extra: dict = {"cache": False} if mode == "full" else {"blend_auto": "off" if mode == "prefix" else "on"}
+        extra: dict = (
+            {"cache": False}
+            if mode == "full"
+            else {"blend_auto": "off" if mode == "prefix" else "on"}
+        )
         if budget not in (None, "auto"):
             extra["recompute_ratio"] = float(budget)
         if salt:
@@ -124,26 +152,50 @@ class Bench:
         return self._stream(text, extra, max_tokens or self.max_tokens)
 
     def _stream(self, text: str, extra: dict, max_tokens: int) -> dict:
-        common = dict(model=self.model, max_tokens=max_tokens, temperature=0, stream=True,
-                      stream_options={"include_usage": True}, extra_body=extra)
+        common = dict(
+            model=self.model,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
         t0 = time.perf_counter()
         if self.chat:
-            stream = self.client.chat.completions.create(messages=[{"role": "user", "content": text}], **common)
+            stream = self.client.chat.completions.create(
+                messages=[{"role": "user", "content": text}], **common
+            )
         else:
             stream = self.client.completions.create(prompt=text, **common)
         first, pieces, usage = None, [], None
         for chunk in stream:
             usage = chunk.usage or usage
-            piece = (chunk.choices[0].delta.content if self.chat else chunk.choices[0].text) if chunk.choices else None
+            piece = (
+                (chunk.choices[0].delta.content if self.chat else chunk.choices[0].text)
+                if chunk.choices
+                else None
+            )
             if piece:
                 first = first or time.perf_counter()
                 pieces.append(piece)
         end = time.perf_counter()
         d = usage.prompt_tokens_details
-        return {"ttft_s": (first or end) - t0, "text": "".join(pieces).split("\n")[0].strip(),
-                "prompt_tokens": usage.prompt_tokens, "cached": d.cached_tokens, **{
-                    k: d.model_extra.get(k) for k in ("span_reused_tokens", "prefix_reused_tokens",
-                                                       "recomputed_tokens", "auto_reuse", "blend")}}
+        return {
+            "ttft_s": (first or end) - t0,
+            "text": "".join(pieces).split("\n")[0].strip(),
+            "prompt_tokens": usage.prompt_tokens,
+            "cached": d.cached_tokens,
+            **{
+                k: d.model_extra.get(k)
+                for k in (
+                    "span_reused_tokens",
+                    "prefix_reused_tokens",
+                    "recomputed_tokens",
+                    "auto_reuse",
+                    "blend",
+                )
+            },
+        }
 
 
 # ------------------------------------------------------------------------------------ speed
@@ -155,8 +207,11 @@ def musique(split: str) -> list[dict]:
 
 
 def configurations(budgets: list[str]) -> list[tuple[str, str, str | None]]:
-    return ([("full prefill", "full", None), ("prefix only", "prefix", None)]
-            + [(f"auto {b}", "auto", b) for b in budgets] + [(f"documents {b}", "documents", b) for b in budgets])
+    return (
+        [("full prefill", "full", None), ("prefix only", "prefix", None)]
+        + [(f"auto {b}", "auto", b) for b in budgets]
+        + [(f"documents {b}", "documents", b) for b in budgets]
+    )
 
 
 def speed(args, bench: Bench, tokenizer) -> dict:
@@ -175,15 +230,31 @@ def speed(args, bench: Bench, tokenizer) -> dict:
         salts = {name: f"speed-{name}-{e}-{time.time_ns()}" for name, _, _ in configs}
         for name, mode, budget in configs:
             if mode in ("auto", "documents"):  # the passages seen before, in their order
-                bench.ask(docs, ex["question"], mode, warm if budget == "auto" else budget, salt=salts[name],
-                          max_tokens=1)
+                bench.ask(
+                    docs,
+                    ex["question"],
+                    mode,
+                    warm if budget == "auto" else budget,
+                    salt=salts[name],
+                    max_tokens=1,
+                )
         rng = random.Random(1000 * e)
         for run in range(args.runs):
             order = rng.sample(range(len(docs)), len(docs))
             for name, mode, budget in configs:
-                got = bench.ask([docs[i] for i in order], ex["question"], mode, budget, salt=salts[name])
-                cells.append({"example": e, "run": run, "config": name, "doc_tokens": doc_tokens,
-                              "gold": ex["answers"], **got})
+                got = bench.ask(
+                    [docs[i] for i in order], ex["question"], mode, budget, salt=salts[name]
+                )
+                cells.append(
+                    {
+                        "example": e,
+                        "run": run,
+                        "config": name,
+                        "doc_tokens": doc_tokens,
+                        "gold": ex["answers"],
+                        **got,
+                    }
+                )
             print(f"  {bench.model}: example {e} run {run} done", flush=True)
     return summarize_speed(cells, configs)
 
@@ -195,13 +266,20 @@ def summarize_speed(cells: list[dict], configs) -> dict:
     for name, mode, _ in configs:
         cs = [c for c in cells if c["config"] == name]
         med = statistics.median(c["ttft_s"] for c in cs)
-        found = [((c["span_reused_tokens"] or 0) + (c["recomputed_tokens"] or 0)) / c["doc_tokens"] for c in cs]
+        found = [
+            ((c["span_reused_tokens"] or 0) + (c["recomputed_tokens"] or 0)) / c["doc_tokens"]
+            for c in cs
+        ]
         reused = [(c["span_reused_tokens"] or 0) / c["doc_tokens"] for c in cs]
-        out[name] = {"ttft_ms_median": 1000 * med, "speedup_vs_full_prefill": full / med,
-                     "doc_tokens_found": statistics.mean(found), "doc_tokens_reused": statistics.mean(reused),
-                     "f1_vs_full": statistics.mean(f1(c["text"], ref[(c["example"], c["run"])]) for c in cs),
-                     "f1_gold": statistics.mean(max(f1(c["text"], g) for g in c["gold"]) for c in cs),
-                     "prompt_tokens": statistics.mean(c["prompt_tokens"] for c in cs)}
+        out[name] = {
+            "ttft_ms_median": 1000 * med,
+            "speedup_vs_full_prefill": full / med,
+            "doc_tokens_found": statistics.mean(found),
+            "doc_tokens_reused": statistics.mean(reused),
+            "f1_vs_full": statistics.mean(f1(c["text"], ref[(c["example"], c["run"])]) for c in cs),
+            "f1_gold": statistics.mean(max(f1(c["text"], g) for g in c["gold"]) for c in cs),
+            "prompt_tokens": statistics.mean(c["prompt_tokens"] for c in cs),
+        }
     return {"summary": out, "cells": cells}
 
 
@@ -214,17 +292,31 @@ def no_shared_content(args, bench: Bench, home: Path) -> dict:
     for r in range(args.pairs):
         ex = rows[args.examples + r % 3]
         docs = [" ".join(c["text"].split()[: args.words]) for c in ex["ctxs"]]
-        pair = [("on", "auto"), ("off", "prefix")] if r % 2 == 0 else [("off", "prefix"), ("on", "auto")]
+        pair = (
+            [("on", "auto"), ("off", "prefix")]
+            if r % 2 == 0
+            else [("off", "prefix"), ("on", "auto")]
+        )
         for label, mode in pair:
             # a budget of its own: automatic reuse looks up even where the model's blend is prefix
-            got = bench.ask(docs, ex["question"], mode, "0.3" if label == "on" else None,
-                            salt=f"fresh-{label}-{r}-{time.time_ns()}")
+            got = bench.ask(
+                docs,
+                ex["question"],
+                mode,
+                "0.3" if label == "on" else None,
+                salt=f"fresh-{label}-{r}-{time.time_ns()}",
+            )
             (on if label == "on" else off).append(got["ttft_s"])
     ex = rows[args.examples]
-    text = bench.text([" ".join(c["text"].split()[: args.words]) for c in ex["ctxs"]], ex["question"])
-    return {"ttft_ms_on": [1000 * x for x in on], "ttft_ms_off": [1000 * x for x in off],
-            "ratio_on_vs_off": statistics.median(on) / statistics.median(off),
-            "request_path": request_path_cost(bench.model, home, text, bench.chat)}
+    text = bench.text(
+        [" ".join(c["text"].split()[: args.words]) for c in ex["ctxs"]], ex["question"]
+    )
+    return {
+        "ttft_ms_on": [1000 * x for x in on],
+        "ttft_ms_off": [1000 * x for x in off],
+        "ratio_on_vs_off": statistics.median(on) / statistics.median(off),
+        "request_path": request_path_cost(bench.model, home, text, bench.chat),
+    }
 
 
 def request_path_cost(model: str, home: Path, text: str, chat: bool, repeats: int = 20) -> dict:
@@ -242,10 +334,16 @@ def request_path_cost(model: str, home: Path, text: str, chat: bool, repeats: in
     loaded = load_model(model, home=home, device="cpu", dtype="auto")
     out = {}
     for auto in ("off", "on"):
-        engine = Engine(loaded, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(
-            history=False, blend=BlendOptions(auto=auto, recompute_ratio=0.3)))
-        ids = engine.prompts.encode_chat([{"role": "user", "content": text}])[0] if chat else \
-            engine.prompts.encode_prompt(text)
+        engine = Engine(
+            loaded,
+            TieredStore(MemoryTier(1 << 30)),
+            EngineSettings.of(history=False, blend=BlendOptions(auto=auto, recompute_ratio=0.3)),
+        )
+        ids = (
+            engine.prompts.encode_chat([{"role": "user", "content": text}])[0]
+            if chat
+            else engine.prompts.encode_prompt(text)
+        )
         keying, lookup = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -254,8 +352,12 @@ def request_path_cost(model: str, home: Path, text: str, chat: bool, repeats: in
             engine.prefiller.lookup(seq)
             keying.append(t1 - t0)
             lookup.append(time.perf_counter() - t1)
-        out[auto] = {"keying_ms": 1000 * statistics.median(keying), "lookup_ms": 1000 * statistics.median(lookup),
-                     "content_chunks": len(seq.keys.content), "prompt_tokens": len(ids)}
+        out[auto] = {
+            "keying_ms": 1000 * statistics.median(keying),
+            "lookup_ms": 1000 * statistics.median(lookup),
+            "content_chunks": len(seq.keys.content),
+            "prompt_tokens": len(ids),
+        }
         engine.close()
     out["added_ms"] = sum(out["on"][k] - out["off"][k] for k in ("keying_ms", "lookup_ms"))
     return out
@@ -284,19 +386,33 @@ def quality(args, bench: Bench) -> dict:
         if (n + 1) % 5 == 0:
             print(f"  {bench.model}: {n + 1}/{len(items)} items", flush=True)
     full_acc = statistics.mean(r["correct"] for r in rows["full prefill"])
-    summary = {name: {"accuracy": statistics.mean(r["correct"] for r in rs),
-                      "accuracy_vs_full": statistics.mean(r["correct"] for r in rs) / full_acc if full_acc else None,
-                      "agrees_with_full": statistics.mean(r["same"] for r in rs),
-                      "span_reused_tokens": statistics.mean(r["span_reused_tokens"] or 0 for r in rs),
-                      "auto_reuse": sorted({r["auto_reuse"] for r in rs})} for name, rs in rows.items()}
+    summary = {
+        name: {
+            "accuracy": statistics.mean(r["correct"] for r in rs),
+            "accuracy_vs_full": statistics.mean(r["correct"] for r in rs) / full_acc
+            if full_acc
+            else None,
+            "agrees_with_full": statistics.mean(r["same"] for r in rs),
+            "span_reused_tokens": statistics.mean(r["span_reused_tokens"] or 0 for r in rs),
+            "auto_reuse": sorted({r["auto_reuse"] for r in rs}),
+        }
+        for name, rs in rows.items()
+    }
     return {"items": len(items), "split": args.split, "summary": summary, "per_item": rows}
 
 
 def _scored(got: dict, it, full: dict) -> dict:
-    return {"index": it.index, "kind": it.kind, "answer": got["text"], "gold": it.answer,
-            "correct": correct(got["text"], it.answer), "same": got["text"] == full["text"],
-            "span_reused_tokens": got["span_reused_tokens"], "recomputed_tokens": got["recomputed_tokens"],
-            "auto_reuse": got["auto_reuse"]}
+    return {
+        "index": it.index,
+        "kind": it.kind,
+        "answer": got["text"],
+        "gold": it.answer,
+        "correct": correct(got["text"], it.answer),
+        "same": got["text"] == full["text"],
+        "span_reused_tokens": got["span_reused_tokens"],
+        "recomputed_tokens": got["recomputed_tokens"],
+        "auto_reuse": got["auto_reuse"],
+    }
 
 
 # ------------------------------------------------------------------------------------ report
@@ -306,26 +422,69 @@ def report(result: dict) -> None:
     for m in result["models"]:
         sp = m.get("speed")
         if sp:
-            print(f"\n{m['model']}: MuSiQue {result['split']} split, {m['examples']} examples x {m['runs']} runs, "
-                  f"10 passages of {m['words']} words (~{sp['summary']['full prefill']['prompt_tokens']:.0f} tokens)")
-            print_table(["configuration", "TTFT ms", "speed-up", "found", "reused", "F1 vs full", "F1 gold"],
-                        [[name, s["ttft_ms_median"], s["speedup_vs_full_prefill"], s["doc_tokens_found"],
-                          s["doc_tokens_reused"], s["f1_vs_full"], s["f1_gold"]] for name, s in sp["summary"].items()])
+            print(
+                f"\n{m['model']}: MuSiQue {result['split']} split, {m['examples']} examples x {m['runs']} runs, "
+                f"10 passages of {m['words']} words (~{sp['summary']['full prefill']['prompt_tokens']:.0f} tokens)"
+            )
+            print_table(
+                [
+                    "configuration",
+                    "TTFT ms",
+                    "speed-up",
+                    "found",
+                    "reused",
+                    "F1 vs full",
+                    "F1 gold",
+                ],
+                [
+                    [
+                        name,
+                        s["ttft_ms_median"],
+                        s["speedup_vs_full_prefill"],
+                        s["doc_tokens_found"],
+                        s["doc_tokens_reused"],
+                        s["f1_vs_full"],
+                        s["f1_gold"],
+                    ]
+                    for name, s in sp["summary"].items()
+                ],
+            )
         ns = m.get("no_shared_content")
         if ns:
             rp = ns["request_path"]
-            print(f"no shared content: TTFT on / off {ns['ratio_on_vs_off']:.3f} (medians of {len(ns['ttft_ms_on'])} "
-                  f"alternating pairs); in-process, automatic reuse adds {rp['added_ms']:.2f} ms to a request "
-                  f"of {rp['on']['prompt_tokens']} tokens ({rp['on']['content_chunks']} content chunks: keying "
-                  f"{rp['off']['keying_ms']:.2f} -> {rp['on']['keying_ms']:.2f} ms, lookup "
-                  f"{rp['off']['lookup_ms']:.2f} -> {rp['on']['lookup_ms']:.2f} ms)")
+            print(
+                f"no shared content: TTFT on / off {ns['ratio_on_vs_off']:.3f} (medians of {len(ns['ttft_ms_on'])} "
+                f"alternating pairs); in-process, automatic reuse adds {rp['added_ms']:.2f} ms to a request "
+                f"of {rp['on']['prompt_tokens']} tokens ({rp['on']['content_chunks']} content chunks: keying "
+                f"{rp['off']['keying_ms']:.2f} -> {rp['on']['keying_ms']:.2f} ms, lookup "
+                f"{rp['off']['lookup_ms']:.2f} -> {rp['on']['lookup_ms']:.2f} ms)"
+            )
         q = m.get("quality")
         if q:
-            print(f"\n{m['model']}: fictional QA {q['split']} split, {q['items']} items, plain prompts")
-            print_table(["configuration", "accuracy", "vs full", "same answer", "span reused", "auto_reuse"],
-                        [[name, s["accuracy"], s["accuracy_vs_full"] if s["accuracy_vs_full"] is not None else "-",
-                          s["agrees_with_full"], s["span_reused_tokens"], ",".join(s["auto_reuse"])]
-                         for name, s in q["summary"].items()])
+            print(
+                f"\n{m['model']}: fictional QA {q['split']} split, {q['items']} items, plain prompts"
+            )
+            print_table(
+                [
+                    "configuration",
+                    "accuracy",
+                    "vs full",
+                    "same answer",
+                    "span reused",
+                    "auto_reuse",
+                ],
+                [
+                    [
+                        name,
+                        s["accuracy"],
+                        s["accuracy_vs_full"] if s["accuracy_vs_full"] is not None else "-",
+                        s["agrees_with_full"],
+                        s["span_reused_tokens"],
+                        ",".join(s["auto_reuse"]),
+                    ]
+                    for name, s in q["summary"].items()
+                ],
+            )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -347,10 +506,17 @@ def plot(result: dict, path: Path) -> None:
         if m.get("speed"):
             s = m["speed"]["summary"]
             names = list(s)
-            ax.bar(range(len(names)), [s[k]["ttft_ms_median"] / 1000 for k in names], color="tab:blue")
+            ax.bar(
+                range(len(names)), [s[k]["ttft_ms_median"] / 1000 for k in names], color="tab:blue"
+            )
             for i, k in enumerate(names):
-                ax.annotate(f"{s[k]['speedup_vs_full_prefill']:.1f}x", (i, s[k]["ttft_ms_median"] / 1000),
-                            ha="center", va="bottom", fontsize=7)
+                ax.annotate(
+                    f"{s[k]['speedup_vs_full_prefill']:.1f}x",
+                    (i, s[k]["ttft_ms_median"] / 1000),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
             ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
             ax.set_ylabel("TTFT s (client-side, median)")
             ax.set_title(f"{m['model']}: MuSiQue {result['split']}, passages in a new order")
@@ -358,7 +524,9 @@ def plot(result: dict, path: Path) -> None:
         if m.get("quality"):
             q = m["quality"]["summary"]
             names = list(q)
-            ax.bar(range(len(names)), [q[k]["accuracy_vs_full"] or 0 for k in names], color="tab:green")
+            ax.bar(
+                range(len(names)), [q[k]["accuracy_vs_full"] or 0 for k in names], color="tab:green"
+            )
             ax.axhline(0.95, color="red", linestyle="--", linewidth=0.8)
             ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=7)
             ax.set_ylabel("accuracy / full prefill's")
@@ -392,14 +560,20 @@ def main(argv=None) -> None:
     from kvfuse.config import default_home
 
     home = Path(args.home) if args.home else default_home()
-    result = {"benchmark": "auto_reuse", "environment": environment(), "split": args.split,
-              "load_average": os.getloadavg(), "models": []}
+    result = {
+        "benchmark": "auto_reuse",
+        "environment": environment(),
+        "split": args.split,
+        "load_average": os.getloadavg(),
+        "models": [],
+    }
     if args.combine:
         for p in args.combine:
             r = json.loads(Path(p).read_text())
             result["models"] += r["models"]
-            result.setdefault("runs", []).append({"file": p, "environment": r["environment"],
-                                                  "load_average": r.get("load_average")})
+            result.setdefault("runs", []).append(
+                {"file": p, "environment": r["environment"], "load_average": r.get("load_average")}
+            )
     for model in filter(None, args.models.split(",") if not args.combine else ()):
         result["models"].append(run_model(args, model, home))
     result["load_average_end"] = os.getloadavg()

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, median, plot_path, print_table, write_json  # noqa: E402
+from common import environment, median, plot_path, print_table, write_json
 
-from kvfuse.models import kernels, load_model  # noqa: E402
-from kvfuse.models.transformer import BatchItem  # noqa: E402
+from kvfuse.models import kernels, load_model
+from kvfuse.models.transformer import BatchItem
 
 
 def load_both(model: str):
@@ -47,13 +47,17 @@ def load_both(model: str):
     return fast, plain
 
 
-def one_sample(runner, batch: int, context: int, steps: int, seed: int) -> tuple[float, list[list[torch.Tensor]]]:
+def one_sample(
+    runner, batch: int, context: int, steps: int, seed: int
+) -> tuple[float, list[list[torch.Tensor]]]:
     """Median decode-step seconds of ``batch`` sequences, and each step's logits."""
     g = torch.Generator().manual_seed(seed)
     caches = []
     for i in range(batch):
         cache = runner.new_cache(context + 7 * i + steps + 8, torch.float16)
-        runner.forward(torch.randint(100, 20000, (context + 7 * i,), generator=g), cache, logits="none")
+        runner.forward(
+            torch.randint(100, 20000, (context + 7 * i,), generator=g), cache, logits="none"
+        )
         caches.append(cache)
     tokens = [1000 + i for i in range(batch)]
     times, logits = [], []
@@ -83,10 +87,14 @@ def agreement(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> tuple
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--context", type=int, default=300, help="prompt tokens of the first sequence (default 300)")
+    p.add_argument(
+        "--context", type=int, default=300, help="prompt tokens of the first sequence (default 300)"
+    )
     p.add_argument("--steps", type=int, default=12, help="decode steps per sample (default 12)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -94,14 +102,20 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     kernel = kernels.get()
-    print(f"{args.model}: {args.threads} threads, kernel {'built' if kernel else 'unavailable'}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(
+        f"{args.model}: {args.threads} threads, kernel {'built' if kernel else 'unavailable'}; "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
     fast, plain = load_both(args.model)
     samples = {(m, b): [] for m in ("fast", "plain") for b in args.batches}
     agree = {b: [0, 0] for b in args.batches}
     for r in range(args.rounds):
         for b in args.batches:
-            order = [("fast", fast), ("plain", plain)] if r % 2 == 0 else [("plain", plain), ("fast", fast)]
+            order = (
+                [("fast", fast), ("plain", plain)]
+                if r % 2 == 0
+                else [("plain", plain), ("fast", fast)]
+            )
             logits = {}
             for name, runner in order:
                 seconds, logits[name] = one_sample(runner, b, args.context, args.steps, seed=r)
@@ -109,24 +123,60 @@ def main() -> None:
             a, t = agreement(logits["fast"], logits["plain"])
             agree[b][0] += a
             agree[b][1] += t
-        print(f"round {r + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True)
+        print(
+            f"round {r + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True
+        )
     rows, results = [], []
     for b in args.batches:
         f, pl = samples[("fast", b)], samples[("plain", b)]
-        res = {"batch": b, "fast_ms": [x * 1e3 for x in f], "plain_ms": [x * 1e3 for x in pl],
-               "fast_tok_s": b / median(f), "plain_tok_s": b / median(pl), "speedup": median(pl) / median(f),
-               "agree": agree[b]}
+        res = {
+            "batch": b,
+            "fast_ms": [x * 1e3 for x in f],
+            "plain_ms": [x * 1e3 for x in pl],
+            "fast_tok_s": b / median(f),
+            "plain_tok_s": b / median(pl),
+            "speedup": median(pl) / median(f),
+            "agree": agree[b],
+        }
         results.append(res)
-        rows.append([b, f"{median(f) * 1e3:.1f} ({min(f) * 1e3:.1f}-{max(f) * 1e3:.1f})",
-                     f"{median(pl) * 1e3:.1f} ({min(pl) * 1e3:.1f}-{max(pl) * 1e3:.1f})",
-                     f"{res['fast_tok_s']:.1f}", f"{res['plain_tok_s']:.1f}", f"{res['speedup']:.2f}x",
-                     f"{agree[b][0]}/{agree[b][1]}"])
-    print_table(["batch", "fast step ms (min-max)", "plain step ms (min-max)", "fast tok/s", "plain tok/s",
-                 "fast / plain", "agree"], rows)
+        rows.append(
+            [
+                b,
+                f"{median(f) * 1e3:.1f} ({min(f) * 1e3:.1f}-{max(f) * 1e3:.1f})",
+                f"{median(pl) * 1e3:.1f} ({min(pl) * 1e3:.1f}-{max(pl) * 1e3:.1f})",
+                f"{res['fast_tok_s']:.1f}",
+                f"{res['plain_tok_s']:.1f}",
+                f"{res['speedup']:.2f}x",
+                f"{agree[b][0]}/{agree[b][1]}",
+            ]
+        )
+    print_table(
+        [
+            "batch",
+            "fast step ms (min-max)",
+            "plain step ms (min-max)",
+            "fast tok/s",
+            "plain tok/s",
+            "fast / plain",
+            "agree",
+        ],
+        rows,
+    )
     name = f"batch_step-{args.tag}" if args.tag else "batch_step"
-    write_json(name, {"model": args.model, "context": args.context, "steps": args.steps, "rounds": args.rounds,
-                      "threads": args.threads, "kernel": kernel is not None, "results": results,
-                      "environment": environment(), "load_average_after": os.getloadavg()[0]})
+    write_json(
+        name,
+        {
+            "model": args.model,
+            "context": args.context,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "threads": args.threads,
+            "kernel": kernel is not None,
+            "results": results,
+            "environment": environment(),
+            "load_average_after": os.getloadavg()[0],
+        },
+    )
     plot(results, args.model, plot_path(name))
 
 

@@ -41,14 +41,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, OUT, drop_page_cache, environment, print_table  # noqa: E402
-from kvfuse.calibration import fictional_qa  # noqa: E402
-from kvfuse.calibration.measure import correct, kl, normalize  # noqa: E402
+from common import DATA, OUT, drop_page_cache, environment, print_table
 
-from kvfuse.blend import BlendOptions  # noqa: E402
+from kvfuse.blend import BlendOptions
+from kvfuse.calibration import fictional_qa
+from kvfuse.calibration.measure import correct, kl, normalize
 from kvfuse.config import EngineSettings
-from kvfuse.engine import CacheOptions, Engine, Prompt  # noqa: E402
-from kvfuse.generation import SamplingParams  # noqa: E402
+from kvfuse.engine import CacheOptions, Engine, Prompt
+from kvfuse.generation import SamplingParams
 
 MODELS = ("smollm2", "gemma3-270m", "qwen2.5-0.5b")
 CHAT_MODELS = ("smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")  # instruct models: asked in a chat turn
@@ -57,30 +57,54 @@ RATIOS = (0.05, 0.1, 0.15, 0.3)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--part", choices=("quality", "speed", "all"), default="all")
     p.add_argument("--split", choices=("dev", "test"), default="dev")
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--items", type=int, default=40, help="fictional QA items (default 40)")
-    p.add_argument("--documents", type=int, default=5, help="documents per fictional QA item (default 5)")
+    p.add_argument(
+        "--documents", type=int, default=5, help="documents per fictional QA item (default 5)"
+    )
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--ratios", default=",".join(map(str, RATIOS)))
-    p.add_argument("--variants", default="",
-                   help="extra configurations, ';'-separated key=value lists over the default method, e.g. "
-                        "'check_layer=2;deviation=k;gradual=true;document_context=none'")
-    p.add_argument("--default", default="", help="key=value list of the options tested as the default")
-    p.add_argument("--examples", type=int, default=3, help="MuSiQue examples for the speed part (default 3)")
-    p.add_argument("--words", type=int, default=200, help="words per MuSiQue document (default 200)")
-    p.add_argument("--speed-ratios", default="0.05,0.1,0.15,0.3",
-                   help="budgets for the speed part; 'auto' is the model's calibrated blend")
+    p.add_argument(
+        "--variants",
+        default="",
+        help="extra configurations, ';'-separated key=value lists over the default method, e.g. "
+        "'check_layer=2;deviation=k;gradual=true;document_context=none'",
+    )
+    p.add_argument(
+        "--default", default="", help="key=value list of the options tested as the default"
+    )
+    p.add_argument(
+        "--examples", type=int, default=3, help="MuSiQue examples for the speed part (default 3)"
+    )
+    p.add_argument(
+        "--words", type=int, default=200, help="words per MuSiQue document (default 200)"
+    )
+    p.add_argument(
+        "--speed-ratios",
+        default="0.05,0.1,0.15,0.3",
+        help="budgets for the speed part; 'auto' is the model's calibrated blend",
+    )
     p.add_argument("--runs", type=int, default=3, help="timed runs per speed cell (default 3)")
     p.add_argument("--max-tokens", type=int, default=16, help="answer tokens (default 16)")
     p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
-    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N (compute dtype: that device's default)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default), cuda or cuda:N (compute dtype: that device's default)",
+    )
     p.add_argument("--out", default=str(OUT / "blend"), help="output path without suffix")
     p.add_argument("--no-drop-caches", action="store_true")
-    p.add_argument("--combine", nargs="+", metavar="JSON",
-                   help="measure nothing: merge these runs' JSON into --out (table, JSON and plot)")
+    p.add_argument(
+        "--combine",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: merge these runs' JSON into --out (table, JSON and plot)",
+    )
     return p.parse_args(argv)
 
 
@@ -88,8 +112,13 @@ def parse_kv(text: str) -> dict:
     out = {}
     for part in filter(None, (x.strip() for x in text.split(","))):
         k, _, v = part.partition("=")
-        out[k] = (v.lower() == "true") if v.lower() in ("true", "false") else \
-            (float(v) if "." in v else int(v)) if re.fullmatch(r"[0-9.]+", v) else v
+        out[k] = (
+            (v.lower() == "true")
+            if v.lower() in ("true", "false")
+            else (float(v) if "." in v else int(v))
+            if re.fullmatch(r"[0-9.]+", v)
+            else v
+        )
     return out
 
 
@@ -116,7 +145,9 @@ def nll(logits: torch.Tensor, ids: list[int]) -> float:
 # ------------------------------------------------------------------------------------ setup
 
 
-def open_engine(name: str, home: Path, store_dir: Path | None = None, device: str = "cpu") -> Engine:
+def open_engine(
+    name: str, home: Path, store_dir: Path | None = None, device: str = "cpu"
+) -> Engine:
     from kvfuse.models import load_model
     from kvfuse.runtime import tune_allocator
     from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
@@ -124,15 +155,22 @@ def open_engine(name: str, home: Path, store_dir: Path | None = None, device: st
     tune_allocator()
     model = load_model(name, home=home, device=device, dtype="auto")
     lower = [DiskTier(store_dir, 64 << 30)] if store_dir else []
-    return Engine(model, TieredStore(MemoryTier(8 << 30), lower), EngineSettings.of(chunk_size=256,
-                  blend=BlendOptions(store_blended=False)))
+    return Engine(
+        model,
+        TieredStore(MemoryTier(8 << 30), lower),
+        EngineSettings.of(chunk_size=256, blend=BlendOptions(store_blended=False)),
+    )
 
 
 def qa_prompt(engine: Engine, model: str, it: fictional_qa.Item) -> Prompt:
     if model in CHAT_MODELS:  # an instruct model: a chat turn, documents before the question
         text = f"Answer the question using the passages above, in a few words.\nQuestion: {it.question}"
-        return engine.prompts.document_prompt(list(it.documents), messages=[{"role": "user", "content": text}])
-    return engine.prompts.document_prompt(list(it.documents), prompt=f"Question: {it.question}\nAnswer:")
+        return engine.prompts.document_prompt(
+            list(it.documents), messages=[{"role": "user", "content": text}]
+        )
+    return engine.prompts.document_prompt(
+        list(it.documents), prompt=f"Question: {it.question}\nAnswer:"
+    )
 
 
 def greedy(max_tokens: int) -> SamplingParams:
@@ -145,12 +183,22 @@ def configurations(args) -> list[tuple[str, BlendOptions]]:
     ratios = [float(r) for r in args.ratios.split(",") if r]
     for method in filter(None, args.methods.split(",")):
         for r in ratios:
-            out.append((f"{method} {r:g}", BlendOptions(**{**base.__dict__, "method": method, "recompute_ratio": r})))
+            out.append(
+                (
+                    f"{method} {r:g}",
+                    BlendOptions(**{**base.__dict__, "method": method, "recompute_ratio": r}),
+                )
+            )
     for variant in filter(None, args.variants.split(";")):
         kv = parse_kv(variant)
         label = " ".join(f"{k}={v}" for k, v in kv.items())
         for r in ratios:
-            out.append((f"{base.method} {label} {r:g}", BlendOptions(**{**base.__dict__, **kv, "recompute_ratio": r})))
+            out.append(
+                (
+                    f"{base.method} {label} {r:g}",
+                    BlendOptions(**{**base.__dict__, **kv, "recompute_ratio": r}),
+                )
+            )
     return out
 
 
@@ -171,40 +219,73 @@ def quality(args, model: str, home: Path) -> dict:
         ref = engine.generate(prompt.ids, params, cache=off)
         ref_ids = ref.token_ids or [tok.eos_token_id or 0]
         # a chat answer starts a new turn (no leading space); a completion continues "Answer:"
-        gold_ids = tok.encode(it.answer if model in CHAT_MODELS else " " + it.answer, add_special_tokens=False)
+        gold_ids = tok.encode(
+            it.answer if model in CHAT_MODELS else " " + it.answer, add_special_tokens=False
+        )
         engine.precompute_documents(it.documents)  # outside the timed requests
         ref_logits, ref_gold = engine.score(prompt.ids, [ref_ids, gold_ids], cache=off)
-        rows["full prefill"].append({"correct": correct(ref.text, it.answer), "f1": 1.0, "kl": 0.0,
-                                     "nll": nll(ref_gold, gold_ids), "ttft_s": ref.timings.ttft_s,
-                                     "kind": it.kind, "answer": ref.text})
+        rows["full prefill"].append(
+            {
+                "correct": correct(ref.text, it.answer),
+                "f1": 1.0,
+                "kl": 0.0,
+                "nll": nll(ref_gold, gold_ids),
+                "ttft_s": ref.timings.ttft_s,
+                "kind": it.kind,
+                "answer": ref.text,
+            }
+        )
         for name, opts in configs:
             got = engine.generate(prompt, params, blend=opts)
             logits, gold = engine.score(prompt, [ref_ids, gold_ids], blend=opts)
-            rows[name].append({"correct": correct(got.text, it.answer), "f1": f1(got.text, ref.text),
-                               "kl": kl(ref_logits[: len(ref_ids)], logits[: len(ref_ids)]),
-                               "nll": nll(gold, gold_ids), "ttft_s": got.timings.ttft_s, "kind": it.kind,
-                               "recomputed": got.recomputed_tokens, "answer": got.text})
+            rows[name].append(
+                {
+                    "correct": correct(got.text, it.answer),
+                    "f1": f1(got.text, ref.text),
+                    "kl": kl(ref_logits[: len(ref_ids)], logits[: len(ref_ids)]),
+                    "nll": nll(gold, gold_ids),
+                    "ttft_s": got.timings.ttft_s,
+                    "kind": it.kind,
+                    "recomputed": got.recomputed_tokens,
+                    "answer": got.text,
+                }
+            )
         if (n + 1) % 5 == 0:
-            print(f"  {model}: {n + 1}/{len(data)} items ({time.perf_counter() - t0:.0f}s)", flush=True)
+            print(
+                f"  {model}: {n + 1}/{len(data)} items ({time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
     engine.close()
     full_acc = statistics.mean(r["correct"] for r in rows["full prefill"])
     summary = {}
     for name, rs in rows.items():
         acc = statistics.mean(r["correct"] for r in rs)
         summary[name] = {
-            "accuracy": acc, "accuracy_vs_full": acc / full_acc if full_acc else None,
-            "accuracy_single": statistics.mean([r["correct"] for r in rs if r["kind"] == "single"] or [0]),
-            "accuracy_cross": statistics.mean([r["correct"] for r in rs if r["kind"] == "cross"] or [0]),
-            "f1_vs_full": statistics.mean(r["f1"] for r in rs), "kl": statistics.mean(r["kl"] for r in rs),
+            "accuracy": acc,
+            "accuracy_vs_full": acc / full_acc if full_acc else None,
+            "accuracy_single": statistics.mean(
+                [r["correct"] for r in rs if r["kind"] == "single"] or [0]
+            ),
+            "accuracy_cross": statistics.mean(
+                [r["correct"] for r in rs if r["kind"] == "cross"] or [0]
+            ),
+            "f1_vs_full": statistics.mean(r["f1"] for r in rs),
+            "kl": statistics.mean(r["kl"] for r in rs),
             "nll_gold": statistics.mean(r["nll"] for r in rs),
             "ttft_ms_median": 1000 * statistics.median(r["ttft_s"] for r in rs),
         }
     reuse_kl = summary["full reuse"]["kl"]
     for s in summary.values():
         s["kl_vs_full_reuse"] = s["kl"] / reuse_kl if reuse_kl else None
-    return {"model": model, "split": args.split, "items": len(data), "documents": args.documents,
-            "summary": summary, "per_item": rows,
-            "configurations": {name: opts.__dict__ for name, opts in configs}}
+    return {
+        "model": model,
+        "split": args.split,
+        "items": len(data),
+        "documents": args.documents,
+        "summary": summary,
+        "per_item": rows,
+        "configurations": {name: opts.__dict__ for name, opts in configs},
+    }
 
 
 # ------------------------------------------------------------------------------------ speed
@@ -228,13 +309,17 @@ def speed(args, model: str, home: Path) -> dict:
     examples = list(range(0, 50) if args.split == "dev" else range(50, 150))[: args.examples]
     base = BlendOptions(store_blended=False, **parse_kv(args.default))
     ratios = [r if r == "auto" else float(r) for r in args.speed_ratios.split(",") if r]
-    blends = [("full reuse", base.with_ratio(0.0))] + [(_ratio_name(base, r), base.with_ratio(r)) for r in ratios]
+    blends = [("full reuse", base.with_ratio(0.0))] + [
+        (_ratio_name(base, r), base.with_ratio(r)) for r in ratios
+    ]
     params = greedy(args.max_tokens)
     cold_note = None if not args.no_drop_caches else "skipped"
     cells = []
     with tempfile.TemporaryDirectory(prefix="kvfuse-blend-") as d:
         engine = open_engine(model, home, Path(d), args.device)
-        if not engine.keying.resolve(base.with_ratio("auto")).blends:  # the model's profile: prefix reuse only
+        if not engine.keying.resolve(
+            base.with_ratio("auto")
+        ).blends:  # the model's profile: prefix reuse only
             blends = [(n, o) for n, o in blends if o.recompute_ratio != "auto"]
         for ex in examples:
             prompt = musique_prompt(engine, model, rows[ex], args.words)
@@ -269,7 +354,9 @@ def speed(args, model: str, home: Path) -> dict:
                                     cold_note = "dropped before every disk run"
                             if cold_note.startswith("dropped"):
                                 drop_page_cache()
-                        r = engine.generate(prompt, params, blend=opts)  # a disk hit is promoted to memory
+                        r = engine.generate(
+                            prompt, params, blend=opts
+                        )  # a disk hit is promoted to memory
                         if set(r.hit_tiers) != {tier}:
                             raise RuntimeError(f"{tier} cell served from {r.hit_tiers}")
                         times.setdefault((name, tier), []).append(r.timings.ttft_s)
@@ -277,8 +364,18 @@ def speed(args, model: str, home: Path) -> dict:
                         recomputed[name] = r.recomputed_tokens
             for (name, tier), ts in times.items():
                 answer = answers.get((name, tier), ref.text)
-                cells.append({"example": ex, "tokens": len(prompt), "config": name, "tier": tier, "ttft_s": ts,
-                              "f1": f1(answer, ref.text), "recomputed": recomputed.get(name), "answer": answer})
+                cells.append(
+                    {
+                        "example": ex,
+                        "tokens": len(prompt),
+                        "config": name,
+                        "tier": tier,
+                        "ttft_s": ts,
+                        "f1": f1(answer, ref.text),
+                        "recomputed": recomputed.get(name),
+                        "answer": answer,
+                    }
+                )
             print(f"  {model} example {ex} done", flush=True)
         engine.close()
     summary = {}
@@ -290,12 +387,23 @@ def speed(args, model: str, home: Path) -> dict:
     out = {}
     for key, s in summary.items():
         med = statistics.median(s["ttft_s"])
-        out[key] = {"ttft_ms_median": 1000 * med, "ttft_ms_min": 1000 * min(s["ttft_s"]),
-                    "ttft_ms_max": 1000 * max(s["ttft_s"]), "speedup_vs_full_prefill": full / med,
-                    "f1_vs_full": statistics.mean(s["f1"])}
-    return {"model": model, "split": args.split, "examples": examples, "words_per_document": args.words,
-            "tokens": [c["tokens"] for c in cells if c["config"] == "full prefill"], "drop_caches": cold_note,
-            "summary": out, "cells": cells}
+        out[key] = {
+            "ttft_ms_median": 1000 * med,
+            "ttft_ms_min": 1000 * min(s["ttft_s"]),
+            "ttft_ms_max": 1000 * max(s["ttft_s"]),
+            "speedup_vs_full_prefill": full / med,
+            "f1_vs_full": statistics.mean(s["f1"]),
+        }
+    return {
+        "model": model,
+        "split": args.split,
+        "examples": examples,
+        "words_per_document": args.words,
+        "tokens": [c["tokens"] for c in cells if c["config"] == "full prefill"],
+        "drop_caches": cold_note,
+        "summary": out,
+        "cells": cells,
+    }
 
 
 # ------------------------------------------------------------------------------------ report
@@ -303,15 +411,42 @@ def speed(args, model: str, home: Path) -> dict:
 
 def report(result: dict) -> None:
     for q in result.get("quality", []):
-        print(f"\nquality: {q['model']}, fictional QA {q['split']} split, {q['items']} items x {q['documents']} documents")
-        rows = [[name, s["accuracy"], s["accuracy_vs_full"], s["f1_vs_full"], s["kl"], s["kl_vs_full_reuse"],
-                 s["nll_gold"], s["ttft_ms_median"]] for name, s in q["summary"].items()]
-        print_table(["config", "acc", "acc/full", "F1 vs full", "KL", "KL/reuse", "NLL gold", "TTFT ms"], rows)
+        print(
+            f"\nquality: {q['model']}, fictional QA {q['split']} split, {q['items']} items x {q['documents']} documents"
+        )
+        rows = [
+            [
+                name,
+                s["accuracy"],
+                s["accuracy_vs_full"],
+                s["f1_vs_full"],
+                s["kl"],
+                s["kl_vs_full_reuse"],
+                s["nll_gold"],
+                s["ttft_ms_median"],
+            ]
+            for name, s in q["summary"].items()
+        ]
+        print_table(
+            ["config", "acc", "acc/full", "F1 vs full", "KL", "KL/reuse", "NLL gold", "TTFT ms"],
+            rows,
+        )
     for sp in result.get("speed", []):
-        print(f"\nspeed: {sp['model']}, MuSiQue {sp['split']} examples {sp['examples']}, tokens {sp['tokens']}, "
-              f"page cache: {sp['drop_caches']}")
-        rows = [[k, s["ttft_ms_median"], s["ttft_ms_min"], s["ttft_ms_max"], s["speedup_vs_full_prefill"],
-                 s["f1_vs_full"]] for k, s in sp["summary"].items()]
+        print(
+            f"\nspeed: {sp['model']}, MuSiQue {sp['split']} examples {sp['examples']}, tokens {sp['tokens']}, "
+            f"page cache: {sp['drop_caches']}"
+        )
+        rows = [
+            [
+                k,
+                s["ttft_ms_median"],
+                s["ttft_ms_min"],
+                s["ttft_ms_max"],
+                s["speedup_vs_full_prefill"],
+                s["f1_vs_full"],
+            ]
+            for k, s in sp["summary"].items()
+        ]
         print_table(["config | tier", "TTFT ms", "min", "max", "speed-up", "F1 vs full"], rows)
 
 
@@ -344,14 +479,27 @@ def plot(result: dict, path: Path) -> None:
         lines: dict[str, list[tuple[float, float, float, float | None]]] = {}
         for name, s in q["summary"].items():
             method, ratio = _method_of(name)
-            lines.setdefault(method, []).append((s["ttft_ms_median"], s["accuracy_vs_full"] or 0.0,
-                                                 s["kl_vs_full_reuse"] or 0.0, ratio))
-        for row, (metric, label) in enumerate(((1, "QA accuracy / full prefill's"), (2, "mean KL / full reuse's"))):
+            lines.setdefault(method, []).append(
+                (
+                    s["ttft_ms_median"],
+                    s["accuracy_vs_full"] or 0.0,
+                    s["kl_vs_full_reuse"] or 0.0,
+                    ratio,
+                )
+            )
+        for row, (metric, label) in enumerate(
+            ((1, "QA accuracy / full prefill's"), (2, "mean KL / full reuse's"))
+        ):
             ax = axes[row][col]
             for method, pts in lines.items():
                 pts.sort(key=lambda p: (p[3] is None, p[3]))
-                ax.plot([p[0] for p in pts], [p[metric] for p in pts], marker="o", label=method,
-                        linestyle="-" if len(pts) > 1 else "none")
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[metric] for p in pts],
+                    marker="o",
+                    label=method,
+                    linestyle="-" if len(pts) > 1 else "none",
+                )
                 for p in pts:
                     if p[3] is not None:
                         ax.annotate(f"{p[3]:g}", (p[0], p[metric]), fontsize=6)
@@ -368,7 +516,13 @@ def plot(result: dict, path: Path) -> None:
 def combine(paths: list[str]) -> dict:
     """One result from several runs' JSON (e.g. one process per model): their quality and speed
     parts side by side."""
-    out = {"benchmark": "blend", "environment": environment(), "runs": [], "quality": [], "speed": []}
+    out = {
+        "benchmark": "blend",
+        "environment": environment(),
+        "runs": [],
+        "quality": [],
+        "speed": [],
+    }
     for p in paths:
         r = json.loads(Path(p).read_text())
         out["runs"].append({"file": p, "environment": r["environment"], "split": r.get("split")})
@@ -382,8 +536,14 @@ def main(argv=None) -> None:
     from kvfuse.config import default_home
 
     home = Path(args.home) if args.home else default_home()
-    result = {"benchmark": "blend", "environment": environment(), "split": args.split, "device": args.device,
-              "quality": [], "speed": []}
+    result = {
+        "benchmark": "blend",
+        "environment": environment(),
+        "split": args.split,
+        "device": args.device,
+        "quality": [],
+        "speed": [],
+    }
     if args.combine:
         result = combine(args.combine)
     for model in filter(None, args.models.split(",") if not args.combine else ()):

@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kvfuse.calibration import fictional_qa  # noqa: E402
-from blend import open_engine, qa_prompt  # noqa: E402
-from common import OUT, environment, print_table  # noqa: E402
+from blend import open_engine, qa_prompt
+from common import OUT, environment, print_table
 
-from kvfuse.blend import select as sel  # noqa: E402
-from kvfuse.blend.blender import _attention_mass  # noqa: E402
+from kvfuse.blend import select as sel
+from kvfuse.blend.blender import _attention_mass
+from kvfuse.calibration import fictional_qa
 
 
 def kv_caches(engine, prompt, context_mode: str = "bos"):
@@ -100,23 +100,35 @@ def analyse(engine, model: str, items: list, context_mode: str = "bos") -> dict:
         h = r.layer(0, h, full, torch.arange(s, n), kv_len=n)
         q, _, _ = r.project(1, h, full.positions[s:n])
         mass = _attention_mass(r, 1, q, torch.arange(s, n), full, n, torch.arange(d0, s))
-        recall["question attention at layer 1"].append(len(set(sel.top_k(mass, k).tolist()) & truth) / k)
+        recall["question attention at layer 1"].append(
+            len(set(sel.top_k(mass, k).tolist()) & truth) / k
+        )
     return {
-        "model": model, "items": len(items), "document_context": context_mode,
-        "relative_deviation_by_layer": {name: [statistics.mean(x) for x in v] for name, v in per_layer.items()},
+        "model": model,
+        "items": len(items),
+        "document_context": context_mode,
+        "relative_deviation_by_layer": {
+            name: [statistics.mean(x) for x in v] for name, v in per_layer.items()
+        },
         "deep_v_deviation_by_place": {k: statistics.mean(v) for k, v in by_place.items()},
         "recall_of_the_top_15_percent": {k: statistics.mean(v) for k, v in recall.items() if v},
         "deviation_share_of_the_top_15_percent": statistics.mean(share),
-        "mean_deep_v_deviation": statistics.mean(statistics.mean(x) for x in per_layer["v"][L // 2:]),
+        "mean_deep_v_deviation": statistics.mean(
+            statistics.mean(x) for x in per_layer["v"][L // 2 :]
+        ),
     }
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--items", type=int, default=10)
     p.add_argument("--models", default="smollm2,gemma3-270m,qwen2.5-0.5b,qwen2.5-1.5b")
     p.add_argument("--split", choices=("dev", "test"), default="dev")
-    p.add_argument("--contexts", default="bos", help="document contexts compared (bos, eos, prefix, none)")
+    p.add_argument(
+        "--contexts", default="bos", help="document contexts compared (bos, eos, prefix, none)"
+    )
     p.add_argument("--home")
     p.add_argument("--out", default=str(OUT / "blend_analysis.json"))
     args = p.parse_args(argv)
@@ -132,24 +144,43 @@ def main(argv=None) -> None:
             results.append(res)
             report(res, args)
         engine.close()
-    Path(args.out).write_text(json.dumps({"benchmark": "blend_analysis", "environment": environment(),
-                                          "split": args.split, "results": results}, indent=1))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "benchmark": "blend_analysis",
+                "environment": environment(),
+                "split": args.split,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 
 def report(res: dict, args) -> None:
     model = res["model"]
-    print(f"\n{model}: relative deviation of the reused documents' KV from a prefill, by layer "
-          f"({args.split} split, {args.items} items, documents behind {res['document_context']})")
-    rows = [[layer, k, v] for layer, (k, v) in enumerate(zip(res["relative_deviation_by_layer"]["k"],
-                                                            res["relative_deviation_by_layer"]["v"]))]
+    print(
+        f"\n{model}: relative deviation of the reused documents' KV from a prefill, by layer "
+        f"({args.split} split, {args.items} items, documents behind {res['document_context']})"
+    )
+    rows = [
+        [layer, k, v]
+        for layer, (k, v) in enumerate(
+            zip(res["relative_deviation_by_layer"]["k"], res["relative_deviation_by_layer"]["v"])
+        )
+    ]
     print_table(["layer", "K", "V"], rows)
     print("deep-layer V deviation by place in the document:", res["deep_v_deviation_by_place"])
-    print("recall of the tokens that deviate most in the deep layers (top 15%):",
-          res["recall_of_the_top_15_percent"])
-    print(f"share of the deep squared V deviation held by the top 15% of tokens: "
-          f"{res['deviation_share_of_the_top_15_percent']:.2f} (mean deep V deviation "
-          f"{res['mean_deep_v_deviation']:.2f})")
+    print(
+        "recall of the tokens that deviate most in the deep layers (top 15%):",
+        res["recall_of_the_top_15_percent"],
+    )
+    print(
+        f"share of the deep squared V deviation held by the top 15% of tokens: "
+        f"{res['deviation_share_of_the_top_15_percent']:.2f} (mean deep V deviation "
+        f"{res['mean_deep_v_deviation']:.2f})"
+    )
 
 
 if __name__ == "__main__":

@@ -31,26 +31,32 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, environment, print_table  # noqa: E402
+from common import OUT, environment, print_table
 
-from kvfuse.calibration import fictional_qa  # noqa: E402
-from kvfuse.calibration.measure import configurations, measure  # noqa: E402
-from kvfuse.config import BlendOptions, EngineSettings  # noqa: E402
+from kvfuse.calibration import fictional_qa
+from kvfuse.calibration.measure import configurations, measure
+from kvfuse.config import BlendOptions, EngineSettings
 
 MODELS = ("smollm2", "gemma3-270m", "qwen2.5-0.5b", "qwen2.5-1.5b")
 SIZES = {"smollm2": "135M", "gemma3-270m": "270M", "qwen2.5-0.5b": "494M", "qwen2.5-1.5b": "1.54B"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--models", default=",".join(MODELS))
     p.add_argument("--split", choices=("dev", "test"), default="test")
     p.add_argument("--items", type=int, default=20)
     p.add_argument("--ratios", default="0.05,0.15,0.3,0.6")
-    p.add_argument("--methods", default="hkvd,sinks+hkvd", help="selection methods, comma-separated")
+    p.add_argument(
+        "--methods", default="hkvd,sinks+hkvd", help="selection methods, comma-separated"
+    )
     p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
     p.add_argument("--out", default=str(OUT / "blend_curve"), help="output path without suffix")
-    p.add_argument("--combine", nargs="+", metavar="JSON", help="measure nothing: merge these runs' JSON")
+    p.add_argument(
+        "--combine", nargs="+", metavar="JSON", help="measure nothing: merge these runs' JSON"
+    )
     return p.parse_args(argv)
 
 
@@ -60,42 +66,77 @@ def run_model(model: str, args, home: Path) -> dict:
     from kvfuse.tiers import MemoryTier, TieredStore
 
     loaded = load_model(model, home=home, device="cpu", dtype="auto")
-    engine = Engine(loaded, TieredStore(MemoryTier(4 << 30), []),
-                    EngineSettings.of(chunk_size=256, blend=BlendOptions(store_blended=False)))
+    engine = Engine(
+        loaded,
+        TieredStore(MemoryTier(4 << 30), []),
+        EngineSettings.of(chunk_size=256, blend=BlendOptions(store_blended=False)),
+    )
     auto = engine.blend  # the shipped profile's blend (or the conservative default)
     context = auto.document_context
     base = BlendOptions(recompute_ratio=0.15, document_context=context)
-    configs = configurations(args.methods.split(","), [float(r) for r in args.ratios.split(",")], base)
+    configs = configurations(
+        args.methods.split(","), [float(r) for r in args.ratios.split(",")], base
+    )
     configs["auto"] = replace(auto, store_blended=False)
     items = fictional_qa.items(args.split, args.items)
-    report = measure(engine, items, configs,
-                     progress=lambda n, total, s: print(f"  {model}: {n}/{total} items ({s:.0f}s)", flush=True))
+    report = measure(
+        engine,
+        items,
+        configs,
+        progress=lambda n, total, s: print(f"  {model}: {n}/{total} items ({s:.0f}s)", flush=True),
+    )
     engine.close()
     full, reuse = report.tallies["full prefill"], report.tallies["full reuse"]
     reuse_kl = statistics.mean(reuse.kl)
     rows = {}
     for name, t in report.tallies.items():
-        rows[name] = {"correct": t.correct, "accuracy_vs_full": t.correct / full.correct if full.correct else None,
-                      "kl": statistics.mean(t.kl) if t.kl else 0.0,
-                      "kl_vs_full_reuse": statistics.mean(t.kl) / reuse_kl if t.kl and reuse_kl else 0.0,
-                      "nll": statistics.mean(t.nll),
-                      "ttft_ms": 1000 * statistics.median(t.ttft_s),
-                      "ttft_vs_full": statistics.median(t.ttft_s) / statistics.median(full.ttft_s)}
-    return {"model": model, "split": args.split, "items": len(items),
-            "parameters": SIZES.get(model),
-            "auto": {"method": auto.method, "recompute_ratio": auto.recompute_ratio, "source": auto.source,
-                     "document_context": auto.document_context},
-            "rows": rows}
+        rows[name] = {
+            "correct": t.correct,
+            "accuracy_vs_full": t.correct / full.correct if full.correct else None,
+            "kl": statistics.mean(t.kl) if t.kl else 0.0,
+            "kl_vs_full_reuse": statistics.mean(t.kl) / reuse_kl if t.kl and reuse_kl else 0.0,
+            "nll": statistics.mean(t.nll),
+            "ttft_ms": 1000 * statistics.median(t.ttft_s),
+            "ttft_vs_full": statistics.median(t.ttft_s) / statistics.median(full.ttft_s),
+        }
+    return {
+        "model": model,
+        "split": args.split,
+        "items": len(items),
+        "parameters": SIZES.get(model),
+        "auto": {
+            "method": auto.method,
+            "recompute_ratio": auto.recompute_ratio,
+            "source": auto.source,
+            "document_context": auto.document_context,
+        },
+        "rows": rows,
+    }
 
 
 def report(results: list[dict]) -> None:
     for r in results:
         a = r["auto"]
-        print(f"\n{r['model']} ({r.get('parameters') or '?'} parameters): {r['split']} split, {r['items']} items; auto = {a['method']} at "
-              f"{a['recompute_ratio']:g} ({a['source']}, documents behind {a['document_context']})")
-        print_table(["config", "correct", "acc/full", "KL", "KL/reuse", "NLL", "TTFT ms", "TTFT/full"],
-                    [[name, x["correct"], x["accuracy_vs_full"], x["kl"], x["kl_vs_full_reuse"], x["nll"], x["ttft_ms"],
-                      x["ttft_vs_full"]] for name, x in r["rows"].items()])
+        print(
+            f"\n{r['model']} ({r.get('parameters') or '?'} parameters): {r['split']} split, {r['items']} items; auto = {a['method']} at "
+            f"{a['recompute_ratio']:g} ({a['source']}, documents behind {a['document_context']})"
+        )
+        print_table(
+            ["config", "correct", "acc/full", "KL", "KL/reuse", "NLL", "TTFT ms", "TTFT/full"],
+            [
+                [
+                    name,
+                    x["correct"],
+                    x["accuracy_vs_full"],
+                    x["kl"],
+                    x["kl_vs_full_reuse"],
+                    x["nll"],
+                    x["ttft_ms"],
+                    x["ttft_vs_full"],
+                ]
+                for name, x in r["rows"].items()
+            ],
+        )
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -112,12 +153,24 @@ def plot(results: list[dict], path: Path) -> None:
     for color, r in zip(colors, results):
         methods = sorted({name.split()[0] for name in r["rows"]} - {"full", "auto"})
         for style, method in zip(("-", "--", ":", "-."), methods):
-            pts = sorted((float(name.split()[-1]), x) for name, x in r["rows"].items() if name.split()[0] == method)
+            pts = sorted(
+                (float(name.split()[-1]), x)
+                for name, x in r["rows"].items()
+                if name.split()[0] == method
+            )
             pts = [(0.0, r["rows"]["full reuse"])] + pts
             for ax, key in zip(axes, ("accuracy_vs_full", "kl_vs_full_reuse")):
-                ax.plot([p[0] for p in pts], [p[1][key] or 0.0 for p in pts], marker="o", color=color,
-                        linestyle=style, label=f"{r['model']} ({r.get('parameters') or '?'}) {method}")
-    for ax, label, target in zip(axes, ("accuracy / full prefill's", "KL / full reuse's"), (0.95, 0.5)):
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1][key] or 0.0 for p in pts],
+                    marker="o",
+                    color=color,
+                    linestyle=style,
+                    label=f"{r['model']} ({r.get('parameters') or '?'}) {method}",
+                )
+    for ax, label, target in zip(
+        axes, ("accuracy / full prefill's", "KL / full reuse's"), (0.95, 0.5)
+    ):
         ax.axhline(target, color="grey", linestyle="--", linewidth=1, label=f"target {target:g}")
         ax.set_xlabel("recompute budget")
         ax.set_ylabel(label)
@@ -142,8 +195,11 @@ def main(argv=None) -> None:
     report(results)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"benchmark": "blend_curve", "environment": environment(),
-                                                    "results": results}, indent=1))
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {"benchmark": "blend_curve", "environment": environment(), "results": results}, indent=1
+        )
+    )
     print(f"wrote {out.with_suffix('.json')}")
     plot(results, out.with_suffix(".png"))
 

@@ -62,17 +62,17 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from bench.common import DATA, dev_text_tokens, plot_path, print_table, write_json  # noqa: E402
-from kvfuse.codecs import get_codec  # noqa: E402
-from kvfuse.codecs.cachegen import LEVELS, LevelBins  # noqa: E402
-from kvfuse.entropy import layer as coded_layer  # noqa: E402
-from kvfuse.entropy import models as stream_models  # noqa: E402
-from kvfuse.entropy import pool  # noqa: E402
-from kvfuse.kv.chunk import KVChunk  # noqa: E402
-from kvfuse.kv.format import encode_entry  # noqa: E402
+from bench.common import DATA, dev_text_tokens, plot_path, print_table, write_json
+from kvfuse.codecs import get_codec
+from kvfuse.codecs.cachegen import LEVELS, LevelBins
+from kvfuse.entropy import layer as coded_layer
+from kvfuse.entropy import models as stream_models
+from kvfuse.entropy import pool
+from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.format import encode_entry
 
 MODELS = ("smollm2", "gemma3-270m")
 CHUNK = 256
@@ -80,20 +80,36 @@ ENCODINGS = ["int8"] + [f"cachegen.{lv}" for lv in sorted(LEVELS)]
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--part", choices=("size", "quality", "fictional", "allocation"), default="size")
     p.add_argument("--documents", type=int, default=12, help="documents per fictional QA item")
     p.add_argument("--models", nargs="+", default=list(MODELS))
     p.add_argument("--tokens", type=int, default=2048, help="KV tokens per model for the size part")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--split", choices=("dev", "test"), default="test")
-    p.add_argument("--limit", type=int, default=0, help="LongChat prompts per model (0: the whole split)")
+    p.add_argument(
+        "--limit", type=int, default=0, help="LongChat prompts per model (0: the whole split)"
+    )
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--context", type=int, default=8000, help="SmolLM2 prompt budget in tokens (its window is 8192)")
-    p.add_argument("--encodings", default="",
-                   help="quality part: the encodings compared (default int8 and every cachegen level; "
-                        "cachegen.N-uniform: without the per-model layer bins)")
-    p.add_argument("--tag", default="", help="suffix of the result file (runs of one model at a time in parallel)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=8000,
+        help="SmolLM2 prompt budget in tokens (its window is 8192)",
+    )
+    p.add_argument(
+        "--encodings",
+        default="",
+        help="quality part: the encodings compared (default int8 and every cachegen level; "
+        "cachegen.N-uniform: without the per-model layer bins)",
+    )
+    p.add_argument(
+        "--tag",
+        default="",
+        help="suffix of the result file (runs of one model at a time in parallel)",
+    )
     return p.parse_args(argv)
 
 
@@ -187,7 +203,9 @@ def delta_experiment(kv: torch.Tensor, group: int = 10) -> dict:
                 acc["delta"][1] += float(((rec - x) ** 2).sum())
                 n += x.size
         for kind in curves:
-            curves[kind].append({"bins": bins, "bits_per_value": acc[kind][0] / n, "mse": acc[kind][1] / n})
+            curves[kind].append(
+                {"bins": bins, "bits_per_value": acc[kind][0] / n, "mse": acc[kind][1] / n}
+            )
     plain = sorted(curves["plain"], key=lambda r: r["mse"])
     lm, lb = np.log([r["mse"] for r in plain]), [r["bits_per_value"] for r in plain]
     for r in curves["delta"]:
@@ -199,7 +217,11 @@ def delta_experiment(kv: torch.Tensor, group: int = 10) -> dict:
 def zstd_bytes(kv: torch.Tensor) -> int:
     import zstandard
 
-    return len(zstandard.ZstdCompressor(level=3).compress(kv.contiguous().view(torch.uint8).numpy().tobytes()))
+    return len(
+        zstandard.ZstdCompressor(level=3).compress(
+            kv.contiguous().view(torch.uint8).numpy().tobytes()
+        )
+    )
 
 
 def throughput(kv: torch.Tensor, codec, repeats: int) -> dict:
@@ -226,17 +248,30 @@ def run_size(args) -> dict:
         values_per_token = L * 2 * H * D
         sizes = {"raw_fp16": 0, "zstd_fp16": 0}
         sizes.update({e: 0 for e in ENCODINGS})
-        bounds = {lv: {"entropy_bits": 0.0, "model_bits": 0.0, "profile_bits": 0.0, "values": 0, "stream_bytes": 0,
-                       "side_bytes": 0} for lv in LEVELS}
+        bounds = {
+            lv: {
+                "entropy_bits": 0.0,
+                "model_bits": 0.0,
+                "profile_bits": 0.0,
+                "values": 0,
+                "stream_bytes": 0,
+                "side_bytes": 0,
+            }
+            for lv in LEVELS
+        }
         profile_chunks = chunks[:2]  # profiled on the first two chunks; measured on the others
         profiles = {lv: build_profile(profile_chunks, lv) for lv in LEVELS}
         for ci, ch in enumerate(chunks):
             sizes["raw_fp16"] += ch.numel() * 2
             sizes["zstd_fp16"] += zstd_bytes(ch)
             positions = torch.arange(ch.shape[2])
-            sizes["int8"] += len(encode_entry(KVChunk(kv=ch, positions=positions), "k", get_codec("int8")))
+            sizes["int8"] += len(
+                encode_entry(KVChunk(kv=ch, positions=positions), "k", get_codec("int8"))
+            )
             for lv in LEVELS:
-                entry = encode_entry(KVChunk(kv=ch, positions=positions), "k", get_codec("cachegen", lv))
+                entry = encode_entry(
+                    KVChunk(kv=ch, positions=positions), "k", get_codec("cachegen", lv)
+                )
                 sizes[f"cachegen.{lv}"] += len(entry)
                 if ci < len(profile_chunks):
                     continue
@@ -263,7 +298,9 @@ def run_size(args) -> dict:
                 "per_chunk_models_bytes": b["stream_bytes"] + b["side_bytes"],
                 # the same entries without their per-chunk stream models (2 bytes per stream), the
                 # symbols coded with the profile's tables instead (the profile itself not counted)
-                "profile_bytes": b["profile_bits"] / 8 + b["side_bytes"] - 4 * L * H * D * (len(chunks) - 2),
+                "profile_bytes": b["profile_bits"] / 8
+                + b["side_bytes"]
+                - 4 * L * H * D * (len(chunks) - 2),
             }
         codec = get_codec("cachegen")
         chunk = chunks[0]
@@ -273,12 +310,20 @@ def run_size(args) -> dict:
         pool.set_shared_pool(pool.default_size())
         delta = delta_experiment(kv[:, :, :1024])
         res["models"][name] = {
-            "layers": L, "kv_heads": H, "head_dim": D, "tokens": tokens, "values_per_token": values_per_token,
+            "layers": L,
+            "kv_heads": H,
+            "head_dim": D,
+            "tokens": tokens,
+            "values_per_token": values_per_token,
             "bytes_per_token": per_token,
             "ratio_vs_int8": {k: sizes["int8"] / v for k, v in sizes.items()},
             "ratio_vs_fp16": {k: sizes["raw_fp16"] / v for k, v in sizes.items()},
             "bounds": bound_rows,
-            "throughput_default_level": {"workers": pool.default_size(), "pool": tp_pool, "in_process": tp_one},
+            "throughput_default_level": {
+                "workers": pool.default_size(),
+                "pool": tp_pool,
+                "in_process": tp_one,
+            },
             "deltas": delta,
         }
     return res
@@ -286,26 +331,65 @@ def run_size(args) -> dict:
 
 def report_size(res: dict) -> None:
     for name, r in res["models"].items():
-        print(f"\n{name}: {r['layers']} layers x {r['kv_heads']} KV heads x {r['head_dim']}, {r['tokens']} tokens "
-              f"in {res['chunk_tokens']}-token chunks")
-        rows = [[k, r["bytes_per_token"][k], r["ratio_vs_fp16"][k], r["ratio_vs_int8"][k]]
-                for k in ["raw_fp16", "zstd_fp16", *ENCODINGS]]
+        print(
+            f"\n{name}: {r['layers']} layers x {r['kv_heads']} KV heads x {r['head_dim']}, {r['tokens']} tokens "
+            f"in {res['chunk_tokens']}-token chunks"
+        )
+        rows = [
+            [k, r["bytes_per_token"][k], r["ratio_vs_fp16"][k], r["ratio_vs_int8"][k]]
+            for k in ["raw_fp16", "zstd_fp16", *ENCODINGS]
+        ]
         print_table(["encoding", "bytes/token", "x smaller than fp16", "x smaller than int8"], rows)
-        rows = [[k, b["bits_per_value"], b["entropy_bits_per_value"], b["coder_vs_models"], b["models_vs_entropy"],
-                 b["entry_vs_entropy"], b["profile_bytes"] / b["per_chunk_models_bytes"]] for k, b in r["bounds"].items()]
-        print_table(["level", "bits/value", "entropy bits/value", "coder/models", "models/entropy", "entry/entropy",
-                     "profile/per-chunk"], rows)
+        rows = [
+            [
+                k,
+                b["bits_per_value"],
+                b["entropy_bits_per_value"],
+                b["coder_vs_models"],
+                b["models_vs_entropy"],
+                b["entry_vs_entropy"],
+                b["profile_bytes"] / b["per_chunk_models_bytes"],
+            ]
+            for k, b in r["bounds"].items()
+        ]
+        print_table(
+            [
+                "level",
+                "bits/value",
+                "entropy bits/value",
+                "coder/models",
+                "models/entropy",
+                "entry/entropy",
+                "profile/per-chunk",
+            ],
+            rows,
+        )
         tp = r["throughput_default_level"]
         for kind in ("pool", "in_process"):
             e, d = tp[kind]["encode_mb_s"], tp[kind]["decode_mb_s"]
-            print(f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s (min {min(e):.0f}, max {max(e):.0f})  "
-                  f"decode {statistics.median(d):6.0f} MB/s (min {min(d):.0f}, max {max(d):.0f})  "
-                  f"[fp16-equivalent, {tp['workers']} workers]" if kind == "pool" else
-                  f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s  decode {statistics.median(d):6.0f} MB/s")
-        print("  token-group deltas (anchor + deltas, groups of 10) vs plain per-token quantization:")
-        print_table(["bins", "delta bits/value", "delta MSE", "plain bits at that MSE", "delta / plain"],
-                    [[d["bins"], d["bits_per_value"], d["mse"], d["plain_bits_at_same_mse"], d["delta_vs_plain"]]
-                     for d in r["deltas"]["delta"]])
+            print(
+                f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s (min {min(e):.0f}, max {max(e):.0f})  "
+                f"decode {statistics.median(d):6.0f} MB/s (min {min(d):.0f}, max {max(d):.0f})  "
+                f"[fp16-equivalent, {tp['workers']} workers]"
+                if kind == "pool"
+                else f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s  decode {statistics.median(d):6.0f} MB/s"
+            )
+        print(
+            "  token-group deltas (anchor + deltas, groups of 10) vs plain per-token quantization:"
+        )
+        print_table(
+            ["bins", "delta bits/value", "delta MSE", "plain bits at that MSE", "delta / plain"],
+            [
+                [
+                    d["bins"],
+                    d["bits_per_value"],
+                    d["mse"],
+                    d["plain_bits_at_same_mse"],
+                    d["delta_vs_plain"],
+                ]
+                for d in r["deltas"]["delta"]
+            ],
+        )
 
 
 def plot_size(res: dict, path: Path) -> None:
@@ -320,12 +404,16 @@ def plot_size(res: dict, path: Path) -> None:
         r = res["models"][name]
         keys = ["raw_fp16", "zstd_fp16", *ENCODINGS]
         vals = [r["bytes_per_token"][k] / 1024 for k in keys]
-        ax.bar(range(len(keys)), vals, color=["#999", "#bbb", "#d88", "#48a", "#37a", "#269", "#158"])
+        ax.bar(
+            range(len(keys)), vals, color=["#999", "#bbb", "#d88", "#48a", "#37a", "#269", "#158"]
+        )
         ax.set_xticks(range(len(keys)), keys, rotation=30, ha="right")
         ax.set_ylabel("KiB per token")
         ax.set_title(f"{name}: KV size per encoding")
         for i, k in enumerate(keys):
-            ax.text(i, vals[i], f"{r['ratio_vs_int8'][k]:.2f}x", ha="center", va="bottom", fontsize=8)
+            ax.text(
+                i, vals[i], f"{r['ratio_vs_int8'][k]:.2f}x", ha="center", va="bottom", fontsize=8
+            )
     fig.suptitle("CacheGen codec: bytes per token (labels: x smaller than int8)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -335,7 +423,11 @@ def plot_size(res: dict, path: Path) -> None:
 
 
 def longchat(split: str) -> list[dict]:
-    rows = [json.loads(line) for line in (DATA / "cachegen_longchat.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (DATA / "cachegen_longchat.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     return rows[:20] if split == "dev" else rows[20:]
 
 
@@ -396,23 +488,33 @@ def run_quality(args, checkpoint=None) -> dict:
             ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
             truncated += budget is not None and head_len + (len(ids) - head_len) >= budget
             raw = TieredStore(MemoryTier(1 << 34))
-            engine = Engine(m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False))
+            engine = Engine(
+                m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False)
+            )
             lossless = engine.generate(ids, greedy)
             context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
             ref_logits = engine.score(context, [cont])[0][:-1].float()
             ref_logp = torch.log_softmax(ref_logits, -1)
             answers = {"lossless": lossless.text}
-            per["lossless"]["nll"].append(float(-ref_logp[torch.arange(len(cont)), torch.tensor(cont)].mean()))
+            per["lossless"]["nll"].append(
+                float(-ref_logp[torch.arange(len(cont)), torch.tensor(cont)].mean())
+            )
             per["lossless"]["kl"].append(0.0)
             for enc in encodings:
                 store = reencoded_store(raw.memory, enc, m.config.layer_types)
-                lossy_engine = Engine(m, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
+                lossy_engine = Engine(
+                    m, store, EngineSettings.of(history=False, async_save=False, prefetch=False)
+                )
                 res = lossy_engine.generate(ids, greedy)
-                assert res.cached_tokens >= (len(ids) // 256) * 256 - 256, "the lossy entries were not used"
+                assert res.cached_tokens >= (len(ids) // 256) * 256 - 256, (
+                    "the lossy entries were not used"
+                )
                 answers[enc] = res.text
                 logp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
                 per[enc]["kl"].append(float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()))
-                per[enc]["nll"].append(float(-logp[torch.arange(len(cont)), torch.tensor(cont)].mean()))
+                per[enc]["nll"].append(
+                    float(-logp[torch.arange(len(cont)), torch.tensor(cont)].mean())
+                )
                 per[enc]["agree"] += res.text == lossless.text
                 lossy_engine.close()
                 store.close()
@@ -421,27 +523,40 @@ def run_quality(args, checkpoint=None) -> dict:
                 per[enc]["correct"] += gold in normalise(text)
             per["lossless"]["agree"] += 1
             engine.close()
-            print(f"  {name} {i + 1}/{len(rows)} ({time.perf_counter() - t0:.0f}s) lossless={lossless.text!r}", flush=True)
+            print(
+                f"  {name} {i + 1}/{len(rows)} ({time.perf_counter() - t0:.0f}s) lossless={lossless.text!r}",
+                flush=True,
+            )
             n = i + 1
             base_nll = statistics.mean(per["lossless"]["nll"])
             out["models"][name] = {
-                "context_budget": budget, "prompts_truncated": truncated, "prompts_done": n,
-                "results": {e: {"accuracy": v["correct"] / n, "answer_agreement": v["agree"] / n,
-                                "kl_mean": statistics.mean(v["kl"]), "kl_median": statistics.median(v["kl"]),
-                                "nll": statistics.mean(v["nll"]),
-                                "nll_relative_increase": statistics.mean(v["nll"]) / base_nll - 1}
-                            for e, v in per.items()},
+                "context_budget": budget,
+                "prompts_truncated": truncated,
+                "prompts_done": n,
+                "results": {
+                    e: {
+                        "accuracy": v["correct"] / n,
+                        "answer_agreement": v["agree"] / n,
+                        "kl_mean": statistics.mean(v["kl"]),
+                        "kl_median": statistics.median(v["kl"]),
+                        "nll": statistics.mean(v["nll"]),
+                        "nll_relative_increase": statistics.mean(v["nll"]) / base_nll - 1,
+                    }
+                    for e, v in per.items()
+                },
             }
-            if checkpoint is not None:  # a long run can be stopped and still report what it measured
+            if (
+                checkpoint is not None
+            ):  # a long run can be stopped and still report what it measured
                 checkpoint(out)
     return out
 
 
 def run_fictional(args) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
-    from kvfuse.calibration import fictional_qa
     from blend import correct, qa_prompt
 
+    from kvfuse.calibration import fictional_qa
     from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
@@ -457,38 +572,57 @@ def run_fictional(args) -> dict:
         tokens = []
         for it in data:
             raw = TieredStore(MemoryTier(1 << 34))
-            engine = Engine(m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False))
-            ids = qa_prompt(engine, name, it).ids  # a plain prompt: the documents are prefix chunks here
+            engine = Engine(
+                m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False)
+            )
+            ids = qa_prompt(
+                engine, name, it
+            ).ids  # a plain prompt: the documents are prefix chunks here
             tokens.append(len(ids))
             lossless = engine.generate(ids, greedy)
             per["lossless"]["correct"] += correct(lossless.text, it.answer)
             per["lossless"]["agree"] += 1
             for enc in ENCODINGS:
                 store = reencoded_store(raw.memory, enc, m.config.layer_types)
-                lossy = Engine(m, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
+                lossy = Engine(
+                    m, store, EngineSettings.of(history=False, async_save=False, prefetch=False)
+                )
                 r = lossy.generate(ids, greedy)
                 per[enc]["correct"] += correct(r.text, it.answer)
                 per[enc]["agree"] += r.token_ids == lossless.token_ids
                 lossy.close()
             engine.close()
         n = len(data)
-        out["models"][name] = {"prompt_tokens_mean": statistics.mean(tokens),
-                               "results": {e: {"accuracy": v["correct"] / n, "answer_agreement": v["agree"] / n}
-                                           for e, v in per.items()}}
+        out["models"][name] = {
+            "prompt_tokens_mean": statistics.mean(tokens),
+            "results": {
+                e: {"accuracy": v["correct"] / n, "answer_agreement": v["agree"] / n}
+                for e, v in per.items()
+            },
+        }
         print(f"  {name}: done", flush=True)
     return out
 
 
 def report_fictional(res: dict) -> None:
     for name, r in res["models"].items():
-        print(f"\n{name}: fictional QA {res['split']}, {res['items']} items x {res['documents']} documents "
-              f"(~{r['prompt_tokens_mean']:.0f} tokens)")
-        print_table(["encoding", "accuracy", "agrees w/ lossless"],
-                    [[e, v["accuracy"], v["answer_agreement"]] for e, v in r["results"].items()])
+        print(
+            f"\n{name}: fictional QA {res['split']}, {res['items']} items x {res['documents']} documents "
+            f"(~{r['prompt_tokens_mean']:.0f} tokens)"
+        )
+        print_table(
+            ["encoding", "accuracy", "agrees w/ lossless"],
+            [[e, v["accuracy"], v["answer_agreement"]] for e, v in r["results"].items()],
+        )
 
 
-def simulate(kv: torch.Tensor, bins: LevelBins, k_raw: bool = False, v_raw: bool = False,
-             k_equalized: bool = False) -> tuple[torch.Tensor, float, int]:
+def simulate(
+    kv: torch.Tensor,
+    bins: LevelBins,
+    k_raw: bool = False,
+    v_raw: bool = False,
+    k_equalized: bool = False,
+) -> tuple[torch.Tensor, float, int]:
     """``kv`` quantized and dequantized with ``bins`` (the codec's quantizer), the bits its stream
     models promise plus side information, and the number of values. ``k_equalized``: each K
     channel divided by its abs-max over the chunk first (and multiplied back)."""
@@ -502,10 +636,19 @@ def simulate(kv: torch.Tensor, bins: LevelBins, k_raw: bool = False, v_raw: bool
                 continue
             x = kv[i, part].float().reshape(T, H * D).numpy()
             eq = k_equalized and part == 0
-            cs = np.where(np.abs(x).max(0) > 0, np.abs(x).max(0), 1).astype(np.float32) if eq else None
+            cs = (
+                np.where(np.abs(x).max(0) > 0, np.abs(x).max(0), 1).astype(np.float32)
+                if eq
+                else None
+            )
             sym, sc = coded_layer.quantize(x / cs if eq else x, b)
             centre, width = stream_models.fit(sym, b - 1)
-            bits += stream_models.ideal_bits(sym, centre, width, b - 1) + 16 * T + 16 * H * D + (16 * H * D if eq else 0)
+            bits += (
+                stream_models.ideal_bits(sym, centre, width, b - 1)
+                + 16 * T
+                + 16 * H * D
+                + (16 * H * D if eq else 0)
+            )
             rec = coded_layer.dequantize(sym, sc, b)
             out[i, part] = torch.from_numpy(rec * cs if eq else rec).view(T, H, D)
     return out.to(kv.dtype), bits, n
@@ -537,11 +680,15 @@ def run_allocation(args) -> dict:
     for name in args.models:
         m = load_model(name)
         budget = args.context if name == "smollm2" else None
-        acc = {a: {"nll": [], "kl": [], "bits": 0.0, "values": 0} for a in ["lossless", *ALLOCATIONS]}
+        acc = {
+            a: {"nll": [], "kl": [], "bits": 0.0, "values": 0} for a in ["lossless", *ALLOCATIONS]
+        }
         for r in rows:
             ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
             raw = TieredStore(MemoryTier(1 << 34))
-            engine = Engine(m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False))
+            engine = Engine(
+                m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False)
+            )
             engine.generate(ids, SamplingParams(max_tokens=1))
             context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
             ref = torch.log_softmax(engine.score(context, [cont])[0][:-1].float(), -1)
@@ -556,8 +703,17 @@ def run_allocation(args) -> dict:
                     lossy, bits, n = simulate(chunk.kv, bins, **opts)
                     acc[a]["bits"] += bits
                     acc[a]["values"] += n
-                    tier.put(key, encode_entry(KVChunk(kv=lossy, positions=chunk.positions), key, get_codec("raw")))
-                lossy_engine = Engine(m, TieredStore(tier), EngineSettings.of(history=False, async_save=False, prefetch=False))
+                    tier.put(
+                        key,
+                        encode_entry(
+                            KVChunk(kv=lossy, positions=chunk.positions), key, get_codec("raw")
+                        ),
+                    )
+                lossy_engine = Engine(
+                    m,
+                    TieredStore(tier),
+                    EngineSettings.of(history=False, async_save=False, prefetch=False),
+                )
                 lp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
                 acc[a]["nll"].append(float(-lp[torch.arange(len(cont)), target].mean()))
                 acc[a]["kl"].append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
@@ -565,28 +721,50 @@ def run_allocation(args) -> dict:
             engine.close()
             print(f"  {name}: prompt done", flush=True)
         base = statistics.mean(acc["lossless"]["nll"])
-        out["models"][name] = {a: {"bits_per_value": v["bits"] / v["values"] if v["values"] else 16.0,
-                                   "nll": statistics.mean(v["nll"]),
-                                   "nll_relative_increase": statistics.mean(v["nll"]) / base - 1,
-                                   "kl_mean": statistics.mean(v["kl"])} for a, v in acc.items()}
+        out["models"][name] = {
+            a: {
+                "bits_per_value": v["bits"] / v["values"] if v["values"] else 16.0,
+                "nll": statistics.mean(v["nll"]),
+                "nll_relative_increase": statistics.mean(v["nll"]) / base - 1,
+                "kl_mean": statistics.mean(v["kl"]),
+            }
+            for a, v in acc.items()
+        }
     return out
 
 
 def report_allocation(res: dict) -> None:
     for name, r in res["models"].items():
         print(f"\n{name}: LongChat dev, {res['prompts']} prompts (bin allocations, simulated)")
-        print_table(["allocation", "bits/value", "NLL", "NLL +%", "KL mean"],
-                    [[a, v["bits_per_value"], v["nll"], 100 * v["nll_relative_increase"], v["kl_mean"]]
-                     for a, v in r.items()])
+        print_table(
+            ["allocation", "bits/value", "NLL", "NLL +%", "KL mean"],
+            [
+                [a, v["bits_per_value"], v["nll"], 100 * v["nll_relative_increase"], v["kl_mean"]]
+                for a, v in r.items()
+            ],
+        )
 
 
 def report_quality(res: dict) -> None:
     for name, r in res["models"].items():
-        print(f"\n{name}: LongChat {res['split']} ({r['prompts_done']} of {res['prompts']} prompts; context budget "
-              f"{r['context_budget'] or 'none'}, {r['prompts_truncated']} truncated)")
-        rows = [[e, v["accuracy"], v["answer_agreement"], v["kl_mean"], v["nll"], 100 * v["nll_relative_increase"]]
-                for e, v in r["results"].items()]
-        print_table(["encoding", "first-topic acc", "agrees w/ lossless", "KL mean", "NLL", "NLL +%"], rows)
+        print(
+            f"\n{name}: LongChat {res['split']} ({r['prompts_done']} of {res['prompts']} prompts; context budget "
+            f"{r['context_budget'] or 'none'}, {r['prompts_truncated']} truncated)"
+        )
+        rows = [
+            [
+                e,
+                v["accuracy"],
+                v["answer_agreement"],
+                v["kl_mean"],
+                v["nll"],
+                100 * v["nll_relative_increase"],
+            ]
+            for e, v in r["results"].items()
+        ]
+        print_table(
+            ["encoding", "first-topic acc", "agrees w/ lossless", "KL mean", "NLL", "NLL +%"], rows
+        )
 
 
 def main(argv=None) -> int:
@@ -599,7 +777,9 @@ def main(argv=None) -> int:
     elif args.part == "fictional":
         res = run_fictional(args)
         report_fictional(res)
-        write_json(("codec_fictional" if args.split == "test" else "codec_fictional_dev") + args.tag, res)
+        write_json(
+            ("codec_fictional" if args.split == "test" else "codec_fictional_dev") + args.tag, res
+        )
     elif args.part == "allocation":
         res = run_allocation(args)
         report_allocation(res)

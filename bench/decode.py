@@ -55,7 +55,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from common import DATA, REPO, median, plot_path, print_table, write_json
 
 BASELINE_TOK_S = 10.9  # the issue's measurement of kvfuse fp32 (SmolLM2, this machine)
@@ -104,7 +103,9 @@ class OtherLoad:
     def _machine(self) -> float:
         with open("/proc/stat") as f:
             fields = [int(v) for v in f.readline().split()[1:]]
-        return (sum(fields[:3]) + sum(fields[5:8])) / self.tick  # user nice system, irq softirq steal
+        return (
+            sum(fields[:3]) + sum(fields[5:8])
+        ) / self.tick  # user nice system, irq softirq steal
 
     def _ours(self) -> float:
         t = os.times()
@@ -131,7 +132,11 @@ class OtherLoad:
             return None
         wall = end[0] - start[0]
         other = max(0.0, (end[1] - start[1]) - (end[2] - start[2]))
-        return {"wall_s": wall, "other_cpu_s": other, "other_cores": other / wall if wall > 0 else 0.0}
+        return {
+            "wall_s": wall,
+            "other_cpu_s": other,
+            "other_cores": other / wall if wall > 0 else 0.0,
+        }
 
 
 # ---------------------------------------------------------------------------------- bandwidth
@@ -152,8 +157,12 @@ def memory_bandwidth(mib: int = 512, reps: int = 7) -> dict:
         copies.append(time.perf_counter() - t)
     del a, b
     gc.collect()
-    return {"buffer_mib": mib, "read_GBps": nbytes / median(reads) / 1e9, "copy_GBps": nbytes / median(copies) / 1e9,
-            "read_GBps_max": nbytes / min(reads) / 1e9}
+    return {
+        "buffer_mib": mib,
+        "read_GBps": nbytes / median(reads) / 1e9,
+        "copy_GBps": nbytes / median(copies) / 1e9,
+        "read_GBps_max": nbytes / min(reads) / 1e9,
+    }
 
 
 def kvfuse_weight_bytes(model) -> int:
@@ -175,8 +184,11 @@ def kvfuse_timer(model):
 
     def run(ids: list[int], tokens: int) -> dict:
         r = engine.generate(ids, SamplingParams(max_tokens=tokens, ignore_eos=True))
-        return {"tok_s": r.timings.decode_tokens_per_s(len(r.token_ids)), "ids": r.token_ids,
-                "prefill_s": r.timings.prefill_s}
+        return {
+            "tok_s": r.timings.decode_tokens_per_s(len(r.token_ids)),
+            "ids": r.token_ids,
+            "prefill_s": r.timings.prefill_s,
+        }
 
     return run, engine
 
@@ -202,12 +214,24 @@ def transformers_timer(folder: Path, device: str = "cpu", dtype: torch.dtype = t
         clock = Clock()
         x = torch.tensor([ids], device=hf.device)
         with torch.inference_mode():
-            out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=tokens, min_new_tokens=tokens,
-                              do_sample=False, use_cache=True, logits_processor=LogitsProcessorList([clock]),
-                              pad_token_id=pad, top_p=None, top_k=None,
-                              temperature=None)
+            out = hf.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                use_cache=True,
+                logits_processor=LogitsProcessorList([clock]),
+                pad_token_id=pad,
+                top_p=None,
+                top_k=None,
+                temperature=None,
+            )
         steps = len(clock.times) - 1
-        return {"tok_s": steps / (clock.times[-1] - clock.times[0]), "ids": out[0, len(ids):].tolist()}
+        return {
+            "tok_s": steps / (clock.times[-1] - clock.times[0]),
+            "ids": out[0, len(ids) :].tolist(),
+        }
 
     return run, hf
 
@@ -217,8 +241,13 @@ class LlamaWorker:
 
     def __init__(self, python: str):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen([python, str(REPO / "bench" / "llamacpp_worker.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [python, str(REPO / "bench" / "llamacpp_worker.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.info: dict = {}
 
     def call(self, **msg) -> dict:
@@ -303,12 +332,14 @@ def agreement(fp32, variants: dict, prompts: list[list[int]], max_tokens: int) -
             logits = v.forward(ids, cache)
             for i, ref in enumerate(ref_logits):
                 lp, lq = F.log_softmax(ref, -1), F.log_softmax(logits, -1)
-                steps[name].append({
-                    "cos": float(F.cosine_similarity(logits, ref, dim=0)),
-                    "max_abs": float((logits - ref).abs().max()),
-                    "kl": float((lp.exp() * (lp - lq)).sum()),
-                    "same": int(logits.argmax()) == ref_tokens[i],
-                })
+                steps[name].append(
+                    {
+                        "cos": float(F.cosine_similarity(logits, ref, dim=0)),
+                        "max_abs": float((logits - ref).abs().max()),
+                        "kl": float((lp.exp() * (lp - lq)).sum()),
+                        "same": int(logits.argmax()) == ref_tokens[i],
+                    }
+                )
                 if i + 1 < len(ref_logits):
                     logits = v.forward([ref_tokens[i]], cache)
             # free-running
@@ -337,7 +368,9 @@ def agreement(fp32, variants: dict, prompts: list[list[int]], max_tokens: int) -
             "greedy_agreement": sum(x["same"] for x in s) / len(s),
             "identical_answers": sum(f is None for f in firsts) / len(firsts),
             "first_divergence": firsts,
-            "median_first_divergence": median([f if f is not None else n for f, n in zip(firsts, lengths)]),
+            "median_first_divergence": median(
+                [f if f is not None else n for f, n in zip(firsts, lengths)]
+            ),
             "diverged_prompts": len(diverged),
         }
     return {"prompts": len(prompts), "answer_tokens": lengths, "variants": out}
@@ -363,13 +396,35 @@ def plot(result: dict, path) -> None:
     med = [engines[n]["median_tok_s"] for n in names]
     lo = [engines[n]["median_tok_s"] - engines[n]["min_tok_s"] for n in names]
     hi = [engines[n]["max_tok_s"] - engines[n]["median_tok_s"] for n in names]
-    colors = ["tab:blue" if n.startswith("kvfuse") else "tab:gray" if n == "transformers" else "tab:orange" for n in names]
+    colors = [
+        "tab:blue"
+        if n.startswith("kvfuse")
+        else "tab:gray"
+        if n == "transformers"
+        else "tab:orange"
+        for n in names
+    ]
     ax.bar(xs, med, yerr=[lo, hi], color=colors, capsize=4)
-    ax.plot(xs, [engines[n]["bound_tok_s"] for n in names], "k_", markersize=22, mew=2, label="weight-streaming bound")
+    ax.plot(
+        xs,
+        [engines[n]["bound_tok_s"] for n in names],
+        "k_",
+        markersize=22,
+        mew=2,
+        label="weight-streaming bound",
+    )
     for x, n in zip(xs, names):
-        ax.text(x + 0.05, engines[n]["max_tok_s"] * 1.03, f"{engines[n]['median_tok_s']:.1f}", ha="left", va="bottom",
-                fontsize=8)
-    ax.axhline(2 * BASELINE_TOK_S, color="tab:green", ls="--", lw=1, label=f"target 2 x {BASELINE_TOK_S}")
+        ax.text(
+            x + 0.05,
+            engines[n]["max_tok_s"] * 1.03,
+            f"{engines[n]['median_tok_s']:.1f}",
+            ha="left",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.axhline(
+        2 * BASELINE_TOK_S, color="tab:green", ls="--", lw=1, label=f"target 2 x {BASELINE_TOK_S}"
+    )
     ax.set_xticks(list(xs))
     ax.set_xticklabels([n.replace(" ", "\n", 1) for n in names], fontsize=8)
     ax.set_ylabel("decode tokens/s (median, min-max)")
@@ -380,15 +435,35 @@ def plot(result: dict, path) -> None:
     ag = result["agreement"]["variants"]
     vnames = list(ag)
     width = 0.38
-    ax2.bar([i - width / 2 for i in range(len(vnames))], [ag[v]["greedy_agreement"] for v in vnames], width,
-            label="greedy token = fp32's (teacher forced)")
-    ax2.bar([i + width / 2 for i in range(len(vnames))], [ag[v]["identical_answers"] for v in vnames], width,
-            label="whole answer = fp32's")
+    ax2.bar(
+        [i - width / 2 for i in range(len(vnames))],
+        [ag[v]["greedy_agreement"] for v in vnames],
+        width,
+        label="greedy token = fp32's (teacher forced)",
+    )
+    ax2.bar(
+        [i + width / 2 for i in range(len(vnames))],
+        [ag[v]["identical_answers"] for v in vnames],
+        width,
+        label="whole answer = fp32's",
+    )
     for i, v in enumerate(vnames):
-        ax2.text(i - width / 2, ag[v]["greedy_agreement"], f"{ag[v]['greedy_agreement']:.3f}", ha="center",
-                 va="bottom", fontsize=8)
-        ax2.text(i + width / 2, ag[v]["identical_answers"], f"{ag[v]['identical_answers']:.2f}", ha="center",
-                 va="bottom", fontsize=8)
+        ax2.text(
+            i - width / 2,
+            ag[v]["greedy_agreement"],
+            f"{ag[v]['greedy_agreement']:.3f}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+        ax2.text(
+            i + width / 2,
+            ag[v]["identical_answers"],
+            f"{ag[v]['identical_answers']:.2f}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     ax2.set_xticks(range(len(vnames)))
     ax2.set_xticklabels(vnames, fontsize=8)
     ax2.set_ylim(0, 1.3)
@@ -411,28 +486,58 @@ def fbgemm_int8(model: str, home: Path):
         plain = load_model(model, home=home, device="cpu", dtype="float32")
     finally:
         del os.environ["KVFUSE_KERNELS"]
-    runner = Transformer(plain.config, quantize_weights(plain.runner.weights, implementation="fbgemm"),
-                         plain.runner.device, torch.float32)
-    return type(plain)(plain.name, plain.folder, runner, plain.tokenizer, plain.fingerprint + "-int8-fbgemm", "int8")
+    runner = Transformer(
+        plain.config,
+        quantize_weights(plain.runner.weights, implementation="fbgemm"),
+        plain.runner.device,
+        torch.float32,
+    )
+    return type(plain)(
+        plain.name,
+        plain.folder,
+        runner,
+        plain.tokenizer,
+        plain.fingerprint + "-int8-fbgemm",
+        "int8",
+    )
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="smollm2", help="built-in model (smollm2, gemma3-270m)")
     ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per timed run")
     ap.add_argument("--runs", type=int, default=5, help="interleaved rounds")
-    ap.add_argument("--prompt-tokens", type=int, default=128, help="the timed prompt, at most this long")
+    ap.add_argument(
+        "--prompt-tokens", type=int, default=128, help="the timed prompt, at most this long"
+    )
     ap.add_argument("--agree-prompts", type=int, default=16)
-    ap.add_argument("--agree-tokens", type=int, default=48, help="answer tokens compared per prompt")
+    ap.add_argument(
+        "--agree-tokens", type=int, default=48, help="answer tokens compared per prompt"
+    )
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--gguf", default="f32,q8_0", help="extra GGUF precisions for llama.cpp ('' for none)")
-    ap.add_argument("--llama-python", help="interpreter with llama_cpp (default: this one, else .baselines/llama-venv)")
+    ap.add_argument(
+        "--gguf", default="f32,q8_0", help="extra GGUF precisions for llama.cpp ('' for none)"
+    )
+    ap.add_argument(
+        "--llama-python",
+        help="interpreter with llama_cpp (default: this one, else .baselines/llama-venv)",
+    )
     ap.add_argument("--no-transformers", action="store_true")
     ap.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
     ap.add_argument("--tag", default="", help="suffix of the result files (decode<tag>.json/.png)")
-    ap.add_argument("--quick", action="store_true", help="32 tokens, 2 rounds, 4 agreement prompts of 24 tokens")
-    ap.add_argument("--device", default="cpu", help="cpu (default: the whole benchmark), or cuda / cuda:N (see above)")
-    ap.add_argument("--batch", type=int, default=16, help="concurrent streams of the batched run (GPU only)")
+    ap.add_argument(
+        "--quick", action="store_true", help="32 tokens, 2 rounds, 4 agreement prompts of 24 tokens"
+    )
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default: the whole benchmark), or cuda / cuda:N (see above)",
+    )
+    ap.add_argument(
+        "--batch", type=int, default=16, help="concurrent streams of the batched run (GPU only)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.runs, args.agree_prompts, args.agree_tokens = 32, 2, 4, 24
@@ -444,9 +549,11 @@ def main() -> None:
     home = Path(args.home) if args.home else default_home()
     load_before = os.getloadavg()
     t_start = time.time()
-    print(f"decode benchmark: {args.model}, {args.tokens} tokens x {args.runs} interleaved rounds, "
-          f"{args.threads} threads; data: sharegpt_multiturn_dev.jsonl (dev); load average {load_before[0]:.2f}",
-          flush=True)
+    print(
+        f"decode benchmark: {args.model}, {args.tokens} tokens x {args.runs} interleaved rounds, "
+        f"{args.threads} threads; data: sharegpt_multiturn_dev.jsonl (dev); load average {load_before[0]:.2f}",
+        flush=True,
+    )
 
     other = OtherLoad()
     fp32 = load_model(args.model, home=home, device="cpu", dtype="float32")
@@ -456,10 +563,17 @@ def main() -> None:
     prompt = chat_ids(fp32.tokenizer, texts[0], args.prompt_tokens)
 
     bandwidth = memory_bandwidth()
-    print(f"  memory: read {bandwidth['read_GBps']:.1f} GB/s, copy {bandwidth['copy_GBps']:.1f} GB/s", flush=True)
+    print(
+        f"  memory: read {bandwidth['read_GBps']:.1f} GB/s, copy {bandwidth['copy_GBps']:.1f} GB/s",
+        flush=True,
+    )
 
     timers, weight_bytes, closers = {}, {}, []
-    for name, model in (("kvfuse fp32", fp32), ("kvfuse int8", int8), ("kvfuse int8-fbgemm", int8_fbgemm)):
+    for name, model in (
+        ("kvfuse fp32", fp32),
+        ("kvfuse int8", int8),
+        ("kvfuse int8-fbgemm", int8_fbgemm),
+    ):
         run, engine = kvfuse_timer(model)
         timers[name], weight_bytes[name] = run, kvfuse_weight_bytes(model)
         closers.append(engine.close)
@@ -469,22 +583,32 @@ def main() -> None:
     llama_python = find_llama_python(args.llama_python)
     llama_info = None
     if llama_python is None:
-        print("  llama.cpp: skipped (llama-cpp-python not found: run `bash bench/setup_llamacpp.sh`, "
-              "or pass --llama-python)", flush=True)
+        print(
+            "  llama.cpp: skipped (llama-cpp-python not found: run `bash bench/setup_llamacpp.sh`, "
+            "or pass --llama-python)",
+            flush=True,
+        )
     else:
         from gguf_variants import tensor_bytes
 
         worker = LlamaWorker(llama_python)
         other.pids.append(worker.proc.pid)
         closers.append(worker.close)
-        for label, path in gguf_files(args.model, home, [p for p in args.gguf.split(",") if p]).items():
+        for label, path in gguf_files(
+            args.model, home, [p for p in args.gguf.split(",") if p]
+        ).items():
             name = f"llama.cpp {label}"
             worker.load(name, path, args.threads, len(prompt) + args.tokens + 16)
             timers[name] = worker.timer(name)
             weight_bytes[name] = sum(tensor_bytes(path).values())
-        llama_info = {"python": llama_python, "version": worker.info.get("version"),
-                      "system_info": worker.info.get("system_info")}
-        print(f"  llama.cpp: llama-cpp-python {llama_info['version']} via {llama_python}", flush=True)
+        llama_info = {
+            "python": llama_python,
+            "version": worker.info.get("version"),
+            "system_info": worker.info.get("system_info"),
+        }
+        print(
+            f"  llama.cpp: llama-cpp-python {llama_info['version']} via {llama_python}", flush=True
+        )
 
     for fn in timers.values():  # warm-up: kernel selection, allocator growth, page faults
         fn(prompt, 8)
@@ -499,9 +623,17 @@ def main() -> None:
             generated.setdefault(name, out["ids"])
             gc.collect()
         rounds_load.append(OtherLoad.since(start, other.mark()))
-        busy = "" if rounds_load[-1] is None else f"; other processes: {rounds_load[-1]['other_cores']:.2f} cores"
-        print(f"  round {r + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()) + busy,
-              flush=True)
+        busy = (
+            ""
+            if rounds_load[-1] is None
+            else f"; other processes: {rounds_load[-1]['other_cores']:.2f} cores"
+        )
+        print(
+            f"  round {r + 1}/{args.runs}: "
+            + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items())
+            + busy,
+            flush=True,
+        )
     for close in closers:
         close()
 
@@ -510,17 +642,32 @@ def main() -> None:
     for name, s in samples.items():
         wb = weight_bytes[name]
         engines[name] = {
-            "tok_s": s, "median_tok_s": median(s), "min_tok_s": min(s), "max_tok_s": max(s),
-            "weight_bytes_per_token": wb, "bound_tok_s": bandwidth["read_GBps"] * 1e9 / wb,
+            "tok_s": s,
+            "median_tok_s": median(s),
+            "min_tok_s": min(s),
+            "max_tok_s": max(s),
+            "weight_bytes_per_token": wb,
+            "bound_tok_s": bandwidth["read_GBps"] * 1e9 / wb,
             "fraction_of_bound": median(s) / (bandwidth["read_GBps"] * 1e9 / wb),
             "first_divergence_from_kvfuse_fp32": first_divergence(generated[name], ref_ids),
         }
 
-    print(f"  agreement: {args.agree_prompts} prompts, up to {args.agree_tokens} answer tokens each", flush=True)
+    print(
+        f"  agreement: {args.agree_prompts} prompts, up to {args.agree_tokens} answer tokens each",
+        flush=True,
+    )
     prompts = [chat_ids(fp32.tokenizer, t, 256) for t in texts[: args.agree_prompts]]
     # fp32 weights with the engine's fp16 KV: a perturbation kvfuse already ships, for scale
-    agree = agreement(fp32, {"int8": (int8.runner, None), "int8-fbgemm": (int8_fbgemm.runner, None),
-                             "fp32, fp16 KV": (fp32.runner, torch.float16)}, prompts, args.agree_tokens)
+    agree = agreement(
+        fp32,
+        {
+            "int8": (int8.runner, None),
+            "int8-fbgemm": (int8_fbgemm.runner, None),
+            "fp32, fp16 KV": (fp32.runner, torch.float16),
+        },
+        prompts,
+        args.agree_tokens,
+    )
 
     # prefill cost of int8 against fp32
     long_ids = chat_ids(fp32.tokenizer, " ".join(texts), 512)
@@ -542,8 +689,14 @@ def main() -> None:
         "int8_vs_fp32_this_run": i8 / base,
         "int8_at_least_2x_issue_baseline": i8 >= 2 * BASELINE_TOK_S,
     }
-    own = next((n for n in engines if n.startswith("llama.cpp gguf ") and n.split()[-1] not in ("F32", "Q8_0", "F16")),
-               None)
+    own = next(
+        (
+            n
+            for n in engines
+            if n.startswith("llama.cpp gguf ") and n.split()[-1] not in ("F32", "Q8_0", "F16")
+        ),
+        None,
+    )
     if own:
         targets[f"int8_vs_{own}"] = i8 / engines[own]["median_tok_s"]
         targets["int8_at_least_llama_cpp_same_gguf"] = i8 >= engines[own]["median_tok_s"]
@@ -551,29 +704,97 @@ def main() -> None:
         targets["int8_vs_llama.cpp_q8_0"] = i8 / engines["llama.cpp gguf Q8_0"]["median_tok_s"]
 
     print()
-    print_table(["engine", "MB/token", "bound tok/s", "tok/s", "min", "max", "% of bound", "1st diff vs fp32"],
-                [[n, e["weight_bytes_per_token"] / 1e6, e["bound_tok_s"], e["median_tok_s"], e["min_tok_s"],
-                  e["max_tok_s"], 100 * e["fraction_of_bound"],
-                  "-" if e["first_divergence_from_kvfuse_fp32"] is None else e["first_divergence_from_kvfuse_fp32"]]
-                 for n, e in engines.items()])
+    print_table(
+        [
+            "engine",
+            "MB/token",
+            "bound tok/s",
+            "tok/s",
+            "min",
+            "max",
+            "% of bound",
+            "1st diff vs fp32",
+        ],
+        [
+            [
+                n,
+                e["weight_bytes_per_token"] / 1e6,
+                e["bound_tok_s"],
+                e["median_tok_s"],
+                e["min_tok_s"],
+                e["max_tok_s"],
+                100 * e["fraction_of_bound"],
+                "-"
+                if e["first_divergence_from_kvfuse_fp32"] is None
+                else e["first_divergence_from_kvfuse_fp32"],
+            ]
+            for n, e in engines.items()
+        ],
+    )
     print()
-    print_table(["variant", "steps", "mean cos", "min cos", "mean max|d|", "mean KL", "greedy agree",
-                 "same answer", "median 1st diff"],
-                [[v, a["steps"], a["mean_cosine"], a["min_cosine"], a["mean_max_abs_diff"], a["mean_kl"],
-                  a["greedy_agreement"], a["identical_answers"], a["median_first_divergence"]]
-                 for v, a in agree["variants"].items()])
+    print_table(
+        [
+            "variant",
+            "steps",
+            "mean cos",
+            "min cos",
+            "mean max|d|",
+            "mean KL",
+            "greedy agree",
+            "same answer",
+            "median 1st diff",
+        ],
+        [
+            [
+                v,
+                a["steps"],
+                a["mean_cosine"],
+                a["min_cosine"],
+                a["mean_max_abs_diff"],
+                a["mean_kl"],
+                a["greedy_agreement"],
+                a["identical_answers"],
+                a["median_first_divergence"],
+            ]
+            for v, a in agree["variants"].items()
+        ],
+    )
     print()
-    print("prefill " + ", ".join(f"{k}: {v['median_s']:.3f} s ({v['tokens']} tokens)" for k, v in prefill.items()))
-    print("targets: " + ", ".join(f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}" for k, v in targets.items()))
+    print(
+        "prefill "
+        + ", ".join(
+            f"{k}: {v['median_s']:.3f} s ({v['tokens']} tokens)" for k, v in prefill.items()
+        )
+    )
+    print(
+        "targets: "
+        + ", ".join(
+            f"{k} = {v:.2f}" if isinstance(v, float) else f"{k} = {v}" for k, v in targets.items()
+        )
+    )
     busy = [x["other_cores"] for x in rounds_load if x is not None]
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); other processes used "
-          + (f"{max(busy):.2f} cores at most in a round" if busy else "? cores") + f"; {time.time() - t_start:.0f} s in all")
+    print(
+        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); other processes used "
+        + (f"{max(busy):.2f} cores at most in a round" if busy else "? cores")
+        + f"; {time.time() - t_start:.0f} s in all"
+    )
     result = {
-        "model": args.model, "threads": args.threads, "prompt_tokens": len(prompt), "decode_tokens": args.tokens,
-        "runs": args.runs, "kv_dtype": "float16 (kvfuse engine), float32 (transformers), f16 (llama.cpp default)",
-        "bandwidth": bandwidth, "engines": engines, "agreement": agree, "prefill": prefill, "targets": targets,
-        "issue_baseline_tok_s": BASELINE_TOK_S, "llama_cpp": llama_info, "quick": args.quick,
-        "load_average_before": load_before, "load_average_after": load_after,
+        "model": args.model,
+        "threads": args.threads,
+        "prompt_tokens": len(prompt),
+        "decode_tokens": args.tokens,
+        "runs": args.runs,
+        "kv_dtype": "float16 (kvfuse engine), float32 (transformers), f16 (llama.cpp default)",
+        "bandwidth": bandwidth,
+        "engines": engines,
+        "agreement": agree,
+        "prefill": prefill,
+        "targets": targets,
+        "issue_baseline_tok_s": BASELINE_TOK_S,
+        "llama_cpp": llama_info,
+        "quick": args.quick,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
         "other_processes_per_round": rounds_load,
     }
     name = f"decode{args.tag}"
@@ -594,8 +815,11 @@ def main_device(args) -> None:
     device, dtype = model.runner.device, model.runner.dtype
     texts = sharegpt_first_messages(max(args.batch, 1))
     prompt = chat_ids(model.tokenizer, texts[0], args.prompt_tokens)
-    print(f"decode benchmark: {args.model} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}), "
-          f"{dtype}, {args.tokens} tokens x {args.runs} rounds; data: sharegpt_multiturn_dev.jsonl (dev)", flush=True)
+    print(
+        f"decode benchmark: {args.model} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}), "
+        f"{dtype}, {args.tokens} tokens x {args.runs} rounds; data: sharegpt_multiturn_dev.jsonl (dev)",
+        flush=True,
+    )
     timers, closers = {}, []
     timers["kvfuse"], engine = kvfuse_timer(model)
     closers.append(engine.close)
@@ -610,16 +834,28 @@ def main_device(args) -> None:
             out = fn(prompt, args.tokens)
             samples[name].append(out["tok_s"])
             generated.setdefault(name, out["ids"])
-        print(f"  round {r + 1}/{args.runs}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in samples.items()),
-              flush=True)
+        print(
+            f"  round {r + 1}/{args.runs}: "
+            + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in samples.items()),
+            flush=True,
+        )
     for close in closers:
         close()
-    engines = {name: {"tok_s": s, "median_tok_s": median(s), "min_tok_s": min(s), "max_tok_s": max(s),
-                      "first_divergence_from_kvfuse": first_divergence(generated[name], generated["kvfuse"])}
-               for name, s in samples.items()}
+    engines = {
+        name: {
+            "tok_s": s,
+            "median_tok_s": median(s),
+            "min_tok_s": min(s),
+            "max_tok_s": max(s),
+            "first_divergence_from_kvfuse": first_divergence(generated[name], generated["kvfuse"]),
+        }
+        for name, s in samples.items()
+    }
     # batched: --batch streams submitted together, the engine's continuous batching
     prompts = [chat_ids(model.tokenizer, t, args.prompt_tokens) for t in texts[: args.batch]]
-    engine = Engine(model, None, EngineSettings.of(history=False, async_save=False, max_running=args.batch))
+    engine = Engine(
+        model, None, EngineSettings.of(history=False, async_save=False, max_running=args.batch)
+    )
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     batched = []
     for _ in range(args.runs):
@@ -633,19 +869,49 @@ def main_device(args) -> None:
             steps += 1
         wall = time.perf_counter() - t
         tokens = sum(len(o.result.token_ids) for o in done)
-        batched.append({"streams": len(prompts), "tokens": tokens, "wall_s": wall, "steps": steps,
-                        "tok_s": tokens / wall})
-        print(f"  batch of {len(prompts)}: {tokens / wall:.1f} tok/s in all ({wall:.2f} s, {steps} steps)", flush=True)
+        batched.append(
+            {
+                "streams": len(prompts),
+                "tokens": tokens,
+                "wall_s": wall,
+                "steps": steps,
+                "tok_s": tokens / wall,
+            }
+        )
+        print(
+            f"  batch of {len(prompts)}: {tokens / wall:.1f} tok/s in all ({wall:.2f} s, {steps} steps)",
+            flush=True,
+        )
     engine.close()
-    print_table(["engine", "tok/s", "min", "max", "1st diff vs kvfuse"],
-                [[n, e["median_tok_s"], e["min_tok_s"], e["max_tok_s"],
-                  "-" if e["first_divergence_from_kvfuse"] is None else e["first_divergence_from_kvfuse"]]
-                 for n, e in engines.items()])
-    result = {"model": args.model, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
-              "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-              "prompt_tokens": len(prompt), "decode_tokens": args.tokens, "runs": args.runs,
-              "kv_dtype": "float16 (kvfuse engine)", "engines": engines, "batched": batched,
-              "batched_median_tok_s": median([b["tok_s"] for b in batched]), "quick": args.quick}
+    print_table(
+        ["engine", "tok/s", "min", "max", "1st diff vs kvfuse"],
+        [
+            [
+                n,
+                e["median_tok_s"],
+                e["min_tok_s"],
+                e["max_tok_s"],
+                "-"
+                if e["first_divergence_from_kvfuse"] is None
+                else e["first_divergence_from_kvfuse"],
+            ]
+            for n, e in engines.items()
+        ],
+    )
+    result = {
+        "model": args.model,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "prompt_tokens": len(prompt),
+        "decode_tokens": args.tokens,
+        "runs": args.runs,
+        "kv_dtype": "float16 (kvfuse engine)",
+        "engines": engines,
+        "batched": batched,
+        "batched_median_tok_s": median([b["tok_s"] for b in batched]),
+        "quick": args.quick,
+    }
     print(f"wrote {write_json(f'decode{args.tag}', result)}")
 
 

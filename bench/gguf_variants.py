@@ -18,7 +18,11 @@ from pathlib import Path
 import numpy as np
 
 QTYPES = {"f32": "F32", "f16": "F16", "q8_0": "Q8_0"}
-FILE_TYPES = {"F32": 0, "F16": 1, "Q8_0": 7}  # general.file_type (llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0)
+FILE_TYPES = {
+    "F32": 0,
+    "F16": 1,
+    "Q8_0": 7,
+}  # general.file_type (llama_ftype: ALL_F32, MOSTLY_F16, MOSTLY_Q8_0)
 
 
 def _field_value(field):

@@ -29,11 +29,11 @@ import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, print_table, write_json  # noqa: E402
+from common import environment, print_table, write_json
 
-from kvfuse.kv.keys import ChunkKey, ChunkKind  # noqa: E402
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore  # noqa: E402
-from kvfuse.tiers.key_index import KeyIndex  # noqa: E402
+from kvfuse.kv.keys import ChunkKey, ChunkKind
+from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.tiers.key_index import KeyIndex
 
 NS = "0123456789abcdef01234567"
 
@@ -119,7 +119,9 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=1_000_000)
     ap.add_argument("--files", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--folder", help="where the disk tier's files go (default: a temp folder, removed)")
+    ap.add_argument(
+        "--folder", help="where the disk tier's files go (default: a temp folder, removed)"
+    )
     args = ap.parse_args()
 
     ks = keys(args.entries)
@@ -140,25 +142,54 @@ def main() -> None:
         return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
     result = {
-        "environment": {**environment(), "load_average_1m": os.getloadavg()[0]}, "entries": args.entries, "files": args.files, "repeats": args.repeats,
-        "memory_tier_bytes_per_entry": mem, "disk_index_bytes_per_entry": disk,
+        "environment": {**environment(), "load_average_1m": os.getloadavg()[0]},
+        "entries": args.entries,
+        "files": args.files,
+        "repeats": args.repeats,
+        "memory_tier_bytes_per_entry": mem,
+        "disk_index_bytes_per_entry": disk,
         "disk_index_after_scan_bytes_per_entry": scanned,
-        "memory_lookups_per_s": mmm(rates), "disk_contains_per_s": mmm(contains),
-        "disk_rebuild_s": mmm(rebuilds), "disk_rebuild_s_per_million": mmm([r * 1e6 / args.files for r in rebuilds]),
+        "memory_lookups_per_s": mmm(rates),
+        "disk_contains_per_s": mmm(contains),
+        "disk_rebuild_s": mmm(rebuilds),
+        "disk_rebuild_s_per_million": mmm([r * 1e6 / args.files for r in rebuilds]),
         "targets": {"bytes_per_entry": 100, "lookups_per_s": 1e6},
     }
-    print_table(["measure", "median", "min", "max", "target"], [
-        ["memory tier: bytes/entry", f"{mem:.0f}", "", "", "<= 100"],
-        ["disk index: bytes/entry", f"{disk:.0f}", "", "", "<= 100"],
-        [f"disk index after a scan of {args.files:,} files: bytes/entry", f"{scanned:.0f}", "", "", "<= 100"],
-        ["lookups/s (memory, batches of 64)", *(f"{v:,.0f}" for v in mmm(rates).values()), ">= 1,000,000"],
-        ["disk contains/s (batches of 64)", *(f"{v:,.0f}" for v in mmm(contains).values()), ""],
-        [f"disk rebuild, {args.files:,} files (s)", *(f"{v:.2f}" for v in mmm(rebuilds).values()), ""],
-        ["  = per 1M files (s)", *(f"{v * 1e6 / args.files:.1f}" for v in mmm(rebuilds).values()), "seconds"],
-    ])
+    print_table(
+        ["measure", "median", "min", "max", "target"],
+        [
+            ["memory tier: bytes/entry", f"{mem:.0f}", "", "", "<= 100"],
+            ["disk index: bytes/entry", f"{disk:.0f}", "", "", "<= 100"],
+            [
+                f"disk index after a scan of {args.files:,} files: bytes/entry",
+                f"{scanned:.0f}",
+                "",
+                "",
+                "<= 100",
+            ],
+            [
+                "lookups/s (memory, batches of 64)",
+                *(f"{v:,.0f}" for v in mmm(rates).values()),
+                ">= 1,000,000",
+            ],
+            ["disk contains/s (batches of 64)", *(f"{v:,.0f}" for v in mmm(contains).values()), ""],
+            [
+                f"disk rebuild, {args.files:,} files (s)",
+                *(f"{v:.2f}" for v in mmm(rebuilds).values()),
+                "",
+            ],
+            [
+                "  = per 1M files (s)",
+                *(f"{v * 1e6 / args.files:.1f}" for v in mmm(rebuilds).values()),
+                "seconds",
+            ],
+        ],
+    )
     print(f"wrote {write_json('index', result)}")
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("KVFUSE_HOME", str(Path(__file__).resolve().parent.parent / ".kvfuse-home"))
+    os.environ.setdefault(
+        "KVFUSE_HOME", str(Path(__file__).resolve().parent.parent / ".kvfuse-home")
+    )
     main()

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import OUT, environment, median, print_table  # noqa: E402
+from bench.common import OUT, environment, median, print_table
 
 LAYERS, HEADS, KV_HEADS, DIM = 30, 9, 3, 64
 BLOCK = 16
@@ -44,8 +44,9 @@ def contiguous_step(q, caches, lengths):
     for layer in range(LAYERS):
         for b, kv in enumerate(caches):
             k, v = kv[layer, 0, :, : lengths[b]], kv[layer, 1, :, : lengths[b]]
-            F.scaled_dot_product_attention(q[b : b + 1], k.unsqueeze(0).float(), v.unsqueeze(0).float(),
-                                           enable_gqa=True)
+            F.scaled_dot_product_attention(
+                q[b : b + 1], k.unsqueeze(0).float(), v.unsqueeze(0).float(), enable_gqa=True
+            )
 
 
 def paged_step(q, pool, tables, lengths):
@@ -53,8 +54,12 @@ def paged_step(q, pool, tables, lengths):
         for b, table in enumerate(tables):
             blocks = pool[layer].index_select(1, table)  # (2, n_blocks, kv_heads, BLOCK, dim)
             kv = blocks.permute(0, 2, 1, 3, 4).reshape(2, KV_HEADS, -1, DIM)[:, :, : lengths[b]]
-            F.scaled_dot_product_attention(q[b : b + 1], kv[0].unsqueeze(0).float(), kv[1].unsqueeze(0).float(),
-                                           enable_gqa=True)
+            F.scaled_dot_product_attention(
+                q[b : b + 1],
+                kv[0].unsqueeze(0).float(),
+                kv[1].unsqueeze(0).float(),
+                enable_gqa=True,
+            )
 
 
 def padded_step(q, caches, lengths):
@@ -67,25 +72,33 @@ def padded_step(q, caches, lengths):
         for b, kv in enumerate(caches):
             k[b, :, : lengths[b]] = kv[layer, 0, :, : lengths[b]]
             v[b, :, : lengths[b]] = kv[layer, 1, :, : lengths[b]]
-        F.scaled_dot_product_attention(q.unsqueeze(2).squeeze(2), k, v, attn_mask=mask, enable_gqa=True)
+        F.scaled_dot_product_attention(
+            q.unsqueeze(2).squeeze(2), k, v, attn_mask=mask, enable_gqa=True
+        )
 
 
 def case(batch: int, length: int, reps: int) -> dict:
     g = torch.Generator().manual_seed(batch * 7919 + length)
-    lengths = [max(1, length - (i * length) // (4 * batch)) for i in range(batch)]  # a spread of lengths
+    lengths = [
+        max(1, length - (i * length) // (4 * batch)) for i in range(batch)
+    ]  # a spread of lengths
     cap = [n + HEADROOM for n in lengths]
     caches = [torch.randn(LAYERS, 2, KV_HEADS, c, DIM, generator=g).half() for c in cap]
     blocks_per = [-(-n // BLOCK) for n in lengths]
     pool = torch.randn(LAYERS, 2, sum(blocks_per), KV_HEADS, BLOCK, DIM, generator=g).half()
-    perm = torch.randperm(sum(blocks_per), generator=g)  # blocks of a sequence scattered in the pool
+    perm = torch.randperm(
+        sum(blocks_per), generator=g
+    )  # blocks of a sequence scattered in the pool
     tables, at = [], 0
     for n in blocks_per:
         tables.append(perm[at : at + n].clone())
         at += n
     q = torch.randn(batch, HEADS, 1, DIM, generator=g)
-    runs = {"contiguous": lambda: contiguous_step(q, caches, lengths),
-            "paged": lambda: paged_step(q, pool, tables, lengths),
-            "padded": lambda: padded_step(q, caches, lengths)}
+    runs = {
+        "contiguous": lambda: contiguous_step(q, caches, lengths),
+        "paged": lambda: paged_step(q, pool, tables, lengths),
+        "padded": lambda: padded_step(q, caches, lengths),
+    }
     for fn in runs.values():
         fn()  # warm-up
     times: dict[str, list[float]] = {k: [] for k in runs}
@@ -96,40 +109,89 @@ def case(batch: int, length: int, reps: int) -> dict:
             times[name].append(time.perf_counter() - t0)
     slot = LAYERS * 2 * KV_HEADS * DIM * 2
     live = sum(lengths) * slot
-    out = {"batch": batch, "tokens_per_sequence": length, "live_kv_mb": round(live / 2**20, 2),
-           "reserved_mb": {"contiguous": round(sum(cap) * slot / 2**20, 2),
-                           "paged": round(sum(blocks_per) * BLOCK * slot / 2**20, 2)}}
+    out = {
+        "batch": batch,
+        "tokens_per_sequence": length,
+        "live_kv_mb": round(live / 2**20, 2),
+        "reserved_mb": {
+            "contiguous": round(sum(cap) * slot / 2**20, 2),
+            "paged": round(sum(blocks_per) * BLOCK * slot / 2**20, 2),
+        },
+    }
     for name, ts in times.items():
-        out[name] = {"median_ms": round(median(ts) * 1000, 2), "min_ms": round(min(ts) * 1000, 2),
-                     "max_ms": round(max(ts) * 1000, 2)}
-    out["paged_over_contiguous"] = round(out["paged"]["median_ms"] / out["contiguous"]["median_ms"], 2)
-    out["padded_over_contiguous"] = round(out["padded"]["median_ms"] / out["contiguous"]["median_ms"], 2)
+        out[name] = {
+            "median_ms": round(median(ts) * 1000, 2),
+            "min_ms": round(min(ts) * 1000, 2),
+            "max_ms": round(max(ts) * 1000, 2),
+        }
+    out["paged_over_contiguous"] = round(
+        out["paged"]["median_ms"] / out["contiguous"]["median_ms"], 2
+    )
+    out["padded_over_contiguous"] = round(
+        out["padded"]["median_ms"] / out["contiguous"]["median_ms"], 2
+    )
     return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reps = 3 if args.quick else 7
-    grid = [(1, 512), (16, 512)] if args.quick else [(1, 512), (4, 512), (16, 256), (16, 512), (16, 1024), (32, 512)]
+    grid = (
+        [(1, 512), (16, 512)]
+        if args.quick
+        else [(1, 512), (4, 512), (16, 256), (16, 512), (16, 1024), (32, 512)]
+    )
     results = []
     with torch.inference_mode():
         for batch, length in grid:
             results.append(case(batch, length, reps))
-    rows = [[r["batch"], r["tokens_per_sequence"], r["contiguous"]["median_ms"], r["paged"]["median_ms"],
-             r["padded"]["median_ms"], r["paged_over_contiguous"], r["padded_over_contiguous"],
-             r["reserved_mb"]["contiguous"], r["reserved_mb"]["paged"], r["live_kv_mb"]] for r in results]
+    rows = [
+        [
+            r["batch"],
+            r["tokens_per_sequence"],
+            r["contiguous"]["median_ms"],
+            r["paged"]["median_ms"],
+            r["padded"]["median_ms"],
+            r["paged_over_contiguous"],
+            r["padded_over_contiguous"],
+            r["reserved_mb"]["contiguous"],
+            r["reserved_mb"]["paged"],
+            r["live_kv_mb"],
+        ]
+        for r in results
+    ]
     print("attention of one decode step, all 30 layers (ms, median of", reps, "interleaved runs)")
-    print_table(["B", "L", "contiguous", "paged", "padded", "paged/contig", "padded/contig", "reserved MB contig",
-                 "reserved MB paged", "live MB"], rows)
+    print_table(
+        [
+            "B",
+            "L",
+            "contiguous",
+            "paged",
+            "padded",
+            "paged/contig",
+            "padded/contig",
+            "reserved MB contig",
+            "reserved MB paged",
+            "live MB",
+        ],
+        rows,
+    )
     name = "kv_layout-quick" if args.quick else "kv_layout"
     OUT.mkdir(parents=True, exist_ok=True)
-    meta = {"model_shapes": "SmolLM2-135M: 30 layers, 9 heads, 3 KV heads x 64, fp16 KV, fp32 compute",
-            "block_tokens": BLOCK, "headroom_tokens": HEADROOM, "reps": reps, "threads": args.threads,
-            **environment()}
+    meta = {
+        "model_shapes": "SmolLM2-135M: 30 layers, 9 heads, 3 KV heads x 64, fp16 KV, fp32 compute",
+        "block_tokens": BLOCK,
+        "headroom_tokens": HEADROOM,
+        "reps": reps,
+        "threads": args.threads,
+        **environment(),
+    }
     (OUT / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     try:
         import matplotlib
@@ -143,7 +205,12 @@ def main() -> None:
     labels = [f"B={r['batch']}\nL={r['tokens_per_sequence']}" for r in results]
     x = range(len(results))
     for i, layout in enumerate(("contiguous", "paged", "padded")):
-        ax.bar([j + (i - 1) * 0.27 for j in x], [r[layout]["median_ms"] for r in results], 0.27, label=layout)
+        ax.bar(
+            [j + (i - 1) * 0.27 for j in x],
+            [r[layout]["median_ms"] for r in results],
+            0.27,
+            label=layout,
+        )
     ax.set_xticks(list(x), labels)
     ax.set_ylabel("attention ms per decode step (30 layers)")
     ax.set_title("KV layout: per-sequence contiguous vs paged pool (pure PyTorch, CPU)")

@@ -30,10 +30,18 @@ def main() -> None:
         try:
             if msg["cmd"] == "load":
                 models[msg["name"]] = llama_cpp.Llama(
-                    model_path=msg["path"], n_ctx=msg["n_ctx"], n_batch=512, n_threads=msg["threads"],
-                    n_threads_batch=msg["threads"], verbose=False)
-                reply = {"ok": True, "version": llama_cpp.__version__,
-                         "system_info": llama_cpp.llama_print_system_info().decode(errors="replace")}
+                    model_path=msg["path"],
+                    n_ctx=msg["n_ctx"],
+                    n_batch=512,
+                    n_threads=msg["threads"],
+                    n_threads_batch=msg["threads"],
+                    verbose=False,
+                )
+                reply = {
+                    "ok": True,
+                    "version": llama_cpp.__version__,
+                    "system_info": llama_cpp.llama_print_system_info().decode(errors="replace"),
+                }
             elif msg["cmd"] == "decode":
                 llm = models[msg["name"]]
                 n_vocab = llm.n_vocab()
@@ -50,7 +58,12 @@ def main() -> None:
                     llm.eval([ids[-1]])
                     ids.append(int(np.argmax(last_logits())))
                 t2 = time.perf_counter()
-                reply = {"tok_s": (len(ids) - 1) / (t2 - t1), "prefill_s": t1 - t0, "decode_s": t2 - t1, "ids": ids}
+                reply = {
+                    "tok_s": (len(ids) - 1) / (t2 - t1),
+                    "prefill_s": t1 - t0,
+                    "decode_s": t2 - t1,
+                    "ids": ids,
+                }
             else:
                 reply = {"error": f"unknown command {msg['cmd']!r}"}
         except Exception as e:  # noqa: BLE001 - reported to the parent, which decides

@@ -43,17 +43,27 @@ import time
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--kv", required=True, help=".pt file written by bench/store.py (kv + tokens)")
     p.add_argument("--backend", required=True, choices=["cpu", "disk", "redis"])
-    p.add_argument("--disk-dir", help="directory for the disk backend (a fresh subdirectory is used)")
-    p.add_argument("--redis-url", help="redis://127.0.0.1:PORT for the redis backend (the DB is flushed)")
+    p.add_argument(
+        "--disk-dir", help="directory for the disk backend (a fresh subdirectory is used)"
+    )
+    p.add_argument(
+        "--redis-url", help="redis://127.0.0.1:PORT for the redis backend (the DB is flushed)"
+    )
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--runs", type=int, default=5, help="timed runs (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
-    p.add_argument("--torch-threads", type=int, default=1,
-                   help="torch intra-op threads for the connector copies (default 1: on a busy 2-core machine "
-                        "2 threads made the copies 3x slower; a real connector copies on the GPU anyway)")
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads for the connector copies (default 1: on a busy 2-core machine "
+        "2 threads made the copies 3x slower; a real connector copies on the GPU anyway)",
+    )
     return p.parse_args(argv)
 
 
@@ -68,7 +78,9 @@ def _build_engine(args, kv_shape, dtype, disk_dir):
         """MockGPUConnector that really moves the bytes (the stock one copies nothing)."""
 
         @staticmethod
-        def _slot(memory_obj, kv: torch.Tensor, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def _slot(
+            memory_obj, kv: torch.Tensor, start: int, end: int
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             # memory object: (2, layers, tokens, heads*dim); engine KV: (layers, 2, tokens, heads, dim)
             # Both sides as (layers, 2, tokens*heads*dim) with a contiguous last dim: torch then copies
             # 2 * layers contiguous blocks (about 3x faster on CPU than the equivalent 5-d permute).
@@ -101,7 +113,10 @@ def _build_engine(args, kv_shape, dtype, disk_dir):
         config = LMCacheEngineConfig.from_defaults(local_cpu=True, **common)
     elif args.backend == "disk":
         config = LMCacheEngineConfig.from_defaults(
-            local_cpu=False, local_disk=f"file://{disk_dir}/", max_local_disk_size=max(1.0, 50 * total_gb), **common
+            local_cpu=False,
+            local_disk=f"file://{disk_dir}/",
+            max_local_disk_size=max(1.0, 50 * total_gb),
+            **common,
         )
     else:
         config = LMCacheEngineConfig.from_defaults(
@@ -109,12 +124,22 @@ def _build_engine(args, kv_shape, dtype, disk_dir):
         )
     chunk_shape = (kv_shape[0], 2, args.chunk_size, kv_shape[3], kv_shape[4])
     metadata = LMCacheMetadata(
-        model_name="kvfuse-bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-        kv_dtype=dtype, kv_shape=chunk_shape,
+        model_name="kvfuse-bench",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=dtype,
+        kv_shape=chunk_shape,
     )
     name = f"kvfuse-bench-{args.backend}-{os.getpid()}"
     engine = LMCacheEngineBuilder.get_or_create(
-        name, config, metadata, CopyingConnector(chunk_shape), lambda *a, **k: None, lambda *a, **k: None
+        name,
+        config,
+        metadata,
+        CopyingConnector(chunk_shape),
+        lambda *a, **k: None,
+        lambda *a, **k: None,
     )
     engine.post_init()  # creates the storage manager and its backends (the vLLM adapter does this too)
     return name, engine
@@ -143,7 +168,9 @@ def _wait_landed(landed, timeout_s: float = 120.0) -> None:
 def _served_by(engine, tokens) -> dict:
     """Which backend holds each chunk after a retrieve (the order retrieve searches them), and how
     many entries the CPU backend holds: 0 for disk/redis proves nothing was promoted to memory."""
-    infos = [(key, start, end) for start, end, key in engine.token_database.process_tokens(tokens=tokens)]
+    infos = [
+        (key, start, end) for start, end, key in engine.token_database.process_tokens(tokens=tokens)
+    ]
     mapping = engine.storage_manager.get_block_mapping(infos)
     cpu = engine.storage_manager.local_cpu_backend
     return {
@@ -182,9 +209,15 @@ def run(args: argparse.Namespace) -> dict:
     chunks, tokens = data["kv"], data["tokens"]
     n_chunks, layers, two, chunk_tokens, heads, dim = chunks.shape
     if chunk_tokens != args.chunk_size:
-        raise ValueError(f"{args.kv} holds {chunk_tokens}-token chunks; --chunk-size is {args.chunk_size}")
+        raise ValueError(
+            f"{args.kv} holds {chunk_tokens}-token chunks; --chunk-size is {args.chunk_size}"
+        )
     # The engine's KV tensor (what a GPU connector would read): all chunks back to back.
-    src = chunks.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, n_chunks * chunk_tokens, heads, dim).contiguous()
+    src = (
+        chunks.permute(1, 2, 0, 3, 4, 5)
+        .reshape(layers, 2, n_chunks * chunk_tokens, heads, dim)
+        .contiguous()
+    )
     args._tokens = tokens
     nbytes = src.numel() * src.element_size()
 

@@ -49,21 +49,30 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import DATA, plot_path, print_table, write_json  # noqa: E402
-from kvfuse.config import load_config  # noqa: E402
-from kvfuse.generation import SamplingParams  # noqa: E402
-from kvfuse.runtime import open_engine, open_model  # noqa: E402
+from bench.common import DATA, plot_path, print_table, write_json
+from kvfuse.config import load_config
+from kvfuse.generation import SamplingParams
+from kvfuse.runtime import open_engine, open_model
 
 SETUPS = {
     "no-reuse": {"cache.enabled": False},
-    "prefix-lru": {"cache.history": False, "cache.disk": False, "cache.eviction": "lru", "cache.prefetch": False},
+    "prefix-lru": {
+        "cache.history": False,
+        "cache.disk": False,
+        "cache.eviction": "lru",
+        "cache.prefetch": False,
+    },
     "history-disk": {"cache.history": True, "cache.eviction": "lru", "cache.prefetch": False},
     "history-prefetch": {"cache.history": True, "cache.eviction": "queue", "cache.prefetch": True},
     # not in the default comparison: saving on the request path, to measure what the saver thread costs
-    "history-sync-save": {"cache.history": True, "cache.eviction": "queue", "cache.prefetch": True,
-                          "cache.async_save": False},
+    "history-sync-save": {
+        "cache.history": True,
+        "cache.eviction": "queue",
+        "cache.prefetch": True,
+        "cache.async_save": False,
+    },
 }
 DEFAULT_SETUPS = ["no-reuse", "prefix-lru", "history-disk", "history-prefetch"]
 SYSTEM = "You are a helpful assistant."
@@ -99,16 +108,27 @@ def working_set_tokens(model, convs: list[list[str]], max_tokens: int) -> int:
     for users in convs:
         msgs = [{"role": "system", "content": SYSTEM}]
         for u in users:
-            msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "x " * max_tokens}]
+            msgs += [
+                {"role": "user", "content": u},
+                {"role": "assistant", "content": "x " * max_tokens},
+            ]
         total += len(tok.encode_chat(msgs, add_generation_prompt=False))
     return total
 
 
 def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int) -> dict:
     """One cold run of every conversation at once under ``setup``."""
-    overrides = {"model": args.model, "home": args.home, "cache.memory_bytes": budget,
-                 "cache.disk_path": str(workdir / f"{setup}-{seed}"), "server.max_queue": 256, **SETUPS[setup]}
-    engine = open_engine(load_config(overrides={k: v for k, v in overrides.items() if v is not None}), model=model)
+    overrides = {
+        "model": args.model,
+        "home": args.home,
+        "cache.memory_bytes": budget,
+        "cache.disk_path": str(workdir / f"{setup}-{seed}"),
+        "server.max_queue": 256,
+        **SETUPS[setup],
+    }
+    engine = open_engine(
+        load_config(overrides={k: v for k, v in overrides.items() if v is not None}), model=model
+    )
     engine.start()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     turns: list[dict] = []
@@ -123,13 +143,27 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
             msgs.append({"role": "user", "content": user})
             ids, dropped = engine.prompts.encode_chat(msgs, reserve=args.max_tokens)
             r = engine.generate(ids, params)
-            row = {"conversation": ci, "turn": ti + 1, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-                   "completion_tokens": r.completion_tokens, "tokens": r.token_ids, "ttft_s": r.timings.ttft_s,
-                   "queued_s": r.timings.queued_s, "total_s": r.timings.total_s, "store_s": r.timings.store_s,
-                   "lookup_s": r.timings.lookup_s, "load_s": r.timings.load_s, "prefill_s": r.timings.prefill_s,
-                   "hit_tiers": list(r.hit_tiers), "dropped_messages": dropped,
-                   # the KV the previous turn left: its prompt and the answer tokens fed back
-                   "history_tokens": 0 if prev is None else prev.prompt_tokens + max(0, prev.completion_tokens - 1)}
+            row = {
+                "conversation": ci,
+                "turn": ti + 1,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "completion_tokens": r.completion_tokens,
+                "tokens": r.token_ids,
+                "ttft_s": r.timings.ttft_s,
+                "queued_s": r.timings.queued_s,
+                "total_s": r.timings.total_s,
+                "store_s": r.timings.store_s,
+                "lookup_s": r.timings.lookup_s,
+                "load_s": r.timings.load_s,
+                "prefill_s": r.timings.prefill_s,
+                "hit_tiers": list(r.hit_tiers),
+                "dropped_messages": dropped,
+                # the KV the previous turn left: its prompt and the answer tokens fed back
+                "history_tokens": 0
+                if prev is None
+                else prev.prompt_tokens + max(0, prev.completion_tokens - 1),
+            }
             with lock:
                 turns.append(row)
             msgs.append({"role": "assistant", "content": r.text})
@@ -147,8 +181,16 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
     stats, cache = engine.stats_snapshot(), engine.cache_stats()
     saver = engine.saver.stats.snapshot() if engine.saver is not None else {}
     engine.close()
-    return {"setup": setup, "seed": seed, "wall_s": wall, "turns": turns, "engine": stats,
-            "store": cache.get("store", {}), "tiers": {k: v for k, v in cache.items() if k != "store"}, "saver": saver}
+    return {
+        "setup": setup,
+        "seed": seed,
+        "wall_s": wall,
+        "turns": turns,
+        "engine": stats,
+        "store": cache.get("store", {}),
+        "tiers": {k: v for k, v in cache.items() if k != "store"},
+        "saver": saver,
+    }
 
 
 def summarize(runs: list[dict], reference: dict[tuple, list[int]]) -> dict:
@@ -161,30 +203,48 @@ def summarize(runs: list[dict], reference: dict[tuple, list[int]]) -> dict:
     for r in runs:
         for tier, n in r["engine"]["hits_by_tier"].items():
             hits[tier] = hits.get(tier, 0) + n
-    same = sum(reference.get((r["seed"], t["conversation"], t["turn"])) == t["tokens"] for r in runs for t in r["turns"])
+    same = sum(
+        reference.get((r["seed"], t["conversation"], t["turn"])) == t["tokens"]
+        for r in runs
+        for t in r["turns"]
+    )
     prompt = sum(t["prompt_tokens"] for t in turns)
     return {
         "turns": len(turns),
-        "ttft_by_turn": {k: {"p50": pct([t["ttft_s"] for t in v], 0.5), "p95": pct([t["ttft_s"] for t in v], 0.95),
-                             "p50_with_queue": pct([t["ttft_s"] + t["queued_s"] for t in v], 0.5),
-                             "p95_with_queue": pct([t["ttft_s"] + t["queued_s"] for t in v], 0.95),
-                             "prompt_tokens": statistics.mean(t["prompt_tokens"] for t in v)}
-                         for k, v in sorted(by_turn.items())},
+        "ttft_by_turn": {
+            k: {
+                "p50": pct([t["ttft_s"] for t in v], 0.5),
+                "p95": pct([t["ttft_s"] for t in v], 0.95),
+                "p50_with_queue": pct([t["ttft_s"] + t["queued_s"] for t in v], 0.5),
+                "p95_with_queue": pct([t["ttft_s"] + t["queued_s"] for t in v], 0.95),
+                "prompt_tokens": statistics.mean(t["prompt_tokens"] for t in v),
+            }
+            for k, v in sorted(by_turn.items())
+        },
         "ttft_p50_turn8plus": pct([t["ttft_s"] for t in turns if t["turn"] >= 8], 0.5),
-        "breakdown_turn8plus": {k: pct([t[k] for t in turns if t["turn"] >= 8], 0.5)
-                                for k in ("lookup_s", "load_s", "prefill_s", "queued_s")},
-        "ttft_p50_turn8plus_with_queue": pct([t["ttft_s"] + t["queued_s"] for t in turns if t["turn"] >= 8], 0.5),
-        "history_reused": (sum(min(t["cached_tokens"], t["history_tokens"]) for t in hist) /
-                           max(1, sum(t["history_tokens"] for t in hist))),
+        "breakdown_turn8plus": {
+            k: pct([t[k] for t in turns if t["turn"] >= 8], 0.5)
+            for k in ("lookup_s", "load_s", "prefill_s", "queued_s")
+        },
+        "ttft_p50_turn8plus_with_queue": pct(
+            [t["ttft_s"] + t["queued_s"] for t in turns if t["turn"] >= 8], 0.5
+        ),
+        "history_reused": (
+            sum(min(t["cached_tokens"], t["history_tokens"]) for t in hist)
+            / max(1, sum(t["history_tokens"] for t in hist))
+        ),
         "prefill_tokens_saved": sum(t["cached_tokens"] for t in turns) / max(1, prompt),
         "hits_by_tier": hits,
         "prefetched": sum(r["store"].get("prefetched", 0) for r in runs),
         "prefetch_hits": sum(r["store"].get("prefetch_hits", 0) for r in runs),
         "prefetch_misses": sum(r["store"].get("prefetch_misses", 0) for r in runs),
         "memory_evictions": sum(r["tiers"].get("memory", {}).get("evictions", 0) for r in runs),
-        "protected_evictions": sum(r["tiers"].get("memory", {}).get("protected_evictions", 0) for r in runs),
+        "protected_evictions": sum(
+            r["tiers"].get("memory", {}).get("protected_evictions", 0) for r in runs
+        ),
         "turns_per_s": [len(r["turns"]) / r["wall_s"] for r in runs],
-        "save_share_request_path": sum(t["store_s"] for t in turns) / max(1e-9, sum(t["total_s"] for t in turns)),
+        "save_share_request_path": sum(t["store_s"] for t in turns)
+        / max(1e-9, sum(t["total_s"] for t in turns)),
         "saver_thread_s": sum(r["saver"].get("save_s", 0.0) for r in runs),
         "save_waits": sum(r["saver"].get("save_waits", 0) for r in runs),
         "answers_equal_to_no_reuse": f"{same}/{len(turns)}",
@@ -197,48 +257,114 @@ def run_replay(args) -> None:
     ws_tokens = working_set_tokens(model, convs, args.max_tokens)
     ws = ws_tokens * kv_bytes_per_token(model)
     budget = int(ws * args.budget)
-    print(f"{len(convs)} conversations x {args.turns} turns (sharegpt_multiturn_dev.jsonl, dev data); working set "
-          f"{ws_tokens} tokens = {ws / 2**20:.0f} MiB of KV; memory budget {budget / 2**20:.0f} MiB ({args.budget:.0%})")
+    print(
+        f"{len(convs)} conversations x {args.turns} turns (sharegpt_multiturn_dev.jsonl, dev data); working set "
+        f"{ws_tokens} tokens = {ws / 2**20:.0f} MiB of KV; memory budget {budget / 2**20:.0f} MiB ({args.budget:.0%})"
+    )
     order = list(args.setups)
     runs: dict[str, list[dict]] = {s: [] for s in order}
     with tempfile.TemporaryDirectory(prefix="kvfuse-multiturn-") as tmp:
         for rep in range(args.repeats):
-            for setup in order[rep % len(order):] + order[: rep % len(order)]:  # rotate: no set-up always first
+            for setup in (
+                order[rep % len(order) :] + order[: rep % len(order)]
+            ):  # rotate: no set-up always first
                 t0 = time.perf_counter()
                 runs[setup].append(replay(setup, model, convs, args, budget, Path(tmp), seed=rep))
                 print(f"  repeat {rep + 1} {setup}: {time.perf_counter() - t0:.0f} s", flush=True)
-    reference = {(r["seed"], t["conversation"], t["turn"]): t["tokens"] for r in runs.get("no-reuse", []) for t in r["turns"]}
+    reference = {
+        (r["seed"], t["conversation"], t["turn"]): t["tokens"]
+        for r in runs.get("no-reuse", [])
+        for t in r["turns"]
+    }
     summary = {s: summarize(rs, reference) for s, rs in runs.items()}
     base = summary.get("no-reuse")
     rows = []
     for s, v in summary.items():
         ratio = base["ttft_p50_turn8plus"] / v["ttft_p50_turn8plus"] if base else float("nan")
-        ratio_q = base["ttft_p50_turn8plus_with_queue"] / v["ttft_p50_turn8plus_with_queue"] if base else float("nan")
+        ratio_q = (
+            base["ttft_p50_turn8plus_with_queue"] / v["ttft_p50_turn8plus_with_queue"]
+            if base
+            else float("nan")
+        )
         v["ttft_ratio_turn8plus"], v["ttft_ratio_turn8plus_with_queue"] = ratio, ratio_q
         tps = v["turns_per_s"]
-        rows.append([s, v["ttft_p50_turn8plus"], ratio, v["ttft_p50_turn8plus_with_queue"], ratio_q,
-                     f"{v['history_reused']:.1%}", f"{v['prefill_tokens_saved']:.1%}",
-                     " ".join(f"{k}:{n}" for k, n in sorted(v["hits_by_tier"].items())) or "-",
-                     f"{v['prefetch_hits']}/{v['prefetch_misses']}",
-                     f"{statistics.median(tps):.3f} [{min(tps):.3f}, {max(tps):.3f}]",
-                     f"{v['save_share_request_path']:.2%}", v["answers_equal_to_no_reuse"]])
+        rows.append(
+            [
+                s,
+                v["ttft_p50_turn8plus"],
+                ratio,
+                v["ttft_p50_turn8plus_with_queue"],
+                ratio_q,
+                f"{v['history_reused']:.1%}",
+                f"{v['prefill_tokens_saved']:.1%}",
+                " ".join(f"{k}:{n}" for k, n in sorted(v["hits_by_tier"].items())) or "-",
+                f"{v['prefetch_hits']}/{v['prefetch_misses']}",
+                f"{statistics.median(tps):.3f} [{min(tps):.3f}, {max(tps):.3f}]",
+                f"{v['save_share_request_path']:.2%}",
+                v["answers_equal_to_no_reuse"],
+            ]
+        )
     print()
-    print_table(["setup", "TTFT p50 t>=8 s", "x", "+queue s", "x", "history reused", "prefill saved", "chunk hits",
-                 "prefetch hit/miss", "turns/s med [min,max]", "save share", "same answers"], rows)
+    print_table(
+        [
+            "setup",
+            "TTFT p50 t>=8 s",
+            "x",
+            "+queue s",
+            "x",
+            "history reused",
+            "prefill saved",
+            "chunk hits",
+            "prefetch hit/miss",
+            "turns/s med [min,max]",
+            "save share",
+            "same answers",
+        ],
+        rows,
+    )
     print()
-    print_table(["setup", "turns >= 8 medians: lookup s", "load s", "compute s", "queued s"],
-                [[s, *v["breakdown_turn8plus"].values()] for s, v in summary.items()])
+    print_table(
+        ["setup", "turns >= 8 medians: lookup s", "load s", "compute s", "queued s"],
+        [[s, *v["breakdown_turn8plus"].values()] for s, v in summary.items()],
+    )
     print()
     turns_all = sorted(next(iter(summary.values()))["ttft_by_turn"])
-    print_table(["turn", "prompt tokens", *[f"{s} p50/p95" for s in summary]],
-                [[k, summary[order[0]]["ttft_by_turn"][k]["prompt_tokens"],
-                  *[f"{summary[s]['ttft_by_turn'][k]['p50']:.3f}/{summary[s]['ttft_by_turn'][k]['p95']:.3f}"
-                    for s in summary]] for k in turns_all])
+    print_table(
+        ["turn", "prompt tokens", *[f"{s} p50/p95" for s in summary]],
+        [
+            [
+                k,
+                summary[order[0]]["ttft_by_turn"][k]["prompt_tokens"],
+                *[
+                    f"{summary[s]['ttft_by_turn'][k]['p50']:.3f}/{summary[s]['ttft_by_turn'][k]['p95']:.3f}"
+                    for s in summary
+                ],
+            ]
+            for k in turns_all
+        ],
+    )
     name = args.name
-    write_json(name, {"args": {k: v for k, v in vars(args).items() if k != "func"}, "working_set_tokens": ws_tokens,
-                      "memory_budget_bytes": budget, "summary": summary,
-                      "runs": {s: [{**r, "turns": [{k: v for k, v in t.items() if k != "tokens"} for t in r["turns"]]}
-                                   for r in rs] for s, rs in runs.items()}})
+    write_json(
+        name,
+        {
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "working_set_tokens": ws_tokens,
+            "memory_budget_bytes": budget,
+            "summary": summary,
+            "runs": {
+                s: [
+                    {
+                        **r,
+                        "turns": [
+                            {k: v for k, v in t.items() if k != "tokens"} for t in r["turns"]
+                        ],
+                    }
+                    for r in rs
+                ]
+                for s, rs in runs.items()
+            },
+        },
+    )
     plot(summary, plot_path(name))
     print(f"\nwrote docs/bench/{name}.json and {name}.png")
 
@@ -269,14 +395,27 @@ def plot(summary: dict, path: Path) -> None:
 
 # ------------------------------------------------------------------------------ truncation
 
+
 def run_truncation(args) -> None:
     model = open_model(load_config(overrides={"model": args.model, "home": args.home}))
     tok = model.tokenizer
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    engines = {mode: open_engine(load_config(overrides={
-        "model": args.model, "home": args.home, "cache.disk": False, "context_tokens": args.context,
-        "cache.truncation": mode, **({"home": args.home} if args.home else {})}), model=model)
-        for mode in ("reuse", "recompute")}
+    engines = {
+        mode: open_engine(
+            load_config(
+                overrides={
+                    "model": args.model,
+                    "home": args.home,
+                    "cache.disk": False,
+                    "context_tokens": args.context,
+                    "cache.truncation": mode,
+                    **({"home": args.home} if args.home else {}),
+                }
+            ),
+            model=model,
+        )
+        for mode in ("reuse", "recompute")
+    }
     rows, items = [], []
     for line in (DATA / "sharegpt_multiturn_dev.jsonl").read_text().splitlines():
         if len(items) >= args.conversations:
@@ -297,16 +436,29 @@ def run_truncation(args) -> None:
         out = {}
         for mode, engine in engines.items():
             engine.clear_cache("")
-            engine.generate(engine.prompts.encode_chat(before, reserve=args.max_tokens)[0], SamplingParams(max_tokens=1))
+            engine.generate(
+                engine.prompts.encode_chat(before, reserve=args.max_tokens)[0],
+                SamplingParams(max_tokens=1),
+            )
             ids, dropped = engine.prompts.encode_chat(after, reserve=args.max_tokens)
             cont = tok.encode(answer, add_special_tokens=False)[: args.score_tokens]
             s0 = engine.stats_snapshot()
             r = engine.generate(ids, params)
-            engine.generate(engine.prompts.encode_chat(before, reserve=args.max_tokens)[0], SamplingParams(max_tokens=1))
+            engine.generate(
+                engine.prompts.encode_chat(before, reserve=args.max_tokens)[0],
+                SamplingParams(max_tokens=1),
+            )
             logits = engine.score(ids, [cont])[0]
             s1 = engine.stats_snapshot()
-            out[mode] = {"ids": r.token_ids, "cached": r.cached_tokens, "moved": s1["moved_tokens_reused"] - s0["moved_tokens_reused"],
-                         "ttft_s": r.timings.ttft_s, "logits": logits.float(), "dropped": dropped, "prompt": len(ids)}
+            out[mode] = {
+                "ids": r.token_ids,
+                "cached": r.cached_tokens,
+                "moved": s1["moved_tokens_reused"] - s0["moved_tokens_reused"],
+                "ttft_s": r.timings.ttft_s,
+                "logits": logits.float(),
+                "dropped": dropped,
+                "prompt": len(ids),
+            }
             ref_ids = ids
         p = torch.log_softmax(out["recompute"]["logits"], -1)
         q = torch.log_softmax(out["reuse"]["logits"], -1)
@@ -314,53 +466,122 @@ def run_truncation(args) -> None:
         a, b = out["reuse"]["ids"], out["recompute"]["ids"]
         agree = sum(x == y for x, y in zip(a, b)) / max(1, max(len(a), len(b)))
         prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        rows.append({"item": n, "prompt_tokens": len(ref_ids), "dropped_messages": out["reuse"]["dropped"],
-                     "reused_tokens": out["reuse"]["cached"], "moved_tokens": out["reuse"]["moved"],
-                     "recompute_cached_tokens": out["recompute"]["cached"],
-                     "kl_mean": float(kl.mean()), "kl_first": float(kl[0]), "top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
-                     "greedy_token_agreement": agree, "greedy_identical_prefix": prefix, "greedy_identical": a == b,
-                     "ttft_reuse_s": out["reuse"]["ttft_s"], "ttft_recompute_s": out["recompute"]["ttft_s"]})
-        print(f"  item {n}: prompt {len(ref_ids)} reused {out['reuse']['cached']} (moved {out['reuse']['moved']}) "
-              f"KL {float(kl.mean()):.4f} identical {a == b}", flush=True)
+        rows.append(
+            {
+                "item": n,
+                "prompt_tokens": len(ref_ids),
+                "dropped_messages": out["reuse"]["dropped"],
+                "reused_tokens": out["reuse"]["cached"],
+                "moved_tokens": out["reuse"]["moved"],
+                "recompute_cached_tokens": out["recompute"]["cached"],
+                "kl_mean": float(kl.mean()),
+                "kl_first": float(kl[0]),
+                "top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+                "greedy_token_agreement": agree,
+                "greedy_identical_prefix": prefix,
+                "greedy_identical": a == b,
+                "ttft_reuse_s": out["reuse"]["ttft_s"],
+                "ttft_recompute_s": out["recompute"]["ttft_s"],
+            }
+        )
+        print(
+            f"  item {n}: prompt {len(ref_ids)} reused {out['reuse']['cached']} (moved {out['reuse']['moved']}) "
+            f"KL {float(kl.mean()):.4f} identical {a == b}",
+            flush=True,
+        )
     for e in engines.values():
         e.close()
     if not rows:
         raise SystemExit("no conversation outgrows the context window; lower --context")
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-    summary = {"items": len(rows), "kl_mean_median": med("kl_mean"), "kl_mean_max": max(r["kl_mean"] for r in rows),
-               "top1_agree_median": med("top1_agree"), "greedy_identical": sum(r["greedy_identical"] for r in rows),
-               "greedy_token_agreement_median": med("greedy_token_agreement"),
-               "reused_share_median": statistics.median(r["reused_tokens"] / r["prompt_tokens"] for r in rows),
-               "ttft_reuse_median_s": med("ttft_reuse_s"), "ttft_recompute_median_s": med("ttft_recompute_s")}
-    print_table(["items", "KL med", "KL max", "top-1 agree", "greedy identical", "token agree", "reused share",
-                 "TTFT reuse s", "TTFT recompute s"],
-                [[summary["items"], summary["kl_mean_median"], summary["kl_mean_max"], summary["top1_agree_median"],
-                  f"{summary['greedy_identical']}/{summary['items']}", summary["greedy_token_agreement_median"],
-                  f"{summary['reused_share_median']:.1%}", summary["ttft_reuse_median_s"],
-                  summary["ttft_recompute_median_s"]]])
-    write_json(args.name + "_truncation", {"args": {k: v for k, v in vars(args).items() if k != "func"},
-                                          "summary": summary, "items": rows})
+    summary = {
+        "items": len(rows),
+        "kl_mean_median": med("kl_mean"),
+        "kl_mean_max": max(r["kl_mean"] for r in rows),
+        "top1_agree_median": med("top1_agree"),
+        "greedy_identical": sum(r["greedy_identical"] for r in rows),
+        "greedy_token_agreement_median": med("greedy_token_agreement"),
+        "reused_share_median": statistics.median(
+            r["reused_tokens"] / r["prompt_tokens"] for r in rows
+        ),
+        "ttft_reuse_median_s": med("ttft_reuse_s"),
+        "ttft_recompute_median_s": med("ttft_recompute_s"),
+    }
+    print_table(
+        [
+            "items",
+            "KL med",
+            "KL max",
+            "top-1 agree",
+            "greedy identical",
+            "token agree",
+            "reused share",
+            "TTFT reuse s",
+            "TTFT recompute s",
+        ],
+        [
+            [
+                summary["items"],
+                summary["kl_mean_median"],
+                summary["kl_mean_max"],
+                summary["top1_agree_median"],
+                f"{summary['greedy_identical']}/{summary['items']}",
+                summary["greedy_token_agreement_median"],
+                f"{summary['reused_share_median']:.1%}",
+                summary["ttft_reuse_median_s"],
+                summary["ttft_recompute_median_s"],
+            ]
+        ],
+    )
+    write_json(
+        args.name + "_truncation",
+        {
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "summary": summary,
+            "items": rows,
+        },
+    )
     print(f"\nwrote docs/bench/{args.name}_truncation.json")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--part", choices=["replay", "truncation"], default="replay")
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--home", default=None, help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
+    ap.add_argument(
+        "--home", default=None, help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)"
+    )
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=10, help="user turns replayed per conversation")
-    ap.add_argument("--max-chars", type=int, default=1500, help="user messages are cut to this many characters")
-    ap.add_argument("--max-tokens", type=int, default=128,
-                    help="answer length cap (greedy); 128: about the recorded answers of these conversations "
-                         "(mean 124 tokens), so the histories are as long as the real ones")
-    ap.add_argument("--think", type=float, nargs=2, default=(0.5, 2.0), help="think time range between turns, s")
-    ap.add_argument("--stagger", type=float, default=0.3, help="start of conversation i: i * stagger s")
-    ap.add_argument("--budget", type=float, default=0.25, help="memory tier size as a share of the working set")
+    ap.add_argument(
+        "--max-chars", type=int, default=1500, help="user messages are cut to this many characters"
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=128,
+        help="answer length cap (greedy); 128: about the recorded answers of these conversations "
+        "(mean 124 tokens), so the histories are as long as the real ones",
+    )
+    ap.add_argument(
+        "--think", type=float, nargs=2, default=(0.5, 2.0), help="think time range between turns, s"
+    )
+    ap.add_argument(
+        "--stagger", type=float, default=0.3, help="start of conversation i: i * stagger s"
+    )
+    ap.add_argument(
+        "--budget", type=float, default=0.25, help="memory tier size as a share of the working set"
+    )
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--setups", nargs="+", default=DEFAULT_SETUPS, choices=list(SETUPS))
-    ap.add_argument("--context", type=int, default=1024, help="truncation part: the context window, tokens")
-    ap.add_argument("--score-tokens", type=int, default=32, help="truncation part: teacher-forced answer tokens")
+    ap.add_argument(
+        "--context", type=int, default=1024, help="truncation part: the context window, tokens"
+    )
+    ap.add_argument(
+        "--score-tokens", type=int, default=32, help="truncation part: teacher-forced answer tokens"
+    )
     ap.add_argument("--name", default="multiturn")
     args = ap.parse_args()
     torch.manual_seed(0)

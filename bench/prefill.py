@@ -14,11 +14,11 @@ Target: ours no slower than transformers at every length.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import time
 
 import torch
-
 from common import dev_text_tokens, median, plot_path, print_table, write_json
 
 
@@ -58,7 +58,13 @@ def llama_cpp_timer(gguf_path, max_len: int):
         return None
     import os
 
-    llm = Llama(model_path=str(gguf_path()), n_ctx=max_len + 8, n_batch=512, n_threads=os.cpu_count(), verbose=False)
+    llm = Llama(
+        model_path=str(gguf_path()),
+        n_ctx=max_len + 8,
+        n_batch=512,
+        n_threads=os.cpu_count(),
+        verbose=False,
+    )
 
     def run(ids: list[int]) -> float:
         llm.reset()
@@ -76,17 +82,32 @@ def gguf_of(name: str, home):
     return model.locate(model, home)
 
 
-def bench_model(name: str, lengths: list[int], runs: int, home, device: str = "cpu",
-                dtype: torch.dtype = torch.float32) -> list[dict]:
+def bench_model(
+    name: str,
+    lengths: list[int],
+    runs: int,
+    home,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
     from kvfuse.models import load_model
 
     ours = load_model(name, home=home, device=device, dtype=dtype)
-    hf = AutoModelForCausalLM.from_pretrained(ours.folder, dtype=dtype).eval().to(ours.runner.device)
+    hf = (
+        AutoModelForCausalLM.from_pretrained(ours.folder, dtype=dtype).eval().to(ours.runner.device)
+    )
     ids_all = dev_text_tokens(ours.tokenizer, max(lengths))
-    cpp = llama_cpp_timer(lambda: gguf_of(name, home), max(lengths)) if ours.runner.device.type == "cpu" else None
-    timers = {"kvfuse": lambda ids: time_ours(ours, ids), "transformers": lambda ids: time_transformers(hf, ids)}
+    cpp = (
+        llama_cpp_timer(lambda: gguf_of(name, home), max(lengths))
+        if ours.runner.device.type == "cpu"
+        else None
+    )
+    timers = {
+        "kvfuse": functools.partial(time_ours, ours),
+        "transformers": functools.partial(time_transformers, hf),
+    }
     if cpp is not None:
         timers["llama.cpp"] = cpp
     for fn in timers.values():  # warm-up: one-time kernel selection, allocator growth
@@ -99,10 +120,19 @@ def bench_model(name: str, lengths: list[int], runs: int, home, device: str = "c
             for k, fn in timers.items():
                 samples[k].append(fn(ids))
                 gc.collect()
-        row = {"model": name, "tokens": n, "runs": samples, **{f"{k}_s": median(v) for k, v in samples.items()}}
+        row = {
+            "model": name,
+            "tokens": n,
+            "runs": samples,
+            **{f"{k}_s": median(v) for k, v in samples.items()},
+        }
         row["speedup_vs_transformers"] = row["transformers_s"] / row["kvfuse_s"]
         rows.append(row)
-        print(f"  {name} {n:5d} tokens: " + ", ".join(f"{k} {median(v):.3f}s" for k, v in samples.items()), flush=True)
+        print(
+            f"  {name} {n:5d} tokens: "
+            + ", ".join(f"{k} {median(v):.3f}s" for k, v in samples.items()),
+            flush=True,
+        )
     del hf, ours
     gc.collect()
     return rows
@@ -133,14 +163,20 @@ def plot(rows: list[dict], path, where: str = "fp32 CPU") -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--models", default="smollm2,gemma3-270m")
     ap.add_argument("--lengths", default="512,1024,2048,4096")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
     ap.add_argument("--quick", action="store_true", help="512 and 1024 tokens, 2 runs")
-    ap.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N: both engines run there")
-    ap.add_argument("--dtype", default="float32", help="compute dtype of both engines (default float32)")
+    ap.add_argument(
+        "--device", default="cpu", help="cpu (default), cuda or cuda:N: both engines run there"
+    )
+    ap.add_argument(
+        "--dtype", default="float32", help="compute dtype of both engines (default float32)"
+    )
     args = ap.parse_args()
     lengths = [512, 1024] if args.quick else [int(x) for x in args.lengths.split(",")]
     runs = 2 if args.quick else args.runs
@@ -150,18 +186,36 @@ def main() -> None:
     from kvfuse import dtypes
 
     dtype = dtypes.torch_dtype(args.dtype)
-    print(f"prefill benchmark: data = MuSiQue dev split (examples 0-49); {runs} runs per cell; "
-          f"torch threads = {torch.get_num_threads()}; {args.dtype} on {args.device}")
+    print(
+        f"prefill benchmark: data = MuSiQue dev split (examples 0-49); {runs} runs per cell; "
+        f"torch threads = {torch.get_num_threads()}; {args.dtype} on {args.device}"
+    )
     rows = []
     for name in args.models.split(","):
         rows += bench_model(name, lengths, runs, home, args.device, dtype)
     has_cpp = any("llama.cpp_s" in r for r in rows)
-    headers = ["model", "tokens", "kvfuse s", "transformers s", "speed-up"] + (["llama.cpp s"] if has_cpp else [])
-    print_table(headers, [[r["model"], r["tokens"], r["kvfuse_s"], r["transformers_s"],
-                           r["speedup_vs_transformers"]] + ([r.get("llama.cpp_s", "-")] if has_cpp else []) for r in rows])
+    headers = ["model", "tokens", "kvfuse s", "transformers s", "speed-up"] + (
+        ["llama.cpp s"] if has_cpp else []
+    )
+    print_table(
+        headers,
+        [
+            [
+                r["model"],
+                r["tokens"],
+                r["kvfuse_s"],
+                r["transformers_s"],
+                r["speedup_vs_transformers"],
+            ]
+            + ([r.get("llama.cpp_s", "-")] if has_cpp else [])
+            for r in rows
+        ],
+    )
     ok = all(r["kvfuse_s"] <= r["transformers_s"] for r in rows)
     print(f"target: kvfuse no slower than transformers at every length: {'PASS' if ok else 'FAIL'}")
-    path = write_json("prefill", {"rows": rows, "target_met": ok, "device": args.device, "dtype": args.dtype})
+    path = write_json(
+        "prefill", {"rows": rows, "target_met": ok, "device": args.device, "dtype": args.dtype}
+    )
     plot(rows, plot_path("prefill"), f"{args.dtype} {args.device}")
     print(f"wrote {path} and {plot_path('prefill')}")
 

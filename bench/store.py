@@ -55,6 +55,7 @@ in-process entries, never signed or checked. Results go to ``docs/bench/store_si
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -67,6 +68,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
@@ -76,45 +78,92 @@ from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
 from kvfuse_testkit import LocalRedis
 
-from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
-
 ROWS = ("memory", "memory (TieredStore)", "disk", "redis")
 LMCACHE_OF = {"memory": "cpu", "memory (TieredStore)": "cpu", "disk": "disk", "redis": "redis"}
 GIB = 1 << 30
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2", help="built-in model whose KV is stored (default smollm2)")
-    p.add_argument("--tokens", type=int, default=4096,
-                   help="prompt tokens; a multiple of --chunk-tokens (default 4096)")
-    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256, as LMCache)")
-    p.add_argument("--data", default=str(DATA / "musique_s.json"),
-                   help="MuSiQue file (default ../shared/data/musique_s.json from the repo root, or $KVFUSE_DATA)")
-    p.add_argument("--example", type=int, default=0,
-                   help="first example whose documents make the text (default 0; 0-49 = dev split)")
-    p.add_argument("--kv-file", help="cache of the prefilled KV: loaded if it exists, else written (skips the "
-                                     "~35 s model load + prefill on reruns)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default="smollm2", help="built-in model whose KV is stored (default smollm2)"
+    )
+    p.add_argument(
+        "--tokens",
+        type=int,
+        default=4096,
+        help="prompt tokens; a multiple of --chunk-tokens (default 4096)",
+    )
+    p.add_argument(
+        "--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256, as LMCache)"
+    )
+    p.add_argument(
+        "--data",
+        default=str(DATA / "musique_s.json"),
+        help="MuSiQue file (default ../shared/data/musique_s.json from the repo root, or $KVFUSE_DATA)",
+    )
+    p.add_argument(
+        "--example",
+        type=int,
+        default=0,
+        help="first example whose documents make the text (default 0; 0-49 = dev split)",
+    )
+    p.add_argument(
+        "--kv-file",
+        help="cache of the prefilled KV: loaded if it exists, else written (skips the "
+        "~35 s model load + prefill on reruns)",
+    )
     p.add_argument("--runs", type=int, default=5, help="timed runs per measurement (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
-    p.add_argument("--reps", type=int, default=5,
-                   help="repetitions of the whole comparison, interleaved (default 5)")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=5,
+        help="repetitions of the whole comparison, interleaved (default 5)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke mode: 2 runs, 2 repetitions")
-    p.add_argument("--signing", action="store_true",
-                   help="measure signed vs unsigned entries on the disk and Redis tiers instead (see above)")
-    p.add_argument("--signing-json", default=str(OUT / "store_signing.json"),
-                   help="--signing results (default docs/bench/store_signing.json; written by a full run only)")
-    p.add_argument("--dir", default=tempfile.gettempdir(),
-                   help="where the disk tier, raw files and LMCache's disk backend write (default: system temp)")
-    p.add_argument("--redis-server", default=shutil.which("redis-server") or "redis-server",
-                   help="redis-server executable (default: from PATH)")
-    p.add_argument("--lmcache-python", default=str(Path(__file__).resolve().parent.parent / ".baselines/lmcache-venv/bin/python"),
-                   help="python of the LMCache venv (bench/setup_lmcache.sh); skipped with a note if missing")
+    p.add_argument(
+        "--signing",
+        action="store_true",
+        help="measure signed vs unsigned entries on the disk and Redis tiers instead (see above)",
+    )
+    p.add_argument(
+        "--signing-json",
+        default=str(OUT / "store_signing.json"),
+        help="--signing results (default docs/bench/store_signing.json; written by a full run only)",
+    )
+    p.add_argument(
+        "--dir",
+        default=tempfile.gettempdir(),
+        help="where the disk tier, raw files and LMCache's disk backend write (default: system temp)",
+    )
+    p.add_argument(
+        "--redis-server",
+        default=shutil.which("redis-server") or "redis-server",
+        help="redis-server executable (default: from PATH)",
+    )
+    p.add_argument(
+        "--lmcache-python",
+        default=str(Path(__file__).resolve().parent.parent / ".baselines/lmcache-venv/bin/python"),
+        help="python of the LMCache venv (bench/setup_lmcache.sh); skipped with a note if missing",
+    )
     p.add_argument("--no-lmcache", action="store_true", help="skip the LMCache baseline")
-    p.add_argument("--lmcache-torch-threads", type=int, default=1,
-                   help="torch threads of the LMCache process, for its connector copies (default 1)")
-    p.add_argument("--out-json", default=str(OUT / "store.json"), help="results (default docs/bench/store.json)")
-    p.add_argument("--out-png", default=str(OUT / "store.png"), help="bar chart (default docs/bench/store.png)")
+    p.add_argument(
+        "--lmcache-torch-threads",
+        type=int,
+        default=1,
+        help="torch threads of the LMCache process, for its connector copies (default 1)",
+    )
+    p.add_argument(
+        "--out-json",
+        default=str(OUT / "store.json"),
+        help="results (default docs/bench/store.json)",
+    )
+    p.add_argument(
+        "--out-png", default=str(OUT / "store.png"), help="bar chart (default docs/bench/store.png)"
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.reps = 2, 2
@@ -138,7 +187,9 @@ def _prompt_tokens(args, tokenizer) -> tuple[list[int], list[int]]:
         used.append(i)
         if len(ids) >= args.tokens:
             return ids[: args.tokens], used
-    raise ValueError(f"examples {args.example}.. of {args.data} give only {len(ids)} tokens; lower --tokens")
+    raise ValueError(
+        f"examples {args.example}.. of {args.data} give only {len(ids)} tokens; lower --tokens"
+    )
 
 
 def build_kv(args) -> dict:
@@ -154,7 +205,9 @@ def build_kv(args) -> dict:
         tokens, used = _prompt_tokens(args, model.tokenizer)
         cache = model.runner.new_cache(args.tokens, dtype=torch.float16)
         model.runner.forward(tokens, cache, logits="none")
-        chunks = [cache.chunk(s, s + args.chunk_tokens) for s in range(0, args.tokens, args.chunk_tokens)]
+        chunks = [
+            cache.chunk(s, s + args.chunk_tokens) for s in range(0, args.tokens, args.chunk_tokens)
+        ]
         c = model.config
         kv = {
             "kv": torch.stack([ch.kv for ch in chunks]),
@@ -174,10 +227,17 @@ def build_kv(args) -> dict:
     chunks = [KVChunk(kv=k, positions=p) for k, p in zip(kv["kv"], kv["positions"])]
     ns = Namespace(model_fingerprint=kv["fingerprint"], kv_dtype="float16", kv_layout=kv["layout"])
     keys = prefix_keys(kv["tokens"], args.chunk_tokens, ns)
-    return {**kv, "chunks": chunks, "keys": keys, "split": split, "examples": examples,
-            "full": torch.cat([ch.kv for ch in chunks], dim=2), "chunk_tokens": args.chunk_tokens,
-            "dest": torch.empty_like(torch.cat([ch.kv for ch in chunks], dim=2)),
-            "nbytes": sum(ch.nbytes for ch in chunks)}
+    return {
+        **kv,
+        "chunks": chunks,
+        "keys": keys,
+        "split": split,
+        "examples": examples,
+        "full": torch.cat([ch.kv for ch in chunks], dim=2),
+        "chunk_tokens": args.chunk_tokens,
+        "dest": torch.empty_like(torch.cat([ch.kv for ch in chunks], dim=2)),
+        "nbytes": sum(ch.nbytes for ch in chunks),
+    }
 
 
 # -- timing ---------------------------------------------------------------------------------------
@@ -196,8 +256,15 @@ def _mbs(nbytes: int, seconds: list[float]) -> list[float]:
 
 def _summary(nbytes: int, put_s: list[float], get_s: list[float], **extra) -> dict:
     put, get = _mbs(nbytes, put_s), _mbs(nbytes, get_s)
-    return {"put_s": put_s, "get_s": get_s, "put_mbs": put, "get_mbs": get,
-            "put_mbs_median": statistics.median(put), "get_mbs_median": statistics.median(get), **extra}
+    return {
+        "put_s": put_s,
+        "get_s": get_s,
+        "put_mbs": put,
+        "get_mbs": get,
+        "put_mbs_median": statistics.median(put),
+        "get_mbs_median": statistics.median(get),
+        **extra,
+    }
 
 
 # -- kvfuse tiers ---------------------------------------------------------------------------------
@@ -214,8 +281,10 @@ def _copy_out(kv: dict) -> list[KVChunk]:
     """Each chunk copied out of the whole prompt's KV (the engine's ``KVCache.chunk``, LMCache's
     copy in ``store``): what a put then owns."""
     full, size = kv["full"], kv["chunk_tokens"]
-    return [KVChunk(kv=full[:, :, i * size : (i + 1) * size].contiguous(), positions=ch.positions)
-            for i, ch in enumerate(kv["chunks"])]
+    return [
+        KVChunk(kv=full[:, :, i * size : (i + 1) * size].contiguous(), positions=ch.positions)
+        for i, ch in enumerate(kv["chunks"])
+    ]
 
 
 def _copy_in(chunks: list[KVChunk], kv: dict) -> None:
@@ -225,7 +294,9 @@ def _copy_in(chunks: list[KVChunk], kv: dict) -> None:
         dest[:, :, i * size : (i + 1) * size].copy_(ch.kv)
 
 
-def _encode_all(keys: list, chunks: list[KVChunk], codec, signer: EntrySigner | None = None) -> list[tuple]:
+def _encode_all(
+    keys: list, chunks: list[KVChunk], codec, signer: EntrySigner | None = None
+) -> list[tuple]:
     """Entries of ``chunks``; signed with ``signer`` if given (what the store writes below memory)."""
     entries = [(k, encode_entry(ch, k, codec)) for k, ch in zip(keys, chunks)]
     return entries if signer is None else [(k, e.signed(signer)) for k, e in entries]
@@ -235,7 +306,9 @@ def _decode_all(keys: list, values, signer: EntrySigner | None = None) -> list[K
     """KVChunks of what a tier or the store returned: serialized blobs go through ``open_entry``
     (the store's one validation path, as ``TieredStore.fetch`` does), entries are decoded as they are."""
     if any(v is None for v in values):
-        raise RuntimeError(f"{sum(v is None for v in values)} of {len(values)} chunks missing on get (tier error?)")
+        raise RuntimeError(
+            f"{sum(v is None for v in values)} of {len(values)} chunks missing on get (tier error?)"
+        )
     return [open_entry(v, k, signer=signer).chunk() for k, v in zip(keys, values)]
 
 
@@ -247,8 +320,12 @@ def _get_checked(tier, keys: list, signer: EntrySigner | None = None) -> list[KV
     if tier.batch_reads:
         return _decode_all(keys, tier.get_many(keys), signer)
     if tier.streams_reads:
-        got = [tier.read_with(k, lambda readinto, size, k=k: read_entry(readinto, size, k, signer=signer))
-               for k in keys]
+        got = [
+            tier.read_with(
+                k, lambda readinto, size, k=k: read_entry(readinto, size, k, signer=signer)
+            )
+            for k in keys
+        ]
         return _decode_all(keys, got)
     return [_decode_all([k], [tier.get(k)], signer)[0] for k in keys]
 
@@ -276,7 +353,10 @@ def store_case(name: str, store: TieredStore, kv: dict, codec) -> KvfuseCase:
 
 
 def _check_exact(case_name: str, got: list[KVChunk], kv: dict) -> bool:
-    ok = all(torch.equal(g.kv, c.kv) and torch.equal(g.positions, c.positions) for g, c in zip(got, kv["chunks"]))
+    ok = all(
+        torch.equal(g.kv, c.kv) and torch.equal(g.positions, c.positions)
+        for g, c in zip(got, kv["chunks"])
+    )
     if not ok:
         print(f"  !! {case_name}: the round trip is NOT bit-exact")
     return ok
@@ -287,10 +367,10 @@ def run_case(case: KvfuseCase, kv: dict, i: int, times: dict[str, list], state: 
     ``times`` unless ``i`` is a warm-up run."""
     case.clear()
     t_out, own = _timed(lambda: _copy_out(kv))
-    tp, _ = _timed(lambda: case.put(own))
+    tp, _ = _timed(functools.partial(case.put, own))
     del own
     tg, got = _timed(case.get)
-    t_in, _ = _timed(lambda: _copy_in(got, kv))
+    t_in, _ = _timed(functools.partial(_copy_in, got, kv))
     if "exact" not in state:
         state["exact"] = _check_exact(case.name, got, kv) and torch.equal(kv["dest"], kv["full"])
     del got
@@ -304,7 +384,12 @@ def measure_kvfuse(cases: list[KvfuseCase], raw: RawFiles, kv: dict, args, res: 
     (same machine load, same page-cache state) into ``res["raw_file"]``."""
     nbytes = kv["nbytes"]
     for case in cases:
-        times, raw_put, raw_get, state = {"put": [], "get": [], "put_kv": [], "get_kv": []}, [], [], {}
+        times, raw_put, raw_get, state = (
+            {"put": [], "get": [], "put_kv": [], "get_kv": []},
+            [],
+            [],
+            {},
+        )
         for i in range(-args.warmup, args.runs):
             if case.name == "disk":
                 raw.clear()
@@ -317,17 +402,34 @@ def measure_kvfuse(cases: list[KvfuseCase], raw: RawFiles, kv: dict, args, res: 
         case.clear()
         kv_path = _summary(nbytes, times["put_kv"], times["get_kv"])
         r = res["kvfuse"][case.name] = _summary(
-            nbytes, times["put"], times["get"], roundtrip_exact=state["exact"],
-            **{f"{k}_kv_{unit}": v for k, unit in (("put", "s"), ("get", "s"), ("put", "mbs"), ("get", "mbs"),
-                                                   ("put", "mbs_median"), ("get", "mbs_median"))
-               for v in [kv_path[f"{k}_{unit}"]]})
-        print(f"  kvfuse {case.name}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s; "
-              f"from/into the KV: put {r['put_kv_mbs_median']:.0f}, get {r['get_kv_mbs_median']:.0f} MB/s; "
-              f"exact={r['roundtrip_exact']}")
+            nbytes,
+            times["put"],
+            times["get"],
+            roundtrip_exact=state["exact"],
+            **{
+                f"{k}_kv_{unit}": v
+                for k, unit in (
+                    ("put", "s"),
+                    ("get", "s"),
+                    ("put", "mbs"),
+                    ("get", "mbs"),
+                    ("put", "mbs_median"),
+                    ("get", "mbs_median"),
+                )
+                for v in [kv_path[f"{k}_{unit}"]]
+            },
+        )
+        print(
+            f"  kvfuse {case.name}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s; "
+            f"from/into the KV: put {r['put_kv_mbs_median']:.0f}, get {r['get_kv_mbs_median']:.0f} MB/s; "
+            f"exact={r['roundtrip_exact']}"
+        )
         if case.name == "disk":
             r = res["raw_file"] = _summary(nbytes, raw_put, raw_get)
             raw.clear()
-            print(f"  raw file: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s")
+            print(
+                f"  raw file: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s"
+            )
 
 
 # -- raw files ------------------------------------------------------------------------------------
@@ -339,7 +441,9 @@ class RawFiles:
     def __init__(self, root: Path, kv: dict):
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
-        self.views = [memoryview(ch.kv.reshape(-1).view(torch.uint8).numpy()) for ch in kv["chunks"]]
+        self.views = [
+            memoryview(ch.kv.reshape(-1).view(torch.uint8).numpy()) for ch in kv["chunks"]
+        ]
         self.paths = [root / f"{i:04d}.bin" for i in range(len(self.views))]
         self.buffers = [bytearray(len(v)) for v in self.views]  # preallocated (and touched) once
 
@@ -364,10 +468,26 @@ class RawFiles:
 
 
 def run_lmcache(args, kv_file: Path, backend: str, workdir: Path, redis_url: str) -> dict | None:
-    cmd = [args.lmcache_python, str(REPO / "bench" / "lmcache_baseline.py"), "--kv", str(kv_file),
-           "--backend", backend, "--disk-dir", str(workdir), "--redis-url", redis_url,
-           "--chunk-size", str(args.chunk_tokens), "--runs", str(args.runs), "--warmup", str(args.warmup),
-           "--torch-threads", str(args.lmcache_torch_threads)]
+    cmd = [
+        args.lmcache_python,
+        str(REPO / "bench" / "lmcache_baseline.py"),
+        "--kv",
+        str(kv_file),
+        "--backend",
+        backend,
+        "--disk-dir",
+        str(workdir),
+        "--redis-url",
+        redis_url,
+        "--chunk-size",
+        str(args.chunk_tokens),
+        "--runs",
+        str(args.runs),
+        "--warmup",
+        str(args.warmup),
+        "--torch-threads",
+        str(args.lmcache_torch_threads),
+    ]
     env = {**os.environ, "LMCACHE_LOG_LEVEL": "WARNING", "PYTHONHASHSEED": "0"}
     env.pop("PYTHONPATH", None)
     t0 = time.perf_counter()
@@ -376,8 +496,10 @@ def run_lmcache(args, kv_file: Path, backend: str, workdir: Path, redis_url: str
         print(f"  !! LMCache {backend} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
         return None
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"  LMCache {backend}: put {result['put_mbs_median']:.0f} MB/s, get {result['get_mbs_median']:.0f} MB/s, "
-          f"exact={result['roundtrip_exact']}, served by {result['served_by']} ({time.perf_counter() - t0:.0f}s)")
+    print(
+        f"  LMCache {backend}: put {result['put_mbs_median']:.0f} MB/s, get {result['get_mbs_median']:.0f} MB/s, "
+        f"exact={result['roundtrip_exact']}, served by {result['served_by']} ({time.perf_counter() - t0:.0f}s)"
+    )
     return result
 
 
@@ -421,10 +543,18 @@ def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
         "xxh3_64 of the payloads": lambda: [xxhash.xxh3_64_intdigest(v) for v in views],
         "copy payloads into fresh bytes": lambda: [bytes(v) for v in views],
         "copy payloads into reused buffers": copy_reused,
-        "encode_chunk (hash + header + join)": lambda: [encode_chunk(c, k, codec) for c, k in zip(chunks, keys)],
-        "verify (header + per-layer checksums)": lambda: [verify(b, k) for b, k in zip(blobs, keys)],
-        "decode_chunk(bytes): checked, decoded": lambda: [decode_chunk(b, k) for b, k in zip(blobs, keys)],
-        "readinto fresh np.empty (as DiskTier.get)": lambda: read(lambda i: np.empty(len(blobs[i]), np.uint8)),
+        "encode_chunk (hash + header + join)": lambda: [
+            encode_chunk(c, k, codec) for c, k in zip(chunks, keys)
+        ],
+        "verify (header + per-layer checksums)": lambda: [
+            verify(b, k) for b, k in zip(blobs, keys)
+        ],
+        "decode_chunk(bytes): checked, decoded": lambda: [
+            decode_chunk(b, k) for b, k in zip(blobs, keys)
+        ],
+        "readinto fresh np.empty (as DiskTier.get)": lambda: read(
+            lambda i: np.empty(len(blobs[i]), np.uint8)
+        ),
         "readinto reused buffers (as raw file)": lambda: read(lambda i: reused[i]),
     }
     out = {}
@@ -436,7 +566,9 @@ def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
             times.append(t * 1e3)
         out[name] = round(statistics.median(times[1:]), 2)
     shutil.rmtree(root)
-    print(f"\nbreakdown, ms per batch of {len(blobs)} chunks ({kv['nbytes'] / 1e6:.0f} MB), median of {runs}:")
+    print(
+        f"\nbreakdown, ms per batch of {len(blobs)} chunks ({kv['nbytes'] / 1e6:.0f} MB), median of {runs}:"
+    )
     for name, ms in out.items():
         print(f"  {ms:8.1f} ms  {kv['nbytes'] / 1e3 / ms:7.0f} MB/s  {name}")
     return out
@@ -456,6 +588,7 @@ def aggregate(reps: list[dict]) -> dict:
     """The repetitions' cells (each the median of its runs) as median / min / max, and the ratios
     taken within each repetition: kvfuse from/into the KV vs the matching LMCache backend, the disk
     tier vs the raw files."""
+
     def cells(results: list[dict]) -> dict:
         out = {"reps": results}
         for f in FIELDS:
@@ -467,8 +600,12 @@ def aggregate(reps: list[dict]) -> dict:
             out["roundtrip_exact"] = all(r["roundtrip_exact"] for r in results)
         return out
 
-    res = {"kvfuse": {row: cells([r["kvfuse"][row] for r in reps]) for row in ROWS},
-           "raw_file": cells([r["raw_file"] for r in reps]), "lmcache": {}, "ratios": {}}
+    res = {
+        "kvfuse": {row: cells([r["kvfuse"][row] for r in reps]) for row in ROWS},
+        "raw_file": cells([r["raw_file"] for r in reps]),
+        "lmcache": {},
+        "ratios": {},
+    }
     for backend in ("cpu", "disk", "redis"):
         got = [r["lmcache"][backend] for r in reps if r["lmcache"].get(backend)]
         if got:
@@ -476,13 +613,22 @@ def aggregate(reps: list[dict]) -> dict:
             res["lmcache"][backend]["served_by"] = got[-1].get("served_by")
     for op in ("put", "get"):
         res["ratios"][f"disk {op} / raw file {op}"] = _mmm(
-            [r["kvfuse"]["disk"][f"{op}_mbs_median"] / r["raw_file"][f"{op}_mbs_median"] for r in reps])
+            [
+                r["kvfuse"]["disk"][f"{op}_mbs_median"] / r["raw_file"][f"{op}_mbs_median"]
+                for r in reps
+            ]
+        )
         for row in ROWS:
             backend = LMCACHE_OF[row]
-            pairs = [(r["kvfuse"][row][f"{op}_kv_mbs_median"], r["lmcache"][backend][f"{op}_mbs_median"])
-                     for r in reps if r["lmcache"].get(backend)]
+            pairs = [
+                (r["kvfuse"][row][f"{op}_kv_mbs_median"], r["lmcache"][backend][f"{op}_mbs_median"])
+                for r in reps
+                if r["lmcache"].get(backend)
+            ]
             if pairs:
-                res["ratios"][f"{row} {op} from/into the KV / LMCache {backend} {op}"] = _mmm([a / b for a, b in pairs])
+                res["ratios"][f"{row} {op} from/into the KV / LMCache {backend} {op}"] = _mmm(
+                    [a / b for a, b in pairs]
+                )
     return res
 
 
@@ -492,13 +638,27 @@ def targets(res: dict) -> list[dict]:
     out = []
     for name, stats in res["ratios"].items():
         needed = 0.7 if "raw file" in name else 1.0
-        out.append({"target": f"{name} >= {needed}", "status": "PASS" if stats["median"] >= needed else "FAIL",
-                    "ratio": round(stats["median"], 3), "min": round(stats["min"], 3), "max": round(stats["max"], 3),
-                    "needed": needed})
+        out.append(
+            {
+                "target": f"{name} >= {needed}",
+                "status": "PASS" if stats["median"] >= needed else "FAIL",
+                "ratio": round(stats["median"], 3),
+                "min": round(stats["min"], 3),
+                "max": round(stats["max"], 3),
+                "needed": needed,
+            }
+        )
     for row in ROWS:
         backend = LMCACHE_OF[row]
         if backend not in res["lmcache"]:
-            out.append({"target": f"{row} vs LMCache {backend}", "status": "SKIP", "ratio": None, "needed": 1.0})
+            out.append(
+                {
+                    "target": f"{row} vs LMCache {backend}",
+                    "status": "SKIP",
+                    "ratio": None,
+                    "needed": 1.0,
+                }
+            )
     return out
 
 
@@ -517,17 +677,47 @@ def report(res: dict) -> None:
         k, lm = res["kvfuse"][row], res["lmcache"].get(LMCACHE_OF[row])
         raw = res["raw_file"] if row == "disk" else None
         b = LMCACHE_OF[row]
-        rows.append([f"{row} ~ LMCache {b}", f(k["put_mbs"]), f(k["get_mbs"]),
-                     f(raw["put_mbs"]) if raw else "", f(raw["get_mbs"]) if raw else "",
-                     r("disk put / raw file put") if raw else "", r("disk get / raw file get") if raw else "",
-                     f(k["put_kv_mbs"]), f(k["get_kv_mbs"]), f(lm["put_mbs"]) if lm else "-", f(lm["get_mbs"]) if lm else "-",
-                     r(f"{row} put from/into the KV / LMCache {b} put"), r(f"{row} get from/into the KV / LMCache {b} get")])
+        rows.append(
+            [
+                f"{row} ~ LMCache {b}",
+                f(k["put_mbs"]),
+                f(k["get_mbs"]),
+                f(raw["put_mbs"]) if raw else "",
+                f(raw["get_mbs"]) if raw else "",
+                r("disk put / raw file put") if raw else "",
+                r("disk get / raw file get") if raw else "",
+                f(k["put_kv_mbs"]),
+                f(k["get_kv_mbs"]),
+                f(lm["put_mbs"]) if lm else "-",
+                f(lm["get_mbs"]) if lm else "-",
+                r(f"{row} put from/into the KV / LMCache {b} put"),
+                r(f"{row} get from/into the KV / LMCache {b} get"),
+            ]
+        )
     n = len(res["kvfuse"]["disk"]["reps"])
-    print(f"\nthroughput, MB/s (1 MB = 1e6 bytes of KV): median (min-max) over {n} interleaved repetitions, each "
-          f"the median of {res['config']['runs']} runs; tier put/get vs raw files; put from / get into the KV vs "
-          "LMCache store / retrieve; ratios taken within each repetition")
-    print_table(["tier", "put", "get", "raw put", "raw get", "put/raw", "get/raw",
-                 "put from KV", "get into KV", "LMCache put", "LMCache get", "put/LMC", "get/LMC"], rows)
+    print(
+        f"\nthroughput, MB/s (1 MB = 1e6 bytes of KV): median (min-max) over {n} interleaved repetitions, each "
+        f"the median of {res['config']['runs']} runs; tier put/get vs raw files; put from / get into the KV vs "
+        "LMCache store / retrieve; ratios taken within each repetition"
+    )
+    print_table(
+        [
+            "tier",
+            "put",
+            "get",
+            "raw put",
+            "raw get",
+            "put/raw",
+            "get/raw",
+            "put from KV",
+            "get into KV",
+            "LMCache put",
+            "LMCache get",
+            "put/LMC",
+            "get/LMC",
+        ],
+        rows,
+    )
     print("\ntargets (median of the repetitions' ratios; min-max):")
     for t in res["targets"]:
         if t["ratio"] is None:
@@ -548,30 +738,40 @@ def plot(res: dict, path: Path) -> None:
     import numpy as np
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    series = [("kvfuse tier", "tab:cyan"), ("kvfuse from/into KV", "tab:blue"), ("raw file", "tab:gray"),
-              ("LMCache 0.5.6", "tab:orange")]
+    series = [
+        ("kvfuse tier", "tab:cyan"),
+        ("kvfuse from/into KV", "tab:blue"),
+        ("raw file", "tab:gray"),
+        ("LMCache 0.5.6", "tab:orange"),
+    ]
     x = np.arange(len(ROWS))
     for ax, op in zip(axes, ("put", "get")):
         for j, (label, color) in enumerate(series):
             vals, lo, hi = [], [], []
             for row in ROWS:
-                src, field = {"kvfuse tier": (res["kvfuse"][row], f"{op}_mbs_median"),
-                              "kvfuse from/into KV": (res["kvfuse"][row], f"{op}_kv_mbs_median"),
-                              "raw file": (res["raw_file"] if row == "disk" else None, f"{op}_mbs_median"),
-                              "LMCache 0.5.6": (res["lmcache"].get(LMCACHE_OF[row]), f"{op}_mbs_median")}[label]
+                src, field = {
+                    "kvfuse tier": (res["kvfuse"][row], f"{op}_mbs_median"),
+                    "kvfuse from/into KV": (res["kvfuse"][row], f"{op}_kv_mbs_median"),
+                    "raw file": (res["raw_file"] if row == "disk" else None, f"{op}_mbs_median"),
+                    "LMCache 0.5.6": (res["lmcache"].get(LMCACHE_OF[row]), f"{op}_mbs_median"),
+                }[label]
                 cell = src.get(field.removesuffix("_median")) if src else None
                 vals.append(cell["median"] if cell else 0)
                 lo.append(cell["median"] - cell["min"] if cell else 0)
                 hi.append(cell["max"] - cell["median"] if cell else 0)
-            ax.bar(x + (j - 1.5) * 0.2, vals, 0.2, label=label, color=color, yerr=[lo, hi], capsize=2)
+            ax.bar(
+                x + (j - 1.5) * 0.2, vals, 0.2, label=label, color=color, yerr=[lo, hi], capsize=2
+            )
         ax.set_xticks(x, [r.replace(" (", "\n(") for r in ROWS])
         ax.set_yscale("log")
         ax.set_title(f"{op} (256-token fp16 chunks, {res['data']['chunks']} per batch)")
         ax.grid(axis="y", alpha=0.3)
     axes[0].set_ylabel("MB/s (median and min-max of the repetitions, log scale)")
     axes[0].legend()
-    fig.suptitle(f"kvfuse storage tiers vs raw file I/O and LMCache ({res['env']['cpu_count']} CPUs, "
-                 f"{res['env']['date'][:10]})")
+    fig.suptitle(
+        f"kvfuse storage tiers vs raw file I/O and LMCache ({res['env']['cpu_count']} CPUs, "
+        f"{res['env']['date'][:10]})"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -585,8 +785,10 @@ def measure_signing(kv: dict, args, workdir: Path, redis_url: str) -> dict:
     """Signed vs unsigned put / get of the disk and Redis tiers, ``--reps`` interleaved repetitions
     (see the module docstring); per tier and mode, the repetitions' cells."""
     codec, signer = get_codec("raw"), EntrySigner([os.urandom(32)])
-    tiers = {"disk": DiskTier(workdir / "signing-disk", 4 * kv["nbytes"] + GIB),
-             "redis": RedisTier(redis_url, timeout_s=10.0)}
+    tiers = {
+        "disk": DiskTier(workdir / "signing-disk", 4 * kv["nbytes"] + GIB),
+        "redis": RedisTier(redis_url, timeout_s=10.0),
+    }
     cells: dict[str, dict[str, list]] = {name: {"unsigned": [], "signed": []} for name in tiers}
     try:
         for rep in range(args.reps):
@@ -599,9 +801,13 @@ def measure_signing(kv: dict, args, workdir: Path, redis_url: str) -> dict:
                     for i in range(-args.warmup, args.runs):
                         run_case(case, kv, i, times, state)
                     case.clear()
-                    r = _summary(kv["nbytes"], times["put"], times["get"], roundtrip_exact=state["exact"])
+                    r = _summary(
+                        kv["nbytes"], times["put"], times["get"], roundtrip_exact=state["exact"]
+                    )
                     cells[name][mode].append(r)
-                    print(f"  {name} {mode}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s")
+                    print(
+                        f"  {name} {mode}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s"
+                    )
     finally:
         for t in tiers.values():
             t.close()
@@ -617,10 +823,14 @@ def signing_breakdown(kv: dict, runs: int) -> dict:
     plain = [bytearray(e.join()) for _, e in entries]
     signed = [bytearray(e.signed(signer).join()) for _, e in entries]
     pieces = {
-        "unsigned header (xxh3)": lambda: [encode_entry(c, k, codec).header for k, c in zip(kv["keys"], kv["chunks"])],
+        "unsigned header (xxh3)": lambda: [
+            encode_entry(c, k, codec).header for k, c in zip(kv["keys"], kv["chunks"])
+        ],
         "signed header (BLAKE3 + HMAC)": lambda: [e.signed(signer) for _, e in entries],
         "open_entry unsigned (xxh3)": lambda: [open_entry(b) for b in plain],
-        "open_entry signed, checked (HMAC + BLAKE3)": lambda: [open_entry(b, signer=signer) for b in signed],
+        "open_entry signed, checked (HMAC + BLAKE3)": lambda: [
+            open_entry(b, signer=signer) for b in signed
+        ],
     }
     out = {}
     for name, fn in pieces.items():
@@ -637,30 +847,56 @@ def signing_summary(cells: dict) -> dict:
         for op in ("put", "get"):
             plain = [r[f"{op}_mbs_median"] for r in modes["unsigned"]]
             signed = [r[f"{op}_mbs_median"] for r in modes["signed"]]
-            out[f"{name} {op}"] = {"unsigned_mbs": _mmm(plain), "signed_mbs": _mmm(signed),
-                                   "time_signed_over_unsigned": _mmm([a / b for a, b in zip(plain, signed)])}
+            out[f"{name} {op}"] = {
+                "unsigned_mbs": _mmm(plain),
+                "signed_mbs": _mmm(signed),
+                "time_signed_over_unsigned": _mmm([a / b for a, b in zip(plain, signed)]),
+            }
         out[f"{name} exact"] = all(r["roundtrip_exact"] for m in modes.values() for r in m)
     return out
 
 
 def report_signing(summary: dict, cpu_ms: dict, args, kv: dict) -> None:
-    rows = [[row, f"{c['unsigned_mbs']['median']:,.0f}", f"{c['signed_mbs']['median']:,.0f}",
-             f"{c['time_signed_over_unsigned']['median']:.2f} ({c['time_signed_over_unsigned']['min']:.2f}-"
-             f"{c['time_signed_over_unsigned']['max']:.2f})", "PASS" if c["time_signed_over_unsigned"]["median"] <= 1.1
-             else "FAIL"] for row, c in summary.items() if not row.endswith("exact")]
-    print(f"\nsigned vs unsigned entries, MB/s of KV ({len(kv['chunks'])} chunks of {kv['chunks'][0].nbytes / 1e6:.1f} "
-          f"MB): median over {args.reps} interleaved repetitions, each the median of {args.runs} runs; time ratio "
-          f"signed / unsigned within each repetition, median (min-max); target <= 1.10")
+    rows = [
+        [
+            row,
+            f"{c['unsigned_mbs']['median']:,.0f}",
+            f"{c['signed_mbs']['median']:,.0f}",
+            f"{c['time_signed_over_unsigned']['median']:.2f} ({c['time_signed_over_unsigned']['min']:.2f}-"
+            f"{c['time_signed_over_unsigned']['max']:.2f})",
+            "PASS" if c["time_signed_over_unsigned"]["median"] <= 1.1 else "FAIL",
+        ]
+        for row, c in summary.items()
+        if not row.endswith("exact")
+    ]
+    print(
+        f"\nsigned vs unsigned entries, MB/s of KV ({len(kv['chunks'])} chunks of {kv['chunks'][0].nbytes / 1e6:.1f} "
+        f"MB): median over {args.reps} interleaved repetitions, each the median of {args.runs} runs; time ratio "
+        f"signed / unsigned within each repetition, median (min-max); target <= 1.10"
+    )
     print_table(["tier op", "unsigned", "signed", "time signed/unsigned", "<= 1.10"], rows)
     full = (args.reps, args.runs, args.tokens) == (5, 5, 4096) and not args.quick
     if full:
         out = Path(args.signing_json)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"summary": summary, "cpu_ms": cpu_ms,
-                                   "env": {**environment(), "loadavg_end": os.getloadavg()},
-                                   "config": {"reps": args.reps, "runs": args.runs, "warmup": args.warmup,
-                                              "tokens": args.tokens, "chunk_tokens": args.chunk_tokens}},
-                                  indent=1) + "\n")
+        out.write_text(
+            json.dumps(
+                {
+                    "summary": summary,
+                    "cpu_ms": cpu_ms,
+                    "env": {**environment(), "loadavg_end": os.getloadavg()},
+                    "config": {
+                        "reps": args.reps,
+                        "runs": args.runs,
+                        "warmup": args.warmup,
+                        "tokens": args.tokens,
+                        "chunk_tokens": args.chunk_tokens,
+                    },
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         print(f"wrote {out}")
     else:
         print("(a reduced run: no JSON written)")
@@ -679,8 +915,10 @@ def main(argv: list[str] | None = None) -> int:
     load_start = os.getloadavg()
     kv = build_kv(args)
     nbytes, codec = kv["nbytes"], get_codec("raw")
-    print(f"{len(kv['chunks'])} chunks x {kv['chunks'][0].nbytes / 1e6:.2f} MB = {nbytes / 1e6:.1f} MB of KV; "
-          f"{args.reps} interleaved repetitions of {args.runs} runs after {args.warmup} warm-up")
+    print(
+        f"{len(kv['chunks'])} chunks x {kv['chunks'][0].nbytes / 1e6:.2f} MB = {nbytes / 1e6:.1f} MB of KV; "
+        f"{args.reps} interleaved repetitions of {args.runs} runs after {args.warmup} warm-up"
+    )
     workdir = Path(tempfile.mkdtemp(prefix="kvfuse-bench-store-", dir=args.dir))
     redis = LocalRedis(args.redis_server).start()
     redis_url = redis.url
@@ -715,7 +953,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"LMCache baseline {lmcache_note}")
         kv_file = workdir / "kv.pt"
         if not lmcache_note:
-            torch.save({"kv": torch.stack([c.kv for c in kv["chunks"]]), "tokens": kv["tokens"]}, kv_file)
+            torch.save(
+                {"kv": torch.stack([c.kv for c in kv["chunks"]]), "tokens": kv["tokens"]}, kv_file
+            )
         backends = ["cpu", "disk", "redis"]
         for rep in range(args.reps):
             # The whole comparison once, in an order rotated every repetition (LMCache first every
@@ -731,12 +971,14 @@ def main(argv: list[str] | None = None) -> int:
                 measure_kvfuse(order, raw, kv, args, one)
 
             def lmcache_side():
-                for backend in ([] if lmcache_note else lm_order):
+                for backend in [] if lmcache_note else lm_order:
                     result = run_lmcache(args, kv_file, backend, workdir, redis_url)
                     if result:
                         one["lmcache"][backend] = result
 
-            for side in ((kvfuse_side, lmcache_side) if rep % 2 == 0 else (lmcache_side, kvfuse_side)):
+            for side in (
+                (kvfuse_side, lmcache_side) if rep % 2 == 0 else (lmcache_side, kvfuse_side)
+            ):
                 side()
             reps.append(one)
         kv_file.unlink(missing_ok=True)
@@ -750,13 +992,32 @@ def main(argv: list[str] | None = None) -> int:
     res = aggregate(reps)
     res["breakdown_ms"] = breakdown_ms
     res.update(
-        config={"reps": args.reps, "runs": args.runs, "warmup": args.warmup, "chunk_tokens": args.chunk_tokens,
-                "dir": args.dir},
-        env={**environment(), "loadavg_start": load_start, "loadavg_end": os.getloadavg(),
-             "lmcache_python": args.lmcache_python, "lmcache_note": lmcache_note},
-        data={"file": args.data, "examples": kv["examples"], "split": kv["split"], "model": kv["model"],
-              "tokens": len(kv["tokens"]), "chunks": len(kv["chunks"]), "chunk_bytes": kv["chunks"][0].nbytes,
-              "kv_bytes": nbytes, "shape": list(kv["chunks"][0].kv.shape), "dtype": "float16"},
+        config={
+            "reps": args.reps,
+            "runs": args.runs,
+            "warmup": args.warmup,
+            "chunk_tokens": args.chunk_tokens,
+            "dir": args.dir,
+        },
+        env={
+            **environment(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "lmcache_python": args.lmcache_python,
+            "lmcache_note": lmcache_note,
+        },
+        data={
+            "file": args.data,
+            "examples": kv["examples"],
+            "split": kv["split"],
+            "model": kv["model"],
+            "tokens": len(kv["tokens"]),
+            "chunks": len(kv["chunks"]),
+            "chunk_bytes": kv["chunks"][0].nbytes,
+            "kv_bytes": nbytes,
+            "shape": list(kv["chunks"][0].kv.shape),
+            "dtype": "float16",
+        },
     )
     res["targets"] = targets(res)
     report(res)

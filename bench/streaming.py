@@ -39,15 +39,15 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from bench.common import DATA, plot_path, print_table, write_json  # noqa: E402
-from kvfuse.codecs import get_codec  # noqa: E402
+from bench.common import DATA, plot_path, print_table, write_json
+from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
-from kvfuse.engine import CacheOptions, Engine  # noqa: E402
-from kvfuse.generation import SamplingParams  # noqa: E402
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore  # noqa: E402
-from kvfuse_testkit.throttled import ThrottledTier, load_trace  # noqa: E402
+from kvfuse.engine import CacheOptions, Engine
+from kvfuse.generation import SamplingParams
+from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse_testkit.throttled import ThrottledTier, load_trace
 
 LEVELS = (1, 2, 3, 4)
 CHUNK = 256
@@ -55,14 +55,22 @@ _QUESTION = " USER: Great, this is the end"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--chunks", type=int, default=10, help="context chunks (the traces have 10 values per row)")
+    p.add_argument(
+        "--chunks", type=int, default=10, help="context chunks (the traces have 10 values per row)"
+    )
     p.add_argument("--prompts", type=int, default=1)
-    p.add_argument("--first", type=int, default=20, help="first LongChat line (20-49: test; 0-19: dev)")
+    p.add_argument(
+        "--first", type=int, default=20, help="first LongChat line (20-49: test; 0-19: dev)"
+    )
     p.add_argument("--trace", default=str(DATA / "cachegen_bw.jsonl"))
     p.add_argument("--rows", type=int, default=10, help="trace rows (one run per row and prompt)")
-    p.add_argument("--scale", type=float, default=0.01, help="trace Gbit/s multiplier for this machine")
+    p.add_argument(
+        "--scale", type=float, default=0.01, help="trace Gbit/s multiplier for this machine"
+    )
     p.add_argument("--period", type=float, default=0.2, help="seconds each trace value holds")
     p.add_argument("--slo-ms", type=float, default=2000.0)
     p.add_argument("--max-tokens", type=int, default=16)
@@ -70,7 +78,11 @@ def parse_args(argv=None):
 
 
 def prompts(tokenizer, first: int, n: int, chunks: int) -> list[list[int]]:
-    rows = [json.loads(line) for line in (DATA / "cachegen_longchat.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line)
+        for line in (DATA / "cachegen_longchat.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
     out = []
     for r in rows[first : first + n]:
         head_text, _, rest = r["prompt"].rpartition(_QUESTION)
@@ -85,18 +97,31 @@ class Disk:
 
     def __init__(self, root: Path, model, ids: list[int]):
         self.root = root
-        stores = {"raw": TieredStore(MemoryTier(1 << 34), [DiskTier(root / "raw", 1 << 34)], stream_levels=LEVELS)}
+        stores = {
+            "raw": TieredStore(
+                MemoryTier(1 << 34), [DiskTier(root / "raw", 1 << 34)], stream_levels=LEVELS
+            )
+        }
         for lv in LEVELS:
             disk = DiskTier(root / f"level-{lv}", 1 << 34)
-            stores[f"level-{lv}"] = TieredStore(MemoryTier(1 << 34), [disk],
-                                                codecs={disk.name: get_codec("cachegen", lv)})
+            stores[f"level-{lv}"] = TieredStore(
+                MemoryTier(1 << 34), [disk], codecs={disk.name: get_codec("cachegen", lv)}
+            )
         for s in stores.values():
-            Engine(model, s, EngineSettings.of(history=False, async_save=False, prefetch=False)).generate(ids, SamplingParams(max_tokens=1))
+            Engine(
+                model, s, EngineSettings.of(history=False, async_save=False, prefetch=False)
+            ).generate(ids, SamplingParams(max_tokens=1))
             s.close()
 
-    def store(self, which: str, trace: list[float], scale: float, period: float = 0.2) -> tuple[TieredStore, ThrottledTier]:
-        slow = ThrottledTier(DiskTier(self.root / which, 1 << 34), trace, scale=scale, period_s=period)
-        return TieredStore(MemoryTier(1 << 34), [slow], stream_levels=LEVELS if which == "raw" else ()), slow
+    def store(
+        self, which: str, trace: list[float], scale: float, period: float = 0.2
+    ) -> tuple[TieredStore, ThrottledTier]:
+        slow = ThrottledTier(
+            DiskTier(self.root / which, 1 << 34), trace, scale=scale, period_s=period
+        )
+        return TieredStore(
+            MemoryTier(1 << 34), [slow], stream_levels=LEVELS if which == "raw" else ()
+        ), slow
 
 
 def kl(ref: torch.Tensor, logits: torch.Tensor) -> float:
@@ -121,12 +146,16 @@ def run(args) -> dict:
             # the question's own compute on top of the cached context: outside the KV budget
             disk = Disk(Path(tmp) / f"p{pi}", model, ids)
             st, _ = disk.store("raw", [1e6], 1.0)
-            warm = Engine(model, st, EngineSettings.of(history=False, async_save=False, prefetch=False)).generate(ids, greedy)
+            warm = Engine(
+                model, st, EngineSettings.of(history=False, async_save=False, prefetch=False)
+            ).generate(ids, greedy)
             suffix_ms = warm.timings.prefill_s * 1000
             st.close()
             kv_slo_ms = max(1.0, args.slo_ms - suffix_ms)
-            print(f"prompt {pi}: {len(ids)} tokens, question compute {suffix_ms:.0f} ms -> kv_slo_ms {kv_slo_ms:.0f}",
-                  flush=True)
+            print(
+                f"prompt {pi}: {len(ids)} tokens, question compute {suffix_ms:.0f} ms -> kv_slo_ms {kv_slo_ms:.0f}",
+                flush=True,
+            )
             for ri, trace in enumerate(traces):
                 for policy in policies:
                     rec = {"prompt": pi, "row": ri}
@@ -136,10 +165,20 @@ def run(args) -> dict:
                     else:
                         which = "raw" if policy == "adaptive" else policy
                         store, slow = disk.store(which, trace, args.scale, args.period)
-                        engine = Engine(model, store, EngineSettings.of(history=False, async_save=False, prefetch=False))
+                        engine = Engine(
+                            model,
+                            store,
+                            EngineSettings.of(history=False, async_save=False, prefetch=False),
+                        )
                         if policy == "adaptive" and "estimates" in adaptive_engines:
-                            engine.estimates = adaptive_engines["estimates"]  # what earlier requests measured
-                        cache = CacheOptions(kv_slo_ms=kv_slo_ms) if policy == "adaptive" else CacheOptions()
+                            engine.estimates = adaptive_engines[
+                                "estimates"
+                            ]  # what earlier requests measured
+                        cache = (
+                            CacheOptions(kv_slo_ms=kv_slo_ms)
+                            if policy == "adaptive"
+                            else CacheOptions()
+                        )
                         slow.reset()  # the trace starts with the request
                         r = engine.generate(ids, greedy, cache=cache)
                         if policy == "raw":
@@ -154,19 +193,29 @@ def run(args) -> dict:
                             rec["kv_load_ms"] = r.kv_stream.load_s * 1000 if r.kv_stream else None
                         engine.close()
                         store.close()
-                    rec.update(ttft_ms=r.timings.ttft_s * 1000, violated=r.timings.ttft_s * 1000 > args.slo_ms,
-                               agree=r.token_ids == ref.token_ids, kl=kl(ref_logits, logits))
+                    rec.update(
+                        ttft_ms=r.timings.ttft_s * 1000,
+                        violated=r.timings.ttft_s * 1000 > args.slo_ms,
+                        agree=r.token_ids == ref.token_ids,
+                        kl=kl(ref_logits, logits),
+                    )
                     runs[policy].append(rec)
-                print(f"  row {ri}: " + "  ".join(f"{p} {runs[p][-1]['ttft_ms']:.0f}ms" for p in policies)
-                      + f"  adaptive chunks {runs['adaptive'][-1].get('chunks')}", flush=True)
+                print(
+                    f"  row {ri}: "
+                    + "  ".join(f"{p} {runs[p][-1]['ttft_ms']:.0f}ms" for p in policies)
+                    + f"  adaptive chunks {runs['adaptive'][-1].get('chunks')}",
+                    flush=True,
+                )
             free.close()
     summary = {}
     for p, rs in runs.items():
         t = sorted(x["ttft_ms"] for x in rs)
         summary[p] = {
-            "runs": len(rs), "slo_violations": sum(x["violated"] for x in rs),
+            "runs": len(rs),
+            "slo_violations": sum(x["violated"] for x in rs),
             "violation_rate": sum(x["violated"] for x in rs) / len(rs),
-            "ttft_p50_ms": statistics.median(t), "ttft_p95_ms": t[min(len(t) - 1, int(0.95 * len(t)))],
+            "ttft_p50_ms": statistics.median(t),
+            "ttft_p95_ms": t[min(len(t) - 1, int(0.95 * len(t)))],
             "answer_agreement": sum(x["agree"] for x in rs) / len(rs),
             "kl_mean": statistics.mean(x["kl"] for x in rs),
         }
@@ -180,22 +229,60 @@ def run(args) -> dict:
     lowest = "level-1"
     targets = {
         "fewer_violations_than_every_fixed_policy": all(
-            summary["adaptive"]["slo_violations"] < summary[p]["slo_violations"] for p in fixed if p != "recompute"),
-        "fewer_violations_than_recompute": summary["adaptive"]["slo_violations"] < summary["recompute"]["slo_violations"],
-        "quality_no_worse_than_lowest_level": summary["adaptive"]["kl_mean"] <= summary[lowest]["kl_mean"],
+            summary["adaptive"]["slo_violations"] < summary[p]["slo_violations"]
+            for p in fixed
+            if p != "recompute"
+        ),
+        "fewer_violations_than_recompute": summary["adaptive"]["slo_violations"]
+        < summary["recompute"]["slo_violations"],
+        "quality_no_worse_than_lowest_level": summary["adaptive"]["kl_mean"]
+        <= summary[lowest]["kl_mean"],
     }
-    return {"model": args.model, "chunks": args.chunks, "slo_ms": args.slo_ms, "scale": args.scale,
-            "period_s": args.period,
-            "trace": Path(args.trace).name, "rows": args.rows, "prompts": args.prompts, "first_line": args.first,
-            "summary": summary, "targets": targets, "runs": runs}
+    return {
+        "model": args.model,
+        "chunks": args.chunks,
+        "slo_ms": args.slo_ms,
+        "scale": args.scale,
+        "period_s": args.period,
+        "trace": Path(args.trace).name,
+        "rows": args.rows,
+        "prompts": args.prompts,
+        "first_line": args.first,
+        "summary": summary,
+        "targets": targets,
+        "runs": runs,
+    }
 
 
 def report(res: dict) -> None:
-    print(f"\n{res['model']}, {res['chunks']} chunks, SLO {res['slo_ms']:.0f} ms TTFT, trace {res['trace']} x "
-          f"{res['scale']}, {res['prompts']} prompts x {res['rows']} rows")
-    rows = [[p, s["slo_violations"], f"{100 * s['violation_rate']:.0f}%", s["ttft_p50_ms"], s["ttft_p95_ms"],
-             s["answer_agreement"], s["kl_mean"]] for p, s in res["summary"].items()]
-    print_table(["policy", "violations", "rate", "TTFT p50 ms", "TTFT p95 ms", "agrees w/ lossless", "KL mean"], rows)
+    print(
+        f"\n{res['model']}, {res['chunks']} chunks, SLO {res['slo_ms']:.0f} ms TTFT, trace {res['trace']} x "
+        f"{res['scale']}, {res['prompts']} prompts x {res['rows']} rows"
+    )
+    rows = [
+        [
+            p,
+            s["slo_violations"],
+            f"{100 * s['violation_rate']:.0f}%",
+            s["ttft_p50_ms"],
+            s["ttft_p95_ms"],
+            s["answer_agreement"],
+            s["kl_mean"],
+        ]
+        for p, s in res["summary"].items()
+    ]
+    print_table(
+        [
+            "policy",
+            "violations",
+            "rate",
+            "TTFT p50 ms",
+            "TTFT p95 ms",
+            "agrees w/ lossless",
+            "KL mean",
+        ],
+        rows,
+    )
     print("adaptive chunks per choice:", res["summary"]["adaptive"].get("chunks"))
     print("targets:", res["targets"])
 
@@ -209,8 +296,11 @@ def plot(res: dict, path: Path) -> None:
     s = res["summary"]
     names = list(s)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    axes[0].bar(names, [100 * s[p]["violation_rate"] for p in names],
-                color=["#c44" if p == "adaptive" else "#48a" for p in names])
+    axes[0].bar(
+        names,
+        [100 * s[p]["violation_rate"] for p in names],
+        color=["#c44" if p == "adaptive" else "#48a" for p in names],
+    )
     axes[0].set_ylabel(f"% runs with TTFT > {res['slo_ms']:.0f} ms")
     axes[0].set_title("SLO violations")
     axes[0].tick_params(axis="x", rotation=30)

@@ -40,15 +40,39 @@ TARGET_RATIO = 10.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--runs", type=int, default=3, help="timed runs per cell; the median is reported (default 3)")
-    p.add_argument("--lengths", default="1000,2000,4000", help="prompt lengths in tokens (default 1000,2000,4000)")
-    p.add_argument("--quick", action="store_true", help="smoke run: one 1000-token prompt, one run per cell")
-    p.add_argument("--home", help="kvfuse home holding the converted model (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--runs",
+        type=int,
+        default=3,
+        help="timed runs per cell; the median is reported (default 3)",
+    )
+    p.add_argument(
+        "--lengths",
+        default="1000,2000,4000",
+        help="prompt lengths in tokens (default 1000,2000,4000)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: one 1000-token prompt, one run per cell"
+    )
+    p.add_argument(
+        "--home",
+        help="kvfuse home holding the converted model (default: $KVFUSE_HOME or ~/.cache/kvfuse)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--data", default=str(DATA / "musique_s.json"), help="musique_s.json (default: ../shared/data)")
-    p.add_argument("--no-tune-malloc", action="store_true", help="skip runtime.tune_allocator() (open_engine runs it)")
+    p.add_argument(
+        "--data",
+        default=str(DATA / "musique_s.json"),
+        help="musique_s.json (default: ../shared/data)",
+    )
+    p.add_argument(
+        "--no-tune-malloc",
+        action="store_true",
+        help="skip runtime.tune_allocator() (open_engine runs it)",
+    )
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold page cache cells")
     p.add_argument("--out", default=str(OUT / "ttft_prefix"), help="output path without suffix")
     args = p.parse_args(argv)
@@ -68,12 +92,16 @@ def dev_prompts(tokenizer, data_path: Path, lengths: list[int]) -> dict[int, lis
     examples = json.loads(data_path.read_text())
     docs = [ctx["text"] for i in DEV for ctx in examples[i]["ctxs"]]
     doc_ids = tokenizer.encode("\n\n".join(docs), add_special_tokens=False)
-    question = tokenizer.encode(f"\n\nQuestion: {examples[0]['question']}\nAnswer:", add_special_tokens=False)
+    question = tokenizer.encode(
+        f"\n\nQuestion: {examples[0]['question']}\nAnswer:", add_special_tokens=False
+    )
     prompts, offset = {}, 0
     for n in lengths:
         body = n - len(question)
         if offset + body > len(doc_ids):
-            raise SystemExit(f"the dev documents hold {len(doc_ids)} tokens, too few for these lengths")
+            raise SystemExit(
+                f"the dev documents hold {len(doc_ids)} tokens, too few for these lengths"
+            )
         prompts[n] = doc_ids[offset : offset + body] + question
         offset += body
     return prompts
@@ -88,8 +116,7 @@ def dev_prompts(tokenizer, data_path: Path, lengths: list[int]) -> dict[int, lis
 def measure(args) -> dict:
     import torch
 
-    from kvfuse.config import default_home
-    from kvfuse.config import EngineSettings
+    from kvfuse.config import EngineSettings, default_home
     from kvfuse.engine import CacheOptions, Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
@@ -104,8 +131,10 @@ def measure(args) -> dict:
     chunk = 256
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     prompts = dev_prompts(model.tokenizer, Path(args.data), args.lengths)
-    print(f"data: {args.data}, split: dev (examples {DEV.start}-{DEV.stop - 1}); "
-          f"lengths {args.lengths}, {args.runs} run(s) per cell, chunk {chunk}, torch threads {torch.get_num_threads()}")
+    print(
+        f"data: {args.data}, split: dev (examples {DEV.start}-{DEV.stop - 1}); "
+        f"lengths {args.lengths}, {args.runs} run(s) per cell, chunk {chunk}, torch threads {torch.get_num_threads()}"
+    )
 
     cold_note = "skipped (--no-drop-caches)" if args.no_drop_caches else drop_page_cache()
     tiers = [t for t in TIERS if t != "disk-cold" or cold_note is None]
@@ -122,7 +151,9 @@ def measure(args) -> dict:
         Engine(model, None).generate(prompts[args.lengths[0]][:300], one)  # warm-up
         for n, ids in prompts.items():
             disk_dir = workdir / f"kv-{n}"
-            lower = [DiskTier(disk_dir, 1 << 34)] + ([RedisTier(redis.url, timeout_s=5.0)] if redis else [])
+            lower = [DiskTier(disk_dir, 1 << 34)] + (
+                [RedisTier(redis.url, timeout_s=5.0)] if redis else []
+            )
             warm = TieredStore(MemoryTier(1 << 32), lower)
             # Prefix chunks only (history=False): this measures chunk hits; whole-history reuse
             # (a repeated prompt reuses all but its last token) is bench/multiturn.py's subject.
@@ -134,7 +165,11 @@ def measure(args) -> dict:
             def fresh(kind: str) -> TieredStore:
                 if kind == "memory":
                     return warm
-                tier = DiskTier(disk_dir, 1 << 34) if kind.startswith("disk") else RedisTier(redis.url, timeout_s=5.0)
+                tier = (
+                    DiskTier(disk_dir, 1 << 34)
+                    if kind.startswith("disk")
+                    else RedisTier(redis.url, timeout_s=5.0)
+                )
                 return TieredStore(MemoryTier(1 << 32), [tier])
 
             for kind in tiers:
@@ -144,26 +179,39 @@ def measure(args) -> dict:
                     if kind == "disk-cold":
                         drop_page_cache()
                     opts = CacheOptions(enabled=kind != "none", store_generated=False)
-                    r = Engine(model, store, EngineSettings.of(history=False, async_save=False, prefetch=False)).generate(ids, one,
-                                                                                              cache=opts)
+                    r = Engine(
+                        model,
+                        store,
+                        EngineSettings.of(history=False, async_save=False, prefetch=False),
+                    ).generate(ids, one, cache=opts)
                     if store is not None and store is not warm:
                         store.close()
                     expected_tier = "disk" if kind == "disk-cold" else kind
                     if kind != "none" and set(r.hit_tiers) != {expected_tier}:
-                        raise RuntimeError(f"{kind} cell of {n} tokens hit {r.hit_tiers}, not {expected_tier}")
+                        raise RuntimeError(
+                            f"{kind} cell of {n} tokens hit {r.hit_tiers}, not {expected_tier}"
+                        )
                     runs.append(r)
                 t = [r.timings for r in runs]
-                cells.append({
-                    "prompt_tokens": n, "tier": kind,
-                    "ttft_s": [x.ttft_s for x in t], "median_ttft_s": statistics.median(x.ttft_s for x in t),
-                    "median_load_s": statistics.median(x.load_s for x in t),
-                    "median_prefill_s": statistics.median(x.prefill_s for x in t),
-                    "cached_tokens": runs[0].cached_tokens, "prefilled_tokens": n - runs[0].cached_tokens,
-                    "same_first_token": all(r.token_ids == reference for r in runs),
-                })
+                cells.append(
+                    {
+                        "prompt_tokens": n,
+                        "tier": kind,
+                        "ttft_s": [x.ttft_s for x in t],
+                        "median_ttft_s": statistics.median(x.ttft_s for x in t),
+                        "median_load_s": statistics.median(x.load_s for x in t),
+                        "median_prefill_s": statistics.median(x.prefill_s for x in t),
+                        "cached_tokens": runs[0].cached_tokens,
+                        "prefilled_tokens": n - runs[0].cached_tokens,
+                        "same_first_token": all(r.token_ids == reference for r in runs),
+                    }
+                )
                 c = cells[-1]
-                print(f"  {n:>5} tokens  {kind:<9}  TTFT {c['median_ttft_s'] * 1000:8.1f} ms  "
-                      f"(prefilled {c['prefilled_tokens']})", flush=True)
+                print(
+                    f"  {n:>5} tokens  {kind:<9}  TTFT {c['median_ttft_s'] * 1000:8.1f} ms  "
+                    f"(prefilled {c['prefilled_tokens']})",
+                    flush=True,
+                )
             warm.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -171,14 +219,20 @@ def measure(args) -> dict:
             redis.stop()
 
     for c in cells:
-        base = next(b for b in cells if b["prompt_tokens"] == c["prompt_tokens"] and b["tier"] == "none")
+        base = next(
+            b for b in cells if b["prompt_tokens"] == c["prompt_tokens"] and b["tier"] == "none"
+        )
         c["ratio"] = base["median_ttft_s"] / c["median_ttft_s"]
     return {
         "benchmark": "ttft_prefix",
         "environment": environment(),
         "quick": args.quick,
-        "model": "smollm2", "device": args.device, "chunk_size": chunk, "runs": args.runs,
-        "torch_threads": torch.get_num_threads(), "tune_malloc": tuned,
+        "model": "smollm2",
+        "device": args.device,
+        "chunk_size": chunk,
+        "runs": args.runs,
+        "torch_threads": torch.get_num_threads(),
+        "tune_malloc": tuned,
         "data": {"file": "musique_s.json", "split": "dev", "examples": [DEV.start, DEV.stop - 1]},
         "drop_caches": cold_note or "permitted",
         "cells": cells,
@@ -199,16 +253,28 @@ def verdict(result: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\nTTFT, median of {result['runs']} run(s) (ms); ratio = no-cache / hit; split: dev (musique 0-49)")
-    print(f"{'tokens':>6}  {'tier':<9}  {'TTFT ms':>9}  {'load ms':>8}  {'prefill ms':>10}  {'prefilled':>9}  {'ratio':>6}")
+    print(
+        f"\nTTFT, median of {result['runs']} run(s) (ms); ratio = no-cache / hit; split: dev (musique 0-49)"
+    )
+    print(
+        f"{'tokens':>6}  {'tier':<9}  {'TTFT ms':>9}  {'load ms':>8}  {'prefill ms':>10}  {'prefilled':>9}  {'ratio':>6}"
+    )
     for c in result["cells"]:
-        print(f"{c['prompt_tokens']:>6}  {c['tier']:<9}  {c['median_ttft_s'] * 1000:>9.1f}  "
-              f"{c['median_load_s'] * 1000:>8.1f}  {c['median_prefill_s'] * 1000:>10.1f}  "
-              f"{c['prefilled_tokens']:>9}  {c['ratio']:>5.1f}x")
+        print(
+            f"{c['prompt_tokens']:>6}  {c['tier']:<9}  {c['median_ttft_s'] * 1000:>9.1f}  "
+            f"{c['median_load_s'] * 1000:>8.1f}  {c['median_prefill_s'] * 1000:>10.1f}  "
+            f"{c['prefilled_tokens']:>9}  {c['ratio']:>5.1f}x"
+        )
     v = result["verdict"]
-    scope = "" if v["applies"] else f" (only {v['prompt_tokens']} tokens measured: the target is for 4k)"
+    scope = (
+        ""
+        if v["applies"]
+        else f" (only {v['prompt_tokens']} tokens measured: the target is for 4k)"
+    )
     for tier, mark in v["tiers"].items():
-        print(f"target {TARGET_RATIO:.0f}x at {v['prompt_tokens']} tokens from {tier}: {mark}{scope}")
+        print(
+            f"target {TARGET_RATIO:.0f}x at {v['prompt_tokens']} tokens from {tier}: {mark}{scope}"
+        )
     if result["drop_caches"] != "permitted":
         print(f"disk-cold: {result['drop_caches']}")
 
@@ -230,7 +296,10 @@ def plot(result: dict, path: Path) -> None:
         if t != "none":
             ax2.bar(xs, [cell[(n, t)]["ratio"] for n in lengths], width, label=t, color=f"C{i}")
     for ax in (ax1, ax2):
-        ax.set_xticks([j + width * (len(tiers) - 1) / 2 for j in range(len(lengths))], [str(n) for n in lengths])
+        ax.set_xticks(
+            [j + width * (len(tiers) - 1) / 2 for j in range(len(lengths))],
+            [str(n) for n in lengths],
+        )
         ax.set_xlabel("prompt tokens")
     ax1.set_yscale("log")
     ax1.set_ylabel("time to first token (ms, median)")
@@ -238,7 +307,9 @@ def plot(result: dict, path: Path) -> None:
     ax2.axhline(TARGET_RATIO, color="k", ls="--", lw=1, label=f"target {TARGET_RATIO:.0f}x")
     ax2.set_ylabel("speed-up vs full prefill (x)")
     ax2.legend()
-    title = f"SmolLM2 TTFT, prefix hits by tier ({result['device']}, {result['torch_threads']} threads)"
+    title = (
+        f"SmolLM2 TTFT, prefix hits by tier ({result['device']}, {result['torch_threads']} threads)"
+    )
     fig.suptitle(title + (" — QUICK smoke run" if result["quick"] else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

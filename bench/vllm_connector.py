@@ -46,34 +46,60 @@ import time
 from pathlib import Path
 
 from common import DATA, OUT, drop_page_cache, environment, print_table
-from vllm_server import (DEFAULT_PYTHON, VLLMServer, connector_config, default_model_path, first_token, metric_total,
-                         scrape_metrics)
+from vllm_server import (
+    DEFAULT_PYTHON,
+    VLLMServer,
+    connector_config,
+    default_model_path,
+    first_token,
+    metric_total,
+    scrape_metrics,
+)
 
 from kvfuse_testkit import LocalRedis
 
 CONFIGS = ("vllm", "kvfuse-disk", "kvfuse-redis")
-EXTRA_CONFIGS = ("kvfuse-disk-layerwise", "kvfuse-redis-layerwise")  # layerwise: true (the CPU default is false)
+EXTRA_CONFIGS = (
+    "kvfuse-disk-layerwise",
+    "kvfuse-redis-layerwise",
+)  # layerwise: true (the CPU default is false)
 TARGET = 5.0
 CHUNK = 256
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--lengths", default="2048,4000", help="prompt lengths in tokens (default 2048,4000)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--lengths", default="2048,4000", help="prompt lengths in tokens (default 2048,4000)"
+    )
     p.add_argument("--prompts", type=int, default=2, help="distinct prompts per length (default 2)")
-    p.add_argument("--rounds", type=int, default=3, help="vLLM restarts per configuration (default 3)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"subset of {','.join(CONFIGS + EXTRA_CONFIGS)} (default {','.join(CONFIGS)})")
+    p.add_argument(
+        "--rounds", type=int, default=3, help="vLLM restarts per configuration (default 3)"
+    )
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"subset of {','.join(CONFIGS + EXTRA_CONFIGS)} (default {','.join(CONFIGS)})",
+    )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--quick", action="store_true", help="one 2048-token prompt, one round")
     p.add_argument("--home", help="kvfuse home holding the converted model (default $KVFUSE_HOME)")
     p.add_argument("--python", default=DEFAULT_PYTHON, help="vLLM's interpreter")
     p.add_argument("--data", default=str(DATA / "musique_s.json"))
-    p.add_argument("--no-drop-caches", action="store_true", help="keep the KV files in the page cache for kvfuse-disk")
-    p.add_argument("--drop-all-caches", action="store_true",
-                   help="drop the whole page cache (root) instead of evicting only the KV files (which also "
-                        "evicts vLLM's own libraries: the next request pays for reading them back)")
+    p.add_argument(
+        "--no-drop-caches",
+        action="store_true",
+        help="keep the KV files in the page cache for kvfuse-disk",
+    )
+    p.add_argument(
+        "--drop-all-caches",
+        action="store_true",
+        help="drop the whole page cache (root) instead of evicting only the KV files (which also "
+        "evicts vLLM's own libraries: the next request pays for reading them back)",
+    )
     p.add_argument("--out", default=str(OUT / "vllm_connector"), help="output path without suffix")
     p.add_argument("--keep", help="keep the servers' logs and the disk tier in this folder")
     args = p.parse_args(argv)
@@ -82,11 +108,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.configs = [c for c in args.configs.split(",") if c]
     if set(args.configs) - set(CONFIGS + EXTRA_CONFIGS) or args.rounds < 1 or args.prompts < 1:
-        p.error(f"--configs must be a subset of {CONFIGS + EXTRA_CONFIGS}; --rounds and --prompts >= 1")
+        p.error(
+            f"--configs must be a subset of {CONFIGS + EXTRA_CONFIGS}; --rounds and --prompts >= 1"
+        )
     return args
 
 
-def make_prompts(folder: Path, data: Path, lengths: list[int], per_length: int) -> dict[int, list[list[int]]]:
+def make_prompts(
+    folder: Path, data: Path, lengths: list[int], per_length: int
+) -> dict[int, list[list[int]]]:
     """Non-overlapping slices of MuSiQue dev documents' token ids: ``per_length`` prompts per length."""
     from common import musique
 
@@ -109,12 +139,14 @@ def make_prompts(folder: Path, data: Path, lengths: list[int], per_length: int) 
     for n in lengths:
         out[n] = []
         for _ in range(per_length):
-            out[n].append(ids[at:at + n])
+            out[n].append(ids[at : at + n])
             at += n
     return out
 
 
-def server_for(config: str, args, folder: Path, work: Path, redis_url: str | None, log: Path) -> VLLMServer:
+def server_for(
+    config: str, args, folder: Path, work: Path, redis_url: str | None, log: Path
+) -> VLLMServer:
     extra = {"memory_bytes": "1GiB"}
     if config == "populate":
         extra |= {"disk_path": str(work / "kv"), "redis_url": redis_url}
@@ -125,7 +157,9 @@ def server_for(config: str, args, folder: Path, work: Path, redis_url: str | Non
     if config.endswith("-layerwise"):
         extra |= {"layerwise": True}
     kv = None if config == "vllm" else connector_config(extra)
-    return VLLMServer(folder, python=args.python, dtype=args.dtype, kv_transfer_config=kv, log_path=log)
+    return VLLMServer(
+        folder, python=args.python, dtype=args.dtype, kv_transfer_config=kv, log_path=log
+    )
 
 
 def evict_files(folder: Path) -> str | None:
@@ -145,12 +179,20 @@ def evict_files(folder: Path) -> str | None:
 
 
 def stats(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "samples": xs}
+    return {
+        "median": statistics.median(xs),
+        "min": min(xs),
+        "max": max(xs),
+        "n": len(xs),
+        "samples": xs,
+    }
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers and redis-server on SIGTERM too
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # stop the servers and redis-server on SIGTERM too
     home = Path(args.home) if args.home else None
     folder = default_model_path(home)
     prompts = make_prompts(folder, Path(args.data), args.lengths, args.prompts)
@@ -160,13 +202,16 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     redis = LocalRedis(shutil.which("redis-server") or "redis-server").start()
     redis_url = f"redis://127.0.0.1:{redis.port}/0"
-    results: dict[str, dict[int, list[float]]] = {c: {n: [] for n in args.lengths}
-                                                  for c in [*CONFIGS, *EXTRA_CONFIGS, "vllm-warm"]}
+    results: dict[str, dict[int, list[float]]] = {
+        c: {n: [] for n in args.lengths} for c in [*CONFIGS, *EXTRA_CONFIGS, "vllm-warm"]
+    }
     mismatches: dict[str, int] = {}
     engines: list[dict] = []
     requests: list[dict] = []  # every timed request, with the 1-minute load average before it
     reference: dict[tuple[int, int], str] = {}
-    warmup = [int(x) for x in prompts[args.lengths[0]][0][-64:]][::-1]  # a short prompt no test prompt starts with
+    warmup = [int(x) for x in prompts[args.lengths[0]][0][-64:]][
+        ::-1
+    ]  # a short prompt no test prompt starts with
     try:
         # -- populate both tiers ----------------------------------------------------------------------
         with server_for("populate", args, folder, work, redis_url, work / "populate.log") as s:
@@ -176,7 +221,10 @@ def main(argv=None) -> int:
                 reference[(n, i)] = text
                 print(f"  computed {n}-token prompt {i}: TTFT {ttft:.2f} s", file=sys.stderr)
             deadline = time.monotonic() + 300
-            while metric_total(scrape_metrics(s.url), "vllm:kvfuse_saved_chunks_total") < expected_chunks:
+            while (
+                metric_total(scrape_metrics(s.url), "vllm:kvfuse_saved_chunks_total")
+                < expected_chunks
+            ):
                 if time.monotonic() > deadline:
                     raise SystemExit("the populate server did not save every chunk")
                 time.sleep(1)
@@ -186,56 +234,95 @@ def main(argv=None) -> int:
 
         keys = redis_lib.Redis.from_url(redis_url).dbsize()
         files = len(list((work / "kv").glob("*/*.kvf")))
-        print(f"populate: {saved:.0f} chunks saved; {files} files on disk, {keys} Redis keys", file=sys.stderr)
+        print(
+            f"populate: {saved:.0f} chunks saved; {files} files on disk, {keys} Redis keys",
+            file=sys.stderr,
+        )
         if files < expected_chunks or keys < expected_chunks:
             raise SystemExit(f"expected {expected_chunks} chunks in each tier")
         # -- rounds -------------------------------------------------------------------------------------
         for r in range(args.rounds):
-            order = args.configs[r % len(args.configs):] + args.configs[:r % len(args.configs)]
+            order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
             for config in order:
                 log = work / f"round{r}-{config}.log"
                 with server_for(config, args, folder, work, redis_url, log) as s:
                     first_token(s.base_url, warmup, 4)
                     dropped = None
                     if config.startswith("kvfuse-disk") and not args.no_drop_caches:
-                        dropped = drop_page_cache() if args.drop_all_caches else evict_files(work / "kv")
+                        dropped = (
+                            drop_page_cache() if args.drop_all_caches else evict_files(work / "kv")
+                        )
                         if dropped is not None:
                             print(f"  page cache not dropped: {dropped}", file=sys.stderr)
-                    cells = flat[r % len(flat):] + flat[:r % len(flat)]
+                    cells = flat[r % len(flat) :] + flat[: r % len(flat)]
                     for n, i, p in cells:
                         load_before = os.getloadavg()[0]
                         ttft, text, usage = first_token(s.base_url, p, args.max_tokens)
                         results[config][n].append(ttft)
-                        requests.append({"round": r, "config": config, "tokens": n, "prompt": i, "ttft_s": ttft,
-                                         "same_answer": text == reference[(n, i)], "loadavg_1m": load_before,
-                                         **({} if text == reference[(n, i)] else {"answer": text})})
+                        requests.append(
+                            {
+                                "round": r,
+                                "config": config,
+                                "tokens": n,
+                                "prompt": i,
+                                "ttft_s": ttft,
+                                "same_answer": text == reference[(n, i)],
+                                "loadavg_1m": load_before,
+                                **({} if text == reference[(n, i)] else {"answer": text}),
+                            }
+                        )
                         if text != reference[(n, i)]:
                             mismatches[config] = mismatches.get(config, 0) + 1
-                        print(f"round {r} {config:12s} {n}-token prompt {i}: TTFT {ttft:.3f} s"
-                              f"{'' if text == reference[(n, i)] else '  (answer differs!)'}", file=sys.stderr)
+                        print(
+                            f"round {r} {config:12s} {n}-token prompt {i}: TTFT {ttft:.3f} s"
+                            f"{'' if text == reference[(n, i)] else '  (answer differs!)'}",
+                            file=sys.stderr,
+                        )
                     if config == "vllm":
                         for n, i, p in cells:
                             load_before = os.getloadavg()[0]
                             ttft, text, _ = first_token(s.base_url, p, args.max_tokens)
                             results["vllm-warm"][n].append(ttft)
-                            requests.append({"round": r, "config": "vllm-warm", "tokens": n, "prompt": i,
-                                             "ttft_s": ttft, "same_answer": text == reference[(n, i)],
-                                             "loadavg_1m": load_before})
+                            requests.append(
+                                {
+                                    "round": r,
+                                    "config": "vllm-warm",
+                                    "tokens": n,
+                                    "prompt": i,
+                                    "ttft_s": ttft,
+                                    "same_answer": text == reference[(n, i)],
+                                    "loadavg_1m": load_before,
+                                }
+                            )
                             if text != reference[(n, i)]:
                                 mismatches["vllm-warm"] = mismatches.get("vllm-warm", 0) + 1
                     time.sleep(6)  # vLLM publishes the connector's counters every few seconds
                     m = scrape_metrics(s.url)
                     mode = re.search(r"layerwise loads (\w+)", s.log_tail(2_000_000))
-                    engines.append({
-                        "round": r, "config": config, "startup_s": s.startup_s,
-                        "layerwise_loads": mode.group(1) if mode else None, "page_cache_dropped": dropped is None
-                        if config.startswith("kvfuse-disk") and not args.no_drop_caches else None,
-                        "loaded_chunks": {t: metric_total(m, "vllm:kvfuse_loaded_chunks_by_tier_total", tier=t)
-                                          for t in ("memory", "disk", "redis")},
-                        "load_failed_chunks": metric_total(m, "vllm:kvfuse_load_failed_chunks_total"),
-                        "external_prefix_cache_hits": metric_total(m, "vllm:external_prefix_cache_hits_total"),
-                        "prefix_cache_hits": metric_total(m, "vllm:prefix_cache_hits_total"),
-                    })
+                    engines.append(
+                        {
+                            "round": r,
+                            "config": config,
+                            "startup_s": s.startup_s,
+                            "layerwise_loads": mode.group(1) if mode else None,
+                            "page_cache_dropped": dropped is None
+                            if config.startswith("kvfuse-disk") and not args.no_drop_caches
+                            else None,
+                            "loaded_chunks": {
+                                t: metric_total(
+                                    m, "vllm:kvfuse_loaded_chunks_by_tier_total", tier=t
+                                )
+                                for t in ("memory", "disk", "redis")
+                            },
+                            "load_failed_chunks": metric_total(
+                                m, "vllm:kvfuse_load_failed_chunks_total"
+                            ),
+                            "external_prefix_cache_hits": metric_total(
+                                m, "vllm:external_prefix_cache_hits_total"
+                            ),
+                            "prefix_cache_hits": metric_total(m, "vllm:prefix_cache_hits_total"),
+                        }
+                    )
     finally:
         redis.stop()
         if not args.keep:
@@ -256,15 +343,20 @@ def main(argv=None) -> int:
     print(f"answers differing from the reference: {mismatches or 'none'}")
     import subprocess
 
-    probe = subprocess.run([args.python, "-c", "import kvfuse; print(kvfuse.__file__)"], capture_output=True, text=True)
+    probe = subprocess.run(
+        [args.python, "-c", "import kvfuse; print(kvfuse.__file__)"], capture_output=True, text=True
+    )
     payload = {
         "environment": environment(),
         "server_kvfuse": probe.stdout.strip(),  # the kvfuse the vLLM servers import (their cwd's, else the venv's)
         "args": {k: v for k, v in vars(args).items()},
         "target_speedup": TARGET,
         "ttft_s": {c: {str(n): v for n, v in cells.items()} for c, cells in summary.items()},
-        "speedup_vs_vllm": {c: {str(n): summary["vllm"][n]["median"] / v["median"] for n, v in cells.items()}
-                            for c, cells in summary.items() if c != "vllm" and "vllm" in summary},
+        "speedup_vs_vllm": {
+            c: {str(n): summary["vllm"][n]["median"] / v["median"] for n, v in cells.items()}
+            for c, cells in summary.items()
+            if c != "vllm" and "vllm" in summary
+        },
         "answers_differing": mismatches,
         "engines": engines,
         "requests": requests,
@@ -280,8 +372,11 @@ def main(argv=None) -> int:
 
 
 def summarize(results: dict[str, dict[int, list[float]]], lengths: list[int]) -> dict:
-    return {c: {n: stats(xs) for n, xs in cells.items() if xs} for c, cells in results.items()
-            if any(cells[n] for n in lengths)}
+    return {
+        c: {n: stats(xs) for n, xs in cells.items() if xs}
+        for c, cells in results.items()
+        if any(cells[n] for n in lengths)
+    }
 
 
 def plot(summary: dict, lengths: list[int], path: Path) -> None:
@@ -294,10 +389,14 @@ def plot(summary: dict, lengths: list[int], path: Path) -> None:
         print("matplotlib missing: no plot", file=sys.stderr)
         return
     configs = [c for c in (*CONFIGS, *EXTRA_CONFIGS, "vllm-warm") if c in summary]
-    labels = {"vllm": "vLLM alone (restarted)", "kvfuse-disk": "vLLM + kvfuse, disk tier (KV files not cached)",
-              "kvfuse-redis": "vLLM + kvfuse, Redis tier", "vllm-warm": "vLLM's own prefix cache (same process)",
-              "kvfuse-disk-layerwise": "vLLM + kvfuse, disk, layerwise: true",
-              "kvfuse-redis-layerwise": "vLLM + kvfuse, Redis, layerwise: true"}
+    labels = {
+        "vllm": "vLLM alone (restarted)",
+        "kvfuse-disk": "vLLM + kvfuse, disk tier (KV files not cached)",
+        "kvfuse-redis": "vLLM + kvfuse, Redis tier",
+        "vllm-warm": "vLLM's own prefix cache (same process)",
+        "kvfuse-disk-layerwise": "vLLM + kvfuse, disk, layerwise: true",
+        "kvfuse-redis-layerwise": "vLLM + kvfuse, Redis, layerwise: true",
+    }
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / len(configs)
     for j, c in enumerate(configs):
@@ -313,8 +412,15 @@ def plot(summary: dict, lengths: list[int], path: Path) -> None:
         bars = ax.bar(xs, med, width, yerr=[lo, hi], capsize=3, label=labels[c])
         if c != "vllm" and "vllm" in summary:
             for x, m, n in zip(xs, med, lengths):
-                ax.annotate(f"{summary['vllm'][n]['median'] / m:.1f}x", (x, m), ha="center", va="bottom", fontsize=8,
-                            xytext=(0, 3), textcoords="offset points")
+                ax.annotate(
+                    f"{summary['vllm'][n]['median'] / m:.1f}x",
+                    (x, m),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                )
         del bars
     ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
     ax.set_ylabel("time to first token after a restart (s)")

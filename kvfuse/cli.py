@@ -65,28 +65,58 @@ def _blend_text(blend) -> str:
 
 
 def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
-    p.add_argument("--config", metavar="FILE", help="YAML configuration file (default: $KVFUSE_CONFIG)")
-    p.add_argument("--home", metavar="DIR", help="kvfuse home: converted models, disk cache (default: ~/.cache/kvfuse)")
+    p.add_argument(
+        "--config", metavar="FILE", help="YAML configuration file (default: $KVFUSE_CONFIG)"
+    )
+    p.add_argument(
+        "--home",
+        metavar="DIR",
+        help="kvfuse home: converted models, disk cache (default: ~/.cache/kvfuse)",
+    )
     if model:
-        p.add_argument("--model", metavar="NAME|PATH", help="built-in name (kvfuse models list), HF folder or .gguf file")
+        p.add_argument(
+            "--model",
+            metavar="NAME|PATH",
+            help="built-in name (kvfuse models list), HF folder or .gguf file",
+        )
         p.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
-        p.add_argument("--dtype", help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16")
-        p.add_argument("--weights", choices=("auto", "int8"),
-                       help="weight format: auto (the compute dtype, default) or int8 (CPU only: ~3x faster decoding, "
-                            "lossy; its KV is cached apart from full-precision KV)")
+        p.add_argument(
+            "--dtype",
+            help="compute dtype: auto (fp32 on CPU, bf16 on CUDA), float32, bfloat16, float16",
+        )
+        p.add_argument(
+            "--weights",
+            choices=("auto", "int8"),
+            help="weight format: auto (the compute dtype, default) or int8 (CPU only: ~3x faster decoding, "
+            "lossy; its KV is cached apart from full-precision KV)",
+        )
         p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: all cores)")
-        p.add_argument("--retention", metavar="in_memory|DURATION",
-                       help="how long the KV entries written stay: in_memory (memory tier only) or a duration such "
-                            "as 24h (every tier, then expired); default: cache.retention (until evicted)")
-        p.add_argument("--kv-slo-ms", type=float, metavar="MS",
-                       help="load KV from disk / Redis within this budget, each chunk at the best encoding that "
-                            "fits or recomputed (CacheGen streaming; cache.kv_slo_ms)")
-        p.add_argument("--blend-auto", choices=("on", "off"),
-                       help="automatic reuse: find cached passages inside plain prompts, at any position, and "
-                            "blend them with the model's calibrated budget (blend.auto; default off)")
-    p.add_argument("--redis-url", metavar="URL", help="add a Redis/Valkey tier, e.g. redis://127.0.0.1:6379/0")
+        p.add_argument(
+            "--retention",
+            metavar="in_memory|DURATION",
+            help="how long the KV entries written stay: in_memory (memory tier only) or a duration such "
+            "as 24h (every tier, then expired); default: cache.retention (until evicted)",
+        )
+        p.add_argument(
+            "--kv-slo-ms",
+            type=float,
+            metavar="MS",
+            help="load KV from disk / Redis within this budget, each chunk at the best encoding that "
+            "fits or recomputed (CacheGen streaming; cache.kv_slo_ms)",
+        )
+        p.add_argument(
+            "--blend-auto",
+            choices=("on", "off"),
+            help="automatic reuse: find cached passages inside plain prompts, at any position, and "
+            "blend them with the model's calibrated budget (blend.auto; default off)",
+        )
+    p.add_argument(
+        "--redis-url", metavar="URL", help="add a Redis/Valkey tier, e.g. redis://127.0.0.1:6379/0"
+    )
     p.add_argument("--no-disk", action="store_true", help="no disk tier")
-    p.add_argument("-v", "--verbose", action="store_true", help="log progress and timings to stderr")
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="log progress and timings to stderr"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,15 +130,22 @@ def build_parser() -> argparse.ArgumentParser:
     msub.required = True
     p = msub.add_parser("list", help="built-in models and whether they are installed / converted")
     _common(p, model=False)
-    p = msub.add_parser("pull", help="fetch (if needed) and convert a built-in model once into the kvfuse home, "
-                                     "showing each step's progress on stderr")
+    p = msub.add_parser(
+        "pull",
+        help="fetch (if needed) and convert a built-in model once into the kvfuse home, "
+        "showing each step's progress on stderr",
+    )
     p.add_argument("name")
-    p.add_argument("--force", action="store_true", help="convert again even if a valid conversion exists")
+    p.add_argument(
+        "--force", action="store_true", help="convert again even if a valid conversion exists"
+    )
     _common(p, model=False)
 
     p = sub.add_parser("generate", help="generate an answer to a prompt (reusing cached KV)")
     p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt as a user message in the chat template"
+    )
     p.add_argument("--system", help="system message (with --chat)")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -117,63 +154,130 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the KV cache")
-    p.add_argument("--document", action="append", default=[], metavar="FILE",
-                   help="a document placed before the prompt (a .txt file, or a .jsonl file of {\"text\": ...} "
-                        "lines); its KV is cached on its own and blended (repeatable)")
-    p.add_argument("--recompute-ratio", type=_ratio, metavar="R",
-                   help="fraction of document tokens recomputed in context, 0..1, or auto (the model's calibrated "
-                        "budget; default: blend.recompute_ratio)")
+    p.add_argument(
+        "--document",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help='a document placed before the prompt (a .txt file, or a .jsonl file of {"text": ...} '
+        "lines); its KV is cached on its own and blended (repeatable)",
+    )
+    p.add_argument(
+        "--recompute-ratio",
+        type=_ratio,
+        metavar="R",
+        help="fraction of document tokens recomputed in context, 0..1, or auto (the model's calibrated "
+        "budget; default: blend.recompute_ratio)",
+    )
     _common(p)
 
-    p = sub.add_parser("chat", help="a multi-turn conversation: one user turn per line of stdin, the whole history "
-                                    "reused turn after turn")
+    p = sub.add_parser(
+        "chat",
+        help="a multi-turn conversation: one user turn per line of stdin, the whole history "
+        "reused turn after turn",
+    )
     p.add_argument("--system", help="system message")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--truncation", choices=("reuse", "recompute", "off"),
-                   help="a conversation beyond the context window: drop its oldest turns and reuse the rest's KV at "
-                        "their new positions, or recompute it, or stop (default: cache.truncation)")
-    p.add_argument("--context-tokens", type=int, metavar="N",
-                   help="the context window in tokens (default: the model's)")
+    p.add_argument(
+        "--truncation",
+        choices=("reuse", "recompute", "off"),
+        help="a conversation beyond the context window: drop its oldest turns and reuse the rest's KV at "
+        "their new positions, or recompute it, or stop (default: cache.truncation)",
+    )
+    p.add_argument(
+        "--context-tokens",
+        type=int,
+        metavar="N",
+        help="the context window in tokens (default: the model's)",
+    )
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the KV cache")
     _common(p)
 
-    p = sub.add_parser("precompute", help="compute and cache documents' KV ahead of requests that use them")
-    p.add_argument("paths", nargs="+", metavar="FILE|DIR",
-                   help=".txt files (one document each), .jsonl files (one {\"text\": ...} per line), or folders of them")
-    p.add_argument("--tenant", default="", help="the tenant whose requests will use them (its API key's name)")
+    p = sub.add_parser(
+        "precompute", help="compute and cache documents' KV ahead of requests that use them"
+    )
+    p.add_argument(
+        "paths",
+        nargs="+",
+        metavar="FILE|DIR",
+        help='.txt files (one document each), .jsonl files (one {"text": ...} per line), or folders of them',
+    )
+    p.add_argument(
+        "--tenant", default="", help="the tenant whose requests will use them (its API key's name)"
+    )
     p.add_argument("--cache-salt", default="", help="the cache_salt the requests will send")
     _common(p)
 
-    p = sub.add_parser("calibrate", help="measure how much recomputation keeps a model's answers when blending "
-                                         "documents (recompute_ratio: auto) and which CacheGen level keeps its "
-                                         "predictions (codec_level: 0), and store its profile")
-    p.add_argument("calibrate_model", nargs="?", metavar="MODEL", help="the model (default: --model or the configuration's)")
-    p.add_argument("--part", choices=("blend", "codec", "all"), default="all",
-                   help="what is measured: the blend budget, the default CacheGen level, or both (default); the part "
-                        "not measured is kept from the model's current profile")
-    p.add_argument("--items", type=_positive, default=30, help="fictional QA dev items measured (default 30)")
-    p.add_argument("--methods", default="hkvd,sinks+hkvd", help="selection methods tried (default hkvd,sinks+hkvd)")
-    p.add_argument("--ratios", default="0.05,0.1,0.15,0.3,0.6", help="recompute budgets tried (default "
-                                                                       "0.05,0.1,0.15,0.3,0.6)")
-    p.add_argument("--contexts", help="document contexts tried (bos, eos, prefix, none; default: bos, and prefix "
-                                      "too for a chat model, whose documents follow a system prompt)")
-    p.add_argument("--codec-items", type=_positive, default=6,
-                   help="fictional QA dev items (12 documents each) the CacheGen levels are measured on (default 6)")
-    p.add_argument("--output", metavar="FILE",
-                   help="write the profile here (default: <home>/profiles/<fingerprint>.json, where auto finds it)")
+    p = sub.add_parser(
+        "calibrate",
+        help="measure how much recomputation keeps a model's answers when blending "
+        "documents (recompute_ratio: auto) and which CacheGen level keeps its "
+        "predictions (codec_level: 0), and store its profile",
+    )
+    p.add_argument(
+        "calibrate_model",
+        nargs="?",
+        metavar="MODEL",
+        help="the model (default: --model or the configuration's)",
+    )
+    p.add_argument(
+        "--part",
+        choices=("blend", "codec", "all"),
+        default="all",
+        help="what is measured: the blend budget, the default CacheGen level, or both (default); the part "
+        "not measured is kept from the model's current profile",
+    )
+    p.add_argument(
+        "--items", type=_positive, default=30, help="fictional QA dev items measured (default 30)"
+    )
+    p.add_argument(
+        "--methods",
+        default="hkvd,sinks+hkvd",
+        help="selection methods tried (default hkvd,sinks+hkvd)",
+    )
+    p.add_argument(
+        "--ratios",
+        default="0.05,0.1,0.15,0.3,0.6",
+        help="recompute budgets tried (default 0.05,0.1,0.15,0.3,0.6)",
+    )
+    p.add_argument(
+        "--contexts",
+        help="document contexts tried (bos, eos, prefix, none; default: bos, and prefix "
+        "too for a chat model, whose documents follow a system prompt)",
+    )
+    p.add_argument(
+        "--codec-items",
+        type=_positive,
+        default=6,
+        help="fictional QA dev items (12 documents each) the CacheGen levels are measured on (default 6)",
+    )
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the profile here (default: <home>/profiles/<fingerprint>.json, where auto finds it)",
+    )
     _common(p)
 
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
-    p.add_argument("--api-key", action="append", metavar="KEY:TENANT", help="require this API key (repeatable)")
+    p.add_argument(
+        "--api-key", action="append", metavar="KEY:TENANT", help="require this API key (repeatable)"
+    )
     p.add_argument("--no-cache", action="store_true", help="serve without any KV cache")
-    p.add_argument("--max-running", type=int, metavar="N",
-                   help="sequences batched together in each step (engine.max_running, default 32)")
-    p.add_argument("--kv-memory", metavar="SIZE",
-                   help="live KV of all running sequences together, e.g. 2GiB (engine.kv_memory_bytes; "
-                        "default 4GiB)")
+    p.add_argument(
+        "--max-running",
+        type=int,
+        metavar="N",
+        help="sequences batched together in each step (engine.max_running, default 32)",
+    )
+    p.add_argument(
+        "--kv-memory",
+        metavar="SIZE",
+        help="live KV of all running sequences together, e.g. 2GiB (engine.kv_memory_bytes; "
+        "default 4GiB)",
+    )
     _common(p)
 
     cache = sub.add_parser("cache", help="inspect or clear the KV cache tiers")
@@ -183,18 +287,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     _common(p, model=False)
     p = csub.add_parser("clear", help="delete cached entries")
-    p.add_argument("--tier", default="all", metavar="NAME",
-                   help="clear one tier below memory, by name (disk, redis, s3, or a cache.tiers name); default all")
-    p.add_argument("--prefix", default="", help="only keys starting with this (a namespace id, e.g. 3f2a...:)")
+    p.add_argument(
+        "--tier",
+        default="all",
+        metavar="NAME",
+        help="clear one tier below memory, by name (disk, redis, s3, or a cache.tiers name); default all",
+    )
+    p.add_argument(
+        "--prefix", default="", help="only keys starting with this (a namespace id, e.g. 3f2a...:)"
+    )
     _common(p, model=False)
-    p = csub.add_parser("inspect", help="list entries with codec, level and compression ratio, or show one "
-                                        "entry's header (a storage key or an entry file)")
-    p.add_argument("target", metavar="KEY|FILE", nargs="?", help="one entry; without it, list the disk and Redis tiers")
+    p = csub.add_parser(
+        "inspect",
+        help="list entries with codec, level and compression ratio, or show one "
+        "entry's header (a storage key or an entry file)",
+    )
+    p.add_argument(
+        "target",
+        metavar="KEY|FILE",
+        nargs="?",
+        help="one entry; without it, list the disk and Redis tiers",
+    )
     p.add_argument("--limit", type=int, default=50, help="entries listed per tier (default 50)")
     p.add_argument("--json", action="store_true", help="the list as JSON")
     _common(p, model=False)
 
-    responses = sub.add_parser("responses", help="list, show, delete or purge the Responses API's stored responses")
+    responses = sub.add_parser(
+        "responses", help="list, show, delete or purge the Responses API's stored responses"
+    )
     rsub = responses.add_subparsers(dest="action", metavar="ACTION")
     rsub.required = True
     p = rsub.add_parser("list", help="the newest stored responses")
@@ -210,17 +330,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("id")
     p.add_argument("--tenant", default="", help="the tenant that created it ('' without API keys)")
     _common(p, model=False)
-    p = rsub.add_parser("purge", help="delete the expired responses (responses.ttl) and free their KV entries")
+    p = rsub.add_parser(
+        "purge", help="delete the expired responses (responses.ttl) and free their KV entries"
+    )
     _common(p, model=False)
 
     keys = sub.add_parser("keys", help="API keys: print the digest to configure instead of a key")
     ksub = keys.add_subparsers(dest="action", metavar="ACTION")
     ksub.required = True
-    p = ksub.add_parser("digest", help="print sha256:<hex> of an API key (or the metrics token), for server.api_keys "
-                                       "(sha256:<hex>:TENANT) or server.metrics_token; the key is read from stdin "
-                                       "unless given (an argument stays in the shell's history)")
+    p = ksub.add_parser(
+        "digest",
+        help="print sha256:<hex> of an API key (or the metrics token), for server.api_keys "
+        "(sha256:<hex>:TENANT) or server.metrics_token; the key is read from stdin "
+        "unless given (an argument stays in the shell's history)",
+    )
     p.add_argument("key", nargs="?", metavar="KEY", help="the key (default: one line of stdin)")
-    p.add_argument("--tenant", metavar="NAME", help="print the whole server.api_keys entry, sha256:<hex>:NAME")
+    p.add_argument(
+        "--tenant", metavar="NAME", help="print the whole server.api_keys entry, sha256:<hex>:NAME"
+    )
     p.set_defaults(verbose=False)
     return parser
 
@@ -265,7 +392,9 @@ def cmd_models(args, config: Config) -> int:
             if converted or installed:
                 state = "ready" if converted else "installed"
             else:
-                state = f"{'not downloaded' if m.split is not None else 'missing'}: {m.install_hint()}"
+                state = (
+                    f"{'not downloaded' if m.split is not None else 'missing'}: {m.install_hint()}"
+                )
             rows.append((m.name, state, m.description))
         width = max(len(r[0]) for r in rows)
         swidth = max(len(r[1]) for r in rows)
@@ -283,8 +412,12 @@ def cmd_generate(args, config: Config) -> int:
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop),
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=tuple(args.stop),
     )
     documents = [doc for path in args.document for doc in read_documents(Path(path))]
     if args.recompute_ratio is not None and not documents:
@@ -296,13 +429,20 @@ def cmd_generate(args, config: Config) -> int:
         messages = None
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": prompt}]
+                {"role": "user", "content": prompt}
+            ]
         blend = None
         if documents:
-            ids = engine.prompts.document_prompt(documents, prompt=None if args.chat else prompt, messages=messages)
+            ids = engine.prompts.document_prompt(
+                documents, prompt=None if args.chat else prompt, messages=messages
+            )
             blend = engine.blend.with_ratio(args.recompute_ratio)
         else:
-            ids = engine.prompts.encode_prompt(messages=messages) if args.chat else engine.prompts.encode_prompt(prompt)
+            ids = (
+                engine.prompts.encode_prompt(messages=messages)
+                if args.chat
+                else engine.prompts.encode_prompt(prompt)
+            )
 
         def write(piece: str) -> None:
             sys.stdout.write(piece)
@@ -325,8 +465,11 @@ def cmd_generate(args, config: Config) -> int:
             if result.kv_stream is not None:
                 r = result.kv_stream
                 chunks = ", ".join(f"{n} {enc}" for enc, n in sorted(r.chunks.items()))
-                print(f"[kvfuse] streamed from slow tiers: {chunks}; {r.load_s * 1000:.0f} ms of a "
-                      f"{r.slo_s * 1000:.0f} ms budget ({r.bytes_read / 2**20:.1f} MiB read)", file=sys.stderr)
+                print(
+                    f"[kvfuse] streamed from slow tiers: {chunks}; {r.load_s * 1000:.0f} ms of a "
+                    f"{r.slo_s * 1000:.0f} ms budget ({r.bytes_read / 2**20:.1f} MiB read)",
+                    file=sys.stderr,
+                )
     finally:
         engine.close()  # flushes the background writes to disk / Redis
     return 0
@@ -354,16 +497,21 @@ def cmd_chat(args, config: Config) -> int:
             ids, dropped = engine.prompts.encode_chat(messages, reserve=params.max_tokens)
             if dropped:  # the next turns go on from what is left
                 messages = without_oldest(messages, dropped)
-            result = engine.generate(ids, params, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+            result = engine.generate(
+                ids, params, on_text=lambda piece: (sys.stdout.write(piece), sys.stdout.flush())
+            )
             sys.stdout.write("\n")
             messages.append({"role": "assistant", "content": result.text})
             if args.verbose:
                 t = result.timings
-                print(f"[kvfuse] turn {sum(m['role'] == 'user' for m in messages)}: prompt {result.prompt_tokens} tokens "
-                      f"({result.cached_tokens} cached"
-                      f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}"
-                      f"{f', {dropped} oldest messages dropped' if dropped else ''}), {result.completion_tokens} "
-                      f"generated; time to first token {t.ttft_s * 1000:.0f} ms", file=sys.stderr)
+                print(
+                    f"[kvfuse] turn {sum(m['role'] == 'user' for m in messages)}: prompt {result.prompt_tokens} tokens "
+                    f"({result.cached_tokens} cached"
+                    f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}"
+                    f"{f', {dropped} oldest messages dropped' if dropped else ''}), {result.completion_tokens} "
+                    f"generated; time to first token {t.ttft_s * 1000:.0f} ms",
+                    file=sys.stderr,
+                )
     finally:
         engine.close()
     return 0
@@ -392,10 +540,12 @@ def read_documents(path: Path) -> list[str]:
         try:
             item = json.loads(line)
         except json.JSONDecodeError as e:
-            raise UserError(f"{path}:{n}: not JSON ({e.msg}); write one {{\"text\": ...}} object per line") from None
+            raise UserError(
+                f'{path}:{n}: not JSON ({e.msg}); write one {{"text": ...}} object per line'
+            ) from None
         doc = item.get("text") if isinstance(item, dict) else item
         if not isinstance(doc, str):
-            raise UserError(f"{path}:{n}: expected a string or an object with a \"text\" string")
+            raise UserError(f'{path}:{n}: expected a string or an object with a "text" string')
         docs.append(doc)
     return docs
 
@@ -412,15 +562,21 @@ def cmd_precompute(args, config: Config) -> int:
         from tqdm import tqdm
 
         with tqdm(total=len(documents), unit="doc", file=sys.stderr, disable=None) as bar:
+
             def progress(tokens: int, computed: bool) -> None:
                 bar.update(1)
 
-            counts = engine.precompute_documents(documents, CacheOptions(tenant=args.tenant, salt=args.cache_salt),
-                                                 on_document=progress)
+            counts = engine.precompute_documents(
+                documents,
+                CacheOptions(tenant=args.tenant, salt=args.cache_salt),
+                on_document=progress,
+            )
     finally:
         engine.close()  # flushes the writes to disk / Redis
-    print(f"{counts['documents']} documents ({counts['tokens']} tokens): {counts['computed']} computed and stored, "
-          f"{counts['cached']} already cached")
+    print(
+        f"{counts['documents']} documents ({counts['tokens']} tokens): {counts['computed']} computed and stored, "
+        f"{counts['cached']} already cached"
+    )
     return 0
 
 
@@ -431,15 +587,19 @@ def _blend_grid(args) -> tuple[list[str], list[float], list[str] | None]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS or m == "prefix"]
     if bad or not methods:
-        raise UserError(f"--methods: unknown blend method {bad[0] if bad else '(none)'}; use a list of: "
-                        f"{', '.join(m for m in METHODS if m != 'prefix')}")
+        raise UserError(
+            f"--methods: unknown blend method {bad[0] if bad else '(none)'}; use a list of: "
+            f"{', '.join(m for m in METHODS if m != 'prefix')}"
+        )
     ratios = [_ratio_number(r) for r in args.ratios.split(",") if r.strip()]
     if not ratios:
         raise UserError("--ratios: give at least one budget, e.g. --ratios 0.15,0.3")
     contexts = [c.strip() for c in (args.contexts or "").split(",") if c.strip()] or None
     bad = [c for c in contexts or () if c not in CONTEXTS]
     if bad:
-        raise UserError(f"--contexts: unknown document context {bad[0]!r}; use a list of: {', '.join(CONTEXTS)}")
+        raise UserError(
+            f"--contexts: unknown document context {bad[0]!r}; use a list of: {', '.join(CONTEXTS)}"
+        )
     return methods, ratios, contexts
 
 
@@ -453,8 +613,11 @@ def _current_profile(path: Path, config: Config, model, needed: bool):
         return profile.find(model.fingerprint, config.home_path / "profiles")
     try:
         found = profile.load(path)
-        problem = None if found.fingerprint == model.fingerprint else \
-            f"{path} is the profile of another model ({found.model}, fingerprint {found.fingerprint})"
+        problem = (
+            None
+            if found.fingerprint == model.fingerprint
+            else f"{path} is the profile of another model ({found.model}, fingerprint {found.fingerprint})"
+        )
     except profile.ProfileError as e:
         found, problem = None, str(e)
     if problem is None:
@@ -474,21 +637,33 @@ def _calibrate_blend(args, config: Config, model, grid):
     methods, ratios, contexts = grid
     # In memory only: calibration must not fill the configured disk or Redis tiers.
     engine = open_engine(config, model, TieredStore(MemoryTier(2 << 30), []))
-    command = f"kvfuse calibrate {config.model} --items {args.items} --methods {','.join(methods)} " \
-              f"--ratios {','.join(f'{r:g}' for r in ratios)}" + (f" --contexts {','.join(contexts)}" if contexts else "")
+    command = (
+        f"kvfuse calibrate {config.model} --items {args.items} --methods {','.join(methods)} "
+        f"--ratios {','.join(f'{r:g}' for r in ratios)}"
+        + (f" --contexts {','.join(contexts)}" if contexts else "")
+    )
     command += " --part blend" if args.part == "blend" else f" --codec-items {args.codec_items}"
     try:
         from tqdm import tqdm
 
         with tqdm(total=args.items, unit="item", file=sys.stderr, disable=None) as bar:
-            result, report = calibrate.calibrate(engine, command, items=args.items, methods=methods, ratios=ratios,
-                                                 contexts=contexts, progress=lambda done, total, s: bar.update(1))
+            result, report = calibrate.calibrate(
+                engine,
+                command,
+                items=args.items,
+                methods=methods,
+                ratios=ratios,
+                contexts=contexts,
+                progress=lambda done, total, s: bar.update(1),
+            )
     finally:
         engine.close()
     for row in report.rows():
-        print(f"  {row['config']:>22}  correct {row['correct']:>3}/{row['items']}  accuracy/full "
-              f"{row['accuracy_vs_full'] if row['accuracy_vs_full'] is not None else '-':>6}  KL {row['kl']:.3f}  "
-              f"TTFT {row['ttft_ms']:.0f} ms")
+        print(
+            f"  {row['config']:>22}  correct {row['correct']:>3}/{row['items']}  accuracy/full "
+            f"{row['accuracy_vs_full'] if row['accuracy_vs_full'] is not None else '-':>6}  KL {row['kl']:.3f}  "
+            f"TTFT {row['ttft_ms']:.0f} ms"
+        )
     return result
 
 
@@ -500,12 +675,19 @@ def _calibrate_codec(args, config: Config, model) -> dict:
 
     command = f"kvfuse calibrate {config.model} --part codec --codec-items {args.codec_items}"
     with tqdm(total=args.codec_items, unit="item", file=sys.stderr, disable=None) as bar:
-        codec = codec_level.calibrate_level(model, command, items=args.codec_items, chunk_size=config.cache.chunk_size,
-                                            progress=lambda done, total: bar.update(1))
+        codec = codec_level.calibrate_level(
+            model,
+            command,
+            items=args.codec_items,
+            chunk_size=config.cache.chunk_size,
+            progress=lambda done, total: bar.update(1),
+        )
     print("  cachegen level   NLL      vs lossless  KL       vs int8  bytes/token")
     for row in codec["measured"]:
-        print(f"  {row['level']:>14}   {row['nll']:<7.4f}  {row['nll_increase']:>+10.2%}   {row['kl']:<7.4f}  "
-              f"{row['ratio_vs_int8']:>6.2f}x  {row['bytes_per_token']:>11.1f}")
+        print(
+            f"  {row['level']:>14}   {row['nll']:<7.4f}  {row['nll_increase']:>+10.2%}   {row['kl']:<7.4f}  "
+            f"{row['ratio_vs_int8']:>6.2f}x  {row['bytes_per_token']:>11.1f}"
+        )
     return codec
 
 
@@ -515,14 +697,24 @@ def cmd_calibrate(args, config: Config) -> int:
 
     grid = _blend_grid(args)  # checked before a model is loaded, whatever the part
     # Each setting is measured as given (not through the model's current profile).
-    config = dataclasses.replace(config, blend=dataclasses.replace(config.blend, recompute_ratio=0.15))
+    config = dataclasses.replace(
+        config, blend=dataclasses.replace(config.blend, recompute_ratio=0.15)
+    )
     model = open_model(config)
-    path = Path(args.output) if args.output else profile.path_for(config.home_path / "profiles", model.fingerprint)
-    current = _current_profile(path, config, model, args.part == "codec") if args.part != "all" else None
+    path = (
+        Path(args.output)
+        if args.output
+        else profile.path_for(config.home_path / "profiles", model.fingerprint)
+    )
+    current = (
+        _current_profile(path, config, model, args.part == "codec") if args.part != "all" else None
+    )
     if args.part == "codec" and current is None:
-        raise UserError(f"no profile of {config.model} to add the CacheGen level to (none at {path}, among the "
-                        f"user's or the shipped ones): run `kvfuse calibrate {config.model}` to measure the blend "
-                        "and the level together")
+        raise UserError(
+            f"no profile of {config.model} to add the CacheGen level to (none at {path}, among the "
+            f"user's or the shipped ones): run `kvfuse calibrate {config.model}` to measure the blend "
+            "and the level together"
+        )
     result = current if args.part == "codec" else _calibrate_blend(args, config, model, grid)
     if args.part != "blend":
         result = dataclasses.replace(result, codec=_calibrate_codec(args, config, model))
@@ -534,10 +726,16 @@ def cmd_calibrate(args, config: Config) -> int:
     else:
         profile.save(result, path.parent)
     b = result.blend
-    what = "no blending (documents reused as an exact prefix)" if b["method"] == "prefix" else \
-        f"{b['method']} at {b['recompute_ratio']:g}"
-    level = f"CacheGen level {result.codec['cachegen_level']}: {result.codec['reason']}" if result.codec else \
-        "CacheGen level: not calibrated (the default)"
+    what = (
+        "no blending (documents reused as an exact prefix)"
+        if b["method"] == "prefix"
+        else f"{b['method']} at {b['recompute_ratio']:g}"
+    )
+    level = (
+        f"CacheGen level {result.codec['cachegen_level']}: {result.codec['reason']}"
+        if result.codec
+        else "CacheGen level: not calibrated (the default)"
+    )
     print(f"{config.model}: {what}: {result.reason}\n{config.model}: {level}\nprofile: {path}")
     return 0
 
@@ -545,7 +743,12 @@ def cmd_calibrate(args, config: Config) -> int:
 def cmd_serve(args, config: Config) -> int:
     from .server.app import serve
 
-    serve(config, on_ready=lambda url: print(f"kvfuse: serving {config.model} at {url}/v1", file=sys.stderr, flush=True))
+    serve(
+        config,
+        on_ready=lambda url: print(
+            f"kvfuse: serving {config.model} at {url}/v1", file=sys.stderr, flush=True
+        ),
+    )
     return 0
 
 
@@ -569,16 +772,23 @@ def cmd_cache(args, config: Config) -> int:
         if args.action == "clear":
             names = [t.name for t in store.lower]
             if args.tier != "all" and args.tier not in names:
-                raise UserError(f"--tier {args.tier}: no such tier in this configuration; tiers: all, {', '.join(names)}")
+                raise UserError(
+                    f"--tier {args.tier}: no such tier in this configuration; tiers: all, {', '.join(names)}"
+                )
             removed = 0
             for tier in store.lower:
                 if args.tier in ("all", tier.name):
                     removed += tier.delete_prefix(args.prefix) if args.prefix else tier.clear()
             disk = next((t for t in config.lower_tiers() if t.kind == "disk"), None)
-            if disk is not None and args.tier in ("all", disk.tier_name):  # the ids of the histories they held
+            if disk is not None and args.tier in (
+                "all",
+                disk.tier_name,
+            ):  # the ids of the histories they held
                 from .history import HistoryIndex
 
-                HistoryIndex(config.cache.history_records, config.disk_path / "histories").delete_prefix(args.prefix)
+                HistoryIndex(
+                    config.cache.history_records, config.disk_path / "histories"
+                ).delete_prefix(args.prefix)
             print(f"removed {removed} entries")
             return 0
         if args.target is None:
@@ -599,8 +809,10 @@ def _inspect(target: str, store) -> int:
         try:
             key = ChunkKey.parse(target)
         except ValueError:
-            raise UserError(f"{target!r} is neither an entry file nor a storage key ('<24 hex>:<p|d|t>:<64 hex>', as "
-                            f"printed in file names with ':' written as '_3A')") from None
+            raise UserError(
+                f"{target!r} is neither an entry file nor a storage key ('<24 hex>:<p|d|t>:<64 hex>', as "
+                f"printed in file names with ':' written as '_3A')"
+            ) from None
         blob, where = None, ""
         for tier in store.lower:
             blob = tier.get(key)
@@ -608,9 +820,13 @@ def _inspect(target: str, store) -> int:
                 where = tier.name
                 break
         if blob is None:
-            raise UserError(f"{target!r} is neither an entry file nor a key held by the disk or Redis tier")
+            raise UserError(
+                f"{target!r} is neither an entry file nor a key held by the disk or Redis tier"
+            )
     try:
-        header = read_header(blob, store.signer)  # with signing on, whether an accepted key signed it
+        header = read_header(
+            blob, store.signer
+        )  # with signing on, whether an accepted key signed it
     except FormatError as e:
         raise UserError(f"{where}: not a valid kvfuse entry: {e}") from e
     info = {"source": where, **{k: getattr(header, k) for k in header.__dataclass_fields__}}
@@ -646,14 +862,32 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
                 rows.append({"tier": tier.name, "key": str(key), "error": str(e)})
                 continue
             encoding = h.codec if h.codec_id == 1 else f"{h.codec}.{h.level}"
-            row = {"tier": tier.name, "key": str(key), "codec": h.codec, "level": h.level, "tokens": h.shape[2],
-                   "bytes": h.header_size + h.payload_size, "raw_bytes": h.raw_payload_size,
-                   "ratio": round(h.compression_ratio, 2), "intact": h.payload_ok, "signature": h.signature}
+            row = {
+                "tier": tier.name,
+                "key": str(key),
+                "codec": h.codec,
+                "level": h.level,
+                "tokens": h.shape[2],
+                "bytes": h.header_size + h.payload_size,
+                "raw_bytes": h.raw_payload_size,
+                "ratio": round(h.compression_ratio, 2),
+                "intact": h.payload_ok,
+                "signature": h.signature,
+            }
             rows.append(row)
             t = totals.setdefault((tier.name, encoding), [0, 0, 0])
             t[0], t[1], t[2] = t[0] + 1, t[1] + row["bytes"], t[2] + row["raw_bytes"]
-    summary = [{"tier": tier, "encoding": enc, "entries": n, "bytes": b, "raw_bytes": r,
-                "ratio": round(r / b, 2) if b else None} for (tier, enc), (n, b, r) in sorted(totals.items())]
+    summary = [
+        {
+            "tier": tier,
+            "encoding": enc,
+            "entries": n,
+            "bytes": b,
+            "raw_bytes": r,
+            "ratio": round(r / b, 2) if b else None,
+        }
+        for (tier, enc), (n, b, r) in sorted(totals.items())
+    ]
     if as_json:
         print(json.dumps({"entries": rows, "summary": summary}, indent=2))
         return 0
@@ -663,16 +897,23 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
     print(f"{'tier':<6} {'codec':<9} {'level':>5} {'tokens':>6} {'bytes':>10} {'ratio':>6}  key")
     for r in rows:
         if "error" in r:
-            print(f"{r['tier']:<6} {'?':<9} {'?':>5} {'?':>6} {'?':>10} {'?':>6}  {r['key']}  ({r['error']})")
+            print(
+                f"{r['tier']:<6} {'?':<9} {'?':>5} {'?':>6} {'?':>10} {'?':>6}  {r['key']}  ({r['error']})"
+            )
         else:
-            notes = ("" if r["intact"] else "  (damaged payload)") + _signature_note(r["signature"],
-                                                                                  store.signer is not None)
-            print(f"{r['tier']:<6} {r['codec']:<9} {r['level']:>5} {r['tokens']:>6} {r['bytes']:>10} "
-                  f"{r['ratio']:>5.2f}x  {r['key']}{notes}")
+            notes = ("" if r["intact"] else "  (damaged payload)") + _signature_note(
+                r["signature"], store.signer is not None
+            )
+            print(
+                f"{r['tier']:<6} {r['codec']:<9} {r['level']:>5} {r['tokens']:>6} {r['bytes']:>10} "
+                f"{r['ratio']:>5.2f}x  {r['key']}{notes}"
+            )
     print()
     for t in summary:
-        print(f"{t['tier']:<6} {t['encoding']:<12} {t['entries']:>6} entries  {t['bytes'] / 2**20:9.1f} MiB  "
-              f"{t['ratio']}x smaller than raw")
+        print(
+            f"{t['tier']:<6} {t['encoding']:<12} {t['entries']:>6} entries  {t['bytes'] / 2**20:9.1f} MiB  "
+            f"{t['ratio']}x smaller than raw"
+        )
     return 0
 
 
@@ -680,33 +921,56 @@ def cmd_responses(args, config: Config) -> int:
     from .history.response_store import ResponseNotFound, ResponseStore
 
     if not config.responses_path.is_file():
-        raise UserError(f"no stored responses at {config.responses_path} (responses.path); a server stores them there "
-                        "when responses.store is true")
+        raise UserError(
+            f"no stored responses at {config.responses_path} (responses.path); a server stores them there "
+            "when responses.store is true"
+        )
     responses = ResponseStore(config.responses_path, config.responses.ttl_s)
     try:
         if args.action == "list":
             rows = responses.list(args.tenant, args.limit)
             if args.json:
-                print(json.dumps([{"id": r.id, "tenant": r.tenant, "created_at": r.created_at,
-                                   "expires_at": r.expires_at, "previous_response_id": r.previous_id,
-                                   "turns": sum(m["role"] == "user" for m in r.history)} for r in rows], indent=2))
+                print(
+                    json.dumps(
+                        [
+                            {
+                                "id": r.id,
+                                "tenant": r.tenant,
+                                "created_at": r.created_at,
+                                "expires_at": r.expires_at,
+                                "previous_response_id": r.previous_id,
+                                "turns": sum(m["role"] == "user" for m in r.history),
+                            }
+                            for r in rows
+                        ],
+                        indent=2,
+                    )
+                )
             for r in rows if not args.json else ():
-                text = next((m["content"] for m in reversed(r.history) if m["role"] == "assistant"), "")
-                print(f"{r.id}  tenant={r.tenant or '-'}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.created_at))}"
-                      f"  turns={sum(m['role'] == 'user' for m in r.history)}  {text[:60]!r}")
+                text = next(
+                    (m["content"] for m in reversed(r.history) if m["role"] == "assistant"), ""
+                )
+                print(
+                    f"{r.id}  tenant={r.tenant or '-'}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.created_at))}"
+                    f"  turns={sum(m['role'] == 'user' for m in r.history)}  {text[:60]!r}"
+                )
             return 0
         if args.action == "show":
             try:
                 print(json.dumps(responses.get(args.tenant, args.id).body, indent=2))
             except ResponseNotFound:
-                raise UserError(f"no response {args.id!r} for tenant {args.tenant!r} (expired, deleted or another "
-                                "tenant's: see kvfuse responses list)") from None
+                raise UserError(
+                    f"no response {args.id!r} for tenant {args.tenant!r} (expired, deleted or another "
+                    "tenant's: see kvfuse responses list)"
+                ) from None
             return 0
         if args.action == "delete":
             try:
                 keys = responses.delete(args.tenant, args.id)
             except ResponseNotFound:
-                raise UserError(f"no response {args.id!r} for tenant {args.tenant!r} (see kvfuse responses list)") from None
+                raise UserError(
+                    f"no response {args.id!r} for tenant {args.tenant!r} (see kvfuse responses list)"
+                ) from None
         else:
             n, keys = responses.purge()
             print(f"removed {n} expired responses")
@@ -725,7 +989,9 @@ def cmd_keys(args, config: Config) -> int:
         line = sys.stdin.readline()
         key = line[:-1] if line.endswith("\n") else line
     if not key:
-        raise UserError("no key given: pass it as an argument or on stdin (echo -n KEY | kvfuse keys digest)")
+        raise UserError(
+            "no key given: pass it as an argument or on stdin (echo -n KEY | kvfuse keys digest)"
+        )
     if is_digest(key):
         raise UserError("that is a digest already (sha256:...): give the key itself")
     if args.tenant is not None and not args.tenant:
@@ -749,9 +1015,17 @@ def _free(config: Config, keys: list[str]) -> int:
         store.close()
 
 
-COMMANDS = {"models": cmd_models, "generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "precompute": cmd_precompute, "calibrate": cmd_calibrate, "cache": cmd_cache, "responses": cmd_responses,
-            "keys": cmd_keys}
+COMMANDS = {
+    "models": cmd_models,
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "serve": cmd_serve,
+    "precompute": cmd_precompute,
+    "calibrate": cmd_calibrate,
+    "cache": cmd_cache,
+    "responses": cmd_responses,
+    "keys": cmd_keys,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -767,7 +1041,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(args)
         return COMMANDS[args.command](args, config)
-    except (UserError, ConfigError, ModelNotFound, ModelPackageMissing, CorruptModel, ValueError, FileNotFoundError) as e:
+    except (
+        UserError,
+        ConfigError,
+        ModelNotFound,
+        ModelPackageMissing,
+        CorruptModel,
+        ValueError,
+        FileNotFoundError,
+    ) as e:
         print(f"kvfuse: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

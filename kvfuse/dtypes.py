@@ -15,10 +15,20 @@ if TYPE_CHECKING:
 
 # name -> (entry header code, bytes per element). Codes are part of the entry format: never reuse one.
 _TABLE = {"float16": (1, 2), "bfloat16": (2, 2), "float32": (3, 4)}
-ALIASES = {"fp16": "float16", "half": "float16", "bf16": "bfloat16", "fp32": "float32", "float": "float32"}
+ALIASES = {
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+}
 
 KV_DTYPES: tuple[str, ...] = tuple(_TABLE)  # what KV may be stored as (cache.kv_dtype)
-COMPUTE_DTYPES: tuple[str, ...] = ("float32", "bfloat16", "float16")  # what a model may compute in (dtype)
+COMPUTE_DTYPES: tuple[str, ...] = (
+    "float32",
+    "bfloat16",
+    "float16",
+)  # what a model may compute in (dtype)
 
 
 def canonical(name: str) -> str:

@@ -28,7 +28,9 @@ def parse_duration(text: str | float | int) -> float:
                 seconds += float(m.group(1)) * _SECONDS[m.group(2)]
                 pos = m.end()
             if pos != len(s) or not s:
-                raise ValueError(f"not a duration: {text!r}; write e.g. '90s', '10m', '24h', '7d' or '1h30m'") from None
+                raise ValueError(
+                    f"not a duration: {text!r}; write e.g. '90s', '10m', '24h', '7d' or '1h30m'"
+                ) from None
     if not 0 < seconds <= MAX_SECONDS:
         raise ValueError(f"a duration must be > 0 and at most 3650d, got {text!r}")
     return seconds

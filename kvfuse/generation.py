@@ -30,15 +30,36 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool) and self.max_tokens >= 1,
-               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        _check(_real(self.temperature) and 0.0 <= self.temperature <= 100.0,
-               "temperature", f"must be a number in [0, 100] (0 = greedy), got {self.temperature!r}")
-        _check(_real(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be an integer >= 0, got {self.top_k!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-               "seed", f"must be a non-negative integer, got {self.seed!r}")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(
+            isinstance(self.max_tokens, int)
+            and not isinstance(self.max_tokens, bool)
+            and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an integer >= 1, got {self.max_tokens!r}",
+        )
+        _check(
+            _real(self.temperature) and 0.0 <= self.temperature <= 100.0,
+            "temperature",
+            f"must be a number in [0, 100] (0 = greedy), got {self.temperature!r}",
+        )
+        _check(
+            _real(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
+        )
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            f"must be an integer >= 0, got {self.top_k!r}",
+        )
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
+            "seed",
+            f"must be a non-negative integer, got {self.seed!r}",
+        )
+        _check(
+            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
+        )
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
 
     @property
@@ -90,9 +111,13 @@ class Sampler:
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``; renormalise."""
     sorted_probs, order = torch.sort(probs, descending=True)
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly more likely tokens
+    before = (
+        torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    )  # mass of strictly more likely tokens
     drop = before >= top_p
-    drop[..., 0] = False  # the most likely token always stays (a top_p that rounds to 0 keeps just it)
+    drop[..., 0] = (
+        False  # the most likely token always stays (a top_p that rounds to 0 keeps just it)
+    )
     sorted_probs[drop] = 0.0
     out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return out / out.sum()

@@ -55,8 +55,14 @@ def amount(n: float, unit: str, unit_scale: bool) -> str:
     return f"{int(n)} {unit}".rstrip()
 
 
-def status_line(desc: str, done: float, total: float | None, elapsed: float, unit: str = "",
-                unit_scale: bool = False) -> str:
+def status_line(
+    desc: str,
+    done: float,
+    total: float | None,
+    elapsed: float,
+    unit: str = "",
+    unit_scale: bool = False,
+) -> str:
     """A running step's line: ``converting weights: 120/272 tensors (44%), 12 s``."""
     if total is None:
         return f"{desc}: {elapsed:.0f} s"
@@ -69,10 +75,19 @@ def status_line(desc: str, done: float, total: float | None, elapsed: float, uni
 class Step:
     """One step's progress, used as a context manager: ``update(n)`` as work is done."""
 
-    def __init__(self, desc: str, total: int | None = None, unit: str = "", *, progress: bool | str | None = None,
-                 on_progress: ProgressCallback | None = None, unit_scale: bool = False,
-                 interval: float = INTERVAL_S, stream: TextIO | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        desc: str,
+        total: int | None = None,
+        unit: str = "",
+        *,
+        progress: bool | str | None = None,
+        on_progress: ProgressCallback | None = None,
+        unit_scale: bool = False,
+        interval: float = INTERVAL_S,
+        stream: TextIO | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.desc, self.total, self.unit, self.unit_scale = desc, total, unit, unit_scale
         self.done = 0
         self._on_progress = on_progress
@@ -87,10 +102,19 @@ class Step:
         self._ticker = None
         self._closed = False
         if self._mode == BAR:
-            self._bar = tqdm(total=total, desc=desc, unit=unit or "it", unit_scale=unit_scale, file=self._stream,
-                             bar_format="{desc}: {elapsed}" if total is None else None, dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total,
+                desc=desc,
+                unit=unit or "it",
+                unit_scale=unit_scale,
+                file=self._stream,
+                bar_format="{desc}: {elapsed}" if total is None else None,
+                dynamic_ncols=True,
+            )
         elif self._mode == LINES:
-            self._line(f"{desc} ({amount(total, unit, unit_scale)}) ..." if total else f"{desc} ...")
+            self._line(
+                f"{desc} ({amount(total, unit, unit_scale)}) ..." if total else f"{desc} ..."
+            )
         if total is None and self._mode != OFF:
             self._ticker = threading.Thread(target=self._tick, name="kvfuse-progress", daemon=True)
             self._ticker.start()
@@ -114,8 +138,16 @@ class Step:
                 now = self._clock()
                 if now - self._last >= self._interval:
                     self._last = now
-                    self._line(status_line(self.desc, self.done, self.total, now - self._start, self.unit,
-                                           self.unit_scale))
+                    self._line(
+                        status_line(
+                            self.desc,
+                            self.done,
+                            self.total,
+                            now - self._start,
+                            self.unit,
+                            self.unit_scale,
+                        )
+                    )
         if self._on_progress is not None:
             self._on_progress(self.desc, self.done, self.total)
 
@@ -133,7 +165,9 @@ class Step:
                 if failed:
                     self._line(f"{self.desc}: stopped after {self.elapsed:.1f} s")
                 else:
-                    what = f", {amount(self.done, self.unit, self.unit_scale)}" if self.total else ""
+                    what = (
+                        f", {amount(self.done, self.unit, self.unit_scale)}" if self.total else ""
+                    )
                     self._line(f"{self.desc}: done{what} in {self.elapsed:.1f} s")
 
     def _tick(self) -> None:

@@ -10,17 +10,17 @@ from collections.abc import Callable
 
 import torch
 
+from .codecs import get_codec
 from .config import Config, TierConfig
-from .config.signing import signer_of
 from .config.secrets import read_secret
+from .config.signing import signer_of
 from .config.tenants import tier_quotas
 from .engine import Engine
-from .models import LoadedModel, load_model
-from .tiers.disk import DiskTier
-from .codecs import get_codec
 from .entropy.pool import set_shared_pool, shared_pool
 from .kv.keys import tenant_tag
+from .models import LoadedModel, load_model
 from .tiers.base import Tier
+from .tiers.disk import DiskTier
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
 from .tiers.redis_connection import Security
@@ -43,15 +43,28 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
     if c.codec_workers is not None:
         set_shared_pool(c.codec_workers)
     lower = [open_tier(t, tenant_quotas(config, t.tier_name)) for t in config.lower_tiers()]
-    codecs = {t.tier_name: get_codec(t.codec, t.codec_level) for t in config.lower_tiers() if t.codec is not None}
+    codecs = {
+        t.tier_name: get_codec(t.codec, t.codec_level)
+        for t in config.lower_tiers()
+        if t.codec is not None
+    }
     stream_levels = c.stream_levels if lower else ()
     if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
         shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request
     if signer is not None:
-        log.info("cache entries below memory are signed and checked (%r)", signer)  # the count, never a key
+        log.info(
+            "cache entries below memory are signed and checked (%r)", signer
+        )  # the count, never a key
     memory = MemoryTier(c.memory_bytes, quotas=tenant_quotas(config, "memory"))
-    return TieredStore(memory, lower, write_queue_size=c.write_queue, codecs=codecs,
-                       stream_levels=stream_levels, clock=clock, signer=signer)
+    return TieredStore(
+        memory,
+        lower,
+        write_queue_size=c.write_queue,
+        codecs=codecs,
+        stream_levels=stream_levels,
+        clock=clock,
+        signer=signer,
+    )
 
 
 def tenant_quotas(config: Config, tier: str) -> TenantQuotas | None:
@@ -68,17 +81,35 @@ def open_tier(t: TierConfig, quotas: TenantQuotas | None = None) -> Tier:
     if t.kind == "disk":
         return DiskTier(t.path, t.capacity, name=t.tier_name, quotas=quotas)
     if t.kind == "redis":
-        return RedisTier(t.url, timeout_s=t.timeout, cluster=t.cluster, name=t.tier_name, security=redis_security(t))
+        return RedisTier(
+            t.url,
+            timeout_s=t.timeout,
+            cluster=t.cluster,
+            name=t.tier_name,
+            security=redis_security(t),
+        )
     from .tiers.s3 import S3Tier  # boto3 is an optional dependency (kvfuse[s3])
 
-    return S3Tier(t.url, endpoint_url=t.endpoint, region=t.region, timeout_s=t.timeout, name=t.tier_name,
-                  sse=t.sse, sse_kms_key_id=t.sse_kms_key_id)
+    return S3Tier(
+        t.url,
+        endpoint_url=t.endpoint,
+        region=t.region,
+        timeout_s=t.timeout,
+        name=t.tier_name,
+        sse=t.sse,
+        sse_kms_key_id=t.sse_kms_key_id,
+    )
 
 
 def redis_security(t: TierConfig) -> Security:
     """A Redis tier's ACL user, its password (read now from its variable or file) and TLS files."""
-    password = read_secret(f"the {t.tier_name} tier's password", env_var=t.password_env, path=t.password_file)
-    files = [os.path.expanduser(f) if f else None for f in (t.tls_ca_file, t.tls_cert_file, t.tls_key_file)]
+    password = read_secret(
+        f"the {t.tier_name} tier's password", env_var=t.password_env, path=t.password_file
+    )
+    files = [
+        os.path.expanduser(f) if f else None
+        for f in (t.tls_ca_file, t.tls_cert_file, t.tls_key_file)
+    ]
     return Security(t.username, password, *files)
 
 
@@ -110,16 +141,27 @@ def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 2 << 3
         return False
     if mallopt is None:
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
+    )
 
 
 def open_model(config: Config) -> LoadedModel:
-    return load_model(config.model, home=config.home_path, device=config.device, dtype=config.dtype,
-                      weights=config.weights)
+    return load_model(
+        config.model,
+        home=config.home_path,
+        device=config.device,
+        dtype=config.dtype,
+        weights=config.weights,
+    )
 
 
-def open_engine(config: Config, model: LoadedModel | None = None, store: TieredStore | None = None,
-                clock: Callable[[], float] | None = None) -> Engine:
+def open_engine(
+    config: Config,
+    model: LoadedModel | None = None,
+    store: TieredStore | None = None,
+    clock: Callable[[], float] | None = None,
+) -> Engine:
     """An engine over ``model`` (loaded from the config if not given) and ``store`` (likewise, with
     ``clock`` for the entries' expiry)."""
     set_threads(config)

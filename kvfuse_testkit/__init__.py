@@ -47,7 +47,9 @@ class LocalRedis:
     def __init__(self, executable: str | None = None, port: int | None = None) -> None:
         executable = executable or shutil.which("redis-server")
         if executable is None:
-            raise FileNotFoundError("redis-server is not installed: apt-get install -y redis-server")
+            raise FileNotFoundError(
+                "redis-server is not installed: apt-get install -y redis-server"
+            )
         self.executable = executable
         self.port = port or free_port()
         self.proc: subprocess.Popen | None = None
@@ -58,7 +60,17 @@ class LocalRedis:
 
     def _args(self) -> list[str]:
         """redis-server's command line (a subclass adds TLS and ACL settings)."""
-        return [self.executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        return [
+            self.executable,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
 
     def _ready(self) -> bool:
         return _ping(self.port)
@@ -66,14 +78,20 @@ class LocalRedis:
     def start(self, timeout_s: float = 10.0) -> LocalRedis:
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + timeout_s
         while not self._ready():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)")
+                raise RuntimeError(
+                    f"redis-server exited with {self.proc.returncode} (port {self.port} taken?)"
+                )
             if time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError(f"redis-server did not answer PING on port {self.port} within {timeout_s}s")
+                raise RuntimeError(
+                    f"redis-server did not answer PING on port {self.port} within {timeout_s}s"
+                )
             time.sleep(0.02)
         return self
 
@@ -95,7 +113,10 @@ class LocalRedis:
 def _cluster_port() -> int:
     """A free port p below 55536 whose cluster-bus port p + 10000 is free too."""
     for _ in range(200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b:
+        with (
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as a,
+            socket.socket(socket.AF_INET, socket.SOCK_STREAM) as b,
+        ):
             port = random.randint(20000, 55000)
             try:
                 a.bind(("127.0.0.1", port))
@@ -116,7 +137,9 @@ class LocalRedisCluster:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvfuse-redis-cluster-")
         cli = shutil.which("redis-cli")
         if cli is None:
-            raise FileNotFoundError("redis-cli is not installed: apt-get install -y redis-server (it ships redis-cli)")
+            raise FileNotFoundError(
+                "redis-cli is not installed: apt-get install -y redis-server (it ships redis-cli)"
+            )
         self.cli = cli
 
     @property
@@ -129,20 +152,53 @@ class LocalRedisCluster:
             folder = Path(self._tmp.name) / str(i)
             folder.mkdir(exist_ok=True)
             s.proc = subprocess.Popen(
-                [s.executable, "--port", str(s.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                 "--cluster-enabled", "yes", "--cluster-config-file", str(folder / "nodes.conf"),
-                 "--dir", str(folder)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                [
+                    s.executable,
+                    "--port",
+                    str(s.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    str(folder / "nodes.conf"),
+                    "--dir",
+                    str(folder),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
         deadline = time.monotonic() + timeout_s
         while not all(_ping(s.port) for s in self.servers):
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("the cluster's redis-servers did not start")
             time.sleep(0.05)
-        subprocess.run([self.cli, "--cluster", "create", *[f"127.0.0.1:{s.port}" for s in self.servers],
-                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                self.cli,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{s.port}" for s in self.servers],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         while True:
-            info = subprocess.run([self.cli, "-p", str(self.servers[0].port), "cluster", "info"],
-                                  capture_output=True, text=True, timeout=10).stdout
+            info = subprocess.run(
+                [self.cli, "-p", str(self.servers[0].port), "cluster", "info"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            ).stdout
             if "cluster_state:ok" in info:
                 return self
             if time.monotonic() > deadline:
@@ -167,8 +223,12 @@ class LocalRedisCluster:
 
 # ------------------------------------------------------------------------------ S3 (moto)
 
-S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-          "AWS_EC2_METADATA_DISABLED": "true"}  # dummy keys; no SDK call reaches for the cloud
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}  # dummy keys; no SDK call reaches for the cloud
 
 
 class LocalS3:
@@ -196,20 +256,27 @@ class LocalS3:
 
         if self.proc is not None and self.proc.poll() is None:
             return self
-        self.proc = subprocess.Popen([self.executable, "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env={**os.environ, **S3_ENV})
+        self.proc = subprocess.Popen(
+            [self.executable, "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, **S3_ENV},
+        )
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"moto_server exited with {self.proc.returncode} (port {self.port} taken?)")
+                raise RuntimeError(
+                    f"moto_server exited with {self.proc.returncode} (port {self.port} taken?)"
+                )
             try:
                 httpx.get(self.endpoint_url + "/moto-api/", timeout=1.0)
                 return self
             except httpx.HTTPError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError(f"moto_server did not answer on port {self.port} within {timeout_s}s") from None
+                    raise RuntimeError(
+                        f"moto_server did not answer on port {self.port} within {timeout_s}s"
+                    ) from None
                 time.sleep(0.1)
 
     def stop(self) -> None:
@@ -234,8 +301,15 @@ class ServerProcess:
     """``python -m kvfuse.cli serve`` with a YAML config built from ``config`` (nested dicts as in the
     config file) and extra CLI ``args``; its stderr goes to ``log_path`` (a temp file by default)."""
 
-    def __init__(self, home: str | Path, config: dict[str, Any] | None = None, args: list[str] | tuple = (),
-                 env: dict[str, str] | None = None, log_path: str | Path | None = None, port: int | None = None):
+    def __init__(
+        self,
+        home: str | Path,
+        config: dict[str, Any] | None = None,
+        args: list[str] | tuple = (),
+        env: dict[str, str] | None = None,
+        log_path: str | Path | None = None,
+        port: int | None = None,
+    ):
         self.home = Path(home)
         self.port = port or free_port()
         self.config = config or {}
@@ -264,15 +338,28 @@ class ServerProcess:
 
         config_path = Path(self._tmp.name) / "config.yaml"
         config_path.write_text(yaml.safe_dump(self.config))
-        cmd = [sys.executable, "-m", "kvfuse.cli", "serve", "--port", str(self.port), "--home", str(self.home),
-               "--config", str(config_path), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvfuse.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--home",
+            str(self.home),
+            "--config",
+            str(config_path),
+            *self.args,
+        ]
         env = {**os.environ, **(self.env or {})}
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvfuse serve exited with status {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"kvfuse serve exited with status {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return self
@@ -280,7 +367,9 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"kvfuse serve did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"kvfuse serve did not answer /health within {timeout:.0f} s:\n{self.log_tail()}"
+        )
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int | None:
         """Send ``sig`` to the process and wait for it (SIGKILL after ``timeout``); its exit status."""
@@ -320,5 +409,11 @@ def ensure_model(home: str | Path, model: str = "smollm2") -> None:
     starts, so that concurrent servers never convert at the same time)."""
     from kvfuse.models import registry
 
-    if model in registry.BUILTIN and not (registry.converted_dir(Path(home), model) / registry.MANIFEST).is_file():
-        subprocess.run([sys.executable, "-m", "kvfuse.cli", "models", "pull", model, "--home", str(home)], check=True)
+    if (
+        model in registry.BUILTIN
+        and not (registry.converted_dir(Path(home), model) / registry.MANIFEST).is_file()
+    ):
+        subprocess.run(
+            [sys.executable, "-m", "kvfuse.cli", "models", "pull", model, "--home", str(home)],
+            check=True,
+        )

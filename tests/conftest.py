@@ -22,8 +22,10 @@ def cuda_skip_reason() -> str | None:
         return None
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        return (f"no CUDA GPU: torch {torch.__version__} ({build}) reports torch.cuda.is_available() False; "
-                "scripts/gpu_check.sh runs these on a GPU (docs/gpu.md)")
+        return (
+            f"no CUDA GPU: torch {torch.__version__} ({build}) reports torch.cuda.is_available() False; "
+            "scripts/gpu_check.sh runs these on a GPU (docs/gpu.md)"
+        )
     return None
 
 

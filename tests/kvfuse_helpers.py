@@ -78,8 +78,13 @@ def tiny_loaded_model(model_folder: Path, tokenizer_folder: Path):
 
     runner = load_folder(model_folder)
     digests = [sha256_file(f) for f in weight_files(model_folder)]
-    return LoadedModel(model_folder.name, model_folder, runner, Tokenizer(tokenizer_folder),
-                       fingerprint(runner.config, digests))
+    return LoadedModel(
+        model_folder.name,
+        model_folder,
+        runner,
+        Tokenizer(tokenizer_folder),
+        fingerprint(runner.config, digests),
+    )
 
 
 SENTENCES = [
@@ -100,7 +105,9 @@ def uncached_engine(home: Path, model: str):
     from kvfuse.config import load_config
     from kvfuse.runtime import open_engine
 
-    return open_engine(load_config(overrides={"home": str(home), "model": model, "cache.enabled": False}))
+    return open_engine(
+        load_config(overrides={"home": str(home), "model": model, "cache.enabled": False})
+    )
 
 
 def greedy_reference(model, ids: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
@@ -123,8 +130,10 @@ def greedy_reference(model, ids: list[int], max_tokens: int) -> tuple[list[int],
 
 def long_text(paragraphs: int = 6) -> str:
     """About 100 tokens per paragraph; each paragraph is numbered so no chunk repeats."""
-    return "\n\n".join(f"Part {i + 1}. " + " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(5))
-                       for i in range(paragraphs))
+    return "\n\n".join(
+        f"Part {i + 1}. " + " ".join(SENTENCES[(i + j) % len(SENTENCES)] for j in range(5))
+        for i in range(paragraphs)
+    )
 
 
 def _worker(argv: list[str] | None = None) -> None:
@@ -147,8 +156,16 @@ def _worker(argv: list[str] | None = None) -> None:
     ids = [int(t) for t in Path(args.prompt_file).read_text().split()]
     result = engine.generate(ids, SamplingParams(max_tokens=args.max_tokens, ignore_eos=True))
     engine.close()  # saves what is queued and flushes the Redis writes
-    print(json.dumps({"token_ids": result.token_ids, "cached_tokens": result.cached_tokens,
-                      "hit_tiers": list(result.hit_tiers), "stored_chunks": result.stored_chunks}))
+    print(
+        json.dumps(
+            {
+                "token_ids": result.token_ids,
+                "cached_tokens": result.cached_tokens,
+                "hit_tiers": list(result.hit_tiers),
+                "stored_chunks": result.stored_chunks,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

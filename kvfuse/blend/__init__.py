@@ -13,4 +13,11 @@ from .blender import BlendStats, blend_prefill
 from .loader import DocumentLoad, LayerLoader, LayerLoadFailed
 from .options import BlendOptions
 
-__all__ = ["BlendOptions", "BlendStats", "DocumentLoad", "LayerLoadFailed", "LayerLoader", "blend_prefill"]
+__all__ = [
+    "BlendOptions",
+    "BlendStats",
+    "DocumentLoad",
+    "LayerLoadFailed",
+    "LayerLoader",
+    "blend_prefill",
+]

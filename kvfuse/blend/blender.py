@@ -46,8 +46,15 @@ class BlendStats:
         return int(self.recomputed.numel())
 
 
-def _attention_mass(runner: Transformer, layer: int, q: torch.Tensor, q_slots: torch.Tensor, kv: KVCache,
-                    n: int, doc_slots: torch.Tensor) -> torch.Tensor:
+def _attention_mass(
+    runner: Transformer,
+    layer: int,
+    q: torch.Tensor,
+    q_slots: torch.Tensor,
+    kv: KVCache,
+    n: int,
+    doc_slots: torch.Tensor,
+) -> torch.Tensor:
     """How much attention the queries ``q`` (the suffix's, ``(m, heads, head_dim)`` at ``q_slots``)
     give each document slot at ``layer``, summed over queries and heads: ``(len(doc_slots),)``."""
     from kvfuse.models.attention import position_mask
@@ -55,7 +62,9 @@ def _attention_mass(runner: Transformer, layer: int, q: torch.Tensor, q_slots: t
     c = runner.config
     keys = kv.kv[layer, 0, :, :n].float()  # (kv_heads, n, d)
     groups = c.num_heads // c.num_kv_heads
-    scores = torch.einsum("mhd,hnd->hmn", q.float(), keys.repeat_interleave(groups, dim=0)) * c.scaling
+    scores = (
+        torch.einsum("mhd,hnd->hmn", q.float(), keys.repeat_interleave(groups, dim=0)) * c.scaling
+    )
     if c.attn_logit_softcap is not None:
         scores = torch.tanh(scores / c.attn_logit_softcap) * c.attn_logit_softcap
     mask = position_mask(kv.positions[q_slots], kv.positions[:n], c.window(layer))
@@ -93,18 +102,34 @@ def blend_prefill(
     n = len(ids)
     c = runner.config
     if n - suffix_start < 1 or suffix_start < start or kv.length < n:
-        raise ValueError(f"blend needs a suffix and a cache of {n} slots (documents [{start}, {suffix_start}))")
+        raise ValueError(
+            f"blend needs a suffix and a cache of {n} slots (documents [{start}, {suffix_start}))"
+        )
     cached = _cached_rows(start, suffix_start, n, spans, fresh).to(kv.device)
     stats = BlendStats(doc_tokens=int(cached.sum()))
-    rel_spans = [(max(s, start) - start, min(e, suffix_start) - start) for s, e in spans if min(e, suffix_start) > s]
+    rel_spans = [
+        (max(s, start) - start, min(e, suffix_start) - start)
+        for s, e in spans
+        if min(e, suffix_start) > s
+    ]
     run = _BlendRun(runner, kv, n, start, suffix_start, options, rel_spans)
     slots = torch.arange(start, n, device=kv.device)
-    run.slots, run.is_doc = (slots[~cached], cached[~cached]) if options.full_reuse else (slots, cached)  # full
+    run.slots, run.is_doc = (
+        (slots[~cached], cached[~cached]) if options.full_reuse else (slots, cached)
+    )  # full
     # reuse: only the fresh rows run
-    h = runner.embed(torch.as_tensor(list(ids[start:n]), dtype=torch.int64, device=runner.device)[run.slots - start])
+    h = runner.embed(
+        torch.as_tensor(list(ids[start:n]), dtype=torch.int64, device=runner.device)[
+            run.slots - start
+        ]
+    )
     run.tables = runner.rope_tables(kv.positions[run.slots], h.dtype)
     check = min(options.check_layer, c.num_layers - 1)
-    schedule = sel.gradual_ratios(options.recompute_ratio) if options.gradual else [options.recompute_ratio]
+    schedule = (
+        sel.gradual_ratios(options.recompute_ratio)
+        if options.gradual
+        else [options.recompute_ratio]
+    )
     for layer in range(c.num_layers):
         if ready is not None:
             ready(layer)
@@ -113,19 +138,28 @@ def blend_prefill(
         last, step = layer == c.num_layers - 1, layer - check
         if options.full_reuse or not 0 <= step < len(schedule) or n_active == 0:
             out = slice(h.shape[0] - 1, h.shape[0]) if last else None
-            h = runner.layer(layer, h, kv, run.slots, kv_len=n, keys_sorted=True, tables=run.tables, outputs=out)
+            h = runner.layer(
+                layer, h, kv, run.slots, kv_len=n, keys_sorted=True, tables=run.tables, outputs=out
+            )
             continue
         q, rows, chosen_slots = run.select(layer, h, sel.budget(stats.doc_tokens, schedule[step]))
         if step == 0:
             stats.recomputed = chosen_slots.cpu()
-        h = runner.attend_mlp(layer, q, h, kv, run.slots, kv_len=n, keys_sorted=True, rows=rows[-1:] if last else rows)
+        h = runner.attend_mlp(
+            layer, q, h, kv, run.slots, kv_len=n, keys_sorted=True, rows=rows[-1:] if last else rows
+        )
         if not last:
             run.keep_rows(rows)
     return runner.logits(h[-1:])[0], stats
 
 
-def _cached_rows(start: int, suffix_start: int, n: int, spans: Sequence[tuple[int, int]],
-                 fresh: Sequence[tuple[int, int]]) -> torch.Tensor:
+def _cached_rows(
+    start: int,
+    suffix_start: int,
+    n: int,
+    spans: Sequence[tuple[int, int]],
+    fresh: Sequence[tuple[int, int]],
+) -> torch.Tensor:
     """Which slots of ``[start, n)`` hold cached KV to blend: the spans' before the suffix, less ``fresh``."""
     mask = torch.zeros(n - start, dtype=torch.bool)
     for s, e in spans:
@@ -139,9 +173,23 @@ class _BlendRun:
     """The rows a blend still computes (as cache slots, in slot order), which of them hold cached
     KV (``is_doc``), their rotary tables, and the selection at a filtering layer."""
 
-    def __init__(self, runner: Transformer, kv: KVCache, n: int, start: int, suffix_start: int,
-                 options: BlendOptions, rel_spans: list[tuple[int, int]]):
-        self.runner, self.kv, self.n, self.start, self.suffix_start = runner, kv, n, start, suffix_start
+    def __init__(
+        self,
+        runner: Transformer,
+        kv: KVCache,
+        n: int,
+        start: int,
+        suffix_start: int,
+        options: BlendOptions,
+        rel_spans: list[tuple[int, int]],
+    ):
+        self.runner, self.kv, self.n, self.start, self.suffix_start = (
+            runner,
+            kv,
+            n,
+            start,
+            suffix_start,
+        )
         self.options, self.rel_spans = options, rel_spans
         self.slots = self.is_doc = torch.zeros(0)
         self.tables: dict = {}
@@ -151,7 +199,9 @@ class _BlendRun:
         self.slots, self.is_doc = self.slots[rows], self.is_doc[rows]
         self.tables = {t: (cos[rows], sin[rows]) for t, (cos, sin) in self.tables.items()}
 
-    def select(self, layer: int, h: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def select(
+        self, layer: int, h: torch.Tensor, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """At a filtering layer: write every row's fresh K/V, rank the cached rows by deviation
         (and attention), keep ``k`` of them and every fresh row. Returns the queries, the rows
         kept (indices into the current rows, ascending) and the slots of the cached ones kept."""
@@ -164,7 +214,9 @@ class _BlendRun:
         deviation = _deviation(kv.kv[layer, which][:, doc_slots], cached, o.method == "hkvd-head")
         if o.method in ("attn", "hkvd-attn"):
             question = torch.nonzero(self.slots >= self.suffix_start).flatten()
-            mass = _attention_mass(self.runner, layer, q[question], self.slots[question], kv, self.n, doc_slots)
+            mass = _attention_mass(
+                self.runner, layer, q[question], self.slots[question], kv, self.n, doc_slots
+            )
             deviation = mass if o.method == "attn" else deviation * mass
         # the budget counts all cached tokens; the active ones (after an earlier filter) are ranked
         # among themselves, each document still known by its span
@@ -172,7 +224,9 @@ class _BlendRun:
             chosen = torch.arange(doc_idx.numel())
         else:
             active_spans = _spans_of(doc_slots - self.start, self.rel_spans)
-            chosen = sel.select(o.method, deviation, active_spans, k / doc_idx.numel(), o.sink_tokens)
+            chosen = sel.select(
+                o.method, deviation, active_spans, k / doc_idx.numel(), o.sink_tokens
+            )
         keep = ~self.is_doc.clone()
         keep[doc_idx[chosen.to(doc_idx.device)]] = True
         return q, torch.nonzero(keep).flatten(), doc_slots[chosen.to(doc_slots.device)]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfuse.kv.format import Entry, EntrySpec, encode_entry
 from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.format import Entry, EntrySpec, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.models.transformer import Transformer
@@ -50,14 +50,22 @@ class DocumentLoad:
     entry: Entry | None = None
     spec: EntrySpec | None = None
     tier: str | None = None  # the tier that served it (filled in while loading)
-    layers: list[torch.Tensor] = field(default_factory=list)  # kept for promotion (lower tiers only)
+    layers: list[torch.Tensor] = field(
+        default_factory=list
+    )  # kept for promotion (lower tiers only)
 
 
 class LayerLoader:
     """Fills the documents' KV of each layer in order on a thread of its own; see the module docstring."""
 
-    def __init__(self, runner: Transformer, kv: KVCache, docs: list[DocumentLoad], store: TieredStore | None,
-                 keep_for_promotion: bool = True):
+    def __init__(
+        self,
+        runner: Transformer,
+        kv: KVCache,
+        docs: list[DocumentLoad],
+        store: TieredStore | None,
+        keep_for_promotion: bool = True,
+    ):
         self.runner, self.kv, self.docs, self.store = runner, kv, docs, store
         self.keep = keep_for_promotion
         self._ready = [threading.Event() for _ in range(runner.config.num_layers)]
@@ -91,7 +99,11 @@ class LayerLoader:
         if doc.entry is not None:
             data = doc.entry.decode(layer, layer + 1)
         else:
-            got = self.store.fetch_layers(doc.key, layer, layer + 1, doc.spec) if self.store is not None else None
+            got = (
+                self.store.fetch_layers(doc.key, layer, layer + 1, doc.spec)
+                if self.store is not None
+                else None
+            )
             if got is None:
                 return False
             data, doc.tier = got.kv, got.tier
@@ -119,6 +131,15 @@ class LayerLoader:
             if doc.entry is None and self.keep and len(doc.layers) == len(self._ready):
                 kv = torch.cat(doc.layers, dim=0)
                 positions = torch.arange(doc.start - doc.shift, doc.end - doc.shift)
-                ids = doc.spec.token_ids if doc.spec is not None else None  # what the read was checked against
-                out.append((doc.key, encode_entry(KVChunk(kv=kv, positions=positions), doc.key, codec, token_ids=ids)))
+                ids = (
+                    doc.spec.token_ids if doc.spec is not None else None
+                )  # what the read was checked against
+                out.append(
+                    (
+                        doc.key,
+                        encode_entry(
+                            KVChunk(kv=kv, positions=positions), doc.key, codec, token_ids=ids
+                        ),
+                    )
+                )
         return out

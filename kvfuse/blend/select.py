@@ -57,7 +57,9 @@ def round_robin_firsts(spans: Spans, n: int) -> list[int]:
     return out
 
 
-def select(method: str, deviation: torch.Tensor, spans: Spans, ratio: float, sink_tokens: int = 4) -> torch.Tensor:
+def select(
+    method: str, deviation: torch.Tensor, spans: Spans, ratio: float, sink_tokens: int = 4
+) -> torch.Tensor:
     """The document tokens to recompute (see ``BlendOptions.method``). ``deviation`` is ``(n,)``
     (or ``(n, heads)`` for ``hkvd-head``), one row per document token, on any device; the
     selection (a CPU tensor) is computed on the CPU: a CUDA deviation would otherwise index the
@@ -67,7 +69,11 @@ def select(method: str, deviation: torch.Tensor, spans: Spans, ratio: float, sin
     if sum(e - s for s, e in spans) != n:
         raise ValueError(f"spans cover {sum(e - s for s, e in spans)} tokens, deviation has {n}")
     k = budget(n, ratio)
-    if method in ("hkvd", "attn", "hkvd-attn"):  # the scores are the deviation, or what the blend combined
+    if method in (
+        "hkvd",
+        "attn",
+        "hkvd-attn",
+    ):  # the scores are the deviation, or what the blend combined
         return top_k(deviation, k)
     if method == "hkvd-head":
         return top_k(head_scores(deviation) if deviation.dim() == 2 else deviation, k)

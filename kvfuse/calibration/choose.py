@@ -26,7 +26,9 @@ class Measurement:
     accuracy: float  # correct answers, as a fraction of full prefill's correct answers
     kl: float  # mean KL(full prefill || blend), as a fraction of full reuse's
     ttft: float  # median TTFT, as a fraction of a full prefill's
-    extra: tuple[tuple[str, object], ...] = ()  # options beyond method and budget (e.g. the check layer)
+    extra: tuple[
+        tuple[str, object], ...
+    ] = ()  # options beyond method and budget (e.g. the check layer)
 
 
 @dataclass(frozen=True)
@@ -60,16 +62,29 @@ def choose(rows: Sequence[Measurement], targets: Targets = Targets()) -> Choice:
     if not good:
         best = min(rows, key=lambda r: (r.kl, -r.accuracy), default=None)
         seen = f"; the best measured: {describe(best)}" if best else ""
-        return Choice("prefix", 1.0, f"no measured budget reaches accuracy >= {targets.accuracy:g} of full "
-                                     f"prefill and KL <= {targets.kl:g} of full reuse{seen}")
+        return Choice(
+            "prefix",
+            1.0,
+            f"no measured budget reaches accuracy >= {targets.accuracy:g} of full "
+            f"prefill and KL <= {targets.kl:g} of full reuse{seen}",
+        )
     row = min(good)[3]
     if row.ttft > 1.0 / targets.min_speedup:
-        return Choice("prefix", 1.0, f"{describe(row)} keeps the answers but is not {targets.min_speedup:g}x "
-                                     "faster than a prefill", row)
-    return Choice(row.method, row.ratio, f"the smallest budget that keeps the answers: {describe(row)}", row)
+        return Choice(
+            "prefix",
+            1.0,
+            f"{describe(row)} keeps the answers but is not {targets.min_speedup:g}x "
+            "faster than a prefill",
+            row,
+        )
+    return Choice(
+        row.method, row.ratio, f"the smallest budget that keeps the answers: {describe(row)}", row
+    )
 
 
 def describe(row: Measurement) -> str:
     extra = "".join(f" {k}={v}" for k, v in row.extra)
-    return (f"{row.method}{extra} at {row.ratio:g} (accuracy {row.accuracy:.2f} of full prefill, KL {row.kl:.2f} "
-            f"of full reuse, TTFT {row.ttft:.2f} of a prefill)")
+    return (
+        f"{row.method}{extra} at {row.ratio:g} (accuracy {row.accuracy:.2f} of full prefill, KL {row.kl:.2f} "
+        f"of full reuse, TTFT {row.ttft:.2f} of a prefill)"
+    )

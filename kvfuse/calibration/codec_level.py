@@ -72,23 +72,39 @@ def _as_row(row: Sequence | Mapping) -> LevelRow:
     return LevelRow(*row)
 
 
-def choose_level(rows: Sequence[Sequence | Mapping], max_nll_increase: float = MAX_NLL_INCREASE) -> LevelChoice:
+def choose_level(
+    rows: Sequence[Sequence | Mapping], max_nll_increase: float = MAX_NLL_INCREASE
+) -> LevelChoice:
     """The smallest level (most compressed) whose NLL increase is at most ``max_nll_increase``;
     when none is, the highest level there is (closest to lossless). ``rows``: ``(level,
     nll_increase, ratio_vs_int8)`` tuples or ``measure_levels``' dicts."""
     measured = sorted((_as_row(r) for r in rows), key=lambda r: r.level)
     for row in measured:
         if row.nll_increase <= max_nll_increase:
-            target = "" if row.ratio_vs_int8 >= TARGET_VS_INT8 else f", short of the {TARGET_VS_INT8:g}x target"
-            return LevelChoice(row.level, f"level {row.level} is the smallest whose NLL is within "
-                               f"{max_nll_increase:.0%} of lossless ({row.nll_increase:+.2%}); "
-                               f"{row.ratio_vs_int8:.2f}x smaller than int8{target}", row)
+            target = (
+                ""
+                if row.ratio_vs_int8 >= TARGET_VS_INT8
+                else f", short of the {TARGET_VS_INT8:g}x target"
+            )
+            return LevelChoice(
+                row.level,
+                f"level {row.level} is the smallest whose NLL is within "
+                f"{max_nll_increase:.0%} of lossless ({row.nll_increase:+.2%}); "
+                f"{row.ratio_vs_int8:.2f}x smaller than int8{target}",
+                row,
+            )
     top = max(LEVELS)
     closest = min(measured, key=lambda r: r.nll_increase, default=None)
-    best = f" (the closest: level {closest.level} at {closest.nll_increase:+.2%})" if closest else ""
+    best = (
+        f" (the closest: level {closest.level} at {closest.nll_increase:+.2%})" if closest else ""
+    )
     row = next((r for r in measured if r.level == top), None)
-    return LevelChoice(top, f"no measured level keeps the NLL within {max_nll_increase:.0%} of lossless{best}: "
-                       f"the highest, {top}", row)
+    return LevelChoice(
+        top,
+        f"no measured level keeps the NLL within {max_nll_increase:.0%} of lossless{best}: "
+        f"the highest, {top}",
+        row,
+    )
 
 
 def item_ids(tokenizer, item: fictional_qa.Item) -> list[int]:
@@ -101,8 +117,13 @@ def item_ids(tokenizer, item: fictional_qa.Item) -> list[int]:
 def _settings(chunk_size: int) -> EngineSettings:
     # Plain prompts, so the blend is unused; a fixed one keeps ``auto`` from warning, for every
     # engine, about a model without a blend profile. Raw in memory: the reference is lossless.
-    return EngineSettings.of(BlendOptions(recompute_ratio=0.15), chunk_size=chunk_size, history=False,
-                             async_save=False, prefetch=False)
+    return EngineSettings.of(
+        BlendOptions(recompute_ratio=0.15),
+        chunk_size=chunk_size,
+        history=False,
+        async_save=False,
+        prefetch=False,
+    )
 
 
 def _logits(engine: Engine, context: list[int], held_out: list[int], cached: int) -> torch.Tensor:
@@ -112,8 +133,10 @@ def _logits(engine: Engine, context: list[int], held_out: list[int], cached: int
     try:
         res = engine.generate(context, SamplingParams(max_tokens=1, temperature=0))
         if res.cached_tokens < cached:
-            raise RuntimeError(f"{res.cached_tokens} of the {cached} stored tokens were reused: the measured KV "
-                               "is not the stored one")
+            raise RuntimeError(
+                f"{res.cached_tokens} of the {cached} stored tokens were reused: the measured KV "
+                "is not the stored one"
+            )
         return engine.score(context, [held_out])[0][:-1].float()
     finally:
         engine.close()
@@ -135,14 +158,18 @@ def _measure_item(model, ids: list[int], levels: Sequence[int], chunk_size: int)
     """One prompt: the lossless NLL, each level's NLL and KL, the bytes of its entries at each
     level and in int8, and their tokens."""
     if len(ids) < chunk_size + HELD_OUT:
-        raise ValueError(f"a prompt of {len(ids)} tokens has no whole {chunk_size}-token chunk before its "
-                         f"last {HELD_OUT}: use a smaller chunk size")
+        raise ValueError(
+            f"a prompt of {len(ids)} tokens has no whole {chunk_size}-token chunk before its "
+            f"last {HELD_OUT}: use a smaller chunk size"
+        )
     context, held_out = ids[:-HELD_OUT], ids[-HELD_OUT:]
     cached = len(context) // chunk_size * chunk_size
     raw = TieredStore(MemoryTier(_STORE_BYTES))
     engine = Engine(model, raw, _settings(chunk_size))
     try:
-        engine.generate(context, SamplingParams(max_tokens=1, temperature=0))  # stores the whole chunks
+        engine.generate(
+            context, SamplingParams(max_tokens=1, temperature=0)
+        )  # stores the whole chunks
         entries = [(key, raw.memory.get(key)) for key in raw.memory.keys_lru()]
     except BaseException:
         engine.close()
@@ -151,18 +178,32 @@ def _measure_item(model, ids: list[int], levels: Sequence[int], chunk_size: int)
     # differ by the quantization only, not by how the prompt's computation was split.
     ref = _logits(engine, context, held_out, cached)
     int8 = _encoded(entries, get_codec("int8"))
-    out = {"nll": nll(ref, held_out), "tokens": sum(e.num_tokens for _, e in entries),
-           "int8_bytes": sum(len(e) for _, e in int8), "levels": {}}
+    out = {
+        "nll": nll(ref, held_out),
+        "tokens": sum(e.num_tokens for _, e in entries),
+        "int8_bytes": sum(len(e) for _, e in int8),
+        "levels": {},
+    }
     for level in levels:
         lossy = _encoded(entries, get_codec("cachegen", level).for_model(model.config.layer_types))
-        logits = _logits(Engine(model, _store(lossy), _settings(chunk_size)), context, held_out, cached)
-        out["levels"][level] = {"nll": nll(logits, held_out), "kl": kl(ref, logits),
-                                "bytes": sum(len(e) for _, e in lossy)}
+        logits = _logits(
+            Engine(model, _store(lossy), _settings(chunk_size)), context, held_out, cached
+        )
+        out["levels"][level] = {
+            "nll": nll(logits, held_out),
+            "kl": kl(ref, logits),
+            "bytes": sum(len(e) for _, e in lossy),
+        }
     return out
 
 
-def measure_levels(model, items: Sequence[fictional_qa.Item], levels: Sequence[int] = tuple(LEVELS),
-                   chunk_size: int = 256, progress: Callable[[int, int], None] | None = None) -> list[dict]:
+def measure_levels(
+    model,
+    items: Sequence[fictional_qa.Item],
+    levels: Sequence[int] = tuple(LEVELS),
+    chunk_size: int = 256,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
     """Each CacheGen level of ``model`` (a ``LoadedModel``) against lossless KV on ``items``: one
     row per level, ``{level, nll, nll_increase, kl, ratio_vs_int8, bytes_per_token}`` (NLL of the
     prompts' held-out tokens, its increase relative to lossless, mean KL, int8 bytes / the level's
@@ -183,23 +224,51 @@ def measure_levels(model, items: Sequence[fictional_qa.Item], levels: Sequence[i
     for level in levels:
         nlls = statistics.mean(p["levels"][level]["nll"] for p in per)
         size = sum(p["levels"][level]["bytes"] for p in per)
-        rows.append({"level": level, "nll": round(nlls, 5), "nll_increase": round(nlls / base - 1, 5),
-                     "kl": round(statistics.mean(p["levels"][level]["kl"] for p in per), 5),
-                     "ratio_vs_int8": round(int8 / size, 3), "bytes_per_token": round(size / tokens, 1)})
+        rows.append(
+            {
+                "level": level,
+                "nll": round(nlls, 5),
+                "nll_increase": round(nlls / base - 1, 5),
+                "kl": round(statistics.mean(p["levels"][level]["kl"] for p in per), 5),
+                "ratio_vs_int8": round(int8 / size, 3),
+                "bytes_per_token": round(size / tokens, 1),
+            }
+        )
     return rows
 
 
-def calibrate_level(model, command: str, items: int = 6, split: str = "dev", chunk_size: int = 256,
-                    max_nll_increase: float = MAX_NLL_INCREASE,
-                    progress: Callable[[int, int], None] | None = None) -> dict:
+def calibrate_level(
+    model,
+    command: str,
+    items: int = 6,
+    split: str = "dev",
+    chunk_size: int = 256,
+    max_nll_increase: float = MAX_NLL_INCREASE,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict:
     """Measure ``model``'s levels on ``items`` items of ``split`` and choose one: the profile's
     ``codec`` field (``cachegen_level``, ``reason``, the ``command`` that remeasures it, ``meta``,
     the ``measured`` rows)."""
     from kvfuse import __version__
 
-    rows = measure_levels(model, fictional_qa.items(split, items, DOCUMENTS), chunk_size=chunk_size, progress=progress)
+    rows = measure_levels(
+        model, fictional_qa.items(split, items, DOCUMENTS), chunk_size=chunk_size, progress=progress
+    )
     choice = choose_level(rows, max_nll_increase)
-    meta = {"split": split, "items": items, "documents": DOCUMENTS, "held_out": HELD_OUT, "chunk_size": chunk_size,
-            "max_nll_increase": max_nll_increase, "kvfuse": __version__, "date": datetime.date.today().isoformat()}
-    return {"cachegen_level": choice.level, "reason": choice.reason, "command": command, "meta": meta,
-            "measured": rows}
+    meta = {
+        "split": split,
+        "items": items,
+        "documents": DOCUMENTS,
+        "held_out": HELD_OUT,
+        "chunk_size": chunk_size,
+        "max_nll_increase": max_nll_increase,
+        "kvfuse": __version__,
+        "date": datetime.date.today().isoformat(),
+    }
+    return {
+        "cachegen_level": choice.level,
+        "reason": choice.reason,
+        "command": command,
+        "meta": meta,
+        "measured": rows,
+    }

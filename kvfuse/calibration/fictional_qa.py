@@ -28,21 +28,87 @@ SEED = 20261201
 DEV = range(0, 200)
 TEST = range(1000, 1200)
 
-_ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr", "st", "tr"]
+_ONSETS = [
+    "b",
+    "d",
+    "f",
+    "g",
+    "k",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "t",
+    "v",
+    "z",
+    "br",
+    "dr",
+    "gr",
+    "kr",
+    "st",
+    "tr",
+]
 _VOWELS = ["a", "e", "i", "o", "u", "ai", "ei", "ou"]
 _CODAS = ["", "", "n", "l", "r", "s", "th", "m"]
-_PROFESSIONS = ["baker", "carpenter", "teacher", "nurse", "fisher", "weaver", "painter", "librarian", "brewer",
-                "potter", "surveyor", "glassblower"]
+_PROFESSIONS = [
+    "baker",
+    "carpenter",
+    "teacher",
+    "nurse",
+    "fisher",
+    "weaver",
+    "painter",
+    "librarian",
+    "brewer",
+    "potter",
+    "surveyor",
+    "glassblower",
+]
 _ANIMALS = ["dog", "cat", "parrot", "goat", "tortoise", "rabbit", "horse", "canary"]
 _COLOURS = ["green", "amber", "violet", "crimson", "teal", "silver", "ochre", "indigo"]
 _INSTRUMENTS = ["cello", "flute", "accordion", "harp", "trumpet", "violin", "drum", "lute"]
-_INDUSTRIES = ["shipbuilding", "textile", "printing", "clockmaking", "ceramics", "salt", "lantern", "rope"]
-_ADJECTIVES = ["Copper", "Silent", "Crooked", "Golden", "Patient", "Northern", "Hollow", "Salted", "Quiet", "Red"]
-_NOUNS = ["Heron", "Lantern", "Anchor", "Fox", "Bell", "Kettle", "Compass", "Owl", "Needle", "Harbour"]
+_INDUSTRIES = [
+    "shipbuilding",
+    "textile",
+    "printing",
+    "clockmaking",
+    "ceramics",
+    "salt",
+    "lantern",
+    "rope",
+]
+_ADJECTIVES = [
+    "Copper",
+    "Silent",
+    "Crooked",
+    "Golden",
+    "Patient",
+    "Northern",
+    "Hollow",
+    "Salted",
+    "Quiet",
+    "Red",
+]
+_NOUNS = [
+    "Heron",
+    "Lantern",
+    "Anchor",
+    "Fox",
+    "Bell",
+    "Kettle",
+    "Compass",
+    "Owl",
+    "Needle",
+    "Harbour",
+]
 
 
 def _word(rng: random.Random, syllables: int) -> str:
-    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)).capitalize()
+    return "".join(
+        rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
+    ).capitalize()
 
 
 @dataclass(frozen=True)
@@ -64,15 +130,35 @@ class Person:
     def facts(self, rng: random.Random, who: str) -> list[str]:
         """One sentence per fact, in words chosen at random (``who`` names the person)."""
         return [
-            rng.choice([f"{who} keeps a {self.animal} named {self.pet}.",
-                        f"{who} has a {self.animal}; its name is {self.pet}.",
-                        f"The {self.animal} that lives with {who} is called {self.pet}."]),
-            rng.choice([f"{who} lives in the town of {self.town}.", f"{who}'s home is in the town of {self.town}.",
-                        f"For many years {who} has lived in {self.town}."]),
-            rng.choice([f"{who}'s favourite colour is {self.colour}.", f"{who} likes the colour {self.colour} best."]),
-            rng.choice([f"On Sundays {who} plays the {self.instrument}.",
-                        f"{who} plays the {self.instrument} in a small band."]),
-            rng.choice([f"{who} was born in {self.born}.", f"{who} was born in the year {self.born}."]),
+            rng.choice(
+                [
+                    f"{who} keeps a {self.animal} named {self.pet}.",
+                    f"{who} has a {self.animal}; its name is {self.pet}.",
+                    f"The {self.animal} that lives with {who} is called {self.pet}.",
+                ]
+            ),
+            rng.choice(
+                [
+                    f"{who} lives in the town of {self.town}.",
+                    f"{who}'s home is in the town of {self.town}.",
+                    f"For many years {who} has lived in {self.town}.",
+                ]
+            ),
+            rng.choice(
+                [
+                    f"{who}'s favourite colour is {self.colour}.",
+                    f"{who} likes the colour {self.colour} best.",
+                ]
+            ),
+            rng.choice(
+                [
+                    f"On Sundays {who} plays the {self.instrument}.",
+                    f"{who} plays the {self.instrument} in a small band.",
+                ]
+            ),
+            rng.choice(
+                [f"{who} was born in {self.born}.", f"{who} was born in the year {self.born}."]
+            ),
         ]
 
     def document(self, rng: random.Random) -> str:
@@ -82,8 +168,10 @@ class Person:
 
     def alias_documents(self, rng: random.Random) -> tuple[str, str]:
         """Two documents: who the nickname is, and the facts told under the nickname only."""
-        intro = (f"{self.name} works as a {self.profession}. In town, {self.first} is known to everyone as the "
-                 f"{self.nickname}.")
+        intro = (
+            f"{self.name} works as a {self.profession}. In town, {self.first} is known to everyone as the "
+            f"{self.nickname}."
+        )
         facts = self.facts(rng, f"the {self.nickname}")
         rng.shuffle(facts)
         return intro, " ".join(f[0].upper() + f[1:] for f in facts)
@@ -107,8 +195,17 @@ def _person(rng: random.Random, used: set[str]) -> Person:
     while (nickname := f"{rng.choice(_ADJECTIVES)} {rng.choice(_NOUNS)}") in used:
         pass
     used.add(nickname)
-    return Person(name, _word(rng, 3), rng.choice(_PROFESSIONS), rng.randint(1930, 1999), rng.choice(_ANIMALS),
-                  _word(rng, 2), rng.choice(_COLOURS), rng.choice(_INSTRUMENTS), nickname)
+    return Person(
+        name,
+        _word(rng, 3),
+        rng.choice(_PROFESSIONS),
+        rng.randint(1930, 1999),
+        rng.choice(_ANIMALS),
+        _word(rng, 2),
+        rng.choice(_COLOURS),
+        rng.choice(_INSTRUMENTS),
+        nickname,
+    )
 
 
 def _question(rng: random.Random, p: Person) -> tuple[str, str]:

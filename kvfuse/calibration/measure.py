@@ -61,7 +61,9 @@ def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
 
 def nll(logits: torch.Tensor, token_ids: Sequence[int]) -> float:
     """Mean negative log-likelihood of ``token_ids`` under rows of next-token logits."""
-    targets = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)  # logits may be on a GPU
+    targets = torch.tensor(
+        list(token_ids), dtype=torch.long, device=logits.device
+    )  # logits may be on a GPU
     return float(F.cross_entropy(logits.float(), targets))
 
 
@@ -74,8 +76,12 @@ def item_prompt(engine, item: fictional_qa.Item, chat: bool):
     """The item as a prompt: a chat turn (documents before the question), or a completion."""
     if chat:
         text = QUESTION.format(question=item.question)
-        return engine.prompts.document_prompt(list(item.documents), messages=[{"role": "user", "content": text}])
-    return engine.prompts.document_prompt(list(item.documents), prompt=f"Question: {item.question}\nAnswer:")
+        return engine.prompts.document_prompt(
+            list(item.documents), messages=[{"role": "user", "content": text}]
+        )
+    return engine.prompts.document_prompt(
+        list(item.documents), prompt=f"Question: {item.question}\nAnswer:"
+    )
 
 
 @dataclass
@@ -105,10 +111,16 @@ class Report:
             if opts.full_reuse:
                 continue
             t = self.tallies[name]
-            out.append(Measurement(
-                opts.method, float(opts.recompute_ratio), t.correct / full.correct if full.correct else 0.0,
-                statistics.mean(t.kl) / reuse_kl if reuse_kl else float("inf"),
-                statistics.median(t.ttft_s) / full_ttft, extra=_extra(opts)))
+            out.append(
+                Measurement(
+                    opts.method,
+                    float(opts.recompute_ratio),
+                    t.correct / full.correct if full.correct else 0.0,
+                    statistics.mean(t.kl) / reuse_kl if reuse_kl else float("inf"),
+                    statistics.median(t.ttft_s) / full_ttft,
+                    extra=_extra(opts),
+                )
+            )
         return out
 
     def rows(self) -> list[dict]:
@@ -116,22 +128,37 @@ class Report:
         full = self.tallies["full prefill"]
         out = []
         for name, t in self.tallies.items():
-            out.append({"config": name, "correct": t.correct, "items": self.items,
-                        "accuracy_vs_full": round(t.correct / full.correct, 4) if full.correct else None,
-                        "kl": round(statistics.mean(t.kl), 4) if t.kl else 0.0,
-                        "nll": round(statistics.mean(t.nll), 4),
-                        "ttft_ms": round(1000 * statistics.median(t.ttft_s), 1)})
+            out.append(
+                {
+                    "config": name,
+                    "correct": t.correct,
+                    "items": self.items,
+                    "accuracy_vs_full": round(t.correct / full.correct, 4)
+                    if full.correct
+                    else None,
+                    "kl": round(statistics.mean(t.kl), 4) if t.kl else 0.0,
+                    "nll": round(statistics.mean(t.nll), 4),
+                    "ttft_ms": round(1000 * statistics.median(t.ttft_s), 1),
+                }
+            )
         return out
 
 
 def _extra(opts: BlendOptions) -> tuple[tuple[str, object], ...]:
     base = BlendOptions()
-    return tuple((k, getattr(opts, k)) for k in ("check_layer", "deviation", "document_context")
-                 if getattr(opts, k) != getattr(base, k))
+    return tuple(
+        (k, getattr(opts, k))
+        for k in ("check_layer", "deviation", "document_context")
+        if getattr(opts, k) != getattr(base, k)
+    )
 
 
-def configurations(methods: Sequence[str], ratios: Sequence[float], base: BlendOptions = BlendOptions(),
-                   variants: Sequence[dict] = ()) -> dict[str, BlendOptions]:
+def configurations(
+    methods: Sequence[str],
+    ratios: Sequence[float],
+    base: BlendOptions = BlendOptions(),
+    variants: Sequence[dict] = (),
+) -> dict[str, BlendOptions]:
     """Full reuse, then every method at every ratio, then each variant (options over ``base``) at
     every ratio; named for tables."""
     base = replace(base, store_blended=False, source="config")
@@ -147,8 +174,14 @@ def configurations(methods: Sequence[str], ratios: Sequence[float], base: BlendO
     return out
 
 
-def measure(engine, items: Sequence[fictional_qa.Item], configs: dict[str, BlendOptions], max_tokens: int = 16,
-            progress: Callable[[int, int, float], None] | None = None, chat: bool | None = None) -> Report:
+def measure(
+    engine,
+    items: Sequence[fictional_qa.Item],
+    configs: dict[str, BlendOptions],
+    max_tokens: int = 16,
+    progress: Callable[[int, int, float], None] | None = None,
+    chat: bool | None = None,
+) -> Report:
     """Run ``configs`` and full prefill on ``items`` with ``engine`` (which needs its KV cache);
     ``chat`` None: ``asks_in_chat``."""
     chat = asks_in_chat(engine) if chat is None else chat
@@ -170,7 +203,9 @@ def measure(engine, items: Sequence[fictional_qa.Item], configs: dict[str, Blend
         full.nll.append(nll(ref_logits[: len(ref_ids)], ref_ids))
         for name, opts in configs.items():
             cache = CacheOptions() if opts.blends else off  # see the module docstring
-            (logits,) = engine.score(prompt, [ref_ids], blend=opts, cache=cache)  # also caches the documents
+            (logits,) = engine.score(
+                prompt, [ref_ids], blend=opts, cache=cache
+            )  # also caches the documents
             got = engine.generate(prompt, params, blend=opts, cache=cache)
             t = tallies[name]
             t.correct += correct(got.text, it.answer)

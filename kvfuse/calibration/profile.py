@@ -33,7 +33,10 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 SHIPPED = Path(__file__).resolve().parent / "profiles"
-CONSERVATIVE = {"method": "hkvd", "recompute_ratio": 0.5}  # no profile: half the documents recomputed
+CONSERVATIVE = {
+    "method": "hkvd",
+    "recompute_ratio": 0.5,
+}  # no profile: half the documents recomputed
 _TUNED = ("method", "recompute_ratio", "check_layer", "deviation", "document_context")
 
 
@@ -52,16 +55,30 @@ class BlendProfile:
     command: str  # what regenerates this profile
     measured: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)  # split, items, kvfuse version, date, ...
-    codec: dict[str, Any] | None = None  # {"cachegen_level", "reason", "measured", ...}; None: not calibrated
+    codec: dict[str, Any] | None = (
+        None  # {"cachegen_level", "reason", "measured", ...}; None: not calibrated
+    )
 
     def options(self, base: BlendOptions) -> BlendOptions:
         """``base`` with this profile's blend (its other fields, e.g. ``store_blended``, kept)."""
-        return replace(base, **{k: self.blend[k] for k in _TUNED if k in self.blend}, source="profile")
+        return replace(
+            base, **{k: self.blend[k] for k in _TUNED if k in self.blend}, source="profile"
+        )
 
     def to_json(self) -> dict[str, Any]:
-        out = {"format": FORMAT, "model": self.model, "fingerprint": self.fingerprint, "blend": self.blend,
-               "reason": self.reason, "command": self.command, "meta": self.meta, "measured": self.measured}
-        if self.codec is not None:  # absent, not null: the files of profiles without it stay as they were
+        out = {
+            "format": FORMAT,
+            "model": self.model,
+            "fingerprint": self.fingerprint,
+            "blend": self.blend,
+            "reason": self.reason,
+            "command": self.command,
+            "meta": self.meta,
+            "measured": self.measured,
+        }
+        if (
+            self.codec is not None
+        ):  # absent, not null: the files of profiles without it stay as they were
             out["codec"] = self.codec
         return out
 
@@ -71,12 +88,22 @@ class BlendProfile:
             raise ProfileError(f"not a kvfuse blend profile of format {FORMAT}")
         try:
             codec = dict(data["codec"]) if data.get("codec") is not None else None
-            profile = cls(str(data["model"]), str(data["fingerprint"]), dict(data["blend"]), str(data["reason"]),
-                          str(data["command"]), list(data.get("measured", [])), dict(data.get("meta", {})), codec)
+            profile = cls(
+                str(data["model"]),
+                str(data["fingerprint"]),
+                dict(data["blend"]),
+                str(data["reason"]),
+                str(data["command"]),
+                list(data.get("measured", [])),
+                dict(data.get("meta", {})),
+                codec,
+            )
             profile.options(BlendOptions())  # the blend must be one BlendOptions accepts
             level = None if codec is None else codec.get("cachegen_level")
             if codec is not None and (type(level) is not int or level not in LEVELS):
-                raise ValueError(f"codec.cachegen_level must be one of {', '.join(map(str, LEVELS))}, got {level!r}")
+                raise ValueError(
+                    f"codec.cachegen_level must be one of {', '.join(map(str, LEVELS))}, got {level!r}"
+                )
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"a blend profile with a missing or invalid field: {e}") from None
         return profile
@@ -133,11 +160,17 @@ def find(fingerprint: str, folder: Path | None = None) -> BlendProfile | None:
         if profile.fingerprint == fingerprint:
             return profile
         if path.parent != SHIPPED:
-            log.warning("blend profile %s is for another model (fingerprint %s): ignored", path, profile.fingerprint)
+            log.warning(
+                "blend profile %s is for another model (fingerprint %s): ignored",
+                path,
+                profile.fingerprint,
+            )
     return None
 
 
-def resolve(options: BlendOptions, profile: BlendProfile | None, model: str, warn: bool = True) -> BlendOptions:
+def resolve(
+    options: BlendOptions, profile: BlendProfile | None, model: str, warn: bool = True
+) -> BlendOptions:
     """Concrete blend options: ``options`` as they are unless their budget is ``auto``; then the
     profile's blend, or the conservative budget (with a warning, if ``warn``) without one."""
     if not options.auto_budget:
@@ -145,7 +178,12 @@ def resolve(options: BlendOptions, profile: BlendProfile | None, model: str, war
     if profile is not None:
         return profile.options(options)
     if warn:
-        log.warning("no blend profile for model %s: recompute_ratio auto uses a conservative %s at %g; run "
-                    "`kvfuse calibrate %s` to measure the budget this model needs", model, CONSERVATIVE["method"],
-                    CONSERVATIVE["recompute_ratio"], model)
+        log.warning(
+            "no blend profile for model %s: recompute_ratio auto uses a conservative %s at %g; run "
+            "`kvfuse calibrate %s` to measure the budget this model needs",
+            model,
+            CONSERVATIVE["method"],
+            CONSERVATIVE["recompute_ratio"],
+            model,
+        )
     return replace(options, **CONSERVATIVE, source="default")

@@ -17,7 +17,6 @@ import torch
 
 from kvfuse import dtypes
 
-
 # Payloads are little-endian; raw tensor bytes are written as they lie in memory.
 assert sys.byteorder == "little", "kvfuse codecs assume a little-endian host"
 
@@ -56,7 +55,9 @@ class Codec(ABC):
         """The bytes of one layer's KV ``(2, tokens, kv_heads, head_dim)``, contiguous on the CPU."""
 
     @abstractmethod
-    def decode_layer(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode_layer(
+        self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         """One layer's KV of ``shape`` ``(2, tokens, kv_heads, head_dim)`` and ``dtype`` (the chunk's
         original dtype). Raises CodecError on bytes it cannot decode."""
 
@@ -67,8 +68,13 @@ class Codec(ABC):
         parts = [memoryview(self.encode_layer(kv[i])).cast("B") for i in range(kv.shape[0])]
         return b"".join(parts), [len(p) for p in parts]
 
-    def decode(self, data: memoryview, layer_sizes: Sequence[int], shape: tuple[int, ...],
-               dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self,
+        data: memoryview,
+        layer_sizes: Sequence[int],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """The KV of consecutive layers whose bytes are ``data`` (sizes ``layer_sizes``), each of
         ``shape`` ``(2, tokens, kv_heads, head_dim)``: a tensor ``(len(layer_sizes), *shape)``.
         May share memory with ``data`` when the buffer is writable."""
@@ -92,9 +98,13 @@ class Codec(ABC):
 
 def check_kv(kv: torch.Tensor) -> torch.Tensor:
     """Validate a KV tensor for encoding and return it contiguous on the CPU."""
-    dtypes.name_of(kv.dtype)  # ValueError for a dtype the table (and the entry format) does not hold
+    dtypes.name_of(
+        kv.dtype
+    )  # ValueError for a dtype the table (and the entry format) does not hold
     if kv.dim() != 5 or kv.shape[1] != 2:
-        raise ValueError(f"KV must be (layers, 2, tokens, kv_heads, head_dim), got {tuple(kv.shape)}")
+        raise ValueError(
+            f"KV must be (layers, 2, tokens, kv_heads, head_dim), got {tuple(kv.shape)}"
+        )
     return kv.detach().to("cpu").contiguous()
 
 

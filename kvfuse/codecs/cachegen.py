@@ -104,12 +104,18 @@ class CacheGenCodec(Codec):
     codec_id = 3
     is_lossless = False
 
-    def __init__(self, level: int = 0, boosted: frozenset[int] = frozenset(), model_level: int = 0) -> None:
+    def __init__(
+        self, level: int = 0, boosted: frozenset[int] = frozenset(), model_level: int = 0
+    ) -> None:
         for lv in (level, model_level):
             if lv != 0 and lv not in LEVELS:
-                raise ValueError(f"cachegen levels are {', '.join(map(str, LEVELS))} (0: the model's "
-                                 f"calibrated level, else {DEFAULT_LEVEL}); got {lv}")
-        self.configured_level = level  # kept through for_model: 0 lets each model's calibration decide
+                raise ValueError(
+                    f"cachegen levels are {', '.join(map(str, LEVELS))} (0: the model's "
+                    f"calibrated level, else {DEFAULT_LEVEL}); got {lv}"
+                )
+        self.configured_level = (
+            level  # kept through for_model: 0 lets each model's calibration decide
+        )
         self.level = level or model_level or DEFAULT_LEVEL
         self.bins = LEVELS[self.level]
         self.boosted = frozenset(boosted)  # layers whose K gets twice its group's bins
@@ -141,7 +147,9 @@ class CacheGenCodec(Codec):
             raise ValueError(f"cachegen was set up for a model with more than {L} layers")
         bins = self.layer_bins(L)
         try:
-            parts = self._run("encode", [(values[a:b], bins[a:b]) for a, b in self._groups(L, kv.numel())])
+            parts = self._run(
+                "encode", [(values[a:b], bins[a:b]) for a, b in self._groups(L, kv.numel())]
+            )
         except (JobError, ModelsError) as e:
             raise ValueError(f"cachegen cannot encode this KV: {e}") from None
         blobs = [blob for group in parts for blob in group]
@@ -155,8 +163,13 @@ class CacheGenCodec(Codec):
 
     # -- decoding -------------------------------------------------------------------------------
 
-    def decode(self, data: memoryview, layer_sizes: Sequence[int], shape: tuple[int, ...],
-               dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self,
+        data: memoryview,
+        layer_sizes: Sequence[int],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         if sum(layer_sizes) != len(data):
             raise CodecError(f"{len(data)} payload bytes for layers of {sum(layer_sizes)} bytes")
         _, T, H, D = shape
@@ -175,12 +188,20 @@ class CacheGenCodec(Codec):
             parts = self._run("decode", jobs)
         except (JobError, coded_layer.LayerError, ModelsError) as e:
             raise CodecError(str(e)) from None
-        symbols = torch.from_numpy(np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0])
-        scales = torch.from_numpy(np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1])
-        levels = torch.tensor([[b // 2 - 1 for b in pair] for p in parts for pair in p[2]], dtype=torch.float32)
+        symbols = torch.from_numpy(
+            np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
+        )
+        scales = torch.from_numpy(
+            np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        )
+        levels = torch.tensor(
+            [[b // 2 - 1 for b in pair] for p in parts for pair in p[2]], dtype=torch.float32
+        )
         return dequantize(symbols, scales, levels).view(n, 2, T, H, D).to(dtype)
 
-    def decode_layer(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode_layer(
+        self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         return self.decode(data, [len(data)], shape, dtype)[0]
 
     # -- helpers --------------------------------------------------------------------------------

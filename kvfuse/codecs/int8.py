@@ -26,21 +26,29 @@ class Int8Codec(Codec):
         x = kv.float()
         absmax = x.abs().amax(dim=(2, 3)) if x.numel() else torch.zeros(x.shape[:2])
         if not torch.isfinite(absmax).all():
-            raise ValueError("int8 codec: the KV tensor contains inf or NaN; it cannot be quantized")
+            raise ValueError(
+                "int8 codec: the KV tensor contains inf or NaN; it cannot be quantized"
+            )
         # An all-zero row gets scale 1 (its values quantize to 0 either way) to avoid dividing by 0.
         scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
         q = torch.round(x / scale[..., None, None]).clamp_(-127, 127).to(torch.int8)
         return scale.numpy().astype("<f4").tobytes() + q.numpy().tobytes()
 
-    def decode_layer(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode_layer(
+        self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         expected = self.layer_size(shape, dtype)
         if len(data) != expected:
             raise CodecError(f"int8 layer is {len(data)} bytes, shape {shape} needs {expected}")
         n_scales = numel(shape[:2])
-        scale = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=n_scales).copy()).view(shape[:2])
+        scale = torch.from_numpy(np.frombuffer(data, dtype="<f4", count=n_scales).copy()).view(
+            shape[:2]
+        )
         if not torch.isfinite(scale).all() or (scale < 0).any():
             raise CodecError("int8 payload has invalid scales")
-        q = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=n_scales * 4).copy()).view(shape)
+        q = torch.from_numpy(np.frombuffer(data, dtype=np.int8, offset=n_scales * 4).copy()).view(
+            shape
+        )
         out = (q.float() * scale[..., None, None]).to(dtype)
         if not torch.isfinite(out).all():  # scales no encoder writes: KV beyond the dtype's range
             raise CodecError(f"int8 payload decodes to values beyond the {dtype} range")

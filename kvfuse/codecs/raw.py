@@ -24,21 +24,34 @@ class RawCodec(Codec):
     def encode(self, kv: torch.Tensor) -> tuple[memoryview, list[int]]:
         kv = check_kv(kv)
         # A byte view of the tensor's own memory: no copy here, the format's join copies once.
-        return memoryview(kv.reshape(-1).view(torch.uint8).numpy()), [self.layer_size(tuple(kv.shape[1:]), kv.dtype)] * kv.shape[0]
+        return memoryview(kv.reshape(-1).view(torch.uint8).numpy()), [
+            self.layer_size(tuple(kv.shape[1:]), kv.dtype)
+        ] * kv.shape[0]
 
     def encode_layer(self, kv: torch.Tensor) -> memoryview:
         return memoryview(kv.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
-    def decode_layer(self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode_layer(
+        self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
         return self.decode(data, [len(data)], shape, dtype)[0]
 
-    def decode(self, data: memoryview, layer_sizes: Sequence[int], shape: tuple[int, ...],
-               dtype: torch.dtype) -> torch.Tensor:
+    def decode(
+        self,
+        data: memoryview,
+        layer_sizes: Sequence[int],
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         size = self.layer_size(shape, dtype)
         full = (len(layer_sizes), *shape)
-        if len(data) != size * len(layer_sizes) or list(layer_sizes).count(size) != len(layer_sizes):
-            raise CodecError(f"raw payload is {len(data)} bytes, {len(layer_sizes)} layers of {shape} {dtype} "
-                             f"need {size} each")
+        if len(data) != size * len(layer_sizes) or list(layer_sizes).count(size) != len(
+            layer_sizes
+        ):
+            raise CodecError(
+                f"raw payload is {len(data)} bytes, {len(layer_sizes)} layers of {shape} {dtype} "
+                f"need {size} each"
+            )
         if len(data) == 0:
             return torch.empty(full, dtype=dtype)
         if data.readonly:

@@ -36,12 +36,47 @@ Every error names the field, where the bad value came from, and what to write in
 """
 
 from .load import default_home, load_config, load_from_environment
-from .sections import (AUTO_MODES, BUDGET_SOURCES, CONTEXTS, DEVIATIONS, KV_DTYPES, METHODS, QUERY_AWARE,
-                       TIER_KINDS, WEIGHT_FORMATS, BlendOptions, CacheConfig, Config, ConfigError, EngineConfig,
-                       EngineSettings, ResponsesConfig, ServerConfig, TierConfig)
+from .sections import (
+    AUTO_MODES,
+    BUDGET_SOURCES,
+    CONTEXTS,
+    DEVIATIONS,
+    KV_DTYPES,
+    METHODS,
+    QUERY_AWARE,
+    TIER_KINDS,
+    WEIGHT_FORMATS,
+    BlendOptions,
+    CacheConfig,
+    Config,
+    ConfigError,
+    EngineConfig,
+    EngineSettings,
+    ResponsesConfig,
+    ServerConfig,
+    TierConfig,
+)
 
 __all__ = [
-    "AUTO_MODES", "BUDGET_SOURCES", "CONTEXTS", "DEVIATIONS", "KV_DTYPES", "METHODS", "QUERY_AWARE", "TIER_KINDS",
-    "WEIGHT_FORMATS", "BlendOptions", "CacheConfig", "Config", "ConfigError", "EngineConfig", "EngineSettings", "ResponsesConfig", "ServerConfig",
-    "TierConfig", "default_home", "load_config", "load_from_environment",
+    "AUTO_MODES",
+    "BUDGET_SOURCES",
+    "CONTEXTS",
+    "DEVIATIONS",
+    "KV_DTYPES",
+    "METHODS",
+    "QUERY_AWARE",
+    "TIER_KINDS",
+    "WEIGHT_FORMATS",
+    "BlendOptions",
+    "CacheConfig",
+    "Config",
+    "ConfigError",
+    "EngineConfig",
+    "EngineSettings",
+    "ResponsesConfig",
+    "ServerConfig",
+    "TierConfig",
+    "default_home",
+    "load_config",
+    "load_from_environment",
 ]

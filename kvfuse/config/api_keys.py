@@ -30,10 +30,12 @@ def digest_bytes(value: str) -> bytes:
     """The 32 bytes a configured key or token stands for: a ``sha256:<hex>`` digest as written, a
     plain value hashed. ValueError for a malformed digest."""
     if is_digest(value):
-        hex_part = value[len(DIGEST_PREFIX):]
+        hex_part = value[len(DIGEST_PREFIX) :]
         if not _HEX64.fullmatch(hex_part):
-            raise ValueError(f"a digest must be sha256: followed by 64 lowercase hex digits, got {value!r} "
-                             "(kvfuse keys digest prints one)")
+            raise ValueError(
+                f"a digest must be sha256: followed by 64 lowercase hex digits, got {value!r} "
+                "(kvfuse keys digest prints one)"
+            )
         return bytes.fromhex(hex_part)
     return hashlib.sha256(value.encode("utf-8")).digest()
 
@@ -42,7 +44,7 @@ def split_entry(entry: str) -> tuple[str, str]:
     """``KEY:TENANT`` or ``sha256:<hex>:TENANT`` -> (key or digest, tenant); the tenant may hold
     colons. An entry without a tenant gives an empty tenant (``entry_problem`` reports it)."""
     if is_digest(entry):
-        rest = entry[len(DIGEST_PREFIX):]
+        rest = entry[len(DIGEST_PREFIX) :]
         digest, _, tenant = rest.partition(":")
         return DIGEST_PREFIX + digest, tenant
     key, _, tenant = entry.partition(":")
@@ -56,8 +58,10 @@ def entry_problem(entry: str) -> str | None:
         try:
             digest_bytes(key)
         except ValueError:
-            return (f"a digest entry must look like sha256:<64 hex digits>:TENANT, got {_masked(entry)!r}; "
-                    "print a key's digest with: kvfuse keys digest")
+            return (
+                f"a digest entry must look like sha256:<64 hex digits>:TENANT, got {_masked(entry)!r}; "
+                "print a key's digest with: kvfuse keys digest"
+            )
     if not key or not tenant:
         return f"entries must look like KEY:TENANT or sha256:<64 hex digits>:TENANT, got {_masked(entry)!r}"
     return None

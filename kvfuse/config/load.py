@@ -25,9 +25,26 @@ from .tenants import parse_tenants
 from .validate import validate
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
-          "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1024,
+    "kib": 1024,
+    "mi": 1024**2,
+    "mib": 1024**2,
+    "gi": 1024**3,
+    "gib": 1024**3,
+    "ti": 1024**4,
+    "tib": 1024**4,
+}
 
 
 def load_config(
@@ -59,14 +76,20 @@ def _from_file(path: Path) -> dict[str, tuple[Any, str]]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror}; check the path given to --config / KVFUSE_CONFIG") from e
+        raise ConfigError(
+            f"cannot read config file {path}: {e.strerror}; check the path given to --config / KVFUSE_CONFIG"
+        ) from e
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from e
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of settings, not {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of settings, not {type(data).__name__}"
+        )
     out: dict[str, tuple[Any, str]] = {}
     for key, value in data.items():
-        if key == "tenants":  # a mapping of tenant names (config/tenants.py), not a section of fields
+        if (
+            key == "tenants"
+        ):  # a mapping of tenant names (config/tenants.py), not a section of fields
             out["tenants"] = (value, str(path))
         elif key in SECTIONS:
             if not isinstance(value, dict):
@@ -98,28 +121,45 @@ def _known(name: str, source: str) -> str:
     section, dot, leaf = name.partition(".")
     if dot:
         if section not in SECTIONS:
-            raise ConfigError(f"unknown section {section!r} in {name!r} (from {source}); sections: {', '.join(SECTIONS)}")
-        valid, where = [f.name for f in dataclasses.fields(SECTIONS[section])], f"in section {section!r}"
+            raise ConfigError(
+                f"unknown section {section!r} in {name!r} (from {source}); sections: {', '.join(SECTIONS)}"
+            )
+        valid, where = (
+            [f.name for f in dataclasses.fields(SECTIONS[section])],
+            f"in section {section!r}",
+        )
     else:
-        valid, where, leaf = [f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS], "at top level", name
+        valid, where, leaf = (
+            [f.name for f in dataclasses.fields(Config) if f.name not in SECTIONS],
+            "at top level",
+            name,
+        )
     if leaf not in valid:
         sections = "" if dot else f"; sections: {', '.join(SECTIONS)}"
-        raise ConfigError(f"unknown setting {name!r} (from {source}); valid settings {where}: {', '.join(valid)}{sections}")
+        raise ConfigError(
+            f"unknown setting {name!r} (from {source}); valid settings {where}: {', '.join(valid)}{sections}"
+        )
     return name
 
 
 def _build(values: dict[str, tuple[Any, str]]) -> Config:
     sections = {}
     for sec, cls in SECTIONS.items():
-        kwargs = {f.name: _coerce(f"{sec}.{f.name}", f.type, *values[f"{sec}.{f.name}"])
-                  for f in dataclasses.fields(cls) if f"{sec}.{f.name}" in values}
+        kwargs = {
+            f.name: _coerce(f"{sec}.{f.name}", f.type, *values[f"{sec}.{f.name}"])
+            for f in dataclasses.fields(cls)
+            if f"{sec}.{f.name}" in values
+        }
         try:
             sections[sec] = cls(**kwargs)
         except ValueError as e:  # a section that checks itself (blend: also a request's override)
             sources = sorted({values[f"{sec}.{k}"][1] for k in kwargs})
             raise ConfigError(f"{sec}: {e} (from {', '.join(sources)})") from None
-    top = {f.name: _coerce(f.name, f.type, *values[f.name])
-           for f in dataclasses.fields(Config) if f.name in values and f.name not in SECTIONS}
+    top = {
+        f.name: _coerce(f.name, f.type, *values[f.name])
+        for f in dataclasses.fields(Config)
+        if f.name in values and f.name not in SECTIONS
+    }
     config = Config(**top, **sections)
     validate(config, {name: source for name, (_, source) in values.items()})
     return config
@@ -127,9 +167,12 @@ def _build(values: dict[str, tuple[Any, str]]) -> Config:
 
 def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
     """Turn a YAML/env/flag value into the field's type, or raise a ConfigError naming the fix."""
+
     def fail(expected: str, example: str):
         got = "a value not shown (a secret)" if name in SECRET_SETTINGS else repr(value)
-        raise ConfigError(f"{name}: expected {expected}, got {got} (from {source}); for example {example}")
+        raise ConfigError(
+            f"{name}: expected {expected}, got {got} (from {source}); for example {example}"
+        )
 
     if name == "cache.tiers":
         return _tiers(value, source)
@@ -139,7 +182,9 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
         return "on" if value else "off"
     is_size = name.endswith("_bytes")
     base = typ.replace(" | None", "")
-    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null") and "None" in typ):
+    if value is None or (
+        isinstance(value, str) and value.strip().lower() in ("", "none", "null") and "None" in typ
+    ):
         if "None" in typ:
             return None
         fail(f"a value for {base}", "remove the empty setting")
@@ -169,7 +214,9 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
         except (TypeError, ValueError):
             f = math.nan
         if isinstance(value, bool) or not math.isfinite(f):
-            fail("a number" if base == "float" else "a number or auto", f"{name.split('.')[-1]}: 0.5")
+            fail(
+                "a number" if base == "float" else "a number or auto", f"{name.split('.')[-1]}: 0.5"
+            )
         return f
     if base.startswith("tuple"):
         items = value.split(",") if isinstance(value, str) else value
@@ -198,27 +245,37 @@ def _tiers(value: Any, source: str) -> tuple[TierConfig, ...] | None:
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError as e:
-            raise ConfigError(f"cache.tiers: not a YAML list of tier sections ({e}) (from {source})") from None
+            raise ConfigError(
+                f"cache.tiers: not a YAML list of tier sections ({e}) (from {source})"
+            ) from None
     example = "tiers: [{kind: disk, path: /var/cache/kvfuse}, {kind: redis, url: redis://127.0.0.1:6379/0}]"
     if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"cache.tiers: expected a list of tier sections, got {value!r} (from {source}); "
-                          f"for example {example}")
+        raise ConfigError(
+            f"cache.tiers: expected a list of tier sections, got {value!r} (from {source}); "
+            f"for example {example}"
+        )
     return tuple(_tier(i, section, source) for i, section in enumerate(value))
 
 
 def _tier(i: int, section: Any, source: str) -> TierConfig:
     where = f"cache.tiers[{i}]"
     if not isinstance(section, dict) or section.get("kind") not in TierConfig.KIND_FIELDS:
-        raise ConfigError(f"{where}: expected a section with a kind ({', '.join(TierConfig.KIND_FIELDS)}), "
-                          f"got {section!r} (from {source})")
+        raise ConfigError(
+            f"{where}: expected a section with a kind ({', '.join(TierConfig.KIND_FIELDS)}), "
+            f"got {section!r} (from {source})"
+        )
     kind = section["kind"]
     valid = TierConfig.COMMON + TierConfig.KIND_FIELDS[kind]
     unknown = sorted(set(section) - set(valid))
     if unknown:
-        raise ConfigError(f"{where}: {', '.join(map(repr, unknown))} is not a setting of a {kind} tier "
-                          f"(from {source}); its settings: {', '.join(valid)}")
+        raise ConfigError(
+            f"{where}: {', '.join(map(repr, unknown))} is not a setting of a {kind} tier "
+            f"(from {source}); its settings: {', '.join(valid)}"
+        )
     types = {f.name: f.type for f in dataclasses.fields(TierConfig)}
-    return TierConfig(**{k: _coerce(f"{where}.{k}", types[k], v, source) for k, v in section.items()})
+    return TierConfig(
+        **{k: _coerce(f"{where}.{k}", types[k], v, source) for k, v in section.items()}
+    )
 
 
 def _size(name: str, value: Any, source: str) -> int:
@@ -228,7 +285,9 @@ def _size(name: str, value: Any, source: str) -> int:
         m = _SIZE.match(str(value))
         unit = (m.group(2) or "").lower() if m else None
         if not m or unit not in _UNITS:
-            raise ConfigError(f"{name}: expected a size such as 512MiB, 2GiB or a number of bytes, got {value!r} (from {source})")
+            raise ConfigError(
+                f"{name}: expected a size such as 512MiB, 2GiB or a number of bytes, got {value!r} (from {source})"
+            )
         n = int(float(m.group(1)) * _UNITS[unit])
     if n < 0:
         raise ConfigError(f"{name}: a size cannot be negative (from {source})")
@@ -239,9 +298,15 @@ def default_home(env: Mapping[str, str] | None = None) -> Path:
     """The kvfuse home when none is given: ``$KVFUSE_HOME`` (of ``env``, default this process's
     environment) or ``~/.cache/kvfuse``. For code that loads models without a ``Config``."""
     env = os.environ if env is None else env
-    return Path(env["KVFUSE_HOME"]).expanduser() if env.get("KVFUSE_HOME") else Path.home() / ".cache" / "kvfuse"
+    return (
+        Path(env["KVFUSE_HOME"]).expanduser()
+        if env.get("KVFUSE_HOME")
+        else Path.home() / ".cache" / "kvfuse"
+    )
 
 
-def load_from_environment(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None) -> Config:
+def load_from_environment(
+    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
     """``load_config`` with this process's environment (the CLI's entry point)."""
     return load_config(path, os.environ, overrides)

@@ -44,8 +44,13 @@ def redact_url(url: str | None) -> str | None:
     return _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, url)
 
 
-def read_secret(setting: str, *, env_var: str | None = None, path: str | None = None,
-                env: Mapping[str, str] | None = None) -> str | None:
+def read_secret(
+    setting: str,
+    *,
+    env_var: str | None = None,
+    path: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> str | None:
     """The secret in variable ``env_var`` (of ``env``, default this process's environment) or in
     the file ``path``; None when neither is given. ConfigError, naming ``setting`` and the fix,
     when the variable is unset or empty or the file cannot be read or is empty."""
@@ -53,17 +58,23 @@ def read_secret(setting: str, *, env_var: str | None = None, path: str | None = 
         env = os.environ if env is None else env
         value = env.get(env_var)
         if not value:
-            raise ConfigError(f"{setting}: the variable {env_var} is {'empty' if value == '' else 'not set'}; "
-                              f"export {env_var}=... in the server's environment, or use a file instead")
+            raise ConfigError(
+                f"{setting}: the variable {env_var} is {'empty' if value == '' else 'not set'}; "
+                f"export {env_var}=... in the server's environment, or use a file instead"
+            )
         return value
     if path:
         try:
             text = Path(path).expanduser().read_text(encoding="utf-8")
         except OSError as e:
-            raise ConfigError(f"{setting}: cannot read {path}: {e.strerror or e}; check the path and that this "
-                              "user may read it") from None
+            raise ConfigError(
+                f"{setting}: cannot read {path}: {e.strerror or e}; check the path and that this "
+                "user may read it"
+            ) from None
         except UnicodeDecodeError:
-            raise ConfigError(f"{setting}: {path} is not UTF-8 text; write the secret alone in the file") from None
+            raise ConfigError(
+                f"{setting}: {path} is not UTF-8 text; write the secret alone in the file"
+            ) from None
         value = text[:-1] if text.endswith("\n") else text
         value = value[:-1] if value.endswith("\r") else value
         if not value:
@@ -79,7 +90,11 @@ def check_secrets(config, env: Mapping[str, str]) -> None:
 
     for i, tier in enumerate(config.lower_tiers()):
         if tier.kind == "redis" and (tier.password_env or tier.password_file):
-            where = "cache.redis_password" if config.cache.tiers is None else f"cache.tiers[{i}].password"
+            where = (
+                "cache.redis_password"
+                if config.cache.tiers is None
+                else f"cache.tiers[{i}].password"
+            )
             suffix = "_env" if tier.password_env else "_file"
             read_secret(where + suffix, env_var=tier.password_env, path=tier.password_file, env=env)
     token = read_secret("server.metrics_token_file", path=config.server.metrics_token_file, env=env)
@@ -87,4 +102,6 @@ def check_secrets(config, env: Mapping[str, str]) -> None:
         try:
             digest_bytes(token)
         except ValueError as e:
-            raise ConfigError(f"server.metrics_token_file: {config.server.metrics_token_file}: {e}") from None
+            raise ConfigError(
+                f"server.metrics_token_file: {config.server.metrics_token_file}: {e}"
+            ) from None

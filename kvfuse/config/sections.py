@@ -27,7 +27,15 @@ class ConfigError(ValueError):
 
 KV_DTYPES = dtypes.KV_DTYPES
 WEIGHT_FORMATS = ("auto", "int8")  # = models.quant.WEIGHT_FORMATS (a unit test keeps them equal)
-METHODS = ("hkvd", "hkvd-head", "sinks", "sinks+hkvd", "attn", "hkvd-attn", "prefix")  # blend token selection
+METHODS = (
+    "hkvd",
+    "hkvd-head",
+    "sinks",
+    "sinks+hkvd",
+    "attn",
+    "hkvd-attn",
+    "prefix",
+)  # blend token selection
 BUDGET_SOURCES = ("config", "request", "profile", "default")  # what decided a blend's budget
 QUERY_AWARE = ("attn", "hkvd-attn")  # selections that look at the suffix: their blend depends on it
 DEVIATIONS = ("k", "v")
@@ -72,9 +80,19 @@ class TierConfig:
     sse: str | None = None
     sse_kms_key_id: str | None = None
 
-    REDIS_SECURITY = ("username", "password_env", "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
-    KIND_FIELDS = {"disk": ("path", "capacity_bytes"), "redis": ("url", "timeout_s", "cluster", *REDIS_SECURITY),
-              "s3": ("url", "endpoint", "region", "timeout_s", "sse", "sse_kms_key_id")}
+    REDIS_SECURITY = (
+        "username",
+        "password_env",
+        "password_file",
+        "tls_ca_file",
+        "tls_cert_file",
+        "tls_key_file",
+    )
+    KIND_FIELDS = {
+        "disk": ("path", "capacity_bytes"),
+        "redis": ("url", "timeout_s", "cluster", *REDIS_SECURITY),
+        "s3": ("url", "endpoint", "region", "timeout_s", "sse", "sse_kms_key_id"),
+    }
     COMMON = ("kind", "name", "codec", "codec_level")
 
     @property
@@ -136,8 +154,12 @@ class CacheConfig:
     write_queue: int = 64
     store_generated: bool = False  # without history: store the answers' whole chunks too
     salt: str = ""
-    history: bool = True  # whole-history reuse: a turn's prompt and answer KV kept for the next turn
-    history_records: int = 2048  # stored histories whose ids are remembered (to line up later turns)
+    history: bool = (
+        True  # whole-history reuse: a turn's prompt and answer KV kept for the next turn
+    )
+    history_records: int = (
+        2048  # stored histories whose ids are remembered (to line up later turns)
+    )
     truncation: str = "reuse"  # a conversation beyond the context window: reuse | recompute | off
     async_save: bool = True  # save new KV on a thread of its own, off the request path
     prefetch: bool = True  # read queued requests' KV from disk / Redis into memory before they run
@@ -148,13 +170,17 @@ class CacheConfig:
     disk_codec_level: int = 0
     redis_codec: str | None = None
     redis_codec_level: int = 0
-    stream_levels: tuple[int, ...] = ()  # extra CacheGen levels written to disk / Redis for streaming
+    stream_levels: tuple[
+        int, ...
+    ] = ()  # extra CacheGen levels written to disk / Redis for streaming
     kv_slo_ms: float | None = None  # load slow-tier KV adaptively within this budget (None: off)
     codec_workers: int | None = None  # processes that encode / decode CacheGen (None: one per core)
     # How long the entries a request writes stay when it does not say (prompt_cache_retention):
     # none = the tiers' policy (every tier, until evicted), in_memory, or a duration such as 24h.
     retention: str | None = None
-    tiers: tuple[TierConfig, ...] | None = None  # the tiers below memory, in order (None: the flat keys)
+    tiers: tuple[TierConfig, ...] | None = (
+        None  # the tiers below memory, in order (None: the flat keys)
+    )
     # Signed entries (config/signing.py, docs/deploy.md): with keys, every entry written to disk,
     # Redis or S3 carries an HMAC-SHA256 and every entry read back must carry one an accepted key
     # made. Give them one way: one key, a list (the first signs, every one is accepted: rotation),
@@ -168,17 +194,41 @@ class CacheConfig:
         URLs are set, in that order."""
         out = []
         if self.disk:
-            out.append(TierConfig("disk", path=self.disk_path, capacity_bytes=self.disk_bytes, codec=self.disk_codec,
-                                  codec_level=self.disk_codec_level))
+            out.append(
+                TierConfig(
+                    "disk",
+                    path=self.disk_path,
+                    capacity_bytes=self.disk_bytes,
+                    codec=self.disk_codec,
+                    codec_level=self.disk_codec_level,
+                )
+            )
         if self.redis_url:
-            out.append(TierConfig("redis", url=self.redis_url, timeout_s=self.redis_timeout_s,
-                                  cluster=self.redis_cluster, codec=self.redis_codec,
-                                  codec_level=self.redis_codec_level,
-                                  **{f: getattr(self, f"redis_{f}") for f in TierConfig.REDIS_SECURITY}))
+            out.append(
+                TierConfig(
+                    "redis",
+                    url=self.redis_url,
+                    timeout_s=self.redis_timeout_s,
+                    cluster=self.redis_cluster,
+                    codec=self.redis_codec,
+                    codec_level=self.redis_codec_level,
+                    **{f: getattr(self, f"redis_{f}") for f in TierConfig.REDIS_SECURITY},
+                )
+            )
         if self.s3_url:
-            out.append(TierConfig("s3", url=self.s3_url, endpoint=self.s3_endpoint, region=self.s3_region,
-                                  timeout_s=self.s3_timeout_s, codec=self.s3_codec, codec_level=self.s3_codec_level,
-                                  sse=self.s3_sse, sse_kms_key_id=self.s3_sse_kms_key_id))
+            out.append(
+                TierConfig(
+                    "s3",
+                    url=self.s3_url,
+                    endpoint=self.s3_endpoint,
+                    region=self.s3_region,
+                    timeout_s=self.s3_timeout_s,
+                    codec=self.s3_codec,
+                    codec_level=self.s3_codec_level,
+                    sse=self.s3_sse,
+                    sse_kms_key_id=self.s3_sse_kms_key_id,
+                )
+            )
         return tuple(out)
 
 
@@ -239,18 +289,26 @@ class BlendOptions:
         r = self.recompute_ratio
         if r != "auto":
             if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r <= 1.0:
-                raise ValueError(f"recompute_ratio must be a number in [0, 1] or \"auto\", got {r!r}")
+                raise ValueError(f'recompute_ratio must be a number in [0, 1] or "auto", got {r!r}')
             object.__setattr__(self, "recompute_ratio", float(r))
         if self.source not in BUDGET_SOURCES:
-            raise ValueError(f"blend source must be one of {', '.join(BUDGET_SOURCES)}, got {self.source!r}")
+            raise ValueError(
+                f"blend source must be one of {', '.join(BUDGET_SOURCES)}, got {self.source!r}"
+            )
         if self.method not in METHODS:
-            raise ValueError(f"blend method must be one of {', '.join(METHODS)}, got {self.method!r}")
+            raise ValueError(
+                f"blend method must be one of {', '.join(METHODS)}, got {self.method!r}"
+            )
         if self.deviation not in DEVIATIONS:
             raise ValueError(f"blend deviation must be 'k' or 'v', got {self.deviation!r}")
         if self.auto not in AUTO_MODES:
-            raise ValueError(f"blend.auto must be one of {', '.join(AUTO_MODES)}, got {self.auto!r}")
+            raise ValueError(
+                f"blend.auto must be one of {', '.join(AUTO_MODES)}, got {self.auto!r}"
+            )
         if self.document_context not in CONTEXTS:
-            raise ValueError(f"document_context must be one of {', '.join(CONTEXTS)}, got {self.document_context!r}")
+            raise ValueError(
+                f"document_context must be one of {', '.join(CONTEXTS)}, got {self.document_context!r}"
+            )
         for name in ("check_layer", "sink_tokens", "auto_min_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -292,11 +350,15 @@ class BlendOptions:
     def identity(self) -> str:
         """Everything that changes the blended KV, as a namespace salt."""
         if self.auto_budget:
-            raise ValueError("recompute_ratio auto has no identity: resolve it against the model's profile first")
+            raise ValueError(
+                "recompute_ratio auto has no identity: resolve it against the model's profile first"
+            )
         if self.full_reuse:
             return f"blend:reuse:{self.document_context}"
-        return (f"blend:{self.method}:{self.recompute_ratio:g}:L{self.check_layer}:{self.deviation}:"
-                f"{'gradual' if self.gradual else 'once'}:{self.sink_tokens}:{self.document_context}")
+        return (
+            f"blend:{self.method}:{self.recompute_ratio:g}:L{self.check_layer}:{self.deviation}:"
+            f"{'gradual' if self.gradual else 'once'}:{self.sink_tokens}:{self.document_context}"
+        )
 
 
 @dataclass(frozen=True)
@@ -305,7 +367,9 @@ class EngineConfig:
 
     max_running: int = 32  # sequences decoded / prefilled together in one step
     max_step_tokens: int = 256  # tokens per forward pass: decodes first, then prompt chunks
-    kv_memory_bytes: int | None = 4 * 1024**3  # live KV of all running sequences together (None: unbounded)
+    kv_memory_bytes: int | None = (
+        4 * 1024**3
+    )  # live KV of all running sequences together (None: unbounded)
 
 
 @dataclass(frozen=True)
@@ -349,7 +413,9 @@ class Config:
     dtype: str = "auto"
     weights: str = "auto"  # auto (the compute dtype) | int8 (CPU only; its own cache namespace)
     threads: int = 0  # 0 = all cores
-    context_tokens: int = 0  # the context window; 0 = the model's (lower it to truncate conversations sooner)
+    context_tokens: int = (
+        0  # the context window; 0 = the model's (lower it to truncate conversations sooner)
+    )
     tune_malloc: bool = True  # keep freed multi-MB buffers for reuse (see runtime.tune_allocator)
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -366,7 +432,10 @@ class Config:
     def lower_tiers(self) -> tuple[TierConfig, ...]:
         """The tiers below memory, in order (``cache.tiers``, or the flat keys), disk paths resolved."""
         tiers = self.cache.tiers if self.cache.tiers is not None else self.cache.flat_tiers()
-        return tuple(replace(t, path=str(self._path_or(t.path, "kv"))) if t.kind == "disk" else t for t in tiers)
+        return tuple(
+            replace(t, path=str(self._path_or(t.path, "kv"))) if t.kind == "disk" else t
+            for t in tiers
+        )
 
     @property
     def disk_path(self) -> Path | None:
@@ -384,10 +453,15 @@ class Config:
     def engine_settings(self) -> EngineSettings:
         """The settings an engine runs with (see ``EngineSettings``); the records of stored
         histories live next to their KV on the disk tier, and survive restarts with it."""
-        return EngineSettings(cache=self.cache, blend=self.blend, engine=self.engine,
-                              context_tokens=self.context_tokens, max_queue=self.server.max_queue,
-                              history_path=str(self.disk_path / "histories") if self.disk_path is not None else None,
-                              profiles_path=str(self.home_path / "profiles"))
+        return EngineSettings(
+            cache=self.cache,
+            blend=self.blend,
+            engine=self.engine,
+            context_tokens=self.context_tokens,
+            max_queue=self.server.max_queue,
+            history_path=str(self.disk_path / "histories") if self.disk_path is not None else None,
+            profiles_path=str(self.home_path / "profiles"),
+        )
 
     def api_key_map(self) -> dict[str, str]:
         """Key (or ``sha256:<hex>`` digest) -> tenant, from ``server.api_keys``."""
@@ -409,8 +483,12 @@ class EngineSettings:
     engine: EngineConfig = field(default_factory=EngineConfig)
     context_tokens: int = 0  # as Config.context_tokens: 0 = the model's context window
     max_queue: int = ServerConfig.max_queue
-    history_path: str | None = None  # a folder for the records of stored histories (None: memory only)
-    profiles_path: str | None = None  # the user's blend profiles (kvfuse calibrate); None: shipped ones only
+    history_path: str | None = (
+        None  # a folder for the records of stored histories (None: memory only)
+    )
+    profiles_path: str | None = (
+        None  # the user's blend profiles (kvfuse calibrate); None: shipped ones only
+    )
 
     @classmethod
     def of(cls, blend: BlendOptions | None = None, **fields: Any) -> EngineSettings:
@@ -429,12 +507,19 @@ class EngineSettings:
                 sections["engine"][name] = value
             else:
                 raise TypeError(f"unknown engine setting {name!r}")
-        return cls(cache=CacheConfig(**sections["cache"]), engine=EngineConfig(**sections["engine"]),
-                   blend=blend if blend is not None else BlendOptions(), **own)
+        return cls(
+            cache=CacheConfig(**sections["cache"]),
+            engine=EngineConfig(**sections["engine"]),
+            blend=blend if blend is not None else BlendOptions(),
+            **own,
+        )
 
 
-
-
-SECTIONS = {"cache": CacheConfig, "blend": BlendOptions, "engine": EngineConfig, "responses": ResponsesConfig,
-            "server": ServerConfig}
+SECTIONS = {
+    "cache": CacheConfig,
+    "blend": BlendOptions,
+    "engine": EngineConfig,
+    "responses": ResponsesConfig,
+    "server": ServerConfig,
+}
 FIELDS = {name: {f.name for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}

@@ -30,15 +30,23 @@ def signer_of(cache: CacheConfig, sources: Mapping[str, str] | None = None) -> E
     naming the setting, where it came from and the fix: several ways at once, a key file that is
     missing or holds no key, a key shorter than ``MIN_KEY_BYTES``. No message shows a key."""
     sources = sources or {}
-    given = [name for name, value in (("cache.signing_key", cache.signing_key),
-                                      ("cache.signing_keys", cache.signing_keys),
-                                      ("cache.signing_key_file", cache.signing_key_file)) if value]
+    given = [
+        name
+        for name, value in (
+            ("cache.signing_key", cache.signing_key),
+            ("cache.signing_keys", cache.signing_keys),
+            ("cache.signing_key_file", cache.signing_key_file),
+        )
+        if value
+    ]
     if not given:
         return None
     if len(given) > 1:
-        raise ConfigError(f"{' and '.join(given)}: give the signing keys one way, not several "
-                          f"(set by {', '.join(_source(sources, n) for n in given)}); a list or a key file holds "
-                          f"several keys (the first signs)")
+        raise ConfigError(
+            f"{' and '.join(given)}: give the signing keys one way, not several "
+            f"(set by {', '.join(_source(sources, n) for n in given)}); a list or a key file holds "
+            f"several keys (the first signs)"
+        )
     name = given[0]
     if name == "cache.signing_key_file":
         keys = _read_key_file(Path(cache.signing_key_file).expanduser(), _source(sources, name))
@@ -48,8 +56,10 @@ def signer_of(cache: CacheConfig, sources: Mapping[str, str] | None = None) -> E
     for i, k in enumerate(encoded):
         if len(k) < MIN_KEY_BYTES:
             which = "the key" if len(encoded) == 1 else f"key number {i + 1}"
-            raise ConfigError(f"{name}: {which} is {len(k)} bytes; a signing key needs at least {MIN_KEY_BYTES} "
-                              f"(from {_source(sources, name)}); generate one with: {_GENERATE}")
+            raise ConfigError(
+                f"{name}: {which} is {len(k)} bytes; a signing key needs at least {MIN_KEY_BYTES} "
+                f"(from {_source(sources, name)}); generate one with: {_GENERATE}"
+            )
     return EntrySigner(encoded)
 
 
@@ -63,14 +73,20 @@ def _read_key_file(path: Path, source: str) -> list[str]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
-        raise ConfigError(f"cache.signing_key_file: cannot read {path}: {e.strerror or e} (from {source}); "
-                          f"{fix}") from None
+        raise ConfigError(
+            f"cache.signing_key_file: cannot read {path}: {e.strerror or e} (from {source}); {fix}"
+        ) from None
     except UnicodeDecodeError:
-        raise ConfigError(f"cache.signing_key_file: {path} is not UTF-8 text (from {source}); one key per "
-                          f"line, e.g. {_GENERATE}") from None
+        raise ConfigError(
+            f"cache.signing_key_file: {path} is not UTF-8 text (from {source}); one key per "
+            f"line, e.g. {_GENERATE}"
+        ) from None
     keys = parse_key_lines(text)
     if not keys:
         raise ConfigError(f"cache.signing_key_file: {path} holds no key (from {source}); {fix}")
     if os.name == "posix" and path.stat().st_mode & 0o077:
-        log.warning("cache.signing_key_file %s can be read by other users than its owner: chmod 600 it", path)
+        log.warning(
+            "cache.signing_key_file %s can be read by other users than its owner: chmod 600 it",
+            path,
+        )
     return keys

@@ -21,18 +21,60 @@ Layout, in the order a request goes through it:
 """
 
 from .core import Engine
-from .planner import Compute, Load, Plan, Precompute, PromptKeys, Save, make_plan, prompt_keys, replan
+from .planner import (
+    Compute,
+    Load,
+    Plan,
+    Precompute,
+    PromptKeys,
+    Save,
+    make_plan,
+    prompt_keys,
+    replan,
+)
 from .prompt import Prompt, Segment, SegmentKind
-from .request import (CacheOptions, GenerationResult, Outcome, QueueClosed, QueueFull, Request, RequestCancelled,
-                      Timings)
+from .request import (
+    CacheOptions,
+    GenerationResult,
+    Outcome,
+    QueueClosed,
+    QueueFull,
+    Request,
+    RequestCancelled,
+    Timings,
+)
 from .retention import Breakpoint, Retention
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats
 
 __all__ = [
-    "Breakpoint", "CacheOptions", "Compute", "Engine", "EngineStats", "GenerationResult", "Load", "Outcome", "Plan",
-    "Precompute", "Prompt", "PromptKeys", "QueueClosed", "QueueFull", "Request", "RequestCancelled", "Retention",
-    "ScheduledStep", "Scheduler", "Segment", "SegmentKind", "Sequence", "SequenceStatus", "Save", "Timings",
-    "make_plan", "prompt_keys", "replan",
+    "Breakpoint",
+    "CacheOptions",
+    "Compute",
+    "Engine",
+    "EngineStats",
+    "GenerationResult",
+    "Load",
+    "Outcome",
+    "Plan",
+    "Precompute",
+    "Prompt",
+    "PromptKeys",
+    "QueueClosed",
+    "QueueFull",
+    "Request",
+    "RequestCancelled",
+    "Retention",
+    "ScheduledStep",
+    "Scheduler",
+    "Segment",
+    "SegmentKind",
+    "Sequence",
+    "SequenceStatus",
+    "Save",
+    "Timings",
+    "make_plan",
+    "prompt_keys",
+    "replan",
 ]

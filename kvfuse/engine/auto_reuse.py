@@ -62,12 +62,19 @@ class AutoReuse:
             return "skipped"
         return "on" if blend.blends else "prefix"
 
-    def with_content(self, keys: PromptKeys, ids: Sequence[int], namespace: Namespace,
-                     separators: np.ndarray | None = None) -> PromptKeys:
+    def with_content(
+        self,
+        keys: PromptKeys,
+        ids: Sequence[int],
+        namespace: Namespace,
+        separators: np.ndarray | None = None,
+    ) -> PromptKeys:
         """``keys`` with the content chunks of the prompt ``ids`` (hashing only); ``separators``:
         the tokenizer's line-break ids (``content.separator_ids``), where segments start."""
         spans = content.chunks(ids, separators=separators)
-        chunks = tuple(ContentChunk(k, s, e) for k, (s, e) in zip(content_keys(ids, spans, namespace), spans))
+        chunks = tuple(
+            ContentChunk(k, s, e) for k, (s, e) in zip(content_keys(ids, spans, namespace), spans)
+        )
         return replace(keys, content=chunks, store_content=len(ids) >= self.min_tokens)
 
 

@@ -44,8 +44,16 @@ log = logging.getLogger(__name__)
 class CacheWriter:
     """One engine's writes to its store; see the module docstring."""
 
-    def __init__(self, store: TieredStore, saver: Saver | None, codec: Codec, chunk_size: int,
-                 retention: Retention | None, store_generated: bool, history: HistoryIndex | None):
+    def __init__(
+        self,
+        store: TieredStore,
+        saver: Saver | None,
+        codec: Codec,
+        chunk_size: int,
+        retention: Retention | None,
+        store_generated: bool,
+        history: HistoryIndex | None,
+    ):
         self.store, self.saver, self.codec, self.chunk_size = store, saver, codec, chunk_size
         self.retention = retention  # of requests that do not say (prompt_cache_retention)
         self.store_generated = store_generated
@@ -53,7 +61,9 @@ class CacheWriter:
 
     def policy(self, cache: CacheOptions, end: int) -> tuple[float | None, bool]:
         """``(expires_at, memory_only)`` of an entry of a request's KV ending at token ``end``."""
-        return write_policy(end, cache.retention or self.retention, cache.breakpoints, self.store.clock())
+        return write_policy(
+            end, cache.retention or self.retention, cache.breakpoints, self.store.clock()
+        )
 
     def precomputed(self, cache: CacheOptions, key: ChunkKey, entry: Entry, end: int) -> None:
         """Save a document's KV computed on its own, whose last token is the prompt's ``end``."""
@@ -68,8 +78,14 @@ class CacheWriter:
         saves = [s for s in plan.saves if s.key.kind is not ChunkKind.CONTENT]
         planned = len(saves)
         if seq.keys is not None and req.cache.breakpoints and req.prompt.is_prefix_only:
-            saves += breakpoint_saves(req.prompt.ids, seq.keys.prefix, req.cache.breakpoints, self.chunk_size,
-                                        seq.namespace, {s.key for s in saves})
+            saves += breakpoint_saves(
+                req.prompt.ids,
+                seq.keys.prefix,
+                req.cache.breakpoints,
+                self.chunk_size,
+                seq.namespace,
+                {s.key for s in saves},
+            )
         if saves:
             seq.usage.stored += self.save(seq, saves, skip_held=len(saves) > planned)
         content = [s for s in plan.saves if s.key.kind is ChunkKind.CONTENT]
@@ -81,16 +97,24 @@ class CacheWriter:
         """The turn is over: keep its history (a plain prompt with history on), or store the
         answer's whole chunks (``store_generated``)."""
         req = seq.request
-        if seq.keys is None or seq.prefill.plan.blended:  # a blend's KV is not a prefill's: no history
+        if (
+            seq.keys is None or seq.prefill.plan.blended
+        ):  # a blend's KV is not a prefill's: no history
             return
         if self.history is not None and req.prompt.is_prefix_only:
             self._keep_history(seq)
             return
-        store_generated = req.cache.store_generated if req.cache.store_generated is not None else self.store_generated
+        store_generated = (
+            req.cache.store_generated
+            if req.cache.store_generated is not None
+            else self.store_generated
+        )
         if store_generated and req.prompt.is_plain:
             n = seq.prompt_len
             full = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
-            spans = generated_saves(full, seq.kv.length, self.chunk_size, seq.namespace, len(seq.keys.prefix))
+            spans = generated_saves(
+                full, seq.kv.length, self.chunk_size, seq.namespace, len(seq.keys.prefix)
+            )
             seq.usage.stored += self.save(seq, spans)
 
     def _keep_history(self, seq: Sequence) -> None:
@@ -99,33 +123,66 @@ class CacheWriter:
         req, n, ch = seq.request, seq.prompt_len, self.chunk_size
         state = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
         entries = history_entries(state, ch, seq.namespace)
-        new = [Save(e.key, e.source, e.source + e.tokens) for e in entries
-               if e.source + e.tokens > len(seq.keys.prefix) * ch]
-        kept = self.history.add(seq.scope, state, seq.namespace, tuple(entries), req.cache.history_key,
-                                replaces=seq.record)
-        seq.usage.kept = kept or Record(seq.scope, np.asarray(state, dtype=np.uint32), seq.namespace, tuple(entries),
-                                        req.cache.history_key)
+        new = [
+            Save(e.key, e.source, e.source + e.tokens)
+            for e in entries
+            if e.source + e.tokens > len(seq.keys.prefix) * ch
+        ]
+        kept = self.history.add(
+            seq.scope,
+            state,
+            seq.namespace,
+            tuple(entries),
+            req.cache.history_key,
+            replaces=seq.record,
+        )
+        seq.usage.kept = kept or Record(
+            seq.scope,
+            np.asarray(state, dtype=np.uint32),
+            seq.namespace,
+            tuple(entries),
+            req.cache.history_key,
+        )
         seq.usage.stored += self.save(seq, new, skip_held=True)
 
-    def save(self, seq: Sequence, spans: list[Save], skip_held: bool = False, written: bool = True) -> int:
+    def save(
+        self, seq: Sequence, spans: list[Save], skip_held: bool = False, written: bool = True
+    ) -> int:
         """Save spans of ``seq``'s live cache, each group of spans with its write policy: handed to
         the saver thread, or written now without one. Returns how many entries. ``written``: count
         the prompt tokens in the request's ``written`` tokens."""
         req, kv = seq.request, seq.kv
         ids = req.prompt.ids + list(seq.token_ids)  # the token id of every slot of the live KV
         if written:
-            seq.usage.written += sum(min(s.end, seq.prompt_len) - s.start for s in spans if s.start < seq.prompt_len)
+            seq.usage.written += sum(
+                min(s.end, seq.prompt_len) - s.start for s in spans if s.start < seq.prompt_len
+            )
         groups: dict[tuple[float | None, bool], list[Save]] = {}
         for s in spans:
             groups.setdefault(self.policy(req.cache, s.end), []).append(s)
         n = 0
         for (expires_at, memory_only), group in groups.items():
             if self.saver is not None:
-                n += self.saver.save(kv, self.codec, group, ids, skip_held, expires_at=expires_at,
-                                     memory_only=memory_only)
+                n += self.saver.save(
+                    kv,
+                    self.codec,
+                    group,
+                    ids,
+                    skip_held,
+                    expires_at=expires_at,
+                    memory_only=memory_only,
+                )
             else:
-                n += save_now(self.store, kv, self.codec, group, ids, skip_held, expires_at=expires_at,
-                              memory_only=memory_only)
+                n += save_now(
+                    self.store,
+                    kv,
+                    self.codec,
+                    group,
+                    ids,
+                    skip_held,
+                    expires_at=expires_at,
+                    memory_only=memory_only,
+                )
         return n
 
     def retain(self, seq: Sequence, loads: tuple[Load, ...]) -> None:

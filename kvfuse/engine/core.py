@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import torch
 
@@ -57,8 +58,12 @@ class Engine:
     """Generation over one model with an optional tiered KV store; ``settings`` come from the
     configuration (``Config.engine_settings()``), validated there."""
 
-    def __init__(self, model: LoadedModel, store: TieredStore | None = None,
-                 settings: EngineSettings = EngineSettings()):
+    def __init__(
+        self,
+        model: LoadedModel,
+        store: TieredStore | None = None,
+        settings: EngineSettings = EngineSettings(),
+    ):
         s, c = settings, settings.cache
         self.model, self.store, self.settings = model, store, settings
         self.kv_dtype = dtypes.torch_dtype(c.kv_dtype)
@@ -67,21 +72,50 @@ class Engine:
         self.prompts = PromptBuilder(model, self.context_window, c.truncation != "off", self.stats)
         # Conversations: the ids each stored history was built from (found again for a later turn),
         # its KV saved off the request path, queued requests' KV prefetched and kept in memory.
-        history = HistoryIndex(c.history_records, s.history_path) if store is not None and c.history else None
+        history = (
+            HistoryIndex(c.history_records, s.history_path)
+            if store is not None and c.history
+            else None
+        )
         self.saver = Saver(store) if store is not None and c.async_save else None
         retention = Retention.parse(c.retention) if c.retention is not None else None
-        self.keying = Keying(model, store, self.saver, s, history, self.context_window)  # its profile: codec level too
-        self.codec = get_codec(c.codec, c.codec_level).for_model(model.config.layer_types, self.keying.codec_level)
-        self.writer = CacheWriter(store, self.saver, self.codec, c.chunk_size, retention, c.store_generated,
-                                  history) if store is not None else None
+        self.keying = Keying(
+            model, store, self.saver, s, history, self.context_window
+        )  # its profile: codec level too
+        self.codec = get_codec(c.codec, c.codec_level).for_model(
+            model.config.layer_types, self.keying.codec_level
+        )
+        self.writer = (
+            CacheWriter(
+                store, self.saver, self.codec, c.chunk_size, retention, c.store_generated, history
+            )
+            if store is not None
+            else None
+        )
         self.blend = self.keying.blend  # ``auto`` resolved against the model's blend profile
-        if self.blend.check_layer >= model.config.num_layers:  # depends on the model: not the config's to know
-            raise ValueError(f"blend check_layer {self.blend.check_layer} is not a layer of this model "
-                             f"({model.config.num_layers} layers)")
-        self.prefiller = Prefiller(model, store, self.saver, self.keying, self.writer, self.kv_dtype, self.codec,
-                                   c.kv_slo_ms, self.stats, self.estimates)
+        if (
+            self.blend.check_layer >= model.config.num_layers
+        ):  # depends on the model: not the config's to know
+            raise ValueError(
+                f"blend check_layer {self.blend.check_layer} is not a layer of this model "
+                f"({model.config.num_layers} layers)"
+            )
+        self.prefiller = Prefiller(
+            model,
+            store,
+            self.saver,
+            self.keying,
+            self.writer,
+            self.kv_dtype,
+            self.codec,
+            c.kv_slo_ms,
+            self.stats,
+            self.estimates,
+        )
         memory = KVMemory(model.runner, self.kv_dtype, s.engine.kv_memory_bytes, self.saver)
-        self.scheduler = Scheduler(s.max_queue, s.engine.max_running, memory, s.engine.max_step_tokens)
+        self.scheduler = Scheduler(
+            s.max_queue, s.engine.max_running, memory, s.engine.max_step_tokens
+        )
         self.prefetcher = None
         if store is not None:
             store.use_model(model.config.layer_types, self.keying.codec_level)
@@ -106,7 +140,11 @@ class Engine:
         blend = self.keying.resolve(request.blend)
         if blend.check_layer >= self.model.config.num_layers:
             raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model")
-        if request.prompt.documents and blend.blends and (self.store is None or not request.cache.enabled):
+        if (
+            request.prompt.documents
+            and blend.blends
+            and (self.store is None or not request.cache.enabled)
+        ):
             raise ValueError("documents need the KV cache: it is disabled for this request")
         self.scheduler.memory.check(len(request.prompt), request.params.max_tokens)
 
@@ -125,9 +163,16 @@ class Engine:
             self._skip(seq, "the client left while the request was queued")
         self.scheduler.wake()
 
-    def generate(self, prompt: Seq[int] | Prompt, params: SamplingParams = SamplingParams(), *,
-                 cache: CacheOptions = CacheOptions(), on_text: Callable[[str], None] | None = None,
-                 cancel: threading.Event | None = None, blend: BlendOptions | None = None) -> GenerationResult:
+    def generate(
+        self,
+        prompt: Seq[int] | Prompt,
+        params: SamplingParams = SamplingParams(),
+        *,
+        cache: CacheOptions = CacheOptions(),
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        blend: BlendOptions | None = None,
+    ) -> GenerationResult:
         """Generate from ``prompt`` (token ids or a ``Prompt``) and wait for the result;
         ``on_text`` receives text pieces as they are decoded. ``cancel`` is checked between steps
         (finish reason "cancelled"). ValueError for an empty prompt or one beyond the context window."""
@@ -136,9 +181,15 @@ class Engine:
                 raise ValueError("the prompt is empty")
             prompt = Prompt.plain(list(prompt))
         done, outcome = threading.Event(), []
-        request = Request(prompt, params, cache, blend=blend, on_text=on_text,
-                          on_done=lambda o: (outcome.append(o), done.set()),
-                          cancel=cancel if cancel is not None else threading.Event())
+        request = Request(
+            prompt,
+            params,
+            cache,
+            blend=blend,
+            on_text=on_text,
+            on_done=lambda o: (outcome.append(o), done.set()),
+            cancel=cancel if cancel is not None else threading.Event(),
+        )
         self.submit(request)
         while not done.is_set():
             if self._loop is not None and self._loop.is_alive():
@@ -151,14 +202,24 @@ class Engine:
             raise outcome[0].error
         return outcome[0].result
 
-    def precompute_documents(self, texts: Seq[str], cache: CacheOptions = CacheOptions(),
-                             blend: BlendOptions | None = None,
-                             on_document: Callable[[int, bool], None] | None = None) -> dict[str, int]:
+    def precompute_documents(
+        self,
+        texts: Seq[str],
+        cache: CacheOptions = CacheOptions(),
+        blend: BlendOptions | None = None,
+        on_document: Callable[[int, bool], None] | None = None,
+    ) -> dict[str, int]:
         """Compute and store the KV of each document not cached yet (``offline.precompute_documents``)."""
         return offline.precompute_documents(self, texts, cache, blend, on_document)
 
-    def score(self, prompt: Seq[int] | Prompt, continuations: Seq[Seq[int]] = (), *,
-              cache: CacheOptions = CacheOptions(), blend: BlendOptions | None = None) -> list[torch.Tensor]:
+    def score(
+        self,
+        prompt: Seq[int] | Prompt,
+        continuations: Seq[Seq[int]] = (),
+        *,
+        cache: CacheOptions = CacheOptions(),
+        blend: BlendOptions | None = None,
+    ) -> list[torch.Tensor]:
         """Teacher-forced logits after ``prompt`` prefilled as a request would be (``offline.score``)."""
         return offline.score(self, prompt, continuations, cache, blend)
 
@@ -171,7 +232,10 @@ class Engine:
         """One engine step: schedule, run, post-process. Returns the requests it finished."""
         with self.step_lock:
             scheduled = self.scheduler.schedule()
-            finished = [self._skip(seq, "the client left while the request was queued") for seq in scheduled.skipped]
+            finished = [
+                self._skip(seq, "the client left while the request was queued")
+                for seq in scheduled.skipped
+            ]
             finished += [seq for seq in scheduled.admitted if not self._guard(seq, self.admit)]
             running = [s for s in scheduled.running if s.status is SequenceStatus.RUNNING]
             batch = self.scheduler.batch([s for s in running if s.finish_reason is None])
@@ -233,7 +297,9 @@ class Engine:
             return seq.decode.sample(seq.prefill.filled.logits)
         seq.count_prefill()
         self.prefiller.measure(seq)
-        seq.start_decoding(self.model.tokenizer, self.model.eos_token_ids)  # the first token, the TTFT
+        seq.start_decoding(
+            self.model.tokenizer, self.model.eos_token_ids
+        )  # the first token, the TTFT
         t0 = time.perf_counter()
         if self.writer is not None:
             self.writer.after_prefill(seq)
@@ -265,7 +331,9 @@ class Engine:
             # A failed request's KV is dropped now, whatever still refers to it (an exception's
             # frames, a log record); its saves, if any were queued, are lost with it.
             seq.kv.release()
-        seq.kv = None  # the live KV is freed as soon as the request is done (once the saver copied it)
+        seq.kv = (
+            None  # the live KV is freed as soon as the request is done (once the saver copied it)
+        )
         seq.request.finish(outcome)
 
     def _guard(self, seq: Sequence, fn: Callable[[Sequence], None]) -> bool:
@@ -323,7 +391,10 @@ class Engine:
     def stats_snapshot(self) -> dict:
         """The engine's counters (a consistent copy), with the histories remembered and the
         saver's counters (``saver``: saves, their time off the request path, waits) when on."""
-        return {**self.stats.snapshot(), **(self.writer.counters() if self.writer is not None else {})}
+        return {
+            **self.stats.snapshot(),
+            **(self.writer.counters() if self.writer is not None else {}),
+        }
 
     def cache_stats(self) -> dict[str, dict]:
         """Counters of every tier and of the store ({} without a cache)."""
@@ -337,7 +408,9 @@ class Engine:
         namespace ``salt``; entries removed per tier."""
         if self.writer is None:
             return {}
-        return self.writer.clear(tenant_tag(tenant) if salt is None else self.namespace(tenant, salt).key_prefix())
+        return self.writer.clear(
+            tenant_tag(tenant) if salt is None else self.namespace(tenant, salt).key_prefix()
+        )
 
     def free_entries(self, keys: Seq[str]) -> dict[str, int]:
         """Remove the entries ``keys`` (their string forms; e.g. a deleted response's) from every
@@ -347,4 +420,3 @@ class Engine:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the queued saves and lower-tier writes; False if ``timeout`` passed first."""
         return self.writer.flush(timeout) if self.writer is not None else True
-

@@ -41,7 +41,11 @@ def encode_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> list[lis
 def completion_prompt(tokenizer: Tokenizer, documents: Sequence[str], text: str) -> Prompt:
     """``[special tokens][documents][text]`` (the special tokens a plain prompt would start with)."""
     prefix = tokenizer.encode("")  # e.g. Gemma's BOS; nothing for a tokenizer that adds none
-    return Prompt.of(prefix, encode_documents(tokenizer, documents), tokenizer.encode(text, add_special_tokens=False))
+    return Prompt.of(
+        prefix,
+        encode_documents(tokenizer, documents),
+        tokenizer.encode(text, add_special_tokens=False),
+    )
 
 
 def chat_prompt(tokenizer: Tokenizer, documents: Sequence[str], messages: list[dict]) -> Prompt:
@@ -53,15 +57,21 @@ def chat_prompt(tokenizer: Tokenizer, documents: Sequence[str], messages: list[d
     marked[last]["content"] = _MARKER + (marked[last].get("content") or "")
     rendered = tokenizer.render_chat(marked)
     if rendered.count(_MARKER) != 1:
-        raise ValueError("this chat template does not keep message text as it is; send the documents to "
-                         "/v1/completions instead")
+        raise ValueError(
+            "this chat template does not keep message text as it is; send the documents to "
+            "/v1/completions instead"
+        )
     before, after = rendered.split(_MARKER)
-    return Prompt.of(tokenizer.encode(before, add_special_tokens=False), encode_documents(tokenizer, documents),
-                     tokenizer.encode(after, add_special_tokens=False))
+    return Prompt.of(
+        tokenizer.encode(before, add_special_tokens=False),
+        encode_documents(tokenizer, documents),
+        tokenizer.encode(after, add_special_tokens=False),
+    )
 
 
-def breakpoint_positions(tokenizer: Tokenizer, messages: list[dict], marks: Sequence[tuple[int, int]],
-                         ids: Sequence[int]) -> list[int | None]:
+def breakpoint_positions(
+    tokenizer: Tokenizer, messages: list[dict], marks: Sequence[tuple[int, int]], ids: Sequence[int]
+) -> list[int | None]:
     """For each mark ``(message index, character offset in its content)``, how many leading tokens
     of ``ids`` (the rendered ``messages``' ids) lie wholly before it: the prompt prefix a cache
     breakpoint there stores. None for a mark the template does not keep verbatim (it changes the

@@ -29,8 +29,12 @@ class FetchedEntries:
 
     entries: dict[ChunkKey, Entry] = field(default_factory=dict)
     served: dict[ChunkKey, str] = field(default_factory=dict)  # the tier that served each entry
-    unusable: set[ChunkKey] = field(default_factory=set)  # found by lookup, but missing or damaged when read
-    rejected: int = 0  # damaged copies removed on the way (some were replaced by a slower tier's copy)
+    unusable: set[ChunkKey] = field(
+        default_factory=set
+    )  # found by lookup, but missing or damaged when read
+    rejected: int = (
+        0  # damaged copies removed on the way (some were replaced by a slower tier's copy)
+    )
 
 
 def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load, ids) -> EntrySpec:
@@ -39,12 +43,22 @@ def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load, ids) -> E
     and, from the entry's token ``load.offset`` on, the ids of the slots it fills (a stored
     history's ids are the running prompt's wherever it is loaded)."""
     c = runner.config
-    return EntrySpec(kv_dtype, c.num_layers, c.num_kv_heads, c.head_dim, tokens=load.stored_tokens,
-                     first_position=load.source, token_ids=tuple(ids[load.start : load.end]),
-                     token_offset=load.offset, contiguous=load.source is None)
+    return EntrySpec(
+        kv_dtype,
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        tokens=load.stored_tokens,
+        first_position=load.source,
+        token_ids=tuple(ids[load.start : load.end]),
+        token_offset=load.offset,
+        contiguous=load.source is None,
+    )
 
 
-def span_fits(runner: Transformer, kv_dtype: torch.dtype, load: Load, ids, entry: Entry) -> str | None:
+def span_fits(
+    runner: Transformer, kv_dtype: torch.dtype, load: Load, ids, entry: Entry
+) -> str | None:
     """None if ``entry`` (read and checked for another load of its key) also fits ``load``; else
     why not."""
     try:
@@ -71,20 +85,37 @@ def streamed(store: TieredStore, load: Load) -> bool:
     return load.key.kind is not ChunkKind.DOCUMENT and below_memory(store, load)
 
 
-def fetch_entries(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype, plan: Plan, ids, *,
-                  blended: bool = False, kv_stream: bool = False, have: set[ChunkKey] = frozenset()) -> FetchedEntries:
+def fetch_entries(
+    store: TieredStore,
+    runner: Transformer,
+    kv_dtype: torch.dtype,
+    plan: Plan,
+    ids,
+    *,
+    blended: bool = False,
+    kv_stream: bool = False,
+    have: set[ChunkKey] = frozenset(),
+) -> FetchedEntries:
     """Read every entry the plan for the prompt ``ids`` loads from a tier (each distinct key once,
     checked against the first load of it, then against its other loads with ``span_fits``);
     with ``blended``, not the documents a blend reads layer by layer; with ``kv_stream``, not the
     chunks the KV stream reads; never the keys in ``have`` (read already)."""
     wanted: dict[ChunkKey, Load] = {}
     for load in plan.loads:
-        if load.tier is None or load.key in have or (blended and layer_by_layer(store, load)) or (
-                kv_stream and streamed(store, load)):
+        if (
+            load.tier is None
+            or load.key in have
+            or (blended and layer_by_layer(store, load))
+            or (kv_stream and streamed(store, load))
+        ):
             continue
         wanted.setdefault(load.key, load)
     keys = list(wanted)
-    got = store.fetch(keys, [entry_spec(runner, kv_dtype, wanted[k], ids) for k in keys]) if keys else []
+    got = (
+        store.fetch(keys, [entry_spec(runner, kv_dtype, wanted[k], ids) for k in keys])
+        if keys
+        else []
+    )
     out = FetchedEntries()
     for key, f in zip(keys, got):
         out.rejected += f.rejected
@@ -92,9 +123,15 @@ def fetch_entries(store: TieredStore, runner: Transformer, kv_dtype: torch.dtype
             out.unusable.add(key)
         else:
             out.entries[key], out.served[key] = f.entry, f.tier
-    for load in plan.loads:  # a key loaded over several spans (a stored history's): check the others too
+    for (
+        load
+    ) in plan.loads:  # a key loaded over several spans (a stored history's): check the others too
         entry = out.entries.get(load.key)
-        if entry is not None and load is not wanted[load.key] and span_fits(runner, kv_dtype, load, ids, entry):
+        if (
+            entry is not None
+            and load is not wanted[load.key]
+            and span_fits(runner, kv_dtype, load, ids, entry)
+        ):
             store.discard(load.key)
             del out.entries[load.key], out.served[load.key]
             out.unusable.add(load.key)

@@ -52,18 +52,31 @@ from .sequence import Sequence, SequenceStatus
 class Keying:
     """Namespaces and keys of one engine's requests; see the module docstring."""
 
-    def __init__(self, model: LoadedModel, store: TieredStore | None, saver: Saver | None, settings: EngineSettings,
-                 history: HistoryIndex | None, context_window: int):
+    def __init__(
+        self,
+        model: LoadedModel,
+        store: TieredStore | None,
+        saver: Saver | None,
+        settings: EngineSettings,
+        history: HistoryIndex | None,
+        context_window: int,
+    ):
         self.model, self.store, self.saver, self.history = model, store, saver, history
         self.chunk_size = settings.cache.chunk_size
         self.kv_dtype = settings.cache.kv_dtype
         self.salt = settings.cache.salt
-        self.allow_gap = settings.cache.truncation == "reuse"  # reuse the kept turns' KV after dropped ones
+        self.allow_gap = (
+            settings.cache.truncation == "reuse"
+        )  # reuse the kept turns' KV after dropped ones
         folder = Path(settings.profiles_path) if settings.profiles_path else None
         self.profile = profile.find(model.fingerprint, folder)
-        self.codec_level = profile.codec_level(self.profile)  # CacheGen at level 0 writes this (0: the default)
+        self.codec_level = profile.codec_level(
+            self.profile
+        )  # CacheGen at level 0 writes this (0: the default)
         # the engine's blend, ``auto`` resolved (without a cache there are no documents: nothing to warn of)
-        self.blend = profile.resolve(settings.blend, self.profile, model.name, warn=store is not None)
+        self.blend = profile.resolve(
+            settings.blend, self.profile, model.name, warn=store is not None
+        )
         self.context_window = context_window
         self.auto = AutoReuse.of(settings.blend)
         c = model.config
@@ -71,14 +84,27 @@ class Keying:
         # The bytes each token id spells (None: unknown, ids must then match exactly); read once, lazily.
         self.token_bytes: list[bytes] | tuple | None = None
 
-    def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None) -> Namespace:
+    def namespace(
+        self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None
+    ) -> Namespace:
         """The cache namespace of this model/KV format for ``tenant``, inside request ``salt``; with
         ``blend``, the namespace of prompts blended with those options (``BlendOptions.identity``)."""
-        full_salt = self.salt + ("\x00" + salt if salt else "") + ("\x00" + blend.identity() if blend else "")
-        return Namespace(tenant=tenant, model_fingerprint=self.model.fingerprint, kv_dtype=self.kv_dtype,
-                         kv_layout=self.layout, salt=full_salt)
+        full_salt = (
+            self.salt
+            + ("\x00" + salt if salt else "")
+            + ("\x00" + blend.identity() if blend else "")
+        )
+        return Namespace(
+            tenant=tenant,
+            model_fingerprint=self.model.fingerprint,
+            kv_dtype=self.kv_dtype,
+            kv_layout=self.layout,
+            salt=full_salt,
+        )
 
-    def document_context(self, blend: BlendOptions | None = None, prompt_prefix: Seq[int] | None = None) -> tuple[int, ...]:
+    def document_context(
+        self, blend: BlendOptions | None = None, prompt_prefix: Seq[int] | None = None
+    ) -> tuple[int, ...]:
         """What documents' KV is computed behind when cached on their own (``document_context``):
         the model's BOS token (``bos``, when it has one), its end-of-text token (``eos``), the
         prompt's own prefix (``prefix``: the tokens before the first document), or nothing."""
@@ -86,8 +112,10 @@ class Keying:
         tok = self.model.tokenizer
         if mode == "prefix":
             if prompt_prefix is None:
-                raise ValueError("document_context 'prefix' computes documents behind each prompt's prefix: "
-                                 "give the prefix")
+                raise ValueError(
+                    "document_context 'prefix' computes documents behind each prompt's prefix: "
+                    "give the prefix"
+                )
             return tuple(prompt_prefix)
         token = tok.bos_token_id if mode == "bos" else tok.eos_token_id if mode == "eos" else None
         return (token,) if token is not None else ()
@@ -111,14 +139,21 @@ class Keying:
         request.blend = self.resolve(request.blend)
         if documents and not request.blend.blends:  # no blending: the documents are prompt text
             request.prompt = Prompt.plain(request.prompt.ids)
-        auto = self.auto.status(request.cache, request.blend, cached=self.store is not None and request.cache.enabled,
-                                plain=not documents and request.prompt.is_prefix_only)
+        auto = self.auto.status(
+            request.cache,
+            request.blend,
+            cached=self.store is not None and request.cache.enabled,
+            plain=not documents and request.prompt.is_prefix_only,
+        )
         seq = self._sequence(request, request.blend)
         seq.documents, seq.auto = documents, auto
-        if auto == "on":  # the prompt as it runs (lined up with a history), keyed in the plain namespace
+        if (
+            auto == "on"
+        ):  # the prompt as it runs (lined up with a history), keyed in the plain namespace
             c = request.cache
-            seq.keys = self.auto.with_content(seq.keys, request.prompt.ids, self.namespace(c.tenant, c.salt),
-                                              self.separators)
+            seq.keys = self.auto.with_content(
+                seq.keys, request.prompt.ids, self.namespace(c.tenant, c.salt), self.separators
+            )
         return seq
 
     def _sequence(self, request: Request, blend: BlendOptions) -> Sequence:
@@ -129,8 +164,14 @@ class Keying:
         if self.history is not None and request.prompt.is_prefix_only:
             return self._lined_up(request, ns, blend)
         blend_ns = self.namespace(c.tenant, c.salt, blend) if blend.store_blended else None
-        keys = prompt_keys(request.prompt, self.chunk_size, ns, self.document_context(blend, request.prompt.prefix), blend_ns,
-                           chain_over_suffix=blend.query_aware)
+        keys = prompt_keys(
+            request.prompt,
+            self.chunk_size,
+            ns,
+            self.document_context(blend, request.prompt.prefix),
+            blend_ns,
+            chain_over_suffix=blend.query_aware,
+        )
         return Sequence(request, ns, keys, blend)
 
     def _best_record(self, request: Request, scope: str) -> tuple[Record, Alignment] | None:
@@ -140,7 +181,9 @@ class Keying:
         table = self.token_bytes or None
         candidates = self.history.candidates(scope, request.prompt.ids, request.cache.history_key)
         hint = request.cache.history_hint
-        if hint is not None and hint.scope == scope:  # e.g. a previous_response_id's history: tried first
+        if (
+            hint is not None and hint.scope == scope
+        ):  # e.g. a previous_response_id's history: tried first
             candidates.insert(0, hint)
         best = None
         for rec in candidates:
@@ -163,7 +206,9 @@ class Keying:
             entries, runs = record.entries, al.runs
         keys = prompt_keys(request.prompt, self.chunk_size, seq_ns).with_history(entries, runs)
         seq = Sequence(request, seq_ns, keys, blend, record=record, scope=scope)
-        if record is None:  # found by content, if at all: known now, so that the queue can prefetch it
+        if (
+            record is None
+        ):  # found by content, if at all: known now, so that the queue can prefetch it
             self.probe_tail(seq, self.store.lookup(keys.all(), count=False).where)
         return seq
 
@@ -172,7 +217,9 @@ class Keying:
         for one by content, a tail entry after the chain's hits, longest first. Returns ``where``
         with the found entry's tier appended (``seq.keys`` then name it), or as it was."""
         keys, ids = seq.keys, seq.request.prompt.ids
-        hits = next((i for i, w in enumerate(where[: len(keys.prefix)]) if w is None), len(keys.prefix))
+        hits = next(
+            (i for i, w in enumerate(where[: len(keys.prefix)]) if w is None), len(keys.prefix)
+        )
         if hits * self.chunk_size >= len(ids):
             return where
         probe = tail_probe(ids, keys.prefix, hits, self.chunk_size, seq.namespace)
@@ -196,4 +243,6 @@ def derived_namespace(record: Record, al: Alignment) -> Namespace:
     h.update(np.ascontiguousarray(record.ids[:end], dtype="<u4").tobytes())
     for r in al.runs:
         h.update(struct.pack("<QQQ", r.start, r.end, r.source))
-    return replace(record.namespace, salt=record.namespace.salt + "\x00history:" + h.hexdigest()[:32])
+    return replace(
+        record.namespace, salt=record.namespace.salt + "\x00history:" + h.hexdigest()[:32]
+    )

@@ -29,7 +29,13 @@ DECODE_HEADROOM = 64
 class KVMemory:
     """Caches of running sequences in one ``KVBudget``; see the module docstring."""
 
-    def __init__(self, runner: Transformer, kv_dtype: torch.dtype, limit_bytes: int | None, saver: Saver | None = None):
+    def __init__(
+        self,
+        runner: Transformer,
+        kv_dtype: torch.dtype,
+        limit_bytes: int | None,
+        saver: Saver | None = None,
+    ):
         self.runner, self.kv_dtype, self.saver = runner, kv_dtype, saver
         self.budget = KVBudget(limit_bytes)
         self.slot_bytes = slot_bytes(runner.config, kv_dtype)
@@ -43,13 +49,16 @@ class KVMemory:
             raise ValueError(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need / 2**20:.1f} MiB of live "
                 f"KV, more than the engine's whole KV memory budget ({limit / 2**20:.1f} MiB, "
-                f"engine.kv_memory_bytes): shorten the prompt, lower max_tokens or raise the budget")
+                f"engine.kv_memory_bytes): shorten the prompt, lower max_tokens or raise the budget"
+            )
 
     def allocate(self, seq: Sequence) -> bool:
         """Give ``seq`` its cache from the budget (if it has none yet); False if it does not fit."""
         if seq.kv is None:
             try:
-                seq.kv = self.runner.new_cache(initial_slots(seq), dtype=self.kv_dtype, budget=self.budget)
+                seq.kv = self.runner.new_cache(
+                    initial_slots(seq), dtype=self.kv_dtype, budget=self.budget
+                )
             except OutOfKVMemory:
                 return False
         return True

@@ -35,8 +35,13 @@ RECOMPUTE = "recompute"
 SAFETY = 0.1  # share of the budget kept in reserve for estimation errors
 
 # Bytes per KV value before anything is measured (CacheGen levels: bench/codec.py on SmolLM2).
-_PRIOR_BYTES_PER_VALUE = {"cachegen.1": 0.24, "cachegen.2": 0.32, "cachegen.3": 0.44, "cachegen.4": 0.62,
-                          "int8": 1.03}
+_PRIOR_BYTES_PER_VALUE = {
+    "cachegen.1": 0.24,
+    "cachegen.2": 0.32,
+    "cachegen.3": 0.44,
+    "cachegen.4": 0.62,
+    "int8": 1.03,
+}
 _PRIOR_DECODE_S_PER_VALUE = {"raw": 0.0, "int8": 2e-9}
 _PRIOR_CACHEGEN_DECODE_S = 15e-9
 _PRIOR_BANDWIDTH = 1e9  # bytes/s before a tier's first read
@@ -78,8 +83,13 @@ class Option:
         return max(self.read_s, backlog_s) + self.decode_s
 
 
-def choose(options: Sequence[Option], remaining_s: float, chunks_left: int, recompute_s: float,
-           backlog_s: float = 0.0) -> str:
+def choose(
+    options: Sequence[Option],
+    remaining_s: float,
+    chunks_left: int,
+    recompute_s: float,
+    backlog_s: float = 0.0,
+) -> str:
     """The encoding to read the next chunk at, or ``RECOMPUTE`` (see the module docstring).
     ``chunks_left`` counts this chunk and the slow chunks after it; ``backlog_s`` is the work the
     request's thread has queued already (decodes, recomputations)."""
@@ -99,21 +109,33 @@ class LoadEstimates:
 
     bandwidth: dict[str, float] = field(default_factory=dict)  # tier -> bytes/s of the last read
     bandwidth_avg: dict[str, float] = field(default_factory=dict)  # tier -> a moving average
-    bytes_per_value: dict[str, float] = field(default_factory=dict)  # encoding -> bytes per KV value
+    bytes_per_value: dict[str, float] = field(
+        default_factory=dict
+    )  # encoding -> bytes per KV value
     decode_s_per_value: dict[str, float] = field(default_factory=dict)
     compute_s_per_token: float = _PRIOR_COMPUTE_S_PER_TOKEN
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def options(self, tier: str, encodings: Sequence[str], values: int, raw_bytes_per_value: float) -> list[Option]:
+    def options(
+        self, tier: str, encodings: Sequence[str], values: int, raw_bytes_per_value: float
+    ) -> list[Option]:
         """The options of a chunk of ``values`` KV values in ``tier`` with these encodings."""
         # Plan with the lower of the last read's throughput and the average: a link that varies
         # costs a few lower levels, not a missed budget.
-        bw = min(self.bandwidth.get(tier, _PRIOR_BANDWIDTH), self.bandwidth_avg.get(tier, _PRIOR_BANDWIDTH))
+        bw = min(
+            self.bandwidth.get(tier, _PRIOR_BANDWIDTH),
+            self.bandwidth_avg.get(tier, _PRIOR_BANDWIDTH),
+        )
         out = []
         for enc in encodings:
             per_value = self.bytes_per_value.get(enc) or (
-                raw_bytes_per_value if enc == "raw" else _PRIOR_BYTES_PER_VALUE.get(enc, raw_bytes_per_value))
-            decode = self.decode_s_per_value.get(enc, _PRIOR_DECODE_S_PER_VALUE.get(enc, _PRIOR_CACHEGEN_DECODE_S))
+                raw_bytes_per_value
+                if enc == "raw"
+                else _PRIOR_BYTES_PER_VALUE.get(enc, raw_bytes_per_value)
+            )
+            decode = self.decode_s_per_value.get(
+                enc, _PRIOR_DECODE_S_PER_VALUE.get(enc, _PRIOR_CACHEGEN_DECODE_S)
+            )
             out.append(Option(enc, values * per_value / bw, values * decode, quality(enc)))
         return out
 

@@ -57,17 +57,36 @@ def _encoding_of(codec: Codec | None) -> str:
 class _Reader(threading.Thread):
     """Reads the slow loads in order, choosing each one's encoding as its read starts."""
 
-    def __init__(self, slow: list[Load], store: TieredStore, runner: Transformer, kv_dtype: torch.dtype,
-                 estimates: LoadEstimates, report: KVStreamReport, t_start: float, ids: list[int]):
+    def __init__(
+        self,
+        slow: list[Load],
+        store: TieredStore,
+        runner: Transformer,
+        kv_dtype: torch.dtype,
+        estimates: LoadEstimates,
+        report: KVStreamReport,
+        t_start: float,
+        ids: list[int],
+    ):
         super().__init__(name="kvfuse-kv-stream-reader", daemon=True)
-        self.slow, self.store, self.runner, self.kv_dtype, self.ids = slow, store, runner, kv_dtype, ids
+        self.slow, self.store, self.runner, self.kv_dtype, self.ids = (
+            slow,
+            store,
+            runner,
+            kv_dtype,
+            ids,
+        )
         self.estimates, self.report, self.t_start = estimates, report, t_start
         c = runner.config
         self.per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim
         self.raw_bytes = torch.empty((), dtype=kv_dtype).element_size()
-        self.results: list[queue.Queue] = [queue.Queue() for _ in slow]  # one result each, as it is read
+        self.results: list[queue.Queue] = [
+            queue.Queue() for _ in slow
+        ]  # one result each, as it is read
         self.stop = threading.Event()
-        self.busy_until = t_start  # when the request's thread should be done with what it was handed
+        self.busy_until = (
+            t_start  # when the request's thread should be done with what it was handed
+        )
 
     def run(self) -> None:
         seen: dict[ChunkKey, _Read] = {}
@@ -76,15 +95,22 @@ class _Reader(threading.Thread):
                 return
             try:
                 got = seen.get(step.key)
-                if got is not None and got.entry is not None:  # read for another span: check this one's ids
+                if (
+                    got is not None and got.entry is not None
+                ):  # read for another span: check this one's ids
                     why = span_fits(self.runner, self.kv_dtype, step, self.ids, got.entry)
                     if why is not None:
-                        log.warning("KV stream reader: %s for another span (%s); the chunk is recomputed",
-                                    step.key, why)
+                        log.warning(
+                            "KV stream reader: %s for another span (%s); the chunk is recomputed",
+                            step.key,
+                            why,
+                        )
                         got = _Read(None)
                 got = got or self._read(step, len(self.slow) - i)
             except Exception:  # a bug must not hang the request: recompute the chunk
-                log.exception("the KV stream reader failed on %s; the chunk is recomputed", step.key)
+                log.exception(
+                    "the KV stream reader failed on %s; the chunk is recomputed", step.key
+                )
                 got = _Read(None)
             if got.entry is not None:
                 seen[step.key] = got
@@ -94,7 +120,9 @@ class _Reader(threading.Thread):
         values = step.stored_tokens * self.per_token
         primary = self.store.codecs.get(step.tier)
         primary_name = _encoding_of(primary)
-        encodings = [primary_name] + [e for e in self.store.encodings(step.tier) if e != primary_name]
+        encodings = [primary_name] + [
+            e for e in self.store.encodings(step.tier) if e != primary_name
+        ]
         options = self.estimates.options(step.tier, encodings, values, self.raw_bytes)
         now = time.perf_counter()
         remaining = self.report.slo_s * (1 - SAFETY) - (now - self.t_start)
@@ -108,8 +136,9 @@ class _Reader(threading.Thread):
             self.busy_until = max(self.busy_until, now) + recompute_s
             return _Read(None)
         variant = "" if choice == primary_name else choice
-        got = self.store.fetch_encoded(step.key, step.tier, variant,
-                                       entry_spec(self.runner, self.kv_dtype, step, self.ids))
+        got = self.store.fetch_encoded(
+            step.key, step.tier, variant, entry_spec(self.runner, self.kv_dtype, step, self.ids)
+        )
         done = time.perf_counter()
         if got is None:
             self.busy_until = max(self.busy_until, done) + recompute_s
@@ -126,17 +155,35 @@ class _Reader(threading.Thread):
 class StreamedSource(KVSource):
     """Loads in hand as usual; the slow ones from the reader thread (see the module docstring)."""
 
-    def __init__(self, plan: Plan, entries: dict[ChunkKey, Entry], served: dict[ChunkKey, str], store: TieredStore,
-                 runner: Transformer, kv_dtype: torch.dtype, ids: list[int], slo_s: float, estimates: LoadEstimates):
+    def __init__(
+        self,
+        plan: Plan,
+        entries: dict[ChunkKey, Entry],
+        served: dict[ChunkKey, str],
+        store: TieredStore,
+        runner: Transformer,
+        kv_dtype: torch.dtype,
+        ids: list[int],
+        slo_s: float,
+        estimates: LoadEstimates,
+    ):
         super().__init__(entries, served, store)
-        self.slow = [s for s in plan.in_order() if isinstance(s, Load) and s.key not in entries and streamed(store, s)]
+        self.slow = [
+            s
+            for s in plan.in_order()
+            if isinstance(s, Load) and s.key not in entries and streamed(store, s)
+        ]
         self.report = KVStreamReport(slo_s)
         self.estimates = estimates
         self.t_start = time.perf_counter()
-        self.reader = _Reader(self.slow, store, runner, kv_dtype, estimates, self.report, self.t_start, ids)
+        self.reader = _Reader(
+            self.slow, store, runner, kv_dtype, estimates, self.report, self.t_start, ids
+        )
         self.reader.start()
         self.done = 0  # slow loads taken from the reader
-        self.streamed: dict[ChunkKey, str] = {}  # the tier of each chunk streamed (not the recomputed)
+        self.streamed: dict[
+            ChunkKey, str
+        ] = {}  # the tier of each chunk streamed (not the recomputed)
         self.decoded: dict[ChunkKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self.promoted: list[tuple[ChunkKey, Entry]] = []
 
@@ -164,9 +211,13 @@ class StreamedSource(KVSource):
         try:
             data = (got.entry.decode(), got.entry.positions)
         except FormatError:  # intact bytes its codec rejects: never used
-            self.store.discard(step.key.encoded_as(*got.variant.rsplit(".", 1)) if got.variant else step.key)
+            self.store.discard(
+                step.key.encoded_as(*got.variant.rsplit(".", 1)) if got.variant else step.key
+            )
             return None
-        self.estimates.decoded(got.encoding, step.stored_tokens * self.reader.per_token, time.perf_counter() - t)
+        self.estimates.decoded(
+            got.encoding, step.stored_tokens * self.reader.per_token, time.perf_counter() - t
+        )
         self.decoded[step.key] = data
         self.promoted.append((step.key, _as_key(got.entry, step.key)))
         return data
@@ -188,5 +239,13 @@ def _as_key(entry: Entry, key: ChunkKey) -> Entry:
     """``entry`` under ``key`` (a variant's payload, kept as the chunk's copy in memory)."""
     if entry.key == str(key):
         return entry
-    return Entry(str(key), entry.codec, entry.shape, entry.dtype, entry.positions, entry.payload, entry.layer_sizes,
-                 token_ids=entry.token_ids)
+    return Entry(
+        str(key),
+        entry.codec,
+        entry.shape,
+        entry.dtype,
+        entry.positions,
+        entry.payload,
+        entry.layer_sizes,
+        token_ids=entry.token_ids,
+    )

@@ -13,7 +13,9 @@ They take the ``Engine`` as their first argument (not annotated: this module is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+
 import torch
 
 from kvfuse.blend import BlendOptions
@@ -26,8 +28,13 @@ from .prompt import Prompt
 from .request import CacheOptions, Request
 
 
-def score(engine, prompt: Seq[int] | Prompt, continuations: Seq[Seq[int]] = (),
-          cache: CacheOptions = CacheOptions(), blend: BlendOptions | None = None) -> list[torch.Tensor]:
+def score(
+    engine,
+    prompt: Seq[int] | Prompt,
+    continuations: Seq[Seq[int]] = (),
+    cache: CacheOptions = CacheOptions(),
+    blend: BlendOptions | None = None,
+) -> list[torch.Tensor]:
     """For each continuation, a ``(len + 1, vocab)`` tensor of the logits predicting its tokens and
     the one after (the first row predicts its first token), after ``prompt`` prefilled as a request
     would be; without continuations, the prompt's last logits. Nothing is generated and the
@@ -46,15 +53,23 @@ def score(engine, prompt: Seq[int] | Prompt, continuations: Seq[Seq[int]] = (),
             seq.kv.truncate(n)
             rows = [seq.logits[None]]
             if len(cont):
-                rows.append(engine.model.runner.forward(list(cont), seq.kv, logits="all").to(seq.logits.dtype))
+                rows.append(
+                    engine.model.runner.forward(list(cont), seq.kv, logits="all").to(
+                        seq.logits.dtype
+                    )
+                )
             out.append(torch.cat(rows))
         seq.kv = None
     return out if continuations else [seq.logits[None]]
 
 
-def precompute_documents(engine, texts: Seq[str], cache: CacheOptions = CacheOptions(),
-                         blend: BlendOptions | None = None,
-                         on_document: Callable[[int, bool], None] | None = None) -> dict[str, int]:
+def precompute_documents(
+    engine,
+    texts: Seq[str],
+    cache: CacheOptions = CacheOptions(),
+    blend: BlendOptions | None = None,
+    on_document: Callable[[int, bool], None] | None = None,
+) -> dict[str, int]:
     """Compute and store the KV of each document not cached yet (as a blended prompt would: alone,
     behind the document context); ``on_document(tokens, computed)`` after each one. Returns counts:
     documents, computed, already cached, tokens."""
@@ -62,13 +77,20 @@ def precompute_documents(engine, texts: Seq[str], cache: CacheOptions = CacheOpt
         raise ValueError("precompute needs the KV cache, and it is disabled in this configuration")
     blend = engine.keying.resolve(blend)
     if not blend.blends:
-        raise ValueError("documents are not blended for this model (blend method prefix: its calibration found no "
-                         "budget that keeps the answers and pays off): a prompt's documents are reused only as part "
-                         "of an exact prefix, so there is nothing to precompute")
+        raise ValueError(
+            "documents are not blended for this model (blend method prefix: its calibration found no "
+            "budget that keeps the answers and pays off): a prompt's documents are reused only as part "
+            "of an exact prefix, so there is nothing to precompute"
+        )
     # ``document_context: prefix``: behind what a chat turn without a system message starts with
     # (a completion's special tokens for a model without a chat template)
-    prefix = engine.prompts.default_document_prefix() if blend.document_context == "prefix" else None
-    ns, context = engine.namespace(cache.tenant, cache.salt), engine.keying.document_context(blend, prefix)
+    prefix = (
+        engine.prompts.default_document_prefix() if blend.document_context == "prefix" else None
+    )
+    ns, context = (
+        engine.namespace(cache.tenant, cache.salt),
+        engine.keying.document_context(blend, prefix),
+    )
     counts = {"documents": 0, "computed": 0, "cached": 0, "tokens": 0}
     for i, text in enumerate(texts):
         try:
@@ -76,13 +98,19 @@ def precompute_documents(engine, texts: Seq[str], cache: CacheOptions = CacheOpt
         except ValueError as e:
             raise ValueError(f"document {i}: {e}") from None
         if len(context) + len(ids) > engine.model.config.max_position_embeddings:
-            raise ValueError(f"document {i} has {len(ids)} tokens: more than the model's context window")
+            raise ValueError(
+                f"document {i} has {len(ids)} tokens: more than the model's context window"
+            )
         key = document_key(ids, ns, context)
         computed = engine.store.lookup([key]).where[0] is None
         if computed:
             with engine.step_lock:
-                entry = precompute_entry(engine.model.runner, engine.kv_dtype, engine.codec,
-                                         Precompute(key, tuple(ids), context))
+                entry = precompute_entry(
+                    engine.model.runner,
+                    engine.kv_dtype,
+                    engine.codec,
+                    Precompute(key, tuple(ids), context),
+                )
             engine.writer.precomputed(cache, key, entry, len(ids))
         counts["documents"] += 1
         counts["computed" if computed else "cached"] += 1

@@ -27,10 +27,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfuse.blend import BlendOptions, BlendStats, DocumentLoad, LayerLoader, LayerLoadFailed, blend_prefill
+from kvfuse.blend import (
+    BlendOptions,
+    BlendStats,
+    DocumentLoad,
+    LayerLoader,
+    LayerLoadFailed,
+    blend_prefill,
+)
 from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import Entry, FormatError
-from kvfuse.kv.keys import ChunkKey, ChunkKind
+from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.models.transformer import Transformer
 from kvfuse.tiers.store import TieredStore
@@ -54,7 +61,9 @@ class Promotions:
     entries (a KV stream's, in the encoding they were read in), and those a blend's layer loader
     rebuilds from the layers it read (encoded when asked, after the first token)."""
 
-    def __init__(self, ready: list[tuple[ChunkKey, Entry]] | None = None, loader: LayerLoader | None = None):
+    def __init__(
+        self, ready: list[tuple[ChunkKey, Entry]] | None = None, loader: LayerLoader | None = None
+    ):
         self.ready = ready if ready is not None else []
         self.loader = loader
 
@@ -66,12 +75,20 @@ class Promotions:
 class Filled:
     """What executing a plan produced."""
 
-    logits: torch.Tensor | None = None  # of the prompt's last token (None while ``rest`` is to compute)
-    rest: tuple[int, int] | None = None  # slots [start, end) left to compute (``execute(defer_last=True)``)
+    logits: torch.Tensor | None = (
+        None  # of the prompt's last token (None while ``rest`` is to compute)
+    )
+    rest: tuple[int, int] | None = (
+        None  # slots [start, end) left to compute (``execute(defer_last=True)``)
+    )
     load_s: float = 0.0
     compute_s: float = 0.0
-    served: dict[ChunkKey, str] = field(default_factory=dict)  # the tier that served each loaded key
-    recomputed_loads: list[Load] = field(default_factory=list)  # loads computed instead (a KV stream's)
+    served: dict[ChunkKey, str] = field(
+        default_factory=dict
+    )  # the tier that served each loaded key
+    recomputed_loads: list[Load] = field(
+        default_factory=list
+    )  # loads computed instead (a KV stream's)
     kv_stream: KVStreamReport | None = None
     blend: BlendStats | None = None
     promotions: Promotions = field(default_factory=Promotions)
@@ -79,7 +96,9 @@ class Filled:
     @property
     def recomputed_positions(self) -> torch.Tensor:
         """The document slots a blend recomputed in context (none without a blend)."""
-        return self.blend.recomputed if self.blend is not None else torch.zeros(0, dtype=torch.int64)
+        return (
+            self.blend.recomputed if self.blend is not None else torch.zeros(0, dtype=torch.int64)
+        )
 
 
 class KVSource:
@@ -89,7 +108,9 @@ class KVSource:
     must compute those slots instead; ``computed`` hears of every compute (a source that plans
     by the compute speed measures it); ``finish`` adds what the source knows to the result."""
 
-    def __init__(self, entries: dict[ChunkKey, Entry], served: dict[ChunkKey, str], store: TieredStore | None):
+    def __init__(
+        self, entries: dict[ChunkKey, Entry], served: dict[ChunkKey, str], store: TieredStore | None
+    ):
         self.entries, self.served, self.store = entries, served, store
 
     def load(self, runner: Transformer, kv: KVCache, step: Load) -> bool:
@@ -112,7 +133,9 @@ class KVSource:
         pass
 
 
-def write_load(runner: Transformer, kv: KVCache, step: Load, data: torch.Tensor, positions: torch.Tensor) -> None:
+def write_load(
+    runner: Transformer, kv: KVCache, step: Load, data: torch.Tensor, positions: torch.Tensor
+) -> None:
     """Put tokens ``offset..`` of a decoded entry (its KV ``data`` stored at ``positions``) into
     slots ``[start, end)`` and move their keys from where they were stored to ``start..``."""
     a, b = step.offset, step.offset + step.end - step.start
@@ -133,8 +156,16 @@ class BlendRun:
     kv_dtype: torch.dtype
 
 
-def execute(runner: Transformer, kv: KVCache, ids: list[int], plan: Plan, source: KVSource, *,
-            defer_last: bool = False, blend: BlendRun | None = None) -> Filled:
+def execute(
+    runner: Transformer,
+    kv: KVCache,
+    ids: list[int],
+    plan: Plan,
+    source: KVSource,
+    *,
+    defer_last: bool = False,
+    blend: BlendRun | None = None,
+) -> Filled:
     """Fill ``kv`` for the prompt ``ids`` as ``plan`` says (see the module docstring); the logits
     of its last token come from the plan's last compute. With ``defer_last`` that compute (which
     always ends the prompt) is left undone and returned as ``rest``: the engine computes it in
@@ -179,7 +210,14 @@ def load_shift(load: Load, entry: Entry | None) -> int:
 class _Run:
     """One execution's state: the target cache, the source, and the result being filled."""
 
-    def __init__(self, runner: Transformer, kv: KVCache, ids: list[int], source: KVSource, last: Compute | None):
+    def __init__(
+        self,
+        runner: Transformer,
+        kv: KVCache,
+        ids: list[int],
+        source: KVSource,
+        last: Compute | None,
+    ):
         self.runner, self.kv, self.ids, self.source, self.last = runner, kv, ids, source, last
         self.filled = Filled()
 
@@ -193,8 +231,13 @@ class _Run:
 
     def compute(self, start: int, end: int, want_logits: bool) -> None:
         t = time.perf_counter()
-        out = self.runner.forward(self.ids[start:end], self.kv, positions=torch.arange(start, end),
-                                  logits="last" if want_logits else "none", start=start)
+        out = self.runner.forward(
+            self.ids[start:end],
+            self.kv,
+            positions=torch.arange(start, end),
+            logits="last" if want_logits else "none",
+            start=start,
+        )
         dt = time.perf_counter() - t
         self.filled.compute_s += dt
         self.source.computed(end - start, dt)
@@ -209,13 +252,25 @@ class _Run:
         fresh = [c for c in plan.computes if c.end > region]  # between the spans, and the suffix
         suffix = fresh[-1]
         kv.reserve(n)
-        kv.positions[region:n] = torch.arange(region, n, device=kv.device)  # the slots' positions, set once
+        kv.positions[region:n] = torch.arange(
+            region, n, device=kv.device
+        )  # the slots' positions, set once
         for c in fresh:
-            kv.kv[:, :, :, c.start : c.end] = 0  # not computed yet: never garbage under an attention mask
+            kv.kv[:, :, :, c.start : c.end] = (
+                0  # not computed yet: never garbage under an attention mask
+            )
         kv.length = n
-        loads = [DocumentLoad(d.key, d.start, d.end, shift=load_shift(d, self.source.entries.get(d.key)),
-                              entry=self.source.entries.get(d.key), spec=entry_spec(self.runner, run.kv_dtype, d, ids))
-                 for d in docs]
+        loads = [
+            DocumentLoad(
+                d.key,
+                d.start,
+                d.end,
+                shift=load_shift(d, self.source.entries.get(d.key)),
+                entry=self.source.entries.get(d.key),
+                spec=entry_spec(self.runner, run.kv_dtype, d, ids),
+            )
+            for d in docs
+        ]
         loader = LayerLoader(self.runner, kv, loads, run.store).start()
         waited = 0.0
 
@@ -227,8 +282,17 @@ class _Run:
 
         t = time.perf_counter()
         try:
-            logits, stats = blend_prefill(self.runner, kv, ids, region, suffix.start, [(d.start, d.end) for d in docs],
-                                          run.options, ready, fresh=[(c.start, c.end) for c in fresh[:-1]])
+            logits, stats = blend_prefill(
+                self.runner,
+                kv,
+                ids,
+                region,
+                suffix.start,
+                [(d.start, d.end) for d in docs],
+                run.options,
+                ready,
+                fresh=[(c.start, c.end) for c in fresh[:-1]],
+            )
         except LayerLoadFailed as e:
             raise LoadFailed(e.key, "a layer could not be read") from None
         finally:

@@ -55,9 +55,9 @@ from kvfuse.history.align import Run
 from kvfuse.history.records import StoredEntry
 from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, document_key, prefix_keys, tail_key
 
-BLENDED = (ChunkKind.DOCUMENT, ChunkKind.CONTENT)  # loads a blend fuses: documents and found spans
-
 from .prompt import Prompt, SegmentKind
+
+BLENDED = (ChunkKind.DOCUMENT, ChunkKind.CONTENT)  # loads a blend fuses: documents and found spans
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,9 @@ class Load:
     tier: str | None  # where lookup found it; None: made by this plan's Precompute
     start: int
     end: int
-    source: int | None  # the position the entry's first token was stored at (None: as the entry says)
+    source: (
+        int | None
+    )  # the position the entry's first token was stored at (None: as the entry says)
     offset: int = 0  # the entry's first token used (a span of a longer stored history)
     entry_tokens: int | None = None  # tokens the entry holds (None: end - start)
 
@@ -174,12 +176,19 @@ class PromptKeys:
     def all(self) -> list[ChunkKey]:
         """The keys to look up, prefix chunks first (their order is the lookup's hit order); not
         the content chunks (see ``content_lookups``)."""
-        return list(self.prefix) + list(self.documents) + list(self.blended) + [e.key for e in self.history]
+        return (
+            list(self.prefix)
+            + list(self.documents)
+            + list(self.blended)
+            + [e.key for e in self.history]
+        )
 
     def with_history(self, entries: Sequence[StoredEntry], runs: Sequence[Run]) -> PromptKeys:
         """These keys and a stored history's entries (those not in the prefix chain already)."""
         chain = set(self.prefix)
-        return replace(self, history=tuple(e for e in entries if e.key not in chain), runs=tuple(runs))
+        return replace(
+            self, history=tuple(e for e in entries if e.key not in chain), runs=tuple(runs)
+        )
 
 
 def suffix_start(prompt: Prompt) -> int:
@@ -188,8 +197,14 @@ def suffix_start(prompt: Prompt) -> int:
     return len(prompt) - (len(last) if last.kind is SegmentKind.SUFFIX else 1)
 
 
-def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace, document_context: Sequence[int] = (),
-                blend_namespace: Namespace | None = None, chain_over_suffix: bool = False) -> PromptKeys:
+def prompt_keys(
+    prompt: Prompt,
+    chunk_size: int,
+    namespace: Namespace,
+    document_context: Sequence[int] = (),
+    blend_namespace: Namespace | None = None,
+    chain_over_suffix: bool = False,
+) -> PromptKeys:
     """The keys of ``prompt``'s prefix chunks and documents in ``namespace`` (hashing only), and
     its blended chain in ``blend_namespace`` when given and the prompt has documents: over
     everything before the suffix; with ``chain_over_suffix`` (a blend that depends on the
@@ -198,8 +213,12 @@ def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace, document_
     if blend_namespace is not None and prompt.documents:
         start = suffix_start(prompt)
         if chain_over_suffix:
-            digest = hashlib.sha256(struct.pack(f"<{len(prompt) - start}I", *prompt.ids[start:])).hexdigest()
-            blend_namespace = replace(blend_namespace, salt=blend_namespace.salt + "\x00question:" + digest)
+            digest = hashlib.sha256(
+                struct.pack(f"<{len(prompt) - start}I", *prompt.ids[start:])
+            ).hexdigest()
+            blend_namespace = replace(
+                blend_namespace, salt=blend_namespace.salt + "\x00question:" + digest
+            )
         blended = tuple(prefix_keys(prompt.ids[:start], chunk_size, blend_namespace))
     return PromptKeys(
         chunk_size,
@@ -210,8 +229,9 @@ def prompt_keys(prompt: Prompt, chunk_size: int, namespace: Namespace, document_
     )
 
 
-def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None],
-              found: Sequence[str | None] = ()) -> Plan:
+def make_plan(
+    prompt: Prompt, keys: PromptKeys, where: Sequence[str | None], found: Sequence[str | None] = ()
+) -> Plan:
     """The plan for ``prompt`` given ``where[i]``, the tier holding ``keys.all()[i]`` (None: none),
     and ``found[i]``, the tier holding content chunk ``keys.content[i]`` (None, or no ``found``:
     not looked up, or nowhere)."""
@@ -224,20 +244,31 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None],
     doc_where = list(where[n_pre : n_pre + n_doc])
     blended_where = list(where[n_pre + n_doc : n_pre + n_doc + n_bl])
     history_where = list(where[n_pre + n_doc + n_bl :])
-    if blended_where and all(w is not None for w in blended_where):  # blended before: an exact prefix hit
-        loads = tuple(Load(k, w, i * ch, (i + 1) * ch, i * ch) for i, (k, w) in enumerate(zip(keys.blended,
-                                                                                                 blended_where)))
+    if blended_where and all(
+        w is not None for w in blended_where
+    ):  # blended before: an exact prefix hit
+        loads = tuple(
+            Load(k, w, i * ch, (i + 1) * ch, i * ch)
+            for i, (k, w) in enumerate(zip(keys.blended, blended_where))
+        )
         return Plan(n, loads=loads, computes=(Compute(len(loads) * ch, n),))
     p = len(prompt.prefix)
     if p == n:
-        return _plain_plan(n, keys, prefix_where, history_where, list(found) or [None] * len(keys.content))
+        return _plain_plan(
+            n, keys, prefix_where, history_where, list(found) or [None] * len(keys.content)
+        )
 
     hits = _chain_hits(prefix_where)
     loadable = min(hits, (n - 1) // ch) if p == n else hits  # the last token must be computed
-    loads = [Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(loadable)]
+    loads = [
+        Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(loadable)
+    ]
     computes = [Compute(loadable * ch, p)] if loadable * ch < p else []
-    saves = [Save(keys.prefix[i], i * ch, (i + 1) * ch)
-              for i in range(loadable, len(keys.prefix)) if prefix_where[i] is None]
+    saves = [
+        Save(keys.prefix[i], i * ch, (i + 1) * ch)
+        for i in range(loadable, len(keys.prefix))
+        if prefix_where[i] is None
+    ]
 
     precomputes: list[Precompute] = []
     planned: set[ChunkKey] = set()
@@ -250,7 +281,9 @@ def make_plan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None],
 
     if prompt.documents:
         computes.append(Compute(suffix_start(prompt), n))
-        saves += [Save(k, i * ch, (i + 1) * ch) for i, k in enumerate(keys.blended)]  # after the blend
+        saves += [
+            Save(k, i * ch, (i + 1) * ch) for i, k in enumerate(keys.blended)
+        ]  # after the blend
     elif prompt.segments[-1].kind is SegmentKind.SUFFIX:
         computes.append(Compute(suffix_start(prompt), n))
     return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(saves))
@@ -261,7 +294,9 @@ def _chain_hits(prefix_where: Sequence[str | None]) -> int:
     return next((i for i, w in enumerate(prefix_where) if w is None), len(prefix_where))
 
 
-def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: list, found: list) -> Plan:
+def _plain_plan(
+    n: int, keys: PromptKeys, prefix_where: list, history_where: list, found: list
+) -> Plan:
     """A prompt without documents or suffix: the chain's hits, then a stored history's entries
     over the slots they line up with, then found spans after those; computes for every slot left
     and for the last token (its logits give the first token; a compute replaces what a load put
@@ -272,18 +307,27 @@ def _plain_plan(n: int, keys: PromptKeys, prefix_where: list, history_where: lis
     spans = found_spans(keys.content, found, max((x.end for x in loads), default=0), n)
     loads = sorted(loads + spans, key=lambda x: x.start)
     region = spans[0].start if spans else n  # KV after a found span is blended: not a prefill's
-    saves = [Save(keys.prefix[i], i * ch, (i + 1) * ch) for i in range(hits, len(keys.prefix))
-             if prefix_where[i] is None and (i + 1) * ch <= region]
+    saves = [
+        Save(keys.prefix[i], i * ch, (i + 1) * ch)
+        for i in range(hits, len(keys.prefix))
+        if prefix_where[i] is None and (i + 1) * ch <= region
+    ]
     if keys.store_content:
-        saves += [Save(c.key, c.start, c.end) for c, tier in zip(keys.content, found) if tier is None]
+        saves += [
+            Save(c.key, c.start, c.end) for c, tier in zip(keys.content, found) if tier is None
+        ]
     return Plan(n, loads=tuple(loads), computes=tuple(_uncovered(n, loads)), saves=tuple(saves))
 
 
-def _exact_loads(keys: PromptKeys, hits: int, prefix_where: list, history_where: list) -> list[Load]:
+def _exact_loads(
+    keys: PromptKeys, hits: int, prefix_where: list, history_where: list
+) -> list[Load]:
     """The chain's ``hits``, then a stored history's entries over the slots its runs line up with
     (a span of an entry where only part of it does), after the slots the loads before cover."""
     ch = keys.chunk_size
-    loads = [Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(hits)]
+    loads = [
+        Load(keys.prefix[i], prefix_where[i], i * ch, (i + 1) * ch, i * ch) for i in range(hits)
+    ]
     covered = hits * ch
     for run in keys.runs:
         for e, tier in zip(keys.history, history_where):
@@ -318,12 +362,17 @@ def _uncovered(n: int, loads: Sequence[Load]) -> list[Compute]:
     return computes
 
 
-def found_spans(content: Sequence[ContentChunk], found: Sequence[str | None], after: int, n: int) -> list[Load]:
+def found_spans(
+    content: Sequence[ContentChunk], found: Sequence[str | None], after: int, n: int
+) -> list[Load]:
     """Loads of the content chunks found in a tier (``found[i]``) that start at or after slot
     ``after`` (what exact loads fill) and leave the prompt's last token (of ``n``) to compute:
     moved from wherever their entries were stored (``source`` None)."""
-    return [Load(c.key, tier, c.start, c.end, None) for c, tier in zip(content, found)
-            if tier is not None and c.start >= after and c.end <= n - 1]
+    return [
+        Load(c.key, tier, c.start, c.end, None)
+        for c, tier in zip(content, found)
+        if tier is not None and c.start >= after and c.end <= n - 1
+    ]
 
 
 def content_lookups(keys: PromptKeys, where: Sequence[str | None]) -> list[int]:
@@ -336,15 +385,19 @@ def content_lookups(keys: PromptKeys, where: Sequence[str | None]) -> list[int]:
     return [i for i, c in enumerate(keys.content) if c.start >= start and c.end <= n - 1]
 
 
-def tail_probe(ids: Sequence[int], chain: Sequence[ChunkKey], hits: int, chunk_size: int,
-               namespace: Namespace) -> list[StoredEntry]:
+def tail_probe(
+    ids: Sequence[int], chain: Sequence[ChunkKey], hits: int, chunk_size: int, namespace: Namespace
+) -> list[StoredEntry]:
     """The tail keys a stored history could have after the ``hits`` chunks of ``ids`` that the
     tiers hold, for every length up to the next chunk boundary (or the prompt's end), longest
     first: a history found by content alone (no record of its ids, e.g. after a restart)."""
     start = hits * chunk_size
     parent = chain[hits - 1] if hits else None
     longest = min(chunk_size - 1, len(ids) - start)
-    return [StoredEntry(tail_key(parent, ids[start : start + t], namespace), start, t) for t in range(longest, 0, -1)]
+    return [
+        StoredEntry(tail_key(parent, ids[start : start + t], namespace), start, t)
+        for t in range(longest, 0, -1)
+    ]
 
 
 def history_entries(ids: Sequence[int], chunk_size: int, namespace: Namespace) -> list[StoredEntry]:
@@ -355,12 +408,20 @@ def history_entries(ids: Sequence[int], chunk_size: int, namespace: Namespace) -
     rest = len(ids) - len(chain) * chunk_size
     if rest:
         start = len(chain) * chunk_size
-        out.append(StoredEntry(tail_key(chain[-1] if chain else None, ids[start:], namespace), start, rest))
+        out.append(
+            StoredEntry(tail_key(chain[-1] if chain else None, ids[start:], namespace), start, rest)
+        )
     return out
 
 
-def breakpoint_saves(ids: Sequence[int], chain: Sequence[ChunkKey], breakpoints: Sequence, chunk_size: int,
-                      namespace: Namespace, planned: set[ChunkKey] = frozenset()) -> list[Save]:
+def breakpoint_saves(
+    ids: Sequence[int],
+    chain: Sequence[ChunkKey],
+    breakpoints: Sequence,
+    chunk_size: int,
+    namespace: Namespace,
+    planned: set[ChunkKey] = frozenset(),
+) -> list[Save]:
     """What a prompt's cache breakpoints add to its saves: at each breakpoint position ``b`` that
     is inside the prompt and not on a chunk boundary, the partial chunk ``[b - b % chunk_size, b)``
     as a tail entry after the chain (the key ``tail_probe`` finds for a later prompt with the same
@@ -381,16 +442,30 @@ def full_prefill(prompt: Prompt) -> Plan:
     return Plan(len(prompt), computes=(Compute(0, len(prompt)),))
 
 
-def replan(prompt: Prompt, keys: PromptKeys, where: Sequence[str | None], unusable: set[ChunkKey],
-           found: Sequence[str | None] = ()) -> Plan:
+def replan(
+    prompt: Prompt,
+    keys: PromptKeys,
+    where: Sequence[str | None],
+    unusable: set[ChunkKey],
+    found: Sequence[str | None] = (),
+) -> Plan:
     """The plan after fetching: ``unusable`` keys (missing or damaged when read) count as misses."""
-    return make_plan(prompt, keys, [None if k in unusable else w for k, w in zip(keys.all(), where)],
-                     [None if c.key in unusable else f for c, f in zip(keys.content, found)])
+    return make_plan(
+        prompt,
+        keys,
+        [None if k in unusable else w for k, w in zip(keys.all(), where)],
+        [None if c.key in unusable else f for c, f in zip(keys.content, found)],
+    )
 
 
-def generated_saves(ids: Sequence[int], kv_length: int, chunk_size: int, namespace: Namespace,
-                     first_chunk: int) -> list[Save]:
+def generated_saves(
+    ids: Sequence[int], kv_length: int, chunk_size: int, namespace: Namespace, first_chunk: int
+) -> list[Save]:
     """Stores for the whole chunks ``first_chunk..`` of ``ids`` (prompt + generated tokens) whose
     KV is in the cache (``kv_length`` slots): a follow-up turn then reuses the answer too."""
     keys = prefix_keys(list(ids[:kv_length]), chunk_size, namespace)
-    return [Save(k, i * chunk_size, (i + 1) * chunk_size) for i, k in enumerate(keys) if i >= first_chunk]
+    return [
+        Save(k, i * chunk_size, (i + 1) * chunk_size)
+        for i, k in enumerate(keys)
+        if i >= first_chunk
+    ]

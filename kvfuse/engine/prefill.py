@@ -64,10 +64,26 @@ class ReadyPlan:
 class Prefiller:
     """The prefill of one engine's sequences; see the module docstring."""
 
-    def __init__(self, model: LoadedModel, store: TieredStore | None, saver: Saver | None, keying: Keying,
-                 writer: CacheWriter | None, kv_dtype: torch.dtype, codec: Codec, kv_slo_ms: float | None,
-                 stats: EngineStats, estimates: LoadEstimates):
-        self.runner, self.store, self.saver, self.keying, self.writer = model.runner, store, saver, keying, writer
+    def __init__(
+        self,
+        model: LoadedModel,
+        store: TieredStore | None,
+        saver: Saver | None,
+        keying: Keying,
+        writer: CacheWriter | None,
+        kv_dtype: torch.dtype,
+        codec: Codec,
+        kv_slo_ms: float | None,
+        stats: EngineStats,
+        estimates: LoadEstimates,
+    ):
+        self.runner, self.store, self.saver, self.keying, self.writer = (
+            model.runner,
+            store,
+            saver,
+            keying,
+            writer,
+        )
         self.kv_dtype, self.codec, self.kv_slo_ms = kv_dtype, codec, kv_slo_ms
         self.stats, self.estimates = stats, estimates
 
@@ -134,7 +150,9 @@ class Prefiller:
         seq.usage.span_lookups = (hits, len(tiers) - hits)
         return tuple(found)
 
-    def fetch(self, seq: Sequence, where: tuple, unusable: set[ChunkKey], found: tuple = ()) -> ReadyPlan:
+    def fetch(
+        self, seq: Sequence, where: tuple, unusable: set[ChunkKey], found: tuple = ()
+    ) -> ReadyPlan:
         """The plan around ``unusable`` keys, and its loads' entries read; keys found unusable on
         the way are added to ``unusable`` and planned around too (each round adds some, so this
         ends). A new plan can load entries the one before did not (a stored history's entry over
@@ -145,12 +163,23 @@ class Prefiller:
             return ReadyPlan(full_prefill(prompt), FetchedEntries(), False)
         t0 = time.perf_counter()
         plan = replan(prompt, seq.keys, where, unusable, found)
-        kv_stream = bool(self._slo_ms(seq)) and not plan.blended and any(
-            streamed(self.store, x) for x in plan.loads)
+        kv_stream = (
+            bool(self._slo_ms(seq))
+            and not plan.blended
+            and any(streamed(self.store, x) for x in plan.loads)
+        )
         got, rejected = FetchedEntries(), 0
         while True:
-            more = fetch_entries(self.store, self.runner, self.kv_dtype, plan, prompt.ids, blended=plan.blended,
-                                 kv_stream=kv_stream, have=set(got.entries))
+            more = fetch_entries(
+                self.store,
+                self.runner,
+                self.kv_dtype,
+                plan,
+                prompt.ids,
+                blended=plan.blended,
+                kv_stream=kv_stream,
+                have=set(got.entries),
+            )
             rejected += more.rejected
             got.entries.update(more.entries)
             got.served.update(more.served)
@@ -178,13 +207,28 @@ class Prefiller:
         plan, got, ids = fetched.plan, fetched.got, seq.request.prompt.ids
         seq.kv.truncate(0)
         if fetched.kv_stream:
-            source = StreamedSource(plan, got.entries, got.served, self.store, self.runner, self.kv_dtype, ids,
-                                    self._slo_ms(seq) / 1000, self.estimates)
+            source = StreamedSource(
+                plan,
+                got.entries,
+                got.served,
+                self.store,
+                self.runner,
+                self.kv_dtype,
+                ids,
+                self._slo_ms(seq) / 1000,
+                self.estimates,
+            )
             return execute(self.runner, seq.kv, ids, plan, source)
         source = KVSource(got.entries, got.served, self.store)
         if plan.blended:
-            return execute(self.runner, seq.kv, ids, plan, source,
-                           blend=BlendRun(seq.blend, self.store, self.kv_dtype))
+            return execute(
+                self.runner,
+                seq.kv,
+                ids,
+                plan,
+                source,
+                blend=BlendRun(seq.blend, self.store, self.kv_dtype),
+            )
         return execute(self.runner, seq.kv, ids, plan, source, defer_last=chunked)
 
     def _slo_ms(self, seq: Sequence) -> float | None:
@@ -198,8 +242,12 @@ class Prefiller:
         plan, filled = seq.prefill.plan, seq.prefill.filled
         if filled.kv_stream is not None:
             r = filled.kv_stream
-            self.stats.add(streamed_requests=1, stream_slo_violations=int(not r.met), stream_chunks=dict(r.chunks),
-                           stream_bytes=r.bytes_read)
+            self.stats.add(
+                streamed_requests=1,
+                stream_slo_violations=int(not r.met),
+                stream_chunks=dict(r.chunks),
+                stream_bytes=r.bytes_read,
+            )
         elif not plan.blended and plan.computed_tokens:
             self.estimates.computed(plan.computed_tokens, filled.compute_s)
 
@@ -220,5 +268,6 @@ def precompute_entry(runner, kv_dtype: torch.dtype, codec: Codec, step: Precompu
     ids = list(step.context) + list(step.ids)
     scratch = runner.new_cache(len(ids), dtype=kv_dtype)
     runner.forward(ids, scratch, logits="none")
-    return encode_entry(scratch.chunk(len(step.context), len(ids)), step.key, codec, token_ids=step.ids)
-
+    return encode_entry(
+        scratch.chunk(len(step.context), len(ids)), step.key, codec, token_ids=step.ids
+    )

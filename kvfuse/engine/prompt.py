@@ -51,7 +51,12 @@ class Prompt:
         return cls((Segment(SegmentKind.PREFIX, tuple(int(t) for t in ids)),))
 
     @classmethod
-    def of(cls, prefix: Sequence[int] = (), documents: Sequence[Sequence[int]] = (), suffix: Sequence[int] = ()) -> Prompt:
+    def of(
+        cls,
+        prefix: Sequence[int] = (),
+        documents: Sequence[Sequence[int]] = (),
+        suffix: Sequence[int] = (),
+    ) -> Prompt:
         """``[prefix][documents...][suffix]``; empty parts are left out (an empty document is an error)."""
         segments = []
         if prefix:

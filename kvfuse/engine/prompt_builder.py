@@ -24,9 +24,16 @@ class PromptBuilder:
     """Prompts for one model within one context window; see the module docstring."""
 
     def __init__(self, model: LoadedModel, context_window: int, truncate: bool, stats: EngineStats):
-        self.model, self.context_window, self.truncate, self.stats = model, context_window, truncate, stats
+        self.model, self.context_window, self.truncate, self.stats = (
+            model,
+            context_window,
+            truncate,
+            stats,
+        )
 
-    def encode_prompt(self, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None) -> list[int]:
+    def encode_prompt(
+        self, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None
+    ) -> list[int]:
         """Token ids for a text prompt, a list of ids, or chat ``messages`` (rendered by the chat template)."""
         tok = self.model.tokenizer
         if messages is not None:
@@ -66,8 +73,9 @@ class PromptBuilder:
         """A document's token ids, the same wherever it is used (``engine.encode``)."""
         return encode.encode_document(self.model.tokenizer, text)
 
-    def document_prompt(self, documents: Seq[str], prompt: str | None = None,
-                        messages: list[dict] | None = None) -> Prompt:
+    def document_prompt(
+        self, documents: Seq[str], prompt: str | None = None, messages: list[dict] | None = None
+    ) -> Prompt:
         """A prompt with ``documents``: before a completion ``prompt``, or at the start of the last
         user message of chat ``messages``. ValueError (naming the document) for bad input."""
         if messages is not None:
@@ -84,8 +92,9 @@ class PromptBuilder:
             return list(encode.completion_prompt(tok, ["."], "").prefix)
         return list(encode.chat_prompt(tok, ["."], [{"role": "user", "content": ""}]).prefix)
 
-    def breakpoint_positions(self, messages: list[dict], marks: Seq[tuple[int, int]],
-                             ids: Seq[int]) -> list[int | None]:
+    def breakpoint_positions(
+        self, messages: list[dict], marks: Seq[tuple[int, int]], ids: Seq[int]
+    ) -> list[int | None]:
         """Prompt positions of cache breakpoints at ``marks`` (message index, character offset in its
         content) of chat ``messages`` rendered as ``ids`` (``encode.breakpoint_positions``)."""
         return encode.breakpoint_positions(self.model.tokenizer, messages, marks, ids)
@@ -95,4 +104,5 @@ class PromptBuilder:
         if len(prompt) + max_tokens > self.context_window:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's context window "
-                f"of {self.context_window} tokens")
+                f"of {self.context_window} tokens"
+            )

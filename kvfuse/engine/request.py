@@ -13,9 +13,9 @@ from kvfuse.blend.options import BlendOptions
 from kvfuse.generation import SamplingParams
 from kvfuse.history.records import Record
 
+from .kv_stream import KVStreamReport
 from .prompt import Prompt
 from .retention import Breakpoint, Retention
-from .kv_stream import KVStreamReport
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +31,22 @@ class CacheOptions:
     tenant: str = ""
     salt: str = ""
     store_generated: bool | None = None  # None -> the engine's default
-    history_key: str | None = None  # OpenAI's prompt_cache_key: names a conversation's stored history
+    history_key: str | None = (
+        None  # OpenAI's prompt_cache_key: names a conversation's stored history
+    )
     kv_slo_ms: float | None = None  # budget for loading KV from slow tiers (None: the engine's)
-    retention: Retention | None = None  # how long the entries it writes stay (None: the tiers' policy)
-    breakpoints: tuple[Breakpoint, ...] = ()  # prompt prefixes to store even mid-chunk (kept >= their ttl)
+    retention: Retention | None = (
+        None  # how long the entries it writes stay (None: the tiers' policy)
+    )
+    breakpoints: tuple[
+        Breakpoint, ...
+    ] = ()  # prompt prefixes to store even mid-chunk (kept >= their ttl)
     # A stored history to line the prompt up with first (e.g. the one a Responses API
     # previous_response_id names); used only when its scope is the request's cache namespace.
     history_hint: Record | None = None
-    auto_reuse: bool | None = None  # look for cached passages inside a plain prompt (None: blend.auto)
+    auto_reuse: bool | None = (
+        None  # look for cached passages inside a plain prompt (None: blend.auto)
+    )
 
 
 @dataclass
@@ -73,8 +81,12 @@ class GenerationResult:
     kv_stream: KVStreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
     written_tokens: int = 0  # prompt tokens whose KV this request handed to the cache
     history: Record | None = None  # the stored history of the KV this turn kept (None: none kept)
-    blend: BlendOptions | None = None  # how the prompt's documents (or found spans) were used (None: neither)
-    prefix_reused_tokens: int = 0  # of cached_tokens, those loaded at their own positions (prefix, history)
+    blend: BlendOptions | None = (
+        None  # how the prompt's documents (or found spans) were used (None: neither)
+    )
+    prefix_reused_tokens: int = (
+        0  # of cached_tokens, those loaded at their own positions (prefix, history)
+    )
     span_reused_tokens: int = 0  # of cached_tokens, those of documents and found spans (blended)
     auto_reuse: str = "off"  # automatic reuse: off | skipped | prefix | none_found | blended
 
@@ -141,7 +153,9 @@ class Request:
             try:
                 self.on_done(outcome)
             except Exception:  # e.g. the event loop is already closed at shutdown
-                log.debug("request %s: could not deliver its outcome", self.request_id, exc_info=True)
+                log.debug(
+                    "request %s: could not deliver its outcome", self.request_id, exc_info=True
+                )
 
     @property
     def done(self) -> bool:

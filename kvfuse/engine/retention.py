@@ -51,7 +51,11 @@ class Retention:
             raise ValueError(f"{e}; or {IN_MEMORY!r}") from None
 
     def __str__(self) -> str:
-        return IN_MEMORY if self.memory_only else (f"{self.ttl_s:g}s" if self.ttl_s is not None else "default")
+        return (
+            IN_MEMORY
+            if self.memory_only
+            else (f"{self.ttl_s:g}s" if self.ttl_s is not None else "default")
+        )
 
 
 @dataclass(frozen=True, order=True)
@@ -63,7 +67,9 @@ class Breakpoint:
 
     def __post_init__(self) -> None:
         if self.position < 1:
-            raise ValueError(f"a cache breakpoint must follow at least one token, got position {self.position}")
+            raise ValueError(
+                f"a cache breakpoint must follow at least one token, got position {self.position}"
+            )
         if self.ttl_s is not None and not self.ttl_s > 0:
             raise ValueError(f"a cache breakpoint's ttl must be > 0 seconds, got {self.ttl_s}")
 
@@ -74,8 +80,9 @@ def _min_ttl(end: int, breakpoints: Sequence[Breakpoint]) -> float | None:
     return max(ttls) if ttls else None
 
 
-def write_policy(end: int, retention: Retention | None, breakpoints: Sequence[Breakpoint],
-                 now: float) -> tuple[float | None, bool]:
+def write_policy(
+    end: int, retention: Retention | None, breakpoints: Sequence[Breakpoint], now: float
+) -> tuple[float | None, bool]:
     """``(expires_at, memory_only)`` for an entry of a request's KV ending at token ``end``.
 
     A breakpoint's ttl is a minimum and the retention a maximum, except that a minimum beats
@@ -89,8 +96,9 @@ def write_policy(end: int, retention: Retention | None, breakpoints: Sequence[Br
     return now + max(retention.ttl_s, at_least or 0.0), False
 
 
-def keep_until(end: int, retention: Retention | None, breakpoints: Sequence[Breakpoint],
-               now: float) -> float | None:
+def keep_until(
+    end: int, retention: Retention | None, breakpoints: Sequence[Breakpoint], now: float
+) -> float | None:
     """How long an entry this request *reuses* (ending at token ``end``) must now stay at least
     (its expiry is extended to it), or None: leave it as it is. Only a duration or a ttl asks for
     a lifetime; ``in_memory`` and no retention ask for none."""

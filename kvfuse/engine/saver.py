@@ -73,8 +73,16 @@ class Saver:
         self._thread = threading.Thread(target=self._loop, name="kvfuse-saver", daemon=True)
         self._thread.start()
 
-    def save(self, kv: KVCache, codec: Codec, spans: Sequence[Save], ids: Sequence[int], skip_held: bool = False,
-             expires_at: float | None = None, memory_only: bool = False) -> int:
+    def save(
+        self,
+        kv: KVCache,
+        codec: Codec,
+        spans: Sequence[Save],
+        ids: Sequence[int],
+        skip_held: bool = False,
+        expires_at: float | None = None,
+        memory_only: bool = False,
+    ) -> int:
         """Queue ``spans`` of ``kv`` to be stored under their keys; returns how many (the slots of
         each must be final: nothing may write them again). ``ids``: the token id of every slot of
         ``kv`` (at least up to the spans' end; recorded in the entries). With ``skip_held``, keys some tier
@@ -85,8 +93,17 @@ class Saver:
         if spans:
             with self._cond:
                 self._pending.update(s.key for s in spans)
-            self._queue.put((kv, codec, spans, list(ids[: max(s.end for s in spans)]), skip_held, expires_at,
-                             memory_only))
+            self._queue.put(
+                (
+                    kv,
+                    codec,
+                    spans,
+                    list(ids[: max(s.end for s in spans)]),
+                    skip_held,
+                    expires_at,
+                    memory_only,
+                )
+            )
         self.stats.add(save_jobs=int(bool(spans)), handoff_s=time.perf_counter() - t0)
         return len(spans)
 
@@ -97,8 +114,9 @@ class Saver:
             if not any(self._pending[k] for k in keys if k in self._pending):
                 return True
             t0 = time.perf_counter()
-            done = self._cond.wait_for(lambda: not any(self._pending[k] for k in keys if k in self._pending),
-                                       self.wait_s)
+            done = self._cond.wait_for(
+                lambda: not any(self._pending[k] for k in keys if k in self._pending), self.wait_s
+            )
         self.stats.add(save_waits=1, save_wait_s=time.perf_counter() - t0)
         return done
 
@@ -122,20 +140,30 @@ class Saver:
                 todo = unheld(self.store, spans) if skip_held else spans
                 items = encode_spans(kv, codec, todo, ids)
                 if items:
-                    self.store.put(items, block=True, expires_at=expires_at, memory_only=memory_only)
+                    self.store.put(
+                        items, block=True, expires_at=expires_at, memory_only=memory_only
+                    )
                     if not memory_only and not all(self.store.memory.contains(k) for k, _ in items):
                         # The memory tier did not keep them all (a small budget): they are not
                         # findable until the lower tiers have them, so they stay pending till then.
                         self.store.flush()
                 dt = time.perf_counter() - t0
-                self.stats.add(saved_entries=len(items), skipped_entries=len(spans) - len(todo),
-                               saved_bytes=sum(len(e) for _, e in items), save_s=dt)
+                self.stats.add(
+                    saved_entries=len(items),
+                    skipped_entries=len(spans) - len(todo),
+                    saved_bytes=sum(len(e) for _, e in items),
+                    save_s=dt,
+                )
                 self.stats.max(save_max_s=dt)
             except Exception:
-                log.exception("saving %d spans failed; they are misses for later requests", len(spans))
+                log.exception(
+                    "saving %d spans failed; they are misses for later requests", len(spans)
+                )
                 self.stats.add(save_errors=1)
             finally:
-                job = kv = None  # let the live KV go now (its bytes go back to the KV budget), not at the next job
+                job = kv = (
+                    None  # let the live KV go now (its bytes go back to the KV budget), not at the next job
+                )
                 with self._cond:
                     self._pending.subtract(s.key for s in spans)
                     self._pending = +self._pending
@@ -154,15 +182,31 @@ def unheld(store: TieredStore, spans: Iterable[Save]) -> list[Save]:
     return [s for s, w in zip(spans, held) if w is None]
 
 
-def encode_spans(kv: KVCache, codec: Codec, spans: Iterable[Save], ids: Sequence[int]) -> list[tuple[ChunkKey, Entry]]:
+def encode_spans(
+    kv: KVCache, codec: Codec, spans: Iterable[Save], ids: Sequence[int]
+) -> list[tuple[ChunkKey, Entry]]:
     """An entry per span of ``kv`` (its slots copied out), keyed by the span's key, recording the
     span's token ids (``ids``: the token id of every slot of ``kv``)."""
-    return [(s.key, encode_entry(kv.chunk(s.start, s.end), s.key, codec, token_ids=ids[s.start : s.end]))
-            for s in spans if s.end <= kv.length]
+    return [
+        (
+            s.key,
+            encode_entry(kv.chunk(s.start, s.end), s.key, codec, token_ids=ids[s.start : s.end]),
+        )
+        for s in spans
+        if s.end <= kv.length
+    ]
 
 
-def save_now(store: TieredStore, kv: KVCache, codec: Codec, spans: Sequence[Save], ids: Sequence[int],
-             skip_held: bool = False, expires_at: float | None = None, memory_only: bool = False) -> int:
+def save_now(
+    store: TieredStore,
+    kv: KVCache,
+    codec: Codec,
+    spans: Sequence[Save],
+    ids: Sequence[int],
+    skip_held: bool = False,
+    expires_at: float | None = None,
+    memory_only: bool = False,
+) -> int:
     """``Saver.save`` on the caller's thread: the entries go into memory now (the lower tiers from the
     store's write queue); returns how many were written."""
     todo = unheld(store, spans) if skip_held else spans

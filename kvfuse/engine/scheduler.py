@@ -56,7 +56,9 @@ class ScheduledStep:
     """Which sequences one engine step ends, admits and runs."""
 
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
-    admitted: list[Sequence] = field(default_factory=list)  # admitted now: plan, load, start their prefill
+    admitted: list[Sequence] = field(
+        default_factory=list
+    )  # admitted now: plan, load, start their prefill
     running: list[Sequence] = field(default_factory=list)  # every running sequence, oldest first
 
     @property
@@ -84,8 +86,15 @@ class Batch:
             p = seq.prefill
             if p.fill:
                 start = p.fill_start
-                out.append(BatchItem(p.fill[:n], seq.kv, positions=torch.arange(start, start + n),
-                                     logits=n == len(p.fill), start=start))
+                out.append(
+                    BatchItem(
+                        p.fill[:n],
+                        seq.kv,
+                        positions=torch.arange(start, start + n),
+                        logits=n == len(p.fill),
+                        start=start,
+                    )
+                )
             else:
                 out.append(BatchItem([seq.token_ids[-1]], seq.kv))
         return out
@@ -93,8 +102,13 @@ class Batch:
     def counters(self) -> dict:
         """What this pass adds to the engine's counters (``EngineStats``)."""
         n, tokens = len(self.items), self.tokens
-        return {"steps": 1, "step_sequences": n, "step_tokens": tokens, "batch_sizes": {bucket(n): 1},
-                "step_token_counts": {bucket(tokens): 1}}
+        return {
+            "steps": 1,
+            "step_sequences": n,
+            "step_tokens": tokens,
+            "batch_sizes": {bucket(n): 1},
+            "step_token_counts": {bucket(tokens): 1},
+        }
 
 
 class Scheduler:
@@ -102,11 +116,20 @@ class Scheduler:
 
     ``memory`` None (tests of the queue alone): admission is bounded by ``max_running`` only."""
 
-    def __init__(self, max_waiting: int = ServerConfig.max_queue, max_running: int = EngineConfig.max_running,
-                 memory: KVMemory | None = None, max_step_tokens: int = EngineConfig.max_step_tokens):
+    def __init__(
+        self,
+        max_waiting: int = ServerConfig.max_queue,
+        max_running: int = EngineConfig.max_running,
+        memory: KVMemory | None = None,
+        max_step_tokens: int = EngineConfig.max_step_tokens,
+    ):
         if max_waiting < 1 or max_running < 1 or max_step_tokens < 1:
             raise ValueError("max_waiting, max_running and max_step_tokens must be >= 1")
-        self.max_waiting, self.max_running, self.max_step_tokens = max_waiting, max_running, max_step_tokens
+        self.max_waiting, self.max_running, self.max_step_tokens = (
+            max_waiting,
+            max_running,
+            max_step_tokens,
+        )
         self.memory = memory
         self.computing = ComputingChunks()
         self._waiting: deque[Sequence] = deque()
@@ -124,7 +147,9 @@ class Scheduler:
             if self._closed:
                 raise QueueClosed("the engine is shutting down")
             if len(self._waiting) >= self.max_waiting:
-                raise QueueFull(f"{len(self._waiting)} requests are already waiting (max_queue = {self.max_waiting})")
+                raise QueueFull(
+                    f"{len(self._waiting)} requests are already waiting (max_queue = {self.max_waiting})"
+                )
             seq.status = SequenceStatus.WAITING
             self._waiting.append(seq)
             self._cond.notify_all()
@@ -207,7 +232,9 @@ class Scheduler:
             n = 1 if not fill else min(len(fill), max(budget, floor))
             if n <= 0:
                 continue
-            if not self._make_room(seq, (seq.prefill.fill_start if fill else seq.kv.length) + n, out.preempted):
+            if not self._make_room(
+                seq, (seq.prefill.fill_start if fill else seq.kv.length) + n, out.preempted
+            ):
                 continue
             out.items.append((seq, n))
             budget -= n
@@ -231,7 +258,11 @@ class Scheduler:
         """Free running ``seq``'s KV (``KVMemory.release``) and put it back at the front of the
         queue, keeping its tokens: it is admitted again before anything that arrived after it. Not
         refused when the queue is full: it was accepted already."""
-        log.info("request %s preempted (KV budget full) after %d tokens", seq.request.request_id, len(seq.token_ids))
+        log.info(
+            "request %s preempted (KV budget full) after %d tokens",
+            seq.request.request_id,
+            len(seq.token_ids),
+        )
         if self.memory is not None and seq.kv is not None:
             self.memory.release(seq)
         self.computing.done(seq)
@@ -258,8 +289,9 @@ class Scheduler:
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until something waits or runs (True), or ``timeout`` passes / close() (False)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._waiting or self._running or self._closed, timeout) and \
-                bool(self._waiting or self._running)
+            return self._cond.wait_for(
+                lambda: self._waiting or self._running or self._closed, timeout
+            ) and bool(self._waiting or self._running)
 
     # -- views ----------------------------------------------------------------------------------
 
@@ -275,7 +307,10 @@ class Scheduler:
     def lookahead(self) -> list[tuple[str, list[ChunkKey]]]:
         """``(request id, planned keys)`` of every waiting sequence, in the order they will run."""
         with self._cond:
-            return [(s.request.request_id, s.keys.all() if s.keys is not None else []) for s in self._waiting]
+            return [
+                (s.request.request_id, s.keys.all() if s.keys is not None else [])
+                for s in self._waiting
+            ]
 
     def upcoming_keys(self) -> list[ChunkKey]:
         """Every key the waiting sequences will ask for, in run order, each once."""
@@ -283,8 +318,14 @@ class Scheduler:
 
     def state(self) -> dict[str, int]:
         """Queue and memory figures for the server (``/v1/kv/stats``, ``/metrics``)."""
-        out = {"waiting": len(self), "running": len(self.running()), "max_queue": self.max_waiting,
-               "skipped": self.skipped, "max_running": self.max_running, "preempted": self.preempted}
+        out = {
+            "waiting": len(self),
+            "running": len(self.running()),
+            "max_queue": self.max_waiting,
+            "skipped": self.skipped,
+            "max_running": self.max_running,
+            "preempted": self.preempted,
+        }
         if self.memory is not None:
             out.update(self.memory.state())
         return out

@@ -31,9 +31,9 @@ from kvfuse.kv.keys import ChunkKey, Namespace
 from kvfuse.models.cache import KVCache
 from kvfuse.models.tokenizer import IncrementalDecoder
 
+from .auto_reuse import settled
 from .kv_stream import KVStreamReport
 from .plan_executor import Filled
-from .auto_reuse import settled
 from .planner import BLENDED, Plan, PromptKeys
 from .request import GenerationResult, Request, Timings
 
@@ -50,9 +50,13 @@ class PrefillState:
 
     plan: Plan | None = None
     filled: Filled | None = None  # set at admission; its logits once the last chunk is computed
-    fill: list[int] = field(default_factory=list)  # ids still to compute, in chunks (chunked prefill)
+    fill: list[int] = field(
+        default_factory=list
+    )  # ids still to compute, in chunks (chunked prefill)
     fill_start: int = 0  # the slot of fill[0]
-    computing: frozenset[ChunkKey] = frozenset()  # the chunks it computes and will store (see ComputingChunks)
+    computing: frozenset[ChunkKey] = (
+        frozenset()
+    )  # the chunks it computes and will store (see ComputingChunks)
 
     def computed(self, n: int, logits: torch.Tensor, seconds: float) -> bool:
         """``n`` more ids of ``fill`` were computed (in ``seconds`` of a batched pass); True when
@@ -94,7 +98,9 @@ class Usage:
     """What the request's prompt reused and recomputed, and what it stored and kept."""
 
     reused: int = 0  # prompt tokens whose KV was loaded, not computed
-    span_reused: int = 0  # of those, tokens of documents and found spans (blended; the rest: exact loads)
+    span_reused: int = (
+        0  # of those, tokens of documents and found spans (blended; the rest: exact loads)
+    )
     recomputed: int = 0  # document (or found span) tokens a blend recomputed in context
     span_lookups: tuple[int, int] = (0, 0)  # content chunks looked up: (found, missing)
     history_reused: int = 0  # prompt tokens loaded from a stored history's entries
@@ -102,7 +108,9 @@ class Usage:
     hit_tiers: tuple[str, ...] = ()  # the tier of each entry it reused
     stored: int = 0  # entries written
     written: int = 0  # prompt tokens whose KV was handed to the cache
-    kv_stream: KVStreamReport | None = None  # how slow-tier chunks were loaded (kv_slo_ms), if they were
+    kv_stream: KVStreamReport | None = (
+        None  # how slow-tier chunks were loaded (kv_slo_ms), if they were
+    )
     kept: Record | None = None  # the history record of the KV kept when the turn ended
 
 
@@ -112,8 +120,12 @@ class Sequence:
     namespace: Namespace | None  # None: this request does not use the cache
     keys: PromptKeys | None
     blend: BlendOptions = field(default_factory=BlendOptions)  # for prompts with documents
-    documents: bool = False  # the request came with documents: its result and counters say how they were used
-    auto: str = "off"  # automatic reuse (``auto_reuse.STATUSES``): ``on`` until its prefill is planned
+    documents: bool = (
+        False  # the request came with documents: its result and counters say how they were used
+    )
+    auto: str = (
+        "off"  # automatic reuse (``auto_reuse.STATUSES``): ``on`` until its prefill is planned
+    )
     record: Record | None = None  # the stored history this prompt was lined up with
     scope: str = ""  # where its own history record goes (the cache namespace's key prefix)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -131,7 +143,9 @@ class Sequence:
     def decoding(self) -> bool:
         """Prefilled and waiting for its next token to be computed."""
         d = self.decode
-        return self.started and not self.prefill.fill and d.pending is None and d.finish_reason is None
+        return (
+            self.started and not self.prefill.fill and d.pending is None and d.finish_reason is None
+        )
 
     @property
     def prompt_len(self) -> int:
@@ -165,7 +179,9 @@ class Sequence:
         if self.keys is not None and self.keys.history:
             stored = {e.key for e in self.keys.history}
             u.history_reused = plan.reused_by(lambda x: x.key in stored and x not in skipped)
-            u.moved_reused = plan.reused_by(lambda x: x.key in stored and x.moved and x not in skipped)
+            u.moved_reused = plan.reused_by(
+                lambda x: x.key in stored and x.moved and x not in skipped
+            )
         if plan.blended:
             recomputed = filled.recomputed_positions
             cached_slots = torch.zeros(self.prompt_len, dtype=torch.bool)
@@ -173,7 +189,9 @@ class Sequence:
                 cached_slots[x.start : x.end] = True
             u.recomputed = int(recomputed.numel())
             u.reused -= int(cached_slots[recomputed].sum())  # recomputed in context: not reused
-            u.span_reused = plan.reused_by(lambda x: x.key.kind in BLENDED) - int(cached_slots[recomputed].sum())
+            u.span_reused = plan.reused_by(lambda x: x.key.kind in BLENDED) - int(
+                cached_slots[recomputed].sum()
+            )
 
     def start_decoding(self, tokenizer, eos_token_ids) -> None:
         """The prompt's last logits are in: sample the first token (pending), note the time to it,
@@ -183,7 +201,9 @@ class Sequence:
         d.sampler, self.logits = Sampler(p), filled.logits
         d.pending = d.sampler(filled.logits)
         t.ttft_s = time.perf_counter() - self.t_start
-        d.eos = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(eos_token_ids))
+        d.eos = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos else frozenset(eos_token_ids)
+        )
         d.decoder, d.stops = IncrementalDecoder(tokenizer), StopMatcher(p.stop)
 
     def counters(self) -> dict:
@@ -191,16 +211,25 @@ class Sequence:
         u = self.usage
         out = {"requests": 1, "tokens_generated": len(self.token_ids), "chunks_stored": u.stored}
         if self.started:
-            out.update(prompt_tokens=self.prompt_len, tokens_reused=u.reused,
-                       tokens_prefilled=self.prompt_len - u.reused, tokens_recomputed=u.recomputed,
-                       blended_requests=int(self.prefill.plan.has_documents),
-                       history_requests=int(self.record is not None), history_tokens_reused=u.history_reused,
-                       moved_tokens_reused=u.moved_reused,
-                       hits_by_tier={tier: u.hit_tiers.count(tier) for tier in set(u.hit_tiers)})
+            out.update(
+                prompt_tokens=self.prompt_len,
+                tokens_reused=u.reused,
+                tokens_prefilled=self.prompt_len - u.reused,
+                tokens_recomputed=u.recomputed,
+                blended_requests=int(self.prefill.plan.has_documents),
+                history_requests=int(self.record is not None),
+                history_tokens_reused=u.history_reused,
+                moved_tokens_reused=u.moved_reused,
+                hits_by_tier={tier: u.hit_tiers.count(tier) for tier in set(u.hit_tiers)},
+            )
             if self.documents or self.auto == "blended":
                 out["blends"] = {blend_label(self.blend): 1}
-            out.update(auto_requests={self.auto: 1}, span_hits=u.span_lookups[0], span_misses=u.span_lookups[1],
-                       span_tokens_reused=u.span_reused if not self.documents else 0)
+            out.update(
+                auto_requests={self.auto: 1},
+                span_hits=u.span_lookups[0],
+                span_misses=u.span_lookups[1],
+                span_tokens_reused=u.span_reused if not self.documents else 0,
+            )
         return out
 
     def preempted(self) -> None:
@@ -249,14 +278,24 @@ class Sequence:
     def result(self) -> GenerationResult:
         """The request's result, from what it generated and its usage."""
         u = self.usage
-        return GenerationResult(text=self.decode.text, token_ids=self.decode.token_ids,
-                                finish_reason=self.decode.finish_reason, prompt_tokens=self.prompt_len,
-                                cached_tokens=u.reused, timings=self.timings, hit_tiers=u.hit_tiers,
-                                stored_chunks=u.stored, recomputed_tokens=u.recomputed, kv_stream=u.kv_stream,
-                                written_tokens=u.written, history=u.kept,
-                                blend=self.blend if self.documents or self.auto == "blended" else None,
-                                prefix_reused_tokens=u.reused - u.span_reused, span_reused_tokens=u.span_reused,
-                                auto_reuse=self.auto)
+        return GenerationResult(
+            text=self.decode.text,
+            token_ids=self.decode.token_ids,
+            finish_reason=self.decode.finish_reason,
+            prompt_tokens=self.prompt_len,
+            cached_tokens=u.reused,
+            timings=self.timings,
+            hit_tiers=u.hit_tiers,
+            stored_chunks=u.stored,
+            recomputed_tokens=u.recomputed,
+            kv_stream=u.kv_stream,
+            written_tokens=u.written,
+            history=u.kept,
+            blend=self.blend if self.documents or self.auto == "blended" else None,
+            prefix_reused_tokens=u.reused - u.span_reused,
+            span_reused_tokens=u.span_reused,
+            auto_reuse=self.auto,
+        )
 
 
 def blend_label(blend: BlendOptions) -> str:

@@ -77,7 +77,9 @@ def quantize(x: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray((q + c).astype(np.uint8).T), scales
 
 
-def dequantize(symbols: np.ndarray, scales: np.ndarray, bins: int, from_bf16: bool = True) -> np.ndarray:
+def dequantize(
+    symbols: np.ndarray, scales: np.ndarray, bins: int, from_bf16: bool = True
+) -> np.ndarray:
     """Symbols ``(channels, tokens)`` and scales (bf16 words, or fp32 with ``from_bf16=False``)
     back to values ``(tokens, channels)`` fp32."""
     c = levels_of(bins)
@@ -90,15 +92,24 @@ def _encode_part(x: np.ndarray, bins: int, out: list, symbol_parts: list) -> Non
 
     alphabet = bins - 1
     symbols, scales = quantize(x, bins)
-    centre, width = fit(symbols, alphabet) if symbols.shape[1] else (
-        np.zeros(symbols.shape[0], np.uint8), np.zeros(symbols.shape[0], np.uint8))
+    centre, width = (
+        fit(symbols, alphabet)
+        if symbols.shape[1]
+        else (np.zeros(symbols.shape[0], np.uint8), np.zeros(symbols.shape[0], np.uint8))
+    )
     models = coder_models(alphabet)
     coder = constriction.stream.stack.AnsCoder()
     stream = symbols.astype(np.int32)
     for ch in range(symbols.shape[0] - 1, -1, -1):  # a stack: the last stream pushed is read first
         coder.encode_reverse(stream[ch], models[width[ch]][centre[ch]])
     words = coder.get_compressed().astype("<u4")
-    out += [scales.astype("<u2").tobytes(), centre.tobytes(), width.tobytes(), _U32.pack(len(words)), words.tobytes()]
+    out += [
+        scales.astype("<u2").tobytes(),
+        centre.tobytes(),
+        width.tobytes(),
+        _U32.pack(len(words)),
+        words.tobytes(),
+    ]
     symbol_parts.append(symbols)
 
 
@@ -125,13 +136,17 @@ class _Reader:
 
     def take(self, n: int) -> memoryview:
         if n < 0 or self.off + n > len(self.data):
-            raise LayerError(f"truncated layer: {n} bytes needed at offset {self.off} of {len(self.data)}")
+            raise LayerError(
+                f"truncated layer: {n} bytes needed at offset {self.off} of {len(self.data)}"
+            )
         v = self.data[self.off : self.off + n]
         self.off += n
         return v
 
 
-def _decode_part(r: _Reader, bins: int, tokens: int, channels: int, symbols: np.ndarray) -> np.ndarray:
+def _decode_part(
+    r: _Reader, bins: int, tokens: int, channels: int, symbols: np.ndarray
+) -> np.ndarray:
     """Decode one K or V part into ``symbols`` ``(channels, tokens)``; its fp32 scales."""
     import constriction
 
@@ -182,13 +197,19 @@ def check_head(data: bytes | bytearray | memoryview, tokens: int, channels: int)
     if (t, c) != (tokens, channels):
         raise LayerError(f"layer holds {t} tokens x {c} channels, expected {tokens} x {channels}")
     if len(data) < min_size(tokens, channels):
-        raise LayerError(f"truncated layer: {len(data)} bytes, a layer of {t} x {c} takes at least "
-                         f"{min_size(tokens, channels)}")
+        raise LayerError(
+            f"truncated layer: {len(data)} bytes, a layer of {t} x {c} takes at least "
+            f"{min_size(tokens, channels)}"
+        )
     return bins_k, bins_v
 
 
-def decode_symbols(data: bytes | bytearray | memoryview, tokens: int, channels: int,
-                   symbols: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+def decode_symbols(
+    data: bytes | bytearray | memoryview,
+    tokens: int,
+    channels: int,
+    symbols: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
     """A layer's checked symbols ``(2, channels, tokens)`` uint8 (into ``symbols`` when given),
     scales ``(2, tokens)`` fp32 and (K, V) bins; LayerError if the bytes are not exactly a valid
     layer of that shape. ``dequantize`` turns them into values."""

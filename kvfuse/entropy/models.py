@@ -23,15 +23,21 @@ import xxhash
 NUM_SCALES = 32
 MIN_SIGMA = 0.15
 FREQ_TOTAL = 1 << 16  # integer frequencies per table; every symbol keeps at least 1
-ALPHABETS = (7, 15, 31, 63, 127)  # bins - 1 for bins in 8, 16, 32, 64, 128 (symmetric, zero in the middle)
+ALPHABETS = (
+    7,
+    15,
+    31,
+    63,
+    127,
+)  # bins - 1 for bins in 8, 16, 32, 64, 128 (symmetric, zero in the middle)
 
 # xxh3-64 of every alphabet's table, as built on the machine that wrote this module.
 _EXPECTED_TABLE_HASH = {
-    7: 0x389bf4496e95baa3,
-    15: 0xe0566e8d6a0057da,
-    31: 0xa95292682dff27e0,
-    63: 0x436335331cacda89,
-    127: 0x8dc1ccd931f673,
+    7: 0x389BF4496E95BAA3,
+    15: 0xE0566E8D6A0057DA,
+    31: 0xA95292682DFF27E0,
+    63: 0x436335331CACDA89,
+    127: 0x8DC1CCD931F673,
 }
 
 _lock = threading.Lock()
@@ -63,7 +69,9 @@ def build_table(alphabet: int) -> np.ndarray:
     # Hand the rounding remainder to the most likely symbol of each row: rows sum exactly.
     short = FREQ_TOTAL - freq.sum(axis=-1)
     top = dens.argmax(axis=-1)
-    np.put_along_axis(freq, top[..., None], np.take_along_axis(freq, top[..., None], -1) + short[..., None], -1)
+    np.put_along_axis(
+        freq, top[..., None], np.take_along_axis(freq, top[..., None], -1) + short[..., None], -1
+    )
     return freq.astype(np.int32)
 
 
@@ -82,8 +90,10 @@ def table(alphabet: int) -> np.ndarray:
                 expected = _EXPECTED_TABLE_HASH.get(alphabet)
                 got = xxhash.xxh3_64_intdigest(t.tobytes())
                 if expected is not None and got != expected:
-                    raise ModelsError(f"cachegen probability tables for {alphabet} symbols differ on this machine "
-                                      f"(hash {got:#x}, expected {expected:#x}); entries cannot be coded here")
+                    raise ModelsError(
+                        f"cachegen probability tables for {alphabet} symbols differ on this machine "
+                        f"(hash {got:#x}, expected {expected:#x}); entries cannot be coded here"
+                    )
                 _tables[alphabet] = t
     return t
 
@@ -96,7 +106,10 @@ def coder_models(alphabet: int) -> list:
 
         t = table(alphabet).astype(np.float64) / FREQ_TOTAL
         Categorical = constriction.stream.model.Categorical
-        ms = [[Categorical(t[s, c], perfect=False) for c in range(alphabet)] for s in range(NUM_SCALES)]
+        ms = [
+            [Categorical(t[s, c], perfect=False) for c in range(alphabet)]
+            for s in range(NUM_SCALES)
+        ]
         with _lock:
             _models.setdefault(alphabet, ms)
         ms = _models[alphabet]
@@ -119,5 +132,7 @@ def fit(symbols: np.ndarray, alphabet: int) -> tuple[np.ndarray, np.ndarray]:
 def ideal_bits(symbols: np.ndarray, centre: np.ndarray, width: np.ndarray, alphabet: int) -> float:
     """The code length in bits the models promise for ``symbols`` (the coder's own bound)."""
     t = table(alphabet)
-    f = t[width[:, None].astype(np.int64), centre[:, None].astype(np.int64), symbols.astype(np.int64)]
+    f = t[
+        width[:, None].astype(np.int64), centre[:, None].astype(np.int64), symbols.astype(np.int64)
+    ]
     return float(-np.log2(f / FREQ_TOTAL).sum())

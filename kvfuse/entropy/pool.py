@@ -32,8 +32,12 @@ class JobError(ValueError):
 class _Worker:
     def __init__(self) -> None:
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvfuse.entropy.worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfuse.entropy.worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -13,4 +13,13 @@ from .align import Alignment, Run, align, byte_sync
 from .records import HistoryIndex, Record, StoredEntry
 from .truncate import drop_oldest_turns
 
-__all__ = ["Alignment", "HistoryIndex", "Record", "Run", "StoredEntry", "align", "byte_sync", "drop_oldest_turns"]
+__all__ = [
+    "Alignment",
+    "HistoryIndex",
+    "Record",
+    "Run",
+    "StoredEntry",
+    "align",
+    "byte_sync",
+    "drop_oldest_turns",
+]

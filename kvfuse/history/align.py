@@ -74,7 +74,9 @@ def _common_bytes(a: bytes, b: bytes) -> int:
     return lo
 
 
-def byte_sync(a: Sequence[int], b: Sequence[int], table: Sequence[bytes], start: int = 0) -> tuple[int, int]:
+def byte_sync(
+    a: Sequence[int], b: Sequence[int], table: Sequence[bytes], start: int = 0
+) -> tuple[int, int]:
     """The largest ``(k, m)`` with ``a[:k]`` and ``b[:m]`` spelling the same bytes, given that
     ``a[:start] == b[:start]``: the last token boundary, common to both, before their texts differ.
     ``table[id]`` is the bytes of a token (``Tokenizer.token_bytes``)."""
@@ -94,17 +96,28 @@ def byte_sync(a: Sequence[int], b: Sequence[int], table: Sequence[bytes], start:
         off += len(p)
         if off > c:
             break
-        if off in ends_a and p:  # never take an empty new token as the boundary: it would be dropped
+        if (
+            off in ends_a and p
+        ):  # never take an empty new token as the boundary: it would be dropped
             best = (ends_a[off], start + j + 1)
     return best
 
 
-def _sync(a: Sequence[int], b: Sequence[int], table: Sequence[bytes] | None, start: int) -> tuple[int, int]:
+def _sync(
+    a: Sequence[int], b: Sequence[int], table: Sequence[bytes] | None, start: int
+) -> tuple[int, int]:
     return byte_sync(a, b, table, start) if table is not None else (start, start)
 
 
-def align(stored: Sequence[int], new: Sequence[int], table: Sequence[bytes] | None = None, *,
-          allow_gap: bool = False, min_run: int = MIN_GAP_RUN, end_slack: int = GAP_END_SLACK) -> Alignment:
+def align(
+    stored: Sequence[int],
+    new: Sequence[int],
+    table: Sequence[bytes] | None = None,
+    *,
+    allow_gap: bool = False,
+    min_run: int = MIN_GAP_RUN,
+    end_slack: int = GAP_END_SLACK,
+) -> Alignment:
     """Line ``new`` up against ``stored``.
 
     The head: the longest common prefix, extended by ``byte_sync`` (with a ``table``) where the
@@ -131,7 +144,9 @@ def align(stored: Sequence[int], new: Sequence[int], table: Sequence[bytes] | No
     return Alignment(tuple(int(t) for t in ids), tuple(runs))
 
 
-def _find(stored: Sequence[int], new: Sequence[int], k: int, m: int, min_run: int) -> tuple[int, int]:
+def _find(
+    stored: Sequence[int], new: Sequence[int], k: int, m: int, min_run: int
+) -> tuple[int, int]:
     """``(p, r)``: the position after ``k`` in ``stored`` where the longest exact run of
     ``new[m:]`` starts, and its length (0 when no run of ``min_run`` tokens exists)."""
     w = min(_WINDOW, min_run)

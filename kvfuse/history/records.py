@@ -92,10 +92,16 @@ class Record:
 def encode_record(rec: Record) -> bytes:
     """The bytes of a record's file: magic, a length-prefixed JSON header, the ids (u32 LE)."""
     ids = np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()
-    header = json.dumps({"scope": rec.scope, "cache_key": rec.cache_key,
-                         "namespace": dataclasses.asdict(rec.namespace),
-                         "entries": [[str(e.key), e.source, e.tokens] for e in rec.entries],
-                         "n": len(rec.ids), "xxh64": xxhash.xxh64_hexdigest(ids)}).encode()
+    header = json.dumps(
+        {
+            "scope": rec.scope,
+            "cache_key": rec.cache_key,
+            "namespace": dataclasses.asdict(rec.namespace),
+            "entries": [[str(e.key), e.source, e.tokens] for e in rec.entries],
+            "n": len(rec.ids),
+            "xxh64": xxhash.xxh64_hexdigest(ids),
+        }
+    ).encode()
     return _MAGIC + struct.pack("<I", len(header)) + header + ids
 
 
@@ -110,8 +116,13 @@ def decode_record(data: bytes) -> Record:
         if len(ids) != 4 * h["n"] or xxhash.xxh64_hexdigest(ids) != h["xxh64"]:
             raise ValueError("the ids are damaged or truncated")
         entries = tuple(StoredEntry(ChunkKey.parse(k), int(s), int(t)) for k, s, t in h["entries"])
-        return Record(str(h["scope"]), np.frombuffer(ids, dtype="<u4").astype(np.uint32), Namespace(**h["namespace"]),
-                      entries, h["cache_key"])
+        return Record(
+            str(h["scope"]),
+            np.frombuffer(ids, dtype="<u4").astype(np.uint32),
+            Namespace(**h["namespace"]),
+            entries,
+            h["cache_key"],
+        )
     except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"the record header is damaged: {e}") from None
 
@@ -124,7 +135,9 @@ class HistoryIndex:
             raise ValueError("the history index capacity must be >= 0")
         self.capacity = capacity
         self.path = Path(path) if path is not None else None
-        self._records: OrderedDict[int, Record] = OrderedDict()  # serial -> record, least recent first
+        self._records: OrderedDict[int, Record] = (
+            OrderedDict()
+        )  # serial -> record, least recent first
         self._by_key: dict[tuple[str, str], int] = {}
         self._by_anchor: dict[tuple[str, int], OrderedDict[int, None]] = {}
         self._serials = itertools.count(1)
@@ -143,21 +156,29 @@ class HistoryIndex:
             self.path.mkdir(parents=True, exist_ok=True)
             listing = list(os.scandir(self.path))
         except OSError as e:
-            log.warning("cannot read the history records in %s (%s); starting without them", self.path, e)
+            log.warning(
+                "cannot read the history records in %s (%s); starting without them", self.path, e
+            )
             return
         now, files = time.time(), []
         for f in listing:
             try:
                 st = f.stat()
-                old_temp = f.name.startswith(".") and f.name.endswith(".tmp") and now - st.st_mtime > stale_temp_s
-                if old_temp or stale_temp(f.name, st.st_mtime, now, stale_temp_s):  # (old names had no pid)
+                old_temp = (
+                    f.name.startswith(".")
+                    and f.name.endswith(".tmp")
+                    and now - st.st_mtime > stale_temp_s
+                )
+                if old_temp or stale_temp(
+                    f.name, st.st_mtime, now, stale_temp_s
+                ):  # (old names had no pid)
                     os.unlink(f.path)
                 elif f.name.endswith(_SUFFIX) and f.is_file():
                     files.append((st.st_mtime_ns, f))
             except OSError:
                 continue  # gone meanwhile, or not ours to touch
         files = [f for _, f in sorted(files, key=lambda t: t[0])]
-        for f in files[-self.capacity:]:
+        for f in files[-self.capacity :]:
             try:
                 rec = decode_record(Path(f.path).read_bytes())
             except (OSError, ValueError) as e:
@@ -175,7 +196,9 @@ class HistoryIndex:
             return
         token = secrets.token_hex(12)
         name = token + _SUFFIX
-        tmp = self.path / f".{os.getpid()}.{token}.tmp"  # the pid: a dead writer's is removed at start-up
+        tmp = (
+            self.path / f".{os.getpid()}.{token}.tmp"
+        )  # the pid: a dead writer's is removed at start-up
         try:
             tmp.write_bytes(encode_record(rec))
             os.replace(tmp, self.path / name)
@@ -191,8 +214,15 @@ class HistoryIndex:
             except OSError as e:
                 log.warning("could not remove history record %s (%s)", name, e)
 
-    def add(self, scope: str, ids: Sequence[int], namespace: Namespace, entries: tuple = (),
-            cache_key: str | None = None, replaces: Record | None = None) -> Record | None:
+    def add(
+        self,
+        scope: str,
+        ids: Sequence[int],
+        namespace: Namespace,
+        entries: tuple = (),
+        cache_key: str | None = None,
+        replaces: Record | None = None,
+    ) -> Record | None:
         """Remember a history; ``replaces`` (the record this turn extended) is dropped when the
         new one contains all of it. None when the index holds nothing (capacity 0)."""
         if self.capacity == 0 or len(ids) == 0:
@@ -200,8 +230,11 @@ class HistoryIndex:
         rec = Record(scope, np.asarray(ids, dtype=np.uint32), namespace, tuple(entries), cache_key)
         self._write(rec)
         with self._lock:
-            if replaces is not None and len(replaces) <= len(rec.ids) and \
-                    np.array_equal(rec.ids[: len(replaces)], replaces.ids):
+            if (
+                replaces is not None
+                and len(replaces) <= len(rec.ids)
+                and np.array_equal(rec.ids[: len(replaces)], replaces.ids)
+            ):
                 self._drop(replaces)
             self._insert_locked(rec)
         return rec
@@ -211,7 +244,9 @@ class HistoryIndex:
             self._insert_locked(rec)
 
     def _insert_locked(self, rec: Record) -> None:
-        rec.anchors = frozenset(anchors(rec.ids.tolist()))  # computed under the lock: cheap (~1 ms / 4k ids)
+        rec.anchors = frozenset(
+            anchors(rec.ids.tolist())
+        )  # computed under the lock: cheap (~1 ms / 4k ids)
         rec.serial = next(self._serials)
         if rec.cache_key is not None:
             old = self._by_key.get((rec.scope, rec.cache_key))
@@ -240,7 +275,9 @@ class HistoryIndex:
                 if not bucket:
                     del self._by_anchor[(rec.scope, a)]
 
-    def candidates(self, scope: str, ids: Sequence[int], cache_key: str | None = None, limit: int = 4) -> list[Record]:
+    def candidates(
+        self, scope: str, ids: Sequence[int], cache_key: str | None = None, limit: int = 4
+    ) -> list[Record]:
         """Records that may line up with ``ids``: the ``cache_key`` record first, then by shared
         anchors (ties: the most recent first), at most ``limit``."""
         out: list[Record] = []
@@ -254,7 +291,11 @@ class HistoryIndex:
                 for serial in self._by_anchor.get((scope, a), ()):
                     votes[serial] = votes.get(serial, 0) + 1
             ranked = sorted(votes, key=lambda s: (votes[s], s), reverse=True)
-            out += [self._records[s] for s in ranked if s in self._records and self._records[s] not in out]
+            out += [
+                self._records[s]
+                for s in ranked
+                if s in self._records and self._records[s] not in out
+            ]
             out = out[:limit]
             for rec in out:
                 self._records.move_to_end(rec.serial)

@@ -83,8 +83,13 @@ class StoredResponse:
 class ResponseStore:
     """Stored responses in SQLite at ``path`` (None: in memory, for tests and ``store`` off)."""
 
-    def __init__(self, path: str | Path | None, ttl_s: float | None = 30 * 86400.0,
-                 clock: Callable[[], float] = time.time, purge_every_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        path: str | Path | None,
+        ttl_s: float | None = 30 * 86400.0,
+        clock: Callable[[], float] = time.time,
+        purge_every_s: float = 60.0,
+    ) -> None:
         if ttl_s is not None and not ttl_s > 0:
             raise ValueError(f"the responses ttl must be > 0 seconds, got {ttl_s}")
         self.path = Path(path) if path is not None else None
@@ -94,8 +99,12 @@ class ResponseStore:
         self._last_purge = float("-inf")
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path) if self.path is not None else ":memory:", timeout=10.0,
-                                   check_same_thread=False, isolation_level=None)
+        self._db = sqlite3.connect(
+            str(self.path) if self.path is not None else ":memory:",
+            timeout=10.0,
+            check_same_thread=False,
+            isolation_level=None,
+        )
         self._lock = threading.Lock()
         with self._lock:
             if self.path is not None:
@@ -112,17 +121,31 @@ class ResponseStore:
         with self._lock, self._tx():
             self._db.execute(
                 "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (r.id, r.tenant, r.created_at, r.expires_at, r.previous_id, json.dumps(r.body),
-                 json.dumps(r.input_items), json.dumps(r.history), r.record))
+                (
+                    r.id,
+                    r.tenant,
+                    r.created_at,
+                    r.expires_at,
+                    r.previous_id,
+                    json.dumps(r.body),
+                    json.dumps(r.input_items),
+                    json.dumps(r.history),
+                    r.record,
+                ),
+            )
             self._db.execute("DELETE FROM response_entries WHERE response_id = ?", (r.id,))
-            self._db.executemany("INSERT OR IGNORE INTO response_entries VALUES (?, ?)",
-                                 [(r.id, k) for k in dict.fromkeys(r.keys)])
+            self._db.executemany(
+                "INSERT OR IGNORE INTO response_entries VALUES (?, ?)",
+                [(r.id, k) for k in dict.fromkeys(r.keys)],
+            )
 
     def delete(self, tenant: str, response_id: str) -> list[str]:
         """Remove the tenant's response; the keys of its entries that no other response refers to
         (to free). ResponseNotFound if the tenant has no such response."""
         with self._lock, self._tx():
-            row = self._db.execute("SELECT tenant FROM responses WHERE id = ?", (response_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT tenant FROM responses WHERE id = ?", (response_id,)
+            ).fetchone()
             if row is None or row[0] != tenant:
                 raise ResponseNotFound(response_id)
             return self._remove([response_id])
@@ -135,20 +158,34 @@ class ResponseStore:
             return 0, []
         self._last_purge = now
         with self._lock, self._tx():
-            ids = [r[0] for r in self._db.execute(
-                "SELECT id FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ?", (now,))]
+            ids = [
+                r[0]
+                for r in self._db.execute(
+                    "SELECT id FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                    (now,),
+                )
+            ]
             return len(ids), self._remove(ids) if ids else []
 
     def _remove(self, ids: list[str]) -> list[str]:
         """Delete rows ``ids`` (inside a transaction); the keys only they referred to."""
         marks = ",".join("?" * len(ids))
-        keys = [r[0] for r in self._db.execute(
-            f"SELECT DISTINCT key FROM response_entries WHERE response_id IN ({marks})", ids)]
+        keys = [
+            r[0]
+            for r in self._db.execute(
+                f"SELECT DISTINCT key FROM response_entries WHERE response_id IN ({marks})", ids
+            )
+        ]
         self._db.execute(f"DELETE FROM response_entries WHERE response_id IN ({marks})", ids)
         self._db.execute(f"DELETE FROM responses WHERE id IN ({marks})", ids)
         free = []
         for k in keys:
-            if self._db.execute("SELECT 1 FROM response_entries WHERE key = ? LIMIT 1", (k,)).fetchone() is None:
+            if (
+                self._db.execute(
+                    "SELECT 1 FROM response_entries WHERE key = ? LIMIT 1", (k,)
+                ).fetchone()
+                is None
+            ):
                 free.append(k)
         return free
 
@@ -158,7 +195,9 @@ class ResponseStore:
         """The tenant's response. ResponseNotFound (unknown, or another tenant's), ResponseExpired
         (removed now: its ``keys`` are to be freed)."""
         with self._lock:
-            row = self._db.execute("SELECT * FROM responses WHERE id = ?", (response_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT * FROM responses WHERE id = ?", (response_id,)
+            ).fetchone()
             if row is None or row[1] != tenant:
                 raise ResponseNotFound(response_id)
             r = self._row(row)
@@ -166,8 +205,12 @@ class ResponseStore:
                 with self._tx():
                     keys = self._remove([response_id])
                 raise ResponseExpired(response_id, keys)
-            r.keys = [k for (k,) in self._db.execute(
-                "SELECT key FROM response_entries WHERE response_id = ?", (response_id,))]
+            r.keys = [
+                k
+                for (k,) in self._db.execute(
+                    "SELECT key FROM response_entries WHERE response_id = ?", (response_id,)
+                )
+            ]
             return r
 
     def list(self, tenant: str | None = None, limit: int = 100) -> list[StoredResponse]:
@@ -176,7 +219,9 @@ class ResponseStore:
         if tenant is not None:
             query, args = query + " WHERE tenant = ?", [tenant]
         with self._lock:
-            rows = self._db.execute(query + " ORDER BY created_at DESC LIMIT ?", [*args, limit]).fetchall()
+            rows = self._db.execute(
+                query + " ORDER BY created_at DESC LIMIT ?", [*args, limit]
+            ).fetchall()
         return [self._row(r) for r in rows]
 
     def __len__(self) -> int:
@@ -186,8 +231,18 @@ class ResponseStore:
     @staticmethod
     def _row(row) -> StoredResponse:
         rid, tenant, created, expires, previous, body, items, history, record = row
-        return StoredResponse(rid, tenant, created, json.loads(body), json.loads(history), json.loads(items),
-                              previous, record, [], expires)
+        return StoredResponse(
+            rid,
+            tenant,
+            created,
+            json.loads(body),
+            json.loads(history),
+            json.loads(items),
+            previous,
+            record,
+            [],
+            expires,
+        )
 
     def _tx(self):
         return _Transaction(self._db)

@@ -12,14 +12,21 @@ from typing import Callable
 _KEPT_ROLES = ("system", "developer")
 
 
-def drop_oldest_turns(messages: list[dict], fits: Callable[[list[dict]], bool]) -> list[dict] | None:
+def drop_oldest_turns(
+    messages: list[dict], fits: Callable[[list[dict]], bool]
+) -> list[dict] | None:
     """The longest tail of turns that ``fits``, behind the leading system messages; ``messages``
     unchanged when it fits already; None when even the last turn alone does not fit."""
     if fits(messages):
         return messages
     head = _head(messages)
     starts = [i for i in range(head + 1, len(messages)) if messages[i].get("role") == "user"]
-    if messages and messages[-1].get("role") == "user" and len(messages) - 1 not in starts and len(messages) - 1 > head:
+    if (
+        messages
+        and messages[-1].get("role") == "user"
+        and len(messages) - 1 not in starts
+        and len(messages) - 1 > head
+    ):
         starts.append(len(messages) - 1)
     for start in starts:  # drop turns from the oldest until what is left fits
         kept = messages[:head] + messages[start:]

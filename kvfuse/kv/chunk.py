@@ -23,7 +23,9 @@ class KVChunk:
 
     def __post_init__(self) -> None:
         if self.kv.dim() != 5 or self.kv.shape[1] != 2:
-            raise ValueError(f"KVChunk.kv must be (layers, 2, tokens, kv_heads, head_dim), got {tuple(self.kv.shape)}")
+            raise ValueError(
+                f"KVChunk.kv must be (layers, 2, tokens, kv_heads, head_dim), got {tuple(self.kv.shape)}"
+            )
         if self.positions.dim() != 1 or self.positions.shape[0] != self.kv.shape[2]:
             raise ValueError(
                 f"KVChunk.positions must have one entry per token ({self.kv.shape[2]}), got {tuple(self.positions.shape)}"
@@ -31,9 +33,13 @@ class KVChunk:
         if self.positions.dtype != torch.int64:
             raise ValueError(f"KVChunk.positions must be int64, got {self.positions.dtype}")
         t = self.token_ids
-        if t is not None and (t.dim() != 1 or t.shape[0] != self.kv.shape[2] or t.dtype != torch.int64):
-            raise ValueError(f"KVChunk.token_ids must be int64, one per token ({self.kv.shape[2]}), got "
-                             f"{t.dtype} {tuple(t.shape)}")
+        if t is not None and (
+            t.dim() != 1 or t.shape[0] != self.kv.shape[2] or t.dtype != torch.int64
+        ):
+            raise ValueError(
+                f"KVChunk.token_ids must be int64, one per token ({self.kv.shape[2]}), got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
 
     @property
     def num_layers(self) -> int:

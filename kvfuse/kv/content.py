@@ -90,7 +90,9 @@ def separator_ids(token_bytes: Sequence[bytes]) -> np.ndarray:
     return np.array([i for i, b in enumerate(token_bytes) if b.endswith(b"\n")], dtype=np.int64)
 
 
-def segments(ids: Sequence[int] | np.ndarray, separators: np.ndarray | None, min_size: int = MIN_SIZE) -> list[int]:
+def segments(
+    ids: Sequence[int] | np.ndarray, separators: np.ndarray | None, min_size: int = MIN_SIZE
+) -> list[int]:
     """Where ``ids`` is cut into segments: ``[0, s1, ..., n]``. A line is what ends with a run of
     separator tokens; each line of at least ``min_size`` tokens is a segment, and every run of
     consecutive shorter lines is one (``[0, n]`` without separators)."""
@@ -102,19 +104,28 @@ def segments(ids: Sequence[int] | np.ndarray, separators: np.ndarray | None, min
     ends = np.flatnonzero(sep[:-1] & ~sep[1:]) + 1  # after the last separator of each run
     lines = [0, *ends.tolist(), n]
     out = [0]
-    for a, b, c in zip(lines, lines[1:], lines[2:]):  # keep cut b unless the lines on both sides are short
+    for a, b, c in zip(
+        lines, lines[1:], lines[2:]
+    ):  # keep cut b unless the lines on both sides are short
         if b - a >= min_size or c - b >= min_size:
             out.append(b)
     return out + [n]
 
 
-def boundaries(ids: Sequence[int] | np.ndarray, min_size: int = MIN_SIZE, max_size: int = MAX_SIZE,
-               window: int = WINDOW, separators: np.ndarray | None = None) -> list[int]:
+def boundaries(
+    ids: Sequence[int] | np.ndarray,
+    min_size: int = MIN_SIZE,
+    max_size: int = MAX_SIZE,
+    window: int = WINDOW,
+    separators: np.ndarray | None = None,
+) -> list[int]:
     """The cuts of ``ids``: ``[0, c1, ..., n]`` (chunk ``j`` is ``[cuts[j], cuts[j + 1])``); see
     the module docstring. ``[0]`` for no tokens. ``separators``: the line-break ids
     (``separator_ids``) that start segments, each cut on its own; None: one segment."""
     if not (1 <= min_size and 2 * min_size <= max_size):
-        raise ValueError(f"content chunks need 1 <= min_size and 2 * min_size <= max_size, got {min_size}, {max_size}")
+        raise ValueError(
+            f"content chunks need 1 <= min_size and 2 * min_size <= max_size, got {min_size}, {max_size}"
+        )
     arr = np.asarray(ids, dtype=np.int64)
     segs = segments(arr, separators, min_size)
     if len(segs) <= 2:
@@ -132,7 +143,9 @@ def _cut(ids: np.ndarray, min_size: int, max_size: int, window: int) -> list[int
     if n == 0:
         return [0]
     h[: min(n, min_size - 1)] = _NONE  # the first chunk is at least min_size long
-    padded = np.concatenate([np.full(radius, _NONE, dtype=np.uint64), h, np.full(radius, _NONE, dtype=np.uint64)])
+    padded = np.concatenate(
+        [np.full(radius, _NONE, dtype=np.uint64), h, np.full(radius, _NONE, dtype=np.uint64)]
+    )
     if radius:
         views = np.lib.stride_tricks.sliding_window_view(padded, radius)
         left, right = views[:n], views[radius + 1 : radius + 1 + n]  # [i - r, i) and (i, i + r]
@@ -154,8 +167,13 @@ def _split_long(cuts: list[int], max_size: int) -> list[int]:
     return out
 
 
-def chunks(ids: Sequence[int] | np.ndarray, min_size: int = MIN_SIZE, max_size: int = MAX_SIZE,
-           window: int = WINDOW, separators: np.ndarray | None = None) -> list[tuple[int, int]]:
+def chunks(
+    ids: Sequence[int] | np.ndarray,
+    min_size: int = MIN_SIZE,
+    max_size: int = MAX_SIZE,
+    window: int = WINDOW,
+    separators: np.ndarray | None = None,
+) -> list[tuple[int, int]]:
     """``[start, end)`` of every content-defined chunk of ``ids``, in order, covering them all."""
     cuts = boundaries(ids, min_size, max_size, window, separators)
     return list(zip(cuts, cuts[1:]))

@@ -87,13 +87,24 @@ from kvfuse import dtypes
 from kvfuse.codecs import get_codec_by_id
 from kvfuse.codecs.base import Codec
 from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.digests import (
+    BLAKE3,
+    DIGEST_SIZE,
+    NAMES,
+    SHA256,
+    Pending,
+    concurrent,
+    gather,
+    layer_digest,
+    layer_digests,
+)
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.kv.digests import (BLAKE3, DIGEST_SIZE, NAMES, SHA256, Pending, concurrent, gather, layer_digest,
-                               layer_digests)
 from kvfuse.kv.signing import TAG_SIZE, EntrySigner
 from kvfuse.kv.version import FORMAT_VERSION
 
-MAX_TOKENS = 1 << 20  # per entry; a header claiming more is not an entry (positions are allocated from it)
+MAX_TOKENS = (
+    1 << 20
+)  # per entry; a header claiming more is not an entry (positions are allocated from it)
 MAGIC = b"KVFZ"
 
 _FIXED = struct.Struct("<4sHIHHBB5IIHQ")
@@ -113,7 +124,6 @@ PIECE_BYTES = 256 << 10
 # ... and a piece checked by digest (a signed entry) is hashed on a pool thread while the next one is
 # read (kv/digests.py): larger, so that the hand-off costs little beside the hashing.
 DIGEST_PIECE_BYTES = 1 << 20
-
 
 
 class FormatError(ValueError):
@@ -137,10 +147,18 @@ def _signature_len(num_layers: int, flags: int) -> int:
     return (1 if flags & _FLAG_DIGEST_ID else 0) + DIGEST_SIZE * num_layers + TAG_SIZE
 
 
-def _padded_header_len(key_len: int, positions_len: int, num_layers: int, tokens_len: int = 0,
-                       flags: int = 0) -> int:
-    unpadded = (_FIXED.size + key_len + positions_len + tokens_len + _LAYER.size * num_layers
-                + _signature_len(num_layers, flags) + _CHECKSUM.size)
+def _padded_header_len(
+    key_len: int, positions_len: int, num_layers: int, tokens_len: int = 0, flags: int = 0
+) -> int:
+    unpadded = (
+        _FIXED.size
+        + key_len
+        + positions_len
+        + tokens_len
+        + _LAYER.size * num_layers
+        + _signature_len(num_layers, flags)
+        + _CHECKSUM.size
+    )
     return -(-unpadded // _ALIGN) * _ALIGN
 
 
@@ -162,22 +180,56 @@ class Entry:
     the same entry with a signed header (what a shared tier is given when signing is on).
     """
 
-    __slots__ = ("key", "codec", "shape", "dtype", "positions", "payload", "layer_sizes", "header_size", "_offsets",
-                 "_header", "token_ids")
+    __slots__ = (
+        "key",
+        "codec",
+        "shape",
+        "dtype",
+        "positions",
+        "payload",
+        "layer_sizes",
+        "header_size",
+        "_offsets",
+        "_header",
+        "token_ids",
+    )
 
-    def __init__(self, key: str, codec: Codec, shape: tuple[int, ...], dtype: torch.dtype, positions: torch.Tensor,
-                 payload: memoryview, layer_sizes: tuple[int, ...], header: bytes | None = None,
-                 token_ids: torch.Tensor | None = None):
+    def __init__(
+        self,
+        key: str,
+        codec: Codec,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        positions: torch.Tensor,
+        payload: memoryview,
+        layer_sizes: tuple[int, ...],
+        header: bytes | None = None,
+        token_ids: torch.Tensor | None = None,
+    ):
         self.key, self.codec, self.shape, self.dtype = key, codec, tuple(shape), dtype
-        self.positions, self.payload, self.layer_sizes, self._header = positions, payload, tuple(layer_sizes), header
-        self.token_ids = token_ids  # int64, one per token (the ids whose KV this is), or None: not recorded
+        self.positions, self.payload, self.layer_sizes, self._header = (
+            positions,
+            payload,
+            tuple(layer_sizes),
+            header,
+        )
+        self.token_ids = (
+            token_ids  # int64, one per token (the ids whose KV this is), or None: not recorded
+        )
         offsets = [0]
         for size in self.layer_sizes:
             offsets.append(offsets[-1] + size)
         self._offsets = offsets
-        self.header_size = len(header) if header is not None else _padded_header_len(
-            len(key.encode("utf-8")), len(_position_bytes(positions)[1]), len(self.layer_sizes),
-            0 if token_ids is None else 4 * token_ids.shape[0])
+        self.header_size = (
+            len(header)
+            if header is not None
+            else _padded_header_len(
+                len(key.encode("utf-8")),
+                len(_position_bytes(positions)[1]),
+                len(self.layer_sizes),
+                0 if token_ids is None else 4 * token_ids.shape[0],
+            )
+        )
 
     @property
     def num_layers(self) -> int:
@@ -207,8 +259,17 @@ class Entry:
         """This entry with a header signed by ``signer`` (its first key); the payload is shared,
         not copied. Hashes every payload byte (``algorithm``: BLAKE3; ``SHA256`` writes an entry as
         builds before digest ids did): done by the store's background writer."""
-        return Entry(self.key, self.codec, self.shape, self.dtype, self.positions, self.payload, self.layer_sizes,
-                     _build_header(self, signer, algorithm), self.token_ids)
+        return Entry(
+            self.key,
+            self.codec,
+            self.shape,
+            self.dtype,
+            self.positions,
+            self.payload,
+            self.layer_sizes,
+            _build_header(self, signer, algorithm),
+            self.token_ids,
+        )
 
     def join(self) -> bytearray:
         """The serialized entry as one contiguous buffer (one copy)."""
@@ -230,8 +291,12 @@ class Entry:
         if not 0 <= first <= last <= self.num_layers:
             raise ValueError(f"layers [{first}, {last}) are outside [0, {self.num_layers})")
         try:
-            return self.codec.decode(self.layer_bytes(first, last), self.layer_sizes[first:last], self.shape[1:],
-                                     self.dtype)
+            return self.codec.decode(
+                self.layer_bytes(first, last),
+                self.layer_sizes[first:last],
+                self.shape[1:],
+                self.dtype,
+            )
         except CodecError as e:
             raise FormatError(f"{self.codec.name} payload does not decode: {e}") from None
 
@@ -279,16 +344,25 @@ class EntrySpec:
             raise FormatError(f"entry KV dtype {e.dtype}, expected {self.dtype}")
         L, _, T, H, D = e.shape
         if (L, H, D) != (self.num_layers, self.kv_heads, self.head_dim):
-            raise FormatError(f"entry KV layout L{L}xH{H}xD{D}, expected "
-                              f"L{self.num_layers}xH{self.kv_heads}xD{self.head_dim}")
+            raise FormatError(
+                f"entry KV layout L{L}xH{H}xD{D}, expected "
+                f"L{self.num_layers}xH{self.kv_heads}xD{self.head_dim}"
+            )
         if self.tokens is not None and T != self.tokens:
             raise FormatError(f"entry holds {T} tokens, expected {self.tokens}")
         if self.first_position is not None:
             expected = torch.arange(self.first_position, self.first_position + T)
             if not torch.equal(e.positions, expected):
-                raise FormatError(f"entry positions do not start at {self.first_position} contiguously")
-        elif self.contiguous and T and not torch.equal(e.positions, torch.arange(int(e.positions[0]),
-                                                                                 int(e.positions[0]) + T)):
+                raise FormatError(
+                    f"entry positions do not start at {self.first_position} contiguously"
+                )
+        elif (
+            self.contiguous
+            and T
+            and not torch.equal(
+                e.positions, torch.arange(int(e.positions[0]), int(e.positions[0]) + T)
+            )
+        ):
             raise FormatError("entry positions are not contiguous")
         if self.token_ids is not None:
             held = e.token_ids
@@ -296,9 +370,12 @@ class EntrySpec:
                 raise FormatError("the entry does not record its token ids (written without them)")
             a, b = self.token_offset, self.token_offset + len(self.token_ids)
             if not 0 <= a <= b <= held.shape[0] or not torch.equal(
-                    held[a:b], torch.tensor(self.token_ids, dtype=torch.int64)):
-                raise FormatError(f"the entry holds other token ids than expected (tokens {a}..{b}): "
-                                  f"stored under another chunk's key")
+                held[a:b], torch.tensor(self.token_ids, dtype=torch.int64)
+            ):
+                raise FormatError(
+                    f"the entry holds other token ids than expected (tokens {a}..{b}): "
+                    f"stored under another chunk's key"
+                )
 
 
 @dataclass(frozen=True)
@@ -319,7 +396,9 @@ class EntryHeader:
     payload_size: int
     layer_sizes: tuple[int, ...]
     payload_ok: bool  # every layer present at its declared size, checksums match, no trailing bytes
-    has_token_ids: bool = False  # the entry records the token ids of its KV (every entry the engine writes)
+    has_token_ids: bool = (
+        False  # the entry records the token ids of its KV (every entry the engine writes)
+    )
     # "unsigned"; "signed" (not checked: no signer given); "valid" or "invalid" (checked with a signer)
     signature: str = "unsigned"
 
@@ -345,14 +424,49 @@ class Header:
     layers are checked against those digests; ``by_digest``: layers are checked against the digests
     instead of the xxh3 checksums (verified, or an entry with a digest id, whose table has none)."""
 
-    __slots__ = ("key", "codec", "dtype", "shape", "positions", "contiguous", "header_len", "layer_sizes",
-                 "layer_checksums", "raw", "token_ids", "digests", "verified", "algorithm", "by_digest")
+    __slots__ = (
+        "key",
+        "codec",
+        "dtype",
+        "shape",
+        "positions",
+        "contiguous",
+        "header_len",
+        "layer_sizes",
+        "layer_checksums",
+        "raw",
+        "token_ids",
+        "digests",
+        "verified",
+        "algorithm",
+        "by_digest",
+    )
 
-    def __init__(self, key: str, codec: Codec, dtype: torch.dtype, shape: tuple[int, ...], positions: torch.Tensor,
-                 contiguous: bool, header_len: int, layer_sizes: tuple[int, ...], layer_checksums: tuple[int, ...],
-                 raw: bytes, token_ids: torch.Tensor | None = None, digests: tuple[bytes, ...] | None = None,
-                 verified: bool = False, algorithm: int = SHA256, by_digest: bool = False):
-        self.key, self.codec, self.dtype, self.shape, self.positions = key, codec, dtype, shape, positions
+    def __init__(
+        self,
+        key: str,
+        codec: Codec,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        positions: torch.Tensor,
+        contiguous: bool,
+        header_len: int,
+        layer_sizes: tuple[int, ...],
+        layer_checksums: tuple[int, ...],
+        raw: bytes,
+        token_ids: torch.Tensor | None = None,
+        digests: tuple[bytes, ...] | None = None,
+        verified: bool = False,
+        algorithm: int = SHA256,
+        by_digest: bool = False,
+    ):
+        self.key, self.codec, self.dtype, self.shape, self.positions = (
+            key,
+            codec,
+            dtype,
+            shape,
+            positions,
+        )
         self.contiguous, self.header_len, self.raw = contiguous, header_len, raw
         self.layer_sizes, self.layer_checksums = layer_sizes, layer_checksums
         self.token_ids, self.digests, self.verified = token_ids, digests, verified
@@ -418,8 +532,17 @@ class Header:
             raise FormatError(f"{self.codec.name} payload does not decode: {e}") from None
 
     def entry(self, payload: memoryview) -> Entry:
-        return Entry(self.key, self.codec, self.shape, self.dtype, self.positions, payload, self.layer_sizes, self.raw,
-                     self.token_ids)
+        return Entry(
+            self.key,
+            self.codec,
+            self.shape,
+            self.dtype,
+            self.positions,
+            payload,
+            self.layer_sizes,
+            self.raw,
+            self.token_ids,
+        )
 
 
 def encode_entry(chunk: KVChunk, key: ChunkKey | str, codec: Codec, token_ids=None) -> Entry:
@@ -430,23 +553,37 @@ def encode_entry(chunk: KVChunk, key: ChunkKey | str, codec: Codec, token_ids=No
     dtypes.name_of(chunk.dtype)  # ValueError for a dtype entries cannot hold
     key = str(key)
     if len(key.encode("utf-8")) > 0xFFFF:
-        raise ValueError(f"storage key is {len(key.encode('utf-8'))} bytes; at most 65535 fit in an entry")
+        raise ValueError(
+            f"storage key is {len(key.encode('utf-8'))} bytes; at most 65535 fit in an entry"
+        )
     shape = tuple(chunk.kv.shape)
     if min(shape[0], shape[3], shape[4]) < 1 or shape[2] > MAX_TOKENS:
-        raise ValueError(f"an entry holds at most {MAX_TOKENS} tokens of at least one layer, head and channel; "
-                         f"got KV of shape {shape}")
+        raise ValueError(
+            f"an entry holds at most {MAX_TOKENS} tokens of at least one layer, head and channel; "
+            f"got KV of shape {shape}"
+        )
     tokens = chunk.token_ids if token_ids is None else token_id_tensor(token_ids)
     if tokens is not None and tokens.shape[0] != shape[2]:
         raise ValueError(f"{tokens.shape[0]} token ids for a chunk of {shape[2]} tokens")
     payload, sizes = codec.encode(chunk.kv)
-    return Entry(key, codec, shape, chunk.dtype, chunk.positions.detach().cpu(), _as_view(payload), tuple(sizes),
-                 token_ids=tokens)
+    return Entry(
+        key,
+        codec,
+        shape,
+        chunk.dtype,
+        chunk.positions.detach().cpu(),
+        _as_view(payload),
+        tuple(sizes),
+        token_ids=tokens,
+    )
 
 
 def token_id_tensor(token_ids) -> torch.Tensor:
     """Token ids (a sequence, array or tensor) as a 1-D int64 CPU tensor; ValueError unless every
     one fits a u32 (how the header stores them)."""
-    t = torch.as_tensor(token_ids if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids, dtype=np.int64))
+    t = torch.as_tensor(
+        token_ids if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids, dtype=np.int64)
+    )
     t = t.detach().to("cpu", torch.int64).reshape(-1) if t.dim() <= 1 else None
     if t is None:
         raise ValueError("token ids must be 1-D")
@@ -483,14 +620,39 @@ def _build_header(e: Entry, signer: EntrySigner | None = None, algorithm: int = 
     checksums = [0] * len(layers) if with_id else [xxhash.xxh3_64_intdigest(v) for v in layers]
     table = b"".join(_LAYER.pack(size, c) for size, c in zip(e.layer_sizes, checksums))
     digests = b"".join(layer_digests(layers, algorithm)) if signer is not None else b""
-    flags = ((_FLAG_CONTIGUOUS if contiguous else 0) | (0 if e.token_ids is None else _FLAG_TOKENS)
-             | (0 if signer is None else _FLAG_SIGNED) | (_FLAG_DIGEST_ID if with_id else 0))
-    header_len = _padded_header_len(len(key_bytes), len(pos_bytes), len(e.layer_sizes), len(tok_bytes), flags)
-    fixed = _FIXED.pack(
-        MAGIC, FORMAT_VERSION, header_len, e.codec.codec_id, e.codec.level, dtypes.code_of(e.dtype),
-        flags, *e.shape, e.positions.shape[0], len(key_bytes), e.payload.nbytes,
+    flags = (
+        (_FLAG_CONTIGUOUS if contiguous else 0)
+        | (0 if e.token_ids is None else _FLAG_TOKENS)
+        | (0 if signer is None else _FLAG_SIGNED)
+        | (_FLAG_DIGEST_ID if with_id else 0)
     )
-    body = b"".join((fixed, key_bytes, pos_bytes, tok_bytes, table, bytes([algorithm]) if with_id else b"", digests))
+    header_len = _padded_header_len(
+        len(key_bytes), len(pos_bytes), len(e.layer_sizes), len(tok_bytes), flags
+    )
+    fixed = _FIXED.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        header_len,
+        e.codec.codec_id,
+        e.codec.level,
+        dtypes.code_of(e.dtype),
+        flags,
+        *e.shape,
+        e.positions.shape[0],
+        len(key_bytes),
+        e.payload.nbytes,
+    )
+    body = b"".join(
+        (
+            fixed,
+            key_bytes,
+            pos_bytes,
+            tok_bytes,
+            table,
+            bytes([algorithm]) if with_id else b"",
+            digests,
+        )
+    )
     tag = signer.sign(body) if signer is not None else b""
     head = body + tag + bytes(header_len - len(body) - len(tag) - _CHECKSUM.size)
     return head + _CHECKSUM.pack(xxhash.xxh3_64_intdigest(head))
@@ -511,7 +673,9 @@ def _check_version(mv: memoryview) -> None:
         raise FormatError("not a kvfuse entry (bad magic)")
     (version,) = struct.unpack_from("<H", mv, 4)
     if version != FORMAT_VERSION:
-        raise FormatError(f"entry format version {version}; this build reads version {FORMAT_VERSION}")
+        raise FormatError(
+            f"entry format version {version}; this build reads version {FORMAT_VERSION}"
+        )
 
 
 class _Frame(NamedTuple):
@@ -566,20 +730,36 @@ def _frame(mv: memoryview) -> _Frame:
         raise FormatError(f"unknown header flags {flags:#x}")
     if flags & _FLAG_DIGEST_ID and not flags & _FLAG_SIGNED:
         raise FormatError("a digest id in an unsigned header")
-    return _Frame(header_len, codec_id, level, dtype_code, flags, shape, n_pos, key_len, payload_len, pos_len,
-                  tok_len)
+    return _Frame(
+        header_len,
+        codec_id,
+        level,
+        dtype_code,
+        flags,
+        shape,
+        n_pos,
+        key_len,
+        payload_len,
+        pos_len,
+        tok_len,
+    )
 
 
 def _check_signature(mv: memoryview, f: _Frame, signer: EntrySigner) -> None:
     """SignatureError unless the header carries a tag that one of ``signer``'s keys made over
     every header byte before it."""
     if not f.flags & _FLAG_SIGNED:
-        raise SignatureError("unsigned", "the entry is not signed (written without cache.signing_key, or before "
-                                         "signing was turned on)")
+        raise SignatureError(
+            "unsigned",
+            "the entry is not signed (written without cache.signing_key, or before "
+            "signing was turned on)",
+        )
     at = f.tag_at
     if not signer.verify(mv[:at], mv[at : at + TAG_SIZE]):
-        raise SignatureError("signature", f"the entry's signature matches none of the {signer.key_count} accepted "
-                                          f"signing key(s)")
+        raise SignatureError(
+            "signature",
+            f"the entry's signature matches none of the {signer.key_count} accepted signing key(s)",
+        )
 
 
 def parse_header(blob: bytes | bytearray | memoryview, signer: EntrySigner | None = None) -> Header:
@@ -600,7 +780,12 @@ def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
     if dtype is None:
         raise FormatError(f"unknown dtype code {f.dtype_code}")
     shape, n_pos = f.shape, f.n_pos
-    if shape[1] != 2 or n_pos != shape[2] or min(shape[0], shape[3], shape[4]) < 1 or n_pos > MAX_TOKENS:
+    if (
+        shape[1] != 2
+        or n_pos != shape[2]
+        or min(shape[0], shape[3], shape[4]) < 1
+        or n_pos > MAX_TOKENS
+    ):
         raise FormatError(f"inconsistent shape {shape} / {n_pos} positions")
     off = _FIXED.size
     try:
@@ -614,30 +799,54 @@ def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
             raise FormatError(f"positions overflow int64 (first {start}, {n_pos} positions)")
         positions = torch.arange(start, start + n_pos, dtype=torch.int64)
     else:
-        positions = torch.from_numpy(np.frombuffer(mv, dtype="<i8", count=n_pos, offset=off).astype(np.int64))
+        positions = torch.from_numpy(
+            np.frombuffer(mv, dtype="<i8", count=n_pos, offset=off).astype(np.int64)
+        )
     off += f.pos_len
     token_ids = None
     if f.tok_len:
-        token_ids = torch.from_numpy(np.frombuffer(mv, dtype="<u4", count=n_pos, offset=off).astype(np.int64))
+        token_ids = torch.from_numpy(
+            np.frombuffer(mv, dtype="<u4", count=n_pos, offset=off).astype(np.int64)
+        )
     table = struct.unpack_from(f"<{2 * shape[0]}Q", mv, f.table)  # (size, checksum) per layer
     off = f.table + _LAYER.size * shape[0]
     digests = None
     if f.flags & _FLAG_SIGNED:
         at = f.digests_at
-        digests = tuple(bytes(mv[at + DIGEST_SIZE * i : at + DIGEST_SIZE * (i + 1)]) for i in range(shape[0]))
+        digests = tuple(
+            bytes(mv[at + DIGEST_SIZE * i : at + DIGEST_SIZE * (i + 1)]) for i in range(shape[0])
+        )
         off = f.tag_at + TAG_SIZE
     if any(mv[off : f.header_len - _CHECKSUM.size]):
         raise FormatError("non-zero header padding")
     sizes = table[0::2]
     if sum(sizes) != f.payload_len:
-        raise FormatError(f"layer sizes add up to {sum(sizes)}, payload length says {f.payload_len}")
+        raise FormatError(
+            f"layer sizes add up to {sum(sizes)}, payload length says {f.payload_len}"
+        )
     codec = _codec_of(f.codec_id, f.level)
     expected = codec.layer_size(shape[1:], dtype)
     if expected is not None and sizes.count(expected) != len(sizes):
-        raise FormatError(f"payload length {f.payload_len} does not match {codec.name} {shape} ({expected} per layer)")
-    return Header(key, codec, dtype, shape, positions, f.flags & _FLAG_CONTIGUOUS != 0, f.header_len, sizes,
-                  table[1::2], bytes(mv[: f.header_len]), token_ids, digests, verified, algorithm,
-                  bool(f.flags & _FLAG_DIGEST_ID))
+        raise FormatError(
+            f"payload length {f.payload_len} does not match {codec.name} {shape} ({expected} per layer)"
+        )
+    return Header(
+        key,
+        codec,
+        dtype,
+        shape,
+        positions,
+        f.flags & _FLAG_CONTIGUOUS != 0,
+        f.header_len,
+        sizes,
+        table[1::2],
+        bytes(mv[: f.header_len]),
+        token_ids,
+        digests,
+        verified,
+        algorithm,
+        bool(f.flags & _FLAG_DIGEST_ID),
+    )
 
 
 def _digest_algorithm(mv: memoryview, f: _Frame, verified: bool) -> int:
@@ -665,8 +874,12 @@ def _check_key(key: str, expected_key: ChunkKey | str | None) -> None:
         raise FormatError(f"entry holds key {key!r}, expected {str(expected_key)!r}")
 
 
-def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: EntrySpec | None = None,
-               signer: EntrySigner | None = None) -> Entry:
+def open_entry(
+    blob: Blob,
+    expected_key: ChunkKey | str | None = None,
+    spec: EntrySpec | None = None,
+    signer: EntrySigner | None = None,
+) -> Entry:
     """The one validation path: the checked ``Entry`` of ``blob`` (sharing its memory), or a
     FormatError saying what is wrong.
 
@@ -696,8 +909,13 @@ def open_entry(blob: Blob, expected_key: ChunkKey | str | None = None, spec: Ent
     return entry
 
 
-def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: ChunkKey | str | None = None,
-               spec: EntrySpec | None = None, signer: EntrySigner | None = None) -> Entry:
+def read_entry(
+    readinto: Callable[[memoryview], int],
+    size: int,
+    expected_key: ChunkKey | str | None = None,
+    spec: EntrySpec | None = None,
+    signer: EntrySigner | None = None,
+) -> Entry:
     """The checked ``Entry`` of an entry of ``size`` bytes that ``readinto`` reads in order (as
     ``os.readv`` into the view it is given: the count read, 0 at the end), or a FormatError: the
     same checks as :func:`open_entry` on a serialized blob, done while reading.
@@ -737,9 +955,13 @@ def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: C
         spec.check(h)
     if size != header_len + h.payload_len:
         kind = "truncated" if size < header_len + h.payload_len else "trailing bytes after"
-        raise FormatError(f"{kind} payload ({size - header_len} bytes, header says {h.payload_len})")
+        raise FormatError(
+            f"{kind} payload ({size - header_len} bytes, header says {h.payload_len})"
+        )
     views = h.layer_views(buf[header_len:], 0, len(h.layer_sizes))
-    pending: list[Pending] = []  # checked by digest on the pool: each piece's layers, started once read
+    pending: list[
+        Pending
+    ] = []  # checked by digest on the pool: each piece's layers, started once read
     piece_bytes = DIGEST_PIECE_BYTES if h.by_digest else PIECE_BYTES
     for first, last, stop in _pieces(h.layer_sizes, header_len, have, piece_bytes):
         if stop > have:
@@ -755,7 +977,9 @@ def read_entry(readinto: Callable[[memoryview], int], size: int, expected_key: C
     return h.entry(buf[header_len:])
 
 
-def _pieces(sizes: tuple[int, ...], start: int, have: int, piece_bytes: int) -> Iterator[tuple[int, int, int]]:
+def _pieces(
+    sizes: tuple[int, ...], start: int, have: int, piece_bytes: int
+) -> Iterator[tuple[int, int, int]]:
     """How ``read_entry`` reads a payload of layers of ``sizes`` that starts at offset ``start``
     when ``have`` bytes are read: ``(first, last, stop)`` per piece, layers ``[first, last)``, whose
     bytes end at offset ``stop``; each piece whole layers, at least ``piece_bytes`` not yet read
@@ -768,7 +992,9 @@ def _pieces(sizes: tuple[int, ...], start: int, have: int, piece_bytes: int) -> 
             first, have = i + 1, max(have, off)
 
 
-def verify(blob: Blob, expected_key: ChunkKey | str | None = None, signer: EntrySigner | None = None) -> bool:
+def verify(
+    blob: Blob, expected_key: ChunkKey | str | None = None, signer: EntrySigner | None = None
+) -> bool:
     """True when ``blob`` is an intact entry (as :func:`open_entry` checks it); decodes nothing."""
     try:
         open_entry(blob, expected_key, signer=signer)
@@ -777,7 +1003,9 @@ def verify(blob: Blob, expected_key: ChunkKey | str | None = None, signer: Entry
     return True
 
 
-def decode_chunk(blob: Blob, expected_key: ChunkKey | str | None = None, signer: EntrySigner | None = None) -> KVChunk:
+def decode_chunk(
+    blob: Blob, expected_key: ChunkKey | str | None = None, signer: EntrySigner | None = None
+) -> KVChunk:
     """The KV chunk of an entry after the full check of :func:`open_entry`; FormatError otherwise.
 
     Do not modify the returned tensor: for the raw codec it may be the cached entry's memory.

@@ -106,7 +106,9 @@ class Namespace:
                 raise ValueError(f"Namespace.{name} must be a non-empty string, got {value!r}")
         for name in ("salt", "tenant"):
             if not isinstance(getattr(self, name), str):
-                raise ValueError(f"Namespace.{name} must be a string (use '' for none), got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"Namespace.{name} must be a string (use '' for none), got {getattr(self, name)!r}"
+                )
         v = self.format_version
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= _U32_MAX:
             raise ValueError(f"Namespace.format_version must be an int in [0, 2**32), got {v!r}")
@@ -132,7 +134,9 @@ class Namespace:
     def short_id(self) -> str:
         """The tenant tag + the first 16 hex chars of the digest: the prefix of every storage key
         of this namespace."""
-        return tenant_tag(self.tenant) + self.digest().hex()[:16]  # digest() is cheap: a few dozen bytes
+        return (
+            tenant_tag(self.tenant) + self.digest().hex()[:16]
+        )  # digest() is cheap: a few dozen bytes
 
     def key_prefix(self) -> str:
         """The storage-key prefix shared by all keys of this namespace (for ``delete_prefix``)."""
@@ -166,16 +170,24 @@ class ChunkKey:
     group: str = field(default="", init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.namespace_id, str) or not re.fullmatch(r"[0-9a-f]{24}", self.namespace_id):
-            raise ValueError(f"ChunkKey.namespace_id must be 24 lowercase hex chars, got {self.namespace_id!r}")
+        if not isinstance(self.namespace_id, str) or not re.fullmatch(
+            r"[0-9a-f]{24}", self.namespace_id
+        ):
+            raise ValueError(
+                f"ChunkKey.namespace_id must be 24 lowercase hex chars, got {self.namespace_id!r}"
+            )
         if not isinstance(self.digest, bytes) or len(self.digest) != 32:
             raise ValueError(f"ChunkKey.digest must be 32 bytes, got {self.digest!r}")
         if not isinstance(self.kind, ChunkKind):
             raise ValueError(f"ChunkKey.kind must be a ChunkKind, got {self.kind!r}")
         if self.variant and not _VARIANT_RE.fullmatch(self.variant):
             raise ValueError(f"ChunkKey.variant must look like 'cachegen.1', got {self.variant!r}")
-        object.__setattr__(self, "_hash", hash((self.namespace_id, self.digest, self.kind.value, self.variant)))
-        object.__setattr__(self, "group", sys.intern(f"{self.namespace_id}:{self.kind.value}:{self.variant}"))
+        object.__setattr__(
+            self, "_hash", hash((self.namespace_id, self.digest, self.kind.value, self.variant))
+        )
+        object.__setattr__(
+            self, "group", sys.intern(f"{self.namespace_id}:{self.kind.value}:{self.variant}")
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -185,8 +197,13 @@ class ChunkKey:
             return True
         if other.__class__ is not ChunkKey:
             return NotImplemented
-        return (self._hash == other._hash and self.digest == other.digest and self.kind is other.kind
-                and self.namespace_id == other.namespace_id and self.variant == other.variant)
+        return (
+            self._hash == other._hash
+            and self.digest == other.digest
+            and self.kind is other.kind
+            and self.namespace_id == other.namespace_id
+            and self.variant == other.variant
+        )
 
     def __reduce__(self):
         return ChunkKey, (self.namespace_id, self.digest, self.kind, self.variant)
@@ -213,7 +230,9 @@ class ChunkKey:
         """Inverse of ``str(key)``; raises ValueError on anything not in exactly that form."""
         m = _KEY_RE.match(s) if isinstance(s, str) else None
         if m is None:
-            raise ValueError(f"not a chunk key (expected '<24 hex>:<p|d|t|c>:<64 hex>[@codec.level]'): {s!r}")
+            raise ValueError(
+                f"not a chunk key (expected '<24 hex>:<p|d|t|c>:<64 hex>[@codec.level]'): {s!r}"
+            )
         return cls(m.group(1), bytes.fromhex(m.group(3)), ChunkKind(m.group(2)), m.group(4) or "")
 
 
@@ -232,7 +251,9 @@ def _token_bytes(tokens: Tokens) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise ValueError(f"tokens must be integers in [0, 2**32), got dtype {arr.dtype}")
     if int(arr.min()) < 0 or int(arr.max()) > _U32_MAX:
-        raise ValueError(f"tokens must be in [0, 2**32), got min {int(arr.min())} max {int(arr.max())}")
+        raise ValueError(
+            f"tokens must be in [0, 2**32), got min {int(arr.min())} max {int(arr.max())}"
+        )
     return np.ascontiguousarray(arr, dtype="<u4")
 
 
@@ -273,8 +294,18 @@ def document_key(tokens: Tokens, namespace: Namespace, context: Tokens = ()) -> 
     arr, ctx = _token_bytes(tokens), _token_bytes(context)
     if len(arr) == 0:
         raise ValueError("document_key: the document has no tokens")
-    h = hashlib.sha256(b"".join((_DOC_TAG, namespace.digest(), struct.pack("<Q", len(ctx)), ctx.tobytes(),
-                                 struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
+    h = hashlib.sha256(
+        b"".join(
+            (
+                _DOC_TAG,
+                namespace.digest(),
+                struct.pack("<Q", len(ctx)),
+                ctx.tobytes(),
+                struct.pack("<Q", len(arr)),
+                arr.tobytes(),
+            )
+        )
+    ).digest()
     return ChunkKey(namespace.short_id(), h, ChunkKind.DOCUMENT)
 
 
@@ -285,14 +316,20 @@ def tail_key(parent: ChunkKey | None, tokens: Tokens, namespace: Namespace) -> C
     arr = _token_bytes(tokens)
     if len(arr) == 0:
         raise ValueError("tail_key: the tail has no tokens")
-    if parent is not None and (parent.kind is not ChunkKind.PREFIX or parent.namespace_id != namespace.short_id()):
+    if parent is not None and (
+        parent.kind is not ChunkKind.PREFIX or parent.namespace_id != namespace.short_id()
+    ):
         raise ValueError("tail_key: the parent must be a prefix key of the same namespace")
     h = _root(namespace) if parent is None else parent.digest
-    digest = hashlib.sha256(b"".join((_TAIL_TAG, h, struct.pack("<Q", len(arr)), arr.tobytes()))).digest()
+    digest = hashlib.sha256(
+        b"".join((_TAIL_TAG, h, struct.pack("<Q", len(arr)), arr.tobytes()))
+    ).digest()
     return ChunkKey(namespace.short_id(), digest, ChunkKind.TAIL)
 
 
-def content_keys(tokens: Tokens, spans: Sequence[tuple[int, int]], namespace: Namespace) -> list[ChunkKey]:
+def content_keys(
+    tokens: Tokens, spans: Sequence[tuple[int, int]], namespace: Namespace
+) -> list[ChunkKey]:
     """Position-independent keys of the content-defined chunks ``spans`` (``[start, end)`` into
     ``tokens``, none empty): each names the chunk's own tokens in ``namespace``, whatever precedes
     it, so the same passage has the same keys wherever it appears (``kv/content.py``)."""
@@ -301,8 +338,13 @@ def content_keys(tokens: Tokens, spans: Sequence[tuple[int, int]], namespace: Na
     keys = []
     for start, end in spans:
         if not 0 <= start < end <= len(arr):
-            raise ValueError(f"content_keys: span [{start}, {end}) is empty or outside the {len(arr)} tokens")
-        h = hashlib.sha256(b"".join((_CONTENT_TAG, ns_digest, struct.pack("<Q", end - start),
-                                     arr[start:end].tobytes()))).digest()
+            raise ValueError(
+                f"content_keys: span [{start}, {end}) is empty or outside the {len(arr)} tokens"
+            )
+        h = hashlib.sha256(
+            b"".join(
+                (_CONTENT_TAG, ns_digest, struct.pack("<Q", end - start), arr[start:end].tobytes())
+            )
+        ).digest()
         keys.append(ChunkKey(ns_id, h, ChunkKind.CONTENT))
     return keys

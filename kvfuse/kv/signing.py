@@ -47,7 +47,9 @@ class EntrySigner:
             raise ValueError("an EntrySigner needs at least one key")
         short = [i for i, k in enumerate(keys) if len(k) < MIN_KEY_BYTES]
         if short:
-            raise ValueError(f"signing key(s) number {[i + 1 for i in short]} are shorter than {MIN_KEY_BYTES} bytes")
+            raise ValueError(
+                f"signing key(s) number {[i + 1 for i in short]} are shorter than {MIN_KEY_BYTES} bytes"
+            )
         # The keyed state is set up once per key; each tag copies it (HMAC's key padding is not redone).
         self._macs = tuple(hmac.new(k, digestmod=hashlib.sha256) for k in keys)
 
@@ -81,4 +83,8 @@ def _tag(mac, data) -> bytes:
 def parse_key_lines(text: str) -> list[str]:
     """The keys of a key file's text: one per line, surrounding blanks stripped; empty lines and
     lines starting with ``#`` skipped. The first key signs."""
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    return [
+        line.strip()
+        for line in text.splitlines()
+        if line.strip() and not line.strip().startswith("#")
+    ]

@@ -12,6 +12,7 @@ from .. import dtypes
 from .cache import KVCache
 from .config import ModelConfig
 from .loader import fingerprint, load_folder, sha256_file, weight_files
+from .quant import WEIGHT_FORMATS, QuantizationUnavailable, identity_of
 from .registry import (
     BUILTIN,
     MANIFEST,
@@ -24,18 +25,27 @@ from .registry import (
     read_manifest,
     verify_folder,
 )
-from .quant import WEIGHT_FORMATS, QuantizationUnavailable, identity_of
 from .tokenizer import Tokenizer
 from .transformer import Transformer
 
 __all__ = [
-    "BUILTIN", "CorruptModel", "KVCache", "LoadedModel", "ModelConfig", "ModelNotFound", "ModelPackageMissing",
-    "QuantizationUnavailable", "Tokenizer", "Transformer", "WEIGHT_FORMATS", "load_model", "resolve_device",
+    "BUILTIN",
+    "CorruptModel",
+    "KVCache",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelNotFound",
+    "ModelPackageMissing",
+    "QuantizationUnavailable",
+    "Tokenizer",
+    "Transformer",
+    "WEIGHT_FORMATS",
+    "load_model",
+    "resolve_device",
     "resolve_dtype",
 ]
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -66,7 +76,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use --device cpu")
+        raise ValueError(
+            "device 'cuda' was asked for but no CUDA GPU is available; use --device cpu"
+        )
     return device
 
 
@@ -96,7 +108,9 @@ def load_model(
     """
     home = Path(home) if home else default_home()
     if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
+        raise ValueError(
+            f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}"
+        )
     if weights != "auto" and str(device) == "auto":
         device = "cpu"  # int8 weights run on the CPU only
     device = resolve_device(device)
@@ -115,7 +129,14 @@ def load_model(
         )
     runner = load_folder(folder, device, dtype, weights)
     digests = _weight_digests(folder, verified)
-    return LoadedModel(name, folder, runner, Tokenizer(folder), fingerprint(runner.config, digests, weights, identity_of(runner.weights)), weights)
+    return LoadedModel(
+        name,
+        folder,
+        runner,
+        Tokenizer(folder),
+        fingerprint(runner.config, digests, weights, identity_of(runner.weights)),
+        weights,
+    )
 
 
 def _weight_digests(folder: Path, verified: bool) -> list[str]:

@@ -51,7 +51,9 @@ class Part:
     causal: bool = False
 
 
-def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None, keys_sorted: bool = False) -> list[Part]:
+def plan(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None, keys_sorted: bool = False
+) -> list[Part]:
     """How ``attend`` splits the attention of queries at ``q_pos`` over keys at ``k_pos``.
 
     Depends only on positions, so a batched step computes it once per sequence and layer type and
@@ -60,19 +62,40 @@ def plan(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None, ke
     n_q, n_k = q_pos.shape[0], k_pos.shape[0]
     block = _block_size(q_pos, window) if keys_sorted else None
     if block is not None:
-        return [p for i in range(0, n_q, block) for p in _range_parts(q_pos, k_pos, i, min(i + block, n_q), window)]
+        return [
+            p
+            for i in range(0, n_q, block)
+            for p in _range_parts(q_pos, k_pos, i, min(i + block, n_q), window)
+        ]
     if keys_sorted:
         return _range_parts(q_pos, k_pos, 0, n_q, window)
     return [Part(0, n_q, 0, n_k, position_mask(q_pos, k_pos, window))]
 
 
-def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, parts: list[Part], *, scale: float,
-        softcap: float | None = None) -> torch.Tensor:
+def run(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    parts: list[Part],
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """The attention output ``(n_q, heads * head_dim)`` of ``q`` over ``k``/``v`` split as ``parts``
     (shapes as in ``attend``)."""
     n_q = q.shape[1]
-    outs = [_sdpa(q[:, p.q0 : p.q1], k[:, p.k0 : p.k1], v[:, p.k0 : p.k1], p.mask, scale, softcap, p.causal)
-            for p in parts]
+    outs = [
+        _sdpa(
+            q[:, p.q0 : p.q1],
+            k[:, p.k0 : p.k1],
+            v[:, p.k0 : p.k1],
+            p.mask,
+            scale,
+            softcap,
+            p.causal,
+        )
+        for p in parts
+    ]
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return out.transpose(0, 1).reshape(n_q, -1)
 
@@ -140,7 +163,13 @@ def _sdpa(q, k, v, mask, scale, softcap, causal=False):
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     return F.scaled_dot_product_attention(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        q.unsqueeze(0),
+        k.unsqueeze(0),
+        v.unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
     ).squeeze(0)
 
 

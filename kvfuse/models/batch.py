@@ -59,7 +59,7 @@ class Span:
     kv_len: int
     positions: torch.Tensor
     logits: bool
-    plans: dict | None = None       # window -> attention parts, for the SDPA path
+    plans: dict | None = None  # window -> attention parts, for the SDPA path
     last_plans: dict | None = None  # the same for its last row alone (the last layer)
 
 
@@ -82,8 +82,11 @@ class BatchStep:
         self.last_rows = [s.row1 - 1 for s in self.spans if s.logits]
         self._out_rows = {last: self._out_index(last) for last in (False, True)}
         # The kernels' per-sequence arguments, the same in every layer: built once per step.
-        self._write_args = ([s.row0 for s in self.spans], [s.slot0 for s in self.spans],
-                            [s.row1 - s.row0 for s in self.spans])
+        self._write_args = (
+            [s.row0 for s in self.spans],
+            [s.slot0 for s in self.spans],
+            [s.row1 - s.row0 for s in self.spans],
+        )
         self._positions = [s.cache.positions for s in self.spans]
         self._lens = [s.kv_len for s in self.spans]
 
@@ -95,8 +98,12 @@ class BatchStep:
             self.kernel.write_kv(self._kv, layer, k, v, *self._write_args)
             return
         for s, kv in zip(self.spans, self._kv):
-            kv[layer, 0, :, s.slot0 : s.slot0 + s.row1 - s.row0] = k[s.row0 : s.row1].transpose(0, 1)
-            kv[layer, 1, :, s.slot0 : s.slot0 + s.row1 - s.row0] = v[s.row0 : s.row1].transpose(0, 1)
+            kv[layer, 0, :, s.slot0 : s.slot0 + s.row1 - s.row0] = k[s.row0 : s.row1].transpose(
+                0, 1
+            )
+            kv[layer, 1, :, s.slot0 : s.slot0 + s.row1 - s.row0] = v[s.row0 : s.row1].transpose(
+                0, 1
+            )
 
     # ---------------------------------------------------------------------------- all layers
 
@@ -106,7 +113,9 @@ class BatchStep:
         in use and every sequence takes the attention kernel (decode steps, short appends)."""
         return self.kernel is not None and len(self._kernel_spans) == len(self.spans)
 
-    def run_stack(self, stack, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def run_stack(
+        self, stack, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> torch.Tensor:
         """Every layer of the step in one kernel call (``kernels/stack.cpp``) over the embedded
         tokens ``h``; ``tables``: (cos, sin) per rope kind, in the order the stack was built with.
         Returns the hidden states of ``last_rows`` after the last layer."""
@@ -115,8 +124,21 @@ class BatchStep:
             last_rows, last_seq, last_pos = torch.empty(0, dtype=torch.int64), [], []
         else:
             last_rows, last_seq, last_pos = self._last_args
-        return self.kernel.run_stack(stack, h, self._kv, self._positions, self._lens, q_seq, q_pos, *self._write_args,
-                                     [c for c, _ in tables], [s for _, s in tables], last_rows, last_seq, last_pos)
+        return self.kernel.run_stack(
+            stack,
+            h,
+            self._kv,
+            self._positions,
+            self._lens,
+            q_seq,
+            q_pos,
+            *self._write_args,
+            [c for c, _ in tables],
+            [s for _, s in tables],
+            last_rows,
+            last_seq,
+            last_pos,
+        )
 
     # ------------------------------------------------------------------------------ attention
 
@@ -139,15 +161,23 @@ class BatchStep:
             a = s.row1 - 1 if last else s.row0
             parts = (s.last_plans if last else s.plans)[window]
             kv = s.cache.kv
-            res = attention.run(q[a : s.row1].transpose(0, 1), kv[layer, 0, :, : s.kv_len], kv[layer, 1, :, : s.kv_len],
-                                parts, scale=self.scale, softcap=self.softcap)
+            res = attention.run(
+                q[a : s.row1].transpose(0, 1),
+                kv[layer, 0, :, : s.kv_len],
+                kv[layer, 1, :, : s.kv_len],
+                parts,
+                scale=self.scale,
+                softcap=self.softcap,
+            )
             if last:
                 out[row_of[a]] = res[0]
             else:
                 out[a : s.row1] = res
         return out
 
-    def _kernel_attend(self, layer: int, q: torch.Tensor, window: int | None, last: bool) -> torch.Tensor | None:
+    def _kernel_attend(
+        self, layer: int, q: torch.Tensor, window: int | None, last: bool
+    ) -> torch.Tensor | None:
         if not self._kernel_spans:
             return None
         args = self._last_args if last else self._row_args
@@ -156,8 +186,18 @@ class BatchStep:
         rows, q_seq, q_pos = args
         if rows is not None:
             q = q[rows]
-        return self.kernel.attend(q, self._kv, self._positions, self._lens, q_seq, q_pos, layer, self.scale,
-                                  window or 0, self.softcap or 0.0)
+        return self.kernel.attend(
+            q,
+            self._kv,
+            self._positions,
+            self._lens,
+            q_seq,
+            q_pos,
+            layer,
+            self.scale,
+            window or 0,
+            self.softcap or 0.0,
+        )
 
     def _kernel_args(self, last: bool):
         """(rows of q to take or None for all, sequence index per row, position per row) of the
@@ -206,7 +246,11 @@ def prepare(runner, items) -> tuple[BatchStep, torch.Tensor]:
 def _kernel_for(runner, items):
     """The kernel module when this step can use it: a float32 runner on the CPU, every sequence's KV
     in the same dtype, one the kernel reads, and the runner's kernels not switched off."""
-    if not getattr(runner, "use_kernels", True) or runner.device.type != "cpu" or runner.dtype != torch.float32:
+    if (
+        not getattr(runner, "use_kernels", True)
+        or runner.device.type != "cpu"
+        or runner.dtype != torch.float32
+    ):
         return None
     dtypes = {it.cache.dtype for it in items}
     if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
@@ -237,5 +281,9 @@ def _span(runner, it, row: int, windows: set, use_kernel: bool) -> Span:
         k_pos = cache.positions[:kv_len]
         sorted_keys = cache.keys_sorted(kv_len)
         plans = {w: attention.plan(positions, k_pos, w, sorted_keys) for w in windows}
-        last_plans = {w: attention.plan(positions[-1:], k_pos, w, sorted_keys) for w in windows} if it.logits else None
+        last_plans = (
+            {w: attention.plan(positions[-1:], k_pos, w, sorted_keys) for w in windows}
+            if it.logits
+            else None
+        )
     return Span(cache, row, row + n, start, kv_len, positions, it.logits, plans, last_plans)

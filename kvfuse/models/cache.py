@@ -56,7 +56,9 @@ class KVBudget:
     def give(self, nbytes: int) -> None:
         with self._lock:
             if nbytes > self.used:
-                raise RuntimeError(f"giving back {nbytes} bytes of KV but only {self.used} are taken")
+                raise RuntimeError(
+                    f"giving back {nbytes} bytes of KV but only {self.used} are taken"
+                )
             self.used -= nbytes
 
     @property
@@ -70,7 +72,14 @@ class KVBudget:
 def slot_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes one slot of a ``KVCache`` takes: K and V of every layer, and its position."""
     c = config
-    return c.num_layers * 2 * c.num_kv_heads * c.head_dim * torch.tensor([], dtype=dtype).element_size() + 8
+    return (
+        c.num_layers
+        * 2
+        * c.num_kv_heads
+        * c.head_dim
+        * torch.tensor([], dtype=dtype).element_size()
+        + 8
+    )
 
 
 class KVCache:
@@ -84,8 +93,14 @@ class KVCache:
     hit see exactly the same numbers.
     """
 
-    def __init__(self, config: ModelConfig, capacity: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                 budget: KVBudget | None = None):
+    def __init__(
+        self,
+        config: ModelConfig,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        budget: KVBudget | None = None,
+    ):
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -100,15 +115,24 @@ class KVCache:
         (OutOfKVMemory if it cannot) and given back when the buffer is freed."""
         nbytes = capacity * self.slot_bytes
         if self.budget is not None and not self.budget.take(nbytes):
-            raise OutOfKVMemory(f"{capacity} KV slots ({nbytes} bytes) do not fit the KV budget "
-                                f"({self.budget.used} of {self.budget.limit} bytes in use)")
+            raise OutOfKVMemory(
+                f"{capacity} KV slots ({nbytes} bytes) do not fit the KV budget "
+                f"({self.budget.used} of {self.budget.limit} bytes in use)"
+            )
         c = self.config
         try:
             # Never inference tensors (even when the runner grows a cache inside inference mode):
             # callers outside inference mode write into caches too (loads, tests).
             with torch.inference_mode(False):
-                kv = torch.empty(c.num_layers, 2, c.num_kv_heads, capacity, c.head_dim, dtype=self.dtype,
-                                 device=self.device)
+                kv = torch.empty(
+                    c.num_layers,
+                    2,
+                    c.num_kv_heads,
+                    capacity,
+                    c.head_dim,
+                    dtype=self.dtype,
+                    device=self.device,
+                )
                 positions = torch.zeros(capacity, dtype=torch.int64, device=self.device)
         except BaseException:
             if self.budget is not None:
@@ -126,7 +150,9 @@ class KVCache:
             self._give_back = None
         c = self.config  # new empty tensors: a view would keep the old storage alive
         self.length = 0
-        self.kv = torch.empty(c.num_layers, 2, c.num_kv_heads, 0, c.head_dim, dtype=self.dtype, device=self.device)
+        self.kv = torch.empty(
+            c.num_layers, 2, c.num_kv_heads, 0, c.head_dim, dtype=self.dtype, device=self.device
+        )
         self.positions = torch.zeros(0, dtype=torch.int64, device=self.device)
 
     @property
@@ -164,27 +190,39 @@ class KVCache:
     def chunk(self, start: int, end: int) -> KVChunk:
         """A contiguous copy of slots ``[start, end)`` in the chunk layout, on the CPU."""
         if not 0 <= start < end <= self.length:
-            raise ValueError(f"slots [{start}, {end}) are outside the valid range [0, {self.length})")
+            raise ValueError(
+                f"slots [{start}, {end}) are outside the valid range [0, {self.length})"
+            )
         kv = self.kv[:, :, :, start:end].transpose(2, 3).to("cpu", copy=True).contiguous()
         return KVChunk(kv=kv, positions=self.positions[start:end].to("cpu", copy=True))
 
-    def write(self, start: int, kv: torch.Tensor, positions: torch.Tensor, first_layer: int = 0) -> None:
+    def write(
+        self, start: int, kv: torch.Tensor, positions: torch.Tensor, first_layer: int = 0
+    ) -> None:
         """Put ``kv`` (chunk layout ``(layers, 2, tokens, kv_heads, head_dim)``, any device) into slots
         ``[start, start + tokens)`` of layers ``first_layer..``, at ``positions``; the valid slots
         grow to cover them. Keys are taken as they are: moving them is ``Transformer.move_keys``."""
         c = self.config
         n_layers, _, n, heads, dim = kv.shape
-        if kv.dim() != 5 or kv.shape[1] != 2 or (heads, dim) != (c.num_kv_heads, c.head_dim) or \
-                not 0 <= first_layer <= first_layer + n_layers <= c.num_layers:
-            raise ValueError(f"KV of shape {tuple(kv.shape)} at layer {first_layer} does not fit this model's KV "
-                             f"({c.num_layers} layers, {c.num_kv_heads} heads, dim {c.head_dim})")
+        if (
+            kv.dim() != 5
+            or kv.shape[1] != 2
+            or (heads, dim) != (c.num_kv_heads, c.head_dim)
+            or not 0 <= first_layer <= first_layer + n_layers <= c.num_layers
+        ):
+            raise ValueError(
+                f"KV of shape {tuple(kv.shape)} at layer {first_layer} does not fit this model's KV "
+                f"({c.num_layers} layers, {c.num_kv_heads} heads, dim {c.head_dim})"
+            )
         if positions.shape != (n,):
             raise ValueError(f"{n} tokens but positions of shape {tuple(positions.shape)}")
         if not 0 <= start <= self.length:
             raise ValueError(f"slot {start} would leave a gap after the {self.length} valid slots")
         end = start + n
         self.reserve(end)
-        self.kv[first_layer : first_layer + n_layers, :, :, start:end] = kv.transpose(2, 3).to(self.device, self.dtype)
+        self.kv[first_layer : first_layer + n_layers, :, :, start:end] = kv.transpose(2, 3).to(
+            self.device, self.dtype
+        )
         self.positions[start:end] = positions.to(self.device)
         self.length = max(self.length, end)
 
@@ -194,6 +232,9 @@ class KVCache:
         positions were set once, while other layers are in use."""
         n = kv.shape[2]
         if start + n > self.capacity or first_layer + kv.shape[0] > self.config.num_layers:
-            raise ValueError(f"layers {first_layer}.. of slots [{start}, {start + n}) are outside this cache")
-        self.kv[first_layer : first_layer + kv.shape[0], :, :, start : start + n] = \
-            kv.transpose(2, 3).to(self.device, self.dtype)
+            raise ValueError(
+                f"layers {first_layer}.. of slots [{start}, {start + n}) are outside this cache"
+            )
+        self.kv[first_layer : first_layer + kv.shape[0], :, :, start : start + n] = kv.transpose(
+            2, 3
+        ).to(self.device, self.dtype)

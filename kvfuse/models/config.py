@@ -64,9 +64,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
         if len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers"
+            )
         for t in set(self.layer_types):
             if t not in (FULL, SLIDING):
                 raise ValueError(f"unknown layer type {t!r}")
@@ -75,7 +79,9 @@ class ModelConfig:
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("sliding layers need a positive sliding_window")
         if self.hidden_act not in ("silu", "gelu_tanh"):
-            raise ValueError(f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)")
+            raise ValueError(
+                f"unsupported activation {self.hidden_act!r} (supported: silu, gelu_tanh)"
+            )
 
     @property
     def scaling(self) -> float:
@@ -96,7 +102,9 @@ def parse_rope(d: dict, default_theta: float, max_pos: int) -> RopeConfig:
     kind = d.get("rope_type", d.get("type", "default")) or "default"
     theta = float(d.get("rope_theta", default_theta))
     if kind == "default":
-        return RopeConfig(theta=theta, partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0)))
+        return RopeConfig(
+            theta=theta, partial_rotary_factor=float(d.get("partial_rotary_factor", 1.0))
+        )
     if kind == "linear":
         return RopeConfig(theta=theta, kind="linear", factor=float(d["factor"]))
     if kind == "llama3":

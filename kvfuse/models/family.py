@@ -31,5 +31,7 @@ def eos_ids(value) -> tuple[int, ...]:
 
 def require(d: dict, key: str, family: str):
     if d.get(key) is None:
-        raise ValueError(f"{family} config.json lacks {key!r}; is this a complete Hugging Face config?")
+        raise ValueError(
+            f"{family} config.json lacks {key!r}; is this a complete Hugging Face config?"
+        )
     return d[key]

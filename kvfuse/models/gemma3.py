@@ -27,7 +27,10 @@ def _layer_types(d: dict, n: int) -> tuple[str, ...]:
 
 def parse_config(d: dict) -> ModelConfig:
     if "text_config" in d:  # the multimodal wrapper: run its language model
-        d = {**d["text_config"], "eos_token_id": d["text_config"].get("eos_token_id", d.get("eos_token_id"))}
+        d = {
+            **d["text_config"],
+            "eos_token_id": d["text_config"].get("eos_token_id", d.get("eos_token_id")),
+        }
     if d.get("use_bidirectional_attention"):
         raise ValueError("gemma3: bidirectional attention (embedding models) is not supported")
     hidden = int(require(d, "hidden_size", "gemma3"))
@@ -36,7 +39,9 @@ def parse_config(d: dict) -> ModelConfig:
     max_pos = int(d.get("max_position_embeddings") or 131072)
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        raise ValueError(f"gemma3: activation {act!r} is not supported (expected gelu_pytorch_tanh)")
+        raise ValueError(
+            f"gemma3: activation {act!r} is not supported (expected gelu_pytorch_tanh)"
+        )
     params = d.get("rope_parameters") or {}
     if "full_attention" in params:
         full, local = params["full_attention"], params.get("sliding_attention")

@@ -60,7 +60,10 @@ class GGUFError(ValueError):
 def _fields(reader) -> dict:
     out = {}
     for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"):
+        if key.startswith("tokenizer.ggml.") and key not in (
+            "tokenizer.ggml.bos_token_id",
+            "tokenizer.ggml.eos_token_id",
+        ):
             continue  # vocabularies are large and handled by the tokenizer conversion
         try:
             out[key] = field.contents()
@@ -73,9 +76,13 @@ def hf_config(meta: dict, tensor_names: set[str]) -> dict:
     """The HF ``config.json`` equivalent of a GGUF header."""
     arch = meta.get("general.architecture")
     if arch not in ARCHS:
-        raise GGUFError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})")
+        raise GGUFError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHS)})"
+        )
     if "rope_freqs.weight" in tensor_names:
-        raise GGUFError("GGUF files with a rope_freqs tensor (Llama 3.1 scaling) are not supported yet; use the HF folder")
+        raise GGUFError(
+            "GGUF files with a rope_freqs tensor (Llama 3.1 scaling) are not supported yet; use the HF folder"
+        )
     model_type, cls = ARCHS[arch]
 
     def get(key, default=None):
@@ -125,8 +132,9 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def convert_tensors(reader, config: dict, progress: bool | None = None,
-                    on_progress: ProgressCallback | None = None) -> dict[str, torch.Tensor]:
+def convert_tensors(
+    reader, config: dict, progress: bool | None = None, on_progress: ProgressCallback | None = None
+) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to float32 under its HF name; ``progress`` / ``on_progress`` as in
     ``kvfuse.progress`` (one update per tensor)."""
     from gguf.quants import dequantize
@@ -135,7 +143,13 @@ def convert_tensors(reader, config: dict, progress: bool | None = None,
     layer_names = _GEMMA_LAYER_NAMES if arch_is == "gemma3_text" else _LAYER_NAMES
     out: dict[str, torch.Tensor] = {}
     # Dequantizing takes minutes for the larger models: a bar on a terminal, lines in logs.
-    with Step("converting weights", len(reader.tensors), "tensors", progress=progress, on_progress=on_progress) as step:
+    with Step(
+        "converting weights",
+        len(reader.tensors),
+        "tensors",
+        progress=progress,
+        on_progress=on_progress,
+    ) as step:
         for t in reader.tensors:
             name = _hf_name(t, layer_names, arch_is)
             out[name] = _dequantized(t, name, config, arch_is, dequantize)
@@ -161,7 +175,11 @@ def _dequantized(t, name: str, config: dict, arch_is: str, dequantize) -> torch.
     shape = tuple(int(d) for d in reversed(t.shape))  # GGML lists dims fastest-first
     w = np.ascontiguousarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
     if arch_is == "llama" and kind_of(t.name) in ("attn_q", "attn_k"):
-        heads = config["num_attention_heads"] if kind_of(t.name) == "attn_q" else config["num_key_value_heads"]
+        heads = (
+            config["num_attention_heads"]
+            if kind_of(t.name) == "attn_q"
+            else config["num_key_value_heads"]
+        )
         w = _unpermute(w, heads)
     if arch_is == "gemma3_text" and name.endswith("norm.weight"):
         w = w - 1.0
@@ -173,8 +191,14 @@ def kind_of(tensor_name: str) -> str | None:
     return m.group(2) if m else None
 
 
-def convert_gguf(path: Path, out_dir: Path, chat_template: str | None = None, extra_eos: tuple[int, ...] = (),
-                 progress: bool | None = None, on_progress: ProgressCallback | None = None) -> None:
+def convert_gguf(
+    path: Path,
+    out_dir: Path,
+    chat_template: str | None = None,
+    extra_eos: tuple[int, ...] = (),
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> None:
     """Write ``out_dir`` (which must exist and be empty) from the GGUF file at ``path``; each step
     (weights, the safetensors file, the tokenizer) shows its progress (``kvfuse.progress``)."""
     from gguf import GGUFReader

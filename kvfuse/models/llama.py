@@ -29,7 +29,13 @@ def base_fields(d: dict, family: str) -> dict:
         head_dim=int(d.get("head_dim") or hidden // heads),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
-        rope={FULL: parse_rope(d.get("rope_parameters") or d.get("rope_scaling"), float(d.get("rope_theta", 10000.0)), max_pos)},
+        rope={
+            FULL: parse_rope(
+                d.get("rope_parameters") or d.get("rope_scaling"),
+                float(d.get("rope_theta", 10000.0)),
+                max_pos,
+            )
+        },
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids(d.get("eos_token_id")),
@@ -50,4 +56,9 @@ def parse_config(d: dict) -> ModelConfig:
     )
 
 
-FAMILY = Family(name="llama", model_types=("llama", "mistral"), parse_config=parse_config, layer_norms=LLAMA_NORMS)
+FAMILY = Family(
+    name="llama",
+    model_types=("llama", "mistral"),
+    parse_config=parse_config,
+    layer_norms=LLAMA_NORMS,
+)

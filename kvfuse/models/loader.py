@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import replace
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,9 @@ def family_of(hf_config: dict) -> Family:
     model_type = hf_config.get("model_type")
     if model_type not in FAMILIES:
         known = ", ".join(sorted(FAMILIES))
-        raise ValueError(f"model_type {model_type!r} is not supported; supported model types: {known}")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported; supported model types: {known}"
+        )
     return FAMILIES[model_type]
 
 
@@ -64,12 +66,14 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
                 key = name
                 for prefix in _TEXT_PREFIXES:
                     if name.startswith(prefix):
-                        key = "model." + name[len(prefix):]
+                        key = "model." + name[len(prefix) :]
                 tensors[key] = st.get_tensor(name)
     return tensors
 
 
-def build_weights(config: ModelConfig, family: Family, tensors: Mapping[str, torch.Tensor], device, dtype) -> Weights:
+def build_weights(
+    config: ModelConfig, family: Family, tensors: Mapping[str, torch.Tensor], device, dtype
+) -> Weights:
     """Assemble (and fuse) the runner's weights from HF-named tensors."""
 
     def get(name: str) -> torch.Tensor:
@@ -108,34 +112,50 @@ def build_weights(config: ModelConfig, family: Family, tensors: Mapping[str, tor
     else:
         lm_head = get("lm_head.weight")
     if embed.shape[0] != config.vocab_size:
-        raise ValueError(f"embedding has {embed.shape[0]} rows but config.json says vocab_size={config.vocab_size}")
-    return Weights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head)
+        raise ValueError(
+            f"embedding has {embed.shape[0]} rows but config.json says vocab_size={config.vocab_size}"
+        )
+    return Weights(
+        embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head
+    )
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` in its own 64-byte aligned memory. Tensors read from safetensors files sit at the
     file's offsets; on this CPU a matmul with such a misaligned weight ran ~5% slower."""
-    return t.contiguous() if t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
+    return (
+        t.contiguous() if t.data_ptr() % 64 == 0 else t.clone(memory_format=torch.contiguous_format)
+    )
 
 
-def load_folder(folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                weights: str = "auto") -> Transformer:
+def load_folder(
+    folder: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    weights: str = "auto",
+) -> Transformer:
     """Load a Hugging Face style model folder onto ``device`` in compute ``dtype``; ``weights``
     ``int8`` packs the projections as int8 (``quant.quantize_weights``, CPU only)."""
     folder = Path(folder)
     hf, config = read_config(folder)
     device = torch.device(device)
     if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
+        raise ValueError(
+            f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}"
+        )
     if weights != "auto":
         check_int8_supported(device)  # before reading the weights
     built = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
     if weights == "auto" and packed.available(device, dtype):
-        return Transformer(config, packed.pack_weights(built), device, dtype)  # see packed: faster, same numbers
+        return Transformer(
+            config, packed.pack_weights(built), device, dtype
+        )  # see packed: faster, same numbers
     return Transformer(config, quantize_weights(built, weights), device, dtype)
 
 
-def sha256_file(path: Path, block: int = 8 << 20, on_block: Callable[[int], None] | None = None) -> str:
+def sha256_file(
+    path: Path, block: int = 8 << 20, on_block: Callable[[int], None] | None = None
+) -> str:
     """The file's sha256; ``on_block(n)`` after every ``n`` bytes hashed (progress)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -146,8 +166,12 @@ def sha256_file(path: Path, block: int = 8 << 20, on_block: Callable[[int], None
     return h.hexdigest()
 
 
-def fingerprint(config: ModelConfig, weight_digests: list[str], weights: str = "auto",
-                implementation: str | None = None) -> str:
+def fingerprint(
+    config: ModelConfig,
+    weight_digests: list[str],
+    weights: str = "auto",
+    implementation: str | None = None,
+) -> str:
     """The model's identity in cache keys: a hash of its architecture, of its weight files and of
     the format its weights run in. int8 weights compute other KV than the files' own precision,
     so their entries live in a namespace of their own, one per int8 implementation

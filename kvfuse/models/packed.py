@@ -37,12 +37,18 @@ ROWS_HINT = 16  # oneDNN's pack is laid out for a batched decode step's rows and
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether projections on ``device`` in ``dtype`` can be packed here (by either form)."""
-    return device.type == "cpu" and dtype == torch.float32 and kernels.enabled() and (
-        kernels.get() is not None or _onednn_available())
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and kernels.enabled()
+        and (kernels.get() is not None or _onednn_available())
+    )
 
 
 def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return torch.backends.mkldnn.is_available() and hasattr(
+        torch.ops.mkldnn, "_reorder_linear_weight"
+    )
 
 
 class BlockedWeight:
@@ -55,12 +61,16 @@ class BlockedWeight:
 
     def __init__(self, weight: torch.Tensor, fmt: str = "float32"):
         if weight.dim() != 2:
-            raise ValueError(f"a blocked weight must be 2-d (out, in), got shape {tuple(weight.shape)}")
+            raise ValueError(
+                f"a blocked weight must be 2-d (out, in), got shape {tuple(weight.shape)}"
+            )
         if fmt not in ("float32", "int8"):
             raise ValueError(f"blocked weights are float32 or int8, not {fmt!r}")
         kernel = kernels.get()
         if kernel is None:
-            raise RuntimeError("blocked weights need kvfuse's CPU kernels (python -m kvfuse.models.kernels)")
+            raise RuntimeError(
+                "blocked weights need kvfuse's CPU kernels (python -m kvfuse.models.kernels)"
+            )
         w = weight.detach().to("cpu", torch.float32)
         if fmt == "int8":
             self.blocks, self.scales = kernel.pack_linear_int8(w)
@@ -68,14 +78,18 @@ class BlockedWeight:
             self.blocks, self.scales = kernel.pack_linear(w), None
         self.shape = tuple(w.shape)
         self.fmt = fmt
-        self.handle = kernel.Blocked(self.blocks, self.shape[0], self.scales)  # for the fused layer halves
+        self.handle = kernel.Blocked(
+            self.blocks, self.shape[0], self.scales
+        )  # for the fused layer halves
         self._kernel = kernel
 
     @property
     def nbytes(self) -> int:
         """Bytes a multiplication reads: the values (int8 or float32) and int8's per-channel scales."""
         out, inp = self.shape
-        return out * inp * (1 if self.fmt == "int8" else 4) + (4 * out if self.scales is not None else 0)
+        return out * inp * (1 if self.fmt == "int8" else 4) + (
+            4 * out if self.scales is not None else 0
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 ``(out, in)`` weight these blocks stand for (for tests and measurements)."""
@@ -104,7 +118,9 @@ class PackedWeight:
 
     def __init__(self, weight: torch.Tensor):
         if weight.dim() != 2 or weight.dtype != torch.float32:
-            raise ValueError(f"packing needs a 2-d float32 weight, got {tuple(weight.shape)} {weight.dtype}")
+            raise ValueError(
+                f"packing needs a 2-d float32 weight, got {tuple(weight.shape)} {weight.dtype}"
+            )
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), ROWS_HINT)
         self.shape = tuple(weight.shape)
 
@@ -126,8 +142,14 @@ def map_projections(weights, pack):
     (q/k/v, o, gate, up, down, vocabulary). The embedding table stays a plain tensor (lookups); a
     tied vocabulary projection gets its own packed copy. Norms and biases stay as they are."""
     layers = [
-        dataclasses.replace(lw, wqkv=pack(lw.wqkv), wo=pack(lw.wo), w_gate=pack(lw.w_gate), w_up=pack(lw.w_up),
-                            w_down=pack(lw.w_down))
+        dataclasses.replace(
+            lw,
+            wqkv=pack(lw.wqkv),
+            wo=pack(lw.wo),
+            w_gate=pack(lw.w_gate),
+            w_up=pack(lw.w_up),
+            w_down=pack(lw.w_down),
+        )
         for lw in weights.layers
     ]
     return dataclasses.replace(weights, layers=layers, lm_head=pack(weights.lm_head))
@@ -138,8 +160,12 @@ def pack_weights(weights):
     where the kernels cannot be built). Returns ``weights`` unchanged if packing fails (logged)."""
     try:
         if kernels.get() is not None:
-            return map_projections(weights, lambda w: w if isinstance(w, BlockedWeight) else BlockedWeight(w))
-        return map_projections(weights, lambda w: w if isinstance(w, PackedWeight) else PackedWeight(w))
+            return map_projections(
+                weights, lambda w: w if isinstance(w, BlockedWeight) else BlockedWeight(w)
+            )
+        return map_projections(
+            weights, lambda w: w if isinstance(w, PackedWeight) else PackedWeight(w)
+        )
     except (RuntimeError, ValueError) as exc:
         log.warning("keeping plain float32 weights: packing failed (%s)", exc)
         return weights

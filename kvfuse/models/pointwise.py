@@ -19,7 +19,12 @@ ACTS = {"silu": 0, "gelu_tanh": 1}  # ModelConfig.hidden_act -> the kernel's cod
 
 
 def _fits(x: torch.Tensor) -> bool:
-    return x.dtype == torch.float32 and x.dim() in (2, 3) and x.stride(-1) == 1 and x.device.type == "cpu"
+    return (
+        x.dtype == torch.float32
+        and x.dim() in (2, 3)
+        and x.stride(-1) == 1
+        and x.device.type == "cpu"
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops=None) -> torch.Tensor:
@@ -29,10 +34,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops=None) -> tor
     return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
-                 ops=None) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, ops=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the norm after it: ``(h + delta, rms_norm(h + delta))``."""
-    if ops is not None and _fits(h) and _fits(delta) and h.dim() == 2 and weight.dtype == torch.float32:
+    if (
+        ops is not None
+        and _fits(h)
+        and _fits(delta)
+        and h.dim() == 2
+        and weight.dtype == torch.float32
+    ):
         s, y = ops.add_rms_norm(h, delta, weight, eps)
         return s, y
     s = h + delta
@@ -49,7 +61,13 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, act: str, ops=None) -> torch
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ops=None) -> torch.Tensor:
     """``rope.apply``: the rotary embedding of ``x`` ``(n, heads, head_dim)``."""
-    if (ops is not None and _fits(x) and x.dim() == 3 and cos.dtype == torch.float32 and cos.is_contiguous()
-            and sin.is_contiguous()):
+    if (
+        ops is not None
+        and _fits(x)
+        and x.dim() == 3
+        and cos.dtype == torch.float32
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    ):
         return ops.rope(x, cos, sin)
     return rope_math.apply(x, cos, sin)

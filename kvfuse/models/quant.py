@@ -63,7 +63,8 @@ def check_int8_supported(device: torch.device | str = "cpu", fbgemm: bool | None
     if device.type != "cpu":
         raise QuantizationUnavailable(
             f"weights: int8 runs on the CPU only (kvfuse's CPU kernels or PyTorch's fbgemm), not on {device}; "
-            "use weights: auto on a GPU, or --device cpu")
+            "use weights: auto on a GPU, or --device cpu"
+        )
     if fbgemm is None:
         fbgemm = kernels.get() is None
     if not fbgemm:
@@ -72,10 +73,13 @@ def check_int8_supported(device: torch.device | str = "cpu", fbgemm: bool | None
     if not any(e in supported for e in _ENGINES):
         raise QuantizationUnavailable(
             "weights: int8 needs PyTorch's fbgemm quantized engine (x86 CPUs), which this PyTorch build lacks "
-            f"(quantized engines: {', '.join(supported) or 'none'}); use weights: auto")
+            f"(quantized engines: {', '.join(supported) or 'none'}); use weights: auto"
+        )
     if torch.backends.quantized.engine not in _ENGINES:
         engine = next(e for e in _ENGINES if e in supported)
-        log.info("quantized engine %s -> %s for int8 weights", torch.backends.quantized.engine, engine)
+        log.info(
+            "quantized engine %s -> %s for int8 weights", torch.backends.quantized.engine, engine
+        )
         torch.backends.quantized.engine = engine
 
 
@@ -112,7 +116,9 @@ class Int8Weight:
         w = weight.detach().float().contiguous()
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
         zeros = torch.zeros(w.shape[0], dtype=torch.int64)
-        with warnings.catch_warnings():  # "quantized tensor creation functions are deprecated" (once)
+        with (
+            warnings.catch_warnings()
+        ):  # "quantized tensor creation functions are deprecated" (once)
             warnings.simplefilter("ignore", UserWarning)
             q = torch.quantize_per_channel(w, scale, zeros, 0, torch.qint8)
             torch.quantize_per_tensor_dynamic(w[:1], torch.quint8, False)
@@ -144,7 +150,11 @@ class Int8Weight:
             x2 = x2 / row_max
         elif not x2.is_contiguous():
             x2 = x2.contiguous()
-        y = self._split(x2) if self.split else torch.ops.quantized.linear_dynamic(x2, self.packed, self.reduce_range)
+        y = (
+            self._split(x2)
+            if self.split
+            else torch.ops.quantized.linear_dynamic(x2, self.packed, self.reduce_range)
+        )
         if row_max is not None:
             y.mul_(row_max)
         if bias is not None:
@@ -192,8 +202,13 @@ def default_reduce_range() -> bool:
     return not ({"avx512_vnni", "avx_vnni"} & set(flags))
 
 
-def quantize_weights(weights, fmt: str = "int8", split: bool = True, reduce_range: bool | None = None,
-                     implementation: str | None = None):
+def quantize_weights(
+    weights,
+    fmt: str = "int8",
+    split: bool = True,
+    reduce_range: bool | None = None,
+    implementation: str | None = None,
+):
     """A copy of ``weights`` (``transformer.Weights``) whose projections are int8.
 
     The input is not modified. ``fmt`` is a ``WEIGHT_FORMATS`` value (``auto`` returns ``weights``
@@ -211,10 +226,15 @@ def quantize_weights(weights, fmt: str = "int8", split: bool = True, reduce_rang
     if implementation is None:
         implementation = "blocked" if kernels.get() is not None else "fbgemm"
     if implementation not in INT8_IDENTITY:
-        raise ValueError(f"unknown int8 implementation {implementation!r}; use one of: {', '.join(INT8_IDENTITY)}")
+        raise ValueError(
+            f"unknown int8 implementation {implementation!r}; use one of: {', '.join(INT8_IDENTITY)}"
+        )
 
     def pack(w):
-        if isinstance(w, (Int8Weight, packed.BlockedWeight)) and getattr(w, "fmt", "int8") == "int8":
+        if (
+            isinstance(w, (Int8Weight, packed.BlockedWeight))
+            and getattr(w, "fmt", "int8") == "int8"
+        ):
             return w
         if implementation == "blocked":
             return packed.BlockedWeight(w, "int8")
@@ -248,4 +268,8 @@ def weight_bytes(weights) -> dict[str, int]:
         return w.nbytes
 
     layers = sum(size(getattr(lw, f.name)) for lw in weights.layers for f in dataclasses.fields(lw))
-    return {"layers": layers, "lm_head": size(weights.lm_head), "final_norm": size(weights.final_norm)}
+    return {
+        "layers": layers,
+        "lm_head": size(weights.lm_head),
+        "final_norm": size(weights.final_norm),
+    }

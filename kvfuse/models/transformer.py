@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import attention, batch, kernels, packed, pointwise, rope
+from . import batch, kernels, packed, pointwise, rope
 from .attention import attend
 from .cache import KVBudget, KVCache
 from .config import ModelConfig
@@ -65,7 +65,9 @@ class BatchItem:
     cache: KVCache
     positions: torch.Tensor | None = None
     logits: bool = True
-    start: int | None = None  # the first slot written (default: after the valid slots), as in forward()
+    start: int | None = (
+        None  # the first slot written (default: after the valid slots), as in forward()
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -78,17 +80,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Transformer:
     """A loaded model on one device, in one compute dtype. See the module docstring for the API."""
 
-    def __init__(self, config: ModelConfig, weights: Weights, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, config: ModelConfig, weights: Weights, device: torch.device, dtype: torch.dtype
+    ):
         self.config = config
         self.weights = weights
         self.device = device
         self.dtype = dtype
-        self._freqs = {t: rope.inv_freq(r, config.head_dim).to(device) for t, r in config.rope.items()}
+        self._freqs = {
+            t: rope.inv_freq(r, config.head_dim).to(device) for t, r in config.rope.items()
+        }
         self.use_kernels = kernels.enabled()  # the CPU kernels when they build (see ``kernels``)
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
-        self._embed_scale = None if c.embed_scale is None else torch.tensor(c.embed_scale, dtype=dtype)
+        self._embed_scale = (
+            None if c.embed_scale is None else torch.tensor(c.embed_scale, dtype=dtype)
+        )
 
     @property
     def use_kernels(self) -> bool:
@@ -104,7 +112,9 @@ class Transformer:
         # The fused halves of a layer (kernels/layer.cpp) when every projection is in blocks.
         self._fused = self._ops is not None and all(
             isinstance(getattr(lw, f), packed.BlockedWeight)
-            for lw in self.weights.layers for f in ("wqkv", "wo", "w_gate", "w_up", "w_down"))
+            for lw in self.weights.layers
+            for f in ("wqkv", "wo", "w_gate", "w_up", "w_down")
+        )
         # Every layer of a decode step in one call (kernels/stack.cpp), on the same fused halves.
         self._stack = self._build_stack() if self._fused else None
 
@@ -113,13 +123,32 @@ class Transformer:
         order of ``self._freqs``, in which ``forward_batch`` hands over the rotation tables)."""
         c = self.config
         kinds = list(self._freqs)
-        stack = self._ops.Stack(heads=c.num_heads, kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                                act=pointwise.ACTS[c.hidden_act], eps=c.rms_norm_eps, scale=c.scaling,
-                                softcap=c.attn_logit_softcap or 0.0)
+        stack = self._ops.Stack(
+            heads=c.num_heads,
+            kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            act=pointwise.ACTS[c.hidden_act],
+            eps=c.rms_norm_eps,
+            scale=c.scaling,
+            softcap=c.attn_logit_softcap or 0.0,
+        )
         for i, w in enumerate(self.weights.layers):
-            stack.add_layer(w.attn_norm, w.wqkv.handle, w.bqkv, w.q_norm, w.k_norm, w.wo.handle, w.attn_out_norm,
-                            w.mlp_norm, w.w_gate.handle, w.w_up.handle, w.w_down.handle, w.mlp_out_norm,
-                            c.window(i) or 0, kinds.index(c.layer_types[i]))
+            stack.add_layer(
+                w.attn_norm,
+                w.wqkv.handle,
+                w.bqkv,
+                w.q_norm,
+                w.k_norm,
+                w.wo.handle,
+                w.attn_out_norm,
+                w.mlp_norm,
+                w.w_gate.handle,
+                w.w_up.handle,
+                w.w_down.handle,
+                w.mlp_out_norm,
+                c.window(i) or 0,
+                kinds.index(c.layer_types[i]),
+            )
         return stack
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -127,7 +156,9 @@ class Transformer:
 
     # ----------------------------------------------------------------------------- whole passes
 
-    def new_cache(self, capacity: int = 0, dtype: torch.dtype | None = None, budget: KVBudget | None = None) -> KVCache:
+    def new_cache(
+        self, capacity: int = 0, dtype: torch.dtype | None = None, budget: KVBudget | None = None
+    ) -> KVCache:
         """An empty KV cache for one sequence (KV dtype defaults to the compute dtype), its bytes
         counted in ``budget`` if given (OutOfKVMemory when they do not fit)."""
         return KVCache(self.config, capacity, dtype or self.dtype, self.device, budget)
@@ -161,7 +192,9 @@ class Transformer:
         if not 0 <= start <= cache.length:
             raise ValueError(f"slot {start} would leave a gap after the {cache.length} valid slots")
         if positions is None:
-            positions = torch.arange(cache.next_position, cache.next_position + n, device=self.device)
+            positions = torch.arange(
+                cache.next_position, cache.next_position + n, device=self.device
+            )
         positions = torch.as_tensor(positions, dtype=torch.int64, device=self.device).reshape(-1)
         if positions.shape[0] != n:
             raise ValueError(f"{n} tokens but {positions.shape[0]} positions")
@@ -176,8 +209,16 @@ class Transformer:
         # The last layer's K/V are needed for every token, its outputs only where logits are asked.
         needed = {"all": None, "last": slice(n - 1, n), "none": slice(0, 0)}[logits]
         for layer in range(self.config.num_layers):
-            h = self.layer(layer, h, cache, slots, kv_len=kv_len, keys_sorted=sorted_keys, tables=tables,
-                           outputs=needed if layer == last else None)
+            h = self.layer(
+                layer,
+                h,
+                cache,
+                slots,
+                kv_len=kv_len,
+                keys_sorted=sorted_keys,
+                tables=tables,
+                outputs=needed if layer == last else None,
+            )
         cache.length = kv_len
         if logits == "none":
             return None
@@ -198,7 +239,9 @@ class Transformer:
         if not items:
             return []
         step, positions = batch.prepare(self, items)
-        ids = torch.as_tensor([t for it in items for t in it.ids], dtype=torch.int64, device=self.device)
+        ids = torch.as_tensor(
+            [t for it in items for t in it.ids], dtype=torch.int64, device=self.device
+        )
         tables = self.rope_tables(positions, self.dtype)
         h = self.embed(ids)
         if self._fused and self._stack is not None and step.stacked and h.dtype == torch.float32:
@@ -214,7 +257,9 @@ class Transformer:
                 out[i] = logits[j]
         return out
 
-    def _layers_batch(self, step: batch.BatchStep, h: torch.Tensor, positions: torch.Tensor, tables) -> torch.Tensor:
+    def _layers_batch(
+        self, step: batch.BatchStep, h: torch.Tensor, positions: torch.Tensor, tables
+    ) -> torch.Tensor:
         """``forward_batch``'s layers one by one (what ``run_stack`` does in one call when it applies):
         the hidden states after the last layer, only the rows of ``step.last_rows`` there."""
         last = self.config.num_layers - 1
@@ -245,7 +290,9 @@ class Transformer:
             out = torch.tanh(out / c.final_logit_softcap) * c.final_logit_softcap
         return out
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def rope_tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """cos/sin tables per layer type for ``positions``: computed once per pass, not per layer."""
         positions = positions.to(self.device)
         return {t: rope.cos_sin(f, positions, dtype) for t, f in self._freqs.items()}
@@ -266,8 +313,20 @@ class Transformer:
         tables = tables or self.rope_tables(positions, h.dtype)
         cos, sin = tables[c.layer_types[layer]]
         if self._fused and h.dtype == torch.float32 and h.dim() == 2:
-            q, k, v = self._ops.project_qkv(h, w.attn_norm, c.rms_norm_eps, w.wqkv.handle, w.bqkv, w.q_norm, w.k_norm,
-                                            c.num_heads, c.num_kv_heads, c.head_dim, cos, sin)
+            q, k, v = self._ops.project_qkv(
+                h,
+                w.attn_norm,
+                c.rms_norm_eps,
+                w.wqkv.handle,
+                w.bqkv,
+                w.q_norm,
+                w.k_norm,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                cos,
+                sin,
+            )
             return q, k, v
         x = self._norm(h, w.attn_norm)
         qkv = linear(x, w.wqkv, w.bqkv)
@@ -309,8 +368,9 @@ class Transformer:
         return self.attend_mlp(layer, q, h, cache, slots, kv_len, keys_sorted, outputs)
 
     @torch.inference_mode()
-    def write_kv(self, layer: int, h: torch.Tensor, cache: KVCache, slots: slice | torch.Tensor,
-                 tables=None) -> torch.Tensor:
+    def write_kv(
+        self, layer: int, h: torch.Tensor, cache: KVCache, slots: slice | torch.Tensor, tables=None
+    ) -> torch.Tensor:
         """The first half of ``layer``: project ``h`` (tokens at ``slots``), write their fresh K/V
         into the cache, and return their queries ``(n, heads, head_dim)``."""
         q, k, v = self._project(layer, h, cache.positions[slots], tables)
@@ -319,9 +379,17 @@ class Transformer:
         return q
 
     @torch.inference_mode()
-    def attend_mlp(self, layer: int, q: torch.Tensor, h: torch.Tensor, cache: KVCache, slots: slice | torch.Tensor,
-                   kv_len: int | None = None, keys_sorted: bool | None = None,
-                   rows: slice | torch.Tensor | None = None) -> torch.Tensor:
+    def attend_mlp(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        h: torch.Tensor,
+        cache: KVCache,
+        slots: slice | torch.Tensor,
+        kv_len: int | None = None,
+        keys_sorted: bool | None = None,
+        rows: slice | torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The second half of ``layer``: attention of the queries ``q`` (tokens at ``slots``, inputs
         ``h``) over slots ``[0, kv_len)`` by position, then the MLP; only for ``rows`` if given."""
         c = self.config
@@ -349,10 +417,25 @@ class Transformer:
     def post_attention(self, layer: int, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The rest of ``layer`` after attention: output projection, residual, MLP, residual."""
         c, w = self.config, self.weights.layers[layer]
-        if self._fused and attn.dtype == torch.float32 and h.dtype == torch.float32 and h.dim() == 2:
-            return self._ops.post_attention(attn, h, w.wo.handle, w.attn_out_norm, w.mlp_norm, w.w_gate.handle,
-                                            w.w_up.handle, w.w_down.handle, w.mlp_out_norm,
-                                            pointwise.ACTS[c.hidden_act], c.rms_norm_eps)
+        if (
+            self._fused
+            and attn.dtype == torch.float32
+            and h.dtype == torch.float32
+            and h.dim() == 2
+        ):
+            return self._ops.post_attention(
+                attn,
+                h,
+                w.wo.handle,
+                w.attn_out_norm,
+                w.mlp_norm,
+                w.w_gate.handle,
+                w.w_up.handle,
+                w.w_down.handle,
+                w.mlp_out_norm,
+                pointwise.ACTS[c.hidden_act],
+                c.rms_norm_eps,
+            )
         out = linear(attn, w.wo)
         if w.attn_out_norm is not None:
             out = self._norm(out, w.attn_out_norm)
@@ -363,9 +446,17 @@ class Transformer:
             out = self._norm(out, w.mlp_out_norm)
         return h + out
 
-    def rerotate_keys(self, layer: int, keys: torch.Tensor, from_positions: torch.Tensor, to_positions: torch.Tensor) -> torch.Tensor:
+    def rerotate_keys(
+        self,
+        layer: int,
+        keys: torch.Tensor,
+        from_positions: torch.Tensor,
+        to_positions: torch.Tensor,
+    ) -> torch.Tensor:
         """Keys ``(n, kv_heads, head_dim)`` of ``layer`` rotated at ``from_positions``, moved to ``to_positions``."""
-        return rope.rerotate(keys, from_positions, to_positions, self._freqs[self.config.layer_types[layer]])
+        return rope.rerotate(
+            keys, from_positions, to_positions, self._freqs[self.config.layer_types[layer]]
+        )
 
     @torch.inference_mode()
     def move_keys(self, cache: KVCache, start: int, end: int, to_start: int) -> None:
@@ -374,11 +465,15 @@ class Transformer:
         (values do not depend on position), and the slots' positions updated. Exact to float
         rounding: see ``rope``."""
         if not 0 <= start <= end <= cache.length:
-            raise ValueError(f"slots [{start}, {end}) are outside the valid range [0, {cache.length})")
+            raise ValueError(
+                f"slots [{start}, {end}) are outside the valid range [0, {cache.length})"
+            )
         if end == start:
             return
         pos = cache.positions[start:end]
-        if not torch.equal(pos, torch.arange(int(pos[0]), int(pos[0]) + end - start, device=pos.device)):
+        if not torch.equal(
+            pos, torch.arange(int(pos[0]), int(pos[0]) + end - start, device=pos.device)
+        ):
             raise ValueError("move_keys needs contiguous positions in the moved slots")
         shift = to_start - int(pos[0])
         self.rotate_keys(cache, range(self.config.num_layers), start, end, shift)

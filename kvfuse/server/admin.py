@@ -14,74 +14,126 @@ from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, Model
 
 router = APIRouter()
 
-_AUTH_ERRORS = {401: {"model": ErrorResponse, "description": "Missing or wrong API key (only when the server has keys)."}}
+_AUTH_ERRORS = {
+    401: {
+        "model": ErrorResponse,
+        "description": "Missing or wrong API key (only when the server has keys).",
+    }
+}
 
 
-@router.get("/health", response_model=Health, tags=["operations"], summary="Liveness and queue state",
-            description="No API key needed. 200 while the server accepts requests.")
+@router.get(
+    "/health",
+    response_model=Health,
+    tags=["operations"],
+    summary="Liveness and queue state",
+    description="No API key needed. 200 while the server accepts requests.",
+)
 async def health(request: Request) -> Health:
     state = get_state(request)
     q = state.engine.queue_state()
     return Health(model=state.model_name, waiting=q["waiting"], running=q["running"])
 
 
-@router.get("/metrics", tags=["operations"], summary="Prometheus metrics", response_class=Response,
-            responses={200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
-                       401: {"model": ErrorResponse, "description": "Missing or wrong metrics token (only with "
-                                                                    "server.metrics_token)."}},
-            description="Prometheus text format. No API key: with `server.metrics_token` (or "
-                        "`server.metrics_token_file`) set, a bearer token of its own (401 without it); otherwise "
-                        "open, like /health. The metrics are server-wide counts (requests, tokens, cache tiers, "
-                        "latencies) and carry no content; per-tenant series (bytes held, quota evictions and "
-                        "rejections) appear for the tenants with a quota (`tenants:`): set a metrics token where "
-                        "tenants must not see each other's names.")
+@router.get(
+    "/metrics",
+    tags=["operations"],
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={
+        200: {"content": {CONTENT_TYPE: {"schema": {"type": "string"}}}},
+        401: {
+            "model": ErrorResponse,
+            "description": "Missing or wrong metrics token (only with server.metrics_token).",
+        },
+    },
+    description="Prometheus text format. No API key: with `server.metrics_token` (or "
+    "`server.metrics_token_file`) set, a bearer token of its own (401 without it); otherwise "
+    "open, like /health. The metrics are server-wide counts (requests, tokens, cache tiers, "
+    "latencies) and carry no content; per-tenant series (bytes held, quota evictions and "
+    "rejections) appear for the tenants with a quota (`tenants:`): set a metrics token where "
+    "tenants must not see each other's names.",
+)
 async def metrics(request: Request, _: None = Depends(metrics_access)) -> Response:
     state = get_state(request)
     body = await asyncio.to_thread(state.metrics.render)  # the store's tiers may be remote (Redis)
     return Response(body, media_type=CONTENT_TYPE)
 
 
-@router.get("/v1/models", response_model=ModelList, tags=["models"], summary="List the served model",
-            responses=_AUTH_ERRORS,
-            description="The one model this server serves; requests must name it in their `model` field.")
+@router.get(
+    "/v1/models",
+    response_model=ModelList,
+    tags=["models"],
+    summary="List the served model",
+    responses=_AUTH_ERRORS,
+    description="The one model this server serves; requests must name it in their `model` field.",
+)
 async def list_models(request: Request, tenant: str = Depends(current_tenant)) -> ModelList:
     return ModelList(data=[ModelCard(id=get_state(request).model_name)])
 
 
-@router.get("/v1/models/{model}", response_model=ModelCard, tags=["models"], summary="Describe a model",
-            responses={**_AUTH_ERRORS, 404: {"model": ErrorResponse, "description": "Not the served model."}},
-            description="The served model's card; any other name is a 404 with code model_not_found.")
-async def get_model(model: str, request: Request, tenant: str = Depends(current_tenant)) -> ModelCard:
+@router.get(
+    "/v1/models/{model}",
+    response_model=ModelCard,
+    tags=["models"],
+    summary="Describe a model",
+    responses={
+        **_AUTH_ERRORS,
+        404: {"model": ErrorResponse, "description": "Not the served model."},
+    },
+    description="The served model's card; any other name is a 404 with code model_not_found.",
+)
+async def get_model(
+    model: str, request: Request, tenant: str = Depends(current_tenant)
+) -> ModelCard:
     name = get_state(request).model_name
     if model != name:
-        raise APIError(404, f"the model {model!r} does not exist; this server serves {name!r}", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {model!r} does not exist; this server serves {name!r}",
+            param="model",
+            code="model_not_found",
+        )
     return ModelCard(id=name)
 
 
-@router.get("/v1/kv/stats", response_model=KVStats, tags=["kv cache"], summary="KV cache statistics",
-            responses=_AUTH_ERRORS,
-            description="Counters of every cache tier and of the engine (server-wide, not per tenant).")
+@router.get(
+    "/v1/kv/stats",
+    response_model=KVStats,
+    tags=["kv cache"],
+    summary="KV cache statistics",
+    responses=_AUTH_ERRORS,
+    description="Counters of every cache tier and of the engine (server-wide, not per tenant).",
+)
 async def kv_stats(request: Request, tenant: str = Depends(current_tenant)) -> KVStats:
     engine = get_state(request).engine
     tiers = await asyncio.to_thread(engine.cache_stats)  # the store's tiers may be remote (Redis)
-    return KVStats(cache_enabled=engine.cache_enabled, tiers=tiers, engine=engine.stats_snapshot(),
-                   queue=engine.queue_state())
+    return KVStats(
+        cache_enabled=engine.cache_enabled,
+        tiers=tiers,
+        engine=engine.stats_snapshot(),
+        queue=engine.queue_state(),
+    )
 
 
 @router.delete(
-    "/v1/kv", response_model=KVDeleted, tags=["kv cache"], summary="Clear the caller's cached KV",
+    "/v1/kv",
+    response_model=KVDeleted,
+    tags=["kv cache"],
+    summary="Clear the caller's cached KV",
     responses=_AUTH_ERRORS,
     description="Deletes the cache entries of the caller's tenant from every tier (memory, disk, Redis): all of "
-                "them, whatever model or cache_salt they were stored under, including entries written before "
-                "the server restarted; with `cache_salt`, only that namespace. Other tenants' entries are never "
-                "touched (every storage key starts with its tenant's tag). Without API keys there is one "
-                "anonymous tenant.",
+    "them, whatever model or cache_salt they were stored under, including entries written before "
+    "the server restarted; with `cache_salt`, only that namespace. Other tenants' entries are never "
+    "touched (every storage key starts with its tenant's tag). Without API keys there is one "
+    "anonymous tenant.",
 )
 async def clear_kv(
     request: Request,
     tenant: str = Depends(current_tenant),
-    cache_salt: str | None = Query(None, max_length=256, description="Clear only this namespace of the tenant."),
+    cache_salt: str | None = Query(
+        None, max_length=256, description="Clear only this namespace of the tenant."
+    ),
 ) -> KVDeleted:
     deleted = await asyncio.to_thread(get_state(request).engine.clear_cache, tenant, cache_salt)
     return KVDeleted(tenant=tenant, cache_salt=cache_salt, deleted=deleted)

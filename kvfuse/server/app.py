@@ -84,8 +84,18 @@ def _publish_limits(app: FastAPI, config: Config) -> None:
     def openapi() -> dict:
         if app.openapi_schema is None:
             schema = build()
-            for name in ("SamplingRequest", "CompletionRequest", "ChatCompletionRequest", "ResponseCreateRequest"):
-                props = schema.get("components", {}).get("schemas", {}).get(name, {}).get("properties", {})
+            for name in (
+                "SamplingRequest",
+                "CompletionRequest",
+                "ChatCompletionRequest",
+                "ResponseCreateRequest",
+            ):
+                props = (
+                    schema.get("components", {})
+                    .get("schemas", {})
+                    .get(name, {})
+                    .get("properties", {})
+                )
                 for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
                     for variant in props.get(field, {}).get("anyOf", []):
                         if variant.get("type") == "integer":
@@ -116,7 +126,9 @@ class _Server(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
         try:
             yield
         finally:
@@ -144,8 +156,14 @@ def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None
     try:
         app = create_app(config, engine)
         uv_config = uvicorn.Config(
-            app, host=config.server.host, port=config.server.port, access_log=False, lifespan="on",
-            log_level=config.log_level.lower(), timeout_graceful_shutdown=SHUTDOWN_GRACE_S, log_config=None,
+            app,
+            host=config.server.host,
+            port=config.server.port,
+            access_log=False,
+            lifespan="on",
+            log_level=config.log_level.lower(),
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            log_config=None,
         )
         _Server(uv_config, on_ready).run()
     finally:

@@ -55,7 +55,11 @@ class Authenticator:
         if not self.enabled:
             return ANONYMOUS
         if not api_key:
-            raise APIError(401, "missing API key: send it as 'Authorization: Bearer KEY'", code="invalid_api_key")
+            raise APIError(
+                401,
+                "missing API key: send it as 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
         found = _match(api_key, self._digests)
         if found is None:
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
@@ -79,6 +83,10 @@ class MetricsToken:
             return
         if not token or _match(token, self._digests) is None:
             what = "missing" if not token else "incorrect"
-            raise APIError(401, f"{what} metrics token: /metrics needs 'Authorization: Bearer TOKEN' with the token "
-                                "of server.metrics_token (or server.metrics_token_file)", code="invalid_api_key",
-                           headers={"www-authenticate": "Bearer"})
+            raise APIError(
+                401,
+                f"{what} metrics token: /metrics needs 'Authorization: Bearer TOKEN' with the token "
+                "of server.metrics_token (or server.metrics_token_file)",
+                code="invalid_api_key",
+                headers={"www-authenticate": "Bearer"},
+            )

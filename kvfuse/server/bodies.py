@@ -27,18 +27,34 @@ def finish_reason(result: GenerationResult) -> str:
 
 
 def usage(result: GenerationResult) -> dict[str, Any]:
-    details = {"cached_tokens": result.cached_tokens, "recomputed_tokens": result.recomputed_tokens,
-               "prefix_reused_tokens": result.prefix_reused_tokens, "span_reused_tokens": result.span_reused_tokens,
-               "prefilled_tokens": result.prompt_tokens - result.cached_tokens, "auto_reuse": result.auto_reuse,
-               "cached_entries_by_tier": {t: result.hit_tiers.count(t) for t in sorted(set(result.hit_tiers))},
-               "save_ms": round(result.timings.store_s * 1000, 3)}
+    details = {
+        "cached_tokens": result.cached_tokens,
+        "recomputed_tokens": result.recomputed_tokens,
+        "prefix_reused_tokens": result.prefix_reused_tokens,
+        "span_reused_tokens": result.span_reused_tokens,
+        "prefilled_tokens": result.prompt_tokens - result.cached_tokens,
+        "auto_reuse": result.auto_reuse,
+        "cached_entries_by_tier": {
+            t: result.hit_tiers.count(t) for t in sorted(set(result.hit_tiers))
+        },
+        "save_ms": round(result.timings.store_s * 1000, 3),
+    }
     if result.kv_stream is not None:
         r = result.kv_stream
-        details["kv_stream"] = {"chunks": dict(r.chunks), "load_ms": round(r.load_s * 1000, 3),
-                                "slo_ms": round(r.slo_s * 1000, 3), "met": r.met, "bytes_read": r.bytes_read}
+        details["kv_stream"] = {
+            "chunks": dict(r.chunks),
+            "load_ms": round(r.load_s * 1000, 3),
+            "slo_ms": round(r.slo_s * 1000, 3),
+            "met": r.met,
+            "bytes_read": r.bytes_read,
+        }
     if result.blend is not None:
         b = result.blend
-        details["blend"] = {"method": b.method, "recompute_ratio": b.recompute_ratio, "source": b.source}
+        details["blend"] = {
+            "method": b.method,
+            "recompute_ratio": b.recompute_ratio,
+            "source": b.source,
+        }
     return {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
@@ -50,7 +66,9 @@ def usage(result: GenerationResult) -> dict[str, Any]:
 class ResponseBuilder:
     """Builds the bodies and chunks of one request (``chat`` selects the chat shapes)."""
 
-    def __init__(self, request_id: str, model: str, created: int, chat: bool, include_usage: bool = False):
+    def __init__(
+        self, request_id: str, model: str, created: int, chat: bool, include_usage: bool = False
+    ):
         suffix = request_id.removeprefix("req_")
         self.id = f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}"
         self.model = model
@@ -65,10 +83,19 @@ class ResponseBuilder:
 
     def body(self, result: GenerationResult) -> dict[str, Any]:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
-                      "finish_reason": finish_reason(result), "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "finish_reason": finish_reason(result),
+                "logprobs": None,
+            }
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result)}
-        choice = {"index": 0, "text": result.text, "finish_reason": finish_reason(result), "logprobs": None}
+        choice = {
+            "index": 0,
+            "text": result.text,
+            "finish_reason": finish_reason(result),
+            "logprobs": None,
+        }
         return {**self._head("text_completion"), "choices": [choice], "usage": usage(result)}
 
     # -- stream chunks --------------------------------------------------------------------------

@@ -15,56 +15,99 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from kvfuse.engine import Outcome, QueueClosed, QueueFull, Request as EngineRequest, RequestCancelled
+from kvfuse.engine import (
+    Outcome,
+    QueueClosed,
+    QueueFull,
+    RequestCancelled,
+)
+from kvfuse.engine import (
+    Request as EngineRequest,
+)
 
+from .bodies import SSE_DONE, ResponseBuilder, sse_event
 from .deps import get_state, limited_tenant
 from .errors import APIError, internal_error
 from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
-from .bodies import SSE_DONE, ResponseBuilder, sse_event
-from .schemas import ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, ErrorResponse
+from .schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+)
 from .state import ServerState
 from .translate import check_model, plan_chat, plan_completion
 
 router = APIRouter(tags=["generation"])
 
 ERRORS = {
-    400: {"model": ErrorResponse, "description": "Invalid request: malformed JSON, a field of the wrong type or "
-                                                 "value, a prompt too long for the context window."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key (only when the server has API keys)."},
+    400: {
+        "model": ErrorResponse,
+        "description": "Invalid request: malformed JSON, a field of the wrong type or "
+        "value, a prompt too long for the context window.",
+    },
+    401: {
+        "model": ErrorResponse,
+        "description": "Missing or wrong API key (only when the server has API keys).",
+    },
     404: {"model": ErrorResponse, "description": "Unknown model (code model_not_found)."},
     413: {"model": ErrorResponse, "description": "Request body larger than server.max_body_bytes."},
-    429: {"model": ErrorResponse, "description": "The request queue is full (server.max_queue, code queue_full), or "
-                                                 "the tenant's requests per minute are spent (its quota, code "
-                                                 "rate_limit_exceeded, with Retry-After); retry later."},
+    429: {
+        "model": ErrorResponse,
+        "description": "The request queue is full (server.max_queue, code queue_full), or "
+        "the tenant's requests per minute are spent (its quota, code "
+        "rate_limit_exceeded, with Retry-After); retry later.",
+    },
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string"},
-                              "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n'}}
+_SSE = {
+    "text/event-stream": {
+        "schema": {"type": "string"},
+        "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n',
+    }
+}
 
 
 @router.post(
-    "/v1/completions", response_model=CompletionResponse, summary="Create a completion",
-    responses={200: {"content": _SSE, "description": "The completion, or with stream=true an event stream of chunks."},
-               **ERRORS},
+    "/v1/completions",
+    response_model=CompletionResponse,
+    summary="Create a completion",
+    responses={
+        200: {
+            "content": _SSE,
+            "description": "The completion, or with stream=true an event stream of chunks.",
+        },
+        **ERRORS,
+    },
     description="OpenAI-compatible text completion. `usage.prompt_tokens_details.cached_tokens` counts the prompt "
-                "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`, "
-                "`documents`, `recompute_ratio`, `blend_auto`, `kv_slo_ms`.",
+    "tokens whose KV was reused from the cache. kvfuse extension fields: `cache_salt`, `cache`, "
+    "`documents`, `recompute_ratio`, `blend_auto`, `kv_slo_ms`.",
 )
-async def create_completion(body: CompletionRequest, request: Request,
-                            tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:
+async def create_completion(
+    body: CompletionRequest, request: Request, tenant: str = Depends(limited_tenant)
+) -> JSONResponse | StreamingResponse:
     return await _generate(request, body, tenant, chat=False)
 
 
 @router.post(
-    "/v1/chat/completions", response_model=ChatCompletionResponse, summary="Create a chat completion",
-    responses={200: {"content": _SSE, "description": "The reply, or with stream=true an event stream of chunks."},
-               **ERRORS},
+    "/v1/chat/completions",
+    response_model=ChatCompletionResponse,
+    summary="Create a chat completion",
+    responses={
+        200: {
+            "content": _SSE,
+            "description": "The reply, or with stream=true an event stream of chunks.",
+        },
+        **ERRORS,
+    },
     description="OpenAI-compatible chat completion; the messages are rendered with the model's chat template. "
-                "kvfuse extension fields: `cache_salt`, `cache`, `documents`, `recompute_ratio`, `blend_auto`, "
-                "`kv_slo_ms`.",
+    "kvfuse extension fields: `cache_salt`, `cache`, `documents`, `recompute_ratio`, `blend_auto`, "
+    "`kv_slo_ms`.",
 )
-async def create_chat_completion(body: ChatCompletionRequest, request: Request,
-                                 tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request, tenant: str = Depends(limited_tenant)
+) -> JSONResponse | StreamingResponse:
     return await _generate(request, body, tenant, chat=True)
 
 
@@ -84,15 +127,20 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
         state.metrics.observe_outcome(outcome)
         events.on_done(outcome)
 
-    job = call.request(record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done)
+    job = call.request(
+        record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done
+    )
     await submit(state, job)
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
 
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    builder = ResponseBuilder(record.request_id, state.model_name, int(time.time()), chat, include_usage)
+    builder = ResponseBuilder(
+        record.request_id, state.model_name, int(time.time()), chat, include_usage
+    )
     if body.stream:
         return StreamingResponse(
-            _stream(state, record, job, events, watcher, builder), media_type="text/event-stream",
+            _stream(state, record, job, events, watcher, builder),
+            media_type="text/event-stream",
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     try:
@@ -112,16 +160,28 @@ async def submit(state: ServerState, job: EngineRequest) -> None:
         await asyncio.to_thread(state.engine.submit, job)
     except QueueFull as e:
         state.metrics.rejected.inc()
-        raise APIError(429, f"the server is busy: {e}; retry later", code="queue_full",
-                       headers={"retry-after": "1"}) from None
+        raise APIError(
+            429,
+            f"the server is busy: {e}; retry later",
+            code="queue_full",
+            headers={"retry-after": "1"},
+        ) from None
     except QueueClosed:
         raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
-    except ValueError as e:  # a request that can never run here (e.g. larger than the whole KV budget)
+    except (
+        ValueError
+    ) as e:  # a request that can never run here (e.g. larger than the whole KV budget)
         raise APIError(400, str(e), code="request_too_large") from None
 
 
-async def _stream(state: ServerState, record: RequestRecord, job: EngineRequest, events: RequestEvents,
-                  watcher: asyncio.Task, builder: ResponseBuilder) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState,
+    record: RequestRecord,
+    job: EngineRequest,
+    events: RequestEvents,
+    watcher: asyncio.Task,
+    builder: ResponseBuilder,
+) -> AsyncIterator[str]:
     finished = False
     try:
         if (first := builder.first_chunk()) is not None:

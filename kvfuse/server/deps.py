@@ -21,11 +21,13 @@ def get_state(request: Request) -> ServerState:
 _bearer = HTTPBearer(
     auto_error=False,
     description="An API key configured with `--api-key KEY:TENANT` (server.api_keys). Only required when the "
-                "server has API keys; each key's tenant gets its own KV cache namespace.",
+    "server has API keys; each key's tenant gets its own KV cache namespace.",
 )
 
 
-async def current_tenant(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> str:
+async def current_tenant(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
+) -> str:
     """The caller's tenant (also noted in the request's log record)."""
     tenant = get_state(request).auth.tenant(credentials.credentials if credentials else None)
     if (record := record_of(request)) is not None:
@@ -40,6 +42,8 @@ async def limited_tenant(request: Request, tenant: str = Depends(current_tenant)
     return tenant
 
 
-async def metrics_access(request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+async def metrics_access(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
+) -> None:
     """401 unless ``/metrics`` is open or the request carries the metrics token (``server.metrics_token``)."""
     get_state(request).metrics_token.check(credentials.credentials if credentials else None)

@@ -41,14 +41,24 @@ _TYPES = {
 class APIError(Exception):
     """An error answered to the client as ``status`` with an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
-        self.type = type or _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        self.type = type or _TYPES.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -58,12 +68,16 @@ class APIError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """The ``{"error": {...}}`` body the OpenAI clients expect."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> APIError:
+def bad_request(
+    message: str, param: str | None = None, code: str | None = "invalid_value"
+) -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
@@ -79,14 +93,20 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
-        return bad_request(f"the request body is not valid JSON ({detail}); send a JSON object",
-                           code="invalid_json")
+        return bad_request(
+            f"the request body is not valid JSON ({detail}); send a JSON object",
+            code="invalid_json",
+        )
     loc = [p for p in first.get("loc", ()) if p not in ("body", "query", "header", "path")]
     if not loc:
         if first.get("type") == "missing":
-            return bad_request("the request body is missing; send a JSON object", code="invalid_request")
-        return bad_request(f"the request body must be a JSON object: {first.get('msg', 'invalid')}",
-                           code="invalid_request")
+            return bad_request(
+                "the request body is missing; send a JSON object", code="invalid_request"
+            )
+        return bad_request(
+            f"the request body must be a JSON object: {first.get('msg', 'invalid')}",
+            code="invalid_request",
+        )
     param = str(loc[0])
     path = _path(loc)
     # Several errors on the same field come from the members of a union: say so in one line.
@@ -117,7 +137,12 @@ def _path(loc: Sequence[Any]) -> str:
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "none") or "[" in part or part[:1].isupper() or "-" in part
+    return (
+        part in ("str", "int", "float", "bool", "none")
+        or "[" in part
+        or part[:1].isupper()
+        or "-" in part
+    )
 
 
 def _msg(error: dict[str, Any]) -> str:
@@ -144,10 +169,17 @@ def install_error_handlers(app: FastAPI) -> None:
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
         message = str(exc.detail)
         if exc.status_code == 404:
-            message = f"no such endpoint: {request.method} {request.url.path}; see /docs for the API"
+            message = (
+                f"no such endpoint: {request.method} {request.url.path}; see /docs for the API"
+            )
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
-        err = APIError(exc.status_code, message, code=codes.get(exc.status_code), headers=dict(exc.headers or {}))
+        err = APIError(
+            exc.status_code,
+            message,
+            code=codes.get(exc.status_code),
+            headers=dict(exc.headers or {}),
+        )
         return answer(request, err)
 
     app.add_exception_handler(APIError, on_api_error)
@@ -157,5 +189,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def internal_error() -> APIError:
     """The 500 sent for an unexpected failure (the traceback goes to the log, not the client)."""
-    return APIError(500, "the server had an error while processing your request; it has been logged",
-                    code="internal_error")
+    return APIError(
+        500,
+        "the server had an error while processing your request; it has been logged",
+        code="internal_error",
+    )

@@ -12,7 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvfuse.engine import GenerationResult, Outcome, RequestCancelled
@@ -32,47 +37,103 @@ _TIER_COUNTERS = {
     "puts": ("kvfuse_tier_puts", "Entries written to the tier."),
     "evictions": ("kvfuse_tier_evictions", "Entries evicted from the tier to make room."),
     "errors": ("kvfuse_tier_errors", "Tier failures (each treated as a miss or a dropped write)."),
-    "dropped_writes": ("kvfuse_tier_dropped_writes", "Writes to the tier dropped (full write queue or failure)."),
-    "protected_evictions": ("kvfuse_tier_protected_evictions", "Entries of queued requests evicted anyway, for want "
-                                                              "of room (queue-aware eviction)."),
-    "expired": ("kvfuse_tier_expired", "Entries removed because their retention (prompt_cache_retention, a "
-                                       "breakpoint's ttl, cache.retention) ran out."),
+    "dropped_writes": (
+        "kvfuse_tier_dropped_writes",
+        "Writes to the tier dropped (full write queue or failure).",
+    ),
+    "protected_evictions": (
+        "kvfuse_tier_protected_evictions",
+        "Entries of queued requests evicted anyway, for want of room (queue-aware eviction).",
+    ),
+    "expired": (
+        "kvfuse_tier_expired",
+        "Entries removed because their retention (prompt_cache_retention, a "
+        "breakpoint's ttl, cache.retention) ran out.",
+    ),
 }
 _STORE_COUNTERS = {
     "lookups": ("kvfuse_store_lookups", "Prefix lookups."),
     "lookup_keys": ("kvfuse_store_lookup_chunks", "Chunks asked for by lookups."),
     "lookup_hits": ("kvfuse_store_lookup_hit_chunks", "Chunks found by lookups."),
-    "promotions": ("kvfuse_store_promotions", "Chunks copied up into the first tier after a lower-tier hit."),
-    "unusable_entries": ("kvfuse_store_unusable_entries", "Entries read back damaged or not as expected (removed; "
-                                                          "each a miss, never used)."),
-    "queue_full_drops": ("kvfuse_store_write_queue_drops", "Lower-tier writes dropped because the write queue was full."),
-    "prefetched": ("kvfuse_prefetched_chunks", "Entries of queued requests read from a lower tier into memory "
-                                               "before they ran."),
-    "prefetch_hits": ("kvfuse_prefetch_hits", "Entries a request found in memory because they were prefetched."),
-    "prefetch_misses": ("kvfuse_prefetch_misses", "Entries a request still read from a lower tier while prefetching "
-                                                  "was on."),
-    "reencoded": ("kvfuse_store_reencoded_chunks", "Entries re-encoded for a tier's own codec or a streaming level."),
-    "reencode_errors": ("kvfuse_store_reencode_errors", "Entries a tier's codec could not encode (not written there)."),
+    "promotions": (
+        "kvfuse_store_promotions",
+        "Chunks copied up into the first tier after a lower-tier hit.",
+    ),
+    "unusable_entries": (
+        "kvfuse_store_unusable_entries",
+        "Entries read back damaged or not as expected (removed; each a miss, never used).",
+    ),
+    "queue_full_drops": (
+        "kvfuse_store_write_queue_drops",
+        "Lower-tier writes dropped because the write queue was full.",
+    ),
+    "prefetched": (
+        "kvfuse_prefetched_chunks",
+        "Entries of queued requests read from a lower tier into memory before they ran.",
+    ),
+    "prefetch_hits": (
+        "kvfuse_prefetch_hits",
+        "Entries a request found in memory because they were prefetched.",
+    ),
+    "prefetch_misses": (
+        "kvfuse_prefetch_misses",
+        "Entries a request still read from a lower tier while prefetching was on.",
+    ),
+    "reencoded": (
+        "kvfuse_store_reencoded_chunks",
+        "Entries re-encoded for a tier's own codec or a streaming level.",
+    ),
+    "reencode_errors": (
+        "kvfuse_store_reencode_errors",
+        "Entries a tier's codec could not encode (not written there).",
+    ),
 }
 # Engine counters of conversations -> (metric name, help)
 _HISTORY_COUNTERS = {
-    "history_requests": ("kvfuse_history_requests", "Prompts lined up with a stored conversation history."),
-    "history_tokens_reused": ("kvfuse_history_reused_tokens", "Prompt tokens whose KV came from a stored "
-                                                              "conversation history (previous prompts and answers)."),
-    "moved_tokens_reused": ("kvfuse_history_moved_tokens", "History tokens reused at new positions after the oldest "
-                                                           "turns were dropped (keys re-rotated)."),
-    "truncated_requests": ("kvfuse_truncated_requests", "Conversations that outgrew the context window."),
-    "truncated_messages": ("kvfuse_truncated_messages", "Messages dropped from conversations beyond the context window."),
+    "history_requests": (
+        "kvfuse_history_requests",
+        "Prompts lined up with a stored conversation history.",
+    ),
+    "history_tokens_reused": (
+        "kvfuse_history_reused_tokens",
+        "Prompt tokens whose KV came from a stored "
+        "conversation history (previous prompts and answers).",
+    ),
+    "moved_tokens_reused": (
+        "kvfuse_history_moved_tokens",
+        "History tokens reused at new positions after the oldest "
+        "turns were dropped (keys re-rotated).",
+    ),
+    "truncated_requests": (
+        "kvfuse_truncated_requests",
+        "Conversations that outgrew the context window.",
+    ),
+    "truncated_messages": (
+        "kvfuse_truncated_messages",
+        "Messages dropped from conversations beyond the context window.",
+    ),
 }
 _SAVER_COUNTERS = {
     "saved_entries": ("kvfuse_saved_chunks", "Entries saved by the background saver."),
     "saved_bytes": ("kvfuse_saved_bytes", "Bytes of entries saved by the background saver."),
-    "save_s": ("kvfuse_save_seconds", "Time the background saver spent saving (off the request path)."),
+    "save_s": (
+        "kvfuse_save_seconds",
+        "Time the background saver spent saving (off the request path).",
+    ),
     "save_jobs": ("kvfuse_save_jobs", "Save jobs handed to the background saver."),
-    "handoff_s": ("kvfuse_save_handoff_seconds", "Time requests spent handing KV to the saver (on the request path)."),
-    "save_waits": ("kvfuse_save_waits", "Prefills that waited for KV still being saved (the previous turn's)."),
+    "handoff_s": (
+        "kvfuse_save_handoff_seconds",
+        "Time requests spent handing KV to the saver (on the request path).",
+    ),
+    "save_waits": (
+        "kvfuse_save_waits",
+        "Prefills that waited for KV still being saved (the previous turn's).",
+    ),
     "save_wait_s": ("kvfuse_save_wait_seconds", "Time prefills waited for KV still being saved."),
-    "save_errors": ("kvfuse_save_errors", "Save jobs that failed (their entries are misses later)."),
+    "save_errors": (
+        "kvfuse_save_errors",
+        "Save jobs that failed (their entries are misses later).",
+    ),
 }
 
 
@@ -87,37 +148,71 @@ class CacheCollector(Collector):
         if engine is None:
             return
         s = engine.stats_snapshot()
-        tokens = CounterMetricFamily("kvfuse_prompt_tokens", "Prompt tokens, by whether their KV was reused from "
-                                     "the cache or prefilled.", labels=["source"])
+        tokens = CounterMetricFamily(
+            "kvfuse_prompt_tokens",
+            "Prompt tokens, by whether their KV was reused from the cache or prefilled.",
+            labels=["source"],
+        )
         tokens.add_metric(["cached"], s["tokens_reused"])
         tokens.add_metric(["prefilled"], s["tokens_prefilled"])
         yield tokens
-        yield CounterMetricFamily("kvfuse_generation_tokens", "Tokens generated.", value=s["tokens_generated"])
-        yield CounterMetricFamily("kvfuse_engine_requests", "Requests the engine finished.", value=s["requests"])
-        yield CounterMetricFamily("kvfuse_engine_requests_skipped", "Requests cancelled while they waited (never run).",
-                                  value=s["requests_skipped"])
-        yield CounterMetricFamily("kvfuse_chunks_stored", "KV chunks written to the store.", value=s["chunks_stored"])
-        yield CounterMetricFamily("kvfuse_chunk_load_failures", "Cached chunks that could not be used.",
-                                  value=s["chunk_load_failures"])
+        yield CounterMetricFamily(
+            "kvfuse_generation_tokens", "Tokens generated.", value=s["tokens_generated"]
+        )
+        yield CounterMetricFamily(
+            "kvfuse_engine_requests", "Requests the engine finished.", value=s["requests"]
+        )
+        yield CounterMetricFamily(
+            "kvfuse_engine_requests_skipped",
+            "Requests cancelled while they waited (never run).",
+            value=s["requests_skipped"],
+        )
+        yield CounterMetricFamily(
+            "kvfuse_chunks_stored", "KV chunks written to the store.", value=s["chunks_stored"]
+        )
+        yield CounterMetricFamily(
+            "kvfuse_chunk_load_failures",
+            "Cached chunks that could not be used.",
+            value=s["chunk_load_failures"],
+        )
         yield from _blend_metrics(s)
-        reused = CounterMetricFamily("kvfuse_reused_chunks", "Chunks reused by requests, by the tier they came from.",
-                                     labels=["tier"])
+        reused = CounterMetricFamily(
+            "kvfuse_reused_chunks",
+            "Chunks reused by requests, by the tier they came from.",
+            labels=["tier"],
+        )
         for tier, n in sorted(s["hits_by_tier"].items()):
             reused.add_metric([tier], n)
         yield reused
         for key, (name, help_) in _HISTORY_COUNTERS.items():
             yield CounterMetricFamily(name, help_, value=s.get(key, 0))
         if "history_records" in s:
-            yield GaugeMetricFamily("kvfuse_history_records", "Conversation histories whose token ids are remembered.",
-                                    value=s["history_records"])
-        yield CounterMetricFamily("kvfuse_stream_requests", "Prompts whose slow-tier KV was streamed within "
-                                  "kv_slo_ms (CacheGen).", value=s.get("streamed_requests", 0))
-        yield CounterMetricFamily("kvfuse_stream_slo_violations", "Streamed loads that took longer than kv_slo_ms.",
-                                  value=s.get("stream_slo_violations", 0))
-        yield CounterMetricFamily("kvfuse_stream_read_bytes", "Bytes read by streamed loads.",
-                                  value=s.get("stream_bytes", 0))
-        streamed = CounterMetricFamily("kvfuse_stream_chunks", "Streamed chunks, by the encoding read (raw, "
-                                       "cachegen.N) or recompute (no encoding fit the budget).", labels=["encoding"])
+            yield GaugeMetricFamily(
+                "kvfuse_history_records",
+                "Conversation histories whose token ids are remembered.",
+                value=s["history_records"],
+            )
+        yield CounterMetricFamily(
+            "kvfuse_stream_requests",
+            "Prompts whose slow-tier KV was streamed within kv_slo_ms (CacheGen).",
+            value=s.get("streamed_requests", 0),
+        )
+        yield CounterMetricFamily(
+            "kvfuse_stream_slo_violations",
+            "Streamed loads that took longer than kv_slo_ms.",
+            value=s.get("stream_slo_violations", 0),
+        )
+        yield CounterMetricFamily(
+            "kvfuse_stream_read_bytes",
+            "Bytes read by streamed loads.",
+            value=s.get("stream_bytes", 0),
+        )
+        streamed = CounterMetricFamily(
+            "kvfuse_stream_chunks",
+            "Streamed chunks, by the encoding read (raw, "
+            "cachegen.N) or recompute (no encoding fit the budget).",
+            labels=["encoding"],
+        )
         for encoding, n in sorted(s.get("stream_chunks", {}).items()):
             streamed.add_metric([encoding], n)
         yield streamed
@@ -126,24 +221,37 @@ class CacheCollector(Collector):
         if saver is not None:
             for key, (name, help_) in _SAVER_COUNTERS.items():
                 yield CounterMetricFamily(name, help_, value=saver.get(key, 0))
-            yield GaugeMetricFamily("kvfuse_save_max_seconds", "The longest save job so far.",
-                                    value=saver.get("save_max_s", 0.0))
-            yield GaugeMetricFamily("kvfuse_saves_pending", "Entries handed to the saver and not saved yet.",
-                                    value=saver.get("pending", 0))
+            yield GaugeMetricFamily(
+                "kvfuse_save_max_seconds",
+                "The longest save job so far.",
+                value=saver.get("save_max_s", 0.0),
+            )
+            yield GaugeMetricFamily(
+                "kvfuse_saves_pending",
+                "Entries handed to the saver and not saved yet.",
+                value=saver.get("pending", 0),
+            )
         if engine.cache_enabled:
             yield from _store_metrics(engine.cache_stats())
 
 
 def _blend_metrics(s: dict) -> Iterator[Metric]:
     """Blends (documents, found spans): requests, recomputed tokens, budgets; automatic reuse."""
-    yield CounterMetricFamily("kvfuse_blend_requests", "Requests with documents (blended).",
-                              value=s["blended_requests"])
-    yield CounterMetricFamily("kvfuse_blend_recomputed_tokens", "Document (and found passage) tokens recomputed in "
-                              "context by blends.", value=s["tokens_recomputed"])
-    blends = CounterMetricFamily("kvfuse_blend_budget_requests", "Requests with documents (or with passages found "
-                                 "by automatic reuse), by how they were used: method (prefix: not blended), budget "
-                                 "and its source (profile, default, config, request).",
-                                 labels=["method", "recompute_ratio", "source"])
+    yield CounterMetricFamily(
+        "kvfuse_blend_requests", "Requests with documents (blended).", value=s["blended_requests"]
+    )
+    yield CounterMetricFamily(
+        "kvfuse_blend_recomputed_tokens",
+        "Document (and found passage) tokens recomputed in context by blends.",
+        value=s["tokens_recomputed"],
+    )
+    blends = CounterMetricFamily(
+        "kvfuse_blend_budget_requests",
+        "Requests with documents (or with passages found "
+        "by automatic reuse), by how they were used: method (prefix: not blended), budget "
+        "and its source (profile, default, config, request).",
+        labels=["method", "recompute_ratio", "source"],
+    )
     for label, n in sorted(s.get("blends", {}).items()):
         blends.add_metric(label.split(":"), n)
     yield blends
@@ -152,19 +260,31 @@ def _blend_metrics(s: dict) -> Iterator[Metric]:
 
 def _auto_reuse_metrics(s: dict) -> Iterator[Metric]:
     """Automatic reuse: requests by what it did, content chunks found and missing, tokens reused."""
-    requests = CounterMetricFamily("kvfuse_auto_reuse_requests", "Requests by what automatic reuse did: off, skipped "
-                                   "(documents, breakpoints, no cache), prefix (the model's blend is prefix: nothing "
-                                   "blended), none_found, blended.", labels=["status"])
+    requests = CounterMetricFamily(
+        "kvfuse_auto_reuse_requests",
+        "Requests by what automatic reuse did: off, skipped "
+        "(documents, breakpoints, no cache), prefix (the model's blend is prefix: nothing "
+        "blended), none_found, blended.",
+        labels=["status"],
+    )
     for status, n in sorted(s.get("auto_requests", {}).items()):
         requests.add_metric([status], n)
     yield requests
-    spans = CounterMetricFamily("kvfuse_auto_reuse_span_lookups", "Content chunks of plain prompts looked up after "
-                                "their prefix hit, by whether a tier held them.", labels=["result"])
+    spans = CounterMetricFamily(
+        "kvfuse_auto_reuse_span_lookups",
+        "Content chunks of plain prompts looked up after "
+        "their prefix hit, by whether a tier held them.",
+        labels=["result"],
+    )
     spans.add_metric(["hit"], s.get("span_hits", 0))
     spans.add_metric(["miss"], s.get("span_misses", 0))
     yield spans
-    yield CounterMetricFamily("kvfuse_auto_reuse_span_tokens", "Prompt tokens reused from passages found at other "
-                              "positions (after blending: not those recomputed).", value=s.get("span_tokens_reused", 0))
+    yield CounterMetricFamily(
+        "kvfuse_auto_reuse_span_tokens",
+        "Prompt tokens reused from passages found at other "
+        "positions (after blending: not those recomputed).",
+        value=s.get("span_tokens_reused", 0),
+    )
 
 
 def _histogram(name: str, help_: str, counts: dict, total: float) -> HistogramMetricFamily:
@@ -179,13 +299,27 @@ def _histogram(name: str, help_: str, counts: dict, total: float) -> HistogramMe
 
 def _batch_metrics(s: dict) -> Iterator[Metric]:
     """Continuous batching: steps, sequences and tokens per step, preemptions."""
-    yield CounterMetricFamily("kvfuse_engine_steps", "Batched forward passes the engine ran.", value=s.get("steps", 0))
-    yield _histogram("kvfuse_batch_sequences", "Sequences per forward pass (decodes and prompt chunks).",
-                     s.get("batch_sizes", {}), s.get("step_sequences", 0))
-    yield _histogram("kvfuse_batch_tokens", "Tokens per forward pass.", s.get("step_token_counts", {}),
-                     s.get("step_tokens", 0))
-    yield CounterMetricFamily("kvfuse_preemptions", "Running sequences whose KV was freed to make room for older "
-                              "ones (each ran again later, keeping its output).", value=s.get("preemptions", 0))
+    yield CounterMetricFamily(
+        "kvfuse_engine_steps", "Batched forward passes the engine ran.", value=s.get("steps", 0)
+    )
+    yield _histogram(
+        "kvfuse_batch_sequences",
+        "Sequences per forward pass (decodes and prompt chunks).",
+        s.get("batch_sizes", {}),
+        s.get("step_sequences", 0),
+    )
+    yield _histogram(
+        "kvfuse_batch_tokens",
+        "Tokens per forward pass.",
+        s.get("step_token_counts", {}),
+        s.get("step_tokens", 0),
+    )
+    yield CounterMetricFamily(
+        "kvfuse_preemptions",
+        "Running sequences whose KV was freed to make room for older "
+        "ones (each ran again later, keeping its output).",
+        value=s.get("preemptions", 0),
+    )
 
 
 def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
@@ -195,10 +329,15 @@ def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
         for tier, c in tiers.items():
             family.add_metric([tier], c.get(key, 0))
         yield family
-    for key, name, help_ in (("entries", "kvfuse_tier_entries", "Entries held by the tier."),
-                             ("used_bytes", "kvfuse_tier_used_bytes", "Bytes held by the tier."),
-                             ("capacity_bytes", "kvfuse_tier_capacity_bytes", "The tier's capacity (memory and "
-                                                                              "disk: cache.memory_bytes, cache.disk_bytes).")):
+    for key, name, help_ in (
+        ("entries", "kvfuse_tier_entries", "Entries held by the tier."),
+        ("used_bytes", "kvfuse_tier_used_bytes", "Bytes held by the tier."),
+        (
+            "capacity_bytes",
+            "kvfuse_tier_capacity_bytes",
+            "The tier's capacity (memory and disk: cache.memory_bytes, cache.disk_bytes).",
+        ),
+    ):
         family = GaugeMetricFamily(name, help_, labels=["tier"])
         for tier, c in tiers.items():
             if c.get(key) is not None:
@@ -207,14 +346,21 @@ def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
     store = stats.get("store", {})
     for key, (name, help_) in _STORE_COUNTERS.items():
         yield CounterMetricFamily(name, help_, value=store.get(key, 0))
-    refused = CounterMetricFamily("kvfuse_store_signature_rejects", "Entries read from disk, Redis or S3 with signing "
-                                  "on that were unsigned or signed by no accepted key (removed; each a miss, never "
-                                  "used; counted in kvfuse_store_unusable_entries too).", labels=["reason"])
+    refused = CounterMetricFamily(
+        "kvfuse_store_signature_rejects",
+        "Entries read from disk, Redis or S3 with signing "
+        "on that were unsigned or signed by no accepted key (removed; each a miss, never "
+        "used; counted in kvfuse_store_unusable_entries too).",
+        labels=["reason"],
+    )
     for reason, key in (("unsigned", "signature_unsigned"), ("mismatch", "signature_mismatch")):
         refused.add_metric([reason], store.get(key, 0))
     yield refused
-    yield GaugeMetricFamily("kvfuse_store_write_queue_depth", "Lower-tier writes waiting.",
-                            value=store.get("queue_depth", 0))
+    yield GaugeMetricFamily(
+        "kvfuse_store_write_queue_depth",
+        "Lower-tier writes waiting.",
+        value=store.get("queue_depth", 0),
+    )
 
 
 class TenantCollector(Collector):
@@ -230,9 +376,12 @@ class TenantCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         engine = self._engine()
         usage = engine.store.tenant_usage() if engine is not None and engine.cache_enabled else {}
-        families = {key: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(name, help_,
-                                                                                          labels=["tenant", "tier"])
-                    for key, (name, kind, help_) in _TENANT_SERIES.items()}
+        families = {
+            key: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, help_, labels=["tenant", "tier"]
+            )
+            for key, (name, kind, help_) in _TENANT_SERIES.items()
+        }
         for tier, tenants in sorted(usage.items()):
             for tag, u in sorted(tenants.items()):
                 for key, family in families.items():
@@ -242,12 +391,26 @@ class TenantCollector(Collector):
 
 # tier.tenant_usage() fields -> (metric name, type, help)
 _TENANT_SERIES = {
-    "used_bytes": ("kvfuse_tenant_used_bytes", "gauge", "Bytes a tenant with a quota holds in the tier."),
-    "entries": ("kvfuse_tenant_entries", "gauge", "Entries a tenant with a quota holds in the tier."),
-    "quota_bytes": ("kvfuse_tenant_quota_bytes", "gauge", "The tenant's byte quota in the tier "
-                                                         "(tenants.<name>.quota.<tier>_bytes)."),
-    "quota_evictions": ("kvfuse_tenant_quota_evictions", "counter", "Entries of the tenant evicted because it was "
-                                                                  "over its quota in the tier (its own oldest)."),
+    "used_bytes": (
+        "kvfuse_tenant_used_bytes",
+        "gauge",
+        "Bytes a tenant with a quota holds in the tier.",
+    ),
+    "entries": (
+        "kvfuse_tenant_entries",
+        "gauge",
+        "Entries a tenant with a quota holds in the tier.",
+    ),
+    "quota_bytes": (
+        "kvfuse_tenant_quota_bytes",
+        "gauge",
+        "The tenant's byte quota in the tier (tenants.<name>.quota.<tier>_bytes).",
+    ),
+    "quota_evictions": (
+        "kvfuse_tenant_quota_evictions",
+        "counter",
+        "Entries of the tenant evicted because it was over its quota in the tier (its own oldest).",
+    ),
 }
 
 
@@ -255,44 +418,88 @@ class ServerMetrics:
     """The metrics of one app. ``render()`` gives the Prometheus text exposition. ``tenant_names``:
     tenant tag -> name, for the per-tenant series (``TenantCollector``)."""
 
-    def __init__(self, engine_getter: Callable[[], object | None], queue: Callable[[], dict[str, int]],
-                 tenant_names: Mapping[str, str] | None = None):
+    def __init__(
+        self,
+        engine_getter: Callable[[], object | None],
+        queue: Callable[[], dict[str, int]],
+        tenant_names: Mapping[str, str] | None = None,
+    ):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvfuse_http_requests", "HTTP requests by endpoint and status.",
-                                ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("kvfuse_time_to_first_token_seconds",
-                              "Time from queueing a request to its first generated token (queue wait + lookup + load "
-                              "+ prefill).", buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("kvfuse_time_per_output_token_seconds",
-                              "Mean decode time per output token after the first, one observation per request.",
-                              buckets=_TPOT_BUCKETS, registry=r)
-        self.save_path = Histogram("kvfuse_request_save_seconds",
-                                   "Time each request spent on saving its KV on the request path (handing it to the "
-                                   "saver; the saving itself runs off the request path).",
-                                   buckets=_TPOT_BUCKETS, registry=r)
-        self.queue_wait = Histogram("kvfuse_queue_wait_seconds", "Time requests waited in the queue.",
-                                    buckets=_TTFT_BUCKETS, registry=r)
-        self.cancelled = Counter("kvfuse_requests_cancelled",
-                                 "Requests whose client left: skipped while queued, or stopped while generating.",
-                                 ["stage"], registry=r)
-        self.rejected = Counter("kvfuse_requests_rejected", "Requests refused because the queue was full.", registry=r)
+        self.requests = Counter(
+            "kvfuse_http_requests",
+            "HTTP requests by endpoint and status.",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvfuse_time_to_first_token_seconds",
+            "Time from queueing a request to its first generated token (queue wait + lookup + load "
+            "+ prefill).",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "kvfuse_time_per_output_token_seconds",
+            "Mean decode time per output token after the first, one observation per request.",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.save_path = Histogram(
+            "kvfuse_request_save_seconds",
+            "Time each request spent on saving its KV on the request path (handing it to the "
+            "saver; the saving itself runs off the request path).",
+            buckets=_TPOT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "kvfuse_queue_wait_seconds",
+            "Time requests waited in the queue.",
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.cancelled = Counter(
+            "kvfuse_requests_cancelled",
+            "Requests whose client left: skipped while queued, or stopped while generating.",
+            ["stage"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "kvfuse_requests_rejected", "Requests refused because the queue was full.", registry=r
+        )
         Gauge("kvfuse_queue_depth", "Requests waiting in the queue.", registry=r).set_function(
-            lambda: queue().get("waiting", 0))
+            lambda: queue().get("waiting", 0)
+        )
         Gauge("kvfuse_requests_running", "Requests being generated.", registry=r).set_function(
-            lambda: queue().get("running", 0))
-        Gauge("kvfuse_kv_memory_bytes", "Live KV memory held by running sequences (engine.kv_memory_bytes "
-              "bounds it).", registry=r).set_function(lambda: queue().get("kv_bytes_used", 0))
-        Gauge("kvfuse_kv_memory_peak_bytes", "The most live KV memory held at once.", registry=r).set_function(
-            lambda: queue().get("kv_bytes_peak", 0))
-        Gauge("kvfuse_kv_memory_limit_bytes", "The live KV memory budget (0: unbounded).", registry=r).set_function(
-            lambda: queue().get("kv_bytes_limit", 0))
-        self.responses = Counter("kvfuse_responses", "Responses API: responses by event (created, stored, continued "
-                                 "from previous_response_id, deleted, expired).", ["event"], registry=r)
-        self.stored_responses = Gauge("kvfuse_stored_responses", "Responses API: responses stored (all tenants).",
-                                      registry=r)
-        self.quota_rejections = Counter("kvfuse_tenant_rejected_requests", "Requests refused (429) because the "
-                                        "tenant was over a quota, by tenant and limit (requests_per_minute).",
-                                        ["tenant", "limit"], registry=r)
+            lambda: queue().get("running", 0)
+        )
+        Gauge(
+            "kvfuse_kv_memory_bytes",
+            "Live KV memory held by running sequences (engine.kv_memory_bytes bounds it).",
+            registry=r,
+        ).set_function(lambda: queue().get("kv_bytes_used", 0))
+        Gauge(
+            "kvfuse_kv_memory_peak_bytes", "The most live KV memory held at once.", registry=r
+        ).set_function(lambda: queue().get("kv_bytes_peak", 0))
+        Gauge(
+            "kvfuse_kv_memory_limit_bytes", "The live KV memory budget (0: unbounded).", registry=r
+        ).set_function(lambda: queue().get("kv_bytes_limit", 0))
+        self.responses = Counter(
+            "kvfuse_responses",
+            "Responses API: responses by event (created, stored, continued "
+            "from previous_response_id, deleted, expired).",
+            ["event"],
+            registry=r,
+        )
+        self.stored_responses = Gauge(
+            "kvfuse_stored_responses", "Responses API: responses stored (all tenants).", registry=r
+        )
+        self.quota_rejections = Counter(
+            "kvfuse_tenant_rejected_requests",
+            "Requests refused (429) because the "
+            "tenant was over a quota, by tenant and limit (requests_per_minute).",
+            ["tenant", "limit"],
+            registry=r,
+        )
         r.register(CacheCollector(engine_getter))
         r.register(TenantCollector(engine_getter, tenant_names or {}))
 

@@ -25,7 +25,15 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger("kvfuse.server.requests")
 
 # Label values of kvfuse_http_requests_total: the routes, and "other" (bounded cardinality).
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/kv", "/v1/kv/stats", "/health", "/metrics")
+ENDPOINTS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/models",
+    "/v1/kv",
+    "/v1/kv/stats",
+    "/health",
+    "/metrics",
+)
 
 
 def endpoint_label(path: str) -> str:
@@ -48,7 +56,9 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        record = RequestRecord(request_id=f"req_{uuid.uuid4().hex}", method=scope["method"], path=scope["path"])
+        record = RequestRecord(
+            request_id=f"req_{uuid.uuid4().hex}", method=scope["method"], path=scope["path"]
+        )
         scope[RECORD_KEY] = record
         started = False
 
@@ -64,7 +74,9 @@ class RequestContextMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         except Exception:
-            log.exception("request %s (%s %s) failed", record.request_id, record.method, record.path)
+            log.exception(
+                "request %s (%s %s) failed", record.request_id, record.method, record.path
+            )
             record.error = record.error or "internal_error"
             if started:
                 record.status = 500  # the response was cut short
@@ -72,7 +84,9 @@ class RequestContextMiddleware:
                 await internal_error().response()(scope, receive, send_with_id)
         finally:
             record.duration_ms = round((time.perf_counter() - t0) * 1000, 1)
-            self.metrics.requests.labels(endpoint=endpoint_label(record.path), status=str(record.status)).inc()
+            self.metrics.requests.labels(
+                endpoint=endpoint_label(record.path), status=str(record.status)
+            ).inc()
             if request_log.isEnabledFor(logging.INFO):
                 fields = {k: v for k, v in asdict(record).items() if v is not None}
                 request_log.info(json.dumps({"event": "request", **fields}, ensure_ascii=False))
@@ -80,7 +94,9 @@ class RequestContextMiddleware:
 
 class BodyTooLarge(HTTPException):
     def __init__(self, limit: int):
-        super().__init__(413, f"the request body is larger than {limit} bytes (server.max_body_bytes)")
+        super().__init__(
+            413, f"the request body is larger than {limit} bytes (server.max_body_bytes)"
+        )
 
 
 class BodyLimitMiddleware:
@@ -98,12 +114,25 @@ class BodyLimitMiddleware:
         length = dict(scope.get("headers", ())).get(b"content-length")
         if length is not None:
             if not length.strip().isdigit():
-                await _reply(scope, receive, send, 400, "the Content-Length header is not a number", "invalid_request")
+                await _reply(
+                    scope,
+                    receive,
+                    send,
+                    400,
+                    "the Content-Length header is not a number",
+                    "invalid_request",
+                )
                 return
             if int(length) > self.limit:
-                await _reply(scope, receive, send, 413,
-                             f"the request body ({int(length)} bytes) is larger than {self.limit} bytes "
-                             "(server.max_body_bytes)", "request_too_large")
+                await _reply(
+                    scope,
+                    receive,
+                    send,
+                    413,
+                    f"the request body ({int(length)} bytes) is larger than {self.limit} bytes "
+                    "(server.max_body_bytes)",
+                    "request_too_large",
+                )
                 return
         received = 0
 
@@ -113,13 +142,20 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    raise BodyTooLarge(self.limit)  # FastAPI re-raises HTTPExceptions from body reads
+                    raise BodyTooLarge(
+                        self.limit
+                    )  # FastAPI re-raises HTTPExceptions from body reads
             return message
 
         await self.app(scope, limited_receive, send)
 
 
-async def _reply(scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str) -> None:
-    response = JSONResponse(error_body(message, "invalid_request_error", None, code), status_code=status,
-                            headers={"connection": "close"})
+async def _reply(
+    scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
+) -> None:
+    response = JSONResponse(
+        error_body(message, "invalid_request_error", None, code),
+        status_code=status,
+        headers={"connection": "close"},
+    )
     await response(scope, receive, send)

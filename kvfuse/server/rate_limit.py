@@ -57,7 +57,9 @@ class RateLimiter:
     """Each tenant's admitted requests' times; ``limit_of(tenant)``: its requests per minute (None:
     unlimited). ``clock``: monotonic seconds (tests inject one). Thread-safe."""
 
-    def __init__(self, limit_of: Callable[[str], int | None], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, limit_of: Callable[[str], int | None], clock: Callable[[], float] = time.monotonic
+    ):
         self._limit_of = limit_of
         self._clock = clock
         self._times: dict[str, deque[float]] = {}
@@ -85,11 +87,19 @@ def rate_limited(tenant: str, setting: str, decision: Decision, limit: int) -> A
     rate_limit_exceeded``), naming the limit and the ``setting`` that sets it."""
     wait = decision.retry_after_s
     who = f"tenant {tenant!r}" if tenant else "the anonymous tenant"
-    message = (f"Rate limit reached for requests per minute (RPM) of {who}: Limit {limit}, Used {decision.used}, "
-               f"Requested 1. Please try again in {wait:.3g}s. The limit is {setting}.")
-    return APIError(429, message, type="requests", code="rate_limit_exceeded", headers={
-        "retry-after": str(max(1, math.ceil(wait))),
-        "x-ratelimit-limit-requests": str(limit),
-        "x-ratelimit-remaining-requests": "0",
-        "x-ratelimit-reset-requests": f"{wait:.3g}s",
-    })
+    message = (
+        f"Rate limit reached for requests per minute (RPM) of {who}: Limit {limit}, Used {decision.used}, "
+        f"Requested 1. Please try again in {wait:.3g}s. The limit is {setting}."
+    )
+    return APIError(
+        429,
+        message,
+        type="requests",
+        code="rate_limit_exceeded",
+        headers={
+            "retry-after": str(max(1, math.ceil(wait))),
+            "x-ratelimit-limit-requests": str(limit),
+            "x-ratelimit-remaining-requests": "0",
+            "x-ratelimit-reset-requests": f"{wait:.3g}s",
+        },
+    )

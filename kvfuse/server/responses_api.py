@@ -37,12 +37,12 @@ from kvfuse.engine import GenerationResult, Outcome
 from kvfuse.history.records import decode_record, encode_record
 from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
 
+from .bodies import usage as chat_usage
 from .completions import ERRORS, outcome_result, submit, watch_disconnect
 from .deps import current_tenant, get_state, limited_tenant
 from .errors import APIError, bad_request
 from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
-from .bodies import usage as chat_usage
 from .schemas import ChatCompletionRequest, ResponseCreateRequest
 from .state import ServerState
 from .translate import check_model, plan_chat
@@ -61,7 +61,9 @@ def _new_id(prefix: str) -> str:
 # ------------------------------------------------------------------------------ pure translation
 
 
-def input_messages(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def input_messages(
+    value: str | list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The chat messages of a Responses ``input`` (content parts as chat ``text`` parts, with their
     cache breakpoints) and the input items as they are stored and listed (each with an id).
     A 400 naming the item for anything that is not a text message."""
@@ -76,33 +78,63 @@ def input_messages(value: str | list[dict[str, Any]]) -> tuple[list[dict[str, An
         where = f"input[{i}]"
         kind = item.get("type", "message")
         if kind != "message":
-            raise bad_request(f"{where}: items of type {kind!r} are not supported; send messages "
-                              "({\"role\": ..., \"content\": ...})", param="input")
+            raise bad_request(
+                f"{where}: items of type {kind!r} are not supported; send messages "
+                '({"role": ..., "content": ...})',
+                param="input",
+            )
         role = item.get("role")
         if role not in _ROLES:
-            raise bad_request(f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}", param="input")
+            raise bad_request(
+                f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}", param="input"
+            )
         content = item.get("content")
         parts: list[dict[str, Any]] = []
         if isinstance(content, str):
             parts = [{"type": "text", "text": content}]
         elif isinstance(content, list) and content:
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS or \
-                        not isinstance(part.get("text"), str):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") not in _TEXT_PARTS
+                    or not isinstance(part.get("text"), str)
+                ):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise bad_request(f"{where}.content[{j}]: only text parts (input_text, output_text) are "
-                                      f"supported, got {kind!r}", param="input")
-                parts.append({"type": "text", "text": part["text"],
-                              **{k: part[k] for k in ("cache_control", "prompt_cache_breakpoint") if part.get(k)}})
+                    raise bad_request(
+                        f"{where}.content[{j}]: only text parts (input_text, output_text) are "
+                        f"supported, got {kind!r}",
+                        param="input",
+                    )
+                parts.append(
+                    {
+                        "type": "text",
+                        "text": part["text"],
+                        **{
+                            k: part[k]
+                            for k in ("cache_control", "prompt_cache_breakpoint")
+                            if part.get(k)
+                        },
+                    }
+                )
         else:
-            raise bad_request(f"{where}.content: must be a string or a non-empty list of text parts", param="input")
+            raise bad_request(
+                f"{where}.content: must be a string or a non-empty list of text parts",
+                param="input",
+            )
         message: dict[str, Any] = {"role": role, "content": parts}
         if item.get("cache_control"):
             message["cache_control"] = item["cache_control"]
         messages.append(message)
         part_type = "output_text" if role == "assistant" else "input_text"
-        items.append({"id": _new_id("msg"), "type": "message", "role": role, "status": "completed",
-                      "content": [{"type": part_type, "text": p["text"]} for p in parts]})
+        items.append(
+            {
+                "id": _new_id("msg"),
+                "type": "message",
+                "role": role,
+                "status": "completed",
+                "content": [{"type": part_type, "text": p["text"]} for p in parts],
+            }
+        )
     return messages, items
 
 
@@ -117,19 +149,40 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def chat_request(body: ResponseCreateRequest, history: list[dict[str, Any]],
-                 messages: list[dict[str, Any]]) -> ChatCompletionRequest:
+def chat_request(
+    body: ResponseCreateRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]
+) -> ChatCompletionRequest:
     """The chat completion request a Responses request stands for."""
-    conversation = ([{"role": "system", "content": body.instructions}] if body.instructions is not None else []) + \
-        history + messages
-    fields = dict(model=body.model, messages=conversation, max_completion_tokens=body.max_output_tokens,
-                  temperature=body.temperature, top_p=body.top_p, seed=body.seed, stream=False,
-                  ignore_eos=body.ignore_eos, prompt_cache_key=body.prompt_cache_key,
-                  prompt_cache_retention=body.prompt_cache_retention, prompt_cache_options=body.prompt_cache_options,
-                  cache_salt=body.cache_salt, cache=body.cache, kv_slo_ms=body.kv_slo_ms, blend_auto=body.blend_auto)
+    conversation = (
+        (
+            [{"role": "system", "content": body.instructions}]
+            if body.instructions is not None
+            else []
+        )
+        + history
+        + messages
+    )
+    fields = dict(
+        model=body.model,
+        messages=conversation,
+        max_completion_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stream=False,
+        ignore_eos=body.ignore_eos,
+        prompt_cache_key=body.prompt_cache_key,
+        prompt_cache_retention=body.prompt_cache_retention,
+        prompt_cache_options=body.prompt_cache_options,
+        cache_salt=body.cache_salt,
+        cache=body.cache,
+        kv_slo_ms=body.kv_slo_ms,
+        blend_auto=body.blend_auto,
+    )
     try:
         return ChatCompletionRequest.model_validate(
-            {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()})
+            {k: v.model_dump() if hasattr(v, "model_dump") else v for k, v in fields.items()}
+        )
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
@@ -153,7 +206,9 @@ def usage(result: GenerationResult) -> dict[str, Any]:
 class ResponseObject:
     """The response object of one request, as it changes: in progress, then completed/incomplete."""
 
-    def __init__(self, body: ResponseCreateRequest, model: str, previous_id: str | None, clock=time.time):
+    def __init__(
+        self, body: ResponseCreateRequest, model: str, previous_id: str | None, clock=time.time
+    ):
         self.id = _new_id("resp")
         self.message_id = _new_id("msg")
         self.clock = clock
@@ -161,29 +216,58 @@ class ResponseObject:
         self.body, self.model, self.previous_id = body, model, previous_id
         self.sequence = 0
 
-    def object(self, status: str, result: GenerationResult | None = None, text: str = "") -> dict[str, Any]:
+    def object(
+        self, status: str, result: GenerationResult | None = None, text: str = ""
+    ) -> dict[str, Any]:
         b = self.body
         output = []
         if result is not None:
-            output = [self.message(result.text, "incomplete" if status == "incomplete" else "completed")]
+            output = [
+                self.message(result.text, "incomplete" if status == "incomplete" else "completed")
+            ]
         return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
             "completed_at": int(self.clock()) if status in ("completed", "incomplete") else None,
             "error": None,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
-            "output": output, "parallel_tool_calls": False, "previous_response_id": self.previous_id,
-            "store": b.store, "temperature": 1.0 if b.temperature is None else b.temperature,
-            "top_p": 1.0 if b.top_p is None else b.top_p, "tool_choice": "auto", "tools": [],
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": b.metadata or {},
-            "prompt_cache_key": b.prompt_cache_key, "prompt_cache_retention": b.prompt_cache_retention,
-            "user": b.user, "usage": usage(result) if result is not None else None,
+            "incomplete_details": {"reason": "max_output_tokens"}
+            if status == "incomplete"
+            else None,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": False,
+            "previous_response_id": self.previous_id,
+            "store": b.store,
+            "temperature": 1.0 if b.temperature is None else b.temperature,
+            "top_p": 1.0 if b.top_p is None else b.top_p,
+            "tool_choice": "auto",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "metadata": b.metadata or {},
+            "prompt_cache_key": b.prompt_cache_key,
+            "prompt_cache_retention": b.prompt_cache_retention,
+            "user": b.user,
+            "usage": usage(result) if result is not None else None,
         }
 
     def message(self, text: str, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status != "in_progress" \
+        content = (
+            [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+            if status != "in_progress"
             else []
-        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+        )
+        return {
+            "id": self.message_id,
+            "type": "message",
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
 
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -200,17 +284,28 @@ class ResponseObject:
 def _stored(state: ServerState, tenant: str, response_id: str) -> StoredResponse:
     """The tenant's stored response ``response_id`` (404 otherwise; an expired one is freed)."""
     if state.responses is None:
-        raise APIError(404, f"response {response_id!r} not found: this server stores no responses "
-                            "(responses.store is false)", param="response_id", code="not_found")
+        raise APIError(
+            404,
+            f"response {response_id!r} not found: this server stores no responses "
+            "(responses.store is false)",
+            param="response_id",
+            code="not_found",
+        )
     try:
         return state.responses.get(tenant, response_id)
     except ResponseExpired as e:
         state.metrics.responses.labels(event="expired").inc()
         state.engine.free_entries(e.keys)
-        raise APIError(404, f"response {response_id!r} has expired (responses.ttl) and was removed",
-                       param="response_id", code="response_expired") from None
+        raise APIError(
+            404,
+            f"response {response_id!r} has expired (responses.ttl) and was removed",
+            param="response_id",
+            code="response_expired",
+        ) from None
     except ResponseNotFound:
-        raise APIError(404, f"response {response_id!r} not found", param="response_id", code="not_found") from None
+        raise APIError(
+            404, f"response {response_id!r} not found", param="response_id", code="not_found"
+        ) from None
 
 
 def _purge(state: ServerState) -> None:
@@ -224,23 +319,33 @@ def _purge(state: ServerState) -> None:
 
 
 @router.post(
-    "/v1/responses", summary="Create a response", response_model=None,
-    responses={200: {"description": "The response object, or with stream=true its events."}, **ERRORS},
+    "/v1/responses",
+    summary="Create a response",
+    response_model=None,
+    responses={
+        200: {"description": "The response object, or with stream=true its events."},
+        **ERRORS,
+    },
     description="OpenAI's Responses API (text). `previous_response_id` continues a stored response's conversation "
-                "without sending it again, reusing its KV; `usage.input_tokens_details.cached_tokens` says how much. "
-                "kvfuse extension fields: `cache_salt`, `cache`, `kv_slo_ms`, `blend_auto`, `seed`.",
+    "without sending it again, reusing its KV; `usage.input_tokens_details.cached_tokens` says how much. "
+    "kvfuse extension fields: `cache_salt`, `cache`, `kv_slo_ms`, `blend_auto`, `seed`.",
 )
-async def create_response(body: ResponseCreateRequest, request: Request,
-                          tenant: str = Depends(limited_tenant)) -> JSONResponse | StreamingResponse:
+async def create_response(
+    body: ResponseCreateRequest, request: Request, tenant: str = Depends(limited_tenant)
+) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     record: RequestRecord = request.scope[RECORD_KEY]
     record.model, record.stream = body.model, bool(body.stream)
     check_model(body.model, state.model_name)
     if body.tools:
-        raise bad_request("tools: tools are not supported by this server; remove them", param="tools")
+        raise bad_request(
+            "tools: tools are not supported by this server; remove them", param="tools"
+        )
     if body.documents is not None or body.recompute_ratio is not None:
-        raise bad_request("documents: not supported on /v1/responses; send documents to /v1/chat/completions",
-                          param="documents")
+        raise bad_request(
+            "documents: not supported on /v1/responses; send documents to /v1/chat/completions",
+            param="documents",
+        )
     await asyncio.to_thread(_purge, state)
     previous = None
     if body.previous_response_id is not None:
@@ -253,7 +358,9 @@ async def create_response(body: ResponseCreateRequest, request: Request,
         raise _renamed(e) from None
     if previous is not None and previous.record is not None and call.cache.enabled:
         try:
-            call = replace(call, cache=replace(call.cache, history_hint=decode_record(previous.record)))
+            call = replace(
+                call, cache=replace(call.cache, history_hint=decode_record(previous.record))
+            )
         except ValueError:  # a damaged record is no hint: the history is still found by content
             pass
     record.prompt_tokens = len(call.prompt)
@@ -264,7 +371,9 @@ async def create_response(body: ResponseCreateRequest, request: Request,
         state.metrics.observe_outcome(outcome)
         events.on_done(outcome)
 
-    job = call.request(record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done)
+    job = call.request(
+        record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done
+    )
     await submit(state, job)
     state.metrics.responses.labels(event="created").inc()
     if previous is not None:
@@ -272,9 +381,11 @@ async def create_response(body: ResponseCreateRequest, request: Request,
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
     keep = _Keeper(state, tenant, obj, previous, messages, items)
     if body.stream:
-        return StreamingResponse(_stream(state, record, job, events, watcher, obj, keep),
-                                 media_type="text/event-stream",
-                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        return StreamingResponse(
+            _stream(state, record, job, events, watcher, obj, keep),
+            media_type="text/event-stream",
+            headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+        )
     try:
         outcome = await events.outcome()
     except BaseException:
@@ -304,38 +415,77 @@ def _renamed(e: APIError) -> APIError:
 class _Keeper:
     """Stores a finished response (when asked to) with its history and KV record."""
 
-    def __init__(self, state: ServerState, tenant: str, obj: ResponseObject, previous: StoredResponse | None,
-                 messages: list[dict[str, Any]], items: list[dict[str, Any]]):
+    def __init__(
+        self,
+        state: ServerState,
+        tenant: str,
+        obj: ResponseObject,
+        previous: StoredResponse | None,
+        messages: list[dict[str, Any]],
+        items: list[dict[str, Any]],
+    ):
         self.state, self.tenant, self.obj, self.previous = state, tenant, obj, previous
         self.messages, self.items = messages, items
 
     def __call__(self, body: dict[str, Any], result: GenerationResult) -> None:
         if not self.obj.body.store or self.state.responses is None:
             return
-        history = (self.previous.history if self.previous is not None else []) + plain_messages(self.messages) + \
-            [{"role": "assistant", "content": result.text}]
+        history = (
+            (self.previous.history if self.previous is not None else [])
+            + plain_messages(self.messages)
+            + [{"role": "assistant", "content": result.text}]
+        )
         rec = result.history
-        self.state.responses.put(StoredResponse(
-            self.obj.id, self.tenant, self.state.clock(), body, history, self.items, self.obj.previous_id,
-            encode_record(rec) if rec is not None else None,
-            [str(e.key) for e in rec.entries] if rec is not None else []))
+        self.state.responses.put(
+            StoredResponse(
+                self.obj.id,
+                self.tenant,
+                self.state.clock(),
+                body,
+                history,
+                self.items,
+                self.obj.previous_id,
+                encode_record(rec) if rec is not None else None,
+                [str(e.key) for e in rec.entries] if rec is not None else [],
+            )
+        )
         self.state.metrics.responses.labels(event="stored").inc()
 
 
-async def _stream(state: ServerState, record: RequestRecord, job, events: RequestEvents, watcher: asyncio.Task,
-                  obj: ResponseObject, keep: _Keeper) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState,
+    record: RequestRecord,
+    job,
+    events: RequestEvents,
+    watcher: asyncio.Task,
+    obj: ResponseObject,
+    keep: _Keeper,
+) -> AsyncIterator[str]:
     finished = False
     try:
         yield obj.event("response.created", response=obj.object("in_progress"))
         yield obj.event("response.in_progress", response=obj.object("in_progress"))
-        yield obj.event("response.output_item.added", output_index=0, item=obj.message("", "in_progress"))
-        yield obj.event("response.content_part.added", output_index=0, item_id=obj.message_id, content_index=0,
-                        part=obj.part(""))
+        yield obj.event(
+            "response.output_item.added", output_index=0, item=obj.message("", "in_progress")
+        )
+        yield obj.event(
+            "response.content_part.added",
+            output_index=0,
+            item_id=obj.message_id,
+            content_index=0,
+            part=obj.part(""),
+        )
         pieces = []
         while isinstance(item := await events.next(), str):
             pieces.append(item)
-            yield obj.event("response.output_text.delta", output_index=0, item_id=obj.message_id, content_index=0,
-                            delta=item, logprobs=[])
+            yield obj.event(
+                "response.output_text.delta",
+                output_index=0,
+                item_id=obj.message_id,
+                content_index=0,
+                delta=item,
+                logprobs=[],
+            )
         finished = True
         try:
             result = outcome_result(item, record)
@@ -346,14 +496,27 @@ async def _stream(state: ServerState, record: RequestRecord, job, events: Reques
             yield obj.event("response.failed", response=failed)
             return
         status = _status(result)
-        yield obj.event("response.output_text.done", output_index=0, item_id=obj.message_id, content_index=0,
-                        text=result.text, logprobs=[])
-        yield obj.event("response.content_part.done", output_index=0, item_id=obj.message_id, content_index=0,
-                        part=obj.part(result.text))
+        yield obj.event(
+            "response.output_text.done",
+            output_index=0,
+            item_id=obj.message_id,
+            content_index=0,
+            text=result.text,
+            logprobs=[],
+        )
+        yield obj.event(
+            "response.content_part.done",
+            output_index=0,
+            item_id=obj.message_id,
+            content_index=0,
+            part=obj.part(result.text),
+        )
         done = obj.object(status, result)
         yield obj.event("response.output_item.done", output_index=0, item=done["output"][0])
         await asyncio.to_thread(keep, done, result)
-        yield obj.event("response.completed" if status == "completed" else "response.incomplete", response=done)
+        yield obj.event(
+            "response.completed" if status == "completed" else "response.incomplete", response=done
+        )
     finally:
         watcher.cancel()
         if not finished:
@@ -361,17 +524,30 @@ async def _stream(state: ServerState, record: RequestRecord, job, events: Reques
             record.finish_reason, record.error = "cancelled", "client_disconnected"
 
 
-@router.get("/v1/responses/{response_id}", summary="Get a stored response",
-            responses={404: ERRORS[404] | {"description": "No such response for this API key's tenant (or expired)."}})
-async def get_response(response_id: str, request: Request, tenant: str = Depends(current_tenant)) -> JSONResponse:
+@router.get(
+    "/v1/responses/{response_id}",
+    summary="Get a stored response",
+    responses={
+        404: ERRORS[404]
+        | {"description": "No such response for this API key's tenant (or expired)."}
+    },
+)
+async def get_response(
+    response_id: str, request: Request, tenant: str = Depends(current_tenant)
+) -> JSONResponse:
     state = get_state(request)
     stored = await asyncio.to_thread(_stored, state, tenant, response_id)
     return JSONResponse(stored.body)
 
 
-@router.delete("/v1/responses/{response_id}", summary="Delete a stored response and free its KV",
-               responses={404: ERRORS[404] | {"description": "No such response for this API key's tenant."}})
-async def delete_response(response_id: str, request: Request, tenant: str = Depends(current_tenant)) -> JSONResponse:
+@router.delete(
+    "/v1/responses/{response_id}",
+    summary="Delete a stored response and free its KV",
+    responses={404: ERRORS[404] | {"description": "No such response for this API key's tenant."}},
+)
+async def delete_response(
+    response_id: str, request: Request, tenant: str = Depends(current_tenant)
+) -> JSONResponse:
     state = get_state(request)
 
     def delete() -> dict[str, int]:
@@ -382,15 +558,26 @@ async def delete_response(response_id: str, request: Request, tenant: str = Depe
     try:
         freed = await asyncio.to_thread(delete)
     except ResponseNotFound:
-        raise APIError(404, f"response {response_id!r} not found", param="response_id", code="not_found") from None
+        raise APIError(
+            404, f"response {response_id!r} not found", param="response_id", code="not_found"
+        ) from None
     state.metrics.responses.labels(event="deleted").inc()
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True, "freed_entries": freed})
+    return JSONResponse(
+        {"id": response_id, "object": "response", "deleted": True, "freed_entries": freed}
+    )
 
 
-@router.get("/v1/responses/{response_id}/input_items", summary="List a stored response's input items")
-async def list_input_items(response_id: str, request: Request, tenant: str = Depends(current_tenant),
-                           limit: int = Query(20, ge=1, le=100), order: str = Query("desc", pattern="^(asc|desc)$"),
-                           after: str | None = Query(None)) -> JSONResponse:
+@router.get(
+    "/v1/responses/{response_id}/input_items", summary="List a stored response's input items"
+)
+async def list_input_items(
+    response_id: str,
+    request: Request,
+    tenant: str = Depends(current_tenant),
+    limit: int = Query(20, ge=1, le=100),
+    order: str = Query("desc", pattern="^(asc|desc)$"),
+    after: str | None = Query(None),
+) -> JSONResponse:
     state = get_state(request)
     stored = await asyncio.to_thread(_stored, state, tenant, response_id)
     items = list(stored.input_items)
@@ -399,8 +586,17 @@ async def list_input_items(response_id: str, request: Request, tenant: str = Dep
     if after is not None:
         ids = [i["id"] for i in items]
         if after not in ids:
-            raise bad_request(f"after: {after!r} is not an input item of response {response_id!r}", param="after")
-        items = items[ids.index(after) + 1:]
+            raise bad_request(
+                f"after: {after!r} is not an input item of response {response_id!r}", param="after"
+            )
+        items = items[ids.index(after) + 1 :]
     page = items[:limit]
-    return JSONResponse({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                         "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > limit,
+        }
+    )

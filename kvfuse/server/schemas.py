@@ -35,44 +35,51 @@ class KVFuseOptions(_Strict):
     """kvfuse extension fields (with the ``openai`` client: ``extra_body={...}``)."""
 
     cache_salt: str | None = Field(
-        None, max_length=256,
+        None,
+        max_length=256,
         description="kvfuse extension: an extra cache namespace inside the caller's tenant. Requests share "
-                    "cached KV only when they have the same tenant and the same cache_salt.",
+        "cached KV only when they have the same tenant and the same cache_salt.",
         examples=["project-42"],
     )
     cache: bool = Field(
         True,
         description="kvfuse extension: false bypasses the KV cache for this request (nothing is read from it "
-                    "and nothing is written to it).",
+        "and nothing is written to it).",
     )
     documents: list[str] | None = Field(
-        None, max_length=128,
+        None,
+        max_length=128,
         description="kvfuse extension (CacheBlend): retrieved documents placed before the prompt (completions) or "
-                    "at the start of the last user message (chat). Each document's KV is computed on its own once, "
-                    "cached, and reused at any position in any later prompt; the tokens that deviate most are "
-                    "recomputed in context (recompute_ratio).",
-        examples=[["Velmora is a harbour town on the river Aske.", "Its lighthouse was built in 1847."]],
+        "at the start of the last user message (chat). Each document's KV is computed on its own once, "
+        "cached, and reused at any position in any later prompt; the tokens that deviate most are "
+        "recomputed in context (recompute_ratio).",
+        examples=[
+            ["Velmora is a harbour town on the river Aske.", "Its lighthouse was built in 1847."]
+        ],
     )
     recompute_ratio: Ratio | Literal["auto"] | None = Field(
         None,
         description="kvfuse extension: the fraction of document (or found passage) tokens recomputed in context, in "
-                    "[0, 1] (0: reuse the documents' KV as it is; 1: a full prefill), or \"auto\": the budget the "
-                    "model's calibrated profile found to keep its answers (kvfuse calibrate). Default: the server's "
-                    "blend.recompute_ratio (auto unless configured). Needs documents or automatic reuse.",
+        '[0, 1] (0: reuse the documents\' KV as it is; 1: a full prefill), or "auto": the budget the '
+        "model's calibrated profile found to keep its answers (kvfuse calibrate). Default: the server's "
+        "blend.recompute_ratio (auto unless configured). Needs documents or automatic reuse.",
     )
     blend_auto: Literal["on", "off"] | None = Field(
         None,
-        description="kvfuse extension (automatic reuse): \"on\" looks for passages of this plain prompt that "
-                    "earlier prompts computed (at any position, in any order) and blends their cached KV with the "
-                    "model's calibrated budget (or recompute_ratio); \"off\" reuses exact prefixes only. Default: "
-                    "the server's blend.auto. Ignored with documents or cache breakpoints; nothing is blended when "
-                    "the model's calibrated blend is prefix (usage.prompt_tokens_details.auto_reuse says so).",
+        description='kvfuse extension (automatic reuse): "on" looks for passages of this plain prompt that '
+        "earlier prompts computed (at any position, in any order) and blends their cached KV with the "
+        'model\'s calibrated budget (or recompute_ratio); "off" reuses exact prefixes only. Default: '
+        "the server's blend.auto. Ignored with documents or cache breakpoints; nothing is blended when "
+        "the model's calibrated blend is prefix (usage.prompt_tokens_details.auto_reuse says so).",
     )
     kv_slo_ms: float | None = Field(
-        None, gt=0, le=3_600_000, allow_inf_nan=False,
+        None,
+        gt=0,
+        le=3_600_000,
+        allow_inf_nan=False,
         description="kvfuse extension (CacheGen streaming): a budget in milliseconds for loading this prompt's KV "
-                    "from slow tiers (disk, Redis). Each chunk is read at the best encoding that keeps the whole load "
-                    "within it, or recomputed from its tokens when none does. Default: the server's cache.kv_slo_ms.",
+        "from slow tiers (disk, Redis). Each chunk is read at the best encoding that keeps the whole load "
+        "within it, or recomputed from its tokens when none does. Default: the server's cache.kv_slo_ms.",
     )
 
 
@@ -80,75 +87,111 @@ class CacheControl(_Strict):
     """Anthropic-style cache breakpoint on a message part: the prompt up to the end of this part is
     a prefix to store (even mid-chunk), kept at least ``ttl``."""
 
-    type: Literal["ephemeral"] = Field(..., description="Only \"ephemeral\" (as Anthropic's API).")
-    ttl: str | None = Field(None, max_length=32, description="How long the prefix is kept at least, e.g. \"5m\", "
-                                                             "\"1h\", \"24h\". Default: prompt_cache_options.ttl, "
-                                                             "else the tiers' policy.", examples=["1h"])
+    type: Literal["ephemeral"] = Field(..., description='Only "ephemeral" (as Anthropic\'s API).')
+    ttl: str | None = Field(
+        None,
+        max_length=32,
+        description='How long the prefix is kept at least, e.g. "5m", '
+        '"1h", "24h". Default: prompt_cache_options.ttl, '
+        "else the tiers' policy.",
+        examples=["1h"],
+    )
 
 
 class PromptCacheBreakpoint(_Strict):
     """OpenAI's explicit cache breakpoint on a content part (the same effect as ``cache_control``)."""
 
     mode: Literal["explicit"] = "explicit"
-    ttl: str | None = Field(None, max_length=32, description="Minimum lifetime of the prefix, e.g. \"30m\", \"12h\".")
+    ttl: str | None = Field(
+        None, max_length=32, description='Minimum lifetime of the prefix, e.g. "30m", "12h".'
+    )
 
 
 class PromptCacheOptions(_Strict):
     """OpenAI's prompt-caching options: ``ttl`` is the default minimum lifetime of breakpoints."""
 
     mode: Literal["implicit", "explicit"] = "implicit"
-    ttl: str | None = Field(None, max_length=32, description="Default minimum lifetime of cache breakpoints.")
+    ttl: str | None = Field(
+        None, max_length=32, description="Default minimum lifetime of cache breakpoints."
+    )
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = Field(False, description="Send a last chunk (with empty choices) carrying the usage.")
+    include_usage: bool = Field(
+        False, description="Send a last chunk (with empty choices) carrying the usage."
+    )
 
 
 class SamplingRequest(KVFuseOptions):
     """Fields shared by completions and chat completions."""
 
-    model: str = Field(..., description="The served model's name, as listed by GET /v1/models.", examples=["smollm2"])
+    model: str = Field(
+        ...,
+        description="The served model's name, as listed by GET /v1/models.",
+        examples=["smollm2"],
+    )
     max_tokens: int | None = Field(
-        None, ge=1,
+        None,
+        ge=1,
         description="Most tokens to generate (at most server.max_tokens_limit). Default: server.default_max_tokens, "
-                    "reduced to what fits in the context window.",
+        "reduced to what fits in the context window.",
     )
     temperature: float | None = Field(
-        None, ge=0.0, le=2.0, allow_inf_nan=False,
+        None,
+        ge=0.0,
+        le=2.0,
+        allow_inf_nan=False,
         description="Sampling temperature in [0, 2]; 0 is greedy decoding. Default 1.",
     )
     top_p: float | None = Field(
-        None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass in (0, 1]. Default 1."
+        None,
+        gt=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="Nucleus sampling mass in (0, 1]. Default 1.",
     )
-    seed: int | None = Field(None, ge=0, lt=2**63, description="Seed for sampling; the same seed gives the same output.")
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="Seed for sampling; the same seed gives the same output."
+    )
     stop: str | list[str] | None = Field(
-        None, description="Up to 16 strings; generation stops before the first one produced (it is not returned)."
+        None,
+        description="Up to 16 strings; generation stops before the first one produced (it is not returned).",
     )
-    stream: bool | None = Field(False, description="Stream the output as server-sent events, ending with data: [DONE].")
-    stream_options: StreamOptions | None = Field(None, description="Options for streaming (include_usage).")
+    stream: bool | None = Field(
+        False, description="Stream the output as server-sent events, ending with data: [DONE]."
+    )
+    stream_options: StreamOptions | None = Field(
+        None, description="Options for streaming (include_usage)."
+    )
     ignore_eos: bool | None = Field(
-        False, description="Keep generating past the end-of-sequence token until max_tokens or a stop string "
-                            "(vLLM's extension; for benchmarks)."
+        False,
+        description="Keep generating past the end-of-sequence token until max_tokens or a stop string "
+        "(vLLM's extension; for benchmarks).",
     )
     n: int | None = Field(1, description="Number of choices; only 1 is supported.")
     user: str | None = Field(None, description="An end-user id (accepted and ignored).")
     prompt_cache_key: str | None = Field(
-        None, min_length=1, max_length=1024,
+        None,
+        min_length=1,
+        max_length=1024,
         description="OpenAI's prompt-caching key: requests with the same key (and tenant and cache_salt) are one "
-                    "conversation, and a turn is lined up with that conversation's stored history first. Without it "
-                    "kvfuse finds the history by content.",
+        "conversation, and a turn is lined up with that conversation's stored history first. Without it "
+        "kvfuse finds the history by content.",
         examples=["conversation-1234"],
     )
     prompt_cache_retention: str | None = Field(
-        None, max_length=32,
-        description="How long the KV entries this request writes stay: \"in_memory\" (the memory tier only, until "
-                    "evicted) or a duration (\"24h\", \"30m\", \"7d\": every tier, expiring that long after "
-                    "being written; entries it reuses are kept at least that long too). Default: the server's "
-                    "cache.retention (none: every tier, until evicted).",
+        None,
+        max_length=32,
+        description='How long the KV entries this request writes stay: "in_memory" (the memory tier only, until '
+        'evicted) or a duration ("24h", "30m", "7d": every tier, expiring that long after '
+        "being written; entries it reuses are kept at least that long too). Default: the server's "
+        "cache.retention (none: every tier, until evicted).",
         examples=["24h"],
     )
     prompt_cache_options: PromptCacheOptions | None = Field(
-        None, description="OpenAI's prompt-caching options; ttl is the default minimum lifetime of breakpoints.")
+        None,
+        description="OpenAI's prompt-caching options; ttl is the default minimum lifetime of breakpoints.",
+    )
 
 
 class CompletionRequest(SamplingRequest):
@@ -157,7 +200,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ...,
         description="The prompt: a string, a list holding one string, a list of token ids, or a list holding one "
-                    "list of token ids. Must not be empty.",
+        "list of token ids. Must not be empty.",
         examples=["The capital of France is"],
     )
 
@@ -166,27 +209,34 @@ class TextPart(_Strict):
     type: Literal["text"] = Field(..., description="Only text parts are supported.")
     text: str
     cache_control: CacheControl | None = Field(
-        None, description="A cache breakpoint after this part (Anthropic-style): the prompt up to here is stored "
-                          "as a prefix, even when it does not end on a chunk boundary.")
+        None,
+        description="A cache breakpoint after this part (Anthropic-style): the prompt up to here is stored "
+        "as a prefix, even when it does not end on a chunk boundary.",
+    )
     prompt_cache_breakpoint: PromptCacheBreakpoint | None = Field(
-        None, description="A cache breakpoint after this part (OpenAI-style); as cache_control.")
+        None, description="A cache breakpoint after this part (OpenAI-style); as cache_control."
+    )
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
-        None, description="A string or a list of {\"type\": \"text\", \"text\": ...} parts (joined with newlines)."
+        None,
+        description='A string or a list of {"type": "text", "text": ...} parts (joined with newlines).',
     )
     name: str | None = None
     cache_control: CacheControl | None = Field(
-        None, description="A cache breakpoint at the end of this message's content (as on a part).")
+        None, description="A cache breakpoint at the end of this message's content (as on a part)."
+    )
 
 
 class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(
-        ..., min_length=1, description="The conversation so far, rendered with the model's chat template."
+        ...,
+        min_length=1,
+        description="The conversation so far, rendered with the model's chat template.",
     )
     max_completion_tokens: int | None = Field(
         None, ge=1, description="Most tokens to generate; takes precedence over max_tokens."
@@ -196,33 +246,71 @@ class ChatCompletionRequest(SamplingRequest):
 class ResponseCreateRequest(KVFuseOptions):
     """POST /v1/responses (OpenAI's Responses API; text in, text out)."""
 
-    model: str = Field(..., description="The served model's name, as listed by GET /v1/models.", examples=["smollm2"])
+    model: str = Field(
+        ...,
+        description="The served model's name, as listed by GET /v1/models.",
+        examples=["smollm2"],
+    )
     input: str | list[dict[str, Any]] = Field(
-        ..., description="A string (one user message) or a list of messages: {\"role\", \"content\"} with content a "
-                         "string or a list of {\"type\": \"input_text\" | \"output_text\", \"text\"} parts (a part may "
-                         "carry cache_control or prompt_cache_breakpoint).")
-    instructions: str | None = Field(None, description="A system message placed first (not carried over to a "
-                                                       "follow-up's previous_response_id).")
+        ...,
+        description='A string (one user message) or a list of messages: {"role", "content"} with content a '
+        'string or a list of {"type": "input_text" | "output_text", "text"} parts (a part may '
+        "carry cache_control or prompt_cache_breakpoint).",
+    )
+    instructions: str | None = Field(
+        None,
+        description="A system message placed first (not carried over to a "
+        "follow-up's previous_response_id).",
+    )
     previous_response_id: str | None = Field(
-        None, max_length=128, description="Continue the conversation of a stored response: its history (and its KV) "
-                                          "is used without being sent again.")
-    store: bool = Field(True, description="Keep this response so that a later request can name it "
-                                          "(previous_response_id) or GET it.")
+        None,
+        max_length=128,
+        description="Continue the conversation of a stored response: its history (and its KV) "
+        "is used without being sent again.",
+    )
+    store: bool = Field(
+        True,
+        description="Keep this response so that a later request can name it "
+        "(previous_response_id) or GET it.",
+    )
     max_output_tokens: int | None = Field(None, ge=1, description="Most tokens to generate.")
-    temperature: float | None = Field(None, ge=0.0, le=2.0, allow_inf_nan=False,
-                                      description="Sampling temperature in [0, 2]; 0 is greedy decoding. Default 1.")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass.")
-    seed: int | None = Field(None, ge=0, lt=2**63, description="kvfuse extension: seed for sampling.")
-    stream: bool | None = Field(False, description="Stream server-sent events (response.created, "
-                                                   "response.output_text.delta, ..., response.completed).")
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 key-value pairs, kept.")
+    temperature: float | None = Field(
+        None,
+        ge=0.0,
+        le=2.0,
+        allow_inf_nan=False,
+        description="Sampling temperature in [0, 2]; 0 is greedy decoding. Default 1.",
+    )
+    top_p: float | None = Field(
+        None, gt=0.0, le=1.0, allow_inf_nan=False, description="Nucleus sampling mass."
+    )
+    seed: int | None = Field(
+        None, ge=0, lt=2**63, description="kvfuse extension: seed for sampling."
+    )
+    stream: bool | None = Field(
+        False,
+        description="Stream server-sent events (response.created, "
+        "response.output_text.delta, ..., response.completed).",
+    )
+    metadata: dict[str, str] | None = Field(
+        None, max_length=16, description="Up to 16 key-value pairs, kept."
+    )
     user: str | None = None
-    prompt_cache_key: str | None = Field(None, min_length=1, max_length=1024,
-                                         description="As on chat completions: names a conversation's stored history.")
+    prompt_cache_key: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="As on chat completions: names a conversation's stored history.",
+    )
     prompt_cache_retention: str | None = Field(
-        None, max_length=32, description="As on chat completions: \"in_memory\" or a duration such as \"24h\".")
+        None,
+        max_length=32,
+        description='As on chat completions: "in_memory" or a duration such as "24h".',
+    )
     prompt_cache_options: PromptCacheOptions | None = None
-    ignore_eos: bool | None = Field(False, description="kvfuse extension: generate past the end-of-sequence token.")
+    ignore_eos: bool | None = Field(
+        False, description="kvfuse extension: generate past the end-of-sequence token."
+    )
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
 
 
@@ -230,31 +318,57 @@ class ResponseCreateRequest(KVFuseOptions):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = Field(..., description="Prompt tokens whose KV was reused from the cache (not prefilled).")
-    recomputed_tokens: int = Field(0, description="kvfuse extension: document tokens whose cached KV was recomputed "
-                                                  "in context (documents requests).")
+    cached_tokens: int = Field(
+        ..., description="Prompt tokens whose KV was reused from the cache (not prefilled)."
+    )
+    recomputed_tokens: int = Field(
+        0,
+        description="kvfuse extension: document tokens whose cached KV was recomputed "
+        "in context (documents requests).",
+    )
     cached_entries_by_tier: dict[str, int] = Field(
-        default_factory=dict, description="kvfuse extension: where the reused KV came from: entries read per tier "
-                                          "(memory, disk, redis).")
-    save_ms: float = Field(0.0, description="kvfuse extension: milliseconds this request spent on saving its KV on the "
-                                            "request path (the saving itself runs in the background).")
+        default_factory=dict,
+        description="kvfuse extension: where the reused KV came from: entries read per tier "
+        "(memory, disk, redis).",
+    )
+    save_ms: float = Field(
+        0.0,
+        description="kvfuse extension: milliseconds this request spent on saving its KV on the "
+        "request path (the saving itself runs in the background).",
+    )
     kv_stream: dict[str, Any] | None = Field(
-        None, description="kvfuse extension: how chunks in slow tiers were streamed within kv_slo_ms: chunks per "
-                          "encoding (\"raw\", \"cachegen.2\", ... or \"recompute\"), load_ms, slo_ms, met.")
+        None,
+        description="kvfuse extension: how chunks in slow tiers were streamed within kv_slo_ms: chunks per "
+        'encoding ("raw", "cachegen.2", ... or "recompute"), load_ms, slo_ms, met.',
+    )
     blend: dict[str, Any] | None = Field(
-        None, description="kvfuse extension (requests with documents, or found passages): how the documents' KV was "
-                          "used: method (hkvd, ..., or prefix: not blended, reused only as an exact prefix), "
-                          "recompute_ratio (the budget) and source (what decided it: profile, default, config or "
-                          "request).")
-    prefix_reused_tokens: int = Field(0, description="kvfuse extension: of cached_tokens, those loaded at their own "
-                                                     "positions (an exact prefix, a stored conversation).")
-    span_reused_tokens: int = Field(0, description="kvfuse extension: of cached_tokens, those of documents and of "
-                                                   "passages found at other positions (blended).")
-    prefilled_tokens: int = Field(0, description="kvfuse extension: prompt tokens computed for this request "
-                                                 "(prompt_tokens - cached_tokens; recomputed_tokens among them).")
-    auto_reuse: str = Field("off", description="kvfuse extension (automatic reuse): off (not asked), skipped (documents, "
-                                               "cache breakpoints, no cache), prefix (the model's calibrated blend "
-                                               "is prefix: no passage is blended), none_found, or blended.")
+        None,
+        description="kvfuse extension (requests with documents, or found passages): how the documents' KV was "
+        "used: method (hkvd, ..., or prefix: not blended, reused only as an exact prefix), "
+        "recompute_ratio (the budget) and source (what decided it: profile, default, config or "
+        "request).",
+    )
+    prefix_reused_tokens: int = Field(
+        0,
+        description="kvfuse extension: of cached_tokens, those loaded at their own "
+        "positions (an exact prefix, a stored conversation).",
+    )
+    span_reused_tokens: int = Field(
+        0,
+        description="kvfuse extension: of cached_tokens, those of documents and of "
+        "passages found at other positions (blended).",
+    )
+    prefilled_tokens: int = Field(
+        0,
+        description="kvfuse extension: prompt tokens computed for this request "
+        "(prompt_tokens - cached_tokens; recomputed_tokens among them).",
+    )
+    auto_reuse: str = Field(
+        "off",
+        description="kvfuse extension (automatic reuse): off (not asked), skipped (documents, "
+        "cache breakpoints, no cache), prefix (the model's calibrated blend "
+        "is prefix: no passage is blended), none_found, or blended.",
+    )
 
 
 class Usage(BaseModel):
@@ -336,15 +450,23 @@ class Health(BaseModel):
 class KVStats(BaseModel):
     cache_enabled: bool
     tiers: dict[str, dict[str, int | float | None]] = Field(
-        ..., description="Counters per tier (hits, misses, bytes_in, bytes_out, evictions, errors, entries, "
-                         "used_bytes, ...) and the store's own under 'store'. Global, not per tenant.")
+        ...,
+        description="Counters per tier (hits, misses, bytes_in, bytes_out, evictions, errors, entries, "
+        "used_bytes, ...) and the store's own under 'store'. Global, not per tenant.",
+    )
     engine: dict[str, int | float | dict[str, int | float]] = Field(
-        ..., description="Engine counters: requests, prompt_tokens, tokens_reused, tokens_prefilled, history "
-                         "reuse, truncation, and the saver's counters under 'saver' (seconds are floats), ...")
+        ...,
+        description="Engine counters: requests, prompt_tokens, tokens_reused, tokens_prefilled, history "
+        "reuse, truncation, and the saver's counters under 'saver' (seconds are floats), ...",
+    )
     queue: dict[str, int]
 
 
 class KVDeleted(BaseModel):
-    tenant: str = Field(..., description="The caller's tenant ('' when the server has no API keys).")
-    cache_salt: str | None = Field(None, description="The one namespace cleared, or null: all of the tenant's.")
+    tenant: str = Field(
+        ..., description="The caller's tenant ('' when the server has no API keys)."
+    )
+    cache_salt: str | None = Field(
+        None, description="The one namespace cleared, or null: all of the tenant's."
+    )
     deleted: dict[str, int] = Field(..., description="Entries removed per tier.")

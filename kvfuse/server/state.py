@@ -15,8 +15,8 @@ from collections.abc import Callable
 from kvfuse.config import Config
 from kvfuse.config.secrets import read_secret
 from kvfuse.config.tenants import EVERY, quota_of
-from kvfuse.kv.keys import tenant_tag
 from kvfuse.history.response_store import ResponseStore
+from kvfuse.kv.keys import tenant_tag
 
 from .auth import ANONYMOUS, Authenticator, MetricsToken
 from .metrics import ServerMetrics
@@ -38,14 +38,20 @@ class ServerState:
         self.clock = clock or time.time  # stored responses expire by it (tests inject one)
         self.auth = Authenticator(config.api_key_map())
         s = config.server
-        self.metrics_token = MetricsToken(s.metrics_token or read_secret("server.metrics_token_file",
-                                                                         path=s.metrics_token_file))
+        self.metrics_token = MetricsToken(
+            s.metrics_token or read_secret("server.metrics_token_file", path=s.metrics_token_file)
+        )
         names = {tenant_tag(name): name for name in self.auth.tenants | {ANONYMOUS}}
-        self.metrics = ServerMetrics(lambda: self.engine, tenant_names=names,
-                                     queue=lambda: self.engine.queue_state() if self.engine else {})
+        self.metrics = ServerMetrics(
+            lambda: self.engine,
+            tenant_names=names,
+            queue=lambda: self.engine.queue_state() if self.engine else {},
+        )
         self.limiter = RateLimiter(self._requests_per_minute)
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
-        self.metrics.stored_responses.set_function(lambda: len(self.responses) if self.responses is not None else 0)
+        self.metrics.stored_responses.set_function(
+            lambda: len(self.responses) if self.responses is not None else 0
+        )
 
     def _requests_per_minute(self, tenant: str) -> int | None:
         quota = quota_of(self.config.tenants, tenant)
@@ -59,7 +65,9 @@ class ServerState:
             return
         decision, limit = got
         section = quota_of(self.config.tenants, tenant).tenant
-        setting = f"tenants.{section if section != EVERY else repr(EVERY)}.quota.requests_per_minute"
+        setting = (
+            f"tenants.{section if section != EVERY else repr(EVERY)}.quota.requests_per_minute"
+        )
         self.metrics.quota_rejections.labels(tenant=tenant, limit="requests_per_minute").inc()
         raise rate_limited(tenant, setting, decision, limit)
 

@@ -34,11 +34,22 @@ class EngineCall:
     def prompt_ids(self) -> list[int]:
         return self.prompt.ids
 
-    def request(self, request_id: str, on_text: Callable[[str], None] | None = None,
-                on_done: Callable[[Outcome], None] | None = None) -> Request:
+    def request(
+        self,
+        request_id: str,
+        on_text: Callable[[str], None] | None = None,
+        on_done: Callable[[Outcome], None] | None = None,
+    ) -> Request:
         """The engine request (its callbacks run on the engine thread)."""
-        return Request(self.prompt, self.params, self.cache, blend=self.blend, request_id=request_id,
-                       on_text=on_text, on_done=on_done)
+        return Request(
+            self.prompt,
+            self.params,
+            self.cache,
+            blend=self.blend,
+            request_id=request_id,
+            on_text=on_text,
+            on_done=on_done,
+        )
 
 
 @dataclass(frozen=True)
@@ -53,10 +64,15 @@ class Limits:
 def cache_options(opts: SamplingRequest, tenant: str) -> CacheOptions:
     """The engine's cache behaviour for a request of ``tenant`` (its extension fields and its
     prompt-caching fields)."""
-    return CacheOptions(enabled=opts.cache, tenant=tenant, salt=opts.cache_salt or "",
-                        history_key=opts.prompt_cache_key, kv_slo_ms=opts.kv_slo_ms,
-                        retention=retention(opts.prompt_cache_retention),
-                        auto_reuse=None if opts.blend_auto is None else opts.blend_auto == "on")
+    return CacheOptions(
+        enabled=opts.cache,
+        tenant=tenant,
+        salt=opts.cache_salt or "",
+        history_key=opts.prompt_cache_key,
+        kv_slo_ms=opts.kv_slo_ms,
+        retention=retention(opts.prompt_cache_retention),
+        auto_reuse=None if opts.blend_auto is None else opts.blend_auto == "on",
+    )
 
 
 def retention(value: str | None) -> Retention | None:
@@ -104,15 +120,21 @@ def chat_marks(req: ChatCompletionRequest) -> list[tuple[int, int, float | None]
             ttl = ttl_seconds(m.cache_control.ttl, f"messages[{i}].cache_control.ttl")
             marks.append((i, end, ttl if ttl is not None else default))
     if len(marks) > MAX_BREAKPOINTS:
-        raise bad_request(f"messages: at most {MAX_BREAKPOINTS} cache breakpoints per request, got {len(marks)}",
-                          param="messages")
+        raise bad_request(
+            f"messages: at most {MAX_BREAKPOINTS} cache breakpoints per request, got {len(marks)}",
+            param="messages",
+        )
     return marks
 
 
 def check_model(requested: str, served: str) -> None:
     if requested != served:
-        raise APIError(404, f"the model {requested!r} does not exist; this server serves {served!r}",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist; this server serves {served!r}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -121,8 +143,10 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
-            raise bad_request(f"prompt: give exactly one prompt (got a batch of {len(p)}); send one request per prompt",
-                              param="prompt")
+            raise bad_request(
+                f"prompt: give exactly one prompt (got a batch of {len(p)}); send one request per prompt",
+                param="prompt",
+            )
         p = p[0]
     if len(p) == 0:
         raise bad_request("prompt: the prompt is empty", param="prompt")
@@ -153,28 +177,40 @@ def requested_max_tokens(req: SamplingRequest) -> int | None:
 
 def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) -> SamplingParams:
     """``SamplingParams`` for a prompt of ``prompt_tokens`` tokens, enforcing the server's limits."""
-    name = "max_completion_tokens" if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None \
+    name = (
+        "max_completion_tokens"
+        if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
         else "max_tokens"
+    )
     if req.n not in (None, 1):
-        raise bad_request(f"n: only n=1 is supported, got {req.n}; send several requests instead", param="n")
+        raise bad_request(
+            f"n: only n=1 is supported, got {req.n}; send several requests instead", param="n"
+        )
     room = limits.context_window - prompt_tokens
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     if room < 1:
         raise bad_request(
             f"{prompt_param}: the prompt has {prompt_tokens} tokens; the model's context window is "
             f"{limits.context_window} tokens (prompt + max_tokens must fit); shorten the prompt",
-            param=prompt_param, code="context_length_exceeded")
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     max_tokens = requested_max_tokens(req)
     if max_tokens is None:
         max_tokens = min(limits.default_max_tokens, room)
     elif max_tokens < 1 or max_tokens > limits.max_tokens_limit:
-        raise bad_request(f"{name} must be between 1 and {limits.max_tokens_limit} (server.max_tokens_limit), "
-                          f"got {max_tokens}", param=name)
+        raise bad_request(
+            f"{name} must be between 1 and {limits.max_tokens_limit} (server.max_tokens_limit), "
+            f"got {max_tokens}",
+            param=name,
+        )
     elif max_tokens > room:
         raise bad_request(
             f"{prompt_param}: the prompt has {prompt_tokens} tokens and {name} is {max_tokens}: together more than the "
             f"model's context window of {limits.context_window} tokens; shorten the prompt or lower {name}",
-            param=prompt_param, code="context_length_exceeded")
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
     stop = req.stop if req.stop is not None else ()
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     top_p = 1.0 if req.top_p is None else float(req.top_p)
@@ -200,28 +236,41 @@ def blend_options(engine, opts: KVFuseOptions) -> BlendOptions | None:
             return None
         auto = opts.blend_auto == "on" if opts.blend_auto is not None else engine.blend.auto_reuse
         if not auto:
-            raise bad_request("recompute_ratio: applies to requests with documents or with automatic reuse "
-                              "(blend_auto: \"on\", or the server's blend.auto); add one or remove it",
-                              param="recompute_ratio")
+            raise bad_request(
+                "recompute_ratio: applies to requests with documents or with automatic reuse "
+                '(blend_auto: "on", or the server\'s blend.auto); add one or remove it',
+                param="recompute_ratio",
+            )
         return engine.blend.with_ratio(opts.recompute_ratio)
     if not opts.cache:
-        raise bad_request("documents: need the KV cache; remove \"cache\": false", param="documents")
+        raise bad_request('documents: need the KV cache; remove "cache": false', param="documents")
     return engine.blend.with_ratio(opts.recompute_ratio)
 
 
-def _engine_call(req: SamplingRequest, prompt: Prompt, tenant: str, limits: Limits, engine) -> EngineCall:
-    return EngineCall(prompt, sampling_params(req, len(prompt), limits), cache_options(req, tenant),
-                      blend_options(engine, req))
+def _engine_call(
+    req: SamplingRequest, prompt: Prompt, tenant: str, limits: Limits, engine
+) -> EngineCall:
+    return EngineCall(
+        prompt,
+        sampling_params(req, len(prompt), limits),
+        cache_options(req, tenant),
+        blend_options(engine, req),
+    )
 
 
 def _document_prompt(engine, req: SamplingRequest, **prompt) -> Prompt:
     try:
         return engine.prompts.document_prompt(req.documents, **prompt)
     except ChatTemplateError as e:
-        raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
+        raise bad_request(
+            f"messages: {e}", param="messages", code="invalid_chat_template"
+        ) from None
     except ValueError as e:
-        param = "documents" if str(e).startswith(("document", "documents")) else \
-            ("messages" if "messages" in prompt else "prompt")
+        param = (
+            "documents"
+            if str(e).startswith(("document", "documents"))
+            else ("messages" if "messages" in prompt else "prompt")
+        )
         raise bad_request(f"{param}: {e}", param=param) from None
 
 
@@ -230,9 +279,13 @@ def plan_completion(engine, req: CompletionRequest, tenant: str, limits: Limits)
     prompt = completion_prompt(req)
     if req.documents is not None:
         if not isinstance(prompt, str):
-            raise bad_request("documents: need a text prompt; token-id prompts cannot be combined with documents",
-                              param="documents")
-        return _engine_call(req, _document_prompt(engine, req, prompt=prompt), tenant, limits, engine)
+            raise bad_request(
+                "documents: need a text prompt; token-id prompts cannot be combined with documents",
+                param="documents",
+            )
+        return _engine_call(
+            req, _document_prompt(engine, req, prompt=prompt), tenant, limits, engine
+        )
     try:
         ids = engine.prompts.encode_prompt(prompt)
     except ValueError as e:  # token ids outside the vocabulary
@@ -245,19 +298,29 @@ def plan_completion(engine, req: CompletionRequest, tenant: str, limits: Limits)
 def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -> EngineCall:
     """Render, tokenize and check a chat request (call it off the event loop)."""
     if req.documents is not None:
-        return _engine_call(req, _document_prompt(engine, req, messages=chat_messages(req)), tenant, limits, engine)
+        return _engine_call(
+            req, _document_prompt(engine, req, messages=chat_messages(req)), tenant, limits, engine
+        )
     try:
         # A conversation beyond the context window loses its oldest turns (cache.truncation).
         reserve = requested_max_tokens(req) or limits.default_max_tokens
-        ids, dropped = engine.prompts.encode_chat(chat_messages(req), reserve=min(reserve, limits.context_window - 1))
+        ids, dropped = engine.prompts.encode_chat(
+            chat_messages(req), reserve=min(reserve, limits.context_window - 1)
+        )
     except ChatTemplateError as e:
-        raise bad_request(f"messages: {e}", param="messages", code="invalid_chat_template") from None
+        raise bad_request(
+            f"messages: {e}", param="messages", code="invalid_chat_template"
+        ) from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
     call = _engine_call(req, Prompt.plain(ids), tenant, limits, engine)
     marks = chat_marks(req)
     if marks and dropped == 0 and call.cache.enabled:
-        positions = engine.prompts.breakpoint_positions(chat_messages(req), [(m, c) for m, c, _ in marks], ids)
-        points = tuple(sorted({Breakpoint(p, ttl) for p, (_, _, ttl) in zip(positions, marks) if p}))
+        positions = engine.prompts.breakpoint_positions(
+            chat_messages(req), [(m, c) for m, c, _ in marks], ids
+        )
+        points = tuple(
+            sorted({Breakpoint(p, ttl) for p, (_, _, ttl) in zip(positions, marks) if p})
+        )
         call = replace(call, cache=replace(call.cache, breakpoints=points))
     return call

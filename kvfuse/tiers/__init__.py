@@ -4,7 +4,26 @@ from kvfuse.tiers.base import Blob, Tier, TierStats
 from kvfuse.tiers.disk import DiskTier
 from kvfuse.tiers.memory import MemoryTier
 from kvfuse.tiers.redis import RedisTier
-from kvfuse.tiers.store import Encoded, Fetched, LayerRange, LookupResult, StoreCounters, TieredStore
+from kvfuse.tiers.store import (
+    Encoded,
+    Fetched,
+    LayerRange,
+    LookupResult,
+    StoreCounters,
+    TieredStore,
+)
 
-__all__ = ["Blob", "DiskTier", "Encoded", "Fetched", "LayerRange", "LookupResult", "MemoryTier", "RedisTier",
-           "StoreCounters", "Tier", "TierStats", "TieredStore"]
+__all__ = [
+    "Blob",
+    "DiskTier",
+    "Encoded",
+    "Fetched",
+    "LayerRange",
+    "LookupResult",
+    "MemoryTier",
+    "RedisTier",
+    "StoreCounters",
+    "Tier",
+    "TierStats",
+    "TieredStore",
+]

@@ -25,8 +25,15 @@ class Backoff:
     ``where`` is its address (with no password in it: ``config.secrets.redact_url``); ``stats`` gets
     an error per failure; ``hint(error)``: what to check, added to the logged failure. Thread-safe."""
 
-    def __init__(self, what: str, where: str, backoff_s: float, stats: TierStats,
-                 recovered: str = "reachable again", hint: Callable[[Exception], str] | None = None) -> None:
+    def __init__(
+        self,
+        what: str,
+        where: str,
+        backoff_s: float,
+        stats: TierStats,
+        recovered: str = "reachable again",
+        hint: Callable[[Exception], str] | None = None,
+    ) -> None:
         self.what, self.where, self.backoff_s = what, where, backoff_s
         self._stats = stats
         self._recovered = recovered
@@ -54,8 +61,15 @@ class Backoff:
                 hint = self._hint(error) if self._hint is not None else ""
             except Exception:  # a hint is a courtesy: never a reason for the failure path to fail
                 hint = ""
-            log.warning("%s %s: %s failed (%s); backing off %.1fs%s", self.what, self.where, op, error,
-                        self.backoff_s, hint)
+            log.warning(
+                "%s %s: %s failed (%s); backing off %.1fs%s",
+                self.what,
+                self.where,
+                op,
+                error,
+                self.backoff_s,
+                hint,
+            )
         self._stats.add(errors=1)
 
     def succeeded(self) -> None:

@@ -35,7 +35,9 @@ from kvfuse.kv.keys import ChunkKey
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Clock = Callable[[], float]  # wall-clock seconds since the epoch (``time.time``); injectable for tests
+Clock = Callable[
+    [], float
+]  # wall-clock seconds since the epoch (``time.time``); injectable for tests
 
 # Tiers take ``bytes``, ``bytearray``, ``memoryview`` or an ``Entry`` (header + payload, unjoined)
 # and hand back what they hold: the very object (memory), ``bytes`` (Redis) or a fresh, private,
@@ -202,7 +204,9 @@ class Tier(ABC):
             return None
         return memoryview(value.join() if isinstance(value, Entry) else value)[start:stop]
 
-    def read_with(self, key: ChunkKey, reader: Callable[[Callable[[memoryview], int], int], T]) -> T | None:
+    def read_with(
+        self, key: ChunkKey, reader: Callable[[Callable[[memoryview], int], int], T]
+    ) -> T | None:
         """``reader(readinto, size)`` over the stored value of ``key``, or None on a miss: the
         reader pulls the value's ``size`` bytes in order through ``readinto(view)`` (the count
         written into ``view``, 0 at the end). The read counts as a hit; what the reader raises (a
@@ -233,7 +237,9 @@ class Tier(ABC):
     def get_many(self, keys: Iterable[ChunkKey]) -> list[Blob | None]:
         return [self.get(k) for k in keys]
 
-    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None) -> None:
+    def put_many(
+        self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None
+    ) -> None:
         """``put`` of every item; all of them share ``expires_at``."""
         for key, value in items:
             if expires_at is None:
@@ -258,7 +264,9 @@ class Tier(ABC):
         recency (memory, disk), else in the tier's own order (Redis: SCAN's). The default raises
         NotImplementedError: a tier that cannot list what it holds cheaply (S3: a whole bucket
         listing) says so rather than answering with a partial list."""
-        raise NotImplementedError(f"the {self.name} tier ({type(self).__name__}) cannot list its keys")
+        raise NotImplementedError(
+            f"the {self.name} tier ({type(self).__name__}) cannot list its keys"
+        )
 
     def entries(self) -> int | None:
         """Number of entries, or None where the tier does not track it cheaply."""

@@ -26,8 +26,18 @@ from __future__ import annotations
 import logging
 from typing import Iterator, Sequence
 
-from kvfuse.kv.format import (MIN_READ, Entry, EntrySpec, FormatError, Header, SignatureError, header_length, open_entry,
-                              parse_header, read_entry)
+from kvfuse.kv.format import (
+    MIN_READ,
+    Entry,
+    EntrySpec,
+    FormatError,
+    Header,
+    SignatureError,
+    header_length,
+    open_entry,
+    parse_header,
+    read_entry,
+)
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers.base import Blob, Tier, guarded, nbytes
@@ -35,7 +45,9 @@ from kvfuse.tiers.results import Encoded, LayerRange, StoreCounters
 
 log = logging.getLogger(__name__)
 
-Checked = tuple["Entry | None", bool]  # (the checked entry or None, whether a value was there but unusable)
+Checked = tuple[
+    "Entry | None", bool
+]  # (the checked entry or None, whether a value was there but unusable)
 
 
 class CheckedReads:
@@ -55,8 +67,13 @@ class CheckedReads:
         """The signer reads from ``tier`` are checked with: none for a tier of in-process entries."""
         return None if tier.holds_entries else self._signer
 
-    def batch(self, tier: Tier, keys: Sequence[ChunkKey], specs: Sequence[EntrySpec | None],
-              promoted: bool) -> Iterator[Checked]:
+    def batch(
+        self,
+        tier: Tier,
+        keys: Sequence[ChunkKey],
+        specs: Sequence[EntrySpec | None],
+        promoted: bool,
+    ) -> Iterator[Checked]:
         """``read`` of every key, in order, lazily: a tier with batch reads (Redis's MGET) is read
         in one call first; otherwise each key is read and checked as the caller asks for it, while
         its bytes are in the CPU cache. ``promoted``: the entries will be kept in memory."""
@@ -73,8 +90,9 @@ class CheckedReads:
             return self.check(tier, key, guarded(tier, "get", tier.get, None, key), spec, promoted)
         return guarded(tier, "read_with", self._streamed, (None, False), tier, key, spec)
 
-    def check(self, tier: Tier, key: ChunkKey, value: Blob | None, spec: EntrySpec | None,
-              promoted: bool) -> Checked:
+    def check(
+        self, tier: Tier, key: ChunkKey, value: Blob | None, spec: EntrySpec | None, promoted: bool
+    ) -> Checked:
         """(the checked entry of ``value`` or None, whether a value was there but unusable)."""
         if value is None:
             return None, False
@@ -91,7 +109,9 @@ class CheckedReads:
     def _streamed(self, tier: Tier, key: ChunkKey, spec: EntrySpec | None) -> Checked:
         signer = self.signer_for(tier)
         try:
-            return tier.read_with(key, lambda readinto, size: read_entry(readinto, size, key, spec, signer)), False
+            return tier.read_with(
+                key, lambda readinto, size: read_entry(readinto, size, key, spec, signer)
+            ), False
         except FormatError as e:
             self.reject(tier, key, e)
             return None, True
@@ -113,7 +133,9 @@ class CheckedReads:
             if guarded(t, "delete", t.delete, False, key):
                 t.stats.add(errors=1)
 
-    def encoded(self, tier: Tier, key: ChunkKey, variant: str, spec: EntrySpec | None) -> Encoded | None:
+    def encoded(
+        self, tier: Tier, key: ChunkKey, variant: str, spec: EntrySpec | None
+    ) -> Encoded | None:
         """``key``'s copy ``variant`` ("cachegen.1", or "" for the primary) in ``tier`` only,
         falling back to the primary copy there; None if the tier has no usable copy."""
         wanted = [key.encoded_as(*variant.rsplit(".", 1)), key] if variant else [key]
@@ -123,7 +145,9 @@ class CheckedReads:
                 return Encoded(entry, nbytes(entry), k.variant)
         return None
 
-    def layers(self, tier: Tier, key: ChunkKey, first: int, last: int, spec: EntrySpec | None) -> LayerRange | None:
+    def layers(
+        self, tier: Tier, key: ChunkKey, first: int, last: int, spec: EntrySpec | None
+    ) -> LayerRange | None:
         """The KV of layers ``[first, last)`` of ``key`` in ``tier``, reading only the header and
         those layers' bytes (in-process entries: decoding those layers); None on a miss."""
         return guarded(tier, "read layers", self._layers, None, tier, key, first, last, spec)
@@ -135,13 +159,19 @@ class CheckedReads:
                 if value is None:
                     return None
                 entry = open_entry(value, key, spec)
-                return LayerRange(entry.decode(first, last), entry.positions, first, last, tier.name)
+                return LayerRange(
+                    entry.decode(first, last), entry.positions, first, last, tier.name
+                )
             h = self._header(tier, key, spec, self.signer_for(tier))
             if h is None:
                 return None
             header, head = h
             start, stop = header.layer_span(first, last)
-            data = memoryview(head)[start:stop] if stop <= len(head) else tier.read_range(key, start, stop)
+            data = (
+                memoryview(head)[start:stop]
+                if stop <= len(head)
+                else tier.read_range(key, start, stop)
+            )
             if data is None:
                 raise FormatError("the entry vanished while it was read")
             kv = header.decode_layers(memoryview(data), first, last)
@@ -151,8 +181,9 @@ class CheckedReads:
         return LayerRange(kv, header.positions, first, last, tier.name)
 
     @staticmethod
-    def _header(tier: Tier, key: ChunkKey, spec: EntrySpec | None,
-                signer: EntrySigner | None) -> tuple[Header, bytes | memoryview] | None:
+    def _header(
+        tier: Tier, key: ChunkKey, spec: EntrySpec | None, signer: EntrySigner | None
+    ) -> tuple[Header, bytes | memoryview] | None:
         """The checked header of ``key`` in ``tier`` (with ``signer``: its signature first) and the
         bytes read for it (at least ``MIN_READ``: often the first layers too); None on a miss;
         FormatError if unusable."""

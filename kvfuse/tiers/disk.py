@@ -59,14 +59,24 @@ class DiskTier(Tier):
 
     streams_reads = True  # read_with reads the file as the store's check asks for it
 
-    def __init__(self, path: str | os.PathLike, capacity_bytes: int, fsync: bool = False, name: str = "disk",
-                 stale_temp_s: float = 600.0, clock: Clock | None = None, io_threads: int | None = None,
-                 quotas: TenantQuotas | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        capacity_bytes: int,
+        fsync: bool = False,
+        name: str = "disk",
+        stale_temp_s: float = 600.0,
+        clock: Clock | None = None,
+        io_threads: int | None = None,
+        quotas: TenantQuotas | None = None,
+    ) -> None:
         super().__init__()
         if clock is not None:
             self.clock = clock  # given here, it is the start-up sweep's time too
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(f"DiskTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+            raise ValueError(
+                f"DiskTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}"
+            )
         self.name = name
         self.root = Path(path)
         self.capacity_bytes = capacity_bytes
@@ -77,8 +87,15 @@ class DiskTier(Tier):
         self._used = 0
         self._lock = threading.Lock()
         self._last_ns = 0
-        self._expiry = DiskExpiries(self.root, fsync, self._lock, self.stats, self._path, lambda: self.clock(),
-                                    self._forget_locked)
+        self._expiry = DiskExpiries(
+            self.root,
+            fsync,
+            self._lock,
+            self.stats,
+            self._path,
+            lambda: self.clock(),
+            self._forget_locked,
+        )
         # Threads writing the files of one put_many (None: one per core, <= 4).
         self.io_threads = min(4, os.cpu_count() or 1) if io_threads is None else int(io_threads)
         self._pool: ThreadPoolExecutor | None = None
@@ -115,9 +132,13 @@ class DiskTier(Tier):
             if self._expiry.journal.exists():
                 gone = self._expiry.compact_locked(found.inodes())
                 if gone:
-                    keep = np.array([i for i in keep.tolist() if found.key(i) not in gone], dtype=np.intp)
+                    keep = np.array(
+                        [i for i in keep.tolist() if found.key(i) not in gone], dtype=np.intp
+                    )
             sizes = found.sizes[keep]
-            self._index.load(found.groups, found.group_of[keep], found.digests[keep].tobytes(), sizes)
+            self._index.load(
+                found.groups, found.group_of[keep], found.digests[keep].tobytes(), sizes
+            )
             self._used = int(sizes.sum())
             evicted = self._evict_locked()
         self.stats.add(evictions=evicted)
@@ -142,7 +163,10 @@ class DiskTier(Tier):
             putter = self._index.owner_of(key) if key is not None else None
             for owner in [putter] if key is not None else self._index.owners():
                 keep = 1 if owner == putter else 0
-                while over_quota(quotas.use(self._index, owner)) and self._index.owner_entries(owner) > keep:
+                while (
+                    over_quota(quotas.use(self._index, owner))
+                    and self._index.owner_entries(owner) > keep
+                ):
                     self._evict_one_locked(owner, lines)
                     quotas.counted_eviction(owner)
                     evicted += 1
@@ -220,7 +244,9 @@ class DiskTier(Tier):
             self.stats.add(errors=1)
             return False
 
-    def _read_file(self, key: ChunkKey, read: Callable[[int, int], T], touch: bool = True) -> T | None:
+    def _read_file(
+        self, key: ChunkKey, read: Callable[[int, int], T], touch: bool = True
+    ) -> T | None:
         """``read(fd, size)`` over ``key``'s open file, counted as a hit and, with ``touch``, as the
         entry's use (its recency); None for a missing or expired entry or an I/O error (each
         counted). Anything else ``read`` raises propagates, the entry's recency left as it was
@@ -306,7 +332,9 @@ class DiskTier(Tier):
     def _io_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvfuse-{self.name}-io")
+                self._pool = ThreadPoolExecutor(
+                    self.io_threads, thread_name_prefix=f"kvfuse-{self.name}-io"
+                )
             return self._pool
 
     def _stage(self, key: ChunkKey, value: Blob, expires_at: float | None):
@@ -324,13 +352,17 @@ class DiskTier(Tier):
         tmp = files.temp_path(os.path.dirname(path))
         try:
             # the inode is kept by the rename: the one the journal line names
-            ino = files.stage_file(tmp, value.parts() if isinstance(value, Entry) else (value,), self.fsync)
+            ino = files.stage_file(
+                tmp, value.parts() if isinstance(value, Entry) else (value,), self.fsync
+            )
         except OSError as e:
             self._write_failed(key, tmp, e)
             return None
         return key, path, tmp, size, ino, expires_at
 
-    def _commit(self, key: ChunkKey, path: str, tmp: str, size: int, ino: int, expires_at: float | None) -> None:
+    def _commit(
+        self, key: ChunkKey, path: str, tmp: str, size: int, ino: int, expires_at: float | None
+    ) -> None:
         """Make a staged temp file ``key``'s entry: its recency, the rename, the index, the expiry."""
         try:
             t = self._now_ns()
@@ -383,8 +415,11 @@ class DiskTier(Tier):
             if entries is None:
                 self.stats.add(errors=1)
                 continue
-            doomed = [key for key in map(files.filename_to_key, (e.name for e in entries))
-                      if key is not None and str(key).startswith(prefix)]
+            doomed = [
+                key
+                for key in map(files.filename_to_key, (e.name for e in entries))
+                if key is not None and str(key).startswith(prefix)
+            ]
             removed += self.delete_many(doomed)
         return removed
 

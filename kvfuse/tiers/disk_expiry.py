@@ -48,9 +48,16 @@ class DiskExpiries:
 
     compact_min = 64  # compact the journal once it has at least this many stale lines
 
-    def __init__(self, root: Path, fsync: bool, lock: threading.Lock, stats: TierStats,
-                 path_of: Callable[[ChunkKey], str], clock: Clock,
-                 forget_locked: Callable[[ChunkKey], None]) -> None:
+    def __init__(
+        self,
+        root: Path,
+        fsync: bool,
+        lock: threading.Lock,
+        stats: TierStats,
+        path_of: Callable[[ChunkKey], str],
+        clock: Clock,
+        forget_locked: Callable[[ChunkKey], None],
+    ) -> None:
         self.journal = ExpiryJournal(root, fsync)
         self._map = Expiries()  # key -> (expires_at, inode of the file it applies to)
         self._root, self._lock, self._stats = root, lock, stats
@@ -69,7 +76,9 @@ class DiskExpiries:
 
     # -- what happens to the tier's files -------------------------------------------------------
 
-    def commit_locked(self, key: ChunkKey, expires_at: float | None, ino: int, rename: Callable[[], None]) -> None:
+    def commit_locked(
+        self, key: ChunkKey, expires_at: float | None, ino: int, rename: Callable[[], None]
+    ) -> None:
         """Make the staged file of inode ``ino`` the entry of ``key`` (``rename()`` puts it in
         place) with ``expires_at``; an older expiry of ``key`` is cancelled. Raises OSError (the
         write is then dropped: the file was not renamed)."""
@@ -202,8 +211,9 @@ class DiskExpiries:
             self._stats.add(expired=len(removed))
         return removed
 
-    def _live_records(self, records: dict, inodes: dict[ChunkKey, int] | None,
-                      removed: set[ChunkKey]) -> dict[ChunkKey, tuple[float, int]]:
+    def _live_records(
+        self, records: dict, inodes: dict[ChunkKey, int] | None, removed: set[ChunkKey]
+    ) -> dict[ChunkKey, tuple[float, int]]:
         """The journal's records that apply to a file still in place and not expired; the files
         of expired ones are deleted (their keys added to ``removed``)."""
         now = self._clock()
@@ -212,7 +222,9 @@ class DiskExpiries:
             if expires_at is None:
                 continue
             current = None if inodes is None else inodes.get(key)
-            if current != ino:  # not scanned as this file: look (another process may have just put it)
+            if (
+                current != ino
+            ):  # not scanned as this file: look (another process may have just put it)
                 try:
                     current = os.stat(self._path_of(key)).st_ino
                 except OSError:

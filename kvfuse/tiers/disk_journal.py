@@ -127,7 +127,9 @@ class ExpiryJournal:
         tmp = self.root / _JOURNAL_TMP
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, ("".join(journal_line(k, t, ino) for k, t, ino in records).encode("ascii"),))
+            write_all(
+                fd, ("".join(journal_line(k, t, ino) for k, t, ino in records).encode("ascii"),)
+            )
             if self.fsync:
                 os.fsync(fd)
         finally:

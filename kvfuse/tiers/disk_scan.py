@@ -80,11 +80,15 @@ class _Columns:
         self.inos.append(st.st_ino)
 
     def done(self, unreadable: int) -> Scan:
-        return Scan(groups=[(ns, ChunkKind(kind), variant) for ns, kind, variant in self.groups],
-                    group_of=np.array(self.group_of, dtype=np.intp),
-                    digests=np.frombuffer(bytes.fromhex("".join(self.hexes)), dtype="<u8").reshape(-1, 4),
-                    mtimes=np.array(self.mtimes, dtype=np.int64), sizes=np.array(self.sizes, dtype=np.int64),
-                    inos=self.inos, unreadable=unreadable)
+        return Scan(
+            groups=[(ns, ChunkKind(kind), variant) for ns, kind, variant in self.groups],
+            group_of=np.array(self.group_of, dtype=np.intp),
+            digests=np.frombuffer(bytes.fromhex("".join(self.hexes)), dtype="<u8").reshape(-1, 4),
+            mtimes=np.array(self.mtimes, dtype=np.int64),
+            sizes=np.array(self.sizes, dtype=np.int64),
+            inos=self.inos,
+            unreadable=unreadable,
+        )
 
 
 def scan(root, stale_temp_s: float, now: float) -> Scan:

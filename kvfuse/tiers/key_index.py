@@ -57,8 +57,12 @@ class KeyIndex:
     """``ChunkKey -> (size, value)`` in least-recent-first order, compactly (see the module
     docstring). ``with_values``: keep a value per entry (the memory tier's blobs)."""
 
-    def __init__(self, with_values: bool = False, rows: int = 64,
-                 owner_of: Callable[[str], int] | None = None) -> None:
+    def __init__(
+        self,
+        with_values: bool = False,
+        rows: int = 64,
+        owner_of: Callable[[str], int] | None = None,
+    ) -> None:
         self._groups: dict[str, int] = {}  # ChunkKey.group -> group id
         self._group_keys: list[tuple[str, ChunkKind, str]] = []
         # Owners (see the module docstring): namespace id -> owner, per group its owner, per owner
@@ -90,7 +94,9 @@ class KeyIndex:
         # Scalar reads and writes go through memoryviews (Python ints, no numpy scalar objects).
         self._dig_v = memoryview(self._dig)
         self._dig_b = memoryview(self._dig).cast("B")
-        self._dig_rows = self._dig.view("V32")  # one 32-byte item per row: one comparison per digest
+        self._dig_rows = self._dig.view(
+            "V32"
+        )  # one 32-byte item per row: one comparison per digest
         self._grp_v = memoryview(self._grp)
         self._size_v = memoryview(self._size)
         self._prev_v = memoryview(self._prev)
@@ -112,7 +118,9 @@ class KeyIndex:
         self._size = grown(self._size, cap, 0)
         self._prev = grown(self._prev, cap, _NIL)
         nxt = grown(self._next, cap, _NIL)
-        nxt[old : cap - 1] = np.arange(old + 1, cap, dtype=np.int32)  # new rows chain into the free list
+        nxt[old : cap - 1] = np.arange(
+            old + 1, cap, dtype=np.int32
+        )  # new rows chain into the free list
         nxt[cap - 1] = self._free
         self._next = nxt
         self._free = old
@@ -125,7 +133,16 @@ class KeyIndex:
         self._views()
 
     def _release_views(self) -> None:
-        for name in ("_dig_v", "_dig_b", "_grp_v", "_size_v", "_prev_v", "_next_v", "_oprev_v", "_onext_v"):
+        for name in (
+            "_dig_v",
+            "_dig_b",
+            "_grp_v",
+            "_size_v",
+            "_prev_v",
+            "_next_v",
+            "_oprev_v",
+            "_onext_v",
+        ):
             view = self.__dict__.pop(name, None)
             if view is not None:
                 view.release()
@@ -149,8 +166,10 @@ class KeyIndex:
         slots = np.full(size, -1, dtype=np.int32)
         pending = np.flatnonzero(self._grp[: self._cap] != FREE).astype(np.int32)
         words = self._dig.reshape(-1, 4)[:, 0]
-        pos = ((words[pending] ^ (self._grp[pending].astype(np.uint64) * np.uint64(_GOLDEN)))
-               & np.uint64(mask)).astype(np.int64)
+        pos = (
+            (words[pending] ^ (self._grp[pending].astype(np.uint64) * np.uint64(_GOLDEN)))
+            & np.uint64(mask)
+        ).astype(np.int64)
         while pending.size:
             free = np.flatnonzero(slots[pos] < 0)
             _, first = np.unique(pos[free], return_index=True)
@@ -170,13 +189,23 @@ class KeyIndex:
             return -1
         digest = key.digest
         d0 = int.from_bytes(digest[:8], "little")
-        mask, slots, dig, grp, dig_b = self._mask, self._slots_v, self._dig_v, self._grp_v, self._dig_b
+        mask, slots, dig, grp, dig_b = (
+            self._mask,
+            self._slots_v,
+            self._dig_v,
+            self._grp_v,
+            self._dig_b,
+        )
         s = (d0 ^ (gid * _GOLDEN)) & mask
         while True:
             r = slots[s]
             if r < 0:
                 return -1
-            if dig[4 * r] == d0 and grp[r] == gid and dig_b[32 * r : 32 * r + 32].tobytes() == digest:
+            if (
+                dig[4 * r] == d0
+                and grp[r] == gid
+                and dig_b[32 * r : 32 * r + 32].tobytes() == digest
+            ):
                 return r
             s = (s + 1) & mask
 
@@ -410,7 +439,11 @@ class KeyIndex:
         KeyError when there is none."""
         r = self._head if owner is None else self._owner_head(owner)
         if r == _NIL:
-            raise KeyError("pop_oldest from an empty KeyIndex" if owner is None else f"owner {owner} holds nothing")
+            raise KeyError(
+                "pop_oldest from an empty KeyIndex"
+                if owner is None
+                else f"owner {owner} holds nothing"
+            )
         key = self._key(r)
         size, value = self._remove_row(r)
         return key, size, value
@@ -480,20 +513,37 @@ class KeyIndex:
             for gid in whole:
                 out.extend(self._key(int(r)) for r in np.flatnonzero(live == gid))
             for gid in partial:
-                out.extend(k for k in (self._key(int(r)) for r in np.flatnonzero(live == gid))
-                           if str(k).startswith(prefix))
+                out.extend(
+                    k
+                    for k in (self._key(int(r)) for r in np.flatnonzero(live == gid))
+                    if str(k).startswith(prefix)
+                )
         return out
 
     def nbytes(self) -> int:
         """Bytes this index holds in its arrays and group table (not the values themselves)."""
-        arrays = (self._dig, self._grp, self._size, self._prev, self._next, self._slots, self._oprev, self._onext)
+        arrays = (
+            self._dig,
+            self._grp,
+            self._size,
+            self._prev,
+            self._next,
+            self._slots,
+            self._oprev,
+            self._onext,
+        )
         values = 8 * len(self._values) + 56 if self._values is not None else 0
         return sum(a.nbytes for a in arrays) + values + 200 * len(self._group_keys)
 
     # -- bulk -----------------------------------------------------------------------------------
 
-    def load(self, groups: Sequence[tuple[str, ChunkKind, str]], group_of_row: np.ndarray,
-             digests: bytes, sizes: np.ndarray) -> None:
+    def load(
+        self,
+        groups: Sequence[tuple[str, ChunkKind, str]],
+        group_of_row: np.ndarray,
+        digests: bytes,
+        sizes: np.ndarray,
+    ) -> None:
         """Fill an empty index at once (the disk tier's start-up scan): row i has group
         ``groups[group_of_row[i]]``, digest ``digests[32 i : 32 i + 32]`` and ``sizes[i]``; rows
         are given least recent first and must be distinct keys."""
@@ -501,9 +551,16 @@ class KeyIndex:
             raise ValueError("KeyIndex.load fills an empty index only")
         n = len(sizes)
         if len(digests) != 32 * n or len(group_of_row) != n:
-            raise ValueError(f"KeyIndex.load: {n} sizes, {len(group_of_row)} groups and {len(digests)} digest bytes")
-        ids = np.array([self._group_id(ChunkKey(ns, bytes(32), kind, variant)) for ns, kind, variant in groups],
-                       dtype=np.uint32)
+            raise ValueError(
+                f"KeyIndex.load: {n} sizes, {len(group_of_row)} groups and {len(digests)} digest bytes"
+            )
+        ids = np.array(
+            [
+                self._group_id(ChunkKey(ns, bytes(32), kind, variant))
+                for ns, kind, variant in groups
+            ],
+            dtype=np.uint32,
+        )
         self._release_views()
         cap = max(4, n + n // 8)
         self._values = [None] * cap if self._values is not None else None

@@ -30,15 +30,21 @@ class MemoryTier(Tier):
 
     holds_entries = True
 
-    def __init__(self, capacity_bytes: int, name: str = "memory", quotas: TenantQuotas | None = None) -> None:
+    def __init__(
+        self, capacity_bytes: int, name: str = "memory", quotas: TenantQuotas | None = None
+    ) -> None:
         super().__init__()
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}")
+            raise ValueError(
+                f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}"
+            )
         self.name = name
         self.capacity_bytes = capacity_bytes
         self._quotas = quotas  # per-tenant byte quotas (tiers/tenant_quota.py); None: plain LRU
         # key -> (size, value), least recent first (and per owner, with quotas)
-        self._index = KeyIndex(with_values=True, owner_of=quotas.owner_of if quotas is not None else None)
+        self._index = KeyIndex(
+            with_values=True, owner_of=quotas.owner_of if quotas is not None else None
+        )
         self._used = 0
         self._lock = threading.Lock()
         self._protect: Callable[[], Collection[ChunkKey]] | None = None
@@ -83,7 +89,9 @@ class MemoryTier(Tier):
 
     def get(self, key: ChunkKey) -> Blob | None:
         with self._lock:
-            held, expired = self._live_locked(key) if self._expiry else (True, 0)  # one probe, not two
+            held, expired = (
+                self._live_locked(key) if self._expiry else (True, 0)
+            )  # one probe, not two
             found = self._index.use(key) if held else None
             value = None if found is None else found[1]
         if value is None:
@@ -101,7 +109,9 @@ class MemoryTier(Tier):
         size = nbytes(value)
         # The protected set is asked for outside the lock (it comes from the engine's queue), and
         # only when this put has to evict something.
-        protected = self._protect() if self._protect is not None and self._must_evict(key, size) else ()
+        protected = (
+            self._protect() if self._protect is not None and self._must_evict(key, size) else ()
+        )
         with self._lock:
             self._remove(key)
             if size > self._room_locked(key):
@@ -121,7 +131,9 @@ class MemoryTier(Tier):
             return self._used + size > self.capacity_bytes
         with self._lock:
             use = self._quotas.use(self._index, self._index.owner_of(key))
-            return self._used + size > self.capacity_bytes or (use.limit is not None and use.bytes + size > use.limit)
+            return self._used + size > self.capacity_bytes or (
+                use.limit is not None and use.bytes + size > use.limit
+            )
 
     def _room_locked(self, key: ChunkKey) -> int:
         """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
@@ -155,8 +167,9 @@ class MemoryTier(Tier):
             evicted, forced = evicted + 1, forced + was_protected
         return evicted, forced
 
-    def _victim_locked(self, owner: int | None, key: ChunkKey,
-                       protected: Collection[ChunkKey]) -> tuple[ChunkKey | None, bool]:
+    def _victim_locked(
+        self, owner: int | None, key: ChunkKey, protected: Collection[ChunkKey]
+    ) -> tuple[ChunkKey | None, bool]:
         """The least recently used entry (of ``owner``; None: of anyone) other than ``key``, one
         not in ``protected`` if there is one; and whether it is protected."""
         fallback = None

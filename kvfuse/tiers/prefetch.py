@@ -28,7 +28,9 @@ log = logging.getLogger(__name__)
 class Prefetcher:
     """A thread promoting queued requests' lower-tier entries into the memory tier."""
 
-    def __init__(self, store: TieredStore, fill: float = 0.8, batch: int = 8, interval_s: float = 0.25) -> None:
+    def __init__(
+        self, store: TieredStore, fill: float = 0.8, batch: int = 8, interval_s: float = 0.25
+    ) -> None:
         if not 0 < fill <= 1:
             raise ValueError("fill must be in (0, 1]")
         self.store = store

@@ -14,7 +14,9 @@ from typing import Sequence
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.results import StoreCounters
 
-_FORGET_AFTER = 65536  # prefetched keys remembered at most (the rest: never asked for, e.g. cancelled)
+_FORGET_AFTER = (
+    65536  # prefetched keys remembered at most (the rest: never asked for, e.g. cancelled)
+)
 
 
 class PrefetchTally:

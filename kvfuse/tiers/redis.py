@@ -47,15 +47,22 @@ def failure_hint(error: Exception) -> str:
     """What to check after ``error``, for the log line of a failure ("" when it is no ACL or TLS
     problem: an outage speaks for itself)."""
     text = str(error)
-    acl = (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError,
-           redis.exceptions.NoPermissionError)
+    acl = (
+        redis.exceptions.AuthenticationError,
+        redis.exceptions.AuthorizationError,
+        redis.exceptions.NoPermissionError,
+    )
     if isinstance(error, acl) or text.startswith(("WRONGPASS", "NOAUTH", "NOPERM")):
-        return ("; check the ACL user and its password (redis_username, redis_password_env or "
-                "redis_password_file) and the user's permissions (ACL SETUSER ... ~kvfuse:* +@all)")
+        return (
+            "; check the ACL user and its password (redis_username, redis_password_env or "
+            "redis_password_file) and the user's permissions (ACL SETUSER ... ~kvfuse:* +@all)"
+        )
     if "ssl" in text.lower() or "certificate" in text.lower() or "handshake" in text.lower():
-        return ("; check TLS: a rediss:// URL, redis_tls_ca_file (the CA that signed the server's certificate, "
-                "whose name must match the URL's host), and redis_tls_cert_file with redis_tls_key_file when the "
-                "server asks for client certificates")
+        return (
+            "; check TLS: a rediss:// URL, redis_tls_ca_file (the CA that signed the server's certificate, "
+            "whose name must match the URL's host), and redis_tls_cert_file with redis_tls_key_file when the "
+            "server asks for client certificates"
+        )
     return ""
 
 
@@ -104,11 +111,21 @@ class RedisTier(Tier):
         try:
             self._client = make_client(url, timeout_s, cluster, security)
         except ValueError as e:
-            raise ValueError(f"bad Redis URL {redact_url(url)!r}: {e} (expected e.g. redis://127.0.0.1:6379/0)") from None
+            raise ValueError(
+                f"bad Redis URL {redact_url(url)!r}: {e} (expected e.g. redis://127.0.0.1:6379/0)"
+            ) from None
         except TypeError as e:  # TLS arguments with a plain redis:// or unix:// URL
-            raise ValueError(f"Redis URL {redact_url(url)!r}: {e}; TLS settings need a rediss:// URL") from None
-        self._backoff = Backoff("redis tier", redact_url(url), backoff_s, self.stats, recovered="server reachable again",
-                                hint=failure_hint)
+            raise ValueError(
+                f"Redis URL {redact_url(url)!r}: {e}; TLS settings need a rediss:// URL"
+            ) from None
+        self._backoff = Backoff(
+            "redis tier",
+            redact_url(url),
+            backoff_s,
+            self.stats,
+            recovered="server reachable again",
+            hint=failure_hint,
+        )
 
     def is_backing_off(self) -> bool:
         """True while calls are answered as misses without trying the server."""
@@ -197,7 +214,9 @@ class RedisTier(Tier):
     def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
         self.put_many([(key, value)], expires_at)
 
-    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None) -> None:
+    def put_many(
+        self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None
+    ) -> None:
         items = list(items)
         if not items:
             return
@@ -342,7 +361,7 @@ class RedisTier(Tier):
             for k in self._scan(pattern):
                 name = k.decode("utf-8", "replace") if isinstance(k, bytes) else k
                 try:
-                    out.append(ChunkKey.parse(name[len(self.key_prefix):]))
+                    out.append(ChunkKey.parse(name[len(self.key_prefix) :]))
                 except ValueError:
                     continue  # not one of ours
                 if limit is not None and len(out) >= limit:

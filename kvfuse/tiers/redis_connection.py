@@ -28,8 +28,14 @@ from typing import Iterator
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import (Connection, Encoder, PythonRespSerializer, SSLConnection, UnixDomainSocketConnection,
-                              parse_url)
+from redis.connection import (
+    Connection,
+    Encoder,
+    PythonRespSerializer,
+    SSLConnection,
+    UnixDomainSocketConnection,
+    parse_url,
+)
 from redis.retry import Retry
 
 from kvfuse.config.secrets import redact_url
@@ -37,7 +43,9 @@ from kvfuse.tiers.base import Entry
 
 _BUFFER_CUTOFF = 6000  # redis-py's default: values above it are sent without being copied
 
-MIN_RATE = 8_000_000  # bytes/s: a call moving its bytes slower than this times out (see the docstring)
+MIN_RATE = (
+    8_000_000  # bytes/s: a call moving its bytes slower than this times out (see the docstring)
+)
 
 
 class _Deadline(threading.local):
@@ -53,7 +61,9 @@ class _Deadline(threading.local):
         """Seconds left before the call's deadline (None outside a call)."""
         if self.start is None:
             return None
-        return self.start + self.budget_s + (self.moved + extra_bytes) / self.rate - time.monotonic()
+        return (
+            self.start + self.budget_s + (self.moved + extra_bytes) / self.rate - time.monotonic()
+        )
 
 
 _deadline = _Deadline()
@@ -87,7 +97,9 @@ class _DeadlineSocket:
 
     def recv(self, bufsize: int, flags: int = 0) -> bytes:
         if flags & socket.MSG_PEEK:
-            return self._sock.recv(bufsize, flags)  # a look, not a read (redis-py's closed-socket check)
+            return self._sock.recv(
+                bufsize, flags
+            )  # a look, not a read (redis-py's closed-socket check)
         self._bound()
         data = self._sock.recv(bufsize, flags)
         _deadline.moved += len(data)
@@ -173,8 +185,11 @@ class _DeadlineUnixConnection(_TierConnectionMixin, UnixDomainSocketConnection):
     pass
 
 
-_DEADLINE_CLASSES = {Connection: _DeadlineConnection, SSLConnection: _DeadlineSSLConnection,
-                     UnixDomainSocketConnection: _DeadlineUnixConnection}
+_DEADLINE_CLASSES = {
+    Connection: _DeadlineConnection,
+    SSLConnection: _DeadlineSSLConnection,
+    UnixDomainSocketConnection: _DeadlineUnixConnection,
+}
 
 
 class _LazyCluster:
@@ -196,15 +211,19 @@ class _LazyCluster:
                     # no retries: a timed-out call is not repeated (bounded waits); after a MOVED
                     # reply the client re-reads the slot map and the next call goes to the right node
                     client = RedisCluster.from_url(
-                        self._url, socket_timeout=self._timeout_s, socket_connect_timeout=self._timeout_s,
+                        self._url,
+                        socket_timeout=self._timeout_s,
+                        socket_connect_timeout=self._timeout_s,
                         retry=Retry(NoBackoff(), 0),
                         connection_class=_DeadlineConnection,  # bounded calls (a rediss:// URL keeps its TLS class)
-                        **self._security)
+                        **self._security,
+                    )
                 except redis.RedisError:
                     raise
                 except Exception as e:  # RedisClusterException is not a RedisError
-                    raise redis.ConnectionError(f"cannot reach the Redis cluster at {redact_url(self._url)}: "
-                                                f"{e}") from None
+                    raise redis.ConnectionError(
+                        f"cannot reach the Redis cluster at {redact_url(self._url)}: {e}"
+                    ) from None
                 client.mget = client.mget_nonatomic  # one MGET per slot, replies in key order
                 self._real = client
             return self._real
@@ -232,8 +251,13 @@ class Security:
     def client_kwargs(self) -> dict:
         """redis-py's arguments for these settings (only those given: a plain connection takes no
         TLS arguments)."""
-        out = {"username": self.username, "password": self.password, "ssl_ca_certs": self.tls_ca_file,
-               "ssl_certfile": self.tls_cert_file, "ssl_keyfile": self.tls_key_file}
+        out = {
+            "username": self.username,
+            "password": self.password,
+            "ssl_ca_certs": self.tls_ca_file,
+            "ssl_certfile": self.tls_cert_file,
+            "ssl_keyfile": self.tls_key_file,
+        }
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -257,7 +281,9 @@ def make_client(url: str, timeout_s: float, cluster: bool, security: Security = 
         # pure-Python parser costs more than the network here), but commands are always
         # packed in Python: it sends large values as their own buffers, hiredis's packer
         # copies them into the command first.
-        command_packer=PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode),
+        command_packer=PythonRespSerializer(
+            _BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode
+        ),
     )
 
 
@@ -265,7 +291,12 @@ def make_client(url: str, timeout_s: float, cluster: bool, security: Security = 
 def bounded_call(timeout_s: float, min_rate: float) -> Iterator[None]:
     """One bounded exchange with the server on this thread: its reads and writes end once
     ``timeout_s`` plus the bytes moved at ``min_rate`` bytes/s have passed."""
-    _deadline.start, _deadline.budget_s, _deadline.rate, _deadline.moved = time.monotonic(), timeout_s, min_rate, 0
+    _deadline.start, _deadline.budget_s, _deadline.rate, _deadline.moved = (
+        time.monotonic(),
+        timeout_s,
+        min_rate,
+        0,
+    )
     try:
         yield
     finally:

@@ -76,7 +76,9 @@ class StoreCounters(Counters):
     promotions: int = 0
     unusable_entries: int = 0  # checked_reads.py
     signature_unsigned: int = 0  # of those: no signature, while signing is on
-    signature_mismatch: int = 0  # of those: a signature no accepted key made (or a payload it does not cover)
+    signature_mismatch: int = (
+        0  # of those: a signature no accepted key made (or a payload it does not cover)
+    )
     queued_writes: int = 0  # write_behind.py
     queue_full_drops: int = 0
     prefetched: int = 0  # prefetch.py

@@ -107,9 +107,13 @@ class S3Tier(Tier):
         if timeout_s <= 0 or retries < 0 or backoff_s < 0:
             raise ValueError("S3Tier needs timeout_s > 0, retries >= 0 and backoff_s >= 0")
         if multipart_bytes < 5 * 1024**2:
-            raise ValueError(f"S3 parts are at least 5 MiB; multipart_bytes={multipart_bytes} is smaller")
+            raise ValueError(
+                f"S3 parts are at least 5 MiB; multipart_bytes={multipart_bytes} is smaller"
+            )
         if addressing_style not in ("path", "virtual", "auto"):
-            raise ValueError(f"addressing_style must be path, virtual or auto, got {addressing_style!r}")
+            raise ValueError(
+                f"addressing_style must be path, virtual or auto, got {addressing_style!r}"
+            )
         self._sse = sse_args(sse, sse_kms_key_id)
         self.name = name
         self.url = url
@@ -117,14 +121,22 @@ class S3Tier(Tier):
         self.endpoint_url = endpoint_url
         self.backoff_s = backoff_s
         self.max_concurrency = max_concurrency
-        config = BotoConfig(connect_timeout=timeout_s, read_timeout=timeout_s,
-                            retries={"mode": "standard", "total_max_attempts": retries + 1},
-                            s3={"addressing_style": addressing_style},
-                            max_pool_connections=max(10, max_concurrency * 2))
-        self._client = boto3.session.Session().client("s3", endpoint_url=endpoint_url, region_name=region,
-                                                      config=config)
-        self._transfer = TransferConfig(multipart_threshold=multipart_bytes, multipart_chunksize=multipart_bytes,
-                                        max_concurrency=max_concurrency, use_threads=True)
+        config = BotoConfig(
+            connect_timeout=timeout_s,
+            read_timeout=timeout_s,
+            retries={"mode": "standard", "total_max_attempts": retries + 1},
+            s3={"addressing_style": addressing_style},
+            max_pool_connections=max(10, max_concurrency * 2),
+        )
+        self._client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config
+        )
+        self._transfer = TransferConfig(
+            multipart_threshold=multipart_bytes,
+            multipart_chunksize=multipart_bytes,
+            max_concurrency=max_concurrency,
+            use_threads=True,
+        )
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="kvfuse-s3")
         self._backoff = Backoff("s3 tier", url, backoff_s, self.stats)
         if create_bucket:
@@ -139,7 +151,10 @@ class S3Tier(Tier):
                 kwargs["CreateBucketConfiguration"] = {"LocationConstraint": region}
             self._client.create_bucket(Bucket=self.bucket, **kwargs)
         except ClientError as e:
-            if e.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            if e.response.get("Error", {}).get("Code") not in (
+                "BucketAlreadyOwnedByYou",
+                "BucketAlreadyExists",
+            ):
                 raise
 
     def is_backing_off(self) -> bool:
@@ -237,8 +252,13 @@ class S3Tier(Tier):
     def read_range(self, key: ChunkKey, start: int, stop: int) -> bytes | None:
         if stop <= start:
             return b"" if self.contains(key) else None
-        obj = self._call("get range", self._client.get_object, Bucket=self.bucket, Key=self._k(key),
-                         Range=f"bytes={start}-{stop - 1}")
+        obj = self._call(
+            "get range",
+            self._client.get_object,
+            Bucket=self.bucket,
+            Key=self._k(key),
+            Range=f"bytes={start}-{stop - 1}",
+        )
         if obj is None:
             self.stats.add(misses=1)
             return None
@@ -275,14 +295,24 @@ class S3Tier(Tier):
             extra["Tagging"] = f"{_RETENTION_TAG}={retention_days(expires_at, self.clock())}"
         size = nbytes(value)
         # upload_fileobj: one PUT below the multipart threshold, concurrent parts above it
-        ok = self._call("put", self._client.upload_fileobj, io.BytesIO(memoryview(data).cast("B")), self.bucket, k,
-                        ExtraArgs=extra or None, Config=self._transfer, default=False)
+        ok = self._call(
+            "put",
+            self._client.upload_fileobj,
+            io.BytesIO(memoryview(data).cast("B")),
+            self.bucket,
+            k,
+            ExtraArgs=extra or None,
+            Config=self._transfer,
+            default=False,
+        )
         if ok is False:
             self.stats.add(dropped_writes=1)
             return
         self.stats.add(puts=1, bytes_in=size)
 
-    def put_many(self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None) -> None:
+    def put_many(
+        self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None
+    ) -> None:
         items = list(items)
         if len(items) <= 1:
             for key, value in items:
@@ -298,12 +328,18 @@ class S3Tier(Tier):
         if current is None or current >= expires_at:
             return True
         k = self._k(key)
-        self._call("extend", self._client.copy_object, Bucket=self.bucket, Key=k,
-                   CopySource={"Bucket": self.bucket, "Key": k}, MetadataDirective="REPLACE",
-                   Metadata={**head.get("Metadata", {}), _EXPIRES: repr(float(expires_at))},
-                   TaggingDirective="REPLACE",
-                   Tagging=f"{_RETENTION_TAG}={retention_days(expires_at, self.clock())}",
-                   **self._sse)  # a copy is encrypted as asked again (else: the bucket's default)
+        self._call(
+            "extend",
+            self._client.copy_object,
+            Bucket=self.bucket,
+            Key=k,
+            CopySource={"Bucket": self.bucket, "Key": k},
+            MetadataDirective="REPLACE",
+            Metadata={**head.get("Metadata", {}), _EXPIRES: repr(float(expires_at))},
+            TaggingDirective="REPLACE",
+            Tagging=f"{_RETENTION_TAG}={retention_days(expires_at, self.clock())}",
+            **self._sse,
+        )  # a copy is encrypted as asked again (else: the bucket's default)
         return True
 
     def expire(self) -> int:
@@ -319,8 +355,12 @@ class S3Tier(Tier):
         removed = 0
         for i in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": n} for n in names[i : i + 1000]]
-            out = self._call("delete", self._client.delete_objects, Bucket=self.bucket,
-                             Delete={"Objects": batch, "Quiet": False})
+            out = self._call(
+                "delete",
+                self._client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": batch, "Quiet": False},
+            )
             if out is not None:
                 removed += len(out.get("Deleted", []))
         return removed
@@ -335,8 +375,11 @@ class S3Tier(Tier):
         if not self._backoff.available():
             return 0
         paginator = self._client.get_paginator("list_objects_v2")
-        pages = self._call("list", lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)),
-                           default=[])
+        pages = self._call(
+            "list",
+            lambda: list(paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix)),
+            default=[],
+        )
         for page in pages:
             names += [o["Key"] for o in page.get("Contents", [])]
         return self._delete_names(names)

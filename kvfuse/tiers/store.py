@@ -85,16 +85,26 @@ class TieredStore:
     ``expire_interval_s``: the least time between two sweeps ``lookup`` makes;
     ``signer``: sign the lower tiers' entries and check them when read (None: no signing)."""
 
-    def __init__(self, memory: MemoryTier, lower: Sequence[Tier] = (), *,
-                 write_queue_size: int = CacheConfig.write_queue, write_batch: int = 16,
-                 codecs: Mapping[str, Codec] | None = None, stream_levels: Sequence[int] = CacheConfig.stream_levels,
-                 clock: Clock | None = None, expire_interval_s: float = 1.0,
-                 signer: EntrySigner | None = None) -> None:
+    def __init__(
+        self,
+        memory: MemoryTier,
+        lower: Sequence[Tier] = (),
+        *,
+        write_queue_size: int = CacheConfig.write_queue,
+        write_batch: int = 16,
+        codecs: Mapping[str, Codec] | None = None,
+        stream_levels: Sequence[int] = CacheConfig.stream_levels,
+        clock: Clock | None = None,
+        expire_interval_s: float = 1.0,
+        signer: EntrySigner | None = None,
+    ) -> None:
         self._memory, self._lower = self._roles(memory, lower)
         self._tiers: tuple[Tier, ...] = (self._memory, *self._lower)
         names = [t.name for t in self._tiers]
         if len(set(names)) != len(names) or _STORE in names:
-            raise ValueError(f"tier names must be unique and not {_STORE!r}, got {names}; pass name=... to the tiers")
+            raise ValueError(
+                f"tier names must be unique and not {_STORE!r}, got {names}; pass name=... to the tiers"
+            )
         if not expire_interval_s >= 0:
             raise ValueError(f"expire_interval_s must be >= 0, got {expire_interval_s}")
         unknown = set(codecs or {}) - set(names)
@@ -111,7 +121,9 @@ class TieredStore:
         self._reads = CheckedReads(self._counters, signer)
         self._transcoder = Transcoder(codecs or {}, stream_levels, self._counters, signer)
         self._signer = signer
-        self._writer = WriteBehind(self._lower, self._transcoder, self._counters, write_queue_size, write_batch)
+        self._writer = WriteBehind(
+            self._lower, self._transcoder, self._counters, write_queue_size, write_batch
+        )
         self._prefetch = PrefetchTally(self._counters, self._memory.name)
         self._lookahead: Callable[[], list[ChunkKey]] | None = None
         self._closed = False
@@ -119,13 +131,19 @@ class TieredStore:
     @staticmethod
     def _roles(memory: MemoryTier, lower: Sequence[Tier]) -> tuple[MemoryTier, tuple[Tier, ...]]:
         if not isinstance(memory, MemoryTier):
-            raise TypeError(f"TieredStore's memory tier must be a MemoryTier, got {type(memory).__name__}; "
-                            f"disk, Redis and S3 tiers go below it: TieredStore(MemoryTier(...), lower=[...])")
+            raise TypeError(
+                f"TieredStore's memory tier must be a MemoryTier, got {type(memory).__name__}; "
+                f"disk, Redis and S3 tiers go below it: TieredStore(MemoryTier(...), lower=[...])"
+            )
         if isinstance(lower, Tier):
-            raise TypeError("TieredStore's lower tiers are a sequence: TieredStore(memory, [disk, ...])")
+            raise TypeError(
+                "TieredStore's lower tiers are a sequence: TieredStore(memory, [disk, ...])"
+            )
         lower = tuple(lower)
         if not all(isinstance(t, Tier) for t in lower):
-            raise TypeError(f"TieredStore's lower tiers must be Tiers, got {[type(t).__name__ for t in lower]}")
+            raise TypeError(
+                f"TieredStore's lower tiers must be Tiers, got {[type(t).__name__ for t in lower]}"
+            )
         return memory, lower
 
     # -- the tiers ------------------------------------------------------------------------------
@@ -199,7 +217,9 @@ class TieredStore:
             if not pending:
                 break
             asked = [keys[i] for i in pending]
-            found = guarded(tier, "contains_many", tier.contains_many, [False] * len(pending), asked)
+            found = guarded(
+                tier, "contains_many", tier.contains_many, [False] * len(pending), asked
+            )
             if all(found):  # the usual answer of the memory tier to a prompt it holds
                 for i in pending:
                     holder[i] = tier.name
@@ -221,8 +241,12 @@ class TieredStore:
         """One checked entry or None per key (see ``fetch``)."""
         return [f.entry for f in self.fetch(keys)]
 
-    def fetch(self, keys: Sequence[ChunkKey], specs: Sequence[EntrySpec | None] | None = None,
-              prefetch: bool = False) -> list[Fetched]:
+    def fetch(
+        self,
+        keys: Sequence[ChunkKey],
+        specs: Sequence[EntrySpec | None] | None = None,
+        prefetch: bool = False,
+    ) -> list[Fetched]:
         """Per key, the checked entry and the tier that served it, which can differ from what
         ``lookup`` said: a damaged copy in a faster tier is removed and a slower one serves.
         ``prefetch``: a read ahead of the request (``Prefetcher``), counted as such."""
@@ -241,7 +265,11 @@ class TieredStore:
             asked = [keys[i] for i in pending]
             # A promoted copy keeps the expiry it has here, asked before the read: an entry that
             # expires in between is then promoted with a time passed, i.e. not at all.
-            expiries = guarded(tier, "expiries", tier.expiries, [None] * len(pending), asked) if below else None
+            expiries = (
+                guarded(tier, "expiries", tier.expiries, [None] * len(pending), asked)
+                if below
+                else None
+            )
             opened = self._reads.batch(tier, asked, [specs[i] for i in pending], below)
             still = []
             for j, (i, (entry, bad)) in enumerate(zip(pending, opened)):
@@ -258,14 +286,18 @@ class TieredStore:
         self._prefetch.count(keys, served, prefetch)
         return [Fetched(e, t, r) for e, t, r in zip(entries, served, rejected)]
 
-    def fetch_encoded(self, key: ChunkKey, tier: str, variant: str = "", spec: EntrySpec | None = None) -> Encoded | None:
+    def fetch_encoded(
+        self, key: ChunkKey, tier: str, variant: str = "", spec: EntrySpec | None = None
+    ) -> Encoded | None:
         """``key``'s copy ``variant`` ("cachegen.1", or "" for the primary) from the tier named
         ``tier`` only, falling back to the primary copy there; checked like ``fetch``; None if
         the tier has no usable copy. Nothing is promoted (the streaming loader reads a chunk at
         the level its bandwidth allows, not a copy to keep)."""
         return self._reads.encoded(self.tier(tier), key, variant, spec)
 
-    def fetch_layers(self, key: ChunkKey, first: int, last: int, spec: EntrySpec | None = None) -> LayerRange | None:
+    def fetch_layers(
+        self, key: ChunkKey, first: int, last: int, spec: EntrySpec | None = None
+    ) -> LayerRange | None:
         """The KV of layers ``[first, last)`` of ``key`` from the fastest tier holding a usable
         copy, reading (from disk or Redis) only the header and those layers' bytes; None if no
         tier has one. Nothing is promoted: a layer range is not a whole entry."""
@@ -286,8 +318,13 @@ class TieredStore:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def put(self, items: Iterable[tuple[ChunkKey, Blob]], block: bool = False, expires_at: float | None = None,
-            memory_only: bool = False) -> None:
+    def put(
+        self,
+        items: Iterable[tuple[ChunkKey, Blob]],
+        block: bool = False,
+        expires_at: float | None = None,
+        memory_only: bool = False,
+    ) -> None:
         """Save entries: the memory tier now, the lower tiers from the write queue. The queue never
         blocks a caller: when it is full the lower-tier writes are dropped and counted, unless
         ``block`` (a background saver, which nobody waits on, waits for room instead).
@@ -346,8 +383,17 @@ class TieredStore:
                     if t is not None and not held[i]:  # an expiry: held (when asked)
                         expiries[i], held[i] = t, True
                 rest = [(i, c) for i, c in pending if not held[i]]
-                found = (guarded(tier, "contains_many", tier.contains_many, [False] * len(rest), [c for _, c in rest])
-                         if rest else [])
+                found = (
+                    guarded(
+                        tier,
+                        "contains_many",
+                        tier.contains_many,
+                        [False] * len(rest),
+                        [c for _, c in rest],
+                    )
+                    if rest
+                    else []
+                )
                 for (i, _), ok in zip(rest, found):
                     held[i] = held[i] or bool(ok)
                 pending = [(i, c) for i, c in pending if not held[i]]
@@ -413,13 +459,17 @@ class TieredStore:
         self.flush()
         with_variants = self._transcoder.with_variants(keys)
         self._prefetch.forget(keys)
-        return {t.name: guarded(t, "delete_many", t.delete_many, 0, with_variants) for t in self._tiers}
+        return {
+            t.name: guarded(t, "delete_many", t.delete_many, 0, with_variants) for t in self._tiers
+        }
 
     def delete_prefix(self, prefix: str) -> dict[str, int]:
         """Remove every key starting with ``prefix`` from every tier (after the queued writes, so
         none lands afterwards); the count removed per tier."""
         self.flush()
-        return {t.name: guarded(t, "delete_prefix", t.delete_prefix, 0, prefix) for t in self._tiers}
+        return {
+            t.name: guarded(t, "delete_prefix", t.delete_prefix, 0, prefix) for t in self._tiers
+        }
 
     def clear(self) -> dict[str, int]:
         """Remove everything from every tier; the count removed per tier."""
@@ -432,8 +482,12 @@ class TieredStore:
         promotions, unusable entries, queue drops, queue depth)."""
         out: dict[str, dict] = {}
         for t in self._tiers:
-            out[t.name] = {**t.stats.snapshot(), "entries": t.entries(), "used_bytes": t.used_bytes(),
-                           "capacity_bytes": t.capacity_bytes}
+            out[t.name] = {
+                **t.stats.snapshot(),
+                "entries": t.entries(),
+                "used_bytes": t.used_bytes(),
+                "capacity_bytes": t.capacity_bytes,
+            }
         out[_STORE] = {**self._counters.snapshot(), "queue_depth": self._writer.depth()}
         return out
 

@@ -52,14 +52,18 @@ def capacity_owner(uses: Mapping[int, OwnerUse], putter: int | None = None) -> i
     largest fraction of its quota (ties: more bytes, then the lower id). ``putter``: the owner of the
     entry just put, which is never evicted: an owner holding only that entry is no candidate.
     None: no owner qualifies (evict by plain LRU)."""
+
     def evictable(owner: int, use: OwnerUse) -> bool:
         return use.entries > (1 if owner == putter else 0)
 
     others = uses.get(OTHERS)
     if others is not None and others.limit is None and evictable(OTHERS, others):
         return OTHERS
-    candidates = [(use.bytes / use.limit, use.bytes, -owner, owner) for owner, use in uses.items()
-                  if use.limit and evictable(owner, use)]
+    candidates = [
+        (use.bytes / use.limit, use.bytes, -owner, owner)
+        for owner, use in uses.items()
+        if use.limit and evictable(owner, use)
+    ]
     return max(candidates)[3] if candidates else None
 
 
@@ -71,7 +75,9 @@ class TenantQuotas:
     def __init__(self, limits: Mapping[str, int], default: int | None = None) -> None:
         for tag, limit in limits.items():
             if len(tag) != 8 or not isinstance(limit, int) or limit <= 0:
-                raise ValueError(f"a quota is a tenant tag (8 hex chars) and a size > 0, got {tag!r}: {limit!r}")
+                raise ValueError(
+                    f"a quota is a tenant tag (8 hex chars) and a size > 0, got {tag!r}: {limit!r}"
+                )
         if default is not None and (not isinstance(default, int) or default <= 0):
             raise ValueError(f"the default quota must be a size > 0 or None, got {default!r}")
         self._limits = dict(limits)
@@ -108,14 +114,27 @@ class TenantQuotas:
     def usage(self, index) -> dict[str, dict[str, int]]:
         """Per quota'd tenant tag: ``used_bytes``, ``entries``, ``quota_bytes``, ``quota_evictions``
         (``index``: the tier's ``KeyIndex``)."""
-        return {tag: {"used_bytes": index.owner_bytes(owner), "entries": index.owner_entries(owner),
-                      "quota_bytes": self._owner_limits[owner], "quota_evictions": self._evictions[owner]}
-                for owner, tag in enumerate(self._tags) if owner != OTHERS}
+        return {
+            tag: {
+                "used_bytes": index.owner_bytes(owner),
+                "entries": index.owner_entries(owner),
+                "quota_bytes": self._owner_limits[owner],
+                "quota_evictions": self._evictions[owner],
+            }
+            for owner, tag in enumerate(self._tags)
+            if owner != OTHERS
+        }
 
     def uses(self, index) -> dict[int, OwnerUse]:
         """``OwnerUse`` of every owner holding something in ``index``."""
-        return {owner: OwnerUse(index.owner_bytes(owner), index.owner_entries(owner), self._owner_limits[owner])
-                for owner in index.owners()}
+        return {
+            owner: OwnerUse(
+                index.owner_bytes(owner), index.owner_entries(owner), self._owner_limits[owner]
+            )
+            for owner in index.owners()
+        }
 
     def use(self, index, owner: int) -> OwnerUse:
-        return OwnerUse(index.owner_bytes(owner), index.owner_entries(owner), self._owner_limits[owner])
+        return OwnerUse(
+            index.owner_bytes(owner), index.owner_entries(owner), self._owner_limits[owner]
+        )

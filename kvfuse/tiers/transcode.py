@@ -28,7 +28,7 @@ from typing import Iterable, Mapping, Sequence
 
 from kvfuse.codecs import get_codec
 from kvfuse.codecs.base import Codec
-from kvfuse.kv.format import Entry, FormatError, encode_entry, open_entry
+from kvfuse.kv.format import FormatError, encode_entry, open_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers.base import Blob, Tier
@@ -46,9 +46,16 @@ class Transcoder:
     that could not be: damaged, or KV the codec refuses; the write of that copy is skipped).
     ``signer``: every entry written to a lower tier is signed with it (None: as it is)."""
 
-    def __init__(self, codecs: Mapping[str, Codec], stream_levels: Sequence[int], counters: StoreCounters,
-                 signer: EntrySigner | None = None) -> None:
-        self.codecs: dict[str, Codec] = dict(codecs)  # a tier's write codec by name (absent: as put)
+    def __init__(
+        self,
+        codecs: Mapping[str, Codec],
+        stream_levels: Sequence[int],
+        counters: StoreCounters,
+        signer: EntrySigner | None = None,
+    ) -> None:
+        self.codecs: dict[str, Codec] = dict(
+            codecs
+        )  # a tier's write codec by name (absent: as put)
         self.stream_levels = tuple(sorted(set(stream_levels)))
         self.stream_codecs = [get_codec("cachegen", level) for level in self.stream_levels]
         self._counters = counters
@@ -100,15 +107,21 @@ class Transcoder:
         """``value`` as an entry of ``codec`` under ``key`` (itself when it is one already; None:
         the value's own encoding), signed when there is a signer; None (counted, logged) when it
         cannot be (a damaged value, KV the codec refuses)."""
-        memo_key = (str(key), codec.name, codec.level) if codec is not None else (str(key), None, None)
+        memo_key = (
+            (str(key), codec.name, codec.level) if codec is not None else (str(key), None, None)
+        )
         if memo_key in memo:
             return memo[memo_key]
         if codec is None and self.signer is None:
             return value  # as put (the memo would gain nothing)
         try:
-            entry = open_entry(value)  # an in-process value (put by this process): nothing to authenticate
-            if codec is not None and (entry.key != str(key) or (entry.codec.name, entry.codec.level) != (
-                    codec.name, codec.level)):
+            entry = open_entry(
+                value
+            )  # an in-process value (put by this process): nothing to authenticate
+            if codec is not None and (
+                entry.key != str(key)
+                or (entry.codec.name, entry.codec.level) != (codec.name, codec.level)
+            ):
                 entry = encode_entry(entry.chunk(), key, codec)
                 self._counters.add(reencoded=1)
             out = entry if self.signer is None else entry.signed(self.signer)

@@ -41,8 +41,14 @@ class WriteBehind:
     and to every lower tier's ``dropped_writes`` when the queue is full; the writer thread (started
     only when there are lower tiers) calls the tiers' ``put_many`` and ``extend_many``."""
 
-    def __init__(self, lower: Sequence[Tier], transcoder: Transcoder, counters: StoreCounters, queue_size: int,
-                 batch: int) -> None:
+    def __init__(
+        self,
+        lower: Sequence[Tier],
+        transcoder: Transcoder,
+        counters: StoreCounters,
+        queue_size: int,
+        batch: int,
+    ) -> None:
         if queue_size < 1 or batch < 1:
             raise ValueError("write_queue_size and write_batch must be >= 1")
         self._lower = tuple(lower)
@@ -58,7 +64,9 @@ class WriteBehind:
         self._extended: dict[ChunkKey, float] = {}
         self._thread: threading.Thread | None = None
         if self._lower:
-            self._thread = threading.Thread(target=self._loop, name="kvfuse-store-writer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._loop, name="kvfuse-store-writer", daemon=True
+            )
             self._thread.start()
 
     @property
@@ -70,7 +78,9 @@ class WriteBehind:
         """Entries waiting in the queue (not those being written)."""
         return self._queue.qsize()
 
-    def submit(self, items: list[tuple[ChunkKey, Blob]], expires_at: float | None, block: bool) -> None:
+    def submit(
+        self, items: list[tuple[ChunkKey, Blob]], expires_at: float | None, block: bool
+    ) -> None:
         """Queue ``items`` for the lower tiers with ``expires_at``; when the queue is full, the
         rest are dropped and counted, unless ``block`` (then this waits for room)."""
         for n, (key, value) in enumerate(items):

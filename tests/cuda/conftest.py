@@ -28,14 +28,17 @@ def device() -> torch.device:
 @pytest.fixture(scope="session")
 def smollm2_cpu():
     """SmolLM2 on the CPU in float32: the reference."""
-    from kvfuse.models import CorruptModel, ModelPackageMissing
     from kvfuse_helpers import load_builtin, model_home
+
+    from kvfuse.models import CorruptModel, ModelPackageMissing
 
     try:
         return load_builtin("smollm2")
     except (ModelPackageMissing, CorruptModel, FileNotFoundError) as e:
-        why = (f"SmolLM2's weights are not in the kvfuse home {model_home()} and cannot be converted here "
-               f"({type(e).__name__}: {e}); see docs/gpu.md")
+        why = (
+            f"SmolLM2's weights are not in the kvfuse home {model_home()} and cannot be converted here "
+            f"({type(e).__name__}: {e}); see docs/gpu.md"
+        )
         if os.environ.get("KVFUSE_CUDA_REQUIRE_WEIGHTS") == "1":
             pytest.fail(why)
         pytest.skip(why)

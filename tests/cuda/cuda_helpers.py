@@ -38,8 +38,10 @@ class HalfBounds:
     tie_gap: float  # an argmax may differ from fp32's only where fp32's top-2 gap is below this
 
 
-HALF = {torch.bfloat16: HalfBounds(mean_kl=1e-2, max_kl=0.1, tie_gap=0.5),
-        torch.float16: HalfBounds(mean_kl=2e-4, max_kl=5e-3, tie_gap=0.05)}
+HALF = {
+    torch.bfloat16: HalfBounds(mean_kl=1e-2, max_kl=0.1, tie_gap=0.5),
+    torch.float16: HalfBounds(mean_kl=2e-4, max_kl=5e-3, tie_gap=0.05),
+}
 
 
 def fp32_tol(ref: torch.Tensor) -> float:
@@ -51,8 +53,10 @@ def assert_fp32_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert torch.isfinite(got).all(), f"{what}: non-finite values"
     diff, tol = float((got - ref).abs().max()), fp32_tol(ref)
-    assert diff <= tol, f"{what}: max abs diff {diff:.3g} > {tol:.3g} (float32 matmul precision: " \
-                        f"{torch.get_float32_matmul_precision()})"
+    assert diff <= tol, (
+        f"{what}: max abs diff {diff:.3g} > {tol:.3g} (float32 matmul precision: "
+        f"{torch.get_float32_matmul_precision()})"
+    )
 
 
 def kl_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
@@ -65,7 +69,10 @@ def kl_rows(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
 def assert_half_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     """Rows of logits computed in ``dtype`` against float32 ones: see the module docstring."""
     b = HALF[dtype]
-    got, ref = got.detach().float().cpu().reshape(-1, ref.shape[-1]), ref.detach().float().cpu().reshape(-1, ref.shape[-1])
+    got, ref = (
+        got.detach().float().cpu().reshape(-1, ref.shape[-1]),
+        ref.detach().float().cpu().reshape(-1, ref.shape[-1]),
+    )
     assert torch.isfinite(got).all(), f"{what}: non-finite logits in {dtype}"
     kl = kl_rows(ref, got)
     assert float(kl.mean()) <= b.mean_kl, f"{what}: mean KL {float(kl.mean()):.3g} > {b.mean_kl}"
@@ -75,7 +82,9 @@ def assert_half_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, 
     differ = ref.argmax(-1) != got.argmax(-1)
     if differ.any():
         worst = float(gap[differ].max())
-        assert worst < b.tie_gap, f"{what}: argmax differs where fp32's top-2 gap is {worst:.3g} (>= {b.tie_gap})"
+        assert worst < b.tie_gap, (
+            f"{what}: argmax differs where fp32's top-2 gap is {worst:.3g} (>= {b.tie_gap})"
+        )
 
 
 def tie_gap(dtype: torch.dtype, ref_logits: torch.Tensor | None = None) -> float:
@@ -100,14 +109,17 @@ def greedy(runner, ids: Sequence[int], steps: int, kv_dtype: torch.dtype = torch
     return tokens, gaps
 
 
-def assert_same_or_near_tie(got: list[int], ref: list[int], gaps: list[float], max_gap: float, what: str) -> None:
+def assert_same_or_near_tie(
+    got: list[int], ref: list[int], gaps: list[float], max_gap: float, what: str
+) -> None:
     """``got`` equals ``ref``, or first departs from it at a step whose reference top-2 gap is a near-tie."""
     if got == ref[: len(got)] and len(got) == len(ref):
         return
     first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
-    assert first < len(gaps) and gaps[first] < max_gap, \
-        f"{what}: departs at step {first} ({got[first:first + 3]} vs {ref[first:first + 3]}), where the " \
+    assert first < len(gaps) and gaps[first] < max_gap, (
+        f"{what}: departs at step {first} ({got[first : first + 3]} vs {ref[first : first + 3]}), where the "
         f"reference's top-2 gap is {gaps[first] if first < len(gaps) else float('nan'):.3g} (>= {max_gap:.3g})"
+    )
 
 
 def on_device(loaded, dtype: torch.dtype, device: torch.device = DEVICE):
@@ -116,7 +128,9 @@ def on_device(loaded, dtype: torch.dtype, device: torch.device = DEVICE):
     from kvfuse.models.loader import load_folder
 
     runner = load_folder(loaded.folder, device, dtype)
-    return LoadedModel(loaded.name, loaded.folder, runner, loaded.tokenizer, loaded.fingerprint, loaded.weights)
+    return LoadedModel(
+        loaded.name, loaded.folder, runner, loaded.tokenizer, loaded.fingerprint, loaded.weights
+    )
 
 
 def ids_of(n: int, seed: int, vocab: int = 500) -> list[int]:
@@ -133,8 +147,11 @@ def blended_cache(runner, prefix, docs, n_suffix, kv_dtype, context=()):
         alone = runner.new_cache(dtype=kv_dtype)
         runner.forward(list(context) + list(doc), alone, logits="none")
         start = kv.length
-        kv.write(start, alone.chunk(len(context), len(context) + len(doc)).kv,
-                 torch.arange(len(context), len(context) + len(doc)))
+        kv.write(
+            start,
+            alone.chunk(len(context), len(context) + len(doc)).kv,
+            torch.arange(len(context), len(context) + len(doc)),
+        )
         runner.move_keys(kv, start, start + len(doc), start)
         spans.append((start, start + len(doc)))
     suffix_start, n = kv.length, kv.length + n_suffix

@@ -23,7 +23,9 @@ CH = 256
 
 
 def prompt(tok, n: int) -> list[int]:
-    ids = tok.encode_chat([{"role": "user", "content": long_text(8) + "\n\nWhat is the town known for?"}])
+    ids = tok.encode_chat(
+        [{"role": "user", "content": long_text(8) + "\n\nWhat is the town known for?"}]
+    )
     assert len(ids) >= n
     return ids[:n]
 
@@ -41,10 +43,14 @@ def assert_within_codec_bound(name: str, codec, decoded: torch.Tensor, kv: torch
         step = absmax / 127
     else:
         bins = torch.tensor(codec.layer_bins(L), dtype=torch.float32)  # (L, 2)
-        scale = torch.from_numpy(coded_layer.bf16_to_f32(coded_layer.bf16_scales_up(absmax.numpy().reshape(-1))))
+        scale = torch.from_numpy(
+            coded_layer.bf16_to_f32(coded_layer.bf16_scales_up(absmax.numpy().reshape(-1)))
+        )
         step = scale.view(L, 2, T) / (bins[:, :, None] // 2 - 1)
     err = (y - x).abs().amax(-1)
-    bound = step / 2 * (1 + 1e-3) + absmax * 2**-10 + 1e-6  # + one fp16 rounding of the decoded value
+    bound = (
+        step / 2 * (1 + 1e-3) + absmax * 2**-10 + 1e-6
+    )  # + one fp16 rounding of the decoded value
     assert (err <= bound).all(), f"{name}: error {float((err - bound).max()):.3g} beyond its bound"
 
 
@@ -55,17 +61,24 @@ def test_a_chunk_on_the_device_encodes_as_its_cpu_copy(name, smollm2_cpu, smollm
     ids = prompt(model.tokenizer, CH + 40)
     cache = runner.new_cache(dtype=torch.float16)
     runner.forward(ids, cache, logits="none")
-    on_device = KVChunk(kv=cache.kv[:, :, :, :CH].transpose(2, 3).contiguous(), positions=cache.positions[:CH].clone())
+    on_device = KVChunk(
+        kv=cache.kv[:, :, :, :CH].transpose(2, 3).contiguous(),
+        positions=cache.positions[:CH].clone(),
+    )
     assert on_device.kv.device.type == DEVICE.type
     on_cpu = cache.chunk(0, CH)
     codec = get_codec(name).for_model(model.config.layer_types)
-    blob = encode_entry(on_device, "key", codec, token_ids=torch.tensor(ids[:CH], device=device)).join()
+    blob = encode_entry(
+        on_device, "key", codec, token_ids=torch.tensor(ids[:CH], device=device)
+    ).join()
     assert bytes(blob) == bytes(encode_entry(on_cpu, "key", codec, token_ids=ids[:CH]).join())
     entry = open_entry(blob, "key")
     decoded = entry.decode()
     assert decoded.device.type == "cpu" and decoded.dtype == torch.float16
     assert_within_codec_bound(name, codec, decoded, on_cpu.kv)
-    assert torch.equal(entry.positions, torch.arange(CH)) and torch.equal(entry.token_ids, torch.tensor(ids[:CH]))
+    assert torch.equal(entry.positions, torch.arange(CH)) and torch.equal(
+        entry.token_ids, torch.tensor(ids[:CH])
+    )
     # back into a device cache and a CPU one, the rest of the prompt on top: the same logits
     # (float32 on both, from the same decoded KV)
     outs = []
@@ -77,7 +90,9 @@ def test_a_chunk_on_the_device_encodes_as_its_cpu_copy(name, smollm2_cpu, smollm
     assert_fp32_close(outs[0], outs[1], f"{name}: continuation over the decoded KV, device vs CPU")
 
 
-def test_engine_cachegen_entries_written_on_the_device_serve_the_cpu(smollm2_cpu, smollm2_on, tmp_path):
+def test_engine_cachegen_entries_written_on_the_device_serve_the_cpu(
+    smollm2_cpu, smollm2_on, tmp_path
+):
     """The device engine (float32) with CacheGen in memory and on disk: a repeated prompt loads its
     chunks' CacheGen entries; then the CPU engine, over the same disk, reads those entries and
     answers as the device did (up to near-ties), so the bytes a GPU writes are the CPU's format."""
@@ -85,17 +100,30 @@ def test_engine_cachegen_entries_written_on_the_device_serve_the_cpu(smollm2_cpu
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     model = smollm2_on(torch.float32)
     ids = prompt(model.tokenizer, 3 * CH + 50)
-    engine = Engine(model, TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)]), settings)
+    engine = Engine(
+        model, TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)]), settings
+    )
     first = engine.generate(ids, params)
     again = engine.generate(ids, params)
     engine.close()
-    assert first.cached_tokens == 0 and again.cached_tokens == 3 * CH and set(again.hit_tiers) == {"memory"}
-    cpu = Engine(smollm2_cpu, TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)]), settings)
+    assert (
+        first.cached_tokens == 0
+        and again.cached_tokens == 3 * CH
+        and set(again.hit_tiers) == {"memory"}
+    )
+    cpu = Engine(
+        smollm2_cpu, TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)]), settings
+    )
     on_cpu = cpu.generate(ids, params)
     assert on_cpu.cached_tokens == 3 * CH and set(on_cpu.hit_tiers) == {"disk"}
     (logits,) = cpu.score(ids, [on_cpu.token_ids])
     cpu.close()
     top = logits.float().topk(2, dim=-1).values
     gaps = (top[:, 0] - top[:, 1]).tolist()
-    assert_same_or_near_tie(again.token_ids, on_cpu.token_ids, gaps, tie_gap(torch.float32, logits),
-                            "device answer from CacheGen entries vs the CPU's from the same entries")
+    assert_same_or_near_tie(
+        again.token_ids,
+        on_cpu.token_ids,
+        gaps,
+        tie_gap(torch.float32, logits),
+        "device answer from CacheGen entries vs the CPU's from the same entries",
+    )

@@ -11,22 +11,42 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cuda_helpers import (DEVICE, HALF, assert_fp32_close, assert_half_close, assert_same_or_near_tie, fp32_tol,
-                          greedy, ids_of, tie_gap)
+from cuda_helpers import (
+    DEVICE,
+    HALF,
+    assert_fp32_close,
+    assert_half_close,
+    assert_same_or_near_tie,
+    fp32_tol,
+    greedy,
+    ids_of,
+    tie_gap,
+)
 from kvfuse_helpers import long_text
 
-FAMILIES = ["llama", "llama3-rope", "mistral", "qwen2", "qwen3", "gemma3"]  # mistral, gemma3: sliding windows of 48
+FAMILIES = [
+    "llama",
+    "llama3-rope",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+]  # mistral, gemma3: sliding windows of 48
 HALVES = [torch.bfloat16, torch.float16]
 
 
 def text_ids(model, n: int = 256) -> list[int]:
-    ids = model.tokenizer.encode_chat([{"role": "user", "content": long_text(3) + "\n\nSummarise the text above."}])
+    ids = model.tokenizer.encode_chat(
+        [{"role": "user", "content": long_text(3) + "\n\nSummarise the text above."}]
+    )
     assert len(ids) >= n
     return ids[:n]
 
 
 def france(model) -> list[int]:
-    return model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    return model.tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
 
 
 def kv_of(cache) -> torch.Tensor:
@@ -38,8 +58,10 @@ def test_the_device_is_the_one_asked_for(device):
     assert x.device.type == DEVICE.type
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        print(f"\n{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
-              f"bf16 supported: {torch.cuda.is_bf16_supported()}")
+        print(
+            f"\n{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"bf16 supported: {torch.cuda.is_bf16_supported()}"
+        )
 
 
 # ------------------------------------------------------------------- tiny models of every family
@@ -58,14 +80,18 @@ def test_tiny_families_match_the_cpu_in_float32(family, tiny_loaded, tiny_on):
     assert_fp32_close(kv_of(got_cache), kv_of(ref_cache), f"{family} KV")
     ref_tokens, gaps = greedy(cpu, ids, 8, torch.float32)
     got_tokens, _ = greedy(dev, ids, 8, torch.float32)
-    assert_same_or_near_tie(got_tokens, ref_tokens, gaps, tie_gap(torch.float32, ref), f"{family} greedy")
+    assert_same_or_near_tie(
+        got_tokens, ref_tokens, gaps, tie_gap(torch.float32, ref), f"{family} greedy"
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", HALVES)
 def test_tiny_families_in_half_precision_are_close_to_float32(family, dtype, tiny_loaded, tiny_on):
     ids = ids_of(200, 12)
-    ref = tiny_loaded(family).runner.forward(ids, tiny_loaded(family).runner.new_cache(), logits="all")
+    ref = tiny_loaded(family).runner.forward(
+        ids, tiny_loaded(family).runner.new_cache(), logits="all"
+    )
     dev = tiny_on(family, dtype).runner
     got = dev.forward(ids, dev.new_cache(), logits="all")
     assert got.dtype == dtype
@@ -91,7 +117,9 @@ def test_smollm2_half_compute_is_close_to_cpu_float32(dtype, smollm2_cpu, smollm
     ids = text_ids(smollm2_cpu)
     ref = smollm2_cpu.runner.forward(ids, smollm2_cpu.runner.new_cache(), logits="all")
     dev = smollm2_on(dtype).runner
-    got = dev.forward(ids, dev.new_cache(dtype=torch.float16), logits="all")  # the engine's KV dtype
+    got = dev.forward(
+        ids, dev.new_cache(dtype=torch.float16), logits="all"
+    )  # the engine's KV dtype
     assert_half_close(got, ref, dtype, f"smollm2 {dtype} logits of every position")
 
 
@@ -102,14 +130,25 @@ def test_smollm2_greedy_answer_matches_the_cpu(dtype, smollm2_cpu, smollm2_on):
     got_tokens, _ = greedy(smollm2_on(dtype).runner, ids, 24)
     limit = tie_gap(dtype, smollm2_cpu.runner.forward(ids, smollm2_cpu.runner.new_cache()))
     assert_same_or_near_tie(got_tokens, ref_tokens, gaps, limit, f"smollm2 {dtype} greedy")
-    if dtype == torch.float32:  # fp32's first step is a near-tie ("The" 0.085 over "L"): bf16 may say "L'Étoile"
+    if (
+        dtype == torch.float32
+    ):  # fp32's first step is a near-tie ("The" 0.085 over "L"): bf16 may say "L'Étoile"
         assert "Paris" in smollm2_cpu.tokenizer.decode(got_tokens)
 
 
-@pytest.mark.parametrize("dtype,kv_dtype", [(torch.float32, torch.float32), (torch.float32, torch.float16),
-                                            (torch.bfloat16, torch.float16)], ids=["fp32", "fp32-fp16kv", "bf16-fp16kv"])
+@pytest.mark.parametrize(
+    "dtype,kv_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.float16),
+    ],
+    ids=["fp32", "fp32-fp16kv", "bf16-fp16kv"],
+)
 @pytest.mark.parametrize("via", ["same-cache", "chunk-copy"])
-def test_prefix_reuse_on_the_device_equals_a_full_prefill(dtype, kv_dtype, via, smollm2_cpu, smollm2_on):
+def test_prefix_reuse_on_the_device_equals_a_full_prefill(
+    dtype, kv_dtype, via, smollm2_cpu, smollm2_on
+):
     """Half the prompt, then the rest (in the same cache, or after the prefix's KV went to the CPU as
     a chunk and back into a new device cache) gives the logits of one prefill of the whole prompt.
     Only the matmuls' shapes differ: float32 throughout is compared to float32 rounding; with fp16
@@ -134,10 +173,14 @@ def test_prefix_reuse_on_the_device_equals_a_full_prefill(dtype, kv_dtype, via, 
     bounds = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
     assert_half_close(rest, full, bounds, f"prefix reuse ({via}, {dtype}, KV {kv_dtype})")
     ref = smollm2_cpu.runner.forward(ids, smollm2_cpu.runner.new_cache(), logits="all")[k:]
-    assert_half_close(rest, ref, bounds, f"prefix reuse ({via}, {dtype}, KV {kv_dtype}) vs CPU fp32")
+    assert_half_close(
+        rest, ref, bounds, f"prefix reuse ({via}, {dtype}, KV {kv_dtype}) vs CPU fp32"
+    )
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: local and global layers rotate differently
+@pytest.mark.parametrize(
+    "family", ["llama", "gemma3"]
+)  # gemma3: local and global layers rotate differently
 def test_moved_keys_on_the_device_equal_a_prefill_at_the_new_positions(family, tiny_on):
     runner = tiny_on(family).runner
     ids = ids_of(40, 7)
@@ -148,7 +191,9 @@ def test_moved_keys_on_the_device_equal_a_prefill_at_the_new_positions(family, t
     runner.move_keys(here, 0, 40, 300)
     assert torch.equal(here.positions[:40].cpu(), torch.arange(300, 340))
     assert torch.equal(here.kv[:, 1, :, :40], values)
-    assert_fp32_close(here.kv[0, 0, :, :40], there.kv[0, 0, :, :40], f"{family} layer-0 keys moved to 300")
+    assert_fp32_close(
+        here.kv[0, 0, :, :40], there.kv[0, 0, :, :40], f"{family} layer-0 keys moved to 300"
+    )
     # and the layers after it, whose inputs saw the same relative positions: the whole KV
     assert_fp32_close(here.kv[:, :, :, :40], there.kv[:, :, :, :40], f"{family} KV moved to 300")
 
@@ -169,8 +214,9 @@ def test_calibration_measures_take_device_logits(smollm2_cpu, smollm2_on):
 
     ids = text_ids(smollm2_cpu, 64)
     ref = smollm2_cpu.runner.forward(ids, smollm2_cpu.runner.new_cache(), logits="all")[:-1]
-    got = smollm2_on(torch.float32).runner.forward(ids, smollm2_on(torch.float32).runner.new_cache(),
-                                                   logits="all")[:-1]
+    got = smollm2_on(torch.float32).runner.forward(
+        ids, smollm2_on(torch.float32).runner.new_cache(), logits="all"
+    )[:-1]
     assert got.device.type == DEVICE.type
     assert nll(got, ids[1:]) == pytest.approx(nll(ref, ids[1:]), abs=1e-3)
     assert 0 <= kl(ref.to(got.device), got) < 1e-4
@@ -185,7 +231,9 @@ def test_half_bounds_are_tighter_than_what_a_wrong_mask_gives(tiny_loaded):
     ref = runner.forward(ids, runner.new_cache(), logits="all")
     real = attention._sdpa
     try:
-        attention._sdpa = lambda q, k, v, mask, scale, softcap, causal=False: real(q, k, v, None, scale, softcap)
+        attention._sdpa = lambda q, k, v, mask, scale, softcap, causal=False: real(
+            q, k, v, None, scale, softcap
+        )
         wrong = runner.forward(ids, runner.new_cache(), logits="all")
     finally:
         attention._sdpa = real

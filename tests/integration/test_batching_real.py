@@ -13,13 +13,13 @@ import urllib.request
 
 import openai
 import pytest
+from kvfuse_helpers import greedy_reference, load_builtin, long_text, model_home
 
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
-from kvfuse_testkit import ServerProcess
 from kvfuse.tiers import MemoryTier, TieredStore
-from kvfuse_helpers import greedy_reference, load_builtin, long_text, model_home
+from kvfuse_testkit import ServerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -44,23 +44,37 @@ def check_same_or_near_tie(got: list[int], ref: list[int], gaps: list[float], wh
     if got == ref[: len(got)]:
         return True
     first = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
-    assert gaps[first] < NEAR_TIE, f"{what}: differs at step {first}, where the top-2 gap was {gaps[first]:.2e}"
+    assert gaps[first] < NEAR_TIE, (
+        f"{what}: differs at step {first}, where the top-2 gap was {gaps[first]:.2e}"
+    )
     return False
 
 
 def test_concurrent_greedy_requests_match_running_them_one_by_one(smollm2):
     tok = smollm2.tokenizer
     shared = long_text(2)  # a long shared prefix: the second request with it is a cache hit
-    texts = [shared + "\n\n" + QUESTIONS[0], QUESTIONS[1], shared + "\n\n" + QUESTIONS[2], QUESTIONS[3],
-             QUESTIONS[4] * 3, QUESTIONS[5]]
+    texts = [
+        shared + "\n\n" + QUESTIONS[0],
+        QUESTIONS[1],
+        shared + "\n\n" + QUESTIONS[2],
+        QUESTIONS[3],
+        QUESTIONS[4] * 3,
+        QUESTIONS[5],
+    ]
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
     max_tokens = [24, 16, 20, 32, 12, 28]
     refs = [greedy_reference(smollm2, ids, n) for ids, n in zip(prompts, max_tokens)]
     stop = tok.decode(refs[3][0][6:8])  # request 3 stops at a string its answer contains
     cancel_after = 5  # request 5 is cancelled after this many text pieces
 
-    engine = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(max_running=8, max_step_tokens=128))
-    engine.generate(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))  # the shared prefix, cached
+    engine = Engine(
+        smollm2,
+        TieredStore(MemoryTier(1 << 30)),
+        EngineSettings.of(max_running=8, max_step_tokens=128),
+    )
+    engine.generate(
+        prompts[0], SamplingParams(max_tokens=2, ignore_eos=True)
+    )  # the shared prefix, cached
     done: dict[int, object] = {}
     requests = []
     for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
@@ -72,7 +86,12 @@ def test_concurrent_greedy_requests_match_running_them_one_by_one(smollm2):
             if i == 5 and len(pieces) >= cancel_after:
                 requests[5].cancel.set()
 
-        r = Request(Prompt.plain(ids), params, on_text=on_text, on_done=lambda o, i=i: done.__setitem__(i, o))
+        r = Request(
+            Prompt.plain(ids),
+            params,
+            on_text=on_text,
+            on_done=lambda o, i=i: done.__setitem__(i, o),
+        )
         requests.append(r)
         engine.submit(r)
     most = 0
@@ -84,7 +103,9 @@ def test_concurrent_greedy_requests_match_running_them_one_by_one(smollm2):
     for i, (ref, gaps) in enumerate(refs):
         r = done[i].result
         if i == 5:
-            assert r.finish_reason == "cancelled" and cancel_after <= len(r.token_ids) < max_tokens[5]
+            assert (
+                r.finish_reason == "cancelled" and cancel_after <= len(r.token_ids) < max_tokens[5]
+            )
         elif i == 3:
             assert r.finish_reason == "stop" and stop not in r.text
         else:
@@ -116,9 +137,13 @@ def test_the_server_batches_within_its_kv_budget():
         results: dict[int, str] = {}
 
         def ask(i: int) -> None:
-            r = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=24 + 4 * i,
-                                               messages=[{"role": "user", "content": QUESTIONS[i]}],
-                                               extra_body={"ignore_eos": True})
+            r = client.chat.completions.create(
+                model="smollm2",
+                temperature=0,
+                max_tokens=24 + 4 * i,
+                messages=[{"role": "user", "content": QUESTIONS[i]}],
+                extra_body={"ignore_eos": True},
+            )
             results[i] = r.choices[0].message.content
             assert r.usage.completion_tokens == 24 + 4 * i
 
@@ -135,4 +160,6 @@ def test_the_server_batches_within_its_kv_budget():
         assert m["kvfuse_kv_memory_limit_bytes"] == limit
         assert 0 < m["kvfuse_kv_memory_peak_bytes"] <= limit
         assert m["kvfuse_engine_steps_total"] > 0
-        assert m["kvfuse_batch_sequences_sum"] > m["kvfuse_batch_sequences_count"]  # > 1 sequence per step
+        assert (
+            m["kvfuse_batch_sequences_sum"] > m["kvfuse_batch_sequences_count"]
+        )  # > 1 sequence per step

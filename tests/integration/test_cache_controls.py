@@ -37,9 +37,17 @@ def setup(kvfuse_home, tmp_path):
     from kvfuse.runtime import open_engine
 
     ensure_model(kvfuse_home, MODEL)
-    config = load_config(overrides={"home": str(kvfuse_home), "model": MODEL, "cache.disk_path": str(tmp_path / "kv"),
-                                    "cache.memory_bytes": 7 * 256 * 23040 // 2, "cache.history": False,  # 3.5 chunks
-                                    "cache.async_save": False, "cache.prefetch": False})
+    config = load_config(
+        overrides={
+            "home": str(kvfuse_home),
+            "model": MODEL,
+            "cache.disk_path": str(tmp_path / "kv"),
+            "cache.memory_bytes": 7 * 256 * 23040 // 2,
+            "cache.history": False,  # 3.5 chunks
+            "cache.async_save": False,
+            "cache.prefetch": False,
+        }
+    )
     clock = Clock()
     engine = open_engine(config, model=load_builtin(MODEL), clock=clock)
     yield engine, clock
@@ -103,7 +111,9 @@ def test_reuse_extends_the_expiry_never_shortens_it(setup):
     engine.generate(ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=60)))
     r = engine.generate(ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=3600)))
     assert r.cached_tokens == 512
-    engine.generate(ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=30)))  # does not shorten it
+    engine.generate(
+        ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=30))
+    )  # does not shorten it
     clock.t += 600
     assert where(engine, ids) == [("memory", "disk")] * 2
     clock.t += 3001
@@ -120,8 +130,14 @@ def server(kvfuse_home, tmp_path_factory):
     ensure_model(kvfuse_home, MODEL)
     tmp = tmp_path_factory.mktemp("breakpoints")
     # history off: only chunks and breakpoint entries can be reused, so the counts are exact
-    srv = ServerProcess(kvfuse_home, config={"model": MODEL, "cache": {"disk_path": str(tmp / "kv"), "history": False},
-                                             "responses": {"path": str(tmp / "r.sqlite3")}})
+    srv = ServerProcess(
+        kvfuse_home,
+        config={
+            "model": MODEL,
+            "cache": {"disk_path": str(tmp / "kv"), "history": False},
+            "responses": {"path": str(tmp / "r.sqlite3")},
+        },
+    )
     srv.start()
     yield srv
     srv.close()
@@ -133,8 +149,17 @@ def expected_breakpoint(home: Path, messages: list[dict]) -> int:
     from kvfuse.models.tokenizer import Tokenizer
 
     tok = Tokenizer(registry.converted_dir(home, MODEL))
-    text = tok.render_chat([{"role": m["role"], "content": m["content"] if isinstance(m["content"], str)
-                             else "\n".join(p["text"] for p in m["content"])} for m in messages])
+    text = tok.render_chat(
+        [
+            {
+                "role": m["role"],
+                "content": m["content"]
+                if isinstance(m["content"], str)
+                else "\n".join(p["text"] for p in m["content"]),
+            }
+            for m in messages
+        ]
+    )
     end = text.index(DOC) + len(DOC)
     _, offsets = tok.encode_offsets(text, add_special_tokens=False)
     return sum(1 for _, stop in offsets if stop <= end)
@@ -153,8 +178,13 @@ def test_a_breakpoint_mid_chunk_is_reused_up_to_it(server, kvfuse_home):
     assert bp % 256 and bp > 256, bp  # inside the second chunk
 
     def cached(question: str, marked: bool, salt: str) -> int:
-        r = c.chat.completions.create(model=MODEL, messages=conversation(question, marked), max_tokens=2,
-                                      temperature=0, extra_body={"cache_salt": salt})
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=conversation(question, marked),
+            max_tokens=2,
+            temperature=0,
+            extra_body={"cache_salt": salt},
+        )
         return r.usage.prompt_tokens_details.cached_tokens
 
     assert cached("What is the first fact?", True, "marked") == 0
@@ -163,8 +193,19 @@ def test_a_breakpoint_mid_chunk_is_reused_up_to_it(server, kvfuse_home):
     assert cached("What is the first fact?", False, "plain") == 0
     assert cached("Which paragraph is longest?", False, "plain") == 256
     # the Responses API takes the same marks on input_text parts
-    r = c.responses.create(model=MODEL, input=[{"role": "system", "content": [
-        {"type": "input_text", "text": DOC, "cache_control": {"type": "ephemeral"}}]},
-        {"role": "user", "content": "Any third question?"}], max_output_tokens=2, temperature=0,
-        extra_body={"cache_salt": "marked"})
+    r = c.responses.create(
+        model=MODEL,
+        input=[
+            {
+                "role": "system",
+                "content": [
+                    {"type": "input_text", "text": DOC, "cache_control": {"type": "ephemeral"}}
+                ],
+            },
+            {"role": "user", "content": "Any third question?"},
+        ],
+        max_output_tokens=2,
+        temperature=0,
+        extra_body={"cache_salt": "marked"},
+    )
     assert r.usage.input_tokens_details.cached_tokens == bp

@@ -29,8 +29,11 @@ MODEL = "smollm2"
 def dashboard_exprs() -> list[str]:
     """Every panel query, with Grafana's variables replaced as Grafana would (all servers, 1m)."""
     panels = json.loads(DASHBOARD.read_text())["panels"]
-    return [t["expr"].replace("$__rate_interval", "1m").replace("$instance", ".*")
-            for p in panels for t in p["targets"]]
+    return [
+        t["expr"].replace("$__rate_interval", "1m").replace("$instance", ".*")
+        for p in panels
+        for t in p["targets"]
+    ]
 
 
 def rule_exprs() -> list[str]:
@@ -46,8 +49,11 @@ def test_the_kit_files_are_valid():
     if promtool is None:
         pytest.skip("promtool is not installed: apt-get install -y prometheus")
     subprocess.run([promtool, "check", "rules", str(RULES)], check=True, capture_output=True)
-    subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [promtool, "check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+        check=True,
+        capture_output=True,
+    )
     assert len(json.loads(DASHBOARD.read_text())["panels"]) >= 8
 
 
@@ -55,11 +61,20 @@ def test_the_kit_files_are_valid():
 def kvfuse(kvfuse_home, tmp_path_factory):
     ensure_model(kvfuse_home, MODEL)
     tmp = tmp_path_factory.mktemp("deploy")
-    srv = ServerProcess(kvfuse_home, config={"model": MODEL, "cache": {"disk_path": str(tmp / "kv")},
-                                             "responses": {"path": str(tmp / "r.sqlite3")}})
+    srv = ServerProcess(
+        kvfuse_home,
+        config={
+            "model": MODEL,
+            "cache": {"disk_path": str(tmp / "kv")},
+            "responses": {"path": str(tmp / "r.sqlite3")},
+        },
+    )
     srv.start()
     c = OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=300)
-    prompt = " ".join(f"Item {i} weighs {i * 3} grams." for i in range(60)) + "\nWhich item weighs 27 grams?"
+    prompt = (
+        " ".join(f"Item {i} weighs {i * 3} grams." for i in range(60))
+        + "\nWhich item weighs 27 grams?"
+    )
     for _ in range(2):  # the second is a hit: hits, TTFT, tokens reused are all non-zero
         c.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     yield srv
@@ -70,7 +85,9 @@ def kvfuse(kvfuse_home, tmp_path_factory):
 def prometheus(kvfuse, tmp_path_factory):
     exe = shutil.which("prometheus")
     if exe is None:
-        pytest.skip("prometheus is not installed: apt-get install -y prometheus (scripts/install.sh --test does)")
+        pytest.skip(
+            "prometheus is not installed: apt-get install -y prometheus (scripts/install.sh --test does)"
+        )
     tmp = tmp_path_factory.mktemp("prometheus")
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     config["global"] = {"scrape_interval": "1s", "evaluation_interval": "1s"}
@@ -79,8 +96,16 @@ def prometheus(kvfuse, tmp_path_factory):
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     log = open(tmp / "prometheus.log", "wb")
-    proc = subprocess.Popen([exe, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            exe,
+            f"--config.file={tmp / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}/api/v1"
     try:
         deadline = time.monotonic() + 60
@@ -88,14 +113,18 @@ def prometheus(kvfuse, tmp_path_factory):
             assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-3000:]
             try:
                 # /-/ready answers 503 "Service Unavailable" (plain text) until the TSDB is open
-                if (httpx.get(f"http://127.0.0.1:{port}/-/ready", timeout=5).status_code == 200
-                        and query(url, "kvfuse_engine_requests_total")):
+                if httpx.get(
+                    f"http://127.0.0.1:{port}/-/ready", timeout=5
+                ).status_code == 200 and query(url, "kvfuse_engine_requests_total"):
                     break
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         else:
-            pytest.fail("prometheus scraped no kvfuse series within 60 s:\n" + (tmp / "prometheus.log").read_text()[-3000:])
+            pytest.fail(
+                "prometheus scraped no kvfuse series within 60 s:\n"
+                + (tmp / "prometheus.log").read_text()[-3000:]
+            )
         yield url
     finally:
         proc.terminate()
@@ -108,7 +137,9 @@ def prometheus(kvfuse, tmp_path_factory):
 
 def query(url: str, expr: str) -> list:
     r = httpx.get(url + "/query", params={"query": expr}, timeout=30)
-    assert r.headers.get("content-type", "").startswith("application/json"), f"{expr!r}: {r.status_code} {r.text[:300]}"
+    assert r.headers.get("content-type", "").startswith("application/json"), (
+        f"{expr!r}: {r.status_code} {r.text[:300]}"
+    )
     body = r.json()
     assert r.status_code == 200 and body["status"] == "success", f"{expr!r}: {body}"
     return body["data"]["result"]
@@ -139,9 +170,14 @@ def test_every_alert_rule_loads_and_evaluates(prometheus):
     while True:
         groups = httpx.get(prometheus + "/rules", timeout=30).json()["data"]["groups"]
         rules = [r for g in groups for r in g["rules"]]
-        if rules and all(r.get("lastEvaluation", "").startswith("20") for r in rules) or time.monotonic() > deadline:
+        if (
+            rules
+            and all(r.get("lastEvaluation", "").startswith("20") for r in rules)
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.5)
     assert sorted(r["name"] for r in rules) == sorted(
-        r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"])
+        r["alert"] for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"]
+    )
     assert all(r["health"] == "ok" for r in rules), [(r["name"], r.get("lastError")) for r in rules]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from kvfuse_helpers import load_builtin, long_text
 
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
-from kvfuse_helpers import load_builtin, long_text
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,9 @@ def smollm2():
 
 @pytest.fixture(scope="module")
 def prompt(smollm2) -> list[int]:
-    ids = smollm2.tokenizer.encode(long_text() + "\n\nQuestion: Who built the lighthouse of Velmora?\nAnswer:")
+    ids = smollm2.tokenizer.encode(
+        long_text() + "\n\nQuestion: Who built the lighthouse of Velmora?\nAnswer:"
+    )
     assert 512 < len(ids) < 768, len(ids)  # two whole chunks of 256 and a tail
     return ids
 
@@ -68,15 +70,22 @@ def test_hits_from_redis_give_the_same_output(smollm2, prompt, expected, redis_s
         assert again.hit_tiers == ("memory", "memory") and again.token_ids == expected
 
 
-def test_int8_hits_run_and_their_output_is_reported(smollm2, prompt, expected, record_property, capsys):
+def test_int8_hits_run_and_their_output_is_reported(
+    smollm2, prompt, expected, record_property, capsys
+):
     with TieredStore(MemoryTier(1 << 30)) as s:
         engine = Engine(smollm2, s, EngineSettings.of(codec="int8", history=False))
         first = engine.generate(prompt, GREEDY)
         assert first.token_ids == expected  # no hit yet: a plain prefill
         hit = engine.generate(prompt, GREEDY)
     assert hit.cached_tokens == 512 and hit.hit_tiers == ("memory", "memory")
-    assert engine.stats_snapshot()["chunk_load_failures"] == 0 and len(hit.token_ids) == GREEDY.max_tokens
+    assert (
+        engine.stats_snapshot()["chunk_load_failures"] == 0
+        and len(hit.token_ids) == GREEDY.max_tokens
+    )
     same = hit.token_ids == expected
     record_property("int8_same_as_fp16", same)
     with capsys.disabled():
-        print(f"\n[int8] no cache: {first.text!r}\n[int8] int8 hit: {hit.text!r} (identical: {same})")
+        print(
+            f"\n[int8] no cache: {first.text!r}\n[int8] int8 hit: {hit.text!r} (identical: {same})"
+        )

@@ -9,8 +9,7 @@ import torch.nn.functional as F
 from kvfuse_helpers import builtin_folder, load_builtin, long_text, model_home
 
 from kvfuse.config import load_config
-from kvfuse.models import load_model
-from kvfuse.models import kernels
+from kvfuse.models import kernels, load_model
 from kvfuse.models.packed import BlockedWeight
 from kvfuse.models.quant import Int8Weight, weight_bytes
 from kvfuse.runtime import open_model
@@ -35,7 +34,9 @@ def fp32():
 @pytest.fixture(scope="module")
 def int8():
     builtin_folder("smollm2")
-    return open_model(load_config(overrides={"home": str(model_home()), "model": "smollm2", "weights": "int8"}))
+    return open_model(
+        load_config(overrides={"home": str(model_home()), "model": "smollm2", "weights": "int8"})
+    )
 
 
 def test_int8_is_what_was_loaded(fp32, int8):
@@ -52,7 +53,9 @@ def test_int8_is_what_was_loaded(fp32, int8):
 @pytest.fixture(scope="module")
 def gemma3_pair():
     fp32 = load_builtin("gemma3-270m")
-    return fp32, load_model("gemma3-270m", home=model_home(), device="cpu", dtype="float32", weights="int8")
+    return fp32, load_model(
+        "gemma3-270m", home=model_home(), device="cpu", dtype="float32", weights="int8"
+    )
 
 
 # model, min mean cosine, min cosine, min top-1 agreement. Measured here: smollm2 cosine 0.9986 on
@@ -61,12 +64,21 @@ def gemma3_pair():
 AGREEMENT = [("smollm2", 0.997, 0.95, 0.92), ("gemma3-270m", 0.998, 0.98, 0.95)]
 
 
-@pytest.mark.parametrize("name,mean_cos,min_cos,top1", [  # gemma3-270m (25 s) with -m slow
-    AGREEMENT[0], pytest.param(*AGREEMENT[1], marks=pytest.mark.slow)], ids=[a[0] for a in AGREEMENT])
+@pytest.mark.parametrize(
+    "name,mean_cos,min_cos,top1",
+    [  # gemma3-270m (25 s) with -m slow
+        AGREEMENT[0],
+        pytest.param(*AGREEMENT[1], marks=pytest.mark.slow),
+    ],
+    ids=[a[0] for a in AGREEMENT],
+)
 def test_logits_agree_with_fp32_over_a_long_prompt(request, name, mean_cos, min_cos, top1):
     """Teacher-forced over 300 tokens of text (one prefill each)."""
-    fp32, int8 = ((request.getfixturevalue("fp32"), request.getfixturevalue("int8")) if name == "smollm2"
-                  else request.getfixturevalue("gemma3_pair"))
+    fp32, int8 = (
+        (request.getfixturevalue("fp32"), request.getfixturevalue("int8"))
+        if name == "smollm2"
+        else request.getfixturevalue("gemma3_pair")
+    )
     ids = fp32.tokenizer.encode(long_text(4))[:300]
     assert len(ids) == 300
     ref = fp32.runner.forward(ids, fp32.runner.new_cache(300), logits="all")
@@ -75,7 +87,9 @@ def test_logits_agree_with_fp32_over_a_long_prompt(request, name, mean_cos, min_
     assert cos.mean() > mean_cos and cos.min() > min_cos, (cos.mean(), cos.min())
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean()
     assert agree >= top1, agree
-    kl = F.kl_div(F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="none").sum(-1)
+    kl = F.kl_div(
+        F.log_softmax(got, -1), F.log_softmax(ref, -1), log_target=True, reduction="none"
+    ).sum(-1)
     assert kl.mean() < 0.02, kl.mean()
 
 
@@ -92,8 +106,15 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("question", ["What is the capital of France?", "Name three primary colors.",
-                                      "What is 2 + 2?", "Translate 'thank you' into Spanish."])
+@pytest.mark.parametrize(
+    "question",
+    [
+        "What is the capital of France?",
+        "Name three primary colors.",
+        "What is 2 + 2?",
+        "Translate 'thank you' into Spanish.",
+    ],
+)
 def test_greedy_answers_to_simple_questions_equal_fp32(fp32, int8, question):
     """Prefill then one-token decode steps (the one-row products): the same answer token for token."""
     ids = fp32.tokenizer.encode_chat([{"role": "user", "content": question}])

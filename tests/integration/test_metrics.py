@@ -18,7 +18,10 @@ MODEL = "smollm2"
 def server(kvfuse_home, tmp_path_factory):
     home = kvfuse_home
     ensure_model(home, MODEL)
-    srv = ServerProcess(home, config={"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("metrics-kv"))}})
+    srv = ServerProcess(
+        home,
+        config={"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("metrics-kv"))}},
+    )
     srv.start()
     yield srv
     srv.close()
@@ -28,8 +31,11 @@ def scrape(server) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics as {(name, sorted labels): value} (parsing fails on invalid text)."""
     r = httpx.get(server.url + "/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
 
 
 def value(samples, name: str, **labels) -> float:
@@ -39,10 +45,19 @@ def value(samples, name: str, **labels) -> float:
 def test_metrics_parse_and_name_every_family(server):
     samples = scrape(server)
     names = {name for name, _ in samples}
-    for expected in ("kvfuse_queue_depth", "kvfuse_requests_running", "kvfuse_generation_tokens_total",
-                     "kvfuse_tier_hits_total", "kvfuse_tier_misses_total", "kvfuse_tier_read_bytes_total",
-                     "kvfuse_tier_evictions_total", "kvfuse_tier_errors_total", "kvfuse_store_lookups_total",
-                     "kvfuse_time_to_first_token_seconds_count", "kvfuse_time_per_output_token_seconds_count"):
+    for expected in (
+        "kvfuse_queue_depth",
+        "kvfuse_requests_running",
+        "kvfuse_generation_tokens_total",
+        "kvfuse_tier_hits_total",
+        "kvfuse_tier_misses_total",
+        "kvfuse_tier_read_bytes_total",
+        "kvfuse_tier_evictions_total",
+        "kvfuse_tier_errors_total",
+        "kvfuse_store_lookups_total",
+        "kvfuse_time_to_first_token_seconds_count",
+        "kvfuse_time_per_output_token_seconds_count",
+    ):
         assert expected in names, expected
     assert ("kvfuse_prompt_tokens_total", (("source", "cached"),)) in samples
     assert ("kvfuse_tier_hits_total", (("tier", "memory"),)) in samples
@@ -54,8 +69,9 @@ def test_counters_move_with_requests(server):
     prompt = " ".join(f"Step {i}: add {i} to the total." for i in range(45)) + "\nThe total is"
     before = scrape(server)
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
-    second = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                            max_tokens=2, temperature=0)
+    second = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, temperature=0
+    )
     third = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
     cached = third.usage.prompt_tokens_details.cached_tokens
     assert cached > 0
@@ -68,16 +84,22 @@ def test_counters_move_with_requests(server):
     assert delta("kvfuse_http_requests_total", endpoint="/v1/chat/completions", status="200") == 1
     assert delta("kvfuse_engine_requests_total") == 3
     assert delta("kvfuse_prompt_tokens_total", source="cached") == cached
-    prompt_total = first.usage.prompt_tokens + second.usage.prompt_tokens + third.usage.prompt_tokens
+    prompt_total = (
+        first.usage.prompt_tokens + second.usage.prompt_tokens + third.usage.prompt_tokens
+    )
     assert delta("kvfuse_prompt_tokens_total", source="prefilled") == prompt_total - cached
     assert delta("kvfuse_generation_tokens_total") == sum(
-        r.usage.completion_tokens for r in (first, second, third))
+        r.usage.completion_tokens for r in (first, second, third)
+    )
     # one hit per reused entry: the prompt's whole chunks, and the first request's kept history after them
     entries = -(-third.usage.prompt_tokens // 256)
     assert cached == third.usage.prompt_tokens - 1
     assert delta("kvfuse_tier_hits_total", tier="memory") == entries
     assert delta("kvfuse_reused_chunks_total", tier="memory") == entries
-    assert delta("kvfuse_history_requests_total") >= 1 and delta("kvfuse_history_reused_tokens_total") > 0
+    assert (
+        delta("kvfuse_history_requests_total") >= 1
+        and delta("kvfuse_history_reused_tokens_total") > 0
+    )
     assert delta("kvfuse_time_to_first_token_seconds_count") == 3
     assert delta("kvfuse_time_to_first_token_seconds_sum") > 0
     assert delta("kvfuse_time_per_output_token_seconds_count") >= 2
@@ -85,7 +107,12 @@ def test_counters_move_with_requests(server):
 
     # a 400 is counted under its status
     httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": ""})
-    assert delta_after(server, after, "kvfuse_http_requests_total", endpoint="/v1/completions", status="400") == 1
+    assert (
+        delta_after(
+            server, after, "kvfuse_http_requests_total", endpoint="/v1/completions", status="400"
+        )
+        == 1
+    )
 
 
 def delta_after(server, before, name, **labels) -> float:

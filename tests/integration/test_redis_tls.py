@@ -12,8 +12,8 @@ import shutil
 
 import pytest
 import torch
-
 from keyed import K
+
 from kvfuse.codecs import get_codec
 from kvfuse.config import ConfigError, load_config
 from kvfuse.kv.chunk import KVChunk
@@ -51,8 +51,13 @@ def tls_redis(tls_files):
 
 
 def security(tls, password=PASSWORD, ca=True, cert=True) -> Security:
-    return Security(USER, password, str(tls.ca) if ca else None, str(tls.client_cert) if cert else None,
-                    str(tls.client_key) if cert else None)
+    return Security(
+        USER,
+        password,
+        str(tls.ca) if ca else None,
+        str(tls.client_cert) if cert else None,
+        str(tls.client_key) if cert else None,
+    )
 
 
 def tier(server, sec: Security) -> RedisTier:
@@ -74,13 +79,18 @@ def test_the_right_ca_certificate_and_password_connect(tls_redis, tls_files):
         t.close()
 
 
-@pytest.mark.parametrize("what, sec, hint", [
-    ("a wrong password", dict(password="wrong"), "check the ACL user and its password"),
-    ("no password", dict(password=None), "check the ACL user and its password"),
-    ("no CA (the system's CAs do not know the test CA)", dict(ca=False), "redis_tls_ca_file"),
-    ("no client certificate", dict(cert=False), "redis_tls_cert_file"),
-])
-def test_a_bad_credential_is_an_unavailable_tier_with_a_clear_log_line(tls_redis, tls_files, caplog, what, sec, hint):
+@pytest.mark.parametrize(
+    "what, sec, hint",
+    [
+        ("a wrong password", dict(password="wrong"), "check the ACL user and its password"),
+        ("no password", dict(password=None), "check the ACL user and its password"),
+        ("no CA (the system's CAs do not know the test CA)", dict(ca=False), "redis_tls_ca_file"),
+        ("no client certificate", dict(cert=False), "redis_tls_cert_file"),
+    ],
+)
+def test_a_bad_credential_is_an_unavailable_tier_with_a_clear_log_line(
+    tls_redis, tls_files, caplog, what, sec, hint
+):
     t = tier(tls_redis, security(tls_files, **sec))
     try:
         with caplog.at_level(logging.WARNING, logger="kvfuse.tiers.backoff"):
@@ -96,18 +106,29 @@ def test_a_bad_credential_is_an_unavailable_tier_with_a_clear_log_line(tls_redis
         t.close()
 
 
-def test_the_configuration_reads_the_password_from_a_variable_or_a_file(tls_redis, tls_files, tmp_path, monkeypatch,
-                                                                        caplog):
+def test_the_configuration_reads_the_password_from_a_variable_or_a_file(
+    tls_redis, tls_files, tmp_path, monkeypatch, caplog
+):
     monkeypatch.setenv("KVFUSE_TEST_REDIS_PASSWORD", PASSWORD)
-    files = {"KVFUSE_CACHE_REDIS_TLS_CA_FILE": str(tls_files.ca),
-             "KVFUSE_CACHE_REDIS_TLS_CERT_FILE": str(tls_files.client_cert),
-             "KVFUSE_CACHE_REDIS_TLS_KEY_FILE": str(tls_files.client_key)}
+    files = {
+        "KVFUSE_CACHE_REDIS_TLS_CA_FILE": str(tls_files.ca),
+        "KVFUSE_CACHE_REDIS_TLS_CERT_FILE": str(tls_files.client_cert),
+        "KVFUSE_CACHE_REDIS_TLS_KEY_FILE": str(tls_files.client_key),
+    }
     secret = tmp_path / "redis-password"
     secret.write_text(PASSWORD + "\n")
-    for way in ({"KVFUSE_CACHE_REDIS_PASSWORD_ENV": "KVFUSE_TEST_REDIS_PASSWORD"},
-                {"KVFUSE_CACHE_REDIS_PASSWORD_FILE": str(secret)}):
-        env = {"KVFUSE_CACHE_REDIS_URL": tls_redis.url, "KVFUSE_CACHE_REDIS_USERNAME": USER,
-               "KVFUSE_CACHE_DISK": "false", "KVFUSE_TEST_REDIS_PASSWORD": PASSWORD, **files, **way}
+    for way in (
+        {"KVFUSE_CACHE_REDIS_PASSWORD_ENV": "KVFUSE_TEST_REDIS_PASSWORD"},
+        {"KVFUSE_CACHE_REDIS_PASSWORD_FILE": str(secret)},
+    ):
+        env = {
+            "KVFUSE_CACHE_REDIS_URL": tls_redis.url,
+            "KVFUSE_CACHE_REDIS_USERNAME": USER,
+            "KVFUSE_CACHE_DISK": "false",
+            "KVFUSE_TEST_REDIS_PASSWORD": PASSWORD,
+            **files,
+            **way,
+        }
         config = load_config(env=env)
         assert PASSWORD not in repr(config)
         store = open_store(config)
@@ -125,25 +146,59 @@ def test_the_configuration_reads_the_password_from_a_variable_or_a_file(tls_redi
     assert PASSWORD not in caplog.text
 
 
-@pytest.mark.parametrize("env, words", [
-    ({"KVFUSE_CACHE_REDIS_PASSWORD_ENV": "KVFUSE_NOT_SET_ANYWHERE"},
-     ["cache.redis_password_env:", "KVFUSE_NOT_SET_ANYWHERE is not set", "export"]),
-    ({"KVFUSE_CACHE_REDIS_PASSWORD_FILE": "/nonexistent/pw"}, ["cache.redis_password_file:", "cannot read"]),
-    ({"KVFUSE_CACHE_REDIS_PASSWORD_ENV": "X", "KVFUSE_CACHE_REDIS_PASSWORD_FILE": "/x"}, ["one way"]),
-    ({"KVFUSE_CACHE_REDIS_URL": "redis://127.0.0.1:6379/0", "KVFUSE_CACHE_REDIS_TLS_CA_FILE": "CA"},
-     ["cache.redis_tls_ca_file:", "rediss://"]),
-    ({"KVFUSE_CACHE_REDIS_TLS_CERT_FILE": "CERT"}, ["cache.redis_tls_cert_file:", "needs its key"]),
-    ({"KVFUSE_CACHE_REDIS_TLS_CA_FILE": "/nonexistent/ca.pem"}, ["cache.redis_tls_ca_file:", "cannot read"]),
-    ({"KVFUSE_CACHE_REDIS_URL": "rediss://kv:s3cret-in-url@h:6380/0", "KVFUSE_CACHE_REDIS_PASSWORD_ENV": "X"},
-     ["the URL holds a password already"]),
-    ({"KVFUSE_CACHE_REDIS_URL": None, "KVFUSE_CACHE_REDIS_USERNAME": "kv"},
-     ["cache.redis_username:", "no Redis tier", "cache.redis_url"]),
-    ({"KVFUSE_CACHE_REDIS_URL": "http://kv:s3cret-in-url@h"}, ["cache.redis_url:", "kv:***@h"]),
-])
+@pytest.mark.parametrize(
+    "env, words",
+    [
+        (
+            {"KVFUSE_CACHE_REDIS_PASSWORD_ENV": "KVFUSE_NOT_SET_ANYWHERE"},
+            ["cache.redis_password_env:", "KVFUSE_NOT_SET_ANYWHERE is not set", "export"],
+        ),
+        (
+            {"KVFUSE_CACHE_REDIS_PASSWORD_FILE": "/nonexistent/pw"},
+            ["cache.redis_password_file:", "cannot read"],
+        ),
+        (
+            {"KVFUSE_CACHE_REDIS_PASSWORD_ENV": "X", "KVFUSE_CACHE_REDIS_PASSWORD_FILE": "/x"},
+            ["one way"],
+        ),
+        (
+            {
+                "KVFUSE_CACHE_REDIS_URL": "redis://127.0.0.1:6379/0",
+                "KVFUSE_CACHE_REDIS_TLS_CA_FILE": "CA",
+            },
+            ["cache.redis_tls_ca_file:", "rediss://"],
+        ),
+        (
+            {"KVFUSE_CACHE_REDIS_TLS_CERT_FILE": "CERT"},
+            ["cache.redis_tls_cert_file:", "needs its key"],
+        ),
+        (
+            {"KVFUSE_CACHE_REDIS_TLS_CA_FILE": "/nonexistent/ca.pem"},
+            ["cache.redis_tls_ca_file:", "cannot read"],
+        ),
+        (
+            {
+                "KVFUSE_CACHE_REDIS_URL": "rediss://kv:s3cret-in-url@h:6380/0",
+                "KVFUSE_CACHE_REDIS_PASSWORD_ENV": "X",
+            },
+            ["the URL holds a password already"],
+        ),
+        (
+            {"KVFUSE_CACHE_REDIS_URL": None, "KVFUSE_CACHE_REDIS_USERNAME": "kv"},
+            ["cache.redis_username:", "no Redis tier", "cache.redis_url"],
+        ),
+        ({"KVFUSE_CACHE_REDIS_URL": "http://kv:s3cret-in-url@h"}, ["cache.redis_url:", "kv:***@h"]),
+    ],
+)
 def test_bad_settings_name_the_key_and_the_fix(tls_files, env, words):
     full = {"KVFUSE_CACHE_REDIS_URL": "rediss://127.0.0.1:6380/0", "X": "x", **env}
-    full = {k: v.replace("CA", str(tls_files.ca)).replace("CERT", str(tls_files.client_cert)) if v else v
-            for k, v in full.items() if v is not None}
+    full = {
+        k: v.replace("CA", str(tls_files.ca)).replace("CERT", str(tls_files.client_cert))
+        if v
+        else v
+        for k, v in full.items()
+        if v is not None
+    }
     with pytest.raises(ConfigError) as e:
         load_config(env=full)
     message = str(e.value)
@@ -154,13 +209,21 @@ def test_bad_settings_name_the_key_and_the_fix(tls_files, env, words):
 
 def test_tier_sections_take_the_same_settings(tls_redis, tls_files, monkeypatch):
     monkeypatch.setenv("PW", PASSWORD)
-    tiers = (f'[{{kind: redis, url: "{tls_redis.url}", username: {USER}, password_env: PW, '
-             f'tls_ca_file: "{tls_files.ca}", tls_cert_file: "{tls_files.client_cert}", '
-             f'tls_key_file: "{tls_files.client_key}"}}]')
+    tiers = (
+        f'[{{kind: redis, url: "{tls_redis.url}", username: {USER}, password_env: PW, '
+        f'tls_ca_file: "{tls_files.ca}", tls_cert_file: "{tls_files.client_cert}", '
+        f'tls_key_file: "{tls_files.client_key}"}}]'
+    )
     store = open_store(load_config(env={"KVFUSE_CACHE_TIERS": tiers, "PW": PASSWORD}))
     try:
         assert store.tier("redis").ping()
     finally:
         store.close()
-    with pytest.raises(ConfigError, match=r"cache.tiers\[0\].tls_ca_file: TLS settings need a rediss:// URL"):
-        load_config(env={"KVFUSE_CACHE_TIERS": f'[{{kind: redis, url: "redis://h:1", tls_ca_file: "{tls_files.ca}"}}]'})
+    with pytest.raises(
+        ConfigError, match=r"cache.tiers\[0\].tls_ca_file: TLS settings need a rediss:// URL"
+    ):
+        load_config(
+            env={
+                "KVFUSE_CACHE_TIERS": f'[{{kind: redis, url: "redis://h:1", tls_ca_file: "{tls_files.ca}"}}]'
+            }
+        )

@@ -40,8 +40,16 @@ def s3():
 def make_tier(s3, prefix: str, **kw):
     from kvfuse.tiers.s3 import S3Tier
 
-    return S3Tier(f"s3://kvfuse-test/{prefix}", endpoint_url=s3.endpoint_url, region="us-east-1",
-                  create_bucket=True, timeout_s=1.0, retries=0, backoff_s=0.5, **kw)
+    return S3Tier(
+        f"s3://kvfuse-test/{prefix}",
+        endpoint_url=s3.endpoint_url,
+        region="us-east-1",
+        create_bucket=True,
+        timeout_s=1.0,
+        retries=0,
+        backoff_s=0.5,
+        **kw,
+    )
 
 
 KEYS = prefix_keys(list(range(160)), 16, Namespace("model", "float16", "L2"))  # 10 keys
@@ -77,7 +85,10 @@ def test_multipart_upload_of_a_large_entry(s3):
         head = client.head_object(Bucket="kvfuse-test", Key="multipart/" + str(KEYS[0]))
         assert head["ETag"].strip('"').endswith("-3")  # a multipart object's ETag counts its parts
         assert tier.get(KEYS[0]) == big
-        assert tier.read_range(KEYS[0], 6 * 1024**2, 6 * 1024**2 + 10) == big[6 * 1024**2 : 6 * 1024**2 + 10]
+        assert (
+            tier.read_range(KEYS[0], 6 * 1024**2, 6 * 1024**2 + 10)
+            == big[6 * 1024**2 : 6 * 1024**2 + 10]
+        )
     finally:
         tier.close()
 
@@ -90,15 +101,26 @@ def test_expiry_metadata_lifecycle_tag_and_extend(s3):
         tier.put(KEYS[0], b"a" * 100, expires_at=now[0] + 3 * 86400 - 5)
         tier.put(KEYS[1], b"b" * 100)
         client = boto3.client("s3", endpoint_url=s3.endpoint_url, region_name="us-east-1")
-        tags = client.get_object_tagging(Bucket="kvfuse-test", Key="expiry/" + str(KEYS[0]))["TagSet"]
+        tags = client.get_object_tagging(Bucket="kvfuse-test", Key="expiry/" + str(KEYS[0]))[
+            "TagSet"
+        ]
         assert tags == [{"Key": "kvfuse-retention-days", "Value": "3"}]
-        assert tier.expiry(KEYS[0]) == pytest.approx(now[0] + 3 * 86400 - 5) and tier.expiry(KEYS[1]) is None
-        assert tier.extend(KEYS[0], now[0] + 10 * 86400) and tier.expiry(KEYS[0]) == pytest.approx(now[0] + 10 * 86400)
+        assert (
+            tier.expiry(KEYS[0]) == pytest.approx(now[0] + 3 * 86400 - 5)
+            and tier.expiry(KEYS[1]) is None
+        )
+        assert tier.extend(KEYS[0], now[0] + 10 * 86400) and tier.expiry(KEYS[0]) == pytest.approx(
+            now[0] + 10 * 86400
+        )
         assert tier.extend(KEYS[0], now[0] + 86400)  # never shortens
         assert tier.expiry(KEYS[0]) == pytest.approx(now[0] + 10 * 86400)
         assert tier.get(KEYS[0]) == b"a" * 100  # the metadata rewrite kept the bytes
         now[0] += 11 * 86400
-        assert tier.get(KEYS[0]) is None and not tier.contains(KEYS[0]) and tier.stats.snapshot()["expired"] == 1
+        assert (
+            tier.get(KEYS[0]) is None
+            and not tier.contains(KEYS[0])
+            and tier.stats.snapshot()["expired"] == 1
+        )
         assert tier.get(KEYS[1]) == b"b" * 100  # no expiry: kept
         tier.put(KEYS[2], b"c", expires_at=now[0] - 1)  # already past: not stored
         assert not tier.contains(KEYS[2])
@@ -131,7 +153,9 @@ def test_server_side_encryption_is_applied_to_every_put_upload_and_copy(s3):
     plain = make_tier(s3, "sse-none/")
     try:
         plain.put(KEYS[0], b"x")
-        assert _head(s3, "sse-none/" + str(KEYS[0])).get("SSEKMSKeyId") is None  # the bucket's default
+        assert (
+            _head(s3, "sse-none/" + str(KEYS[0])).get("SSEKMSKeyId") is None
+        )  # the bucket's default
     finally:
         plain.close()
 
@@ -141,19 +165,31 @@ def test_sse_settings_from_the_configuration(s3):
     from kvfuse.runtime import open_store
     from kvfuse.tiers.s3 import sse_args
 
-    env = {"KVFUSE_CACHE_DISK": "false", "KVFUSE_CACHE_S3_URL": "s3://kvfuse-test/sse-config/",
-           "KVFUSE_CACHE_S3_ENDPOINT": s3.endpoint_url, "KVFUSE_CACHE_S3_REGION": "us-east-1",
-           "KVFUSE_CACHE_S3_SSE": "aws:kms", "KVFUSE_CACHE_S3_SSE_KMS_KEY_ID": "alias/kvfuse"}
-    store = open_store(load_config(env=env))  # no keys in the configuration: boto3's chain (S3_ENV here)
+    env = {
+        "KVFUSE_CACHE_DISK": "false",
+        "KVFUSE_CACHE_S3_URL": "s3://kvfuse-test/sse-config/",
+        "KVFUSE_CACHE_S3_ENDPOINT": s3.endpoint_url,
+        "KVFUSE_CACHE_S3_REGION": "us-east-1",
+        "KVFUSE_CACHE_S3_SSE": "aws:kms",
+        "KVFUSE_CACHE_S3_SSE_KMS_KEY_ID": "alias/kvfuse",
+    }
+    store = open_store(
+        load_config(env=env)
+    )  # no keys in the configuration: boto3's chain (S3_ENV here)
     try:
         store.tier("s3").put(KEYS[3], b"v")
         head = _head(s3, "sse-config/" + str(KEYS[3]))
         assert head["ServerSideEncryption"] == "aws:kms" and head["SSEKMSKeyId"] == "alias/kvfuse"
     finally:
         store.close()
-    for bad, words in (({"KVFUSE_CACHE_S3_SSE": "aes256"}, "cache.s3_sse: must be AES256"),
-                       ({"KVFUSE_CACHE_S3_SSE": "AES256"}, "cache.s3_sse_kms_key_id: a KMS key is used by aws:kms"),
-                       ({"KVFUSE_CACHE_S3_URL": None}, "cache.s3_sse: is set but there is no S3 tier")):
+    for bad, words in (
+        ({"KVFUSE_CACHE_S3_SSE": "aes256"}, "cache.s3_sse: must be AES256"),
+        (
+            {"KVFUSE_CACHE_S3_SSE": "AES256"},
+            "cache.s3_sse_kms_key_id: a KMS key is used by aws:kms",
+        ),
+        ({"KVFUSE_CACHE_S3_URL": None}, "cache.s3_sse: is set but there is no S3 tier"),
+    ):
         full = {k: v for k, v in {**env, **bad}.items() if v is not None}
         with pytest.raises(ConfigError, match=words):
             load_config(env=full)

@@ -44,8 +44,14 @@ def disk_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(home, disk_dir):
-    srv = ServerProcess(home, config={"model": MODEL, "cache": {"disk_path": str(disk_dir)},
-                                      "server": {"max_tokens_limit": 512}})
+    srv = ServerProcess(
+        home,
+        config={
+            "model": MODEL,
+            "cache": {"disk_path": str(disk_dir)},
+            "server": {"max_tokens_limit": 512},
+        },
+    )
     srv.start()
     yield srv
     srv.close()
@@ -62,7 +68,9 @@ def local_engine(home):
     return uncached_engine(home, MODEL)
 
 
-def local_greedy(engine, max_tokens: int, prompt: str | None = None, messages: list | None = None) -> str:
+def local_greedy(
+    engine, max_tokens: int, prompt: str | None = None, messages: list | None = None
+) -> str:
     from kvfuse.generation import SamplingParams
 
     ids = engine.prompts.encode_prompt(prompt, messages=messages)
@@ -79,7 +87,9 @@ def test_models_lists_the_served_model(client):
 
 
 def test_completion_matches_the_in_process_engine(client, local_engine):
-    raw = client.completions.with_raw_response.create(model=MODEL, prompt=SHORT, max_tokens=8, temperature=0)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt=SHORT, max_tokens=8, temperature=0
+    )
     assert raw.headers["x-request-id"].startswith("req_")
     r = raw.parse()
     assert r.object == "text_completion" and r.model == MODEL
@@ -91,42 +101,75 @@ def test_completion_matches_the_in_process_engine(client, local_engine):
 
 
 def test_chat_matches_the_in_process_engine(client, local_engine):
-    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."}]
+    messages = [
+        {"role": "system", "content": "Answer briefly."},
+        {"role": "user", "content": "Name a colour."},
+    ]
     r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
     assert r.object == "chat.completion"
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == local_greedy(local_engine, 8, messages=messages)
     # content parts are accepted too and give the same prompt
-    parts = [{"role": "system", "content": [{"type": "text", "text": "Answer briefly."}]},
-             {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]}]
-    r2 = client.chat.completions.create(model=MODEL, messages=parts, max_completion_tokens=8, temperature=0)
+    parts = [
+        {"role": "system", "content": [{"type": "text", "text": "Answer briefly."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Name a colour."}]},
+    ]
+    r2 = client.chat.completions.create(
+        model=MODEL, messages=parts, max_completion_tokens=8, temperature=0
+    )
     assert r2.choices[0].message.content == r.choices[0].message.content
     assert r2.usage.prompt_tokens == r.usage.prompt_tokens
 
 
 def test_streaming_completion_with_usage(client):
     whole = client.completions.create(model=MODEL, prompt=SHORT, max_tokens=8, temperature=0)
-    chunks = list(client.completions.create(model=MODEL, prompt=SHORT, max_tokens=8, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=SHORT,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert all(c.object == "text_completion" for c in chunks)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     with_reason = [c for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert len(with_reason) == 1 and with_reason[0].choices[0].finish_reason == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert (
+        len(with_reason) == 1
+        and with_reason[0].choices[0].finish_reason == whole.choices[0].finish_reason
+    )
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_streaming_chat(client):
     messages = [{"role": "user", "content": "Say hello."}]
     # both without the cache: the same computation, streamed or not (reuse is tested elsewhere)
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                           extra_body={"cache": False})
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                 stream=True, extra_body={"cache": False}))
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, extra_body={"cache": False}
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            extra_body={"cache": False},
+        )
+    )
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks)
+        == whole.choices[0].message.content
+    )
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
     assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
 
@@ -138,38 +181,63 @@ def test_repeated_long_prompt_reports_cached_tokens(client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached == second.usage.prompt_tokens - 1  # all but the last token, whose logits are needed
+    assert (
+        cached == second.usage.prompt_tokens - 1
+    )  # all but the last token, whose logits are needed
     assert second.choices[0].text == first.choices[0].text  # reuse does not change greedy output
 
 
 def test_cache_salt_is_a_separate_namespace(client):
     prompt = long_prompt("salted")
-    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)  # cached without salt
-    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                  extra_body={"cache_salt": "project-a"})
+    client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0
+    )  # cached without salt
+    a = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"cache_salt": "project-a"},
+    )
     assert a.usage.prompt_tokens_details.cached_tokens == 0  # a new salt starts empty
-    b = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                  extra_body={"cache_salt": "project-a"})
+    b = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=1,
+        temperature=0,
+        extra_body={"cache_salt": "project-a"},
+    )
     assert b.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_cache_false_neither_reads_nor_writes(client, server):
     prompt = long_prompt("bypass")
     before = kv_stats(server)["engine"]["chunks_stored"]
-    r1 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache": False})
+    r1 = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache": False}
+    )
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
     assert kv_stats(server)["engine"]["chunks_stored"] == before  # nothing written
-    salt = {"cache_salt": "bypass"}  # a namespace no other test's prompts (sharing its first tokens) are in
-    r2 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=salt)
+    salt = {
+        "cache_salt": "bypass"
+    }  # a namespace no other test's prompts (sharing its first tokens) are in
+    r2 = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=salt
+    )
     assert r2.usage.prompt_tokens_details.cached_tokens == 0  # so nothing to read afterwards
-    r3 = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
-                                   extra_body={"cache": False, **salt})
-    assert r3.usage.prompt_tokens_details.cached_tokens == 0  # and the now-cached prefix is not read
+    r3 = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache": False, **salt}
+    )
+    assert (
+        r3.usage.prompt_tokens_details.cached_tokens == 0
+    )  # and the now-cached prefix is not read
 
 
 def test_sigterm_flushes_the_disk_tier_and_exits_zero(client, server, disk_dir):
     # The last request stores new chunks: memory at once, disk from the background writer.
-    client.completions.create(model=MODEL, prompt=long_prompt("before-shutdown", facts=80), max_tokens=1, temperature=0)
+    client.completions.create(
+        model=MODEL, prompt=long_prompt("before-shutdown", facts=80), max_tokens=1, temperature=0
+    )
     deadline = time.monotonic() + 30
     while kv_stats(server)["engine"]["saver"]["pending"] and time.monotonic() < deadline:
         time.sleep(0.05)  # the saver puts entries into memory off the request path

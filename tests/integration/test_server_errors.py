@@ -34,8 +34,12 @@ def home(kvfuse_home) -> Path:
 @pytest.fixture(scope="module")
 def server(home, tmp_path_factory):
     # One sequence at a time: the disconnect test needs a request that waits in the queue.
-    config = {"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("errors-kv"))},
-              "server": {"max_tokens_limit": LIMIT, "max_body_bytes": BODY_LIMIT}, "engine": {"max_running": 1}}
+    config = {
+        "model": MODEL,
+        "cache": {"disk_path": str(tmp_path_factory.mktemp("errors-kv"))},
+        "server": {"max_tokens_limit": LIMIT, "max_body_bytes": BODY_LIMIT},
+        "engine": {"max_running": 1},
+    }
     srv = ServerProcess(home, config=config)
     srv.start()
     yield srv
@@ -45,8 +49,12 @@ def server(home, tmp_path_factory):
 @pytest.fixture(scope="module")
 def small_server(home, tmp_path_factory):
     """One request running and one waiting at most, at most 4 tokens each: for the 429 test and for fuzzing."""
-    config = {"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("small-kv"))},
-              "server": {"max_queue": 1, "max_tokens_limit": 4, "default_max_tokens": 4}, "engine": {"max_running": 1}}
+    config = {
+        "model": MODEL,
+        "cache": {"disk_path": str(tmp_path_factory.mktemp("small-kv"))},
+        "server": {"max_queue": 1, "max_tokens_limit": 4, "default_max_tokens": 4},
+        "engine": {"max_running": 1},
+    }
     srv = ServerProcess(home, config=config)
     srv.start()
     yield srv
@@ -58,7 +66,12 @@ def ok_completion(**over):
 
 
 def ok_chat(**over):
-    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1, **over}
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 1,
+        **over,
+    }
 
 
 # (id, path, body (dict, or raw bytes), status, param, code)
@@ -92,24 +105,64 @@ BAD = [
     ("stream-wrong-type", C, ok_completion(stream="yes"), 400, "stream", None),
     ("cache_salt-wrong-type", C, ok_completion(cache_salt=5), 400, "cache_salt", None),
     ("cache-wrong-type", C, ok_completion(cache="no"), 400, "cache", None),
-    ("context-window", C, ok_completion(prompt=[100] * 8200), 400, "prompt", "context_length_exceeded"),
-    ("context-window-with-max_tokens", C, ok_completion(prompt=[100] * 8000, max_tokens=500), 400, "prompt",
-     "context_length_exceeded"),
+    (
+        "context-window",
+        C,
+        ok_completion(prompt=[100] * 8200),
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
+    (
+        "context-window-with-max_tokens",
+        C,
+        ok_completion(prompt=[100] * 8000, max_tokens=500),
+        400,
+        "prompt",
+        "context_length_exceeded",
+    ),
     ("chat-no-messages", CH, ok_chat(messages=[]), 400, "messages", None),
     ("chat-messages-string", CH, ok_chat(messages="hi"), 400, "messages", None),
-    ("chat-bad-role", CH, ok_chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages", None),
-    ("chat-image-part", CH, ok_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-     400, "messages", None),
-    ("chat-max_completion_tokens-zero", CH, ok_chat(max_completion_tokens=0), 400, "max_completion_tokens", None),
+    (
+        "chat-bad-role",
+        CH,
+        ok_chat(messages=[{"role": "wizard", "content": "hi"}]),
+        400,
+        "messages",
+        None,
+    ),
+    (
+        "chat-image-part",
+        CH,
+        ok_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        400,
+        "messages",
+        None,
+    ),
+    (
+        "chat-max_completion_tokens-zero",
+        CH,
+        ok_chat(max_completion_tokens=0),
+        400,
+        "max_completion_tokens",
+        None,
+    ),
     ("chat-unknown-model", CH, ok_chat(model="nope"), 404, "model", "model_not_found"),
     ("chat-cache-wrong-type", CH, ok_chat(cache=1), 400, "cache", None),
 ]
 
 
-@pytest.mark.parametrize("path,body,status,param,code", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+@pytest.mark.parametrize(
+    "path,body,status,param,code", [b[1:] for b in BAD], ids=[b[0] for b in BAD]
+)
 def test_bad_input_gets_an_openai_style_error(server, path, body, status, param, code):
     if isinstance(body, bytes):
-        r = httpx.post(server.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(
+            server.url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
     else:
         r = httpx.post(server.url + path, json=body, timeout=60)
     assert r.status_code == status, r.text
@@ -132,7 +185,10 @@ def test_limits_are_named_in_the_message(server):
 
 
 def test_unknown_fields_are_ignored(server):
-    r = httpx.post(server.url + C, json=ok_completion(logit_bias={"1": 2}, frobnicate=True, user="u1", stop=None))
+    r = httpx.post(
+        server.url + C,
+        json=ok_completion(logit_bias={"1": 2}, frobnicate=True, user="u1", stop=None),
+    )
     assert r.status_code == 200, r.text
 
 
@@ -150,7 +206,7 @@ def test_body_over_the_limit_is_413(server):
 
     def chunks():  # no Content-Length: the size is checked while the body streams in
         for i in range(0, len(big), 64 * 1024):
-            yield big[i:i + 64 * 1024]
+            yield big[i : i + 64 * 1024]
 
     r = httpx.post(server.url + C, content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413 and "max_body_bytes" in r.json()["error"]["message"]
@@ -192,8 +248,13 @@ def wait_for(predicate, timeout: float = 60.0) -> bool:
 
 def test_disconnects_cancel_running_and_queued_work(server):
     """A streaming client that leaves stops its generation; a queued client that leaves is skipped."""
-    counting = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 400, "temperature": 0,
-                "stream": True}
+    counting = {
+        "model": MODEL,
+        "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,",
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
     running0 = metric(server, "kvfuse_requests_cancelled_total", stage="running")
     queued0 = metric(server, "kvfuse_requests_cancelled_total", stage="queued")
     generated0 = httpx.get(server.base_url + "/kv/stats").json()["engine"]["tokens_generated"]
@@ -209,17 +270,25 @@ def test_disconnects_cancel_running_and_queued_work(server):
         # While the stream runs, a second request waits in the queue; its client gives up.
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(server.url + C, json=ok_completion(max_tokens=5), timeout=1.5)
-        assert wait_for(lambda: metric(server, "kvfuse_requests_cancelled_total", stage="queued") > queued0, 30)
+        assert wait_for(
+            lambda: metric(server, "kvfuse_requests_cancelled_total", stage="queued") > queued0, 30
+        )
     # Leaving the `with` closed the streaming connection mid-generation.
-    assert wait_for(lambda: metric(server, "kvfuse_requests_cancelled_total", stage="running") > running0, 60)
-    generated = httpx.get(server.base_url + "/kv/stats").json()["engine"]["tokens_generated"] - generated0
+    assert wait_for(
+        lambda: metric(server, "kvfuse_requests_cancelled_total", stage="running") > running0, 60
+    )
+    generated = (
+        httpx.get(server.base_url + "/kv/stats").json()["engine"]["tokens_generated"] - generated0
+    )
     assert generated < 400  # stopped early
     assert httpx.get(server.url + "/health").json()["running"] == 0
 
 
 def test_queue_full_is_429(small_server):
     """max_queue 1: with one request running and one waiting, the others are refused at once."""
-    prompt = " ".join(f"Line {i}: the value is {7 * i}." for i in range(60))  # ~600 tokens: a slow prefill
+    prompt = " ".join(
+        f"Line {i}: the value is {7 * i}." for i in range(60)
+    )  # ~600 tokens: a slow prefill
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "cache": False}
     barrier = threading.Barrier(6)
 
@@ -235,7 +304,10 @@ def test_queue_full_is_429(small_server):
     refused = next(r for r in responses if r.status_code == 429)
     assert refused.json()["error"]["code"] == "queue_full" and "retry-after" in refused.headers
     client = OpenAI(base_url=small_server.base_url, api_key="unused", max_retries=0)
-    assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens >= 0
+    assert (
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens
+        >= 0
+    )
 
 
 def test_fuzz_the_published_openapi_schema(small_server):
@@ -245,22 +317,38 @@ def test_fuzz_the_published_openapi_schema(small_server):
     from hypothesis.errors import Unsatisfiable
 
     spec = httpx.get(small_server.url + "/openapi.json").json()
-    assert spec["components"]["schemas"]["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 4
+    assert (
+        spec["components"]["schemas"]["CompletionRequest"]["properties"]["max_tokens"]["anyOf"][0][
+            "maximum"
+        ]
+        == 4
+    )
     # Name the served model in the positive cases, so that they reach the engine (a random name is a 404).
     for name in ("CompletionRequest", "ChatCompletionRequest"):
-        spec["components"]["schemas"][name]["properties"]["model"] = {"type": "string", "enum": [MODEL]}
+        spec["components"]["schemas"][name]["properties"]["model"] = {
+            "type": "string",
+            "enum": [MODEL],
+        }
     schema = schemathesis.openapi.from_dict(spec)
     failures = []
     for result in schema.get_all_operations():
         operation = result.ok()
         for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
-            @settings(max_examples=15, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
+
+            @settings(
+                max_examples=15,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
             @given(case=operation.as_strategy(generation_mode=mode))
             def check(case):
                 response = case.call(base_url=small_server.url, timeout=120)
                 if response.status_code >= 500:
-                    failures.append((operation.label, case.body, response.status_code, response.text[:300]))
+                    failures.append(
+                        (operation.label, case.body, response.status_code, response.text[:300])
+                    )
 
             try:
                 check()

@@ -24,8 +24,11 @@ def long_prompt(tag: str) -> str:
 def server(kvfuse_home, tmp_path_factory):
     home = kvfuse_home
     ensure_model(home, MODEL)
-    config = {"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("tenants-kv"))},
-              "server": {"api_keys": [f"{key}:{tenant}" for tenant, key in KEYS.items()]}}
+    config = {
+        "model": MODEL,
+        "cache": {"disk_path": str(tmp_path_factory.mktemp("tenants-kv"))},
+        "server": {"api_keys": [f"{key}:{tenant}" for tenant, key in KEYS.items()]},
+    }
     srv = ServerProcess(home, config=config)
     srv.start()
     yield srv
@@ -37,13 +40,19 @@ def client(server, tenant: str) -> OpenAI:
 
 
 def cached(c: OpenAI, prompt: str, **extra_body) -> int:
-    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra_body or None)
+    r = c.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=extra_body or None
+    )
     return r.usage.prompt_tokens_details.cached_tokens
 
 
 def delete_kv(server, tenant: str, **params) -> dict:
-    r = httpx.delete(server.base_url + "/kv", params=params, headers={"Authorization": f"Bearer {KEYS[tenant]}"},
-                     timeout=60)
+    r = httpx.delete(
+        server.base_url + "/kv",
+        params=params,
+        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -57,7 +66,9 @@ def test_missing_or_wrong_key_is_401_with_an_openai_error_body(server):
     with pytest.raises(openai.AuthenticationError):
         bad.models.list()
     for headers in ({}, {"Authorization": "Basic abc"}, {"Authorization": "Bearer sk-alice"}):
-        r = httpx.post(server.base_url + "/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers)
+        r = httpx.post(
+            server.base_url + "/completions", json={"model": MODEL, "prompt": "hi"}, headers=headers
+        )
         assert r.status_code == 401
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"

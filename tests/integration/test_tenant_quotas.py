@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
+from kvfuse_helpers import SENTENCES
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvfuse_helpers import SENTENCES
 from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
@@ -32,15 +32,22 @@ WORDS = sorted({w.strip(".,") for s in SENTENCES for w in s.split()})
 @pytest.fixture(scope="module")
 def server(kvfuse_home):
     ensure_model(kvfuse_home, MODEL)
-    config = {"model": MODEL,
-              # memory only (no disk to refill it from): what stays cached is what the memory tier kept
-              "cache": {"disk": False, "chunk_size": 64, "memory_bytes": 2 * QUOTA + 4 * MIB},
-              "engine": {"max_running": 8},
-              "server": {"api_keys": [f"{key}:{tenant}" for tenant, key in KEYS.items()], "max_queue": 256,
-                         "metrics_token": TOKEN},
-              "tenants": {"alice": {"quota": {"memory_bytes": QUOTA, "requests_per_minute": 1000}},
-                          "bob": {"quota": {"memory_bytes": QUOTA}},
-                          "carol": {"quota": {"requests_per_minute": RPM}}}}
+    config = {
+        "model": MODEL,
+        # memory only (no disk to refill it from): what stays cached is what the memory tier kept
+        "cache": {"disk": False, "chunk_size": 64, "memory_bytes": 2 * QUOTA + 4 * MIB},
+        "engine": {"max_running": 8},
+        "server": {
+            "api_keys": [f"{key}:{tenant}" for tenant, key in KEYS.items()],
+            "max_queue": 256,
+            "metrics_token": TOKEN,
+        },
+        "tenants": {
+            "alice": {"quota": {"memory_bytes": QUOTA, "requests_per_minute": 1000}},
+            "bob": {"quota": {"memory_bytes": QUOTA}},
+            "carol": {"quota": {"requests_per_minute": RPM}},
+        },
+    }
     srv = ServerProcess(kvfuse_home, config=config)
     srv.start()
     yield srv
@@ -65,8 +72,11 @@ def cached(c: OpenAI, text: str) -> int:
 def metrics(server) -> dict[tuple[str, tuple], float]:
     r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
     assert r.status_code == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
 
 
 def tenant_series(samples, name: str, tenant: str, **labels) -> float:
@@ -92,7 +102,9 @@ def test_a_tenants_flood_does_not_evict_another_tenants_entries(server):
     assert during == reference * 2 and after == reference, (reference, during, after)
 
     m = metrics(server)
-    used = {t: tenant_series(m, "kvfuse_tenant_used_bytes", t, tier="memory") for t in ("alice", "bob")}
+    used = {
+        t: tenant_series(m, "kvfuse_tenant_used_bytes", t, tier="memory") for t in ("alice", "bob")
+    }
     assert 0 < used["alice"] <= QUOTA and 0 < used["bob"] <= QUOTA, used
     assert tenant_series(m, "kvfuse_tenant_quota_bytes", "alice", tier="memory") == QUOTA
     assert tenant_series(m, "kvfuse_tenant_quota_evictions_total", "alice", tier="memory") > 0
@@ -108,7 +120,9 @@ def test_requests_beyond_the_rate_limit_get_openais_429(server):
 
     def one(i: int):
         try:
-            carol.completions.create(model=MODEL, prompt=f"Count to {i}:", max_tokens=1, temperature=0)
+            carol.completions.create(
+                model=MODEL, prompt=f"Count to {i}:", max_tokens=1, temperature=0
+            )
             return 200, None
         except openai.APIStatusError as e:
             return e.status_code, e
@@ -128,11 +142,18 @@ def test_requests_beyond_the_rate_limit_get_openais_429(server):
         assert e.response.headers["x-ratelimit-limit-requests"] == str(RPM)
     # the chat and Responses endpoints count against the same limit
     with pytest.raises(openai.RateLimitError):
-        carol.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+        carol.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
     with pytest.raises(openai.RateLimitError):
         carol.responses.create(model=MODEL, input="hi", max_output_tokens=1)
     # other tenants are not limited by carol's quota; her other endpoints stay open
     assert cached(client(server, "bob"), "The capital of France is") == 0
     assert [m.id for m in carol.models.list().data] == [MODEL]
     m = metrics(server)
-    assert tenant_series(m, "kvfuse_tenant_rejected_requests_total", "carol", limit="requests_per_minute") == RPM + 2
+    assert (
+        tenant_series(
+            m, "kvfuse_tenant_rejected_requests_total", "carol", limit="requests_per_minute"
+        )
+        == RPM + 2
+    )

@@ -43,7 +43,10 @@ def test_encode_decode_match_transformers(folders):
         ids = ours.encode(text)
         assert ids == ref(text)["input_ids"], text
         assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
-        assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
+        assert (
+            ours.encode(text, add_special_tokens=False)
+            == ref(text, add_special_tokens=False)["input_ids"]
+        )
 
 
 def test_chat_template_matches_transformers(folders):

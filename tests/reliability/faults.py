@@ -25,12 +25,14 @@ from typing import Any, Callable
 import httpx
 import openai
 import torch
-
-from kvfuse_testkit import ServerProcess, free_port
 from kvfuse_helpers import SENTENCES
 
+from kvfuse_testkit import ServerProcess, free_port
+
 MODEL = "smollm2"
-NEAR_TIE = 1e-3  # a top-2 logit gap below this is within float rounding (see docs/features.md, Exactness)
+NEAR_TIE = (
+    1e-3  # a top-2 logit gap below this is within float rounding (see docs/features.md, Exactness)
+)
 
 
 # ---------------------------------------------------------------------------------- prompts
@@ -38,9 +40,14 @@ def document(i: int, paragraphs: int = 5) -> str:
     """About 100 tokens per paragraph; document ``i`` has its own first line, so its chunk chain
     is its own (documents never share a 256-token chunk with each other)."""
     head = f"Report {i} of the Velmora archive, filed under drawer {i * 7 + 3}."
-    return head + "\n\n" + "\n\n".join(
-        f"Part {p + 1}. " + " ".join(SENTENCES[(i + p + j) % len(SENTENCES)] for j in range(5))
-        for p in range(paragraphs))
+    return (
+        head
+        + "\n\n"
+        + "\n\n".join(
+            f"Part {p + 1}. " + " ".join(SENTENCES[(i + p + j) % len(SENTENCES)] for j in range(5))
+            for p in range(paragraphs)
+        )
+    )
 
 
 QUESTIONS = ("Who built the lighthouse?", "Where do puffins nest?", "What does the bread taste of?")
@@ -60,9 +67,15 @@ class Job:
 
 def jobs(documents: int, questions: int = 2, paragraphs: int = 5, max_tokens: int = 8) -> list[Job]:
     """``documents`` x ``questions`` chat requests; the questions of a document share its chunks."""
-    return [Job(f"d{d}q{q}", (("user", document(d, paragraphs) + f"\n\nQuestion: {QUESTIONS[q]}\nAnswer:"),),
-                max_tokens)
-            for d in range(documents) for q in range(questions)]
+    return [
+        Job(
+            f"d{d}q{q}",
+            (("user", document(d, paragraphs) + f"\n\nQuestion: {QUESTIONS[q]}\nAnswer:"),),
+            max_tokens,
+        )
+        for d in range(documents)
+        for q in range(questions)
+    ]
 
 
 # ------------------------------------------------------------------------------- reference
@@ -137,11 +150,14 @@ class Reference:
         if text == exp.text:
             return
         decode = self._model().tokenizer.decode
-        step = next((k for k in range(len(exp.tokens)) if not text.startswith(decode(exp.tokens[: k + 1]))),
-                    len(exp.tokens))
+        step = next(
+            (k for k in range(len(exp.tokens)) if not text.startswith(decode(exp.tokens[: k + 1]))),
+            len(exp.tokens),
+        )
         assert step < len(exp.tokens) and exp.gaps[step] < NEAR_TIE, (
             f"wrong answer for {job.name}: {text!r}, a full prefill says {exp.text!r}; first difference at step "
-            f"{step}, where its top-2 logit gap is {exp.gaps[step] if step < len(exp.gaps) else None}")
+            f"{step}, where its top-2 logit gap is {exp.gaps[step] if step < len(exp.gaps) else None}"
+        )
 
 
 _ENGINES: dict[int, Any] = {}
@@ -165,7 +181,9 @@ class Outcome:
     started: float  # time.monotonic() at the start
     cached_tokens: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
-    error: str | None = None  # the exception, for a request that failed (any status, any transport error)
+    error: str | None = (
+        None  # the exception, for a request that failed (any status, any transport error)
+    )
 
 
 def client_of(srv: ServerProcess, timeout: float = 300.0) -> openai.OpenAI:
@@ -175,14 +193,25 @@ def client_of(srv: ServerProcess, timeout: float = 300.0) -> openai.OpenAI:
 def ask(client: openai.OpenAI, job: Job, **extra) -> Outcome:
     t0 = time.monotonic()
     try:
-        r = client.chat.completions.create(model=MODEL, messages=job.body(), max_tokens=job.max_tokens,
-                                           temperature=0, extra_body={"ignore_eos": True, **extra})
+        r = client.chat.completions.create(
+            model=MODEL,
+            messages=job.body(),
+            max_tokens=job.max_tokens,
+            temperature=0,
+            extra_body={"ignore_eos": True, **extra},
+        )
     except Exception as e:  # noqa: BLE001  (every failure is an outcome the test asserts on)
         return Outcome(job, None, time.monotonic() - t0, t0, error=f"{type(e).__name__}: {e}")
     details = r.usage.prompt_tokens_details
     extra_fields = details.model_extra or {}
-    return Outcome(job, r.choices[0].message.content, time.monotonic() - t0, t0, details.cached_tokens,
-                   dict(extra_fields.get("cached_entries_by_tier") or {}))
+    return Outcome(
+        job,
+        r.choices[0].message.content,
+        time.monotonic() - t0,
+        t0,
+        details.cached_tokens,
+        dict(extra_fields.get("cached_entries_by_tier") or {}),
+    )
 
 
 class Load:
@@ -196,7 +225,10 @@ class Load:
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._next = 0
-        self._threads = [threading.Thread(target=self._run, name=f"load-{i}", daemon=True) for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"load-{i}", daemon=True)
+            for i in range(threads)
+        ]
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -220,14 +252,18 @@ class Load:
     def wait_done(self, n: int, timeout: float = 300.0) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: len(self.outcomes) >= n, timeout):
-                raise AssertionError(f"only {len(self.outcomes)} of {n} requests finished within {timeout:.0f} s")
+                raise AssertionError(
+                    f"only {len(self.outcomes)} of {n} requests finished within {timeout:.0f} s"
+                )
 
     def wait_new(self, n: int, timeout: float = 300.0) -> None:
         """Wait until ``n`` requests that started from now on have finished (so a fault injected
         just before is met by requests from their start)."""
         t0 = time.monotonic()
         with self._cond:
-            if not self._cond.wait_for(lambda: sum(o.started >= t0 for o in self.outcomes) >= n, timeout):
+            if not self._cond.wait_for(
+                lambda: sum(o.started >= t0 for o in self.outcomes) >= n, timeout
+            ):
                 raise AssertionError(f"not {n} new requests finished within {timeout:.0f} s")
 
     def stop(self, timeout: float = 300.0) -> list[Outcome]:
@@ -257,13 +293,22 @@ def run_all(client: openai.OpenAI, jobs: list[Job], threads: int = 4, **extra) -
 def check_outcomes(ref: Reference, outcomes: list[Outcome]) -> None:
     """No request failed, and every answer is the reference's (or differs first at a near-tie)."""
     failed = [o for o in outcomes if o.error is not None]
-    assert not failed, f"{len(failed)} of {len(outcomes)} requests failed, e.g. {failed[0].job.name}: {failed[0].error}"
+    assert not failed, (
+        f"{len(failed)} of {len(outcomes)} requests failed, e.g. {failed[0].job.name}: {failed[0].error}"
+    )
     for o in outcomes:
         ref.check(o.job, o.text)
 
 
-def warm_up(srv: ServerProcess, client: openai.OpenAI, ref: Reference, job_list: list[Job], threads: int,
-            tier_name: str, check_hits: bool = True) -> float:
+def warm_up(
+    srv: ServerProcess,
+    client: openai.OpenAI,
+    ref: Reference,
+    job_list: list[Job],
+    threads: int,
+    tier_name: str,
+    check_hits: bool = True,
+) -> float:
     """Record the cache-free answers, store every job's chunks, and (``check_hits``) check that
     the next round reads them from ``tier_name``; the slowest cache-free request (what a request
     costs with no tier's help, under this load on this machine)."""
@@ -273,13 +318,21 @@ def warm_up(srv: ServerProcess, client: openai.OpenAI, ref: Reference, job_list:
     if check_hits:
         warm = run_all(client, job_list, threads)
         check_outcomes(ref, warm)
-        assert sum(o.by_tier.get(tier_name, 0) for o in warm) >= len(job_list), f"the {tier_name} tier is not used"
+        assert sum(o.by_tier.get(tier_name, 0) for o in warm) >= len(job_list), (
+            f"the {tier_name} tier is not used"
+        )
         idle(srv)
     return max(o.latency_s for o in free)
 
 
-def hits_again(srv: ServerProcess, client: openai.OpenAI, ref: Reference, job_list: list[Job], tier_name: str,
-               passes: int = 5) -> int:
+def hits_again(
+    srv: ServerProcess,
+    client: openai.OpenAI,
+    ref: Reference,
+    job_list: list[Job],
+    tier_name: str,
+    passes: int = 5,
+) -> int:
     """Send the jobs one by one until one reuses an entry read from ``tier_name``; how many requests
     that took (AssertionError after ``passes`` passes). Each request stores what it computed."""
     sent = 0
@@ -291,7 +344,9 @@ def hits_again(srv: ServerProcess, client: openai.OpenAI, ref: Reference, job_li
             if out[0].by_tier.get(tier_name):
                 return sent
         idle(srv)
-    raise AssertionError(f"no {tier_name} hit in {sent} requests after the fault: {tier(srv, tier_name)}")
+    raise AssertionError(
+        f"no {tier_name} hit in {sent} requests after the fault: {tier(srv, tier_name)}"
+    )
 
 
 # ------------------------------------------------------------------------------ server state
@@ -335,10 +390,15 @@ def wait_until(predicate: Callable[[], Any], timeout: float, what: str, every: f
 
 def idle(srv: ServerProcess, timeout: float = 120.0) -> dict:
     """Wait until the server runs nothing and every save and lower-tier write is done; its stats."""
+
     def quiet():
         s = kv_stats(srv)
-        busy = (s["queue"]["waiting"] or s["queue"]["running"] or s["engine"].get("saver", {}).get("pending", 0)
-                or s["tiers"].get("store", {}).get("queue_depth", 0))
+        busy = (
+            s["queue"]["waiting"]
+            or s["queue"]["running"]
+            or s["engine"].get("saver", {}).get("pending", 0)
+            or s["tiers"].get("store", {}).get("queue_depth", 0)
+        )
         return None if busy else s
 
     return wait_until(quiet, timeout, "the server to finish its requests, saves and writes")
@@ -366,7 +426,9 @@ class TcpProxy:
         self.cuts = 0  # connections reset mid-reply (cut_after)
         self._open: set[asyncio.StreamWriter] = set()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-proxy", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="tcp-proxy", daemon=True
+        )
         self._server: asyncio.AbstractServer | None = None
 
     @property
@@ -397,8 +459,11 @@ class TcpProxy:
             return
         self._open.update((writer, up_writer))
         try:
-            await asyncio.gather(self._pipe(reader, up_writer, False), self._pipe(up_reader, writer, True),
-                                 return_exceptions=True)
+            await asyncio.gather(
+                self._pipe(reader, up_writer, False),
+                self._pipe(up_reader, writer, True),
+                return_exceptions=True,
+            )
         except asyncio.CancelledError:
             pass  # stop()
         finally:
@@ -406,7 +471,9 @@ class TcpProxy:
                 self._open.discard(w)
                 w.transport.abort()
 
-    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, downstream: bool) -> None:
+    async def _pipe(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, downstream: bool
+    ) -> None:
         chunks: asyncio.Queue = asyncio.Queue()
 
         async def send():
@@ -421,7 +488,7 @@ class TcpProxy:
                     piece = max(1, int(self.bandwidth * 0.02))
                     for i in range(0, len(data), piece):
                         await asyncio.sleep(min(piece, len(data) - i) / self.bandwidth)
-                        dst.write(data[i:i + piece])
+                        dst.write(data[i : i + piece])
                         await dst.drain()
                 else:
                     dst.write(data)
@@ -446,6 +513,7 @@ class TcpProxy:
 
     def drop(self) -> int:
         """Reset every open connection now; how many."""
+
         async def reset():
             n = len(self._open)
             for w in list(self._open):
@@ -493,8 +561,11 @@ def tmpfs(path: Path, size: str):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs (a small, really full disk) needs root")
     path.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs on {path}: {r.stderr.strip() or r.returncode}")
     try:
@@ -542,14 +613,23 @@ def can_drop_dac() -> str | None:
     """None if a child can run as root without CAP_DAC_OVERRIDE / CAP_DAC_READ_SEARCH (so file
     permissions apply to it); else why not."""
     if os.geteuid() != 0:
-        return "not root: the server would run as this user, whose files chmod cannot lock it out of"
+        return (
+            "not root: the server would run as this user, whose files chmod cannot lock it out of"
+        )
     probe = subprocess.run(["setpriv", *NO_DAC, "true"], capture_output=True, text=True)
-    return None if probe.returncode == 0 else f"setpriv cannot drop capabilities: {probe.stderr.strip()}"
+    return (
+        None
+        if probe.returncode == 0
+        else f"setpriv cannot drop capabilities: {probe.stderr.strip()}"
+    )
 
 
 # Root keeps its uid (so every file the test made stays its own) but loses the two capabilities
 # that bypass file permissions: a chmod 000 file or folder is then really unreadable to it.
-NO_DAC = ["--bounding-set=-dac_override,-dac_read_search", "--inh-caps=-dac_override,-dac_read_search"]
+NO_DAC = [
+    "--bounding-set=-dac_override,-dac_read_search",
+    "--inh-caps=-dac_override,-dac_read_search",
+]
 
 
 class PrefixedServer(ServerProcess):
@@ -564,15 +644,30 @@ class PrefixedServer(ServerProcess):
 
         config_path = Path(self._tmp.name) / "config.yaml"
         config_path.write_text(yaml.safe_dump(self.config))
-        cmd = [*self.prefix, sys.executable, "-m", "kvfuse.cli", "serve", "--port", str(self.port), "--home",
-               str(self.home), "--config", str(config_path), *self.args]
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "kvfuse.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--home",
+            str(self.home),
+            "--config",
+            str(config_path),
+            *self.args,
+        ]
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **(self.env or {})})
+            self.proc = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(self.env or {})}
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvfuse serve exited with status {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"kvfuse serve exited with status {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return self
@@ -580,7 +675,9 @@ class PrefixedServer(ServerProcess):
                 pass
             time.sleep(0.2)
         self.kill()
-        raise RuntimeError(f"kvfuse serve did not answer /health within {timeout:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(
+            f"kvfuse serve did not answer /health within {timeout:.0f} s:\n{self.log_tail()}"
+        )
 
 
 # ---------------------------------------------------------------------------------- figures
@@ -595,7 +692,9 @@ def record(test: str, **figures) -> None:
             f.write(line + "\n")
 
 
-def chain_paths(model, job: Job, chunk_size: int, root: Path, salt: str = "", tenant: str = "") -> list[Path]:
+def chain_paths(
+    model, job: Job, chunk_size: int, root: Path, salt: str = "", tenant: str = ""
+) -> list[Path]:
     """Where the disk tier under ``root`` keeps ``job``'s prefix chunks, first chunk first (the
     server's namespace: same model, KV dtype and layout; the request's ``cache_salt``). The first
     chunk of a chain is the one every later request of that prompt reads first."""
@@ -607,7 +706,9 @@ def chain_paths(model, job: Job, chunk_size: int, root: Path, salt: str = "", te
     engine = chat_engine(model)
     ids, _ = engine.prompts.encode_chat(job.body())
     keys = prefix_keys(ids, chunk_size, engine.namespace(tenant, salt))
-    return [Path(DiskTier._path(SimpleNamespace(root=root), k)) for k in keys]  # the tier's own layout rule
+    return [
+        Path(DiskTier._path(SimpleNamespace(root=root), k)) for k in keys
+    ]  # the tier's own layout rule
 
 
 def entry_ok(path: Path) -> bool | None:

@@ -16,9 +16,9 @@ import threading
 from dataclasses import dataclass, field
 
 import xxhash
+from kvfuse_helpers import greedy_reference  # noqa: F401  (the references of the reliability tests)
 
 from kvfuse.kv.digests import SHA256, layer_digest
-from kvfuse_helpers import greedy_reference  # noqa: F401  (the references of the reliability tests)
 
 NEAR_TIE = 1e-3
 
@@ -36,7 +36,7 @@ def first_difference(got: list[int], ref: list[int]) -> int | None:
 
 
 def near_tie_verdict(got: list[int], ref: list[int], gaps: list[float]) -> str:
-    """"same", "near_tie" (differs first where the reference's top-2 gap < NEAR_TIE) or "wrong"."""
+    """ "same", "near_tie" (differs first where the reference's top-2 gap < NEAR_TIE) or "wrong"."""
     i = first_difference(got, ref)
     if i is None:
         return "same"
@@ -50,8 +50,11 @@ VERSION, HEADER_LEN, CODEC_ID, CODEC_LEVEL, FLAGS = 4, 6, 10, 12, 15
 FIXED = 50
 
 
-def reseal(blob: bytes | bytearray | memoryview, fields: dict[int, tuple[str, int]] = (),
-           layer_edits: dict[tuple[int, int], int] = ()) -> bytes:
+def reseal(
+    blob: bytes | bytearray | memoryview,
+    fields: dict[int, tuple[str, int]] = (),
+    layer_edits: dict[tuple[int, int], int] = (),
+) -> bytes:
     """``blob`` with fixed-header fields changed (``{offset: (struct format, value)}``) and payload
     bytes changed (``{(layer, offset in the layer): byte}``), every checksum recomputed (each
     edited layer's in the layer table, and in a signed entry its digest, then the header's): a
@@ -72,7 +75,9 @@ def reseal(blob: bytes | bytearray | memoryview, fields: dict[int, tuple[str, in
     for layer in {layer for layer, _ in layer_edits}:
         data = bytes(b[starts[layer] : starts[layer] + sizes[layer]])
         if flags & 8:  # a digest id: no xxh3 in the table, the digest alone checks the payload
-            struct.pack_into("32s", b, table + 16 * L + 1 + 32 * layer, layer_digest(data, b[table + 16 * L]))
+            struct.pack_into(
+                "32s", b, table + 16 * L + 1 + 32 * layer, layer_digest(data, b[table + 16 * L])
+            )
         else:
             struct.pack_into("<Q", b, table + 16 * layer + 8, xxhash.xxh3_64_intdigest(data))
             if flags & 4:  # signed before digest ids: SHA-256
@@ -89,8 +94,18 @@ def relabel(blob, key) -> bytes:
     from kvfuse.kv.format import Entry, open_entry
 
     e = open_entry(bytearray(blob))
-    return bytes(Entry(str(key), e.codec, e.shape, e.dtype, e.positions, e.payload, e.layer_sizes,
-                       token_ids=e.token_ids).join())
+    return bytes(
+        Entry(
+            str(key),
+            e.codec,
+            e.shape,
+            e.dtype,
+            e.positions,
+            e.payload,
+            e.layer_sizes,
+            token_ids=e.token_ids,
+        ).join()
+    )
 
 
 # ------------------------------------------------------------------------------ processes
@@ -137,7 +152,8 @@ class Tally:
     def error(self, what: str, status: int | None) -> None:
         with self.lock:
             (self.status_5xx if status is not None and status >= 500 else self.other_errors).append(
-                f"{what}: status {status}")
+                f"{what}: status {status}"
+            )
 
     @property
     def total(self) -> int:

@@ -27,16 +27,42 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-from faults import (NO_DAC, Load, PrefixedServer, Reference, can_drop_dac, chain_paths, chat_engine, check_outcomes,
-                    client_of, entry_files, entry_ok, flip_bit, hits_again, idle, jobs, kv_stats, metrics, record,
-                    remount, run_all, temp_files, tier, tmpfs, truncate, used_bytes, wait_until, warm_up)
+from faults import (
+    NO_DAC,
+    Load,
+    PrefixedServer,
+    Reference,
+    can_drop_dac,
+    chain_paths,
+    chat_engine,
+    check_outcomes,
+    client_of,
+    entry_files,
+    entry_ok,
+    flip_bit,
+    hits_again,
+    idle,
+    jobs,
+    kv_stats,
+    metrics,
+    record,
+    remount,
+    run_all,
+    temp_files,
+    tier,
+    tmpfs,
+    truncate,
+    used_bytes,
+    wait_until,
+    warm_up,
+)
 from keyed import K
+from kvfuse_helpers import load_builtin, model_home
+
 from kvfuse.history.records import HistoryIndex
-from kvfuse_testkit import ServerProcess, ensure_model
 from kvfuse.tiers.disk import DiskTier
 from kvfuse.tiers.disk_files import stale_temp
-from kvfuse_helpers import load_builtin, model_home
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -54,13 +80,36 @@ class Shape:
     max_tokens: int
 
     def jobs(self, documents: int | None = None, paragraphs: int | None = None):
-        return jobs(documents or self.documents, 1, paragraphs or self.paragraphs, max_tokens=self.max_tokens)
+        return jobs(
+            documents or self.documents,
+            1,
+            paragraphs or self.paragraphs,
+            max_tokens=self.max_tokens,
+        )
 
 
-FAST = Shape(documents=5, paragraphs=1, chunk_size=64, threads=3, cycles=1, per_phase=3, full_disk="3m",
-             capacity="12MiB", max_tokens=4)
-SLOW = Shape(documents=6, paragraphs=5, chunk_size=256, threads=4, cycles=3, per_phase=6, full_disk="20m",
-             capacity="64MiB", max_tokens=8)
+FAST = Shape(
+    documents=5,
+    paragraphs=1,
+    chunk_size=64,
+    threads=3,
+    cycles=1,
+    per_phase=3,
+    full_disk="3m",
+    capacity="12MiB",
+    max_tokens=4,
+)
+SLOW = Shape(
+    documents=6,
+    paragraphs=5,
+    chunk_size=256,
+    threads=4,
+    cycles=3,
+    per_phase=6,
+    full_disk="20m",
+    capacity="64MiB",
+    max_tokens=8,
+)
 SHAPES = [pytest.param(FAST, id="fast"), pytest.param(SLOW, id="slow", marks=pytest.mark.slow)]
 
 
@@ -71,22 +120,34 @@ def model():
 
 
 def config(disk: Path, shape: Shape, **cache) -> dict:
-    return {"model": "smollm2", "cache": {"disk_path": str(disk), "memory_bytes": "1MiB",
-                                          "chunk_size": shape.chunk_size, **cache}}
+    return {
+        "model": "smollm2",
+        "cache": {
+            "disk_path": str(disk),
+            "memory_bytes": "1MiB",
+            "chunk_size": shape.chunk_size,
+            **cache,
+        },
+    }
 
 
 def serve(disk: Path, shape: Shape, cls=ServerProcess, **cache) -> ServerProcess:
     """A server on ``disk``; its log is kept beside the folder (``server-<n>.log``) for a failure."""
     n = len(list(disk.parent.glob("server-*.log")))
-    return cls(model_home(), config=config(disk, shape, **cache), log_path=disk.parent / f"server-{n}.log").start()
+    return cls(
+        model_home(), config=config(disk, shape, **cache), log_path=disk.parent / f"server-{n}.log"
+    ).start()
 
 
 def disk_counts(srv: ServerProcess) -> dict:
     s = kv_stats(srv)
     m = metrics(srv)
-    return {**s["tiers"]["disk"], "unusable": s["tiers"]["store"]["unusable_entries"],
-            "errors_in_metrics": m['kvfuse_tier_errors_total{tier="disk"}'],
-            "unusable_in_metrics": m["kvfuse_store_unusable_entries_total"]}
+    return {
+        **s["tiers"]["disk"],
+        "unusable": s["tiers"]["store"]["unusable_entries"],
+        "errors_in_metrics": m['kvfuse_tier_errors_total{tier="disk"}'],
+        "unusable_in_metrics": m["kvfuse_store_unusable_entries_total"],
+    }
 
 
 def delta(after: dict, before: dict, *names: str) -> dict:
@@ -115,7 +176,9 @@ def test_stale_temp_names():
     assert not stale_temp(f".{dead}.xyz.tmp", now, now, 600)  # not a name the writers make
 
 
-def test_an_unreadable_fan_out_folder_is_skipped_at_start_up_and_when_clearing(tmp_path, monkeypatch):
+def test_an_unreadable_fan_out_folder_is_skipped_at_start_up_and_when_clearing(
+    tmp_path, monkeypatch
+):
     """The fix for what test_folders_and_files_the_server_may_not_read found (a server that did
     not start, and a DELETE /v1/kv that stopped at the first unreadable folder): here the EACCES is
     injected (this process is root); the server test produces it for real."""
@@ -159,10 +222,13 @@ def test_history_record_temp_files_of_dead_writers_are_removed_at_start_up(tmp_p
     again = HistoryIndex(path=tmp_path)
     assert len(again) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [written[0], f".{os.getpid()}.{'b' * 24}.tmp", young.name])
+        [written[0], f".{os.getpid()}.{'b' * 24}.tmp", young.name]
+    )
 
 
-def test_a_damaged_chunk_under_a_stored_history_of_another_prompt_is_planned_around(model, tmp_path):
+def test_a_damaged_chunk_under_a_stored_history_of_another_prompt_is_planned_around(
+    model, tmp_path
+):
     """The fix (now ``Prefiller.fetch``) for the 500 the kill test found (a KeyError while a plan's
     loads were executed): prompt P's first chunk is held but torn; the best stored history for P is another prompt's
     (Q shares P's first ~26 tokens), whose first entry lines up with those slots. Covered by P's
@@ -189,8 +255,12 @@ def test_a_damaged_chunk_under_a_stored_history_of_another_prompt_is_planned_aro
         expected = Engine(model, None).generate(ids[p_job], params).token_ids
         result = engine.generate(ids[p_job], params)  # raised KeyError before the fix
         assert result.token_ids == expected
-        assert 0 < result.cached_tokens < 64 and result.hit_tiers == ("disk",)  # Q's entry, over the shared head
-        assert store.stats()["store"]["unusable_entries"] == 1 and entry_ok(first) is not False  # removed (or redone)
+        assert 0 < result.cached_tokens < 64 and result.hit_tiers == (
+            "disk",
+        )  # Q's entry, over the shared head
+        assert (
+            store.stats()["store"]["unusable_entries"] == 1 and entry_ok(first) is not False
+        )  # removed (or redone)
     finally:
         engine.close()
         without_history.close()
@@ -200,7 +270,9 @@ def test_a_damaged_chunk_under_a_stored_history_of_another_prompt_is_planned_aro
 def _namespace():
     from kvfuse.kv.keys import Namespace
 
-    return Namespace(tenant="", model_fingerprint="f" * 32, kv_dtype="float16", kv_layout="l", salt="")
+    return Namespace(
+        tenant="", model_fingerprint="f" * 32, kv_dtype="float16", kv_layout="l", salt=""
+    )
 
 
 # ------------------------------------------------------------------------ damaged entries
@@ -226,7 +298,9 @@ def test_entries_damaged_under_a_running_server(model, shape, tmp_path):
         client = client_of(srv)
         warm_up(srv, client, ref, job_list, shape.threads, "disk", check_hits=False)
         firsts = [chain_paths(model, job, shape.chunk_size, disk)[0] for job in job_list]
-        assert all(p.is_file() for p in firsts), "the first chunks are not where the disk tier keeps them"
+        assert all(p.is_file() for p in firsts), (
+            "the first chunks are not where the disk tier keeps them"
+        )
         figures = {"damaged": 0, "deleted": 0, "requests": 0, "unusable": 0, "errors": 0}
         for cycle in range(shape.cycles):
             before = disk_counts(srv)
@@ -246,8 +320,12 @@ def test_entries_damaged_under_a_running_server(model, shape, tmp_path):
             corrupt = [p for p, kind in damaged.items() if kind != "deleted"]
             for p, kind in damaged.items():  # none is left damaged: removed, or stored again intact
                 assert entry_ok(p) is not False, f"an entry {kind} is still on disk: {p}"
-            d = delta(after, before, "unusable", "errors", "errors_in_metrics", "unusable_in_metrics")
-            assert d["unusable"] >= len(corrupt), f"{len(corrupt)} damaged entries, {d['unusable']} counted unusable"
+            d = delta(
+                after, before, "unusable", "errors", "errors_in_metrics", "unusable_in_metrics"
+            )
+            assert d["unusable"] >= len(corrupt), (
+                f"{len(corrupt)} damaged entries, {d['unusable']} counted unusable"
+            )
             assert d["errors"] >= len(corrupt) and d["errors_in_metrics"] == d["errors"]
             assert d["unusable_in_metrics"] == d["unusable"]
             figures["damaged"] += len(corrupt)
@@ -256,8 +334,14 @@ def test_entries_damaged_under_a_running_server(model, shape, tmp_path):
             figures["unusable"] += d["unusable"]
             figures["errors"] += d["errors"]
         recovery = hits_again(srv, client, ref, job_list, "disk")
-        record(label("disk_damaged_entries", shape), wrong=0, near_ties=ref.near_ties, identical=ref.identical,
-               recovery_requests=recovery, **figures)
+        record(
+            label("disk_damaged_entries", shape),
+            wrong=0,
+            near_ties=ref.near_ties,
+            identical=ref.identical,
+            recovery_requests=recovery,
+            **figures,
+        )
     finally:
         srv.close()
 
@@ -294,15 +378,23 @@ def test_a_full_disk(model, shape, tmp_path):
             check_outcomes(ref, again)
             idle(srv)
             grown = disk_counts(srv)
-            assert grown["puts"] > after["puts"] and grown["errors"] == after["errors"], \
+            assert grown["puts"] > after["puts"] and grown["errors"] == after["errors"], (
                 f"writes still fail on a disk with room: {delta(grown, after, 'puts', 'errors')}"
+            )
             hits = run_all(client, job_list, shape.threads)
             check_outcomes(ref, hits)
             assert all(o.by_tier.get("disk") for o in hits), [o.by_tier for o in hits]
-            record(label("disk_full", shape), wrong=0, near_ties=ref.near_ties, identical=ref.identical,
-                   requests=len(outcomes) + len(again) + len(hits), errors=d["errors"],
-                   dropped_writes=d["dropped_writes"], puts_while_full=d["puts"],
-                   puts_after_growing=grown["puts"] - after["puts"])
+            record(
+                label("disk_full", shape),
+                wrong=0,
+                near_ties=ref.near_ties,
+                identical=ref.identical,
+                requests=len(outcomes) + len(again) + len(hits),
+                errors=d["errors"],
+                dropped_writes=d["dropped_writes"],
+                puts_while_full=d["puts"],
+                puts_after_growing=grown["puts"] - after["puts"],
+            )
         finally:
             srv.close()
 
@@ -332,7 +424,9 @@ def test_folders_and_files_the_server_may_not_read(model, tmp_path):
             if path.exists():  # a locked file may have been replaced or cleared since
                 path.chmod(mode)
 
-    srv = serve(disk, shape, cls=lambda *a, **kw: PrefixedServer(*a, prefix=["setpriv", *NO_DAC], **kw))
+    srv = serve(
+        disk, shape, cls=lambda *a, **kw: PrefixedServer(*a, prefix=["setpriv", *NO_DAC], **kw)
+    )
     try:
         client = client_of(srv)
         warm_up(srv, client, ref, job_list, shape.threads, "disk", check_hits=False)
@@ -351,11 +445,15 @@ def test_folders_and_files_the_server_may_not_read(model, tmp_path):
         after = disk_counts(srv)
         d = delta(after, before, "errors", "errors_in_metrics")
         assert d["errors"] > 0 and d["errors_in_metrics"] == d["errors"], f"EACCES not counted: {d}"
-        assert locked_dir.stat().st_mode & 0o777 == 0  # still locked: the server could not have worked around it
+        assert (
+            locked_dir.stat().st_mode & 0o777 == 0
+        )  # still locked: the server could not have worked around it
 
         # a restart with the folder still locked: the start-up scan must not stop the server
         srv.close()
-        srv = serve(disk, shape, cls=lambda *a, **kw: PrefixedServer(*a, prefix=["setpriv", *NO_DAC], **kw))
+        srv = serve(
+            disk, shape, cls=lambda *a, **kw: PrefixedServer(*a, prefix=["setpriv", *NO_DAC], **kw)
+        )
         client = client_of(srv)
         out = run_all(client, job_list, shape.threads)
         check_outcomes(ref, out)
@@ -366,16 +464,34 @@ def test_folders_and_files_the_server_may_not_read(model, tmp_path):
         assert r.status_code == 200, r.text
         unlock()
         left = entry_files(disk)
-        assert left and all(p.parent == locked_dir for p in left), \
+        assert left and all(p.parent == locked_dir for p in left), (
             f"DELETE /v1/kv left entries outside the locked folder: {[p for p in left if p.parent != locked_dir]}"
+        )
         # permissions back: the locked entries are served again
-        more = run_all(client, [job_list[job_list.index(j)] for j in job_list if any(
-            p.parent == locked_dir for p in chain_paths(model, j, shape.chunk_size, disk)[:1])], shape.threads)
+        more = run_all(
+            client,
+            [
+                job_list[job_list.index(j)]
+                for j in job_list
+                if any(
+                    p.parent == locked_dir
+                    for p in chain_paths(model, j, shape.chunk_size, disk)[:1]
+                )
+            ],
+            shape.threads,
+        )
         check_outcomes(ref, more)
         assert all(o.by_tier.get("disk") for o in more), [o.by_tier for o in more]
-        record("disk_permission_denied[fast]", wrong=0, near_ties=ref.near_ties, identical=ref.identical,
-               requests=len(outcomes) + len(out) + len(more), errors=d["errors"], locked_entries=1 + len(in_locked_dir),
-               restarts=1)
+        record(
+            "disk_permission_denied[fast]",
+            wrong=0,
+            near_ties=ref.near_ties,
+            identical=ref.identical,
+            requests=len(outcomes) + len(out) + len(more),
+            errors=d["errors"],
+            locked_entries=1 + len(in_locked_dir),
+            restarts=1,
+        )
     finally:
         unlock()
         srv.close()
@@ -395,18 +511,29 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
     capacity = shape.capacity
     cap_bytes = int(capacity[:-3]) * 1024**2
     srv = serve(disk, shape, disk_bytes=capacity, retention="1h")
-    figures = {"kills": 0, "requests": 0, "temp_files_left": 0, "unusable": 0, "reused_after_restart": 0}
+    figures = {
+        "kills": 0,
+        "requests": 0,
+        "temp_files_left": 0,
+        "unusable": 0,
+        "reused_after_restart": 0,
+    }
     try:
         client = client_of(srv)
         ref.cache_free(client, job_list, shape.threads)
         for cycle in range(shape.cycles):
-            salt = f"cycle-{cycle}"  # every chunk new: the server has writes to do when it is killed
+            salt = (
+                f"cycle-{cycle}"  # every chunk new: the server has writes to do when it is killed
+            )
             puts0 = tier(srv, "disk")["puts"]
 
             def writing():  # entries written, and more coming: saves queued, or requests running
                 s = kv_stats(srv)
-                busy = (s["tiers"]["store"]["queue_depth"] or s["engine"]["saver"]["pending"]
-                        or s["queue"]["running"])
+                busy = (
+                    s["tiers"]["store"]["queue_depth"]
+                    or s["engine"]["saver"]["pending"]
+                    or s["queue"]["running"]
+                )
                 return busy and s["tiers"]["disk"]["puts"] >= puts0 + 3
 
             with Load(client, job_list, shape.threads, cache_salt=salt) as load:
@@ -417,7 +544,9 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
                 killed = time.monotonic()
                 outcomes = load.stop()
             finished = [o for o in outcomes if o.started + o.latency_s < killed and o.error is None]
-            check_outcomes(ref, finished)  # those answered before the kill; the others lost their server
+            check_outcomes(
+                ref, finished
+            )  # those answered before the kill; the others lost their server
             figures["kills"] += 1
             figures["requests"] += len(finished)
             figures["temp_files_left"] += len(temp_files(disk))
@@ -426,14 +555,22 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
             sub = next(p for p in sorted(disk.iterdir()) if p.is_dir() and len(p.name) == 2)
             (sub / f".{pid}.{os.urandom(8).hex()}.tmp").write_bytes(os.urandom(100_000))
             (disk / "histories").mkdir(exist_ok=True)
-            (disk / "histories" / f".{pid}.{os.urandom(12).hex()}.tmp").write_bytes(b"partial")  # a record's
+            (disk / "histories" / f".{pid}.{os.urandom(12).hex()}.tmp").write_bytes(
+                b"partial"
+            )  # a record's
             with open(disk / "expiry.log", "ab") as f:
                 f.write(b"torn line without its newl")
-            present = [(job, p) for job in job_list for p in chain_paths(model, job, shape.chunk_size, disk, salt)[:1]
-                       if p.exists()]
+            present = [
+                (job, p)
+                for job in job_list
+                for p in chain_paths(model, job, shape.chunk_size, disk, salt)[:1]
+                if p.exists()
+            ]
             assert present, "the killed server had written no first chunk"
             torn = present[0][1]
-            truncate(torn, torn.stat().st_size // 2)  # as if the rename had reached the disk, not the data
+            truncate(
+                torn, torn.stat().st_size // 2
+            )  # as if the rename had reached the disk, not the data
             srv.close()
 
             srv = serve(disk, shape, disk_bytes=capacity, retention="1h")
@@ -441,27 +578,44 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
             assert temp_files(disk) == [], f"temp files left after the restart: {temp_files(disk)}"
             start = kv_stats(srv)["tiers"]["disk"]
             on_disk = sum(p.stat().st_size for p in entry_files(disk))
-            assert start["used_bytes"] == on_disk <= cap_bytes, (start["used_bytes"], on_disk, cap_bytes)
-            assert b"torn line" not in (disk / "expiry.log").read_bytes(), "the journal was not compacted"
+            assert start["used_bytes"] == on_disk <= cap_bytes, (
+                start["used_bytes"],
+                on_disk,
+                cap_bytes,
+            )
+            assert b"torn line" not in (disk / "expiry.log").read_bytes(), (
+                "the journal was not compacted"
+            )
             before = disk_counts(srv)
             # Asked first, one by one: every request writes new chunks, which evict the oldest ones.
             intact = [job for job, p in present[1:] if p.exists()][:1]  # (not evicted at start-up)
             first = intact + [job for job, p in present if p == torn]
             again = [o for job in first for o in run_all(client, [job], 1, cache_salt=salt)]
-            again += run_all(client, [j for j in job_list if j not in first], shape.threads, cache_salt=salt)
+            again += run_all(
+                client, [j for j in job_list if j not in first], shape.threads, cache_salt=salt
+            )
             check_outcomes(ref, again)
             idle(srv)
             after = disk_counts(srv)
             assert after["unusable"] - before["unusable"] >= 1, "the torn entry was not counted"
             assert entry_ok(torn) is not False, "the torn entry is still on disk"
             reused = [o for o in again if o.by_tier.get("disk")]
-            assert not intact or intact[0] in [o.job for o in reused], "entries written before the kill not reused"
+            assert not intact or intact[0] in [o.job for o in reused], (
+                "entries written before the kill not reused"
+            )
             figures["unusable"] += after["unusable"] - before["unusable"]
             figures["requests"] += len(again)
             figures["reused_after_restart"] += len(reused)
             end = tier(srv, "disk")
-            assert end["used_bytes"] <= cap_bytes and used_bytes(disk) <= cap_bytes + 1024**2  # + journal, records
-        record(label("disk_killed_mid_write", shape), wrong=0, near_ties=ref.near_ties, identical=ref.identical,
-               **figures)
+            assert (
+                end["used_bytes"] <= cap_bytes and used_bytes(disk) <= cap_bytes + 1024**2
+            )  # + journal, records
+        record(
+            label("disk_killed_mid_write", shape),
+            wrong=0,
+            near_ties=ref.near_ties,
+            identical=ref.identical,
+            **figures,
+        )
     finally:
         srv.close()

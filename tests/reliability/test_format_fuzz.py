@@ -50,17 +50,36 @@ from hypothesis import strategies as st
 from kvfuse.codecs import get_codec
 from kvfuse.codecs.base import CodecError
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import (MAGIC, Entry, EntrySpec, FormatError, encode_entry, header_length, open_entry,
-                              parse_header, read_entry, read_header)
-from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.kv.digests import BLAKE3, SHA256
+from kvfuse.kv.format import (
+    MAGIC,
+    Entry,
+    EntrySpec,
+    FormatError,
+    encode_entry,
+    header_length,
+    open_entry,
+    parse_header,
+    read_entry,
+    read_header,
+)
+from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.kv.signing import EntrySigner
 
 HARD_LIMIT_S = 20.0  # one call; the watchdog kills the process at 3x this (a hang in native code)
-FAST = settings(max_examples=300, deadline=timedelta(seconds=5), derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SLOW = settings(max_examples=int(os.environ.get("KVFUSE_FUZZ_EXAMPLES", "10000")), deadline=timedelta(seconds=5), database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+FAST = settings(
+    max_examples=300,
+    deadline=timedelta(seconds=5),
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+SLOW = settings(
+    max_examples=int(os.environ.get("KVFUSE_FUZZ_EXAMPLES", "10000")),
+    deadline=timedelta(seconds=5),
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 # ------------------------------------------------------------------------------ time limit
@@ -115,11 +134,23 @@ class Base:
     signed: bool = False
 
 
-def _base(codec: str, level: int, dtype: torch.dtype, layers: int, tokens: int, contiguous: bool, with_ids: bool,
-          seed: int, signed: bool = False, algorithm: int = BLAKE3) -> Base:
+def _base(
+    codec: str,
+    level: int,
+    dtype: torch.dtype,
+    layers: int,
+    tokens: int,
+    contiguous: bool,
+    with_ids: bool,
+    seed: int,
+    signed: bool = False,
+    algorithm: int = BLAKE3,
+) -> Base:
     g = torch.Generator().manual_seed(seed)
     kv = (torch.randn((layers, 2, tokens, 2, 8), generator=g) * 3).to(dtype)
-    positions = (torch.arange(7, 7 + tokens) if contiguous else torch.randperm(tokens, generator=g) * 3).to(torch.int64)
+    positions = (
+        torch.arange(7, 7 + tokens) if contiguous else torch.randperm(tokens, generator=g) * 3
+    ).to(torch.int64)
     ids = torch.randint(0, 50000, (tokens,), generator=g) if with_ids else None
     key = str(prefix_keys(list(range(max(tokens, 1))), max(tokens, 1), NS)[0])
     entry = encode_entry(KVChunk(kv, positions, ids), key, get_codec(codec, level))
@@ -131,10 +162,19 @@ def _base(codec: str, level: int, dtype: torch.dtype, layers: int, tokens: int, 
     for size in h.layer_sizes:
         starts.append(off)
         off += size
-    spec = EntrySpec(dtype, layers, 2, 8, tokens=tokens, first_position=7 if contiguous else None,
-                     token_ids=tuple(ids.tolist()) if with_ids else None)
+    spec = EntrySpec(
+        dtype,
+        layers,
+        2,
+        8,
+        tokens=tokens,
+        first_position=7 if contiguous else None,
+        token_ids=tuple(ids.tolist()) if with_ids else None,
+    )
     decoded = open_entry(bytearray(blob)).decode().clone()
-    return Base(blob, key, spec, decoded, table, tuple(starts), tuple(h.layer_sizes), h.header_len, signed)
+    return Base(
+        blob, key, spec, decoded, table, tuple(starts), tuple(h.layer_sizes), h.header_len, signed
+    )
 
 
 BASES = [
@@ -160,8 +200,23 @@ BASES = [
 ]
 
 # Fixed-header fields ("<4sHIHHBB5IIHQ"): (offset, struct format).
-FIELDS = [(0, "<I"), (4, "<H"), (6, "<I"), (10, "<H"), (12, "<H"), (14, "<B"), (15, "<B"), (16, "<I"), (20, "<I"),
-          (24, "<I"), (28, "<I"), (32, "<I"), (36, "<I"), (40, "<H"), (42, "<Q")]
+FIELDS = [
+    (0, "<I"),
+    (4, "<H"),
+    (6, "<I"),
+    (10, "<H"),
+    (12, "<H"),
+    (14, "<B"),
+    (15, "<B"),
+    (16, "<I"),
+    (20, "<I"),
+    (24, "<I"),
+    (28, "<I"),
+    (32, "<I"),
+    (36, "<I"),
+    (40, "<H"),
+    (42, "<Q"),
+]
 _MASK = {"<B": 0xFF, "<H": 0xFFFF, "<I": 0xFFFFFFFF, "<Q": 0xFFFFFFFFFFFFFFFF}
 
 
@@ -206,21 +261,37 @@ def mutate(base: Base, ops) -> tuple[bytes, bool]:
             # tokens and positions together (they must agree), the header length made to match:
             # what gets past the consistency checks to whatever is sized by the token count
             _, _, flags = struct.unpack_from("<HBB", b, 12)
-            layers, tokens, key_len = struct.unpack_from("<I", b, 16)[0], op[1] & _MASK["<I"], struct.unpack_from(
-                "<H", b, 40)[0]
+            layers, tokens, key_len = (
+                struct.unpack_from("<I", b, 16)[0],
+                op[1] & _MASK["<I"],
+                struct.unpack_from("<H", b, 40)[0],
+            )
             struct.pack_into("<I", b, 24, tokens)
             struct.pack_into("<I", b, 36, tokens)
-            unpadded = 50 + key_len + (8 if flags & 1 else 8 * tokens) + (4 * tokens if flags & 2 else 0) \
-                + 16 * layers + 8
+            unpadded = (
+                50
+                + key_len
+                + (8 if flags & 1 else 8 * tokens)
+                + (4 * tokens if flags & 2 else 0)
+                + 16 * layers
+                + 8
+            )
             struct.pack_into("<I", b, 6, min(-(-unpadded // 64) * 64, _MASK["<I"]))
             _reseal_header(b)
             resealed = True
         elif kind == "table" and base.layer_sizes and n >= base.header_len:
             layer = op[1] % len(base.layer_sizes)
-            struct.pack_into("<Q", b, base.table + 16 * layer + 8 * (op[2] & 1), op[3] & _MASK["<Q"])
+            struct.pack_into(
+                "<Q", b, base.table + 16 * layer + 8 * (op[2] & 1), op[3] & _MASK["<Q"]
+            )
             _reseal_header(b)
             resealed = True
-        elif kind == "layer" and base.layer_sizes and len(b) == len(base.blob) and sum(base.layer_sizes):
+        elif (
+            kind == "layer"
+            and base.layer_sizes
+            and len(b) == len(base.blob)
+            and sum(base.layer_sizes)
+        ):
             sized = [i for i, s in enumerate(base.layer_sizes) if s]
             layer = sized[op[1] % len(sized)]
             start, size = base.layer_starts[layer], base.layer_sizes[layer]
@@ -233,7 +304,11 @@ def mutate(base: Base, ops) -> tuple[bytes, bool]:
 
 
 _POS = st.integers(0, 2**31)
-_VALUE = st.one_of(st.integers(0, 8), st.integers(0, 2**64 - 1), st.sampled_from([2**16 - 1, 2**32 - 1, 2**32, 2**63]))
+_VALUE = st.one_of(
+    st.integers(0, 8),
+    st.integers(0, 2**64 - 1),
+    st.sampled_from([2**16 - 1, 2**32 - 1, 2**32, 2**63]),
+)
 OPS = st.lists(
     st.one_of(
         st.tuples(st.just("flip"), _POS, st.integers(0, 7)),
@@ -246,13 +321,16 @@ OPS = st.lists(
         st.tuples(st.just("table"), _POS, st.integers(0, 1), _VALUE),
         st.tuples(st.just("layer"), _POS, _POS, st.integers(0, 255)),
     ),
-    min_size=1, max_size=4,
+    min_size=1,
+    max_size=4,
 )
 MUTATED = st.tuples(st.sampled_from(range(len(BASES))), OPS)
 RANDOM = st.one_of(
     st.binary(max_size=600),
     st.binary(max_size=600).map(lambda b: MAGIC + b),
-    st.tuples(st.integers(0, 8), st.binary(max_size=600)).map(lambda t: MAGIC + struct.pack("<H", t[0]) + t[1]),
+    st.tuples(st.integers(0, 8), st.binary(max_size=600)).map(
+        lambda t: MAGIC + struct.pack("<H", t[0]) + t[1]
+    ),
 )
 
 
@@ -260,19 +338,43 @@ RANDOM = st.one_of(
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 def check_accepted(entry: Entry) -> None:
     """An accepted entry is self-consistent: its fields survive re-serialization, and it decodes to
     its declared shape and dtype or raises FormatError."""
-    rebuilt = Entry(entry.key, entry.codec, entry.shape, entry.dtype, entry.positions, entry.payload,
-                    entry.layer_sizes, token_ids=entry.token_ids)
+    rebuilt = Entry(
+        entry.key,
+        entry.codec,
+        entry.shape,
+        entry.dtype,
+        entry.positions,
+        entry.payload,
+        entry.layer_sizes,
+        token_ids=entry.token_ids,
+    )
     again, err = attempt(open_entry, FormatError, rebuilt.join())
     assert err is None, f"an accepted entry does not survive re-serialization: {err}"
-    assert (again.key, again.codec.codec_id, again.codec.level, again.shape, again.dtype, again.layer_sizes) == (
-        entry.key, entry.codec.codec_id, entry.codec.level, entry.shape, entry.dtype, entry.layer_sizes)
+    assert (
+        again.key,
+        again.codec.codec_id,
+        again.codec.level,
+        again.shape,
+        again.dtype,
+        again.layer_sizes,
+    ) == (
+        entry.key,
+        entry.codec.codec_id,
+        entry.codec.level,
+        entry.shape,
+        entry.dtype,
+        entry.layer_sizes,
+    )
     assert torch.equal(again.positions, entry.positions)
     assert (again.token_ids is None) == (entry.token_ids is None)
     assert entry.token_ids is None or torch.equal(again.token_ids, entry.token_ids)
@@ -321,13 +423,19 @@ def check_signed(blob: bytes, base: Base | None) -> None:
     """With the signer, nothing but the original signed entry is accepted (see the module docstring)."""
     original = base is not None and base.signed and blob == base.blob
     for kw in ({}, {"expected_key": base.key, "spec": base.spec} if base is not None else {}):
-        for read in (lambda: open_entry(bytearray(blob), signer=SIGNER, **kw), lambda: _streamed(blob, signer=SIGNER,
-                                                                                                 **kw)):
+        for read in (
+            lambda: open_entry(bytearray(blob), signer=SIGNER, **kw),
+            lambda: _streamed(blob, signer=SIGNER, **kw),
+        ):
             entry, err = attempt(read, FormatError)
-            assert (err is None) == original, f"signed read: {'accepted a changed entry' if err is None else err}"
+            assert (err is None) == original, (
+                f"signed read: {'accepted a changed entry' if err is None else err}"
+            )
             if original:
                 assert same_bits(entry.decode(), base.kv)
-    same_header = base is not None and base.signed and blob[: base.header_len] == base.blob[: base.header_len]
+    same_header = (
+        base is not None and base.signed and blob[: base.header_len] == base.blob[: base.header_len]
+    )
     h, err = attempt(parse_header, FormatError, blob, SIGNER)
     assert err is None or not original
     assert err is not None or same_header, "a changed header was accepted as signed"
@@ -361,7 +469,9 @@ class CodecBase:
     kv: torch.Tensor
 
 
-def _codec_base(name: str, level: int, dtype: torch.dtype, layers: int, tokens: int, seed: int) -> CodecBase:
+def _codec_base(
+    name: str, level: int, dtype: torch.dtype, layers: int, tokens: int, seed: int
+) -> CodecBase:
     g = torch.Generator().manual_seed(seed)
     kv = (torch.randn((layers, 2, tokens, 2, 8), generator=g) * 2).to(dtype)
     codec = get_codec(name, level)
@@ -384,12 +494,15 @@ CODEC_BASES = [
 
 CODEC_CASES = st.tuples(
     st.sampled_from(range(len(CODEC_BASES))),
-    st.lists(st.one_of(
-        st.tuples(st.just("flip"), _POS, st.integers(0, 7)),
-        st.tuples(st.just("truncate"), _POS),
-        st.tuples(st.just("insert"), _POS, st.binary(min_size=1, max_size=16)),
-        st.tuples(st.just("overwrite"), _POS, st.binary(min_size=1, max_size=8)),
-    ), max_size=3),
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("flip"), _POS, st.integers(0, 7)),
+            st.tuples(st.just("truncate"), _POS),
+            st.tuples(st.just("insert"), _POS, st.binary(min_size=1, max_size=16)),
+            st.tuples(st.just("overwrite"), _POS, st.binary(min_size=1, max_size=8)),
+        ),
+        max_size=3,
+    ),
     st.one_of(st.none(), st.binary(max_size=400)),  # random bytes instead of the payload
     st.sampled_from(["same", "whole", "split"]),  # the layer sizes the caller says
 )
@@ -417,18 +530,21 @@ def check_codec(case) -> None:
     else:
         sizes = [n // 2, n - n // 2] if sizing == "split" else [n]
     unchanged = bytes(data) == base.payload and tuple(sizes) == base.sizes
-    out, err = attempt(base.codec.decode, CodecError, memoryview(data), sizes, base.shape, base.dtype)
+    out, err = attempt(
+        base.codec.decode, CodecError, memoryview(data), sizes, base.shape, base.dtype
+    )
     if err is not None:
         assert not unchanged, f"{base.codec.name} rejected its own payload: {err}"
         return
     assert tuple(out.shape) == (len(sizes), *base.shape) and out.dtype == base.dtype
     if unchanged or base.codec.name == "cachegen":
-        assert same_bits(out, base.kv), \
-            f"{base.codec.name} decoded damaged bytes to other values"
+        assert same_bits(out, base.kv), f"{base.codec.name} decoded damaged bytes to other values"
     if base.codec.name == "int8":
         assert torch.isfinite(out).all(), "int8 decoded to inf or NaN"
     if len(sizes) == 1:
-        one, err = attempt(base.codec.decode_layer, CodecError, memoryview(data), base.shape, base.dtype)
+        one, err = attempt(
+            base.codec.decode_layer, CodecError, memoryview(data), base.shape, base.dtype
+        )
         assert err is not None or (tuple(one.shape) == base.shape and one.dtype == base.dtype)
 
 

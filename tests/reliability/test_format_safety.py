@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvfuse_helpers import SENTENCES, load_builtin, long_text
+from load import CODEC_ID, CODEC_LEVEL, VERSION, greedy_reference, near_tie_verdict, relabel, reseal
 
 from kvfuse.codecs import get_codec
 from kvfuse.config import BlendOptions, EngineSettings
@@ -25,8 +27,6 @@ from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import FORMAT_VERSION, Entry, EntrySpec, FormatError, open_entry, read_header
 from kvfuse.kv.keys import Namespace, document_key, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
-from kvfuse_helpers import SENTENCES, load_builtin, long_text
-from load import CODEC_ID, CODEC_LEVEL, VERSION, greedy_reference, near_tie_verdict, relabel, reseal
 
 # Documents blend at a fixed budget: smollm2's calibrated ``auto`` reuses them only as a prefix.
 BLEND = BlendOptions(recompute_ratio=0.15)
@@ -43,7 +43,10 @@ def smollm2():
     return load_builtin("smollm2")
 
 
-@pytest.fixture(scope="module", params=[pytest.param(32, id="ch32"), pytest.param(256, id="ch256", marks=pytest.mark.slow)])
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(32, id="ch32"), pytest.param(256, id="ch256", marks=pytest.mark.slow)],
+)
 def CH(request) -> int:
     """The chunk size of every engine of a test."""
     return request.param
@@ -74,9 +77,14 @@ class Rig:
         self.model, self.chunk_size = model, chunk_size
         self.disk = DiskTier(tmp_path / "kv", 1 << 30)
         self.redis = RedisTier(redis_url, timeout_s=2.0)
-        self.store = TieredStore(MemoryTier(1), [self.disk, self.redis],
-                                 codecs={k: get_codec(*v) for k, v in codecs.items()})
-        settings = EngineSettings.of(chunk_size=chunk_size, history=False, prefetch=False, blend=BLEND)
+        self.store = TieredStore(
+            MemoryTier(1),
+            [self.disk, self.redis],
+            codecs={k: get_codec(*v) for k, v in codecs.items()},
+        )
+        settings = EngineSettings.of(
+            chunk_size=chunk_size, history=False, prefetch=False, blend=BLEND
+        )
         self.engine = Engine(model, self.store, settings)  # chunks only
 
     def tier(self, name: str):
@@ -91,7 +99,9 @@ class Rig:
         assert bytes(self.tier(name).get(key)) == blob
 
     def counters(self) -> tuple[int, int]:
-        return self.store.stats()["store"]["unusable_entries"], self.engine.stats.chunk_load_failures
+        return self.store.stats()["store"][
+            "unusable_entries"
+        ], self.engine.stats.chunk_load_failures
 
     def close(self) -> None:
         self.engine.close()
@@ -135,8 +145,9 @@ def run_and_check(rig: Rig, ids: list[int], ref, expect_cached: int, rejected: i
 
 
 @pytest.mark.parametrize("tier", TIERS)
-def test_an_entry_relabelled_with_another_chunks_key_is_rejected_by_its_token_ids(rig, prompts, references, tier,
-                                                                                  CH):
+def test_an_entry_relabelled_with_another_chunks_key_is_rejected_by_its_token_ids(
+    rig, prompts, references, tier, CH
+):
     p, q = prompts["p"], prompts["q"]
     good = stored(rig, p)
     kp, kq = keys_of(rig.engine, p), keys_of(rig.engine, q)
@@ -144,10 +155,20 @@ def test_an_entry_relabelled_with_another_chunks_key_is_rejected_by_its_token_id
 
     forged = relabel(good[1], kq[1])  # p's chunk 1 (positions 256..511) claiming to be q's
     c = rig.model.runner.config
-    spec = EntrySpec(torch.float16, c.num_layers, c.num_kv_heads, c.head_dim, tokens=CH, first_position=CH)
-    open_entry(bytearray(forged), kq[1], spec)  # key, dtype, shape, positions, checksums: all as q expects ...
-    with pytest.raises(FormatError, match="other token ids"):  # ... only the token ids tell it apart
-        open_entry(bytearray(forged), kq[1], EntrySpec(**{**spec.__dict__, "token_ids": tuple(q[CH : 2 * CH])}))
+    spec = EntrySpec(
+        torch.float16, c.num_layers, c.num_kv_heads, c.head_dim, tokens=CH, first_position=CH
+    )
+    open_entry(
+        bytearray(forged), kq[1], spec
+    )  # key, dtype, shape, positions, checksums: all as q expects ...
+    with pytest.raises(
+        FormatError, match="other token ids"
+    ):  # ... only the token ids tell it apart
+        open_entry(
+            bytearray(forged),
+            kq[1],
+            EntrySpec(**{**spec.__dict__, "token_ids": tuple(q[CH : 2 * CH])}),
+        )
 
     rig.plant(tier, kq[1], forged)
     run_and_check(rig, q, references["q"], expect_cached=CH)  # chunk 0 reused, the forgery computed
@@ -159,8 +180,9 @@ def test_an_entry_relabelled_with_another_chunks_key_is_rejected_by_its_token_id
 
 
 @pytest.mark.parametrize("tier", [pytest.param("disk", marks=pytest.mark.slow), "redis"])
-def test_an_entry_copied_under_another_chunks_key_is_rejected_by_the_key_it_holds(rig, prompts, references, tier,
-                                                                                 CH):
+def test_an_entry_copied_under_another_chunks_key_is_rejected_by_the_key_it_holds(
+    rig, prompts, references, tier, CH
+):
     p, q = prompts["p"], prompts["q"]
     good = stored(rig, p)
     kq = keys_of(rig.engine, q)
@@ -180,9 +202,14 @@ def test_a_document_relabelled_as_another_document_of_the_same_length_is_rejecte
     ka, kb = (document_key(d, engine.namespace(), context) for d in (doc_a, doc_b))
     engine.generate(Prompt.of(documents=[doc_a], suffix=question), GREEDY)
     engine.flush()
-    reference = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=rig.chunk_size, blend=BLEND, history=False,
-                       prefetch=False))
-    want = reference.generate(Prompt.of(documents=[doc_b], suffix=question), GREEDY)  # b computed, not loaded
+    reference = Engine(
+        smollm2,
+        TieredStore(MemoryTier(1 << 30)),
+        EngineSettings.of(chunk_size=rig.chunk_size, blend=BLEND, history=False, prefetch=False),
+    )
+    want = reference.generate(
+        Prompt.of(documents=[doc_b], suffix=question), GREEDY
+    )  # b computed, not loaded
     reference.close()
 
     rig.plant("redis", kb, relabel(rig.disk.get(ka), kb))
@@ -196,17 +223,24 @@ def test_a_document_relabelled_as_another_document_of_the_same_length_is_rejecte
 # ------------------------------------------------------------------------------ another model
 
 
-def test_entries_of_another_model_configuration_are_never_used(rig, smollm2, prompts, references, CH):
+def test_entries_of_another_model_configuration_are_never_used(
+    rig, smollm2, prompts, references, CH
+):
     """fp32 KV of the same model is another namespace: other keys (never looked up). Filed under
     this engine's keys anyway, as they are or relabelled, its dtype rejects it."""
     p = prompts["p"]
-    other = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, kv_dtype="float32", history=False,
-                   prefetch=False))
+    other = Engine(
+        smollm2,
+        TieredStore(MemoryTier(1 << 30)),
+        EngineSettings.of(chunk_size=CH, kv_dtype="float32", history=False, prefetch=False),
+    )
     other.generate(p, SamplingParams(max_tokens=1))
     other.flush()
     theirs = [bytes(other.store.memory.get(k).join()) for k in keys_of(other, p)]
     ours = keys_of(rig.engine, p)
-    assert set(keys_of(other, p)).isdisjoint(ours)  # another namespace: another key for the same tokens
+    assert set(keys_of(other, p)).isdisjoint(
+        ours
+    )  # another namespace: another key for the same tokens
     other.close()
     rig.plant("disk", ours[0], theirs[0])  # as it is: it names its own key
     run_and_check(rig, p, references["p"], expect_cached=0)
@@ -214,13 +248,19 @@ def test_entries_of_another_model_configuration_are_never_used(rig, smollm2, pro
     run_and_check(rig, p, references["p"], expect_cached=0)
 
 
-def test_an_entry_of_another_model_architecture_is_never_used(rig, tiny_loaded, prompts, references, CH):
+def test_an_entry_of_another_model_architecture_is_never_used(
+    rig, tiny_loaded, prompts, references, CH
+):
     """A tiny random Llama's entry over the same token ids (its layout differs), relabelled with
     this engine's key."""
     p = prompts["p"]
     tiny = tiny_loaded("llama")
     ids = [t % tiny.runner.config.vocab_size for t in p[:CH]]
-    other = Engine(tiny, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, history=False, prefetch=False))
+    other = Engine(
+        tiny,
+        TieredStore(MemoryTier(1 << 30)),
+        EngineSettings.of(chunk_size=CH, history=False, prefetch=False),
+    )
     other.generate(ids + [1], SamplingParams(max_tokens=1))
     other.flush()
     theirs = bytes(other.store.memory.get(keys_of(other, ids)[0]).join())
@@ -239,7 +279,9 @@ def codec_forgeries(raw: bytes, int8: bytes, cachegen: bytes) -> dict[str, bytes
         "unknown codec id": reseal(raw, {CODEC_ID: ("<H", 42)}),
         "raw relabelled int8": reseal(raw, {CODEC_ID: ("<H", get_codec("int8").codec_id)}),
         "int8 relabelled raw": reseal(int8, {CODEC_ID: ("<H", get_codec("raw").codec_id)}),
-        "cachegen relabelled int8": reseal(cachegen, {CODEC_ID: ("<H", get_codec("int8").codec_id)}),
+        "cachegen relabelled int8": reseal(
+            cachegen, {CODEC_ID: ("<H", get_codec("int8").codec_id)}
+        ),
         "cachegen level 9": reseal(cachegen, {CODEC_LEVEL: ("<H", 9)}),
         "raw with a level": reseal(raw, {CODEC_LEVEL: ("<H", 1)}),
         # the codec's own version byte (CacheGen layer format 1 -> 2) with the layer checksum redone:
@@ -254,16 +296,21 @@ def encodings(smollm2, prompts, CH):
     a key names content, not encoding, so all three are under the key the test engines look up)."""
     p, out, keys = prompts["p"], {}, set()
     for codec in ("raw", "int8", "cachegen"):
-        e = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, codec=codec, history=False,
-                   prefetch=False))
+        e = Engine(
+            smollm2,
+            TieredStore(MemoryTier(1 << 30)),
+            EngineSettings.of(chunk_size=CH, codec=codec, history=False, prefetch=False),
+        )
         e.generate(p, SamplingParams(max_tokens=1))
         e.flush()
         keys.add(keys_of(e, p)[0])
         out[codec] = bytes(e.store.memory.get(keys_of(e, p)[0]).join())
         e.close()
     assert len(keys) == 1
-    assert read_header(out["cachegen"]).codec == "cachegen" and out["cachegen"][read_header(
-        out["cachegen"]).header_size] == 1  # layer 0 starts with CacheGen's layer format version
+    assert (
+        read_header(out["cachegen"]).codec == "cachegen"
+        and out["cachegen"][read_header(out["cachegen"]).header_size] == 1
+    )  # layer 0 starts with CacheGen's layer format version
     return out
 
 
@@ -278,12 +325,16 @@ def test_entries_whose_codec_fields_lie_are_never_used(rig, prompts, references,
         assert result.token_ids == references["p"][0], what
 
 
-def test_a_cachegen_entry_with_another_layer_version_is_removed_from_every_tier(rig, prompts, references, encodings):
+def test_a_cachegen_entry_with_another_layer_version_is_removed_from_every_tier(
+    rig, prompts, references, encodings
+):
     """An intact entry whose payload its codec refuses is found when it is loaded: it is removed from
     every tier (``TieredStore.discard``), not only the one that served it."""
     p = prompts["p"]
     key = keys_of(rig.engine, p)[0]
-    bad = codec_forgeries(encodings["raw"], encodings["int8"], encodings["cachegen"])["cachegen layer version 2"]
+    bad = codec_forgeries(encodings["raw"], encodings["int8"], encodings["cachegen"])[
+        "cachegen layer version 2"
+    ]
     open_entry(bytearray(bad), key)  # intact as an entry
     rig.engine.flush()
     rig.disk.put(key, bad)
@@ -299,7 +350,9 @@ def test_a_cachegen_entry_with_another_layer_version_is_removed_from_every_tier(
 
 def version_forgeries(raw: bytes) -> dict[str, bytes]:
     e = open_entry(bytearray(raw))
-    v2_layout = bytes(Entry(e.key, e.codec, e.shape, e.dtype, e.positions, e.payload, e.layer_sizes).join())
+    v2_layout = bytes(
+        Entry(e.key, e.codec, e.shape, e.dtype, e.positions, e.payload, e.layer_sizes).join()
+    )
     return {
         # what a version-2 build wrote: no token ids, version 2 (sealed as it sealed it)
         "version 2 entry": reseal(v2_layout, {VERSION: ("<H", 2)}),
@@ -333,13 +386,21 @@ def test_every_entry_the_engine_writes_records_its_token_ids(smollm2, prompts, C
     from kvfuse.engine.planner import history_entries
 
     ids = prompts["p"][: 2 * CH - 12]
-    engine = Engine(smollm2, TieredStore(MemoryTier(1 << 30)), EngineSettings.of(chunk_size=CH, prefetch=False, blend=BLEND))  # history on
+    engine = Engine(
+        smollm2,
+        TieredStore(MemoryTier(1 << 30)),
+        EngineSettings.of(chunk_size=CH, prefetch=False, blend=BLEND),
+    )  # history on
     r = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.flush()
     memory = engine.store.memory
     state = ids + r.token_ids[:-1]  # the KV holds the prompt and every answer token fed back
     entries = history_entries(state, CH, engine.namespace())
-    assert [(e.source, e.tokens) for e in entries] == [(0, CH), (CH, CH), (2 * CH, len(state) - 2 * CH)]
+    assert [(e.source, e.tokens) for e in entries] == [
+        (0, CH),
+        (CH, CH),
+        (2 * CH, len(state) - 2 * CH),
+    ]
     for e in entries:  # the prompt's chunk, the chunk the answer completed, the tail
         assert memory.get(e.key).token_ids.tolist() == state[e.source : e.source + e.tokens]
         assert read_header(bytes(memory.get(e.key).join())).has_token_ids

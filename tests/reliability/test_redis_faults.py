@@ -21,14 +21,26 @@ import time
 from dataclasses import dataclass
 
 import pytest
-
+from faults import (
+    Load,
+    Reference,
+    TcpProxy,
+    check_outcomes,
+    client_of,
+    hits_again,
+    idle,
+    jobs,
+    metrics,
+    record,
+    run_all,
+    tier,
+    warm_up,
+)
 from keyed import K
-
-from faults import (Load, Reference, TcpProxy, check_outcomes, client_of, hits_again, idle, jobs, metrics, record,
-                    run_all, tier, warm_up)
-from kvfuse_testkit import LocalRedis, ServerProcess, ensure_model
-from kvfuse.tiers import RedisTier
 from kvfuse_helpers import load_builtin, model_home
+
+from kvfuse.tiers import RedisTier
+from kvfuse_testkit import LocalRedis, ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -63,10 +75,28 @@ class Shape:
         return 2 * cache_free_s + 20 * TIMEOUT_S
 
 
-FAST = Shape(documents=2, questions=2, paragraphs=1, chunk_size=64, memory="1MiB", threads=3, cycles=1,
-             per_phase=1, max_tokens=4)
-SLOW = Shape(documents=3, questions=2, paragraphs=5, chunk_size=256, memory="4MiB", threads=4, cycles=3,
-             per_phase=4, max_tokens=8)
+FAST = Shape(
+    documents=2,
+    questions=2,
+    paragraphs=1,
+    chunk_size=64,
+    memory="1MiB",
+    threads=3,
+    cycles=1,
+    per_phase=1,
+    max_tokens=4,
+)
+SLOW = Shape(
+    documents=3,
+    questions=2,
+    paragraphs=5,
+    chunk_size=256,
+    memory="4MiB",
+    threads=4,
+    cycles=3,
+    per_phase=4,
+    max_tokens=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -76,11 +106,19 @@ def model():
 
 
 def serve(redis_url: str, shape: Shape) -> ServerProcess:
-    return ServerProcess(model_home(), config={
-        "model": "smollm2",
-        "cache": {"disk": False, "memory_bytes": shape.memory, "chunk_size": shape.chunk_size,
-                  "redis_url": redis_url, "redis_timeout_s": TIMEOUT_S},
-    }).start()
+    return ServerProcess(
+        model_home(),
+        config={
+            "model": "smollm2",
+            "cache": {
+                "disk": False,
+                "memory_bytes": shape.memory,
+                "chunk_size": shape.chunk_size,
+                "redis_url": redis_url,
+                "redis_timeout_s": TIMEOUT_S,
+            },
+        },
+    ).start()
 
 
 def redis_counts(srv: ServerProcess) -> dict:
@@ -130,7 +168,9 @@ def test_a_trickling_reply_is_a_bounded_time_out_and_a_slow_link_still_serves(re
         assert t.stats.errors == 1
         proxy.bandwidth = None
         assert t.get(KEY) == value  # the next call reconnects
-        assert t.keys() == [KEY] and t.delete_prefix("") == 1 and t.ping()  # SCAN round trips bounded too
+        assert (
+            t.keys() == [KEY] and t.delete_prefix("") == 1 and t.ping()
+        )  # SCAN round trips bounded too
 
 
 # ----------------------------------------------------------------------------- the server
@@ -169,14 +209,24 @@ class Faults:
         self._proxied(load, n, "latency_s", 2 * TIMEOUT_S)  # every reply later than the time-out
 
     def trickle(self, load: Load, n: int) -> None:
-        self._proxied(load, n, "bandwidth", 50e3)  # 50 KB/s: one 64-token entry (1.5 MB) would take 30 s
+        self._proxied(
+            load, n, "bandwidth", 50e3
+        )  # 50 KB/s: one 64-token entry (1.5 MB) would take 30 s
 
     def cut(self, load: Load, n: int) -> None:
         self._proxied(load, n, "cut_after", 200_000)  # connections reset in the middle of replies
 
 
-def inject(srv: ServerProcess, client, ref: Reference, job_list, shape: Shape, faults: Faults, names: list[str],
-           bound: float) -> dict:
+def inject(
+    srv: ServerProcess,
+    client,
+    ref: Reference,
+    job_list,
+    shape: Shape,
+    faults: Faults,
+    names: list[str],
+    bound: float,
+) -> dict:
     """Each fault of ``names``, ``shape.cycles`` times, under a load of ``shape.threads`` clients:
     every answer right, every request within ``bound``, the tier's errors counted (and dropped
     writes for a dead server), Redis hits again afterwards. Figures per fault."""
@@ -195,24 +245,43 @@ def inject(srv: ServerProcess, client, ref: Reference, job_list, shape: Shape, f
             idle(srv)
             after = redis_counts(srv)
             assert after["errors"] > before["errors"], f"{name}: no Redis error counted"
-            assert after["errors_in_metrics"] == after["errors"], "/metrics and /v1/kv/stats disagree on Redis errors"
+            assert after["errors_in_metrics"] == after["errors"], (
+                "/metrics and /v1/kv/stats disagree on Redis errors"
+            )
             if name == "kill":
-                assert after["dropped_writes"] > before["dropped_writes"], "writes to a dead Redis: no dropped write"
+                assert after["dropped_writes"] > before["dropped_writes"], (
+                    "writes to a dead Redis: no dropped write"
+                )
             recovery = redis_hits_again(srv, client, ref, job_list)
-            f = figures.setdefault(name, {"faults": 0, "requests": 0, "during_fault": 0, "errors": 0,
-                                          "dropped_writes": 0, "worst_s": 0.0, "recovery_requests": 0, "phase_s": 0.0})
+            f = figures.setdefault(
+                name,
+                {
+                    "faults": 0,
+                    "requests": 0,
+                    "during_fault": 0,
+                    "errors": 0,
+                    "dropped_writes": 0,
+                    "worst_s": 0.0,
+                    "recovery_requests": 0,
+                    "phase_s": 0.0,
+                },
+            )
             f["faults"] += 1
             f["phase_s"] = round(f["phase_s"] + time.monotonic() - window[0], 1)
             f["requests"] += len(outcomes) + recovery
             f["during_fault"] += stalled
             f["errors"] += after["errors"] - before["errors"]
             f["dropped_writes"] += after["dropped_writes"] - before["dropped_writes"]
-            f["worst_s"] = round(max(f["worst_s"], *(o.latency_s for o in during(outcomes, *window))), 2)
+            f["worst_s"] = round(
+                max(f["worst_s"], *(o.latency_s for o in during(outcomes, *window))), 2
+            )
             f["recovery_requests"] = max(f["recovery_requests"], recovery)
     return figures
 
 
-def run(model, shape: Shape, names: list[str], proxied: bool, label: str, slow_network: bool = False) -> None:
+def run(
+    model, shape: Shape, names: list[str], proxied: bool, label: str, slow_network: bool = False
+) -> None:
     ref = Reference(model)
     job_list = shape.jobs()
     redis = LocalRedis().start()
@@ -231,24 +300,31 @@ def run(model, shape: Shape, names: list[str], proxied: bool, label: str, slow_n
             finally:
                 proxy.latency_s = 0.0
             check_outcomes(ref, slow)
-            assert sum(o.by_tier.get("redis", 0) for o in slow) > 0, \
+            assert sum(o.by_tier.get("redis", 0) for o in slow) > 0, (
                 f"a slower but working Redis served no hit: {[o.by_tier for o in slow]}, {tier(srv, 'redis')}"
+            )
             extra["slow_network_requests"] = len(slow)
             idle(srv)
         figures = inject(srv, client, ref, job_list, shape, Faults(redis, proxy), names, bound)
         if "cut" in names:
             assert proxy.cuts > 0, "the proxy cut no reply"
             extra["cuts"] = proxy.cuts
-        record(label, wrong=0, near_ties=ref.near_ties, identical=ref.identical, bound_s=round(bound, 1),
-               warm_up_requests=3 * len(job_list), **extra, **figures)
+        record(
+            label,
+            wrong=0,
+            near_ties=ref.near_ties,
+            identical=ref.identical,
+            bound_s=round(bound, 1),
+            warm_up_requests=3 * len(job_list),
+            **extra,
+            **figures,
+        )
     finally:
         if srv is not None:
             srv.close()
         if proxy is not None:
             proxy.stop()
         redis.stop()
-
-
 
 
 def test_redis_faults_during_concurrent_requests(model):
@@ -264,4 +340,11 @@ def test_redis_killed_restarted_and_paused_directly_again_and_again(model):
 
 @pytest.mark.slow
 def test_redis_behind_a_slow_and_cutting_proxy_again_and_again(model):
-    run(model, SLOW, ["latency", "trickle", "cut"], proxied=True, label="redis_proxy[slow]", slow_network=True)
+    run(
+        model,
+        SLOW,
+        ["latency", "trickle", "cut"],
+        proxied=True,
+        label="redis_proxy[slow]",
+        slow_network=True,
+    )

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+from kvfuse_helpers import load_builtin, long_text, model_home
 
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
 from kvfuse.tiers import MemoryTier, RedisTier, TieredStore
-from kvfuse_helpers import load_builtin, long_text, model_home
 
 pytestmark = pytest.mark.integration
 
@@ -33,7 +33,9 @@ def prompts(smollm2) -> dict[str, list[int]]:
     """Two prompts of two whole 256-token chunks and a tail, and their cache-free greedy output."""
     out = {}
     for name, question in (("a", "Who built the lighthouse?"), ("b", "Where do puffins nest?")):
-        ids = smollm2.tokenizer.encode(long_text(5 if name == "a" else 6) + f"\n\nQuestion: {question}\nAnswer:")
+        ids = smollm2.tokenizer.encode(
+            long_text(5 if name == "a" else 6) + f"\n\nQuestion: {question}\nAnswer:"
+        )
         assert 512 < len(ids) < 768
         out[name] = ids
     return out
@@ -45,11 +47,16 @@ def expected(smollm2, prompts) -> dict[str, list[int]]:
     return {name: engine.generate(ids, GREEDY).token_ids for name, ids in prompts.items()}
 
 
-def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prompts, expected, redis_server):
+def test_generations_survive_a_redis_outage_and_hit_again_after_it(
+    smollm2, prompts, expected, redis_server
+):
     redis = RedisTier(redis_server.url, timeout_s=0.3, backoff_s=BACKOFF)
     store = TieredStore(MemoryTier(1), [redis])  # memory holds nothing: every hit comes from Redis
-    engine = Engine(smollm2, store, EngineSettings.of(history=False))  # chunk-level reuse: what this test pins down
+    engine = Engine(
+        smollm2, store, EngineSettings.of(history=False)
+    )  # chunk-level reuse: what this test pins down
     try:
+
         def run(name: str, **kw):
             result = engine.generate(prompts[name], GREEDY, **kw)
             assert result.token_ids == expected[name], f"wrong output for prompt {name}"
@@ -71,7 +78,9 @@ def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prom
         for name in ("a", "b"):
             assert run(name).cached_tokens == 0
             engine.flush()
-            time.sleep(BACKOFF)  # let the back-off end, so the next call tries the dead server again
+            time.sleep(
+                BACKOFF
+            )  # let the back-off end, so the next call tries the dead server again
         after = redis.stats.snapshot()
         assert after["errors"] > before["errors"]
         assert after["dropped_writes"] > before["dropped_writes"]
@@ -87,24 +96,41 @@ def test_generations_survive_a_redis_outage_and_hit_again_after_it(smollm2, prom
             time.sleep(BACKOFF)
         else:
             pytest.fail(f"no Redis hits after the server came back: {redis.stats.snapshot()}")
-        assert attempt == 0, "the first generation after the back-off should already reach the server"
+        assert attempt == 0, (
+            "the first generation after the back-off should already reach the server"
+        )
     finally:
         store.close()
 
 
 def _engine_process(args: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, str(HELPERS), *args], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(HELPERS), *args], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_two_engine_processes_share_chunks_through_redis(smollm2, prompts, expected, redis_server, tmp_path):
+def test_two_engine_processes_share_chunks_through_redis(
+    smollm2, prompts, expected, redis_server, tmp_path
+):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(" ".join(map(str, prompts["a"])))
-    args = ["--home", str(model_home()), "--redis-url", redis_server.url, "--prompt-file", str(prompt_file),
-            "--max-tokens", str(GREEDY.max_tokens)]
+    args = [
+        "--home",
+        str(model_home()),
+        "--redis-url",
+        redis_server.url,
+        "--prompt-file",
+        str(prompt_file),
+        "--max-tokens",
+        str(GREEDY.max_tokens),
+    ]
     a = _engine_process(args)
-    assert (a["cached_tokens"], a["stored_chunks"]) == (0, 3)  # two whole chunks and the history's tail
+    assert (a["cached_tokens"], a["stored_chunks"]) == (
+        0,
+        3,
+    )  # two whole chunks and the history's tail
     assert a["token_ids"] == expected["a"]
     b = _engine_process(args)  # another process: its memory tier is empty
     assert b["cached_tokens"] == 512 and b["hit_tiers"] == ["redis", "redis"]

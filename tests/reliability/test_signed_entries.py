@@ -23,6 +23,8 @@ import os
 
 import pytest
 import torch
+from kvfuse_helpers import SENTENCES, load_builtin, long_text
+from load import greedy_reference, near_tie_verdict, reseal
 
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
@@ -31,9 +33,7 @@ from kvfuse.kv.format import Entry, open_entry, read_header
 from kvfuse.kv.keys import prefix_keys
 from kvfuse.kv.signing import EntrySigner
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
-from kvfuse_helpers import SENTENCES, load_builtin, long_text
 from kvfuse_testkit import S3_ENV, LocalS3
-from load import greedy_reference, near_tie_verdict, reseal
 
 pytestmark = pytest.mark.integration
 
@@ -93,12 +93,23 @@ class Rig:
     def __init__(self, model, tmp_path, redis_url: str, s3, keys):
         from kvfuse.tiers.s3 import S3Tier
 
-        self.tiers = {"disk": DiskTier(tmp_path / "kv", 1 << 30), "redis": RedisTier(redis_url, timeout_s=2.0),
-                      "s3": S3Tier(f"s3://kvfuse-signing/{tmp_path.name}/", endpoint_url=s3.endpoint_url,
-                                   region="us-east-1", create_bucket=True, timeout_s=5.0)}
-        self.store = TieredStore(MemoryTier(1), list(self.tiers.values()),
-                                 signer=EntrySigner(keys) if keys else None)
-        self.engine = Engine(model, self.store, EngineSettings.of(chunk_size=CH, history=False, prefetch=False))
+        self.tiers = {
+            "disk": DiskTier(tmp_path / "kv", 1 << 30),
+            "redis": RedisTier(redis_url, timeout_s=2.0),
+            "s3": S3Tier(
+                f"s3://kvfuse-signing/{tmp_path.name}/",
+                endpoint_url=s3.endpoint_url,
+                region="us-east-1",
+                create_bucket=True,
+                timeout_s=5.0,
+            ),
+        }
+        self.store = TieredStore(
+            MemoryTier(1), list(self.tiers.values()), signer=EntrySigner(keys) if keys else None
+        )
+        self.engine = Engine(
+            model, self.store, EngineSettings.of(chunk_size=CH, history=False, prefetch=False)
+        )
 
     def keys(self, ids: list[int]):
         return prefix_keys(ids, CH, self.engine.namespace())
@@ -113,8 +124,12 @@ class Rig:
 
     def counters(self) -> dict[str, int]:
         s = self.store.stats()["store"]
-        return {"unusable": s["unusable_entries"], "unsigned": s["signature_unsigned"],
-                "mismatch": s["signature_mismatch"], "load_failures": self.engine.stats.chunk_load_failures}
+        return {
+            "unusable": s["unusable_entries"],
+            "unsigned": s["signature_unsigned"],
+            "mismatch": s["signature_mismatch"],
+            "load_failures": self.engine.stats.chunk_load_failures,
+        }
 
     def close(self) -> None:
         self.engine.close()
@@ -140,15 +155,25 @@ def stored_chunk(rig: Rig, ids: list[int], i: int) -> Entry:
     rig.engine.flush()
     blob = bytes(rig.tiers["disk"].get(rig.keys(ids)[i]))
     signed = rig.store.signer is not None
-    assert read_header(blob, EntrySigner([KEY])).signature == ("valid" if signed else "unsigned")  # what it wrote
+    assert read_header(blob, EntrySigner([KEY])).signature == (
+        "valid" if signed else "unsigned"
+    )  # what it wrote
     return open_entry(bytearray(blob))
 
 
 def steering(other: Entry, key, ids: list[int]) -> Entry:
     """``other``'s KV claiming to be the chunk of ``ids`` under ``key``: the right key, token ids,
     positions, dtype and shape, valid checksums; only a signature can tell it apart."""
-    return Entry(str(key), other.codec, other.shape, other.dtype, other.positions, other.payload, other.layer_sizes,
-                 token_ids=torch.tensor(ids, dtype=torch.int64))
+    return Entry(
+        str(key),
+        other.codec,
+        other.shape,
+        other.dtype,
+        other.positions,
+        other.payload,
+        other.layer_sizes,
+        token_ids=torch.tensor(ids, dtype=torch.int64),
+    )
 
 
 def forgeries(genuine: Entry, other: Entry, key, ids: list[int]) -> dict[str, tuple[bytes, str]]:
@@ -157,11 +182,26 @@ def forgeries(genuine: Entry, other: Entry, key, ids: list[int]) -> dict[str, tu
     resealed = reseal(bytes(genuine.signed(EntrySigner([KEY])).join()), layer_edits={(0, 7): 0x3C})
     return {
         "steering, unsigned": (bytes(forged.join()), "unsigned"),
-        "steering, signed with another key": (bytes(forged.signed(EntrySigner([STRANGER])).join()), "mismatch"),
+        "steering, signed with another key": (
+            bytes(forged.signed(EntrySigner([STRANGER])).join()),
+            "mismatch",
+        ),
         "signed, payload changed and resealed": (resealed, "mismatch"),
-        "the genuine KV, unsigned": (bytes(Entry(genuine.key, genuine.codec, genuine.shape, genuine.dtype,
-                                                 genuine.positions, genuine.payload, genuine.layer_sizes,
-                                                 token_ids=genuine.token_ids).join()), "unsigned"),
+        "the genuine KV, unsigned": (
+            bytes(
+                Entry(
+                    genuine.key,
+                    genuine.codec,
+                    genuine.shape,
+                    genuine.dtype,
+                    genuine.positions,
+                    genuine.payload,
+                    genuine.layer_sizes,
+                    token_ids=genuine.token_ids,
+                ).join()
+            ),
+            "unsigned",
+        ),
     }
 
 
@@ -190,19 +230,29 @@ def test_entries_without_an_accepted_signature_are_never_used(make_rig, prompts,
         before = rig.counters()
         result = rig.engine.generate(p, GREEDY)
         after = rig.counters()
-        assert result.cached_tokens == CH, what  # chunk 0 (genuine, signed) reused; the forgery computed
+        assert result.cached_tokens == CH, (
+            what
+        )  # chunk 0 (genuine, signed) reused; the forgery computed
         moved = {k: after[k] - before[k] for k in after}
-        assert moved == {"unusable": 1, "unsigned": reason == "unsigned", "mismatch": reason == "mismatch",
-                         "load_failures": 1}, what
+        assert moved == {
+            "unusable": 1,
+            "unsigned": reason == "unsigned",
+            "mismatch": reason == "mismatch",
+            "load_failures": 1,
+        }, what
         assert near_tie_verdict(result.token_ids, *reference) != "wrong", what
         rig.engine.flush()  # the forgery was removed, and the chunk computed in its place stored, signed
         fresh = rig.tiers[tier].get(kp[1])
-        assert fresh is not None and read_header(bytes(fresh), EntrySigner([KEY])).signature == "valid", what
+        assert (
+            fresh is not None and read_header(bytes(fresh), EntrySigner([KEY])).signature == "valid"
+        ), what
     hit = rig.engine.generate(p, GREEDY)
     assert hit.cached_tokens == 2 * CH and near_tie_verdict(hit.token_ids, *reference) != "wrong"
 
 
-def test_entries_of_a_retired_key_are_misses_and_of_a_rotated_one_hits(make_rig, prompts, reference):
+def test_entries_of_a_retired_key_are_misses_and_of_a_rotated_one_hits(
+    make_rig, prompts, reference
+):
     """Rotation on real tiers: entries signed with the old key are hits while it is still accepted
     (listed after the new one), and misses (counted, recomputed) once it is removed."""
     old = make_rig(keys=(STRANGER,))
@@ -216,5 +266,7 @@ def test_entries_of_a_retired_key_are_misses_and_of_a_rotated_one_hits(make_rig,
     retired = make_rig(keys=(KEY,))
     result = retired.engine.generate(p, GREEDY)
     counted = retired.counters()
-    assert result.cached_tokens == 0 and counted["mismatch"] >= 2 and counted["unsigned"] == 0  # every copy refused
+    assert (
+        result.cached_tokens == 0 and counted["mismatch"] >= 2 and counted["unsigned"] == 0
+    )  # every copy refused
     assert near_tie_verdict(result.token_ids, *reference) != "wrong"

@@ -49,15 +49,15 @@ import httpx
 import openai
 import pytest
 import torch
+from kvfuse_helpers import SENTENCES, load_builtin
+from load import NEAR_TIE, Tally, greedy_reference, rss_bytes
 from openai import OpenAI
 
 from kvfuse.config import load_config
 from kvfuse.generation import SamplingParams
 from kvfuse.runtime import open_engine
-from kvfuse_testkit import ServerProcess, ensure_model
 from kvfuse.tiers import MemoryTier, TieredStore
-from kvfuse_helpers import SENTENCES, load_builtin
-from load import NEAR_TIE, Tally, greedy_reference, rss_bytes
+from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
 
@@ -91,16 +91,30 @@ class Workload:
     references must be computed in seconds, the slow run's working set is larger)."""
 
     def __init__(self, scale: int):
-        self.plain = [f"Report {i}. {words(10 + i, 60 + 45 * i)}.\n\nIn one sentence, the report says"
-                      for i in range(2 * scale + 1)]
-        self.rag = [([f"Record {d}. {words(100 + 7 * d + j, 60 + 25 * j)}." for j in range(2)], q)
-                    for d in range(scale) for q in ("What is recorded first?", "Name one place mentioned.")]
+        self.plain = [
+            f"Report {i}. {words(10 + i, 60 + 45 * i)}.\n\nIn one sentence, the report says"
+            for i in range(2 * scale + 1)
+        ]
+        self.rag = [
+            ([f"Record {d}. {words(100 + 7 * d + j, 60 + 25 * j)}." for j in range(2)], q)
+            for d in range(scale)
+            for q in ("What is recorded first?", "Name one place mentioned.")
+        ]
         topics = ("harbours", "bread", "ferries")
-        self.conversations = [("You are a terse assistant. " + words(200 + c, 40),
-                               [f"Tell me about {t}. {words(300 + 10 * c + k, 30)}" for k, t in enumerate(topics)])
-                              for c in range(scale)]
-        self.chains = [("Answer briefly.", [f"{words(400 + 10 * c, 90)}\n\nWhat is this about?", "And what next?"])
-                       for c in range(scale)]
+        self.conversations = [
+            (
+                "You are a terse assistant. " + words(200 + c, 40),
+                [f"Tell me about {t}. {words(300 + 10 * c + k, 30)}" for k, t in enumerate(topics)],
+            )
+            for c in range(scale)
+        ]
+        self.chains = [
+            (
+                "Answer briefly.",
+                [f"{words(400 + 10 * c, 90)}\n\nWhat is this about?", "And what next?"],
+            )
+            for c in range(scale)
+        ]
 
 
 def conversation(system: str, users: list[str], answers: list[str]) -> list[dict]:
@@ -150,19 +164,33 @@ class ServerReferences:
     @staticmethod
     def _ask(kind: str, payload, c: OpenAI) -> list[str]:
         if kind == "plain":
-            r = c.completions.create(model=MODEL, prompt=payload, max_tokens=MAX_TOKENS, temperature=0,
-                                     extra_body={"ignore_eos": True, "cache": False})
+            r = c.completions.create(
+                model=MODEL,
+                prompt=payload,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": True, "cache": False},
+            )
             return [r.choices[0].text]
         if kind in ("conv", "resp"):  # a Responses turn stops at EOS: no ignore_eos
-            r = c.chat.completions.create(model=MODEL, messages=payload, max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"ignore_eos": kind == "conv", "cache": False})
+            r = c.chat.completions.create(
+                model=MODEL,
+                messages=payload,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"ignore_eos": kind == "conv", "cache": False},
+            )
             return [r.choices[0].message.content]
         docs, question = payload
         salt, out = f"reference-{uuid.uuid4().hex}", []
         for _ in range(2):
-            r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
-                                          max_tokens=MAX_TOKENS, temperature=0,
-                                          extra_body={"documents": docs, "ignore_eos": True, "cache_salt": salt})
+            r = c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": question}],
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                extra_body={"documents": docs, "ignore_eos": True, "cache_salt": salt},
+            )
             out.append(r.choices[0].message.content)
         return out
 
@@ -175,9 +203,14 @@ class References:
     def __init__(self, home):
         self.model = load_builtin(MODEL)
         base = {"home": str(home), "model": MODEL, "cache.chunk_size": CH}
-        self.encoder = open_engine(load_config(overrides={**base, "cache.enabled": False}), model=self.model)
-        self.blender = open_engine(load_config(overrides={**base, "cache.disk": False}), model=self.model,
-                                   store=TieredStore(MemoryTier(1 << 30)))
+        self.encoder = open_engine(
+            load_config(overrides={**base, "cache.enabled": False}), model=self.model
+        )
+        self.blender = open_engine(
+            load_config(overrides={**base, "cache.disk": False}),
+            model=self.model,
+            store=TieredStore(MemoryTier(1 << 30)),
+        )
         self.tokenizer = self.model.tokenizer
         self.eos = set(self.model.eos_token_ids)
         self.refs: dict[str, list[tuple[list[int], list[float], bool]]] = {}
@@ -190,24 +223,38 @@ class References:
 
     def _compute(self, kind: str, payload):
         if kind == "plain":
-            return [(*greedy_reference(self.model, self.encoder.prompts.encode_prompt(payload), MAX_TOKENS), False)]
+            return [
+                (
+                    *greedy_reference(
+                        self.model, self.encoder.prompts.encode_prompt(payload), MAX_TOKENS
+                    ),
+                    False,
+                )
+            ]
         if kind in ("conv", "resp"):
             ids, dropped = self.encoder.prompts.encode_chat(payload)
             assert dropped == 0
-            return [(*greedy_reference(self.model, ids, MAX_TOKENS), kind == "resp")]  # responses stop at EOS
+            return [
+                (*greedy_reference(self.model, ids, MAX_TOKENS), kind == "resp")
+            ]  # responses stop at EOS
         # RAG, served by a cache-empty engine with the server's settings. Two answers are right:
         # the blend's (the documents computed or loaded, then blended), and, once a blend of the
         # same documents stored its KV as prefix chunks, the prefix hit's (those chunks loaded,
         # the rest of the prompt computed in full): not the same numbers at a ratio below 1.
         docs, question = payload
-        prompt = self.blender.prompts.document_prompt(docs, messages=[{"role": "user", "content": question}])
+        prompt = self.blender.prompts.document_prompt(
+            docs, messages=[{"role": "user", "content": question}]
+        )
         params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
         out = []
         self.blender.clear_cache("")
         for path in ("blend", "prefix hit"):
             result = self.blender.generate(prompt, params)
             self.blender.flush()
-            assert (result.cached_tokens >= CH) == (path == "prefix hit"), (path, result.cached_tokens)
+            assert (result.cached_tokens >= CH) == (path == "prefix hit"), (
+                path,
+                result.cached_tokens,
+            )
             out.append(result.token_ids)
         gaps = []
         self.blender.clear_cache("")
@@ -215,7 +262,9 @@ class References:
             logits = self.blender.score(prompt, [tokens])[0].float()
             top = torch.topk(logits, 2, dim=-1).values
             gaps.append((top[:, 0] - top[:, 1]).tolist())
-            self.blender.generate(prompt, SamplingParams(max_tokens=1))  # the blended prefix, stored
+            self.blender.generate(
+                prompt, SamplingParams(max_tokens=1)
+            )  # the blended prefix, stored
             self.blender.flush()
         self.blender.clear_cache("")
         return [(tokens, g, False) for tokens, g in zip(out, gaps)]
@@ -231,7 +280,7 @@ class References:
         return tokens
 
     def verdict(self, kind: str, payload, text: str) -> str:
-        """"same", "near_tie" or "wrong" for the server's answer ``text`` (the best over the
+        """ "same", "near_tie" or "wrong" for the server's answer ``text`` (the best over the
         request's references): the first step where it leaves a reference is where the decoded
         reference stops being a prefix of it."""
         verdicts = [self._verdict(ref, text) for ref in self.of(kind, payload)]
@@ -254,15 +303,33 @@ class References:
 class Client(threading.Thread):
     """One client thread: requests of every kind in turn until the deadline."""
 
-    def __init__(self, index: int, server: ServerProcess, workload: Workload, refs: ServerReferences, deadline: float,
-                 tally: Tally, results: list):
+    def __init__(
+        self,
+        index: int,
+        server: ServerProcess,
+        workload: Workload,
+        refs: ServerReferences,
+        deadline: float,
+        tally: Tally,
+        results: list,
+    ):
         super().__init__(name=f"soak-client-{index}", daemon=True)
-        self.index, self.w, self.deadline, self.tally, self.results = index, workload, deadline, tally, results
+        self.index, self.w, self.deadline, self.tally, self.results = (
+            index,
+            workload,
+            deadline,
+            tally,
+            results,
+        )
         self.refs = refs
         self.c = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
         self.rnd = random.Random(index)
         self.conversation = (index % len(workload.conversations), [])  # (script, answers so far)
-        self.chain = (index % len(workload.chains), [], None)  # (script, answers so far, previous id)
+        self.chain = (
+            index % len(workload.chains),
+            [],
+            None,
+        )  # (script, answers so far, previous id)
 
     def run(self) -> None:
         kinds = ["plain", "rag", "conv", "resp"]
@@ -274,10 +341,16 @@ class Client(threading.Thread):
                 getattr(self, kind)()
             except openai.APIStatusError as e:
                 self.tally.error(f"{kind}: {e.message}", e.status_code)
-                self.conversation, self.chain = (self.conversation[0], []), (self.chain[0], [], None)
+                self.conversation, self.chain = (
+                    (self.conversation[0], []),
+                    (self.chain[0], [], None),
+                )
             except Exception as e:  # a dropped connection, a time-out: a failure too
                 self.tally.error(f"{kind}: {e!r}", None)
-                self.conversation, self.chain = (self.conversation[0], []), (self.chain[0], [], None)
+                self.conversation, self.chain = (
+                    (self.conversation[0], []),
+                    (self.chain[0], [], None),
+                )
 
     def _done(self, kind: str, payload, text: str, cached: int) -> None:
         self.tally.served(kind, cached)
@@ -287,33 +360,61 @@ class Client(threading.Thread):
 
     def plain(self) -> None:
         p = self.rnd.choice(self.w.plain)
-        r = self.c.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = self.c.completions.create(
+            model=MODEL,
+            prompt=p,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         self._done("plain", p, r.choices[0].text, r.usage.prompt_tokens_details.cached_tokens)
 
     def rag(self) -> None:
         docs, q = self.rnd.choice(self.w.rag)
-        r = self.c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}],
-                                           max_tokens=MAX_TOKENS, temperature=0,
-                                           extra_body={"documents": docs, "ignore_eos": True})
-        self._done("rag", [docs, q], r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)
+        r = self.c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": q}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"documents": docs, "ignore_eos": True},
+        )
+        self._done(
+            "rag",
+            [docs, q],
+            r.choices[0].message.content,
+            r.usage.prompt_tokens_details.cached_tokens,
+        )
 
     def conv(self) -> None:
         script, answers = self.conversation
         system, users = self.w.conversations[script]
         messages = conversation(system, users, answers)
-        r = self.c.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
-                                           extra_body={"ignore_eos": True})
+        r = self.c.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         text = r.choices[0].message.content
         self._done("conv", messages, text, r.usage.prompt_tokens_details.cached_tokens)
         answers = answers + [text]
-        self.conversation = (script, answers if len(answers) < len(users) else [])  # then start over
+        self.conversation = (
+            script,
+            answers if len(answers) < len(users) else [],
+        )  # then start over
 
     def resp(self) -> None:
         script, answers, previous = self.chain
         instructions, inputs = self.w.chains[script]
-        r = self.c.responses.create(model=MODEL, instructions=instructions, input=inputs[len(answers)],
-                                    previous_response_id=previous, max_output_tokens=MAX_TOKENS, temperature=0)
+        r = self.c.responses.create(
+            model=MODEL,
+            instructions=instructions,
+            input=inputs[len(answers)],
+            previous_response_id=previous,
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+        )
         messages = conversation(instructions, inputs, answers)
         self._done("resp", messages, r.output_text, r.usage.input_tokens_details.cached_tokens)
         answers = answers + [r.output_text]
@@ -326,8 +427,11 @@ class Client(threading.Thread):
 def soak(home, tmp_path, seconds: float, scale: int) -> None:
     ensure_model(home, MODEL)
     workload = Workload(scale)
-    config = {**CONFIG, "cache": {**CONFIG["cache"], "disk_path": str(tmp_path / "kv")},
-              "responses": {"path": str(tmp_path / "responses.sqlite3")}}
+    config = {
+        **CONFIG,
+        "cache": {**CONFIG["cache"], "disk_path": str(tmp_path / "kv")},
+        "responses": {"path": str(tmp_path / "responses.sqlite3")},
+    }
     server = ServerProcess(home, config=config, log_path=tmp_path / "server.log")
     server.start()
     try:
@@ -338,7 +442,9 @@ def soak(home, tmp_path, seconds: float, scale: int) -> None:
 
 def run_soak(server: ServerProcess, home, workload: Workload, seconds: float) -> None:
     warm = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
-    warm.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"cache": False})  # runtime warm
+    warm.completions.create(
+        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"cache": False}
+    )  # runtime warm
     rss_start = rss_bytes(server.pid)
     bound = rss_start + MEMORY_BYTES + KV_BYTES + RSS_MARGIN
     tally, results = Tally(), []
@@ -360,7 +466,9 @@ def run_soak(server: ServerProcess, home, workload: Workload, seconds: float) ->
     watcher.start()
     deadline = time.monotonic() + seconds
     server_refs = ServerReferences()
-    clients = [Client(i, server, workload, server_refs, deadline, tally, results) for i in range(CLIENTS)]
+    clients = [
+        Client(i, server, workload, server_refs, deadline, tally, results) for i in range(CLIENTS)
+    ]
     for c in clients:
         c.start()
     for c in clients:
@@ -381,27 +489,43 @@ def run_soak(server: ServerProcess, home, workload: Workload, seconds: float) ->
             continue
         local = local or References(home)  # the model, loaded here only when an answer differs
         judged += 1
-        tally.verdict(f"{kind} {json.dumps(payload)[:160]} -> {text!r}", local.verdict(kind, payload, text))
+        tally.verdict(
+            f"{kind} {json.dumps(payload)[:160]} -> {text!r}", local.verdict(kind, payload, text)
+        )
     peak = max(samples["rss"])
-    print(f"served {tally.total} requests {tally.requests} in {seconds:.0f} s; same {tally.same}, near-ties "
-          f"{tally.near_ties}, wrong {len(tally.wrong)}; cached tokens {tally.cached_tokens}; errors "
-          f"{len(tally.status_5xx)} 5xx, {len(tally.other_errors)} other; {judged} answers judged by the "
-          f"in-process reference")
-    print(f"RSS start {rss_start / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB; disk peak "
-          f"{max(samples['disk'], default=0) / MiB:.1f} of {DISK_BYTES / MiB:.0f} MiB; evictions memory "
-          f"{tiers['memory'].get('evictions')} disk {tiers['disk'].get('evictions')}; preemptions "
-          f"{engine.get('preemptions')}; unusable entries {tiers['store'].get('unusable_entries')}")
+    print(
+        f"served {tally.total} requests {tally.requests} in {seconds:.0f} s; same {tally.same}, near-ties "
+        f"{tally.near_ties}, wrong {len(tally.wrong)}; cached tokens {tally.cached_tokens}; errors "
+        f"{len(tally.status_5xx)} 5xx, {len(tally.other_errors)} other; {judged} answers judged by the "
+        f"in-process reference"
+    )
+    print(
+        f"RSS start {rss_start / MiB:.0f} MiB, peak {peak / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB; disk peak "
+        f"{max(samples['disk'], default=0) / MiB:.1f} of {DISK_BYTES / MiB:.0f} MiB; evictions memory "
+        f"{tiers['memory'].get('evictions')} disk {tiers['disk'].get('evictions')}; preemptions "
+        f"{engine.get('preemptions')}; unusable entries {tiers['store'].get('unusable_entries')}"
+    )
 
     assert not tally.status_5xx, tally.status_5xx[:10]
     assert not tally.other_errors, tally.other_errors[:10]
     assert set(tally.requests) == {"plain", "rag", "conv", "resp", "reference"}, tally.requests
     assert len(results) >= 4 * CLIENTS, "the soak served almost nothing"
-    assert not tally.wrong, "answers that differ from their reference beyond a near-tie:\n" + "\n".join(tally.wrong[:10])
-    assert peak <= bound, f"RSS peaked at {peak / MiB:.0f} MiB, over the {bound / MiB:.0f} MiB bound"
+    assert not tally.wrong, (
+        "answers that differ from their reference beyond a near-tie:\n"
+        + "\n".join(tally.wrong[:10])
+    )
+    assert peak <= bound, (
+        f"RSS peaked at {peak / MiB:.0f} MiB, over the {bound / MiB:.0f} MiB bound"
+    )
     assert samples["disk"] and max(samples["disk"]) <= DISK_BYTES
     assert max(samples["memory"]) <= MEMORY_BYTES
-    assert tiers["disk"]["capacity_bytes"] == DISK_BYTES and tiers["memory"]["capacity_bytes"] == MEMORY_BYTES
-    assert tiers["memory"]["evictions"] > 0 and tiers["disk"]["evictions"] > 0, "the budgets forced no eviction"
+    assert (
+        tiers["disk"]["capacity_bytes"] == DISK_BYTES
+        and tiers["memory"]["capacity_bytes"] == MEMORY_BYTES
+    )
+    assert tiers["memory"]["evictions"] > 0 and tiers["disk"]["evictions"] > 0, (
+        "the budgets forced no eviction"
+    )
     assert tally.cached_tokens > 0
 
 
@@ -419,11 +543,16 @@ def test_the_judge_tells_a_wrong_answer_from_a_right_one(kvfuse_home):
     accepts the reference and rejects an answer that leaves it where the reference was sure."""
     refs = References(kvfuse_home)
     prompt = Workload(1).plain[0]
-    (tokens, gaps, _), = refs.of("plain", prompt)
+    ((tokens, gaps, _),) = refs.of("plain", prompt)
     right = refs.tokenizer.decode(tokens)
     assert refs.verdict("plain", prompt, right) == "same"
-    step = next(i for i, g in enumerate(gaps) if g >= NEAR_TIE)  # a step where the reference is sure
-    other = next(t for t in range(100, 200) if refs.tokenizer.decode(tokens[:step] + [t]) != refs.tokenizer.decode(
-        tokens[: step + 1]))
+    step = next(
+        i for i, g in enumerate(gaps) if g >= NEAR_TIE
+    )  # a step where the reference is sure
+    other = next(
+        t
+        for t in range(100, 200)
+        if refs.tokenizer.decode(tokens[:step] + [t]) != refs.tokenizer.decode(tokens[: step + 1])
+    )
     wrong = refs.tokenizer.decode(tokens[:step] + [other])
     assert refs.verdict("plain", prompt, wrong) == "wrong"

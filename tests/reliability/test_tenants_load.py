@@ -28,13 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from kvfuse_helpers import SENTENCES, long_text
 from openai import OpenAI
 
 from kvfuse.kv.format import read_header
 from kvfuse.kv.keys import tenant_tag
 from kvfuse.kv.signing import EntrySigner
 from kvfuse_testkit import ServerProcess, ensure_model
-from kvfuse_helpers import SENTENCES, long_text
 
 pytestmark = pytest.mark.integration
 
@@ -54,11 +54,20 @@ def server(kvfuse_home, tmp_path_factory):
     key_file = tmp / "signing.keys"
     key_file.write_text("# the first key signs\n" + "\n".join(SIGNING_KEYS) + "\n")
     key_file.chmod(0o600)
-    config = {"model": MODEL,
-              "cache": {"disk_path": str(tmp / "kv"), "chunk_size": CH, "signing_key_file": str(key_file)},
-              "engine": {"max_running": 8},
-              "responses": {"path": str(tmp / "responses.sqlite3")},
-              "server": {"api_keys": [f"{key}:{tenant}" for tenant, key in TENANTS.items()], "max_queue": 256}}
+    config = {
+        "model": MODEL,
+        "cache": {
+            "disk_path": str(tmp / "kv"),
+            "chunk_size": CH,
+            "signing_key_file": str(key_file),
+        },
+        "engine": {"max_running": 8},
+        "responses": {"path": str(tmp / "responses.sqlite3")},
+        "server": {
+            "api_keys": [f"{key}:{tenant}" for tenant, key in TENANTS.items()],
+            "max_queue": 256,
+        },
+    }
     srv = ServerProcess(kvfuse_home, config=config)
     srv.start()
     srv.kv_dir = tmp / "kv"
@@ -92,12 +101,35 @@ def shared_specs(per_kind: int, run: str) -> list[dict]:
     64-token chunks), in namespaces of the test run ``run``."""
     specs = []
     for i in range(per_kind):
-        specs.append({"kind": "completion", "prompt": text(100 + i, 120) + "\nQuestion: who built it?\nAnswer:"})
-        specs.append({"kind": "chat", "messages": [{"role": "system", "content": "Be brief."},
-                                                   {"role": "user", "content": text(200 + i, 120)}]})
-        specs.append({"kind": "rag", "documents": [text(300 + i, 60), text(400 + i, 60)],
-                      "messages": [{"role": "user", "content": f"Question {i}: what do visitors do?"}]})
-        specs.append({"kind": "responses", "instructions": "Answer in one sentence.", "input": text(500 + i, 120)})
+        specs.append(
+            {
+                "kind": "completion",
+                "prompt": text(100 + i, 120) + "\nQuestion: who built it?\nAnswer:",
+            }
+        )
+        specs.append(
+            {
+                "kind": "chat",
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": text(200 + i, 120)},
+                ],
+            }
+        )
+        specs.append(
+            {
+                "kind": "rag",
+                "documents": [text(300 + i, 60), text(400 + i, 60)],
+                "messages": [{"role": "user", "content": f"Question {i}: what do visitors do?"}],
+            }
+        )
+        specs.append(
+            {
+                "kind": "responses",
+                "instructions": "Answer in one sentence.",
+                "input": text(500 + i, 120),
+            }
+        )
     for i, spec in enumerate(specs):
         # A namespace of its own per prompt (the same in every tenant): a tenant's prompts then share
         # nothing with each other (not even the chat template's first tokens, which a stored history
@@ -111,16 +143,32 @@ def send(c: OpenAI, spec: dict) -> tuple[int, str, str | None]:
     kind = spec["kind"]
     extra = {"cache_salt": spec["salt"]} if "salt" in spec else {}
     if kind == "completion":
-        r = c.completions.create(model=MODEL, prompt=spec["prompt"], max_tokens=MAX_TOKENS, temperature=0,
-                                 extra_body=extra or None)
+        r = c.completions.create(
+            model=MODEL,
+            prompt=spec["prompt"],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body=extra or None,
+        )
         return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].text, None
     if kind in ("chat", "rag"):
         body = {**extra, **({"documents": spec["documents"]} if kind == "rag" else {})}
-        r = c.chat.completions.create(model=MODEL, messages=spec["messages"], max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body=body or None)
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=spec["messages"],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body=body or None,
+        )
         return r.usage.prompt_tokens_details.cached_tokens, r.choices[0].message.content, None
-    r = c.responses.create(model=MODEL, instructions=spec["instructions"], input=spec["input"],
-                           max_output_tokens=MAX_TOKENS, temperature=0, extra_body=extra or None)
+    r = c.responses.create(
+        model=MODEL,
+        instructions=spec["instructions"],
+        input=spec["input"],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body=extra or None,
+    )
     return r.usage.input_tokens_details.cached_tokens, r.output_text, r.id
 
 
@@ -162,7 +210,9 @@ def tenants_under_load(server, per_kind: int, run: str) -> None:
         cached, text, rid = send(clients[tenant], specs[i])
         seen.add(tenant, f"{phase} {i}", text)
         with lock:
-            (firsts if phase == "first" else repeats).append((tenant, f"{specs[i]['kind']} {i}", cached))
+            (firsts if phase == "first" else repeats).append(
+                (tenant, f"{specs[i]['kind']} {i}", cached)
+            )
             if rid:
                 response_ids[tenant].append((rid, specs[i]["salt"]))
 
@@ -189,9 +239,13 @@ def tenants_under_load(server, per_kind: int, run: str) -> None:
 
     assert len(firsts) == 3 * len(specs) and len(repeats) == 3 * len(specs)
     crossed = [f for f in firsts if f[2] != 0]
-    assert not crossed, f"first requests of a tenant reported cached tokens (another tenant's KV): {crossed}"
+    assert not crossed, (
+        f"first requests of a tenant reported cached tokens (another tenant's KV): {crossed}"
+    )
     cold = [r for r in repeats if r[2] == 0]
-    assert not cold, f"repeats that reused nothing (the cache is not working, the check above proves nothing): {cold}"
+    assert not cold, (
+        f"repeats that reused nothing (the cache is not working, the check above proves nothing): {cold}"
+    )
 
     # A follow-up of each tenant's own stored response reuses it; another tenant's id is a 404
     # exactly like an unknown id (the id is the caller's own input; nothing else differs).
@@ -203,36 +257,69 @@ def tenants_under_load(server, per_kind: int, run: str) -> None:
     check_delete_isolation(server, clients, specs, seen)
     scan(seen, private)
     check_signing(server)
-    print(f"\ntenants: {len(TENANTS)}, {len(firsts)} first requests (0 reused anything), {len(repeats)} repeats "
-          f"({sum(r[2] for r in repeats)} cached tokens), {sum(map(len, seen.bodies.values()))} bodies scanned, "
-          f"0 leaks")
+    print(
+        f"\ntenants: {len(TENANTS)}, {len(firsts)} first requests (0 reused anything), {len(repeats)} repeats "
+        f"({sum(r[2] for r in repeats)} cached tokens), {sum(map(len, seen.bodies.values()))} bodies scanned, "
+        f"0 leaks"
+    )
 
 
 def check_responses_isolation(server, clients, response_ids, seen) -> None:
     for tenant, c in clients.items():
         rid, salt = response_ids[tenant][0]
-        follow = c.responses.create(model=MODEL, previous_response_id=rid, input="And then?",
-                                    max_output_tokens=MAX_TOKENS, temperature=0, extra_body={"cache_salt": salt})
+        follow = c.responses.create(
+            model=MODEL,
+            previous_response_id=rid,
+            input="And then?",
+            max_output_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"cache_salt": salt},
+        )
         assert follow.usage.input_tokens_details.cached_tokens > 0
         seen.add(tenant, "follow-up", follow.output_text)
     unknown = "resp_" + "0" * 32
     for owner, other in itertools.permutations(TENANTS, 2):
         rid = response_ids[owner][0][0]
-        for method, path, body in (("GET", "/responses/{}", None), ("GET", "/responses/{}/input_items", None),
-                                   ("DELETE", "/responses/{}", None),
-                                   ("POST", "/responses", {"model": MODEL, "input": "hi", "previous_response_id": "{}",
-                                                           "max_output_tokens": 1})):
+        for method, path, body in (
+            ("GET", "/responses/{}", None),
+            ("GET", "/responses/{}/input_items", None),
+            ("DELETE", "/responses/{}", None),
+            (
+                "POST",
+                "/responses",
+                {
+                    "model": MODEL,
+                    "input": "hi",
+                    "previous_response_id": "{}",
+                    "max_output_tokens": 1,
+                },
+            ),
+        ):
             answers = []
             for target in (rid, unknown):
-                json_body = None if body is None else {k: (v.format(target) if isinstance(v, str) else v)
-                                                      for k, v in body.items()}
-                r = httpx.request(method, server.base_url + path.format(target), json=json_body,
-                                  headers=headers(other), timeout=120)
+                json_body = (
+                    None
+                    if body is None
+                    else {
+                        k: (v.format(target) if isinstance(v, str) else v) for k, v in body.items()
+                    }
+                )
+                r = httpx.request(
+                    method,
+                    server.base_url + path.format(target),
+                    json=json_body,
+                    headers=headers(other),
+                    timeout=120,
+                )
                 seen.add(other, f"{method} {path} of {owner}'s id", r.text)
                 answers.append((r.status_code, r.text.replace(target, "<id>")))
             assert answers[0][0] == 404, (method, path, answers[0])
-            assert answers[0] == answers[1], f"{other} can tell {owner}'s response exists: {answers}"
-        assert clients[owner].responses.retrieve(rid).id == rid  # still there for its owner (not deleted)
+            assert answers[0] == answers[1], (
+                f"{other} can tell {owner}'s response exists: {answers}"
+            )
+        assert (
+            clients[owner].responses.retrieve(rid).id == rid
+        )  # still there for its owner (not deleted)
 
 
 def send_private(clients, seen) -> dict[str, list[str]]:
@@ -240,12 +327,20 @@ def send_private(clients, seen) -> dict[str, list[str]]:
     private = {}
     for tenant, c in clients.items():
         marker = f"zq{tenant}marker{random.Random(tenant).randrange(10**8):08d}"
-        doc = f"The private ledger of {marker} lists {marker}-vault contents. " + " ".join(SENTENCES[:3])
+        doc = f"The private ledger of {marker} lists {marker}-vault contents. " + " ".join(
+            SENTENCES[:3]
+        )
         prompt = f"Memo {marker}: " + long_text(1) + "\nSummary:"
         private[tenant] = [marker, doc[:60], prompt[:60], tenant_tag(tenant)]
-        for spec in ({"kind": "completion", "prompt": prompt},
-                     {"kind": "rag", "documents": [doc], "messages": [{"role": "user", "content": f"What is {marker}?"}]},
-                     {"kind": "responses", "instructions": marker, "input": prompt}):
+        for spec in (
+            {"kind": "completion", "prompt": prompt},
+            {
+                "kind": "rag",
+                "documents": [doc],
+                "messages": [{"role": "user", "content": f"What is {marker}?"}],
+            },
+            {"kind": "responses", "instructions": marker, "input": prompt},
+        ):
             _, text, _ = send(c, spec)
             seen.add(tenant, "private", text)
     return private
@@ -260,11 +355,13 @@ def probe_everything(server, seen, private) -> None:
         r = httpx.get(server.url + "/metrics", timeout=60)
         assert r.status_code == 200 and "kvfuse_" in r.text
         seen.add(tenant, "/metrics", r.text)
-        for body in ({"model": MODEL, "prompt": "x", "n": 2},  # 400s of every kind
-                     {"model": MODEL, "prompt": "x", "max_tokens": 10**9},
-                     {"model": MODEL, "prompt": "x", "recompute_ratio": 0.5},
-                     {"model": "not-a-model", "prompt": "x"},
-                     {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}):
+        for body in (
+            {"model": MODEL, "prompt": "x", "n": 2},  # 400s of every kind
+            {"model": MODEL, "prompt": "x", "max_tokens": 10**9},
+            {"model": MODEL, "prompt": "x", "recompute_ratio": 0.5},
+            {"model": "not-a-model", "prompt": "x"},
+            {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        ):
             path = "/chat/completions" if "messages" in body else "/completions"
             r = httpx.post(server.base_url + path, json=body, headers=headers(tenant), timeout=60)
             assert 400 <= r.status_code < 500, r.text
@@ -294,8 +391,12 @@ def check_signing(server) -> None:
     assert files, "no entries on disk"
     signer = EntrySigner([SIGNING_KEYS[0].encode()])
     assert {read_header(f.read_bytes(), signer).signature for f in files} == {"valid"}
-    stats = httpx.get(server.base_url + "/kv/stats", headers=headers("alice"), timeout=60).json()["tiers"]["store"]
-    assert stats["signature_unsigned"] == stats["signature_mismatch"] == stats["unusable_entries"] == 0
+    stats = httpx.get(server.base_url + "/kv/stats", headers=headers("alice"), timeout=60).json()[
+        "tiers"
+    ]["store"]
+    assert (
+        stats["signature_unsigned"] == stats["signature_mismatch"] == stats["unusable_entries"] == 0
+    )
     log = server.log_path.read_text(errors="replace")
     assert not [k for k in SIGNING_KEYS if k in log], "a signing key is in the server's log"
 
@@ -308,7 +409,9 @@ def scan(seen: Seen, private: dict[str, list[str]]) -> None:
         others = [t for t in TENANTS if t != tenant]
         for body in bodies:
             generated = body.startswith(("first", "repeat", "private", "follow-up"))
-            needles = [n for t in others for n in private[t][:3]] + ([] if generated else [f'"{t}"' for t in others])
+            needles = [n for t in others for n in private[t][:3]] + (
+                [] if generated else [f'"{t}"' for t in others]
+            )
             for needle in needles:
                 if needle in body:
                     leaks.append(f"{tenant} saw {needle!r} in {body[:200]!r}")
@@ -317,9 +420,19 @@ def scan(seen: Seen, private: dict[str, list[str]]) -> None:
                     leaks.append(f"{tenant} saw {t}'s tenant tag in {body[:200]!r}")
             for m in KEY_RE.findall(body) + HEX64_RE.findall(body):
                 leaks.append(f"{tenant} saw a key or digest {m!r} in {body[:120]!r}")
-            leaks += [f"{tenant} saw a signing key in {body[:120]!r}" for k in SIGNING_KEYS if k in body]
+            leaks += [
+                f"{tenant} saw a signing key in {body[:120]!r}" for k in SIGNING_KEYS if k in body
+            ]
     assert not leaks, "\n".join(leaks[:20])
     for tenant, bodies in seen.bodies.items():  # the scan looked at everything each tenant can see
         kinds = {b.split(":", 1)[0].split(" ")[0] for b in bodies}
-        assert {"first", "repeat", "private", "/v1/kv/stats", "/metrics", "error", "404"} <= kinds, (tenant, kinds)
+        assert {
+            "first",
+            "repeat",
+            "private",
+            "/v1/kv/stats",
+            "/metrics",
+            "error",
+            "404",
+        } <= kinds, (tenant, kinds)
         assert len(bodies) >= 25, (tenant, len(bodies))

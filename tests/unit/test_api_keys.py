@@ -19,27 +19,36 @@ ALICE = "sk-alice-123"
 ALICE_DIGEST = "sha256:" + hashlib.sha256(ALICE.encode()).hexdigest()
 
 
-@pytest.mark.parametrize("entry, expected", [
-    ("sk-a:alice", ("sk-a", "alice")),
-    ("sk-a:team:a", ("sk-a", "team:a")),  # a tenant may hold colons
-    (f"{ALICE_DIGEST}:alice", (ALICE_DIGEST, "alice")),
-    (f"{ALICE_DIGEST}:team:a", (ALICE_DIGEST, "team:a")),
-    ("just-a-key", ("just-a-key", "")),
-    ("sha256:abc", ("sha256:abc", "")),
-])
+@pytest.mark.parametrize(
+    "entry, expected",
+    [
+        ("sk-a:alice", ("sk-a", "alice")),
+        ("sk-a:team:a", ("sk-a", "team:a")),  # a tenant may hold colons
+        (f"{ALICE_DIGEST}:alice", (ALICE_DIGEST, "alice")),
+        (f"{ALICE_DIGEST}:team:a", (ALICE_DIGEST, "team:a")),
+        ("just-a-key", ("just-a-key", "")),
+        ("sha256:abc", ("sha256:abc", "")),
+    ],
+)
 def test_split_entry(entry, expected):
     assert split_entry(entry) == expected
 
 
-@pytest.mark.parametrize("entry, problem", [
-    ("sk-a:alice", None),
-    (f"{ALICE_DIGEST}:alice", None),
-    ("just-a-key", "KEY:TENANT or sha256:<64 hex digits>:TENANT"),
-    (":alice", "KEY:TENANT"),
-    (f"{ALICE_DIGEST}", "KEY:TENANT"),  # a digest without a tenant
-    ("sha256:abc:alice", "kvfuse keys digest"),  # too short
-    (ALICE_DIGEST.upper().replace("SHA256", "sha256") + ":alice", "64 hex digits"),  # uppercase hex
-])
+@pytest.mark.parametrize(
+    "entry, problem",
+    [
+        ("sk-a:alice", None),
+        (f"{ALICE_DIGEST}:alice", None),
+        ("just-a-key", "KEY:TENANT or sha256:<64 hex digits>:TENANT"),
+        (":alice", "KEY:TENANT"),
+        (f"{ALICE_DIGEST}", "KEY:TENANT"),  # a digest without a tenant
+        ("sha256:abc:alice", "kvfuse keys digest"),  # too short
+        (
+            ALICE_DIGEST.upper().replace("SHA256", "sha256") + ":alice",
+            "64 hex digits",
+        ),  # uppercase hex
+    ],
+)
 def test_entry_problem_names_the_form_and_the_fix(entry, problem):
     got = entry_problem(entry)
     assert (got is None) == (problem is None), got
@@ -53,7 +62,9 @@ def test_an_error_never_repeats_a_plain_key_in_full():
 
 def test_digests():
     assert key_digest(ALICE) == ALICE_DIGEST
-    assert digest_bytes(ALICE) == digest_bytes(ALICE_DIGEST) == hashlib.sha256(ALICE.encode()).digest()
+    assert (
+        digest_bytes(ALICE) == digest_bytes(ALICE_DIGEST) == hashlib.sha256(ALICE.encode()).digest()
+    )
     assert is_digest(ALICE_DIGEST) and not is_digest(ALICE)
     with pytest.raises(ValueError, match="64 lowercase hex"):
         digest_bytes("sha256:xyz")
@@ -108,8 +119,12 @@ def test_metrics_token():
 def test_config_accepts_digest_entries_and_names_bad_ones(tmp_path):
     c = load_config(env={"KVFUSE_SERVER_API_KEYS": f"{ALICE_DIGEST}:alice,sk-bob:bob"})
     assert c.api_key_map() == {ALICE_DIGEST: "alice", "sk-bob": "bob"}
-    assert ALICE_DIGEST not in repr(c) and "sk-bob" not in repr(c)  # secrets stay out of a config's repr
-    with pytest.raises(ConfigError, match=r"server.api_keys: a digest entry .*kvfuse keys digest.*KVFUSE_SERVER"):
+    assert ALICE_DIGEST not in repr(c) and "sk-bob" not in repr(
+        c
+    )  # secrets stay out of a config's repr
+    with pytest.raises(
+        ConfigError, match=r"server.api_keys: a digest entry .*kvfuse keys digest.*KVFUSE_SERVER"
+    ):
         load_config(env={"KVFUSE_SERVER_API_KEYS": "sha256:1234:alice"})
 
 
@@ -118,7 +133,9 @@ def test_metrics_token_settings(tmp_path):
     with pytest.raises(ConfigError, match="server.metrics_token: .*64 lowercase hex"):
         load_config(env={"KVFUSE_SERVER_METRICS_TOKEN": "sha256:beef"})
     with pytest.raises(ConfigError, match="one way"):
-        load_config(env={"KVFUSE_SERVER_METRICS_TOKEN": "tok", "KVFUSE_SERVER_METRICS_TOKEN_FILE": "/x"})
+        load_config(
+            env={"KVFUSE_SERVER_METRICS_TOKEN": "tok", "KVFUSE_SERVER_METRICS_TOKEN_FILE": "/x"}
+        )
     missing = tmp_path / "nope"
     with pytest.raises(ConfigError, match=f"server.metrics_token_file: cannot read {missing}"):
         load_config(env={"KVFUSE_SERVER_METRICS_TOKEN_FILE": str(missing)})
@@ -128,7 +145,9 @@ def test_metrics_token_settings(tmp_path):
         load_config(env={"KVFUSE_SERVER_METRICS_TOKEN_FILE": str(empty)})
     good = tmp_path / "token"
     good.write_text("tok\n")
-    assert load_config(env={"KVFUSE_SERVER_METRICS_TOKEN_FILE": str(good)}).server.metrics_token_file == str(good)
+    assert load_config(
+        env={"KVFUSE_SERVER_METRICS_TOKEN_FILE": str(good)}
+    ).server.metrics_token_file == str(good)
 
 
 def test_keys_digest_command(capsys, monkeypatch):
@@ -148,7 +167,12 @@ def test_keys_digest_command(capsys, monkeypatch):
 
 
 def test_keys_digest_as_a_process_reading_stdin():
-    out = subprocess.run([sys.executable, "-m", "kvfuse.cli", "keys", "digest", "--tenant", "alice"], input=ALICE,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvfuse.cli", "keys", "digest", "--tenant", "alice"],
+        input=ALICE,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"{ALICE_DIGEST}:alice\n" and ALICE not in out.stdout + out.stderr

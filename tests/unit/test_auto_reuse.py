@@ -29,12 +29,21 @@ SYSTEM = ids_of(20, 1)
 P = [ids_of(90, 2), ids_of(70, 3), ids_of(110, 4)]  # three passages
 Q1, Q2 = ids_of(9, 5), ids_of(11, 6)
 FIRST = SYSTEM + P[0] + P[1] + P[2] + Q1  # stores the passages' chunks
-SECOND = ids_of(7, 7) + P[2] + P[0] + P[1] + Q2  # the same passages, other order, after another start
+SECOND = (
+    ids_of(7, 7) + P[2] + P[0] + P[1] + Q2
+)  # the same passages, other order, after another start
 
 
 def engine_with(model, store, auto="on", min_tokens=64, history=False, **blend) -> Engine:
-    options = BlendOptions(**{"recompute_ratio": 0.2, "store_blended": False, "auto": auto,
-                              "auto_min_tokens": min_tokens, **blend})
+    options = BlendOptions(
+        **{
+            "recompute_ratio": 0.2,
+            "store_blended": False,
+            "auto": auto,
+            "auto_min_tokens": min_tokens,
+            **blend,
+        }
+    )
     return Engine(model, store, EngineSettings.of(chunk_size=CH, history=history, blend=options))
 
 
@@ -53,7 +62,11 @@ def test_passages_seen_in_another_order_are_reused_and_blended(family, tiny_load
     engine = engine_with(model, store)
     first = engine.generate(FIRST, GREEDY)
     engine.flush()
-    assert first.auto_reuse == "none_found" and first.span_reused_tokens == 0 and content_entries(store) > 10
+    assert (
+        first.auto_reuse == "none_found"
+        and first.span_reused_tokens == 0
+        and content_entries(store) > 10
+    )
     second = engine.generate(SECOND, GREEDY)
     passages = sum(map(len, P))
     assert second.auto_reuse == "blended" and second.blend is not None
@@ -61,8 +74,11 @@ def test_passages_seen_in_another_order_are_reused_and_blended(family, tiny_load
     assert second.recomputed_tokens > 0 and second.prefix_reused_tokens == 0
     assert second.cached_tokens == second.span_reused_tokens
     stats = engine.stats_snapshot()
-    assert stats["span_hits"] > 0 and stats["span_misses"] > 0 and stats["auto_requests"] == {
-        "none_found": 1, "blended": 1}
+    assert (
+        stats["span_hits"] > 0
+        and stats["span_misses"] > 0
+        and stats["auto_requests"] == {"none_found": 1, "blended": 1}
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "gemma3"])
@@ -72,7 +88,9 @@ def test_a_budget_of_one_answers_as_a_full_prefill(family, tiny_loaded):
     engine.generate(FIRST, GREEDY)
     engine.flush()
     got = engine.generate(SECOND, GREEDY)
-    assert got.auto_reuse == "blended" and got.span_reused_tokens == 0 and got.recomputed_tokens > 100
+    assert (
+        got.auto_reuse == "blended" and got.span_reused_tokens == 0 and got.recomputed_tokens > 100
+    )
     assert got.token_ids == baseline(model, SECOND)
 
 
@@ -90,7 +108,9 @@ def test_off_by_default_and_per_request(tiny_loaded):
     third = ids_of(5, 8) + P[1] + P[2] + P[0] + Q1  # SECOND is an exact prefix hit now
     asked = off.generate(third, GREEDY, cache=CacheOptions(auto_reuse=True))
     assert asked.auto_reuse == "blended" and asked.span_reused_tokens > 0
-    refused = on.generate(ids_of(6, 9) + P[1] + P[0] + Q1, GREEDY, cache=CacheOptions(auto_reuse=False))
+    refused = on.generate(
+        ids_of(6, 9) + P[1] + P[0] + Q1, GREEDY, cache=CacheOptions(auto_reuse=False)
+    )
     assert refused.auto_reuse == "off" and refused.span_reused_tokens == 0
     repeated = on.generate(SECOND, GREEDY)  # an exact prefix hit: nothing after it to look up
     assert repeated.auto_reuse == "none_found" and repeated.prefix_reused_tokens == len(SECOND) - 1
@@ -100,7 +120,9 @@ def test_a_prefix_profile_blends_nothing(tiny_loaded):
     model = tiny_loaded("llama")
     store = TieredStore(MemoryTier(1 << 27))
     engine_with(model, store).generate(FIRST, GREEDY)
-    engine = engine_with(model, store, method="prefix")  # what auto gives a model whose blends lose answers
+    engine = engine_with(
+        model, store, method="prefix"
+    )  # what auto gives a model whose blends lose answers
     got = engine.generate(SECOND, GREEDY)
     assert (got.auto_reuse, got.span_reused_tokens, got.recomputed_tokens) == ("prefix", 0, 0)
     assert got.token_ids == baseline(model, SECOND)
@@ -119,7 +141,12 @@ def test_documents_and_short_prompts(tiny_loaded):
     assert short.auto_reuse == "none_found" and content_entries(store) == 0
     docs = engine.generate(Prompt.of(SYSTEM, P, Q1), GREEDY)
     assert docs.auto_reuse == "skipped" and docs.span_reused_tokens == 0
-    assert AutoReuse(True).status(CacheOptions(enabled=False), BlendOptions(), cached=False, plain=True) == "skipped"
+    assert (
+        AutoReuse(True).status(
+            CacheOptions(enabled=False), BlendOptions(), cached=False, plain=True
+        )
+        == "skipped"
+    )
 
 
 @pytest.mark.parametrize("history", [False, True])
@@ -154,7 +181,9 @@ def test_found_spans_on_disk_and_a_damaged_one(tiny_loaded, tmp_path):
         data = bytearray(path.read_bytes())
         data[-3] ^= 0x20
         path.write_bytes(bytes(data))
-    store = TieredStore(MemoryTier(1 << 27), [DiskTier(tmp_path, 1 << 28)])  # a restart: chunks on disk only
+    store = TieredStore(
+        MemoryTier(1 << 27), [DiskTier(tmp_path, 1 << 28)]
+    )  # a restart: chunks on disk only
     engine = engine_with(model, store, recompute_ratio=1.0)
     got = engine.generate(SECOND, GREEDY)
     assert got.auto_reuse == "blended" and set(got.hit_tiers) == {"disk"}

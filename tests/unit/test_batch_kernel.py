@@ -8,7 +8,6 @@ build would otherwise leave every step silently on the slow path)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -27,7 +26,9 @@ def _seq(n: int, cap: int, dtype, shuffle: bool, seed: int):
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(3, 2, 2, cap, 16, generator=g).to(dtype)
     pos = torch.zeros(cap, dtype=torch.int64)
-    pos[:n] = torch.randperm(n, generator=g) * 2 if shuffle else torch.arange(n) * 2  # gaps, like blended documents
+    pos[:n] = (
+        torch.randperm(n, generator=g) * 2 if shuffle else torch.arange(n) * 2
+    )  # gaps, like blended documents
     return kv, pos
 
 
@@ -36,8 +37,18 @@ def _reference(q, seqs, lens, q_seq, q_pos, layer, scale, window, softcap):
     for i, (qs, qp) in enumerate(zip(q_seq, q_pos)):
         kv, pos = seqs[qs]
         n = lens[qs]
-        rows.append(attention.attend(q[i : i + 1].transpose(0, 1), kv[layer, 0, :, :n], kv[layer, 1, :, :n],
-                                     torch.tensor([qp]), pos[:n], scale=scale, window=window, softcap=softcap))
+        rows.append(
+            attention.attend(
+                q[i : i + 1].transpose(0, 1),
+                kv[layer, 0, :, :n],
+                kv[layer, 1, :, :n],
+                torch.tensor([qp]),
+                pos[:n],
+                scale=scale,
+                window=window,
+                softcap=softcap,
+            )
+        )
     return torch.cat(rows)
 
 
@@ -60,8 +71,18 @@ def test_the_kernel_computes_the_position_masked_attention(ext, dtype, window, s
     q_seq = [0, 1, 2, 2, 2, 3, 3]
     q_pos = [0, 3, 79, 40, 11, 64, 1]
     q = torch.randn(len(q_seq), 4, 16, generator=torch.Generator().manual_seed(9))
-    got = ext.attend(q, [s[0] for s in seqs], [s[1] for s in seqs], lens, q_seq, q_pos, 1, 0.25, window or 0,
-                     softcap or 0.0)
+    got = ext.attend(
+        q,
+        [s[0] for s in seqs],
+        [s[1] for s in seqs],
+        lens,
+        q_seq,
+        q_pos,
+        1,
+        0.25,
+        window or 0,
+        softcap or 0.0,
+    )
     want = _reference(q, seqs, lens, q_seq, q_pos, 1, 0.25, window, softcap)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
@@ -70,7 +91,9 @@ def test_the_kernel_computes_the_position_masked_attention(ext, dtype, window, s
 def test_write_kv_rounds_like_a_tensor_copy(ext, dtype):
     bufs = [_seq(10, 20, dtype, False, s)[0] for s in range(3)]
     want = [b.clone() for b in bufs]
-    qkv = torch.randn(6, 4 * 16 + 2 * 2 * 16)  # k and v are strided views of a fused projection, as in the runner
+    qkv = torch.randn(
+        6, 4 * 16 + 2 * 2 * 16
+    )  # k and v are strided views of a fused projection, as in the runner
     k, v = qkv[:, 64:96].view(6, 2, 16), qkv[:, 96:].view(6, 2, 16)
     spans = [(0, 3, 2), (2, 0, 3), (5, 19, 1)]  # (first row, first slot, rows)
     ext.write_kv(bufs, 2, k, v, [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans])
@@ -107,8 +130,11 @@ def test_a_batched_step_is_the_same_with_the_kernel_on_and_off(ext, family, kv_d
             caches = [runner.new_cache(120, kv_dtype) for _ in prompts]
             runner.forward(prompts[0][:40], caches[0], logits="none")
             runner.forward(prompts[2], caches[2], logits="none")
-            items = [BatchItem(prompts[0][40:], caches[0]), BatchItem(prompts[1], caches[1], logits=False),
-                     BatchItem([7], caches[2])]
+            items = [
+                BatchItem(prompts[0][40:], caches[0]),
+                BatchItem(prompts[1], caches[1], logits=False),
+                BatchItem([7], caches[2]),
+            ]
             out = runner.forward_batch(items)
             out += runner.forward_batch([BatchItem([11], c) for c in caches])
             return out, caches
@@ -122,12 +148,18 @@ def test_a_batched_step_is_the_same_with_the_kernel_on_and_off(ext, family, kv_d
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     for a, b in zip(kv_on, kv_off):
         assert a.length == b.length
-        torch.testing.assert_close(a.kv[:, :, :, : a.length].float(), b.kv[:, :, :, : b.length].float(),
-                                   atol=1e-3, rtol=1e-3)
+        torch.testing.assert_close(
+            a.kv[:, :, :, : a.length].float(),
+            b.kv[:, :, :, : b.length].float(),
+            atol=1e-3,
+            rtol=1e-3,
+        )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-def test_packed_float32_weights_compute_what_plain_weights_compute(family, tiny_model_dir, monkeypatch):
+def test_packed_float32_weights_compute_what_plain_weights_compute(
+    family, tiny_model_dir, monkeypatch
+):
     """``weights: auto`` on the CPU loads packed projections (``models.packed``: blocks for the
     kernel); logits of a prefill and of a batched step equal those of plain tensors up to float
     rounding."""
@@ -171,16 +203,19 @@ def test_sequences_with_different_kv_dtypes_share_a_step(ext, tiny_loaded):
         torch.testing.assert_close(got, runner.forward([tok], alone), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("queries,keys,kernel", [
-    (1, 100_000, True),   # decode: always the kernel
-    (4, 5_000, True),     # a few queries: the kernel whatever the history
-    (5, 800, True),       # 4,000 scores
-    (5, 900, False),      # 4,500 scores: SDPA
-    (16, 256, True),
-    (16, 257, False),
-    (17, 10, False),      # beyond the kernel's query limit
-    (1, 0, True),
-])
+@pytest.mark.parametrize(
+    "queries,keys,kernel",
+    [
+        (1, 100_000, True),  # decode: always the kernel
+        (4, 5_000, True),  # a few queries: the kernel whatever the history
+        (5, 800, True),  # 4,000 scores
+        (5, 900, False),  # 4,500 scores: SDPA
+        (16, 256, True),
+        (16, 257, False),
+        (17, 10, False),  # beyond the kernel's query limit
+        (1, 0, True),
+    ],
+)
 def test_which_sequences_take_the_attention_kernel(queries, keys, kernel):
     from kvfuse.models.batch import kernel_fits
 

@@ -58,8 +58,13 @@ def test_a_batched_step_computes_what_each_sequence_computes_alone(family, tiny_
     batched = [runner.new_cache(160) for _ in prompts]
     runner.forward(prompts[0][:30], batched[0], logits="none")
     runner.forward(prompts[2][:30], batched[2], logits="none")
-    out = runner.forward_batch([BatchItem(prompts[0][30:], batched[0]), BatchItem(prompts[1], batched[1]),
-                                BatchItem(prompts[2][30:60], batched[2], logits=False)])
+    out = runner.forward_batch(
+        [
+            BatchItem(prompts[0][30:], batched[0]),
+            BatchItem(prompts[1], batched[1]),
+            BatchItem(prompts[2][30:60], batched[2], logits=False),
+        ]
+    )
     ref0 = runner.forward(prompts[0][30:], caches[0])
     ref1 = runner.forward(prompts[1], caches[1])
     runner.forward(prompts[2][30:60], caches[2], logits="none")
@@ -68,7 +73,9 @@ def test_a_batched_step_computes_what_each_sequence_computes_alone(family, tiny_
     torch.testing.assert_close(out[1], ref1, atol=1e-4, rtol=1e-4)
     for b, c in zip(batched, caches):
         assert b.length == c.length
-        torch.testing.assert_close(b.kv[:, :, :, : b.length], c.kv[:, :, :, : c.length], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            b.kv[:, :, :, : b.length], c.kv[:, :, :, : c.length], atol=1e-4, rtol=1e-4
+        )
     # then decodes of all three, at their own positions
     out = runner.forward_batch([BatchItem([5], b) for b in batched])
     for o, c in zip(out, caches):
@@ -84,7 +91,7 @@ def test_a_batched_step_can_rewrite_slots_in_the_middle(tiny_loaded):
     runner.forward(p, ref, logits="none")
     runner.forward(p, got, logits="none")
     a = runner.forward(p[-1:], ref, positions=torch.tensor([29]), start=29)
-    b, = runner.forward_batch([BatchItem(p[-1:], got, positions=torch.tensor([29]), start=29)])
+    (b,) = runner.forward_batch([BatchItem(p[-1:], got, positions=torch.tensor([29]), start=29)])
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
     assert got.length == 30
 
@@ -124,7 +131,9 @@ def one_by_one(loaded, requests: list[tuple[list[int], SamplingParams]]) -> list
     return [engine.generate(ids, params).token_ids for ids, params in requests]
 
 
-def run_all(engine: Engine, requests, cancel_after: dict[int, int] | None = None, max_steps: int = 10_000):
+def run_all(
+    engine: Engine, requests, cancel_after: dict[int, int] | None = None, max_steps: int = 10_000
+):
     """Submit every request, then step until all are done; returns (results, steps, peak running)."""
     results: dict[int, object] = {}
     reqs = []
@@ -136,8 +145,12 @@ def run_all(engine: Engine, requests, cancel_after: dict[int, int] | None = None
             if cancel_after and i in cancel_after and len(pieces) >= cancel_after[i]:
                 reqs[i].cancel.set()
 
-        r = Request(Prompt.plain(ids), params, on_text=on_text,
-                    on_done=lambda o, i=i: results.__setitem__(i, o))
+        r = Request(
+            Prompt.plain(ids),
+            params,
+            on_text=on_text,
+            on_done=lambda o, i=i: results.__setitem__(i, o),
+        )
         reqs.append(r)
         engine.submit(r)
     steps = peak = 0
@@ -145,7 +158,10 @@ def run_all(engine: Engine, requests, cancel_after: dict[int, int] | None = None
         engine.step()
         steps += 1
         peak = max(peak, len(engine.scheduler.running()))
-        assert engine.scheduler.memory.budget.limit is None or engine.scheduler.memory.budget.used <= engine.scheduler.memory.budget.limit
+        assert (
+            engine.scheduler.memory.budget.limit is None
+            or engine.scheduler.memory.budget.used <= engine.scheduler.memory.budget.limit
+        )
         assert steps < max_steps
     return [results[i] for i in range(len(requests))], steps, peak
 
@@ -155,9 +171,14 @@ def test_concurrent_requests_give_the_outputs_of_running_them_one_by_one(tiny_lo
     cancelled mid-way, all in flight together with chunked prefill."""
     loaded = tiny_loaded("llama")
     shared = ids_of(48, 10)
-    requests = [(ids_of(70, 11), greedy(12)), (shared + ids_of(5, 12), greedy(9)),
-                (ids_of(3, 13), greedy(20)), (shared + ids_of(9, 14), greedy(15)),
-                (ids_of(130, 15), greedy(6)), (ids_of(20, 16), greedy(30))]
+    requests = [
+        (ids_of(70, 11), greedy(12)),
+        (shared + ids_of(5, 12), greedy(9)),
+        (ids_of(3, 13), greedy(20)),
+        (shared + ids_of(9, 14), greedy(15)),
+        (ids_of(130, 15), greedy(6)),
+        (ids_of(20, 16), greedy(30)),
+    ]
     ref = one_by_one(loaded, requests)
     # a stop string: the text of request 5's tokens 4-5 in the reference
     stop_text = loaded.tokenizer.decode(ref[5][4:6])
@@ -178,7 +199,9 @@ def test_concurrent_requests_give_the_outputs_of_running_them_one_by_one(tiny_lo
             assert r.token_ids == ref[i], i
     assert outcomes[1].result.cached_tokens >= 32 and outcomes[3].result.cached_tokens >= 32
     s = engine.stats_snapshot()
-    assert s["steps"] > 0 and s["step_sequences"] > s["steps"]  # several sequences per step on average
+    assert (
+        s["steps"] > 0 and s["step_sequences"] > s["steps"]
+    )  # several sequences per step on average
     engine.close()
 
 
@@ -194,7 +217,10 @@ def test_the_memory_budget_is_never_exceeded_and_preempted_requests_lose_nothing
     engine = engine_for(loaded, max_running=6, max_step_tokens=64, kv_memory_bytes=limit)
     outcomes, steps, peak = run_all(engine, requests)
     assert [o.result.token_ids for o in outcomes] == ref
-    assert engine.scheduler.memory.budget.peak <= limit and engine.scheduler.memory.budget.peak > limit // 2
+    assert (
+        engine.scheduler.memory.budget.peak <= limit
+        and engine.scheduler.memory.budget.peak > limit // 2
+    )
     assert engine.stats_snapshot()["preemptions"] > 0 and engine.queue_state()["preempted"] > 0
     engine.flush()
     assert engine.scheduler.memory.budget.used == 0
@@ -211,7 +237,9 @@ def test_a_request_larger_than_the_whole_budget_is_refused_up_front(tiny_loaded)
     engine.close()
 
 
-def test_a_long_prompt_behind_many_short_ones_finishes_within_a_bounded_number_of_steps(tiny_loaded):
+def test_a_long_prompt_behind_many_short_ones_finishes_within_a_bounded_number_of_steps(
+    tiny_loaded,
+):
     """No starvation: admission is first come, first served, and a prompt is computed in chunks
     of the step's token budget left after the decodes, so a long prompt queued behind many short
     requests starts within one step of its turn and progresses every step."""
@@ -272,8 +300,12 @@ def test_the_loop_thread_batches_requests_submitted_from_several_threads(tiny_lo
     engine = engine_for(loaded, max_running=5)
     engine.start()
     out: dict[int, list[int]] = {}
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, engine.generate(*requests[i]).token_ids))
-               for i in range(len(requests))]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: out.__setitem__(i, engine.generate(*requests[i]).token_ids)
+        )
+        for i in range(len(requests))
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -287,11 +319,19 @@ def test_requests_sharing_a_prefix_submitted_together_compute_it_once(tiny_loade
     chunks, then loads them: a burst of questions over one document set reuses it."""
     loaded = tiny_loaded("llama")
     shared = ids_of(64, 70)
-    requests = [(shared + ids_of(6, 71), greedy(5)), (ids_of(12, 72), greedy(5)), (shared + ids_of(4, 73), greedy(5))]
+    requests = [
+        (shared + ids_of(6, 71), greedy(5)),
+        (ids_of(12, 72), greedy(5)),
+        (shared + ids_of(4, 73), greedy(5)),
+    ]
     ref = one_by_one(loaded, requests)
     engine = engine_for(loaded, max_running=4, max_step_tokens=24)
     outcomes, steps, peak = run_all(engine, requests)
     assert [o.result.token_ids for o in outcomes] == ref
-    assert outcomes[2].result.cached_tokens == 64  # all four shared chunks, computed by request 0 only
-    assert outcomes[1].result.timings.queued_s <= outcomes[2].result.timings.queued_s  # 1 overtook the deferred 2
+    assert (
+        outcomes[2].result.cached_tokens == 64
+    )  # all four shared chunks, computed by request 0 only
+    assert (
+        outcomes[1].result.timings.queued_s <= outcomes[2].result.timings.queued_s
+    )  # 1 overtook the deferred 2
     engine.close()

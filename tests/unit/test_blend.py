@@ -18,7 +18,13 @@ from kvfuse.tiers.disk_files import key_to_filename
 
 CH = 16
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3"]  # mistral and gemma3: sliding windows of 48
+FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+]  # mistral and gemma3: sliding windows of 48
 
 
 def ids_of(n: int, seed: int) -> list[int]:
@@ -38,8 +44,11 @@ def blended_cache(runner, prefix, docs, n_suffix, kv_dtype, context=()):
         alone = runner.new_cache(dtype=kv_dtype)
         runner.forward(list(context) + doc, alone, logits="none")
         start = kv.length
-        kv.write(start, alone.chunk(len(context), len(context) + len(doc)).kv,
-                 torch.arange(len(context), len(context) + len(doc)))
+        kv.write(
+            start,
+            alone.chunk(len(context), len(context) + len(doc)).kv,
+            torch.arange(len(context), len(context) + len(doc)),
+        )
         runner.move_keys(kv, start, start + len(doc), start)
         spans.append((start, start + len(doc)))
     suffix_start, n = kv.length, kv.length + n_suffix
@@ -82,15 +91,23 @@ def test_ratio_zero_is_the_concatenation_of_moved_document_kv(family, runner):
     ids = PREFIX + sum(DOCS, []) + SUFFIX
     kv, spans, s = blended_cache(r, PREFIX, DOCS, len(SUFFIX), torch.float16)
     before = kv.kv[:, :, :, :s].clone()
-    logits, stats = blend_prefill(r, kv, ids, spans[0][0], s, spans, BlendOptions(recompute_ratio=0.0))
-    assert stats.selected == 0 and torch.equal(kv.kv[:, :, :, :s], before)  # no document KV was touched
+    logits, stats = blend_prefill(
+        r, kv, ids, spans[0][0], s, spans, BlendOptions(recompute_ratio=0.0)
+    )
+    assert stats.selected == 0 and torch.equal(
+        kv.kv[:, :, :, :s], before
+    )  # no document KV was touched
     concat, _, _ = blended_cache(r, PREFIX, DOCS, 0, torch.float16)
     ref = r.forward(SUFFIX, concat, logits="last")  # the suffix over the plain concatenation
     assert (logits - ref).abs().max() <= 1e-5
-    assert (logits - full_logits(r, ids, torch.float16)).abs().max() > 1e-3  # and that is not a prefill
+    assert (
+        logits - full_logits(r, ids, torch.float16)
+    ).abs().max() > 1e-3  # and that is not a prefill
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])  # with 2 layers, the check layer is the last one
+@pytest.mark.parametrize(
+    "family", ["llama", "gemma3"]
+)  # with 2 layers, the check layer is the last one
 def test_partial_ratios_sit_between_full_reuse_and_full_prefill(family, runner):
     r = runner(family)
     ids = PREFIX + sum(DOCS, []) + SUFFIX
@@ -98,7 +115,9 @@ def test_partial_ratios_sit_between_full_reuse_and_full_prefill(family, runner):
     err = {}
     for ratio in (0.0, 0.3, 1.0):
         kv, spans, s = blended_cache(r, PREFIX, DOCS, len(SUFFIX), torch.float32)
-        logits, stats = blend_prefill(r, kv, ids, spans[0][0], s, spans, BlendOptions(recompute_ratio=ratio))
+        logits, stats = blend_prefill(
+            r, kv, ids, spans[0][0], s, spans, BlendOptions(recompute_ratio=ratio)
+        )
         err[ratio] = float((logits - ref).abs().max())
         assert stats.selected == round(ratio * 110)
     assert err[1.0] < err[0.3] < err[0.0]
@@ -107,22 +126,35 @@ def test_partial_ratios_sit_between_full_reuse_and_full_prefill(family, runner):
 def test_the_check_layer_the_deviation_and_gradual_filtering(runner):
     r = runner("gemma3")  # 6 layers
     ids = PREFIX + sum(DOCS, []) + SUFFIX
-    for opts in (BlendOptions(recompute_ratio=0.2, check_layer=0), BlendOptions(recompute_ratio=0.2, check_layer=3),
-                 BlendOptions(recompute_ratio=0.2, deviation="k"), BlendOptions(recompute_ratio=0.2, gradual=True)):
+    for opts in (
+        BlendOptions(recompute_ratio=0.2, check_layer=0),
+        BlendOptions(recompute_ratio=0.2, check_layer=3),
+        BlendOptions(recompute_ratio=0.2, deviation="k"),
+        BlendOptions(recompute_ratio=0.2, gradual=True),
+    ):
         kv, spans, s = blended_cache(r, PREFIX, DOCS, len(SUFFIX), torch.float32)
         _, stats = blend_prefill(r, kv, ids, spans[0][0], s, spans, opts)
         check = opts.check_layer
-        assert stats.active[: check + 1] == [110] * (check + 1)  # full layers and the check layer: all tokens
+        assert stats.active[: check + 1] == [110] * (
+            check + 1
+        )  # full layers and the check layer: all tokens
         if opts.gradual:  # twice the budget at the check layer, shrinking to it over three layers
-            assert stats.selected == 44 and stats.active[2:5] == [44, 37, 29] and stats.active[5] == 22
+            assert (
+                stats.selected == 44 and stats.active[2:5] == [44, 37, 29] and stats.active[5] == 22
+            )
         else:
             assert stats.selected == 22 and all(a == 22 for a in stats.active[check + 1 :])
 
 
 # ------------------------------------------------------------------------------ the engine
 
+
 def engine_with(model, store, **blend) -> Engine:
-    return Engine(model, store, EngineSettings.of(chunk_size=CH, blend=BlendOptions(**{"store_blended": False, **blend})))
+    return Engine(
+        model,
+        store,
+        EngineSettings.of(chunk_size=CH, blend=BlendOptions(**{"store_blended": False, **blend})),
+    )
 
 
 def baseline(model, ids) -> list[int]:
@@ -140,7 +172,10 @@ def test_engine_ratio_one_answers_as_a_full_prefill(family, tiny_loaded):
     assert first.token_ids == expected and again.token_ids == expected
     n_docs = sum(len(d) for d in DOCS)
     assert (first.cached_tokens, first.recomputed_tokens, first.stored_chunks) == (0, n_docs, 1 + 3)
-    assert (again.cached_tokens, again.recomputed_tokens) == (16, n_docs)  # every document token recomputed
+    assert (again.cached_tokens, again.recomputed_tokens) == (
+        16,
+        n_docs,
+    )  # every document token recomputed
     assert again.hit_tiers == ("memory",) * 4
 
 
@@ -162,13 +197,19 @@ def test_documents_in_any_order_repeated_and_at_the_end(tiny_loaded):
     engine = engine_with(model, store, recompute_ratio=0.2)
     engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     puts = store.stats()["memory"]["puts"]
-    swapped = engine.generate(Prompt.of(PREFIX, DOCS[::-1], SUFFIX), GREEDY)  # other positions: keys moved
+    swapped = engine.generate(
+        Prompt.of(PREFIX, DOCS[::-1], SUFFIX), GREEDY
+    )  # other positions: keys moved
     assert swapped.stored_chunks == 0 and store.stats()["memory"]["puts"] == puts
     assert swapped.hit_tiers == ("memory",) * 4 and swapped.recomputed_tokens == round(0.2 * 110)
     twice = engine.generate(Prompt.of(PREFIX, [DOCS[0], DOCS[1], DOCS[0]], SUFFIX), GREEDY)
     assert twice.hit_tiers == ("memory",) * 4 and len(twice.token_ids) == GREEDY.max_tokens
-    ending = engine.generate(Prompt.of(PREFIX, DOCS), GREEDY)  # no question: the last token is computed
-    assert len(ending.token_ids) == GREEDY.max_tokens and ending.recomputed_tokens == round(0.2 * 109)
+    ending = engine.generate(
+        Prompt.of(PREFIX, DOCS), GREEDY
+    )  # no question: the last token is computed
+    assert len(ending.token_ids) == GREEDY.max_tokens and ending.recomputed_tokens == round(
+        0.2 * 109
+    )
 
 
 def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
@@ -176,18 +217,26 @@ def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
     store = TieredStore(MemoryTier(1 << 26))
     engine = engine_with(model, store, recompute_ratio=0.2, store_blended=True)
     first = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
-    assert first.stored_chunks == 1 + 3 + 8  # prefix chunk, three documents, the blended chain (130 // 16)
+    assert (
+        first.stored_chunks == 1 + 3 + 8
+    )  # prefix chunk, three documents, the blended chain (130 // 16)
     other_question = ids_of(12, 8)
     hit = engine.generate(Prompt.of(PREFIX, DOCS, other_question), GREEDY)
-    assert hit.hit_tiers == ("memory",) * 8 and hit.recomputed_tokens == 0 and hit.cached_tokens == 128
+    assert (
+        hit.hit_tiers == ("memory",) * 8 and hit.recomputed_tokens == 0 and hit.cached_tokens == 128
+    )
     # the chain: the prefix keys of everything before the question, in the namespace of the blend settings
     chain = prefix_keys(PREFIX + sum(DOCS, []), CH, engine.namespace(blend=engine.blend))
     assert all(store.memory.get(k) is not None for k in chain)
     # other blend settings or a plain prompt with the same tokens never see the blended KV
-    other = Engine(model, store, EngineSettings.of(chunk_size=CH, blend=BlendOptions(recompute_ratio=0.5)))
+    other = Engine(
+        model, store, EngineSettings.of(chunk_size=CH, blend=BlendOptions(recompute_ratio=0.5))
+    )
     assert other.generate(Prompt.of(PREFIX, DOCS, other_question), GREEDY).recomputed_tokens == 55
     flat = engine.generate(PREFIX + sum(DOCS, []) + other_question, GREEDY)
-    assert flat.cached_tokens == 16 and flat.token_ids == baseline(model, PREFIX + sum(DOCS, []) + other_question)
+    assert flat.cached_tokens == 16 and flat.token_ids == baseline(
+        model, PREFIX + sum(DOCS, []) + other_question
+    )
 
 
 def test_a_question_aware_blend_is_stored_for_its_question_only(tiny_loaded):
@@ -196,10 +245,18 @@ def test_a_question_aware_blend_is_stored_for_its_question_only(tiny_loaded):
     engine = engine_with(model, store, recompute_ratio=0.2, method="hkvd-attn", store_blended=True)
     first = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     assert first.recomputed_tokens == 22 and first.stored_chunks == 1 + 3 + 8
-    other = engine.generate(Prompt.of(PREFIX, DOCS, ids_of(9, 12)), GREEDY)  # the selection follows the question
+    other = engine.generate(
+        Prompt.of(PREFIX, DOCS, ids_of(9, 12)), GREEDY
+    )  # the selection follows the question
     assert other.recomputed_tokens == 22
-    same = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)  # the very same prompt: an exact prefix hit
-    assert same.recomputed_tokens == 0 and same.cached_tokens == 128 and same.hit_tiers == ("memory",) * 8
+    same = engine.generate(
+        Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY
+    )  # the very same prompt: an exact prefix hit
+    assert (
+        same.recomputed_tokens == 0
+        and same.cached_tokens == 128
+        and same.hit_tiers == ("memory",) * 8
+    )
 
 
 def test_attention_selection_picks_what_the_question_attends_to(runner):
@@ -217,7 +274,9 @@ def test_attention_selection_picks_what_the_question_attends_to(runner):
     mass = _attention_mass(r, 1, q, torch.arange(s, len(ids)), kv, len(ids), doc_slots)
     assert mass.shape == (110,) and (mass >= 0).all()
     # the whole distribution of every head and query sums to 1: the documents get part of it
-    total = _attention_mass(r, 1, q, torch.arange(s, len(ids)), kv, len(ids), torch.arange(len(ids)))
+    total = _attention_mass(
+        r, 1, q, torch.arange(s, len(ids)), kv, len(ids), torch.arange(len(ids))
+    )
     assert float(total.sum()) == pytest.approx(r.config.num_heads * len(SUFFIX), rel=1e-4)
     assert 0 < float(mass.sum()) < float(total.sum())
 
@@ -228,11 +287,15 @@ def test_documents_on_disk_load_layer_by_layer_and_are_promoted(tiny_loaded, tmp
     warm = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])
     expected = engine_with(model, warm, recompute_ratio=0.15).generate(prompt, GREEDY)
     warm.close()
-    store = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])  # a restart: documents on disk only
+    store = TieredStore(
+        MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)]
+    )  # a restart: documents on disk only
     engine = engine_with(model, store, recompute_ratio=0.15)
     cold = engine.generate(prompt, GREEDY)
     assert cold.token_ids == expected.token_ids and cold.hit_tiers == ("disk",) * 4
-    assert store.stats()["store"]["promotions"] == 4  # the prefix chunk fetched whole, 3 documents rebuilt
+    assert (
+        store.stats()["store"]["promotions"] == 4
+    )  # the prefix chunk fetched whole, 3 documents rebuilt
     warm_again = engine.generate(prompt, GREEDY)
     assert warm_again.hit_tiers == ("memory",) * 4 and warm_again.token_ids == expected.token_ids
 
@@ -253,8 +316,15 @@ def test_a_damaged_document_on_disk_is_computed_again_mid_blend(tiny_loaded, tmp
     engine = engine_with(model, store, recompute_ratio=0.15)
     again = engine.generate(prompt, GREEDY)
     assert again.token_ids == expected.token_ids and again.stored_chunks == 1  # the document again
-    assert again.hit_tiers == ("memory", "disk", "disk")  # the prefix chunk was promoted by the first attempt
-    assert engine.stats_snapshot()["chunk_load_failures"] == 1 and store.stats()["store"]["unusable_entries"] == 1
+    assert again.hit_tiers == (
+        "memory",
+        "disk",
+        "disk",
+    )  # the prefix chunk was promoted by the first attempt
+    assert (
+        engine.stats_snapshot()["chunk_load_failures"] == 1
+        and store.stats()["store"]["unusable_entries"] == 1
+    )
     store.flush()
     assert engine.generate(prompt, GREEDY).hit_tiers == ("memory",) * 4
 
@@ -269,7 +339,9 @@ def test_documents_need_the_cache_and_tokens(tiny_loaded):
     with pytest.raises(ValueError, match="context window"):
         engine.generate(Prompt.of(PREFIX, [ids_of(4090, 9)], SUFFIX), GREEDY)
     with pytest.raises(ValueError, match="check_layer"):
-        Engine(model, None, EngineSettings.of(blend=BlendOptions(check_layer=3)))  # the tiny llama has 3 layers
+        Engine(
+            model, None, EngineSettings.of(blend=BlendOptions(check_layer=3))
+        )  # the tiny llama has 3 layers
 
 
 def test_score_gives_teacher_forced_logits_through_the_request_path(tiny_loaded):
@@ -277,12 +349,18 @@ def test_score_gives_teacher_forced_logits_through_the_request_path(tiny_loaded)
     r = model.runner
     cont_a, cont_b = ids_of(5, 10), ids_of(3, 11)
     prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
-    ref = r.forward(prompt.ids + cont_a, r.new_cache(dtype=torch.float16), logits="all")[len(prompt) - 1 :]
+    ref = r.forward(prompt.ids + cont_a, r.new_cache(dtype=torch.float16), logits="all")[
+        len(prompt) - 1 :
+    ]
     engine = engine_with(model, TieredStore(MemoryTier(1 << 26)), recompute_ratio=1.0)
     a, b = engine.score(prompt, [cont_a, cont_b])
     assert a.shape == (6, r.config.vocab_size) and b.shape == (4, r.config.vocab_size)
     assert (a - ref).abs().max() <= 1e-3 and torch.equal(a[0], b[0])
-    reuse_a, = engine.score(prompt, [cont_a], blend=BlendOptions(recompute_ratio=0.0, store_blended=False))
+    (reuse_a,) = engine.score(
+        prompt, [cont_a], blend=BlendOptions(recompute_ratio=0.0, store_blended=False)
+    )
     assert (reuse_a - ref).abs().max() > 1e-3  # full reuse is not a prefill ...
-    plain = Engine(model, None).score(prompt.ids, [cont_a])[0]  # ... and a plain prompt without a cache is
+    plain = Engine(model, None).score(prompt.ids, [cont_a])[
+        0
+    ]  # ... and a plain prompt without a cache is
     assert (plain - ref).abs().max() <= 1e-3

@@ -5,7 +5,6 @@ block, biases, inputs that are not contiguous or not float32, and clear errors f
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,7 +20,11 @@ def ext(cpu_kernels):
 
 def _data(out: int, inp: int, rows: int, seed: int):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(out, inp, generator=g) / inp**0.5, torch.randn(rows, inp, generator=g), torch.randn(out, generator=g)
+    return (
+        torch.randn(out, inp, generator=g) / inp**0.5,
+        torch.randn(rows, inp, generator=g),
+        torch.randn(out, generator=g),
+    )
 
 
 # (out, in): one partial block, exact blocks, a partial last block, k not a multiple of the unroll
@@ -60,12 +63,16 @@ def test_inputs_of_any_layout_and_dtype():
     w, x, b = _data(48, 64, 10, seed=3)
     bw = BlockedWeight(w)
     wide = torch.randn(10, 128)
-    torch.testing.assert_close(bw.linear(wide[:, ::2]), F.linear(wide[:, ::2], w), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        bw.linear(wide[:, ::2]), F.linear(wide[:, ::2], w), atol=2e-5, rtol=2e-5
+    )
     batched = torch.randn(2, 5, 64)  # leading dimensions are kept
     torch.testing.assert_close(bw.linear(batched, b), F.linear(batched, w, b), atol=2e-5, rtol=2e-5)
     y = bw.linear(x.bfloat16(), b.bfloat16())
     assert y.dtype == torch.bfloat16 and y.shape == (10, 48)
-    torch.testing.assert_close(y.float(), F.linear(x.bfloat16().float(), w, b.bfloat16().float()), atol=0.05, rtol=0.02)
+    torch.testing.assert_close(
+        y.float(), F.linear(x.bfloat16().float(), w, b.bfloat16().float()), atol=0.05, rtol=0.02
+    )
     assert bw.linear(torch.empty(0, 64)).shape == (0, 48)
 
 
@@ -103,11 +110,18 @@ def test_pack_weights_uses_blocks_where_the_kernels_build(tiny_model_dir):
     from kvfuse.models.loader import load_folder
     from kvfuse.models.quant import identity_of
 
-    fp32, int8 = load_folder(tiny_model_dir("qwen2")), load_folder(tiny_model_dir("qwen2"), weights="int8")
+    fp32, int8 = (
+        load_folder(tiny_model_dir("qwen2")),
+        load_folder(tiny_model_dir("qwen2"), weights="int8"),
+    )
     assert packed.available(torch.device("cpu"), torch.float32)
     for lw in fp32.weights.layers:
-        assert all(isinstance(getattr(lw, f), BlockedWeight) and getattr(lw, f).fmt == "float32"
-                   for f in ("wqkv", "wo", "w_gate", "w_up", "w_down"))
+        assert all(
+            isinstance(getattr(lw, f), BlockedWeight) and getattr(lw, f).fmt == "float32"
+            for f in ("wqkv", "wo", "w_gate", "w_up", "w_down")
+        )
     assert isinstance(fp32.weights.embed, torch.Tensor) and fp32.weights.lm_head.fmt == "float32"
     assert isinstance(int8.weights.lm_head, BlockedWeight) and int8.weights.lm_head.fmt == "int8"
-    assert identity_of(fp32.weights) is None and identity_of(int8.weights) == "int8-rowwise-f32act-v1"
+    assert (
+        identity_of(fp32.weights) is None and identity_of(int8.weights) == "int8-rowwise-f32act-v1"
+    )

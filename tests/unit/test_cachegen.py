@@ -18,15 +18,22 @@ from kvfuse.kv.format import FormatError, encode_entry, open_entry
 
 # (layers, kv_heads, head_dim) of the families' KV: SmolLM2-135M, Gemma3-270M, Qwen2.5-0.5B,
 # Qwen3-0.6B, Llama-3.2-1B (fewer layers where the count does not matter, to keep this quick).
-FAMILY_SHAPES = {"smollm2": (30, 3, 64), "gemma3": (18, 1, 256), "qwen2": (6, 2, 64), "qwen3": (4, 8, 128),
-                 "llama3": (4, 8, 64)}
+FAMILY_SHAPES = {
+    "smollm2": (30, 3, 64),
+    "gemma3": (18, 1, 256),
+    "qwen2": (6, 2, 64),
+    "qwen3": (4, 8, 128),
+    "llama3": (4, 8, 64),
+}
 
 
 def _kv(layers, tokens, heads, dim, dtype=torch.float16, seed=0):
     g = torch.Generator().manual_seed(seed)
     # Channels with their own offsets and spreads (like real keys), and a few outlier channels.
     x = torch.randn(layers, 2, tokens, heads, dim, generator=g)
-    x = x * (0.2 + 2 * torch.rand(layers, 2, 1, heads, dim, generator=g)) + torch.randn(layers, 2, 1, heads, dim, generator=g)
+    x = x * (0.2 + 2 * torch.rand(layers, 2, 1, heads, dim, generator=g)) + torch.randn(
+        layers, 2, 1, heads, dim, generator=g
+    )
     return x.to(dtype)
 
 
@@ -76,7 +83,9 @@ def test_every_family_layout_round_trips_within_half_a_step(family, workers):
         for part, bins in enumerate(codec.bins.of_layer(i, L)):
             x = kv[i, part].reshape(33, H * D)
             c = bins // 2 - 1
-            scale = torch.from_numpy(layer.bf16_to_f32(layer.bf16_scales_up(x.abs().amax(1).numpy())))
+            scale = torch.from_numpy(
+                layer.bf16_to_f32(layer.bf16_scales_up(x.abs().amax(1).numpy()))
+            )
             err = (out[i, part].reshape(33, H * D) - x).abs().amax(1)
             assert (err <= scale / (2 * c) * (1 + 1e-5) + 1e-6).all()
     # Much smaller than raw fp16 (random data compresses less than real KV; see bench/codec.py).
@@ -86,7 +95,11 @@ def test_every_family_layout_round_trips_within_half_a_step(family, workers):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_entries_decode_in_their_dtype_and_layer_by_layer(dtype):
     kv = _kv(4, 9, 2, 8, dtype=dtype, seed=2)
-    entry = open_entry(encode_entry(KVChunk(kv=kv, positions=torch.arange(9)), "k", get_codec("cachegen", 3)).join())
+    entry = open_entry(
+        encode_entry(
+            KVChunk(kv=kv, positions=torch.arange(9)), "k", get_codec("cachegen", 3)
+        ).join()
+    )
     assert entry.codec.name == "cachegen" and entry.codec.level == 3
     whole = entry.decode()
     assert whole.dtype == dtype and torch.equal(whole, _reference(kv, entry.codec))
@@ -96,15 +109,25 @@ def test_entries_decode_in_their_dtype_and_layer_by_layer(dtype):
 def test_levels_bins_fall_with_depth_and_with_the_level():
     for level, bins in LEVELS.items():
         assert bins.k_early >= bins.k_late and bins.v_early >= bins.v_late
-        assert bins.k_early >= bins.v_early and bins.k_late >= bins.v_late  # K is the sensitive part
+        assert (
+            bins.k_early >= bins.v_early and bins.k_late >= bins.v_late
+        )  # K is the sensitive part
         if level > 1:
             lower = LEVELS[level - 1]
             assert bins.k_late >= lower.k_late and bins.v_late >= lower.v_late
             assert bins.k_early + bins.k_late + bins.v_early + bins.v_late > (
-                lower.k_early + lower.k_late + lower.v_early + lower.v_late)
+                lower.k_early + lower.k_late + lower.v_early + lower.v_late
+            )
     b = LevelBins(k_early=32, k_late=16, v_early=64, v_late=8)
     # The early groups follow the layer count (CacheGen's 10 of 32 K layers, 2 of 32 V layers).
-    assert [b.of_layer(i, 32) for i in (0, 1, 2, 9, 10, 31)] == [(32, 64), (32, 64), (32, 8), (32, 8), (16, 8), (16, 8)]
+    assert [b.of_layer(i, 32) for i in (0, 1, 2, 9, 10, 31)] == [
+        (32, 64),
+        (32, 64),
+        (32, 8),
+        (32, 8),
+        (16, 8),
+        (16, 8),
+    ]
     assert b.k_early_layers(18) == 6 and b.v_early_layers(18) == 1
     assert b.k_early_layers(1) == 1 and b.of_layer(0, 1) == (32, 64)
     assert get_codec("cachegen").level == DEFAULT_LEVEL == get_codec("cachegen", 0).level
@@ -116,7 +139,9 @@ def test_levels_bins_fall_with_depth_and_with_the_level():
 def test_coded_size_is_close_to_the_models_bound():
     """rANS spends within a fraction of a percent of what the stream models promise."""
     rng = np.random.default_rng(0)
-    x = (rng.standard_normal((512, 96)) * rng.uniform(0.2, 3, 96) + rng.normal(0, 1, 96)).astype(np.float32)
+    x = (rng.standard_normal((512, 96)) * rng.uniform(0.2, 3, 96) + rng.normal(0, 1, 96)).astype(
+        np.float32
+    )
     for bins in layer.BINS:
         sym, _ = layer.quantize(x, bins)
         centre, width = models.fit(sym, bins - 1)
@@ -199,10 +224,14 @@ def test_an_intact_entry_whose_payload_does_not_decode_is_a_format_error():
     entry = encode_entry(KVChunk(kv=kv, positions=torch.arange(8)), "k", codec)
     from kvfuse.kv.format import Entry
 
-    forged = Entry("k", codec, entry.shape, entry.dtype, entry.positions, memoryview(bad), entry.layer_sizes)
+    forged = Entry(
+        "k", codec, entry.shape, entry.dtype, entry.positions, memoryview(bad), entry.layer_sizes
+    )
     reopened = open_entry(forged.join(), "k")  # fresh checksums: the format cannot tell
-    assert torch.equal(reopened.decode(0, 1), codec.decode(memoryview(payload)[: sizes[0]], sizes[:1], (2, 8, 2, 8),
-                                                           torch.float16))
+    assert torch.equal(
+        reopened.decode(0, 1),
+        codec.decode(memoryview(payload)[: sizes[0]], sizes[:1], (2, 8, 2, 8), torch.float16),
+    )
     with pytest.raises(FormatError, match="cachegen payload does not decode"):
         reopened.decode()
 
@@ -243,7 +272,9 @@ def test_worker_pool_matches_in_process_and_survives_a_dead_worker():
     try:
         kv = _kv(6, 40, 2, 16).float().reshape(6, 2, 40, 32).numpy()
         bins = [(32, 16)] * 6
-        blobs = [b for part in p.run("encode", [(kv[:3], bins[:3]), (kv[3:], bins[3:])]) for b in part]
+        blobs = [
+            b for part in p.run("encode", [(kv[:3], bins[:3]), (kv[3:], bins[3:])]) for b in part
+        ]
         assert blobs == [layer.encode(kv[i], *bins[i]) for i in range(6)]
         got = p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])
         for (sym, scales, b), first in zip(got, (0, 3)):
@@ -255,19 +286,32 @@ def test_worker_pool_matches_in_process_and_survives_a_dead_worker():
             p.run("decode", [([blobs[0][:-3]], 40, 32), (blobs[3:4], 40, 32)])
         p._workers[0].proc.kill()
         p._workers[0].proc.wait()
-        again = p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])  # one job in-process, then a restart
+        again = p.run(
+            "decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)]
+        )  # one job in-process, then a restart
         assert all(np.array_equal(a[0], b[0]) for a, b in zip(again, got))
-        assert p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])[0][0].shape == (3, 2, 32, 40)
+        assert p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])[0][0].shape == (
+            3,
+            2,
+            32,
+            40,
+        )
     finally:
         p.close()
 
 
-@pytest.mark.parametrize("layer_types,expected", [
-    (("full",) * 4, frozenset()),  # every layer alike: nothing is special
-    (("sliding",) * 3, frozenset()),
-    (("sliding", "sliding", "full", "sliding", "sliding", "full"), frozenset({2, 5})),  # Gemma 3's pattern
-    (("full", "sliding"), frozenset({0})),
-])
+@pytest.mark.parametrize(
+    "layer_types,expected",
+    [
+        (("full",) * 4, frozenset()),  # every layer alike: nothing is special
+        (("sliding",) * 3, frozenset()),
+        (
+            ("sliding", "sliding", "full", "sliding", "sliding", "full"),
+            frozenset({2, 5}),
+        ),  # Gemma 3's pattern
+        (("full", "sliding"), frozenset({0})),
+    ],
+)
 def test_sensitive_layers(layer_types, expected):
     assert sensitive_layers(layer_types) == expected
 
@@ -282,17 +326,28 @@ def test_a_model_with_global_layers_gets_more_k_bins_there(workers):
     assert codec.boosted == {2, 5} and codec.level == 2
     expected = [(2 * k if i in (2, 5) else k, v) for i, (k, v) in enumerate(plain.layer_bins(6))]
     assert codec.layer_bins(6) == expected
-    assert get_codec("cachegen", 4).for_model(types).layer_bins(6)[2][0] == 128  # the most a layer may have
+    assert (
+        get_codec("cachegen", 4).for_model(types).layer_bins(6)[2][0] == 128
+    )  # the most a layer may have
     kv = _kv(6, 64, 2, 16, seed=3)
     payload, sizes = codec.encode(kv)
     out = plain.decode(memoryview(payload), sizes, tuple(kv.shape[1:]), kv.dtype)
     assert torch.equal(out, _reference(kv, codec))
     err = (out.float() - kv.float()).pow(2).mean(dim=(1, 2, 3, 4))
     plain_payload, plain_sizes = plain.encode(kv)
-    plain_err = (plain.decode(memoryview(plain_payload), plain_sizes, tuple(kv.shape[1:]), kv.dtype).float()
-                 - kv.float()).pow(2).mean(dim=(1, 2, 3, 4))
-    assert all(err[i] < plain_err[i] for i in (2, 5)) and all(err[i] == plain_err[i] for i in (0, 1, 3, 4))
+    plain_err = (
+        (
+            plain.decode(
+                memoryview(plain_payload), plain_sizes, tuple(kv.shape[1:]), kv.dtype
+            ).float()
+            - kv.float()
+        )
+        .pow(2)
+        .mean(dim=(1, 2, 3, 4))
+    )
+    assert all(err[i] < plain_err[i] for i in (2, 5)) and all(
+        err[i] == plain_err[i] for i in (0, 1, 3, 4)
+    )
     assert sum(sizes) > sum(plain_sizes)
     with pytest.raises(ValueError, match="more than"):
         codec.encode(_kv(4, 8, 2, 16))  # a codec set up for a deeper model
-

@@ -22,12 +22,30 @@ def home(tmp_path):
         disk.put(k, b"x" * 100)
     store = ResponseStore(tmp_path / "responses.sqlite3", ttl_s=3600)
     now = time.time()
-    store.put(StoredResponse("resp_a", "", now, {"id": "resp_a", "output": []},
-                             [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first answer"}],
-                             keys=[str(k) for k in keys[:3]]))
-    store.put(StoredResponse("resp_b", "", now, {"id": "resp_b"}, [{"role": "user", "content": "q"}],
-                             keys=[str(k) for k in keys[:2]], previous_id="resp_a"))
-    store.put(StoredResponse("resp_old", "t2", now - 7200, {"id": "resp_old"}, [], keys=[str(keys[3])]))
+    store.put(
+        StoredResponse(
+            "resp_a",
+            "",
+            now,
+            {"id": "resp_a", "output": []},
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first answer"}],
+            keys=[str(k) for k in keys[:3]],
+        )
+    )
+    store.put(
+        StoredResponse(
+            "resp_b",
+            "",
+            now,
+            {"id": "resp_b"},
+            [{"role": "user", "content": "q"}],
+            keys=[str(k) for k in keys[:2]],
+            previous_id="resp_a",
+        )
+    )
+    store.put(
+        StoredResponse("resp_old", "t2", now - 7200, {"id": "resp_old"}, [], keys=[str(keys[3])])
+    )
     store.close()
     return tmp_path, keys, disk
 
@@ -46,7 +64,9 @@ def test_list_show(home, capsys):
     assert code == 0 and "resp_a" in out and "first answer" in out and "resp_old" not in out
     code, out, _ = run(capsys, "responses", "show", "resp_a", "--home", str(path))
     assert code == 0 and json.loads(out)["id"] == "resp_a"
-    code, _, err = run(capsys, "responses", "show", "resp_old", "--home", str(path))  # another tenant's
+    code, _, err = run(
+        capsys, "responses", "show", "resp_old", "--home", str(path)
+    )  # another tenant's
     assert code == 2 and "kvfuse responses list" in err
 
 
@@ -54,7 +74,12 @@ def test_delete_frees_only_unshared_entries_and_purge_expired(home, capsys):
     path, keys, disk = home
     code, out, _ = run(capsys, "responses", "delete", "resp_a", "--home", str(path))
     assert code == 0 and "freed 1 entries" in out
-    assert [disk.contains(k) for k in keys] == [True, True, False, True]  # resp_b still refers to the first two
+    assert [disk.contains(k) for k in keys] == [
+        True,
+        True,
+        False,
+        True,
+    ]  # resp_b still refers to the first two
     code, out, _ = run(capsys, "responses", "purge", "--home", str(path))
     assert code == 0 and "removed 1 expired" in out and "freed 1 entries" in out
     assert not disk.contains(keys[3])

@@ -25,35 +25,72 @@ GEMMA_LIKE = ("sliding", "sliding", "full", "sliding", "sliding", "full")
 # ----------------------------------------------------------------------------------- choosing
 
 
-@pytest.mark.parametrize("rows, level", [
-    ([(1, 0.010, 6.0), (2, 0.005, 4.5), (3, 0.001, 3.0), (4, 0.0, 2.0)], 1),  # the smallest that keeps the NLL
-    ([(1, 0.080, 6.0), (2, 0.015, 4.5), (3, 0.004, 3.0), (4, 0.0, 2.0)], 2),
-    ([(1, 0.080, 6.0), (2, 0.020, 4.5), (3, 0.004, 3.0), (4, 0.0, 2.0)], 2),  # exactly at the bound: kept
-    ([(4, 0.0, 2.0), (3, 0.004, 3.0), (2, 0.05, 4.5), (1, 0.1, 6.0)], 3),  # in any order
-    ([(1, -0.01, 6.0), (2, 0.03, 4.5)], 1),  # a lossy level may even score better (noise)
-    ([(1, 0.3, 6.0), (2, 0.2, 4.5), (3, 0.1, 3.0), (4, 0.05, 2.0)], 4),  # none keeps it: the highest
-    ([(1, 0.3, 6.0), (2, 0.2, 4.5)], 4),  # none measured keeps it: the highest, unmeasured
-    ([], 4),
-])
+@pytest.mark.parametrize(
+    "rows, level",
+    [
+        (
+            [(1, 0.010, 6.0), (2, 0.005, 4.5), (3, 0.001, 3.0), (4, 0.0, 2.0)],
+            1,
+        ),  # the smallest that keeps the NLL
+        ([(1, 0.080, 6.0), (2, 0.015, 4.5), (3, 0.004, 3.0), (4, 0.0, 2.0)], 2),
+        (
+            [(1, 0.080, 6.0), (2, 0.020, 4.5), (3, 0.004, 3.0), (4, 0.0, 2.0)],
+            2,
+        ),  # exactly at the bound: kept
+        ([(4, 0.0, 2.0), (3, 0.004, 3.0), (2, 0.05, 4.5), (1, 0.1, 6.0)], 3),  # in any order
+        ([(1, -0.01, 6.0), (2, 0.03, 4.5)], 1),  # a lossy level may even score better (noise)
+        (
+            [(1, 0.3, 6.0), (2, 0.2, 4.5), (3, 0.1, 3.0), (4, 0.05, 2.0)],
+            4,
+        ),  # none keeps it: the highest
+        ([(1, 0.3, 6.0), (2, 0.2, 4.5)], 4),  # none measured keeps it: the highest, unmeasured
+        ([], 4),
+    ],
+)
 def test_choose_level(rows, level):
     assert codec_level.choose_level(rows).level == level
 
 
 def test_choose_level_says_why():
     ok = codec_level.choose_level([(1, 0.05, 6.0), (2, 0.01, 3.4)])
-    assert ok.row == (2, 0.01, 3.4) and "level 2" in ok.reason and "+1.00%" in ok.reason and "3.40x" in ok.reason
+    assert (
+        ok.row == (2, 0.01, 3.4)
+        and "level 2" in ok.reason
+        and "+1.00%" in ok.reason
+        and "3.40x" in ok.reason
+    )
     assert "short of" not in ok.reason
     assert "short of the 3x target" in codec_level.choose_level([(3, 0.0, 2.5)]).reason
     none = codec_level.choose_level([(1, 0.3, 6.0), (4, 0.05, 2.0)])
-    assert none.row == (4, 0.05, 2.0) and "no measured level" in none.reason and "level 4 at +5.00%" in none.reason
+    assert (
+        none.row == (4, 0.05, 2.0)
+        and "no measured level" in none.reason
+        and "level 4 at +5.00%" in none.reason
+    )
     assert codec_level.choose_level([(1, 0.3, 6.0)]).row is None  # level 4 was not measured
     loose = codec_level.choose_level([(1, 0.05, 6.0)], max_nll_increase=0.1)
     assert loose.level == 1 and "10%" in loose.reason
 
 
 def test_choose_level_takes_measured_rows():
-    rows = [{"level": 1, "nll": 2.5, "nll_increase": 0.04, "kl": 0.02, "ratio_vs_int8": 5.0, "bytes_per_token": 900},
-            {"level": 2, "nll": 2.42, "nll_increase": 0.008, "kl": 0.01, "ratio_vs_int8": 3.6, "bytes_per_token": 1200}]
+    rows = [
+        {
+            "level": 1,
+            "nll": 2.5,
+            "nll_increase": 0.04,
+            "kl": 0.02,
+            "ratio_vs_int8": 5.0,
+            "bytes_per_token": 900,
+        },
+        {
+            "level": 2,
+            "nll": 2.42,
+            "nll_increase": 0.008,
+            "kl": 0.01,
+            "ratio_vs_int8": 3.6,
+            "bytes_per_token": 1200,
+        },
+    ]
     assert codec_level.choose_level(rows).level == 2
 
 
@@ -61,15 +98,20 @@ def test_choose_level_takes_measured_rows():
 
 
 def a_profile(codec=None) -> profile.BlendProfile:
-    return profile.BlendProfile("tiny", "f" * 32, {"method": "hkvd", "recompute_ratio": 0.3}, "test", "test",
-                                codec=codec)
+    return profile.BlendProfile(
+        "tiny", "f" * 32, {"method": "hkvd", "recompute_ratio": 0.3}, "test", "test", codec=codec
+    )
 
 
 def test_profiles_round_trip_with_and_without_a_codec_level(tmp_path):
     plain = a_profile()
     assert "codec" not in plain.to_json() and profile.codec_level(plain) == 0
     assert profile.load(profile.save(plain, tmp_path)) == plain
-    codec = {"cachegen_level": 3, "reason": "measured", "measured": [{"level": 3, "nll_increase": 0.01}]}
+    codec = {
+        "cachegen_level": 3,
+        "reason": "measured",
+        "measured": [{"level": 3, "nll_increase": 0.01}],
+    }
     leveled = a_profile(codec)
     assert profile.load(profile.save(leveled, tmp_path)) == leveled
     assert profile.codec_level(profile.find("f" * 32, tmp_path)) == 3
@@ -98,7 +140,9 @@ def test_a_configured_level_wins_and_level_0_takes_the_models():
     assert get_codec("cachegen", 3).for_model(GEMMA_LIKE, 1).level == 3  # explicit: kept
     calibrated = get_codec("cachegen").for_model(GEMMA_LIKE, 1)
     assert (calibrated.level, calibrated.boosted) == (1, frozenset({2, 5}))  # boosted layers kept
-    assert get_codec("cachegen").for_model(GEMMA_LIKE).level == DEFAULT_LEVEL  # no calibration: the default
+    assert (
+        get_codec("cachegen").for_model(GEMMA_LIKE).level == DEFAULT_LEVEL
+    )  # no calibration: the default
     # the codec remembers it was configured at 0: another model's level replaces the first's
     again = calibrated.for_model(("full",) * 4, 4)
     assert (again.level, again.boosted, again.configured_level) == (4, frozenset(), 0)
@@ -112,7 +156,11 @@ def test_a_configured_level_wins_and_level_0_takes_the_models():
 
 
 def test_tiers_take_the_models_level_but_keep_the_stream_levels():
-    codecs = {"disk": get_codec("cachegen"), "redis": get_codec("cachegen", 4), "s3": get_codec("int8")}
+    codecs = {
+        "disk": get_codec("cachegen"),
+        "redis": get_codec("cachegen", 4),
+        "s3": get_codec("int8"),
+    }
     t = Transcoder(codecs, [1, 3], StoreCounters())
     t.use_model(GEMMA_LIKE, 3)
     assert {n: c.level for n, c in t.codecs.items()} == {"disk": 3, "redis": 4, "s3": 0}
@@ -123,19 +171,39 @@ def test_tiers_take_the_models_level_but_keep_the_stream_levels():
 @pytest.mark.parametrize("configured, expected", [(0, 3), (1, 1)])
 def test_the_engine_writes_the_profiles_level(tiny_loaded, tmp_path, configured, expected):
     model = tiny_loaded("gemma3")
-    profile.save(profile.BlendProfile(model.name, model.fingerprint, {"method": "hkvd", "recompute_ratio": 0.3},
-                                      "test", "test", codec={"cachegen_level": 3}), tmp_path / "profiles")
-    store = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path / "kv", 1 << 30)],
-                        codecs={"disk": get_codec("cachegen", configured)})
-    settings = EngineSettings.of(chunk_size=16, codec="cachegen", codec_level=configured,
-                                 profiles_path=str(tmp_path / "profiles"))
+    profile.save(
+        profile.BlendProfile(
+            model.name,
+            model.fingerprint,
+            {"method": "hkvd", "recompute_ratio": 0.3},
+            "test",
+            "test",
+            codec={"cachegen_level": 3},
+        ),
+        tmp_path / "profiles",
+    )
+    store = TieredStore(
+        MemoryTier(1 << 26),
+        [DiskTier(tmp_path / "kv", 1 << 30)],
+        codecs={"disk": get_codec("cachegen", configured)},
+    )
+    settings = EngineSettings.of(
+        chunk_size=16,
+        codec="cachegen",
+        codec_level=configured,
+        profiles_path=str(tmp_path / "profiles"),
+    )
     engine = Engine(model, store, settings)
     try:
-        assert engine.codec.level == expected and engine.codec.boosted  # gemma's global layers still boosted
+        assert (
+            engine.codec.level == expected and engine.codec.boosted
+        )  # gemma's global layers still boosted
         assert store.codecs["disk"].level == expected
     finally:
         engine.close()
-    engine = Engine(model, TieredStore(MemoryTier(1 << 26)), EngineSettings.of(chunk_size=16, codec="cachegen"))
+    engine = Engine(
+        model, TieredStore(MemoryTier(1 << 26)), EngineSettings.of(chunk_size=16, codec="cachegen")
+    )
     assert engine.codec.level == DEFAULT_LEVEL  # no profile of this model in the shipped ones
     engine.close()
 
@@ -150,14 +218,25 @@ def test_measure_levels_on_a_tiny_model(tiny_loaded):
     items = fictional_qa.items("dev", 1, codec_level.DOCUMENTS)
     assert len(codec_level.item_ids(model.tokenizer, items[0])) > 64 + codec_level.HELD_OUT
     done = []
-    rows = codec_level.measure_levels(model, items, levels=(1, 4), chunk_size=64,
-                                      progress=lambda d, t: done.append((d, t)))
+    rows = codec_level.measure_levels(
+        model, items, levels=(1, 4), chunk_size=64, progress=lambda d, t: done.append((d, t))
+    )
     assert done == [(1, 1)]
     assert [r["level"] for r in rows] == [1, 4]
-    assert set(rows[0]) == {"level", "nll", "nll_increase", "kl", "ratio_vs_int8", "bytes_per_token"}
+    assert set(rows[0]) == {
+        "level",
+        "nll",
+        "nll_increase",
+        "kl",
+        "ratio_vs_int8",
+        "bytes_per_token",
+    }
     low, high = rows
     assert all(math.isfinite(r["nll"]) and r["kl"] >= 0 for r in rows)
-    assert low["ratio_vs_int8"] > high["ratio_vs_int8"] > 1 and low["bytes_per_token"] < high["bytes_per_token"]
+    assert (
+        low["ratio_vs_int8"] > high["ratio_vs_int8"] > 1
+        and low["bytes_per_token"] < high["bytes_per_token"]
+    )
     assert high["kl"] <= low["kl"]
     with pytest.raises(ValueError, match="levels are"):
         codec_level.measure_levels(model, items, levels=(5,))

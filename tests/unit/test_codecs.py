@@ -66,9 +66,16 @@ def test_layers_decode_on_their_own(name):
     payload, sizes = codec.encode(kv)
     whole = _decode(codec, payload, sizes, kv.shape, torch.float16)
     off = sum(sizes[:2])
-    layer2 = codec.decode_layer(memoryview(payload)[off : off + sizes[2]], tuple(kv.shape[1:]), torch.float16)
+    layer2 = codec.decode_layer(
+        memoryview(payload)[off : off + sizes[2]], tuple(kv.shape[1:]), torch.float16
+    )
     assert torch.equal(layer2, whole[2])
-    middle = codec.decode(memoryview(payload)[sizes[0] : sum(sizes[:3])], sizes[1:3], tuple(kv.shape[1:]), torch.float16)
+    middle = codec.decode(
+        memoryview(payload)[sizes[0] : sum(sizes[:3])],
+        sizes[1:3],
+        tuple(kv.shape[1:]),
+        torch.float16,
+    )
     assert torch.equal(middle, whole[1:3])
 
 
@@ -80,7 +87,11 @@ def test_int8_error_bound(dtype):
     kv[1, 0, 5] = 0  # an all-zero row
     codec = get_codec("int8")
     payload, sizes = codec.encode(kv)
-    assert len(payload) == 4 * codec.layer_size(tuple(kv.shape[1:]), dtype) == 4 * 2 * 33 * (4 + 4 * 16)
+    assert (
+        len(payload)
+        == 4 * codec.layer_size(tuple(kv.shape[1:]), dtype)
+        == 4 * 2 * 33 * (4 + 4 * 16)
+    )
     out = _decode(codec, payload, sizes, kv.shape, dtype)
     assert out.dtype == dtype and out.shape == kv.shape
     x = kv.float()

@@ -14,19 +14,46 @@ from kvfuse.config import CacheConfig, Config, ConfigError, ServerConfig, load_c
 
 # dotted field, env var, file value, env value, override value, and what each layer yields
 LAYERS = [
-    ("model", "KVFUSE_MODEL", "gemma3-270m", "/models/x", "smollm2", ("gemma3-270m", "/models/x", "smollm2")),
+    (
+        "model",
+        "KVFUSE_MODEL",
+        "gemma3-270m",
+        "/models/x",
+        "smollm2",
+        ("gemma3-270m", "/models/x", "smollm2"),
+    ),
     ("home", "KVFUSE_HOME", "/h/file", "/h/env", "/h/flag", ("/h/file", "/h/env", "/h/flag")),
     ("threads", "KVFUSE_THREADS", 2, "3", 4, (2, 3, 4)),
     ("device", "KVFUSE_DEVICE", "cpu", "cuda", "cuda:1", ("cpu", "cuda", "cuda:1")),
     ("weights", "KVFUSE_WEIGHTS", "int8", "auto", "int8", ("int8", "auto", "int8")),
     ("cache.chunk_size", "KVFUSE_CACHE_CHUNK_SIZE", 128, "64", 512, (128, 64, 512)),
-    ("cache.memory_bytes", "KVFUSE_CACHE_MEMORY_BYTES", "1GiB", "512MiB", 1000, (2**30, 512 * 2**20, 1000)),
-    ("cache.redis_url", "KVFUSE_CACHE_REDIS_URL", "redis://a:1/0", "redis://b:2/0", "redis://c:3/0",
-     ("redis://a:1/0", "redis://b:2/0", "redis://c:3/0")),
+    (
+        "cache.memory_bytes",
+        "KVFUSE_CACHE_MEMORY_BYTES",
+        "1GiB",
+        "512MiB",
+        1000,
+        (2**30, 512 * 2**20, 1000),
+    ),
+    (
+        "cache.redis_url",
+        "KVFUSE_CACHE_REDIS_URL",
+        "redis://a:1/0",
+        "redis://b:2/0",
+        "redis://c:3/0",
+        ("redis://a:1/0", "redis://b:2/0", "redis://c:3/0"),
+    ),
     ("cache.store_generated", "KVFUSE_CACHE_STORE_GENERATED", True, "0", True, (True, False, True)),
     ("cache.redis_timeout_s", "KVFUSE_CACHE_REDIS_TIMEOUT_S", 1.5, "0.25", 2, (1.5, 0.25, 2.0)),
     ("server.port", "KVFUSE_SERVER_PORT", 9000, "9001", 9002, (9000, 9001, 9002)),
-    ("server.api_keys", "KVFUSE_SERVER_API_KEYS", ["a:x"], "b:y, c:z", ("d:w",), (("a:x",), ("b:y", "c:z"), ("d:w",))),
+    (
+        "server.api_keys",
+        "KVFUSE_SERVER_API_KEYS",
+        ["a:x"],
+        "b:y, c:z",
+        ("d:w",),
+        (("a:x",), ("b:y", "c:z"), ("d:w",)),
+    ),
 ]
 
 
@@ -48,8 +75,12 @@ def _file_data(dotted: str, value) -> dict:
     return {section: {leaf: value}} if section else {leaf: value}
 
 
-@pytest.mark.parametrize("dotted,var,in_file,in_env,in_flag,expected", LAYERS, ids=[row[0] for row in LAYERS])
-def test_each_layer_overrides_the_one_below(tmp_path, dotted, var, in_file, in_env, in_flag, expected):
+@pytest.mark.parametrize(
+    "dotted,var,in_file,in_env,in_flag,expected", LAYERS, ids=[row[0] for row in LAYERS]
+)
+def test_each_layer_overrides_the_one_below(
+    tmp_path, dotted, var, in_file, in_env, in_flag, expected
+):
     default = _get(Config(), dotted)
     path = _write(tmp_path, _file_data(dotted, in_file))
     assert _get(load_config(), dotted) == default
@@ -65,9 +96,16 @@ def test_each_layer_overrides_the_one_below(tmp_path, dotted, var, in_file, in_e
 def test_layers_merge_field_by_field(tmp_path):
     path = _write(tmp_path, {"model": "gemma3-270m", "cache": {"chunk_size": 128, "codec": "int8"}})
     c = load_config(path, {"KVFUSE_CACHE_CODEC": "raw"}, {"server.port": 1234})
-    assert (c.model, c.cache.chunk_size, c.cache.codec, c.server.port) == ("gemma3-270m", 128, "raw", 1234)
+    assert (c.model, c.cache.chunk_size, c.cache.codec, c.server.port) == (
+        "gemma3-270m",
+        128,
+        "raw",
+        1234,
+    )
     # everything not mentioned keeps its default
-    assert c.cache.memory_bytes == CacheConfig().memory_bytes and c.server.host == ServerConfig().host
+    assert (
+        c.cache.memory_bytes == CacheConfig().memory_bytes and c.server.host == ServerConfig().host
+    )
     assert c.threads == 0 and c.cache.disk is True
 
 
@@ -103,8 +141,18 @@ def test_config_is_frozen_and_paths_derive_from_home():
 # ------------------------------------------------------------------------------ coercion
 
 SIZES = [
-    ("512MiB", 512 * 2**20), ("2GB", 2 * 10**9), ("2GiB", 2 * 2**30), ("1.5KiB", 1536), ("10 kb", 10_000),
-    ("2g", 2 * 10**9), ("123", 123), ("7b", 7), ("1TiB", 2**40), (0, 0), (1024, 1024), ("  64 MB ", 64 * 10**6),
+    ("512MiB", 512 * 2**20),
+    ("2GB", 2 * 10**9),
+    ("2GiB", 2 * 2**30),
+    ("1.5KiB", 1536),
+    ("10 kb", 10_000),
+    ("2g", 2 * 10**9),
+    ("123", 123),
+    ("7b", 7),
+    ("1TiB", 2**40),
+    (0, 0),
+    (1024, 1024),
+    ("  64 MB ", 64 * 10**6),
 ]
 
 
@@ -130,8 +178,18 @@ def test_negative_and_boolean_sizes_are_rejected(tmp_path):
         assert str(path) in str(e.value)
 
 
-BOOLS = [("true", True), ("True", True), ("1", True), ("yes", True), ("on", True),
-         ("false", False), ("0", False), ("NO", False), ("off", False), (" true ", True)]
+BOOLS = [
+    ("true", True),
+    ("True", True),
+    ("1", True),
+    ("yes", True),
+    ("on", True),
+    ("false", False),
+    ("0", False),
+    ("NO", False),
+    ("off", False),
+    (" true ", True),
+]
 
 
 @pytest.mark.parametrize("text,expected", BOOLS)
@@ -150,7 +208,9 @@ def test_api_keys_parsing(tmp_path):
     # only the first colon separates the key from the tenant
     assert load_config(env={"KVFUSE_SERVER_API_KEYS": "k:team:a"}).api_key_map() == {"k": "team:a"}
     assert load_config(env={"KVFUSE_SERVER_API_KEYS": ""}).server.api_keys == ()
-    assert load_config(_write(tmp_path, {"server": {"api_keys": "one:x"}}, "s.yaml")).server.api_keys == ("one:x",)
+    assert load_config(
+        _write(tmp_path, {"server": {"api_keys": "one:x"}}, "s.yaml")
+    ).server.api_keys == ("one:x",)
 
 
 # ------------------------------------------------------------------------------ errors
@@ -197,7 +257,11 @@ def _error(path=None, env=None, overrides=None) -> str:
 
 
 def _cases(kind: int):
-    return [pytest.param(row[0], row[1], row[kind], id=row[0]) for row in BAD_VALUES if row[kind] is not None]
+    return [
+        pytest.param(row[0], row[1], row[kind], id=row[0])
+        for row in BAD_VALUES
+        if row[kind] is not None
+    ]
 
 
 @pytest.mark.parametrize("dotted,var,value", _cases(3))
@@ -210,8 +274,11 @@ def test_an_out_of_range_value_names_the_field(tmp_path, dotted, var, value):
 @pytest.mark.parametrize("dotted,var,value", _cases(2))
 def test_a_value_of_the_wrong_type_names_the_field_and_its_source(tmp_path, dotted, var, value):
     path = _write(tmp_path, _file_data(dotted, value))
-    for message, source in ((_error(path), str(path)), (_error(env={var: value}), var),
-                            (_error(overrides={dotted: value}), "command line")):
+    for message, source in (
+        (_error(path), str(path)),
+        (_error(env={var: value}), var),
+        (_error(overrides={dotted: value}), "command line"),
+    ):
         assert dotted in message and source in message, message
 
 
@@ -219,8 +286,11 @@ def test_a_value_of_the_wrong_type_names_the_field_and_its_source(tmp_path, dott
 def test_an_out_of_range_value_names_the_field_and_its_source(tmp_path, dotted, var, value):
     """The module promises: every error names the field, where the bad value came from, and the fix."""
     path = _write(tmp_path, _file_data(dotted, value))
-    for message, source in ((_error(path), str(path)), (_error(env={var: value}), var),
-                            (_error(overrides={dotted: value}), "command line")):
+    for message, source in (
+        (_error(path), str(path)),
+        (_error(env={var: value}), var),
+        (_error(overrides={dotted: value}), "command line"),
+    ):
         assert message.startswith(dotted) or f"{dotted}:" in message, message
         assert source in message, f"the error does not say where {dotted} came from: {message}"
 
@@ -266,7 +336,9 @@ def test_a_section_that_is_not_a_mapping(tmp_path):
     assert "cache" in message and "mapping" in message and str(path) in message
 
 
-@pytest.mark.parametrize("text,kind", [("- a\n- b\n", "list"), ("just text\n", "str"), ("42\n", "int")])
+@pytest.mark.parametrize(
+    "text,kind", [("- a\n- b\n", "list"), ("just text\n", "str"), ("42\n", "int")]
+)
 def test_a_file_that_is_not_a_mapping(tmp_path, text, kind):
     path = _write(tmp_path, text)
     message = _error(path)
@@ -300,8 +372,12 @@ def test_the_blend_section_is_the_blend_options_and_checks_itself(tmp_path):
     from kvfuse.blend import BlendOptions
 
     assert load_config(env={}).blend == BlendOptions()
-    assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "0.3"}).blend == BlendOptions(recompute_ratio=0.3)
-    assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "AUTO"}).blend == BlendOptions(recompute_ratio="auto")
+    assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "0.3"}).blend == BlendOptions(
+        recompute_ratio=0.3
+    )
+    assert load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "AUTO"}).blend == BlendOptions(
+        recompute_ratio="auto"
+    )
     assert BlendOptions().auto_budget  # the default: the model's calibrated budget
     with pytest.raises(ConfigError, match="a number or auto"):
         load_config(env={"KVFUSE_BLEND_RECOMPUTE_RATIO": "most"})
@@ -318,7 +394,11 @@ def test_automatic_reuse_is_off_by_default_and_set_by_file_env_or_flag(tmp_path)
     assert load_config(f, env={"KVFUSE_BLEND_AUTO": "off"}).blend.auto == "off"
     assert load_config(env={}, overrides={"blend.auto": "on"}).blend.auto == "on"
     message = _error(env={"KVFUSE_BLEND_AUTO": "sometimes"})
-    assert message.startswith("blend:") and "blend.auto must be one of off, on" in message and "KVFUSE_BLEND_AUTO" in message
+    assert (
+        message.startswith("blend:")
+        and "blend.auto must be one of off, on" in message
+        and "KVFUSE_BLEND_AUTO" in message
+    )
     assert "auto_min_tokens" in _error(env={"KVFUSE_BLEND_AUTO_MIN_TOKENS": "-1"})
     from kvfuse.cli import build_parser
 
@@ -330,26 +410,58 @@ def test_automatic_reuse_is_off_by_default_and_set_by_file_env_or_flag(tmp_path)
 
 def test_per_tier_codecs_stream_levels_and_the_kv_budget(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"cache": {"disk_codec": "cachegen", "disk_codec_level": 3, "redis_codec": "int8",
-                                           "stream_levels": [1, 4], "kv_slo_ms": 250, "codec_workers": 0}}))
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "cache": {
+                    "disk_codec": "cachegen",
+                    "disk_codec_level": 3,
+                    "redis_codec": "int8",
+                    "stream_levels": [1, 4],
+                    "kv_slo_ms": 250,
+                    "codec_workers": 0,
+                }
+            }
+        )
+    )
     c = load_config(f).cache
-    assert (c.codec, c.disk_codec, c.disk_codec_level, c.redis_codec) == ("raw", "cachegen", 3, "int8")
+    assert (c.codec, c.disk_codec, c.disk_codec_level, c.redis_codec) == (
+        "raw",
+        "cachegen",
+        3,
+        "int8",
+    )
     assert c.stream_levels == (1, 4) and c.kv_slo_ms == 250.0 and c.codec_workers == 0
-    env = load_config(env={"KVFUSE_CACHE_STREAM_LEVELS": "2,3", "KVFUSE_CACHE_KV_SLO_MS": "80.5"}).cache
+    env = load_config(
+        env={"KVFUSE_CACHE_STREAM_LEVELS": "2,3", "KVFUSE_CACHE_KV_SLO_MS": "80.5"}
+    ).cache
     assert env.stream_levels == (2, 3) and env.kv_slo_ms == 80.5
     d = load_config().cache
-    assert (d.disk_codec, d.redis_codec, d.stream_levels, d.kv_slo_ms, d.codec_workers) == (None, None, (), None, None)
+    assert (d.disk_codec, d.redis_codec, d.stream_levels, d.kv_slo_ms, d.codec_workers) == (
+        None,
+        None,
+        (),
+        None,
+        None,
+    )
 
 
-@pytest.mark.parametrize("overrides, field, words", [
-    ({"cache.disk_codec": "zip"}, "cache.disk_codec", "known codecs"),
-    ({"cache.disk_codec": "cachegen", "cache.disk_codec_level": 7}, "cache.disk_codec_level", "levels are 1, 2, 3, 4"),
-    ({"cache.codec": "raw", "cache.codec_level": 2}, "cache.codec_level", "no levels"),
-    ({"cache.stream_levels": "1,9"}, "cache.stream_levels", "CacheGen levels"),
-    ({"cache.stream_levels": "a,b"}, "cache.stream_levels", "list of integers"),
-    ({"cache.kv_slo_ms": 0}, "cache.kv_slo_ms", "> 0"),
-    ({"cache.codec_workers": -1}, "cache.codec_workers", ">= 0"),
-])
+@pytest.mark.parametrize(
+    "overrides, field, words",
+    [
+        ({"cache.disk_codec": "zip"}, "cache.disk_codec", "known codecs"),
+        (
+            {"cache.disk_codec": "cachegen", "cache.disk_codec_level": 7},
+            "cache.disk_codec_level",
+            "levels are 1, 2, 3, 4",
+        ),
+        ({"cache.codec": "raw", "cache.codec_level": 2}, "cache.codec_level", "no levels"),
+        ({"cache.stream_levels": "1,9"}, "cache.stream_levels", "CacheGen levels"),
+        ({"cache.stream_levels": "a,b"}, "cache.stream_levels", "list of integers"),
+        ({"cache.kv_slo_ms": 0}, "cache.kv_slo_ms", "> 0"),
+        ({"cache.codec_workers": -1}, "cache.codec_workers", ">= 0"),
+    ],
+)
 def test_bad_codec_settings_name_the_field(overrides, field, words):
     with pytest.raises(ConfigError) as e:
         load_config(overrides=overrides)
@@ -357,8 +469,10 @@ def test_bad_codec_settings_name_the_field(overrides, field, words):
 
 
 def test_responses_section_and_retention(tmp_path):
-    c = load_config(env={"KVFUSE_RESPONSES_TTL": "7d", "KVFUSE_CACHE_RETENTION": "in_memory"},
-                    overrides={"home": str(tmp_path)})
+    c = load_config(
+        env={"KVFUSE_RESPONSES_TTL": "7d", "KVFUSE_CACHE_RETENTION": "in_memory"},
+        overrides={"home": str(tmp_path)},
+    )
     assert c.responses.ttl_s == 7 * 86400 and c.cache.retention == "in_memory"
     assert c.responses_path == tmp_path / "responses.sqlite3" and c.responses.store
     c = load_config(overrides={"responses.path": str(tmp_path / "r.db"), "cache.retention": "24h"})
@@ -367,48 +481,100 @@ def test_responses_section_and_retention(tmp_path):
 
 # ------------------------------------------------------------------------------ cache.tiers sections
 
+
 def test_tier_sections_describe_the_same_tiers_as_the_flat_keys(tmp_path):
     """``cache.tiers`` lists the tiers below memory in order; the flat keys of earlier versions keep
     working and describe the same tiers."""
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"home": str(tmp_path), "cache": {"tiers": [
-        {"kind": "disk", "capacity_bytes": "1GiB", "codec": "cachegen", "codec_level": 3},
-        {"kind": "redis", "url": "redis://127.0.0.1:6390/0", "timeout_s": 0.25},
-        {"kind": "s3", "url": "s3://bucket/kv", "endpoint": "http://127.0.0.1:9000"}]}}))
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "home": str(tmp_path),
+                "cache": {
+                    "tiers": [
+                        {
+                            "kind": "disk",
+                            "capacity_bytes": "1GiB",
+                            "codec": "cachegen",
+                            "codec_level": 3,
+                        },
+                        {"kind": "redis", "url": "redis://127.0.0.1:6390/0", "timeout_s": 0.25},
+                        {
+                            "kind": "s3",
+                            "url": "s3://bucket/kv",
+                            "endpoint": "http://127.0.0.1:9000",
+                        },
+                    ]
+                },
+            }
+        )
+    )
     sections = load_config(f, env={})
-    flat = load_config(env={"KVFUSE_HOME": str(tmp_path), "KVFUSE_CACHE_DISK_BYTES": "1GiB",
-                            "KVFUSE_CACHE_DISK_CODEC": "cachegen", "KVFUSE_CACHE_DISK_CODEC_LEVEL": "3",
-                            "KVFUSE_CACHE_REDIS_URL": "redis://127.0.0.1:6390/0", "KVFUSE_CACHE_REDIS_TIMEOUT_S": "0.25",
-                            "KVFUSE_CACHE_S3_URL": "s3://bucket/kv", "KVFUSE_CACHE_S3_ENDPOINT": "http://127.0.0.1:9000"})
-    want = [("disk", "disk", str(tmp_path / "kv"), 1 << 30, None, "cachegen", 3),
-            ("redis", "redis", None, None, 0.25, None, 0), ("s3", "s3", None, None, 2.0, None, 0)]
+    flat = load_config(
+        env={
+            "KVFUSE_HOME": str(tmp_path),
+            "KVFUSE_CACHE_DISK_BYTES": "1GiB",
+            "KVFUSE_CACHE_DISK_CODEC": "cachegen",
+            "KVFUSE_CACHE_DISK_CODEC_LEVEL": "3",
+            "KVFUSE_CACHE_REDIS_URL": "redis://127.0.0.1:6390/0",
+            "KVFUSE_CACHE_REDIS_TIMEOUT_S": "0.25",
+            "KVFUSE_CACHE_S3_URL": "s3://bucket/kv",
+            "KVFUSE_CACHE_S3_ENDPOINT": "http://127.0.0.1:9000",
+        }
+    )
+    want = [
+        ("disk", "disk", str(tmp_path / "kv"), 1 << 30, None, "cachegen", 3),
+        ("redis", "redis", None, None, 0.25, None, 0),
+        ("s3", "s3", None, None, 2.0, None, 0),
+    ]
 
     def rows(config):
-        return [(t.kind, t.tier_name, t.path, t.capacity if t.kind == "disk" else None,
-                 t.timeout if t.kind != "disk" else None, t.codec, t.codec_level) for t in config.lower_tiers()]
+        return [
+            (
+                t.kind,
+                t.tier_name,
+                t.path,
+                t.capacity if t.kind == "disk" else None,
+                t.timeout if t.kind != "disk" else None,
+                t.codec,
+                t.codec_level,
+            )
+            for t in config.lower_tiers()
+        ]
 
     assert rows(sections) == rows(flat) == want
     assert sections.disk_path == flat.disk_path == tmp_path / "kv"
     assert sections.engine_settings().history_path == str(tmp_path / "kv" / "histories")
     # no disk tier: no folder for the histories' records either
-    redis_only = load_config(env={"KVFUSE_CACHE_TIERS": '[{kind: redis, url: "redis://127.0.0.1:6390"}]'})
+    redis_only = load_config(
+        env={"KVFUSE_CACHE_TIERS": '[{kind: redis, url: "redis://127.0.0.1:6390"}]'}
+    )
     assert [t.kind for t in redis_only.lower_tiers()] == ["redis"] and redis_only.disk_path is None
     assert redis_only.engine_settings().history_path is None
     assert load_config(env={"KVFUSE_CACHE_TIERS": "[]"}).lower_tiers() == ()  # memory only
 
 
-@pytest.mark.parametrize("tiers, words", [
-    ("{kind: disk}", "expected a list of tier sections"),
-    ("[{kind: tape}]", "cache.tiers[0]: expected a section with a kind (disk, redis, s3)"),
-    ("[{kind: redis, url: 'redis://h', path: /x}]", "'path' is not a setting of a redis tier"),
-    ("[{kind: redis}]", "cache.tiers[0].url: a redis tier needs a url starting with redis://"),
-    ("[{kind: s3, url: 'http://bucket'}]", "cache.tiers[0].url: a s3 tier needs a url starting with s3://"),
-    ("[{kind: disk}, {kind: disk}]", "tier names must be unique"),
-    ("[{kind: disk, capacity_bytes: lots}]", "cache.tiers[0].capacity_bytes: expected a size"),
-    ("[{kind: redis, url: 'redis://h', timeout_s: 0}]", "cache.tiers[0].timeout_s: must be > 0"),
-    ("[{kind: disk, codec: zip}]", "cache.tiers[0].codec: unknown codec 'zip'"),
-    ("[{kind: disk", "not a YAML list of tier sections"),
-])
+@pytest.mark.parametrize(
+    "tiers, words",
+    [
+        ("{kind: disk}", "expected a list of tier sections"),
+        ("[{kind: tape}]", "cache.tiers[0]: expected a section with a kind (disk, redis, s3)"),
+        ("[{kind: redis, url: 'redis://h', path: /x}]", "'path' is not a setting of a redis tier"),
+        ("[{kind: redis}]", "cache.tiers[0].url: a redis tier needs a url starting with redis://"),
+        (
+            "[{kind: s3, url: 'http://bucket'}]",
+            "cache.tiers[0].url: a s3 tier needs a url starting with s3://",
+        ),
+        ("[{kind: disk}, {kind: disk}]", "tier names must be unique"),
+        ("[{kind: disk, capacity_bytes: lots}]", "cache.tiers[0].capacity_bytes: expected a size"),
+        (
+            "[{kind: redis, url: 'redis://h', timeout_s: 0}]",
+            "cache.tiers[0].timeout_s: must be > 0",
+        ),
+        ("[{kind: disk, codec: zip}]", "cache.tiers[0].codec: unknown codec 'zip'"),
+        ("[{kind: disk", "not a YAML list of tier sections"),
+    ],
+)
 def test_bad_tier_sections_name_the_tier_and_the_fix(tiers, words):
     message = _error(env={"KVFUSE_CACHE_TIERS": tiers})
     assert words in message and "KVFUSE_CACHE_TIERS" in message
@@ -416,9 +582,17 @@ def test_bad_tier_sections_name_the_tier_and_the_fix(tiers, words):
 
 def test_tier_sections_and_flat_tier_keys_are_not_mixed(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"cache": {"tiers": [{"kind": "disk"}], "redis_url": "redis://127.0.0.1:6390"}}))
+    f.write_text(
+        yaml.safe_dump(
+            {"cache": {"tiers": [{"kind": "disk"}], "redis_url": "redis://127.0.0.1:6390"}}
+        )
+    )
     message = _error(f, env={})
-    assert "either as cache.tiers or as flat keys" in message and "cache.redis_url" in message and str(f) in message
+    assert (
+        "either as cache.tiers or as flat keys" in message
+        and "cache.redis_url" in message
+        and str(f) in message
+    )
 
 
 def test_two_named_disk_tiers_open_in_order_with_their_codecs(tmp_path):
@@ -428,13 +602,36 @@ def test_two_named_disk_tiers_open_in_order_with_their_codecs(tmp_path):
     from kvfuse.tiers import DiskTier
 
     f = tmp_path / "c.yaml"
-    f.write_text(yaml.safe_dump({"cache": {"tiers": [
-        {"kind": "disk", "name": "nvme", "path": str(tmp_path / "fast"), "capacity_bytes": "64MiB"},
-        {"kind": "disk", "name": "hdd", "path": str(tmp_path / "slow"), "codec": "int8"}]}}))
+    f.write_text(
+        yaml.safe_dump(
+            {
+                "cache": {
+                    "tiers": [
+                        {
+                            "kind": "disk",
+                            "name": "nvme",
+                            "path": str(tmp_path / "fast"),
+                            "capacity_bytes": "64MiB",
+                        },
+                        {
+                            "kind": "disk",
+                            "name": "hdd",
+                            "path": str(tmp_path / "slow"),
+                            "codec": "int8",
+                        },
+                    ]
+                }
+            }
+        )
+    )
     store = open_store(load_config(f, env={}))
     try:
-        assert [t.name for t in store.lower] == ["nvme", "hdd"] and all(isinstance(t, DiskTier) for t in store.lower)
-        assert store.lower[0].root == tmp_path / "fast" and store.lower[0].capacity_bytes == 64 << 20
+        assert [t.name for t in store.lower] == ["nvme", "hdd"] and all(
+            isinstance(t, DiskTier) for t in store.lower
+        )
+        assert (
+            store.lower[0].root == tmp_path / "fast" and store.lower[0].capacity_bytes == 64 << 20
+        )
         assert {name: c.name for name, c in store.codecs.items()} == {"hdd": "int8"}
     finally:
         store.close()

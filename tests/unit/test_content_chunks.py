@@ -48,12 +48,19 @@ def test_a_run_is_cut_at_the_same_places_whatever_surrounds_it(name, sizes):
     first, last = natural[0], natural[-1]
     stable = lambda cs: [c for c in cs if first <= c <= last]  # noqa: E731
     assert stable(cuts) == stable(alone)
-    assert first <= horizon(lo) + 3 * hi and last >= len(R) - 4 * hi  # only chunks at the edges differ
+    assert (
+        first <= horizon(lo) + 3 * hi and last >= len(R) - 4 * hi
+    )  # only chunks at the edges differ
 
 
-@pytest.mark.parametrize("sizes", [(content.MIN_SIZE, content.MAX_SIZE), (4, 16), (1, 2), (30, 60), (8, 48)])
-@pytest.mark.parametrize("ids", [R, [5] * 400, run(9, 300, vocab=3), list(range(200)) * 3, R[:40]],
-                         ids=["random", "one token repeated", "three tokens", "a repeated sequence", "short"])
+@pytest.mark.parametrize(
+    "sizes", [(content.MIN_SIZE, content.MAX_SIZE), (4, 16), (1, 2), (30, 60), (8, 48)]
+)
+@pytest.mark.parametrize(
+    "ids",
+    [R, [5] * 400, run(9, 300, vocab=3), list(range(200)) * 3, R[:40]],
+    ids=["random", "one token repeated", "three tokens", "a repeated sequence", "short"],
+)
 def test_sizes_stay_within_bounds(sizes, ids):
     lo, hi = sizes
     cuts = boundaries(ids, lo, hi)
@@ -67,8 +74,11 @@ EXACT = {  # fixed: keys depend on these cuts, so a change of the rule must be a
     "no tokens": ([], {}, [0]),
     "shorter than the window": ([1, 2, 3], {}, [0, 3]),
     "shorter than the minimum": (list(range(10)), {}, [0, 10]),
-    "a small table": ([(i * 7919) % 1000 for i in range(40)], {"min_size": 3, "max_size": 8},
-                      [0, 8, 13, 18, 22, 27, 33, 39, 40]),
+    "a small table": (
+        [(i * 7919) % 1000 for i in range(40)],
+        {"min_size": 3, "max_size": 8},
+        [0, 8, 13, 18, 22, 27, 33, 39, 40],
+    ),
     "the defaults": ([(i * 7919) % 1000 for i in range(40)], {}, [0, 13, 39, 40]),
     "one token repeated: equal parts after the first cut": ([5] * 200, {}, [0, 12, 74, 137, 200]),
 }
@@ -101,14 +111,19 @@ def test_content_keys_name_the_tokens_only():
     shared = set(keys_a) & set(keys_b)
     assert len(shared) > 40  # the run's chunks, wherever it is
     for key, (s, e) in zip(keys_b, spans_b):
-        assert key.kind is ChunkKind.CONTENT and ChunkKey.parse(str(key)) == key and ":c:" in str(key)
+        assert (
+            key.kind is ChunkKind.CONTENT and ChunkKey.parse(str(key)) == key and ":c:" in str(key)
+        )
         if key in shared:
             i = keys_a.index(key)
             assert (a + R)[spans_a[i][0] : spans_a[i][1]] == (b + R + a)[s:e]
     # namespaced like every key: another tenant, salt or model never shares them
-    for other in (Namespace("model", "float16", "L2xH1xD4", tenant="t"), Namespace("model", "float16", "L2xH1xD4",
-                                                                                      salt="s"),
-                  Namespace("other", "float16", "L2xH1xD4"), Namespace("model", "bfloat16", "L2xH1xD4")):
+    for other in (
+        Namespace("model", "float16", "L2xH1xD4", tenant="t"),
+        Namespace("model", "float16", "L2xH1xD4", salt="s"),
+        Namespace("other", "float16", "L2xH1xD4"),
+        Namespace("model", "bfloat16", "L2xH1xD4"),
+    ):
         assert not set(content_keys(a + R, spans_a, other)) & set(keys_a)
     assert content_keys(R, [(0, 20)], NS)[0] != document_key(R[:20], NS)  # not a document's key
 
@@ -123,17 +138,38 @@ def test_content_keys_refuse_bad_spans(span):
 NL = np.array([10, 11])  # the "line-break" ids of these tests
 
 
-@pytest.mark.parametrize("ids, expected", [
-    ([], [0]),
-    ([1, 2, 3], [0, 3]),
-    ([1] * 20 + [10] + [2] * 20, [0, 21, 41]),  # a line break after >= min_size tokens closes a segment
-    ([1] * 5 + [10] + [2] * 20, [0, 6, 26]),  # a short line before a long one is a segment too
-    ([1] * 3 + [10] + [1] * 3 + [11] + [1] * 14 + [10] + [3] * 4, [0, 8, 23, 27]),  # short lines stay together
-    ([1] * 3 + [10] + [1] * 3 + [11] + [1] * 10 + [10] + [3] * 4, [0, 23]),  # all short: one segment
-    ([1] * 20 + [10, 11, 10] + [2] * 20, [0, 23, 43]),  # a run of line breaks ends one line
-    ([1] * 20 + [10], [0, 21]),  # a line break at the end closes nothing
-], ids=["empty", "short", "two lines", "a short first line", "short lines", "all short", "blank lines",
-        "final line break"])
+@pytest.mark.parametrize(
+    "ids, expected",
+    [
+        ([], [0]),
+        ([1, 2, 3], [0, 3]),
+        (
+            [1] * 20 + [10] + [2] * 20,
+            [0, 21, 41],
+        ),  # a line break after >= min_size tokens closes a segment
+        ([1] * 5 + [10] + [2] * 20, [0, 6, 26]),  # a short line before a long one is a segment too
+        (
+            [1] * 3 + [10] + [1] * 3 + [11] + [1] * 14 + [10] + [3] * 4,
+            [0, 8, 23, 27],
+        ),  # short lines stay together
+        (
+            [1] * 3 + [10] + [1] * 3 + [11] + [1] * 10 + [10] + [3] * 4,
+            [0, 23],
+        ),  # all short: one segment
+        ([1] * 20 + [10, 11, 10] + [2] * 20, [0, 23, 43]),  # a run of line breaks ends one line
+        ([1] * 20 + [10], [0, 21]),  # a line break at the end closes nothing
+    ],
+    ids=[
+        "empty",
+        "short",
+        "two lines",
+        "a short first line",
+        "short lines",
+        "all short",
+        "blank lines",
+        "final line break",
+    ],
+)
 def test_segments(ids, expected):
     assert content.segments(ids, NL) == expected
     assert content.segments(ids, None) == ([0, len(ids)] if ids else [0])
@@ -141,10 +177,16 @@ def test_segments(ids, expected):
 
 def test_without_separators_the_cuts_are_the_hash_rule_alone():
     ids = R[:400] + [10] + R[400:800]
-    assert boundaries(ids) == boundaries(ids, separators=None) == boundaries(ids, separators=np.array([], dtype=np.int64))
+    assert (
+        boundaries(ids)
+        == boundaries(ids, separators=None)
+        == boundaries(ids, separators=np.array([], dtype=np.int64))
+    )
 
 
-@pytest.mark.parametrize("before", [run(20, 37), run(21, 300) + [11, 10], R[:12]], ids=["short", "long", "the run"])
+@pytest.mark.parametrize(
+    "before", [run(20, 37), run(21, 300) + [11, 10], R[:12]], ids=["short", "long", "the run"]
+)
 @pytest.mark.parametrize("after", [[], run(22, 50)], ids=["at the end", "then more"])
 def test_a_passage_between_line_breaks_has_the_same_chunks_edges_included(before, after):
     passage = [t for t in run(23, 420) if t not in (10, 11)]
@@ -158,15 +200,23 @@ def test_a_passage_between_line_breaks_has_the_same_chunks_edges_included(before
 
 def test_content_keys_of_a_moved_passage_all_match():
     docs = [[t for t in run(30 + i, 250) if t not in (10, 11)] for i in range(4)]
+
     def prompt(order):
         ids = [5, 6, 7, 10]
         for i in order:
             ids += docs[i] + [10, 10]
         return ids + run(40, 20)
+
     a, b = prompt([0, 1, 2, 3]), prompt([2, 0, 3, 1])
     keys = lambda ids: set(content_keys(ids, chunks(ids, separators=NL), NS))  # noqa: E731
     ka, kb = keys(a), keys(b)
     doc_tokens = sum(len(d) for d in docs)
-    shared = sum(e - s for (s, e), k in zip(chunks(b, separators=NL), content_keys(b, chunks(b, separators=NL), NS)) if k in ka)
+    shared = sum(
+        e - s
+        for (s, e), k in zip(
+            chunks(b, separators=NL), content_keys(b, chunks(b, separators=NL), NS)
+        )
+        if k in ka
+    )
     assert shared >= doc_tokens  # every passage token (and its trailing line breaks) found
     assert len(kb - ka) <= 3

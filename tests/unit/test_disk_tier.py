@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-
 from keyed import K, Ks, ns_prefix
 
 from kvfuse.codecs import get_codec
@@ -48,25 +47,46 @@ def test_round_trip_and_file_layout(tmp_path):
     assert got == b and not isinstance(got, Entry) and not got.readonly
     assert torch.equal(decode_chunk(got, key).kv, decode_chunk(b).kv)
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert [p.name for p in files] == [str(key).replace(":", "_3A") + ".kvf"] and len(files[0].parent.name) == 2
+    assert [p.name for p in files] == [str(key).replace(":", "_3A") + ".kvf"] and len(
+        files[0].parent.name
+    ) == 2
     assert t.contains(key) and not t.contains(K("02")) and t.get(K("02")) is None
     s = t.stats.snapshot()
-    assert (s["hits"], s["misses"], s["puts"], s["bytes_in"], s["bytes_out"]) == (1, 1, 1, len(b), len(b))
+    assert (s["hits"], s["misses"], s["puts"], s["bytes_in"], s["bytes_out"]) == (
+        1,
+        1,
+        1,
+        len(b),
+        len(b),
+    )
 
 
 @pytest.mark.parametrize("kind", list(ChunkKind))
 def test_file_names_are_reversible_and_distinct(kind):
     key = K("x", kind=kind)
     name = key_to_filename(key)
-    assert filename_to_key(name) == key and "/" not in name and ":" not in name and not name.startswith(".")
+    assert (
+        filename_to_key(name) == key
+        and "/" not in name
+        and ":" not in name
+        and not name.startswith(".")
+    )
     assert all(c.isascii() for c in name) and len(name) < 255
     assert len({key_to_filename(K("x", kind=k)) for k in ChunkKind}) == len(ChunkKind)
 
 
 def test_file_name_mapping_rejects_what_it_did_not_produce():
     good = key_to_filename(K("a"))
-    for bad in ["x.tmp", "a_zz.kvf", good.replace("_3A", "_3a"), good[:-4], ".kvf", good.replace(".kvf", "0.kvf"),
-                good.upper(), good.replace("_3Ap", "_3Ax")]:
+    for bad in [
+        "x.tmp",
+        "a_zz.kvf",
+        good.replace("_3A", "_3a"),
+        good[:-4],
+        ".kvf",
+        good.replace(".kvf", "0.kvf"),
+        good.upper(),
+        good.replace("_3Ap", "_3Ax"),
+    ]:
         assert filename_to_key(bad) is None, bad
     with pytest.raises(TypeError):
         key_to_filename("a:p:b")
@@ -82,14 +102,21 @@ def test_exact_eviction_order_by_bytes(tmp_path):
     assert t.get(K("b")) is not None  # recency change
     t.put(K("d"), blob(K("d"), tokens=6))  # needs room: "a" goes, then "c" (b was used)
     assert t.keys_lru() == Ks("b", "d") and t.keys() == Ks("d", "b") and t.keys(limit=1) == Ks("d")
-    assert not t.contains(K("a")) and not t.contains(K("c")) and t.stats.snapshot()["evictions"] == 2
+    assert (
+        not t.contains(K("a")) and not t.contains(K("c")) and t.stats.snapshot()["evictions"] == 2
+    )
     assert sorted(p.name for p in tmp_path.rglob("*.kvf")) == names(K("b"), K("d"))
 
 
 def test_the_start_up_scan_indexes_every_kind_and_variant_and_nothing_else(tmp_path):
     t = DiskTier(tmp_path, CAP)
-    keys = [K("a"), K("b", kind=ChunkKind.DOCUMENT), K("c", kind=ChunkKind.TAIL), K("a").encoded_as("cachegen", 2),
-            K("d", "ns2")]
+    keys = [
+        K("a"),
+        K("b", kind=ChunkKind.DOCUMENT),
+        K("c", kind=ChunkKind.TAIL),
+        K("a").encoded_as("cachegen", 2),
+        K("d", "ns2"),
+    ]
     for k in keys:
         t.put(k, blob(k))
     sub = Path(t._path(keys[0])).parent
@@ -107,12 +134,18 @@ def test_the_start_up_scan_indexes_every_kind_and_variant_and_nothing_else(tmp_p
 def test_put_many_writes_in_parallel_and_records_in_order(tmp_path, threads):
     t = DiskTier(tmp_path, CAP, io_threads=threads)
     t.put(K("old"), blob(K("old")))
-    batch = [(K(n), blob(K(n), seed=i)) for i, n in enumerate("dcbaxyz")] + [(K("a"), blob(K("a"), seed=99))]
+    batch = [(K(n), blob(K(n), seed=i)) for i, n in enumerate("dcbaxyz")] + [
+        (K("a"), blob(K("a"), seed=99))
+    ]
     t.put_many(batch)
-    assert t.keys_lru() == Ks("old", "d", "c", "b", "x", "y", "z", "a")  # the batch's order; "a" put twice
+    assert t.keys_lru() == Ks(
+        "old", "d", "c", "b", "x", "y", "z", "a"
+    )  # the batch's order; "a" put twice
     assert t.get(K("a")) == blob(K("a"), seed=99) and t.get(K("x")) == blob(K("x"), seed=4)
     assert not list(tmp_path.rglob("*.tmp")) and t.stats.snapshot()["puts"] == 9
-    assert DiskTier(tmp_path, CAP).keys_lru() == Ks("old", "d", "c", "b", "y", "z", "a", "x")  # mtimes too
+    assert DiskTier(tmp_path, CAP).keys_lru() == Ks(
+        "old", "d", "c", "b", "y", "z", "a", "x"
+    )  # mtimes too
     t.close()
 
 
@@ -165,7 +198,9 @@ def test_damaged_files_are_removed_misses(tmp_path, damage):
     assert store.stats()["store"]["unusable_entries"] == 1
 
 
-def test_read_with_streams_the_file_and_a_failing_reader_is_no_use_of_the_entry(tmp_path, monkeypatch):
+def test_read_with_streams_the_file_and_a_failing_reader_is_no_use_of_the_entry(
+    tmp_path, monkeypatch
+):
     """``read_with`` hands the file to the reader piece by piece; a read the reader rejects does not
     make the entry recent (in the index or in the file's mtime); an I/O error is a counted miss."""
     t = DiskTier(tmp_path, CAP)
@@ -195,7 +230,11 @@ def test_read_with_streams_the_file_and_a_failing_reader_is_no_use_of_the_entry(
     assert t.keys_lru() == [K("b"), K("c"), K("a")]
     assert DiskTier(tmp_path, CAP).keys_lru() == [K("b"), K("c"), K("a")]  # the mtimes say so too
     assert t.read_with(K("zz"), reader) is None
-    assert (t.stats.hits, t.stats.misses, t.stats.errors) == (2, 1, 0)  # the store un-counts a rejected hit
+    assert (t.stats.hits, t.stats.misses, t.stats.errors) == (
+        2,
+        1,
+        0,
+    )  # the store un-counts a rejected hit
 
     def failing_readv(fd, buffers):
         raise OSError(errno.EIO, "Input/output error")
@@ -291,7 +330,10 @@ def _worker(path: str, writer: int, seconds: float, capacity: int, start, out) -
         k = rng.randrange(N_KEYS)
         if rng.random() < 0.4:
             version += 1
-            tier.put(K(f"key{k}"), encode_chunk(_versioned(k, writer, version), K(f"key{k}"), get_codec("raw")))
+            tier.put(
+                K(f"key{k}"),
+                encode_chunk(_versioned(k, writer, version), K(f"key{k}"), get_codec("raw")),
+            )
             continue
         got = tier.get(K(f"key{k}"))
         if got is None:
@@ -300,7 +342,11 @@ def _worker(path: str, writer: int, seconds: float, capacity: int, start, out) -
         w, rest = divmod(int(chunk.positions[0]), 1_000_000_000)
         v, key_i = divmod(rest, 1000)
         expected = _versioned(key_i, w, v)
-        ok = key_i == k and torch.equal(chunk.kv, expected.kv) and torch.equal(chunk.positions, expected.positions)
+        ok = (
+            key_i == k
+            and torch.equal(chunk.kv, expected.kv)
+            and torch.equal(chunk.positions, expected.positions)
+        )
         checked += 1
         foreign += w != writer
         bad += not ok
@@ -312,7 +358,10 @@ def test_two_processes_never_read_a_torn_entry(tmp_path):
     ctx = mp.get_context("spawn")
     out, start = ctx.Queue(), ctx.Barrier(2)
     # A capacity of 6 entries for 12 keys: the processes also evict each other's files.
-    procs = [ctx.Process(target=_worker, args=(str(tmp_path), w, 1.5, 6 * entry, start, out)) for w in (1, 2)]
+    procs = [
+        ctx.Process(target=_worker, args=(str(tmp_path), w, 1.5, 6 * entry, start, out))
+        for w in (1, 2)
+    ]
     for p in procs:
         p.start()
     results = [out.get(timeout=60) for _ in procs]

@@ -28,7 +28,11 @@ CH = 32  # chunk size of every engine here
 def prefix_engine(model, store, **kw) -> Engine:
     """Chunk-level prefix caching alone, saved on the request path: what these tests pin down.
     Whole-history reuse and the asynchronous saver are tested in test_history.py."""
-    return Engine(model, store, EngineSettings.of(history=False, async_save=False, **{"chunk_size": CH, **kw}))
+    return Engine(
+        model, store, EngineSettings.of(history=False, async_save=False, **{"chunk_size": CH, **kw})
+    )
+
+
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
@@ -76,11 +80,17 @@ def ids_of(n: int, seed: int = 0) -> list[int]:
 _baselines: dict = {}
 
 
-def baseline(model: LoadedModel, ids: list[int], params: SamplingParams = GREEDY, kv_dtype="float16") -> list[int]:
+def baseline(
+    model: LoadedModel, ids: list[int], params: SamplingParams = GREEDY, kv_dtype="float16"
+) -> list[int]:
     """Greedy tokens of a cache-free engine (memoised: the same model and prompt recur)."""
     key = (model.fingerprint, tuple(ids), params, kv_dtype)
     if key not in _baselines:
-        _baselines[key] = prefix_engine(model, None, chunk_size=CH, kv_dtype=kv_dtype).generate(ids, params).token_ids
+        _baselines[key] = (
+            prefix_engine(model, None, chunk_size=CH, kv_dtype=kv_dtype)
+            .generate(ids, params)
+            .token_ids
+        )
     return _baselines[key]
 
 
@@ -200,14 +210,30 @@ def test_tenants_isolate_and_are_deleted_by_their_tag(model, stores):
     ids = ids_of(2 * CH + 5, seed=8)
     for tenant in ("alice", "bob"):
         for salt in ("", "team"):
-            assert engine.generate(ids, GREEDY, cache=CacheOptions(tenant=tenant, salt=salt)).cached_tokens == 0
-    assert engine.generate(ids, GREEDY, cache=CacheOptions(tenant="alice", salt="team")).cached_tokens == 2 * CH
+            assert (
+                engine.generate(
+                    ids, GREEDY, cache=CacheOptions(tenant=tenant, salt=salt)
+                ).cached_tokens
+                == 0
+            )
+    assert (
+        engine.generate(ids, GREEDY, cache=CacheOptions(tenant="alice", salt="team")).cached_tokens
+        == 2 * CH
+    )
     store.delete_prefix(tenant_tag("alice"))  # every namespace of alice's, none of bob's
     for salt in ("", "team"):
-        assert engine.generate(ids, GREEDY, cache=CacheOptions(tenant="alice", salt=salt)).cached_tokens == 0
+        assert (
+            engine.generate(
+                ids, GREEDY, cache=CacheOptions(tenant="alice", salt=salt)
+            ).cached_tokens
+            == 0
+        )
     store.delete_prefix(tenant_tag("alice"))
     for salt in ("", "team"):
-        assert engine.generate(ids, GREEDY, cache=CacheOptions(tenant="bob", salt=salt)).cached_tokens == 2 * CH
+        assert (
+            engine.generate(ids, GREEDY, cache=CacheOptions(tenant="bob", salt=salt)).cached_tokens
+            == 2 * CH
+        )
 
 
 def test_store_generated_stores_the_answer_chunks_for_the_follow_up(model, stores):
@@ -224,10 +250,17 @@ def test_store_generated_stores_the_answer_chunks_for_the_follow_up(model, store
 
     # the per-request option overrides the engine default, both ways
     other = ids_of(2 * CH + 6, seed=9)
-    assert engine.generate(other, params, cache=CacheOptions(store_generated=False)).stored_chunks == 2
+    assert (
+        engine.generate(other, params, cache=CacheOptions(store_generated=False)).stored_chunks == 2
+    )
     plain = prefix_engine(model, stores.fresh(), chunk_size=CH)
     assert plain.generate(ids_of(2 * CH + 6, seed=10), params).stored_chunks == 2
-    assert plain.generate(ids_of(2 * CH + 6, seed=11), params, cache=CacheOptions(store_generated=True)).stored_chunks == 3
+    assert (
+        plain.generate(
+            ids_of(2 * CH + 6, seed=11), params, cache=CacheOptions(store_generated=True)
+        ).stored_chunks
+        == 3
+    )
 
 
 # ------------------------------------------------------------------------------ bad entries
@@ -287,7 +320,9 @@ def test_entries_of_another_dtype_or_model_are_never_used(model, stores):
     ids = ids_of(3 * CH + 9, seed=14)
     writer = prefix_engine(model, store, chunk_size=CH)
     writer.generate(ids, GREEDY)
-    fingerprint_changed = LoadedModel(model.name, model.folder, model.runner, model.tokenizer, "0" * 32)
+    fingerprint_changed = LoadedModel(
+        model.name, model.folder, model.runner, model.tokenizer, "0" * 32
+    )
     readers = {
         "bfloat16": prefix_engine(model, store, chunk_size=CH, kv_dtype="bfloat16"),
         "float32": prefix_engine(model, store, chunk_size=CH, kv_dtype="float32"),
@@ -297,7 +332,9 @@ def test_entries_of_another_dtype_or_model_are_never_used(model, stores):
         assert reader.namespace() != writer.namespace()
         result = reader.generate(ids, GREEDY, cache=CacheOptions(store_generated=False))
         assert result.cached_tokens == 0, name
-        assert result.token_ids == baseline(reader.model, ids, kv_dtype=reader.settings.cache.kv_dtype), name
+        assert result.token_ids == baseline(
+            reader.model, ids, kv_dtype=reader.settings.cache.kv_dtype
+        ), name
         assert result.stored_chunks == 3, name  # into its own namespace
 
     # even the writer's bytes put under a reader's keys are rejected (the key is inside the entry)
@@ -318,14 +355,19 @@ def test_a_key_names_content_not_encoding_so_entries_of_any_codec_are_read(model
     """The codec is not part of a chunk's identity: the entry header says how it is encoded."""
     store = stores.fresh()
     ids = ids_of(3 * CH + 9, seed=14)
-    raw, int8 = prefix_engine(model, store, chunk_size=CH), prefix_engine(model, store, chunk_size=CH, codec="int8")
+    raw, int8 = (
+        prefix_engine(model, store, chunk_size=CH),
+        prefix_engine(model, store, chunk_size=CH, codec="int8"),
+    )
     assert raw.namespace() == int8.namespace()
     raw.generate(ids, GREEDY)
     result = int8.generate(ids, GREEDY)  # lossless raw entries: the exact answer
     assert result.cached_tokens == 3 * CH and result.token_ids == baseline(model, ids)
     other = ids_of(3 * CH + 9, seed=21)
     assert int8.generate(other, GREEDY).stored_chunks == 3  # written as int8 ...
-    assert {store.memory.get(k).codec.name for k in prefix_keys(other, CH, raw.namespace())} == {"int8"}
+    assert {store.memory.get(k).codec.name for k in prefix_keys(other, CH, raw.namespace())} == {
+        "int8"
+    }
     hit = raw.generate(other, GREEDY)  # ... and read by an engine that writes raw
     assert hit.cached_tokens == 3 * CH and hit.hit_tiers == ("memory",) * 3
     assert raw.stats.chunk_load_failures == 0
@@ -363,7 +405,9 @@ def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, sto
 def test_a_set_cancel_event_stops_before_any_token(model, stores):
     cancel = threading.Event()
     cancel.set()
-    result = prefix_engine(model, stores.fresh(), chunk_size=CH).generate(ids_of(50), GREEDY, cancel=cancel)
+    result = prefix_engine(model, stores.fresh(), chunk_size=CH).generate(
+        ids_of(50), GREEDY, cancel=cancel
+    )
     assert result.finish_reason == "cancelled" and result.token_ids == [] and result.text == ""
 
 
@@ -376,7 +420,9 @@ def test_a_request_cancelled_before_it_starts_does_no_work_and_is_counted(model,
     cancel = threading.Event()
     cancel.set()
     result = engine.generate(ids, GREEDY, cancel=cancel)
-    assert result.finish_reason == "cancelled" and result.cached_tokens == 0 and result.token_ids == []
+    assert (
+        result.finish_reason == "cancelled" and result.cached_tokens == 0 and result.token_ids == []
+    )
     assert store.stats()["store"]["lookups"] == lookups  # skipped in the queue: not even looked up
     s = engine.stats_snapshot()
     assert (s["requests"], s["requests_skipped"]) == (2, 1)
@@ -394,7 +440,9 @@ def test_cancelling_mid_generation_stops_after_the_current_token(model, stores):
 
     ids = ids_of(50, seed=16)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    result = prefix_engine(model, stores.fresh(), chunk_size=CH).generate(ids, params, on_text=on_text, cancel=cancel)
+    result = prefix_engine(model, stores.fresh(), chunk_size=CH).generate(
+        ids, params, on_text=on_text, cancel=cancel
+    )
     assert result.finish_reason == "cancelled"
     assert len(result.token_ids) == 3 and result.token_ids == baseline(model, ids, params)[:3]
     assert result.text == "".join(pieces)
@@ -406,9 +454,13 @@ def test_stop_strings_and_stop_tokens(model):
     full = engine.generate(ids, GREEDY)
     assert full.finish_reason == "length" and full.text == " ".join(f"t{t}" for t in full.token_ids)
     words = full.text.split(" ")
-    result = engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True, stop=(" " + words[3],)))
+    result = engine.generate(
+        ids, SamplingParams(max_tokens=8, ignore_eos=True, stop=(" " + words[3],))
+    )
     assert result.finish_reason == "stop" and result.text == " ".join(words[:3])
-    result = engine.generate(ids, SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(full.token_ids[2],)))
+    result = engine.generate(
+        ids, SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(full.token_ids[2],))
+    )
     assert result.finish_reason == "stop" and result.token_ids == full.token_ids[:2]
 
 
@@ -419,7 +471,14 @@ def test_prompt_and_max_tokens_must_fit_the_context_window(model):
         engine.generate(ids_of(window - 4), SamplingParams(max_tokens=5))
     with pytest.raises(ValueError, match="context window"):
         engine.generate(ids_of(window + 1), SamplingParams(max_tokens=1))
-    assert len(engine.generate(ids_of(window - 1), SamplingParams(max_tokens=1, ignore_eos=True)).token_ids) == 1
+    assert (
+        len(
+            engine.generate(
+                ids_of(window - 1), SamplingParams(max_tokens=1, ignore_eos=True)
+            ).token_ids
+        )
+        == 1
+    )
 
 
 def test_bad_prompts_are_value_errors(model):

@@ -10,8 +10,7 @@ import time
 import pytest
 
 from kvfuse.config import EngineSettings
-from kvfuse.engine import Engine, Outcome, Prompt, QueueClosed, Request, RequestCancelled
-from kvfuse.engine import prefill
+from kvfuse.engine import Engine, Outcome, Prompt, QueueClosed, Request, RequestCancelled, prefill
 from kvfuse.generation import SamplingParams
 from kvfuse.server.events import RequestEvents
 from kvfuse.tiers import MemoryTier, TieredStore
@@ -21,7 +20,11 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 
 @pytest.fixture
 def engine(tiny_loaded):
-    e = Engine(tiny_loaded("llama"), TieredStore(MemoryTier(1 << 26)), EngineSettings.of(chunk_size=16, max_queue=4, max_running=1))
+    e = Engine(
+        tiny_loaded("llama"),
+        TieredStore(MemoryTier(1 << 26)),
+        EngineSettings.of(chunk_size=16, max_queue=4, max_running=1),
+    )
     e.start()
     yield e
     e.close()
@@ -30,7 +33,12 @@ def engine(tiny_loaded):
 def run(engine, ids, stream=True, params=PARAMS):
     async def go():
         events = RequestEvents()
-        req = Request(Prompt.plain(ids), params, on_text=events.on_text if stream else None, on_done=events.on_done)
+        req = Request(
+            Prompt.plain(ids),
+            params,
+            on_text=events.on_text if stream else None,
+            on_done=events.on_done,
+        )
         engine.submit(req)
         items = []
         while not isinstance(item := await events.next(), Outcome):
@@ -47,9 +55,15 @@ def wait_until(cond, timeout=10.0):
     assert cond()
 
 
-def test_the_loop_runs_requests_and_delivers_text_and_outcome_to_the_event_loop(engine, monkeypatch):
+def test_the_loop_runs_requests_and_delivers_text_and_outcome_to_the_event_loop(
+    engine, monkeypatch
+):
     pieces, outcome = run(engine, list(range(3, 40)))
-    assert len(pieces) > 0 and "".join(pieces) == outcome.result.text and outcome.result.completion_tokens == 6
+    assert (
+        len(pieces) > 0
+        and "".join(pieces) == outcome.result.text
+        and outcome.result.completion_tokens == 6
+    )
     assert outcome.result.timings.queued_s >= 0
     # the first run's whole history (prompt + answer) is kept: all but the last prompt token is reused
     assert run(engine, list(range(3, 40)), stream=False)[1].result.cached_tokens == 36
@@ -67,8 +81,17 @@ def test_the_loop_runs_requests_and_delivers_text_and_outcome_to_the_event_loop(
     assert run(engine, [20, 21, 22])[1].result is not None  # ... and the loop keeps serving others
     engine.flush()  # the saver copied the last answer out of its KV: every byte of live KV is back
     state = engine.queue_state()
-    assert {k: state[k] for k in ("waiting", "running", "max_queue", "skipped", "preempted", "kv_bytes_used")} == \
-        {"waiting": 0, "running": 0, "max_queue": 4, "skipped": 0, "preempted": 0, "kv_bytes_used": 0}
+    assert {
+        k: state[k]
+        for k in ("waiting", "running", "max_queue", "skipped", "preempted", "kv_bytes_used")
+    } == {
+        "waiting": 0,
+        "running": 0,
+        "max_queue": 4,
+        "skipped": 0,
+        "preempted": 0,
+        "kv_bytes_used": 0,
+    }
 
 
 def test_withdraw_stops_the_running_request_and_drops_the_waiting_one(engine):
@@ -79,9 +102,15 @@ def test_withdraw_stops_the_running_request_and_drops_the_waiting_one(engine):
         started.set()
         gate.wait(10)
 
-    running = Request(Prompt.plain(range(3, 30)), SamplingParams(max_tokens=50, ignore_eos=True), on_text=hold,
-                      on_done=lambda o: done.setdefault("run", o))
-    waiting = Request(Prompt.plain(range(5, 30)), PARAMS, on_done=lambda o: done.setdefault("wait", o))
+    running = Request(
+        Prompt.plain(range(3, 30)),
+        SamplingParams(max_tokens=50, ignore_eos=True),
+        on_text=hold,
+        on_done=lambda o: done.setdefault("run", o),
+    )
+    waiting = Request(
+        Prompt.plain(range(5, 30)), PARAMS, on_done=lambda o: done.setdefault("wait", o)
+    )
     lookups = engine.cache_stats()["store"]["lookups"]
     try:
         engine.submit(running)
@@ -96,7 +125,9 @@ def test_withdraw_stops_the_running_request_and_drops_the_waiting_one(engine):
     assert isinstance(done["wait"].error, RequestCancelled)
     result = done["run"].result
     assert result.finish_reason == "cancelled" and 1 <= result.completion_tokens < 50
-    assert engine.cache_stats()["store"]["lookups"] == lookups + 1  # the withdrawn request never ran
+    assert (
+        engine.cache_stats()["store"]["lookups"] == lookups + 1
+    )  # the withdrawn request never ran
     s = engine.stats_snapshot()
     assert (s["requests"], s["requests_skipped"]) == (2, 1) and engine.queue_state()["skipped"] == 1
 
@@ -106,7 +137,10 @@ def test_a_request_cancelled_as_it_is_admitted_stops_before_its_prefill(tiny_loa
     engine = Engine(tiny_loaded("llama"), store, EngineSettings.of(chunk_size=16))
     req = Request(Prompt.plain(range(3, 40)), PARAMS)
     real = store.lookup
-    def lookup(keys, count=True):  # the prefill's lookup (submit's probe is not counted): the client leaves now
+
+    def lookup(
+        keys, count=True
+    ):  # the prefill's lookup (submit's probe is not counted): the client leaves now
         if count:
             req.cancel.set()
         return real(keys, count=count)
@@ -124,8 +158,12 @@ def test_a_request_cancelled_as_it_is_admitted_stops_before_its_prefill(tiny_loa
 def test_stop_cancels_waiting_requests_and_refuses_new_ones(engine):
     gate = threading.Event()
     done: dict[str, Outcome] = {}
-    first = Request(Prompt.plain(range(3, 20)), PARAMS, on_text=lambda p: gate.wait(10),
-                    on_done=lambda o: done.setdefault("1", o))
+    first = Request(
+        Prompt.plain(range(3, 20)),
+        PARAMS,
+        on_text=lambda p: gate.wait(10),
+        on_done=lambda o: done.setdefault("1", o),
+    )
     second = Request(Prompt.plain(range(4, 20)), PARAMS, on_done=lambda o: done.setdefault("2", o))
     engine.submit(first)
     engine.submit(second)
@@ -138,7 +176,9 @@ def test_stop_cancels_waiting_requests_and_refuses_new_ones(engine):
 
 
 def test_generate_waits_for_the_loop(engine):
-    direct = Engine(engine.model, None, EngineSettings.of(chunk_size=16)).generate(list(range(3, 40)), PARAMS)
+    direct = Engine(engine.model, None, EngineSettings.of(chunk_size=16)).generate(
+        list(range(3, 40)), PARAMS
+    )
     assert engine.generate(list(range(3, 40)), PARAMS).token_ids == direct.token_ids
     with pytest.raises(ValueError, match="context window"):
         engine.generate([1] * engine.model.config.max_position_embeddings, PARAMS)

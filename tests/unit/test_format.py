@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-
 import pytest
 import torch
 import xxhash
@@ -14,8 +13,16 @@ from hypothesis import strategies as st
 
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import (FORMAT_VERSION, EntrySpec, FormatError, decode_chunk, encode_chunk, read_entry, read_header,
-                              verify)
+from kvfuse.kv.format import (
+    FORMAT_VERSION,
+    EntrySpec,
+    FormatError,
+    decode_chunk,
+    encode_chunk,
+    read_entry,
+    read_header,
+    verify,
+)
 from kvfuse.kv.keys import Namespace, prefix_keys
 
 NS = Namespace("m", "float16", "L2xH2xD8")
@@ -23,20 +30,35 @@ KEY = str(prefix_keys(range(4), 4, NS)[0])
 OTHER_KEY = str(prefix_keys(range(1, 5), 4, NS)[0])
 
 # Offsets of the fixed header fields ("<4sHIHHBB5IIHQ").
-VERSION, HEADER_LEN, CODEC_ID, DTYPE, FLAGS, SHAPE, KEY_LEN, PAYLOAD_LEN = 4, 6, 10, 14, 15, 16, 40, 42
+VERSION, HEADER_LEN, CODEC_ID, DTYPE, FLAGS, SHAPE, KEY_LEN, PAYLOAD_LEN = (
+    4,
+    6,
+    10,
+    14,
+    15,
+    16,
+    40,
+    42,
+)
 FIXED = 50
 
 
 def _chunk(dtype=torch.float16, tokens=5, contiguous=True, seed=0):
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn((2, 2, tokens, 2, 8), generator=g).to(dtype)
-    pos = torch.arange(100, 100 + tokens) if contiguous else torch.tensor([3, 9, 4, 2**40, -1][:tokens])
+    pos = (
+        torch.arange(100, 100 + tokens)
+        if contiguous
+        else torch.tensor([3, 9, 4, 2**40, -1][:tokens])
+    )
     return KVChunk(kv=kv, positions=pos)
 
 
 def _same(a: KVChunk, b: KVChunk) -> bool:
-    return a.kv.dtype == b.kv.dtype and torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8)) and torch.equal(
-        a.positions, b.positions
+    return (
+        a.kv.dtype == b.kv.dtype
+        and torch.equal(a.kv.view(torch.uint8), b.kv.view(torch.uint8))
+        and torch.equal(a.positions, b.positions)
     )
 
 
@@ -70,7 +92,9 @@ class _Stream:
 def _streamed(blob: bytes, key=None, step: int | None = None, size: int | None = None, spec=None):
     """The chunk ``read_entry`` makes of ``blob`` read as a stream (of ``size`` bytes, as a file's
     size said when it was opened; default: all of them)."""
-    return read_entry(_Stream(blob, step).readinto, len(blob) if size is None else size, key, spec).chunk()
+    return read_entry(
+        _Stream(blob, step).readinto, len(blob) if size is None else size, key, spec
+    ).chunk()
 
 
 def _flip(blob: bytes, i: int) -> bytes:
@@ -93,7 +117,13 @@ def test_round_trip(dtype, codec, contiguous):
     else:
         assert (out.kv.float() - chunk.kv.float()).abs().max() <= chunk.kv.float().abs().max() / 100
     h = read_header(blob)
-    assert (h.key, h.codec, h.dtype, h.shape, h.num_positions) == (KEY, codec, str(dtype)[6:], (2, 2, 5, 2, 8), 5)
+    assert (h.key, h.codec, h.dtype, h.shape, h.num_positions) == (
+        KEY,
+        codec,
+        str(dtype)[6:],
+        (2, 2, 5, 2, 8),
+        5,
+    )
     assert h.positions_contiguous == contiguous and h.payload_ok
     assert h.header_size % 64 == 0 and h.header_size + h.payload_size == len(blob)
 
@@ -118,7 +148,9 @@ def test_key_mismatch_is_an_error():
     with pytest.raises(FormatError, match="expected"):
         decode_chunk(blob, OTHER_KEY)
     assert not verify(blob, OTHER_KEY)
-    assert _same(decode_chunk(blob, prefix_keys(range(4), 4, NS)[0]), decode_chunk(blob))  # a ChunkKey works too
+    assert _same(
+        decode_chunk(blob, prefix_keys(range(4), 4, NS)[0]), decode_chunk(blob)
+    )  # a ChunkKey works too
 
 
 @pytest.mark.parametrize(
@@ -131,7 +163,10 @@ def test_key_mismatch_is_an_error():
         (lambda b: b + b"\0", "trailing"),
         (lambda b: b"KVFX" + b[4:], "magic"),
         (lambda b: _patch(b, VERSION, "<H", FORMAT_VERSION + 1), f"version {FORMAT_VERSION + 1}"),
-        (lambda b: _patch(b, VERSION, "<H", 2), f"version 2; this build reads version {FORMAT_VERSION}"),
+        (
+            lambda b: _patch(b, VERSION, "<H", 2),
+            f"version 2; this build reads version {FORMAT_VERSION}",
+        ),
         (lambda b: _patch(b, VERSION, "<H", 0), "version 0"),
         (lambda b: _patch(b, CODEC_ID, "<H", 999), "unknown codec"),
         (lambda b: _patch(b, DTYPE, "<B", 77), "unknown dtype"),
@@ -194,7 +229,10 @@ def test_read_header_reports_a_bad_payload_without_failing():
 def test_a_layer_range_is_read_and_checked_without_the_rest(codec):
     from kvfuse.kv.format import header_length, parse_header
 
-    chunk = KVChunk(torch.randn((5, 2, 7, 2, 8), generator=torch.Generator().manual_seed(4)).half(), torch.arange(7))
+    chunk = KVChunk(
+        torch.randn((5, 2, 7, 2, 8), generator=torch.Generator().manual_seed(4)).half(),
+        torch.arange(7),
+    )
     blob = bytes(encode_chunk(chunk, KEY, get_codec(codec)))
     full = decode_chunk(blob, KEY).kv
     need = header_length(blob[:FIXED])  # the fixed part says how much header to read
@@ -203,12 +241,17 @@ def test_a_layer_range_is_read_and_checked_without_the_rest(codec):
     start, stop = h.layer_span(1, 4)
     part = h.decode_layers(memoryview(blob)[start:stop], 1, 4)
     assert torch.equal(part, full[1:4])
-    assert torch.equal(decode_chunk(blob).kv[2:3], h.decode_layers(memoryview(blob)[slice(*h.layer_span(2, 3))], 2, 3))
+    assert torch.equal(
+        decode_chunk(blob).kv[2:3],
+        h.decode_layers(memoryview(blob)[slice(*h.layer_span(2, 3))], 2, 3),
+    )
     damaged = bytearray(blob)
     damaged[stop - 1] ^= 1  # in layer 3
     with pytest.raises(FormatError, match="layer 3"):
         h.decode_layers(memoryview(damaged)[start:stop], 1, 4)
-    assert torch.equal(h.decode_layers(memoryview(damaged)[slice(*h.layer_span(0, 3))], 0, 3), full[:3])
+    assert torch.equal(
+        h.decode_layers(memoryview(damaged)[slice(*h.layer_span(0, 3))], 0, 3), full[:3]
+    )
     with pytest.raises(FormatError, match="truncated"):
         h.decode_layers(memoryview(blob)[start : stop - 1], 1, 4)
     with pytest.raises(FormatError, match="truncated"):
@@ -221,7 +264,9 @@ def test_key_is_stored_as_given():
 
 
 _BLOBS = {
-    (codec, contiguous): encode_chunk(_chunk(torch.bfloat16, contiguous=contiguous, seed=3), KEY, get_codec(codec))
+    (codec, contiguous): encode_chunk(
+        _chunk(torch.bfloat16, contiguous=contiguous, seed=3), KEY, get_codec(codec)
+    )
     for codec in ("raw", "int8")
     for contiguous in (True, False)
 }
@@ -275,7 +320,9 @@ def test_an_entry_is_the_same_bytes_as_the_joined_form_without_copying_the_paylo
     # the raw payload is the tensor's own memory: encoding copied nothing, decoding neither
     assert np.shares_memory(np.asarray(entry.payload), chunk.kv.numpy())
     out = decode_chunk(entry, KEY)
-    assert np.shares_memory(out.kv.numpy(), chunk.kv.numpy()) and torch.equal(out.positions, chunk.positions)
+    assert np.shares_memory(out.kv.numpy(), chunk.kv.numpy()) and torch.equal(
+        out.positions, chunk.positions
+    )
     assert verify(entry, KEY) and read_header(entry).payload_ok
     with pytest.raises(FormatError, match="expected"):
         decode_chunk(entry, OTHER_KEY)
@@ -307,7 +354,9 @@ def test_a_streamed_read_gives_what_the_blob_gives(codec, step, layers):
     """Whatever pieces the reads come in, ``read_entry`` gives the entry ``decode_chunk`` gives,
     in a writable buffer of its own (the raw codec then decodes without a copy)."""
     g = torch.Generator().manual_seed(layers)
-    chunk = KVChunk(torch.randn((layers, 2, 300, 2, 64), generator=g).half(), torch.tensor(range(7, 307)))
+    chunk = KVChunk(
+        torch.randn((layers, 2, 300, 2, 64), generator=g).half(), torch.tensor(range(7, 307))
+    )
     blob = bytes(encode_chunk(chunk, KEY, get_codec(codec)))
     entry = read_entry(_Stream(blob, step).readinto, len(blob), KEY)
     got = entry.chunk()
@@ -321,10 +370,12 @@ def test_a_streamed_read_stops_at_the_header_when_the_key_or_spec_differs():
     chunk = KVChunk(torch.randn((3, 2, 100, 2, 8)).half(), torch.arange(100))
     blob = bytes(encode_chunk(chunk, KEY, get_codec("raw")))
     assert len(blob) > 4 * 4096  # the header is read in a first 4 KiB read; the payload is more
-    for key, spec, match in [(OTHER_KEY, None, "expected"),
-                             (KEY, EntrySpec(torch.float32, 3, 2, 8), "dtype"),
-                             (KEY, EntrySpec(torch.float16, 4, 2, 8), "layout"),
-                             (KEY, EntrySpec(torch.float16, 3, 2, 8, first_position=5), "positions")]:
+    for key, spec, match in [
+        (OTHER_KEY, None, "expected"),
+        (KEY, EntrySpec(torch.float32, 3, 2, 8), "dtype"),
+        (KEY, EntrySpec(torch.float16, 4, 2, 8), "layout"),
+        (KEY, EntrySpec(torch.float16, 3, 2, 8, first_position=5), "positions"),
+    ]:
         stream = _Stream(blob)
         with pytest.raises(FormatError, match=match):
             read_entry(stream.readinto, len(blob), key, spec)
@@ -337,7 +388,9 @@ def test_a_file_that_changes_size_while_read_is_a_format_error():
     blob = bytes(encode_chunk(_chunk(tokens=5), KEY, get_codec("raw")))
     with pytest.raises(FormatError, match="truncated entry"):  # shrank after its size was taken
         _streamed(blob[:-10], size=len(blob))
-    with pytest.raises(FormatError, match="trailing"):  # grew: the size taken is longer than the entry
+    with pytest.raises(
+        FormatError, match="trailing"
+    ):  # grew: the size taken is longer than the entry
         _streamed(blob + b"\0" * 64, size=len(blob) + 64)
     with pytest.raises(FormatError, match="truncated header"):
         _streamed(blob[:FIXED], size=FIXED)

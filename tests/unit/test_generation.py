@@ -13,13 +13,29 @@ from kvfuse.models.tokenizer import IncrementalDecoder
 # ------------------------------------------------------------------------------ SamplingParams
 
 BAD_PARAMS = [
-    ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 1.5), ("max_tokens", True), ("max_tokens", "8"),
-    ("temperature", -0.1), ("temperature", 100.5), ("temperature", math.nan), ("temperature", math.inf),
-    ("temperature", "1"), ("temperature", True),
-    ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", math.nan),
-    ("top_k", -1), ("top_k", 2.5),
-    ("seed", -1), ("seed", 2**63), ("seed", 1.5),
-    ("stop", ("",)), ("stop", (3,)), ("stop", tuple(f"s{i}" for i in range(17))),
+    ("max_tokens", 0),
+    ("max_tokens", -1),
+    ("max_tokens", 1.5),
+    ("max_tokens", True),
+    ("max_tokens", "8"),
+    ("temperature", -0.1),
+    ("temperature", 100.5),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", "1"),
+    ("temperature", True),
+    ("top_p", 0.0),
+    ("top_p", 1.01),
+    ("top_p", -0.5),
+    ("top_p", math.nan),
+    ("top_k", -1),
+    ("top_k", 2.5),
+    ("seed", -1),
+    ("seed", 2**63),
+    ("seed", 1.5),
+    ("stop", ("",)),
+    ("stop", (3,)),
+    ("stop", tuple(f"s{i}" for i in range(17))),
 ]
 
 
@@ -31,10 +47,14 @@ def test_bad_sampling_field_is_a_value_error_naming_it(field, value):
 
 
 def test_good_sampling_params_and_normalisation():
-    p = SamplingParams(max_tokens=1, temperature=0, top_p=1.0, top_k=0, seed=0, stop="END", stop_token_ids=[5, 6])
+    p = SamplingParams(
+        max_tokens=1, temperature=0, top_p=1.0, top_k=0, seed=0, stop="END", stop_token_ids=[5, 6]
+    )
     assert p.greedy and p.stop == ("END",) and p.stop_token_ids == (5, 6)
     assert not SamplingParams(temperature=0.7).greedy
-    SamplingParams(temperature=100.0, top_p=1e-9, top_k=10**6, seed=2**63 - 1, stop=tuple("abcdefghijklmnop"))
+    SamplingParams(
+        temperature=100.0, top_p=1e-9, top_k=10**6, seed=2**63 - 1, stop=tuple("abcdefghijklmnop")
+    )
 
 
 # ------------------------------------------------------------------------------ Sampler
@@ -127,7 +147,9 @@ STOP_CASES = [
 ]
 
 
-@pytest.mark.parametrize("stops,pieces,fed,flushed,stopped", [c[1:] for c in STOP_CASES], ids=[c[0] for c in STOP_CASES])
+@pytest.mark.parametrize(
+    "stops,pieces,fed,flushed,stopped", [c[1:] for c in STOP_CASES], ids=[c[0] for c in STOP_CASES]
+)
 def test_stop_matcher(stops, pieces, fed, flushed, stopped):
     m = StopMatcher(stops)
     assert [m.feed(p) for p in pieces] == fed
@@ -177,7 +199,9 @@ def _stream(tok, ids: list[int]) -> list[str]:
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("text", TEXTS, ids=["ascii", "emoji", "cjk", "accents", "mixed", "one-emoji"])
+@pytest.mark.parametrize(
+    "text", TEXTS, ids=["ascii", "emoji", "cjk", "accents", "mixed", "one-emoji"]
+)
 def test_stream_decoder_pieces_concatenate_to_the_full_decode(real_tokenizer, text):
     ids = real_tokenizer.encode(text, add_special_tokens=False)
     pieces = _stream(real_tokenizer, ids)

@@ -7,9 +7,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfuse.engine.planner import Compute, Load, Plan, Save, history_entries, make_plan, prompt_keys, tail_probe
+from kvfuse.engine.planner import (
+    Compute,
+    Load,
+    Plan,
+    Save,
+    history_entries,
+    make_plan,
+    prompt_keys,
+    tail_probe,
+)
 from kvfuse.engine.prompt import Prompt
-from kvfuse.history import HistoryIndex, Record, Run, StoredEntry, align, byte_sync, drop_oldest_turns
+from kvfuse.history import (
+    HistoryIndex,
+    Record,
+    Run,
+    StoredEntry,
+    align,
+    byte_sync,
+    drop_oldest_turns,
+)
 from kvfuse.history.align import common_prefix
 from kvfuse.history.records import decode_record, encode_record
 from kvfuse.history.truncate import without_oldest
@@ -20,14 +37,27 @@ from kvfuse.kv.keys import ChunkKind, Namespace, prefix_keys, tail_key
 TABLE = [bytes([97 + i % 26]) for i in range(100)] + [b"ab", b"cd", b""]
 
 
-@pytest.mark.parametrize("a,b,start,expected", [
-    ([0, 1, 2], [0, 1, 2], 0, (3, 3)),  # equal
-    ([0, 1, 2, 3], [100, 101], 0, (4, 2)),  # "abcd" both ways
-    ([0, 1, 2, 5], [100, 101], 0, (2, 1)),  # "abcf" vs "abcd": the last common boundary is after "ab"
-    ([7, 0, 1], [7, 100, 4], 1, (3, 2)),  # after a shared token
-    ([0], [1], 0, (0, 0)),  # nothing in common
-    ([0, 1], [100, 102, 2], 0, (2, 1)),  # an empty new token is never the boundary (it would be dropped)
-])
+@pytest.mark.parametrize(
+    "a,b,start,expected",
+    [
+        ([0, 1, 2], [0, 1, 2], 0, (3, 3)),  # equal
+        ([0, 1, 2, 3], [100, 101], 0, (4, 2)),  # "abcd" both ways
+        (
+            [0, 1, 2, 5],
+            [100, 101],
+            0,
+            (2, 1),
+        ),  # "abcf" vs "abcd": the last common boundary is after "ab"
+        ([7, 0, 1], [7, 100, 4], 1, (3, 2)),  # after a shared token
+        ([0], [1], 0, (0, 0)),  # nothing in common
+        (
+            [0, 1],
+            [100, 102, 2],
+            0,
+            (2, 1),
+        ),  # an empty new token is never the boundary (it would be dropped)
+    ],
+)
 def test_byte_sync_finds_the_last_common_token_boundary(a, b, start, expected):
     assert byte_sync(a, b, TABLE, start) == expected
 
@@ -38,7 +68,9 @@ def test_align_keeps_the_stored_ids_where_the_text_is_the_same():
     al = align(stored, new, TABLE)
     assert al.ids == (5, 6, 0, 1, 2, 3, 9, 9) and al.runs == (Run(0, 6, 0),) and al.reusable == 6
     assert not al.moved
-    assert align(stored, new).ids == tuple(new) and align(stored, new).runs == (Run(0, 2, 0),)  # no table: ids only
+    assert align(stored, new).ids == tuple(new) and align(stored, new).runs == (
+        Run(0, 2, 0),
+    )  # no table: ids only
 
 
 def test_align_with_a_trimmed_answer_reuses_up_to_where_the_texts_part():
@@ -64,7 +96,9 @@ def test_align_finds_the_kept_turns_after_dropped_ones():
 def test_a_passage_that_recurs_inside_another_history_is_not_reused_after_a_gap():
     system = [50, 51, 52]
     passage = list(range(20, 40))
-    stored = system + list(range(60, 80)) + passage + list(range(0, 40))  # the passage, then 40 more tokens
+    stored = (
+        system + list(range(60, 80)) + passage + list(range(0, 40))
+    )  # the passage, then 40 more tokens
     new = system + passage + [90, 91]
     assert align(stored, new, TABLE, allow_gap=True).runs == (Run(0, 3, 0),)
 
@@ -76,10 +110,15 @@ def test_a_short_chance_match_after_a_gap_is_not_reused():
 
 
 def test_common_prefix():
-    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2 and common_prefix([], [1]) == 0 and common_prefix([1], [1]) == 1
+    assert (
+        common_prefix([1, 2, 3], [1, 2, 4]) == 2
+        and common_prefix([], [1]) == 0
+        and common_prefix([1], [1]) == 1
+    )
 
 
 # ------------------------------------------------------------------------------ truncation
+
 
 def msgs(*roles):
     return [{"role": r, "content": f"{r}{i}"} for i, r in enumerate(roles)]
@@ -89,13 +128,24 @@ def fits_within(n):
     return lambda m: len(m) <= n
 
 
-@pytest.mark.parametrize("roles,limit,kept", [
-    (("system", "user", "assistant", "user"), 4, [0, 1, 2, 3]),  # fits: unchanged
-    (("system", "user", "assistant", "user", "assistant", "user"), 4, [0, 3, 4, 5]),  # one turn dropped
-    (("system", "user", "assistant", "user", "assistant", "user"), 2, [0, 5]),  # all but the last
-    (("user", "assistant", "user", "assistant", "user"), 3, [2, 3, 4]),  # no system prompt
-    (("system", "user", "assistant", "user"), 1, None),  # even the last turn alone does not fit
-])
+@pytest.mark.parametrize(
+    "roles,limit,kept",
+    [
+        (("system", "user", "assistant", "user"), 4, [0, 1, 2, 3]),  # fits: unchanged
+        (
+            ("system", "user", "assistant", "user", "assistant", "user"),
+            4,
+            [0, 3, 4, 5],
+        ),  # one turn dropped
+        (
+            ("system", "user", "assistant", "user", "assistant", "user"),
+            2,
+            [0, 5],
+        ),  # all but the last
+        (("user", "assistant", "user", "assistant", "user"), 3, [2, 3, 4]),  # no system prompt
+        (("system", "user", "assistant", "user"), 1, None),  # even the last turn alone does not fit
+    ],
+)
 def test_drop_oldest_turns_keeps_the_system_prompt_and_the_last_turn(roles, limit, kept):
     m = msgs(*roles)
     out = drop_oldest_turns(m, fits_within(limit))
@@ -106,11 +156,14 @@ def test_drop_oldest_turns_keeps_the_system_prompt_and_the_last_turn(roles, limi
 
 # ------------------------------------------------------------------------------ the index
 
+
 def test_records_are_found_by_key_and_by_content_and_stay_in_their_scope():
     index = HistoryIndex(capacity=3)
     ids = list(range(1000, 1300))
     rec = index.add("tenantA:", ids, "ns", cache_key="conv-1")
-    assert index.candidates("tenantA:", [7, 7, 7], cache_key="conv-1") == [rec]  # by key, whatever the prompt
+    assert index.candidates("tenantA:", [7, 7, 7], cache_key="conv-1") == [
+        rec
+    ]  # by key, whatever the prompt
     assert index.candidates("tenantA:", ids[:200] + [5, 5]) == [rec]  # by content
     assert index.candidates("tenantA:", ids[150:]) == [rec]  # content anywhere (dropped turns)
     assert index.candidates("tenantB:", ids, cache_key="conv-1") == []  # never another scope's
@@ -155,7 +208,12 @@ def test_a_record_file_round_trips():
     rec = Record("scope:", np.arange(7, dtype=np.uint32), ns, (), None)
     back = decode_record(encode_record(rec))
     assert back.ids.tolist() == list(range(7)) and back.namespace == ns and back.cache_key is None
-    for bad in (b"", b"KVFHIST1", encode_record(rec)[:-1], encode_record(rec).replace(b'"n": 7', b'"n": 8')):
+    for bad in (
+        b"",
+        b"KVFHIST1",
+        encode_record(rec)[:-1],
+        encode_record(rec).replace(b'"n": 7', b'"n": 8'),
+    ):
         with pytest.raises(ValueError):
             decode_record(bad)
 
@@ -171,8 +229,11 @@ def test_history_entries_are_the_chain_and_a_tail():
     ids = list(range(10, 20))
     entries = history_entries(ids, CH, NS)
     chain = prefix_keys(ids, CH, NS)
-    assert entries == [StoredEntry(chain[0], 0, 4), StoredEntry(chain[1], 4, 4),
-                       StoredEntry(tail_key(chain[1], ids[8:], NS), 8, 2)]
+    assert entries == [
+        StoredEntry(chain[0], 0, 4),
+        StoredEntry(chain[1], 4, 4),
+        StoredEntry(tail_key(chain[1], ids[8:], NS), 8, 2),
+    ]
     assert entries[-1].key.kind is ChunkKind.TAIL
     assert history_entries(ids[:8], CH, NS)[-1].key == chain[1]  # no partial chunk: no tail
 
@@ -183,7 +244,11 @@ def test_tail_probe_names_every_length_longest_first():
     probe = tail_probe(ids, chain, 1, CH, NS)
     assert [e.tokens for e in probe] == [3, 2, 1]
     assert probe[0] == StoredEntry(tail_key(chain[0], ids[4:7], NS), 4, 3)
-    assert [e.tokens for e in tail_probe(ids, chain, 0, CH, NS)] == [3, 2, 1]  # from the root: a chunk minus one
+    assert [e.tokens for e in tail_probe(ids, chain, 0, CH, NS)] == [
+        3,
+        2,
+        1,
+    ]  # from the root: a chunk minus one
 
 
 def test_a_stored_history_loads_its_tail_and_only_the_new_tokens_are_computed():
@@ -191,12 +256,21 @@ def test_a_stored_history_loads_its_tail_and_only_the_new_tokens_are_computed():
     entries = history_entries(stored, CH, NS)
     prompt = Prompt.plain(stored + [50, 51, 52])
     keys = prompt_keys(prompt, CH, NS).with_history(entries, [Run(0, 10, 0)])
-    assert [e.key for e in keys.history] == [entries[2].key]  # the chain's own chunks are not repeated
+    assert [e.key for e in keys.history] == [
+        entries[2].key
+    ]  # the chain's own chunks are not repeated
     chain = keys.prefix
     plan = make_plan(prompt, keys, [M, M, None, D])  # chain chunk 2 ([8, 12)) is new: a miss
-    assert plan == Plan(13, loads=(Load(chain[0], M, 0, 4, 0), Load(chain[1], M, 4, 8, 4),
-                                   Load(entries[2].key, D, 8, 10, 8, 0, 2)),
-                        computes=(Compute(10, 13),), saves=(Save(chain[2], 8, 12),))
+    assert plan == Plan(
+        13,
+        loads=(
+            Load(chain[0], M, 0, 4, 0),
+            Load(chain[1], M, 4, 8, 4),
+            Load(entries[2].key, D, 8, 10, 8, 0, 2),
+        ),
+        computes=(Compute(10, 13),),
+        saves=(Save(chain[2], 8, 12),),
+    )
     assert plan.reused_tokens == 10
 
 
@@ -216,8 +290,11 @@ def test_kept_turns_load_at_their_new_positions_from_inside_stored_entries():
     prompt = Prompt.plain(stored[:2] + stored[6:] + [70])
     keys = prompt_keys(prompt, CH, NS).with_history(entries, [Run(0, 2, 0), Run(2, 8, 6)])
     plan = make_plan(prompt, keys, [None, None, M, D, M])
-    assert plan.loads == (Load(entries[0].key, M, 0, 2, 0, 0, 4), Load(entries[1].key, D, 2, 4, 4, 2, 4),
-                          Load(entries[2].key, M, 4, 8, 8, 0, 4))
+    assert plan.loads == (
+        Load(entries[0].key, M, 0, 2, 0, 0, 4),
+        Load(entries[1].key, D, 2, 4, 4, 2, 4),
+        Load(entries[2].key, M, 4, 8, 8, 0, 4),
+    )
     assert all(x.moved for x in plan.loads[1:]) and not plan.loads[0].moved
     assert plan.computes == (Compute(8, 9),) and plan.reused_tokens == 8
 

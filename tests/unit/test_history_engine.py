@@ -54,7 +54,10 @@ def test_every_turn_reuses_the_previous_prompt_and_answer(model, tmp_path):
     for (prev_prompt, prev), (prompt, r) in zip(results, results[1:]):
         # ignore_eos: the last answer token is never fed back, so its KV does not exist
         assert r.cached_tokens >= len(prev_prompt) + len(prev.token_ids) - 1
-        assert r.prompt_tokens - r.cached_tokens <= len(prompt) - len(prev_prompt) - len(prev.token_ids) + 1
+        assert (
+            r.prompt_tokens - r.cached_tokens
+            <= len(prompt) - len(prev_prompt) - len(prev.token_ids) + 1
+        )
     s = engine.stats_snapshot()
     assert s["history_requests"] == 4 and s["history_tokens_reused"] > 0
     engine.close()
@@ -74,21 +77,30 @@ def test_after_a_restart_the_history_is_found_on_disk_by_content(model, tmp_path
         return TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 64 << 20)])
 
     first = Engine(model, store(), EngineSettings.of(chunk_size=CH))
-    (prompt, r), = converse(first, model, turns=1, seed=3)
+    ((prompt, r),) = converse(first, model, turns=1, seed=3)
     first.close()  # saves and flushes: the disk tier keeps the history
-    restarted = Engine(model, store(), EngineSettings.of(chunk_size=CH))  # no records: found through the chain and the tail
+    restarted = Engine(
+        model, store(), EngineSettings.of(chunk_size=CH)
+    )  # no records: found through the chain and the tail
     follow = prompt + r.token_ids + ids_of(5, 99)
     again = restarted.generate(follow, GREEDY)
     assert again.cached_tokens == len(prompt) + len(r.token_ids) - 1
-    assert restarted.cache_stats()["disk"]["hits"] > 0  # by the request, or the prefetcher just before it
+    assert (
+        restarted.cache_stats()["disk"]["hits"] > 0
+    )  # by the request, or the prefetcher just before it
     assert again.token_ids == reference(model, follow)
     restarted.close()
 
 
-def test_a_keyed_conversation_that_tokenizes_differently_is_lined_up_after_a_restart(model, tmp_path):
+def test_a_keyed_conversation_that_tokenizes_differently_is_lined_up_after_a_restart(
+    model, tmp_path
+):
     def engine():
-        e = Engine(model, TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 64 << 20)]), EngineSettings.of(chunk_size=CH,
-                   history_path=str(tmp_path / "kv" / "histories")))
+        e = Engine(
+            model,
+            TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 64 << 20)]),
+            EngineSettings.of(chunk_size=CH, history_path=str(tmp_path / "kv" / "histories")),
+        )
         e.keying.token_bytes = table
         return e
 
@@ -104,7 +116,9 @@ def test_a_keyed_conversation_that_tokenizes_differently_is_lined_up_after_a_res
     r2 = e2.generate(retokenized, GREEDY, cache=cache)
     assert r2.prompt_tokens == len(first) + len(r1.token_ids) + 2
     assert r2.cached_tokens >= len(first) + len(r1.token_ids) - 1
-    assert e2.cache_stats()["disk"]["hits"] > 0  # read from disk (by the request, or the prefetcher just before)
+    assert (
+        e2.cache_stats()["disk"]["hits"] > 0
+    )  # read from disk (by the request, or the prefetcher just before)
     e2.close()
 
 
@@ -127,7 +141,9 @@ def test_a_history_that_tokenizes_differently_reuses_the_stored_ids(model):
 
 @pytest.mark.parametrize("mode", ["reuse", "recompute"])
 def test_kept_turns_after_dropped_ones_are_reused_at_their_new_positions_or_recomputed(model, mode):
-    engine = Engine(model, TieredStore(MemoryTier(64 << 20)), EngineSettings.of(chunk_size=CH, truncation=mode))
+    engine = Engine(
+        model, TieredStore(MemoryTier(64 << 20)), EngineSettings.of(chunk_size=CH, truncation=mode)
+    )
     system, dropped, kept = ids_of(10, 1), ids_of(40, 2), ids_of(40, 3)
     engine.generate(system + dropped + kept, GREEDY)
     truncated = system + kept + ids_of(6, 4)
@@ -136,7 +152,9 @@ def test_kept_turns_after_dropped_ones_are_reused_at_their_new_positions_or_reco
     assert r.prompt_tokens == len(truncated) and len(r.token_ids) == GREEDY.max_tokens
     if mode == "reuse":  # measured, not assumed: the moved tokens are counted
         assert r.cached_tokens >= len(system) + len(kept) and s["moved_tokens_reused"] >= len(kept)
-        again = engine.generate(truncated + r.token_ids + [5, 6], GREEDY)  # the next turn: exact reuse again
+        again = engine.generate(
+            truncated + r.token_ids + [5, 6], GREEDY
+        )  # the next turn: exact reuse again
         assert again.cached_tokens >= len(truncated) + len(r.token_ids) - 1
     else:
         assert r.cached_tokens <= len(system) and s["moved_tokens_reused"] == 0
@@ -173,7 +191,9 @@ def test_the_answer_does_not_wait_for_any_store_write(model):
 
 def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(model):
     slow = GatedTier()
-    store = TieredStore(MemoryTier(1), [slow])  # memory keeps nothing: the history is findable only below
+    store = TieredStore(
+        MemoryTier(1), [slow]
+    )  # memory keeps nothing: the history is findable only below
     engine = Engine(model, store, EngineSettings.of(chunk_size=CH))
     first = ids_of(2 * CH + 3, 12)
     r = engine.generate(first, GREEDY)
@@ -181,15 +201,23 @@ def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(mo
     follow = first + r.token_ids + [5, 6]
     threading.Timer(0.3, slow.gate.set).start()  # the slow tier finishes its writes a moment later
     again = engine.generate(follow, GREEDY)
-    assert again.cached_tokens >= len(first) + len(r.token_ids) - 1  # it waited instead of recomputing
+    assert (
+        again.cached_tokens >= len(first) + len(r.token_ids) - 1
+    )  # it waited instead of recomputing
     assert engine.saver.stats.snapshot()["save_waits"] >= 1
     assert again.token_ids == reference(model, follow)
     engine.close()
 
 
 @pytest.mark.parametrize("eviction", ["queue", "lru"])
-def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(model, tmp_path, eviction):
-    writer = Engine(model, TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 256 << 20)]), EngineSettings.of(chunk_size=CH))
+def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(
+    model, tmp_path, eviction
+):
+    writer = Engine(
+        model,
+        TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 256 << 20)]),
+        EngineSettings.of(chunk_size=CH),
+    )
     history = ids_of(4 * CH + 2, 40)
     history += writer.generate(history, GREEDY).token_ids
     writer.close()  # the conversation's history is on disk now
@@ -197,7 +225,9 @@ def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(model
     chunk_bytes = c.num_layers * 2 * CH * c.num_kv_heads * c.head_dim * 2
     memory = MemoryTier(7 * chunk_bytes)  # room for about one conversation
     store = TieredStore(memory, [DiskTier(tmp_path / "kv", 256 << 20)])
-    engine = Engine(model, store, EngineSettings.of(chunk_size=CH, eviction=eviction, max_running=1))  # one at a time: a queue
+    engine = Engine(
+        model, store, EngineSettings.of(chunk_size=CH, eviction=eviction, max_running=1)
+    )  # one at a time: a queue
     prefetcher = engine.prefetcher or Prefetcher(store)
     prefetcher.close()  # driven by hand below, so that nothing depends on timing
     store.prefetching = True
@@ -205,7 +235,9 @@ def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(model
     queued = Request(Prompt.plain(history + [7]), GREEDY)
     for r in others + [queued]:  # the conversation's next turn waits behind two other requests
         engine.submit(r)
-    wanted = [k for k, w in zip(store.upcoming(), store.lookup(store.upcoming()).where) if w is not None]
+    wanted = [
+        k for k, w in zip(store.upcoming(), store.lookup(store.upcoming()).where) if w is not None
+    ]
     assert len(wanted) == 5 and not any(memory.contains(k) for k in wanted)  # 4 chunks and the tail
     assert prefetcher.run_once() == 5  # from disk into memory before the request runs
     while not all(r.done for r in others):  # the others run first and fill memory

@@ -16,7 +16,9 @@ NS1 = "0123456789abcdef01234567"
 NS2 = "fedcba9876543210fedcba98"
 
 
-def key(digest: bytes, ns: str = NS1, kind: ChunkKind = ChunkKind.PREFIX, variant: str = "") -> ChunkKey:
+def key(
+    digest: bytes, ns: str = NS1, kind: ChunkKind = ChunkKind.PREFIX, variant: str = ""
+) -> ChunkKey:
     return ChunkKey(ns, digest, kind, variant)
 
 
@@ -36,8 +38,15 @@ def check(index: KeyIndex, model: OrderedDict) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operations_match_an_ordered_dict(seed):
     rng = random.Random(seed)
-    pool = [key(rng.randbytes(32), rng.choice([NS1, NS2]), rng.choice(list(ChunkKind)), rng.choice(["", "cachegen.1"]))
-            for _ in range(400)]
+    pool = [
+        key(
+            rng.randbytes(32),
+            rng.choice([NS1, NS2]),
+            rng.choice(list(ChunkKind)),
+            rng.choice(["", "cachegen.1"]),
+        )
+        for _ in range(400)
+    ]
     pool += colliding(40)  # long probe runs inside the random ones
     index, model = KeyIndex(with_values=True, rows=4), OrderedDict()
     for step in range(6000):
@@ -116,7 +125,9 @@ def test_load_fills_an_empty_index_in_the_given_order():
     sizes = np.arange(1000, dtype=np.int64) * 3
     index = KeyIndex()
     index.load(groups, group_of, b"".join(digests), sizes)
-    expected = [ChunkKey(groups[g][0], d, groups[g][1], groups[g][2]) for g, d in zip(group_of, digests)]
+    expected = [
+        ChunkKey(groups[g][0], d, groups[g][1], groups[g][2]) for g, d in zip(group_of, digests)
+    ]
     assert index.keys() == expected and len(index) == 1000
     assert index.contains_many(expected) == [True] * 1000
     assert [index.size(k) for k in expected[:10]] == list(range(0, 30, 3))
@@ -165,8 +176,12 @@ def test_a_million_entries_take_under_100_bytes_each():
     rng = np.random.default_rng(0)
     n = 1_000_000
     index = KeyIndex()
-    index.load([(NS1, ChunkKind.PREFIX, "")], np.zeros(n, dtype=np.intp), rng.bytes(32 * n),
-               np.full(n, 6 << 20, dtype=np.int64))
+    index.load(
+        [(NS1, ChunkKind.PREFIX, "")],
+        np.zeros(n, dtype=np.intp),
+        rng.bytes(32 * n),
+        np.full(n, 6 << 20, dtype=np.int64),
+    )
     assert index.nbytes() / n <= 100
     probe = [key(rng.bytes(32)) for _ in range(64)]
     assert index.contains_many(probe) == [False] * 64

@@ -15,7 +15,16 @@ import pytest
 import torch
 
 from kvfuse.kv.format import FORMAT_VERSION
-from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, chunk_spans, document_key, layout_of, prefix_keys, tail_key
+from kvfuse.kv.keys import (
+    ChunkKey,
+    ChunkKind,
+    Namespace,
+    chunk_spans,
+    document_key,
+    layout_of,
+    prefix_keys,
+    tail_key,
+)
 
 NS = Namespace("sha256:abc", "float16", layout_of(30, 3, 64))
 NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", 1, "salt-a", tenant="tenant-a")
@@ -23,18 +32,32 @@ NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", 1, "salt-a", tenant="ten
 # Computed once from the documented encoding; any change of the encoding must fail here.
 # (NS uses the current FORMAT_VERSION: recomputed when format version 3 changed every namespace.)
 GOLDEN = [
-    (NS, list(range(8)), 4, [
-        "00f27a8add9e0c25a2083ec3:p:9b22d30801e7f443c2718bfb3868ee800124a7f0768663b687b8772555fd9d99",
-        "00f27a8add9e0c25a2083ec3:p:6b814c0666ce945c131254e82b6c0f6f8e8692e04cf52700e29412658116efd4",
-    ]),
-    (NS2, [1, 2, 3, 2**32 - 1, 0, 5, 6, 7, 9], 3, [
-        "91fe914ac78e3e7b18e4a6d9:p:bdd59ae48a0cc5c827ac0e5ffcaf6bd3c7af79a123496f7e7d9e726e06c0afd6",
-        "91fe914ac78e3e7b18e4a6d9:p:f54bcc049157c7b0f28c65c210cf8601e85c7d00879db9efd35cb29232617564",
-        "91fe914ac78e3e7b18e4a6d9:p:88e5a99b8c594f352dbfac921cb644655afa6ee05b175e03ced72c56ea7f036c",
-    ]),
+    (
+        NS,
+        list(range(8)),
+        4,
+        [
+            "00f27a8add9e0c25a2083ec3:p:9b22d30801e7f443c2718bfb3868ee800124a7f0768663b687b8772555fd9d99",
+            "00f27a8add9e0c25a2083ec3:p:6b814c0666ce945c131254e82b6c0f6f8e8692e04cf52700e29412658116efd4",
+        ],
+    ),
+    (
+        NS2,
+        [1, 2, 3, 2**32 - 1, 0, 5, 6, 7, 9],
+        3,
+        [
+            "91fe914ac78e3e7b18e4a6d9:p:bdd59ae48a0cc5c827ac0e5ffcaf6bd3c7af79a123496f7e7d9e726e06c0afd6",
+            "91fe914ac78e3e7b18e4a6d9:p:f54bcc049157c7b0f28c65c210cf8601e85c7d00879db9efd35cb29232617564",
+            "91fe914ac78e3e7b18e4a6d9:p:88e5a99b8c594f352dbfac921cb644655afa6ee05b175e03ced72c56ea7f036c",
+        ],
+    ),
 ]
-GOLDEN_DOC = "00f27a8add9e0c25a2083ec3:d:9da0bad2990a9a57e2b44c284442e7927f3acf949c0580a3ca6fe41f6ec33b11"
-GOLDEN_TAIL = "00f27a8add9e0c25a2083ec3:t:1ee8644a9ccbbaf90168672008222d50115e1157693eec53efcd37eb09131b9a"
+GOLDEN_DOC = (
+    "00f27a8add9e0c25a2083ec3:d:9da0bad2990a9a57e2b44c284442e7927f3acf949c0580a3ca6fe41f6ec33b11"
+)
+GOLDEN_TAIL = (
+    "00f27a8add9e0c25a2083ec3:t:1ee8644a9ccbbaf90168672008222d50115e1157693eec53efcd37eb09131b9a"
+)
 
 
 @pytest.mark.parametrize("ns,tokens,chunk,expected", GOLDEN)
@@ -56,19 +79,37 @@ def test_golden_matches_the_documented_encoding():
     def s(x: str) -> bytes:
         return struct.pack("<I", len(x.encode())) + x.encode()
 
-    enc = (b"kvfuse.ns.v2\0" + s("sha256:abc") + s("float16") + s("L30xH3xD64") + struct.pack("<I", FORMAT_VERSION)
-           + s("") + s(""))  # tenant, salt
+    enc = (
+        b"kvfuse.ns.v2\0"
+        + s("sha256:abc")
+        + s("float16")
+        + s("L30xH3xD64")
+        + struct.pack("<I", FORMAT_VERSION)
+        + s("")
+        + s("")
+    )  # tenant, salt
     ns_digest = hashlib.sha256(enc).digest()
     tag = hashlib.sha256(b"kvfuse.tenant\0" + s("")).hexdigest()[:8]
     root = hashlib.sha256(b"kvfuse.root.v1\0" + ns_digest).digest()
-    h0 = hashlib.sha256(b"kvfuse.prefix\0" + root + struct.pack("<I", 4) + struct.pack("<4I", 0, 1, 2, 3)).digest()
+    h0 = hashlib.sha256(
+        b"kvfuse.prefix\0" + root + struct.pack("<I", 4) + struct.pack("<4I", 0, 1, 2, 3)
+    ).digest()
     assert NS.digest() == ns_digest
     assert str(prefix_keys(range(8), 4, NS)[0]) == f"{tag}{ns_digest.hex()[:16]}:p:{h0.hex()}"
-    tail = hashlib.sha256(b"kvfuse.tail\0" + h0 + struct.pack("<Q", 2) + struct.pack("<2I", 4, 5)).digest()
-    assert str(tail_key(prefix_keys(range(4), 4, NS)[0], [4, 5], NS)) == f"{tag}{ns_digest.hex()[:16]}:t:{tail.hex()}"
-    no_parent = hashlib.sha256(b"kvfuse.tail\0" + root + struct.pack("<Q", 1) + struct.pack("<I", 7)).digest()
+    tail = hashlib.sha256(
+        b"kvfuse.tail\0" + h0 + struct.pack("<Q", 2) + struct.pack("<2I", 4, 5)
+    ).digest()
+    assert (
+        str(tail_key(prefix_keys(range(4), 4, NS)[0], [4, 5], NS))
+        == f"{tag}{ns_digest.hex()[:16]}:t:{tail.hex()}"
+    )
+    no_parent = hashlib.sha256(
+        b"kvfuse.tail\0" + root + struct.pack("<Q", 1) + struct.pack("<I", 7)
+    ).digest()
     assert tail_key(None, [7], NS).digest == no_parent
-    doc = hashlib.sha256(b"kvfuse.doc\0" + ns_digest + struct.pack("<QI", 1, 2) + struct.pack("<Q3I", 3, 10, 20, 30))
+    doc = hashlib.sha256(
+        b"kvfuse.doc\0" + ns_digest + struct.pack("<QI", 1, 2) + struct.pack("<Q3I", 3, 10, 20, 30)
+    )
     assert document_key([10, 20, 30], NS, context=[2]).digest == doc.digest()
 
 
@@ -92,7 +133,12 @@ def test_keys_identical_in_another_process_with_another_hash_seed():
     outs = [p.communicate(timeout=60)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     ns = Namespace("m", "float16", "L2xH1xD4", salt="t")
-    here = ",".join(str(k) for k in prefix_keys(np.arange(1000) * 7, 64, ns)) + "\n" + str(document_key([5, 6, 7], ns)) + "\n"
+    here = (
+        ",".join(str(k) for k in prefix_keys(np.arange(1000) * 7, 64, ns))
+        + "\n"
+        + str(document_key([5, 6, 7], ns))
+        + "\n"
+    )
     assert outs[0] == outs[1] == here
 
 
@@ -133,7 +179,10 @@ def test_prefix_property_and_chain_dependence():
     assert all(x != y for x, y in zip(prefix_keys(changed, 16, NS), long_keys))
     later = tokens.copy()
     later[40] += 1  # a change in chunk 2 leaves chunks 0 and 1 alone
-    assert prefix_keys(later, 16, NS)[:2] == long_keys[:2] and prefix_keys(later, 16, NS)[2] != long_keys[2]
+    assert (
+        prefix_keys(later, 16, NS)[:2] == long_keys[:2]
+        and prefix_keys(later, 16, NS)[2] != long_keys[2]
+    )
 
 
 def test_only_full_chunks_get_keys():
@@ -181,13 +230,26 @@ def test_document_keys_never_equal_prefix_keys():
     assert doc.digest != pre.digest and str(doc) != str(pre)
     assert document_key(tokens, NS) == doc
     assert document_key(tokens[:-1], NS) != doc
-    assert document_key(tokens, NS, context=[1]) != doc  # KV computed behind another context: another entry
-    assert document_key(tokens[1:], NS, context=tokens[:1]) != document_key(tokens, NS)  # no ambiguity
+    assert (
+        document_key(tokens, NS, context=[1]) != doc
+    )  # KV computed behind another context: another entry
+    assert document_key(tokens[1:], NS, context=tokens[:1]) != document_key(
+        tokens, NS
+    )  # no ambiguity
 
 
 @pytest.mark.parametrize(
     "tokens",
-    [[1, -1], [2**32], [1.5, 2.0], np.array([1.0, 2.0]), [[1, 2], [3, 4]], ["a"], [True, False], [2**70]],
+    [
+        [1, -1],
+        [2**32],
+        [1.5, 2.0],
+        np.array([1.0, 2.0]),
+        [[1, 2], [3, 4]],
+        ["a"],
+        [True, False],
+        [2**70],
+    ],
 )
 def test_bad_tokens_rejected(tokens):
     with pytest.raises(ValueError):
@@ -207,7 +269,13 @@ def test_empty_document_rejected():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"model_fingerprint": ""}, {"kv_layout": ""}, {"format_version": -1}, {"format_version": 2**32}, {"salt": None}],
+    [
+        {"model_fingerprint": ""},
+        {"kv_layout": ""},
+        {"format_version": -1},
+        {"format_version": 2**32},
+        {"salt": None},
+    ],
 )
 def test_bad_namespace_rejected(kwargs):
     with pytest.raises(ValueError):
@@ -220,7 +288,16 @@ def test_chunk_key_string_round_trip_and_parse_errors():
     doc = document_key([1], NS)
     assert ChunkKey.parse(str(doc)) == doc
     s = str(key)
-    for bad in ["", s + "0", s[:-1], s.upper(), s.replace(":p:", ":x:"), s.replace(":", "/"), "zz" + s[2:], s + ":p"]:
+    for bad in [
+        "",
+        s + "0",
+        s[:-1],
+        s.upper(),
+        s.replace(":p:", ":x:"),
+        s.replace(":", "/"),
+        "zz" + s[2:],
+        s + ":p",
+    ]:
         with pytest.raises(ValueError):
             ChunkKey.parse(bad)
     with pytest.raises(ValueError):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 import pytest
-
 from keyed import K, Ks, ns_prefix
 
 from kvfuse.tiers import MemoryTier
@@ -82,7 +81,11 @@ def test_stats_delete_prefix_clear():
     assert t.get(K("a", "ns1")) and t.get(K("zzz")) is None
     s = t.stats.snapshot()
     assert (s["hits"], s["misses"], s["bytes_out"], s["puts"], s["bytes_in"]) == (1, 1, 10, 3, 25)
-    assert t.delete_prefix(ns_prefix("ns1")) == 2 and t.keys_lru() == [K("a", "ns2")] and t.used_bytes() == 5
+    assert (
+        t.delete_prefix(ns_prefix("ns1")) == 2
+        and t.keys_lru() == [K("a", "ns2")]
+        and t.used_bytes() == 5
+    )
     assert t.delete(K("a", "ns2")) and not t.delete(K("a", "ns2"))
     t.put(K("x"), _v(1))
     assert t.clear() == 1 and t.entries() == 0 and t.used_bytes() == 0
@@ -128,7 +131,9 @@ def test_read_with_serves_a_held_value_as_a_stream():
     from kvfuse.kv.format import encode_entry, read_entry
 
     t = MemoryTier(10**6)
-    entry = encode_entry(KVChunk(torch.randn((2, 2, 3, 2, 8)).half(), torch.arange(3)), K("a"), get_codec("raw"))
+    entry = encode_entry(
+        KVChunk(torch.randn((2, 2, 3, 2, 8)).half(), torch.arange(3)), K("a"), get_codec("raw")
+    )
     t.put(K("a"), entry)
     t.put(K("b"), b"0123456789")
     got = t.read_with(K("a"), lambda readinto, size: read_entry(readinto, size, K("a")))

@@ -26,8 +26,16 @@ from bench.multiround import (  # noqa: E402
 
 
 def conversations(n: int = 12, turns: int = 6) -> list[tuple[str, list[tuple[str, str]]]]:
-    return [(f"c{i}", [(f"question {i}.{t} " + "x" * (40 * (t + 1)), f"answer {i}.{t} " + "y" * 300)
-                       for t in range(turns)]) for i in range(n)]
+    return [
+        (
+            f"c{i}",
+            [
+                (f"question {i}.{t} " + "x" * (40 * (t + 1)), f"answer {i}.{t} " + "y" * 300)
+                for t in range(turns)
+            ],
+        )
+        for i in range(n)
+    ]
 
 
 def test_workload_is_deterministic_for_a_seed():
@@ -53,11 +61,18 @@ def test_larger_loads_contain_the_smaller_ones():
 
 def test_split_conversation_prior_then_questions():
     pairs = [("q0", "a" * 100), ("q1", "b" * 100), ("q2", "c"), ("q3", "d"), ("q4", "e")]
-    prior, qs = split_conversation(pairs, rounds=2, prior_chars=150, message_chars=2000, question_chars=600)
+    prior, qs = split_conversation(
+        pairs, rounds=2, prior_chars=150, message_chars=2000, question_chars=600
+    )
     assert prior == (("q0", "a" * 100), ("q1", "b" * 100))  # added while under 150 characters
     assert qs == ("q2", "q3")
-    assert split_conversation(pairs, rounds=4, prior_chars=150, message_chars=2000, question_chars=600) is None
-    prior, qs = split_conversation(pairs, rounds=2, prior_chars=0, message_chars=2000, question_chars=600)
+    assert (
+        split_conversation(pairs, rounds=4, prior_chars=150, message_chars=2000, question_chars=600)
+        is None
+    )
+    prior, qs = split_conversation(
+        pairs, rounds=2, prior_chars=0, message_chars=2000, question_chars=600
+    )
     assert prior == () and qs == ("q0", "q1")
 
 
@@ -82,7 +97,9 @@ def test_system_prompt_from_documents():
 
 
 def test_percentile_and_the_early_stop_rule():
-    xs = [float(i) for i in range(1, 21)]  # 20 values: p95 is the value at index round(0.95 * 19) = 18
+    xs = [
+        float(i) for i in range(1, 21)
+    ]  # 20 values: p95 is the value at index round(0.95 * 19) = 18
     assert percentile(xs, 0.95) == 19.0
     assert percentile(xs, 0.5) == 11.0  # index round(9.5) = 10 (banker's rounding)
     # p95 of 20 requests passes with one request over the bound, not two
@@ -95,10 +112,20 @@ def test_percentile_and_the_early_stop_rule():
             assert p95_cannot_pass(over, n) == (percentile(values, 0.95) > 2.0)
 
 
-def point(series: str, users: int, p95: float | None, rounds: int = 4, requests: int | None = None) -> dict:
+def point(
+    series: str, users: int, p95: float | None, rounds: int = 4, requests: int | None = None
+) -> dict:
     planned = users * rounds
-    return {"series": series, "users": users, "rounds": rounds, "load": planned, "planned": planned,
-            "requests": planned if requests is None else requests, "errors": 0, "ttft_p95_s": p95}
+    return {
+        "series": series,
+        "users": users,
+        "rounds": rounds,
+        "load": planned,
+        "planned": planned,
+        "requests": planned if requests is None else requests,
+        "errors": 0,
+        "ttft_p95_s": p95,
+    }
 
 
 def test_score_is_the_largest_load_with_every_smaller_one_passing():
@@ -114,8 +141,14 @@ def test_score_is_the_largest_load_with_every_smaller_one_passing():
 
 
 def test_comparison_at_vllms_largest_passing_load():
-    series = {"kvfuse-on": [point("kvfuse-on", 2, 0.2), point("kvfuse-on", 4, 0.3), point("kvfuse-on", 8, 0.6)],
-              "vllm": [point("vllm", 2, 0.4), point("vllm", 4, 1.5), point("vllm", 8, 4.0)]}
+    series = {
+        "kvfuse-on": [
+            point("kvfuse-on", 2, 0.2),
+            point("kvfuse-on", 4, 0.3),
+            point("kvfuse-on", 8, 0.6),
+        ],
+        "vllm": [point("vllm", 2, 0.4), point("vllm", 4, 1.5), point("vllm", 8, 4.0)],
+    }
     c = comparison(series, 2.0)
     assert c["scores"]["kvfuse-on"]["load"] == 32 and c["scores"]["vllm"]["load"] == 16
     assert c["reference_load"] == 16
@@ -123,6 +156,8 @@ def test_comparison_at_vllms_largest_passing_load():
     assert c["vllm_over_kvfuse_p95"] == 5.0
     assert c["target"] == {"kvfuse_serves_more": True, "p95_3x_lower": True, "met": True}
     # vLLM passing nothing: compared at its smallest load
-    c = comparison({"kvfuse-on": [point("kvfuse-on", 2, 1.0)], "vllm": [point("vllm", 2, 2.5)]}, 2.0)
+    c = comparison(
+        {"kvfuse-on": [point("kvfuse-on", 2, 1.0)], "vllm": [point("vllm", 2, 2.5)]}, 2.0
+    )
     assert c["reference_load"] == 8 and c["vllm_over_kvfuse_p95"] == 2.5
     assert c["target"]["kvfuse_serves_more"] and not c["target"]["met"]

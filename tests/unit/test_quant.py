@@ -46,7 +46,10 @@ def _weight_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def _activation_bound(x: torch.Tensor, wq: torch.Tensor, levels: int) -> torch.Tensor:
     """Worst case of rounding one row of ``x`` to ``levels`` steps of its range: half a step per value."""
-    lo, hi = x.min(dim=-1, keepdim=True).values.clamp(max=0), x.max(dim=-1, keepdim=True).values.clamp(min=0)
+    lo, hi = (
+        x.min(dim=-1, keepdim=True).values.clamp(max=0),
+        x.max(dim=-1, keepdim=True).values.clamp(min=0),
+    )
     return (hi - lo) / levels / 2 * wq.abs().sum(dim=1)
 
 
@@ -148,7 +151,9 @@ def test_int8_is_cpu_only_with_a_clear_error():
 
 def test_quantize_weights_packs_the_projections_and_keeps_the_rest(tiny_model_dir, monkeypatch):
     folder = tiny_model_dir("qwen2")  # q/k/v bias, tied embeddings
-    monkeypatch.setenv("KVFUSE_KERNELS", "off")  # plain float32 tensors, not oneDNN packs (see models.packed)
+    monkeypatch.setenv(
+        "KVFUSE_KERNELS", "off"
+    )  # plain float32 tensors, not oneDNN packs (see models.packed)
     runner = load_folder(folder)
     w = runner.weights
     before = {name: t.clone() for name, t in [("embed", w.embed), ("wqkv", w.layers[0].wqkv)]}
@@ -163,7 +168,9 @@ def test_quantize_weights_packs_the_projections_and_keeps_the_rest(tiny_model_di
     for lw, orig in zip(q.layers, w.layers):
         for f in ("wqkv", "wo", "w_gate", "w_up", "w_down"):
             assert isinstance(getattr(lw, f), Int8Weight), f
-        assert lw.bqkv is orig.bqkv and lw.attn_norm is orig.attn_norm and lw.mlp_norm is orig.mlp_norm
+        assert (
+            lw.bqkv is orig.bqkv and lw.attn_norm is orig.attn_norm and lw.mlp_norm is orig.mlp_norm
+        )
     assert quantize_weights(q).lm_head is q.lm_head  # packing twice is a no-op
     # bytes a decode step reads: about a quarter
     full, small = weight_bytes(w), weight_bytes(q)
@@ -198,7 +205,9 @@ def test_the_fingerprint_names_the_weight_format(tiny_model_dir, tmp_path):
     write_word_tokenizer(folder, 512)
     _, config = read_config(folder)
     digests = [sha256_file(f) for f in weight_files(folder)]
-    assert fingerprint(config, digests) == fingerprint(config, digests, "auto")  # as before this setting
+    assert fingerprint(config, digests) == fingerprint(
+        config, digests, "auto"
+    )  # as before this setting
     assert fingerprint(config, digests, "int8") != fingerprint(config, digests)
     fp32 = load_model(folder, device="cpu")
     int8 = load_model(folder, device="auto", weights="int8")  # auto -> CPU for int8
@@ -212,10 +221,14 @@ def test_the_fingerprint_names_the_weight_format(tiny_model_dir, tmp_path):
 def test_an_int8_engine_never_reads_full_precision_entries(tiny_model_dir, tiny_loaded):
     """Both engines on one store: the int8 model's KV lives in its own namespace."""
     fp32 = tiny_loaded("llama")
-    int8 = dataclasses.replace(fp32, runner=load_folder(tiny_model_dir("llama"), weights="int8"),
-                               weights="int8",
-                               fingerprint=fingerprint(fp32.config, [sha256_file(f) for f in
-                                                                      weight_files(tiny_model_dir("llama"))], "int8"))
+    int8 = dataclasses.replace(
+        fp32,
+        runner=load_folder(tiny_model_dir("llama"), weights="int8"),
+        weights="int8",
+        fingerprint=fingerprint(
+            fp32.config, [sha256_file(f) for f in weight_files(tiny_model_dir("llama"))], "int8"
+        ),
+    )
     store = TieredStore(MemoryTier(64 << 20))
     params = SamplingParams(max_tokens=4, ignore_eos=True)
     ids = torch.randint(3, 512, (100,), generator=torch.Generator().manual_seed(5)).tolist()

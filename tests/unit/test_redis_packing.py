@@ -24,14 +24,17 @@ def _entry(tokens: int):
 SMALL, BIG = _entry(3), _entry(400)  # below and above redis-py's 6000-byte cutoff
 
 
-@pytest.mark.parametrize("args", [
-    ("SET", "kvfuse:a", SMALL),
-    ("SET", "kvfuse:a", BIG),
-    ("SET", "kvfuse:ü", BIG, "PX", 1500),
-    ("SET", b"k" * 7000, BIG, "PX", 1),  # a big key: sent as its own buffer, as redis-py does
-    ("SET", "k", memoryview(b"v" * 9000), "PX", 5),  # no Entry: still what redis-py sends
-    ("CONFIG SET", "maxmemory", SMALL),  # a command name of two words
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("SET", "kvfuse:a", SMALL),
+        ("SET", "kvfuse:a", BIG),
+        ("SET", "kvfuse:ü", BIG, "PX", 1500),
+        ("SET", b"k" * 7000, BIG, "PX", 1),  # a big key: sent as its own buffer, as redis-py does
+        ("SET", "k", memoryview(b"v" * 9000), "PX", 5),  # no Entry: still what redis-py sends
+        ("CONFIG SET", "maxmemory", SMALL),  # a command name of two words
+    ],
+)
 def test_the_bytes_sent_are_redis_pys_for_the_joined_value(args):
     joined = tuple(a.join() if isinstance(a, Entry) else a for a in args)
     expected = b"".join(bytes(x) for x in REDIS_PY.pack(*joined))
@@ -56,4 +59,6 @@ def test_the_packer_leaves_other_commands_to_the_connection_packer():
 
     packer = _EntryPacker(Inner(), ENCODE)
     assert packer.pack("GET", "k") == [b"inner"] and calls == [("GET", "k")]
-    assert b"".join(bytes(x) for x in packer.pack("SET", "k", SMALL)) == b"".join(REDIS_PY.pack("SET", "k", SMALL.join()))
+    assert b"".join(bytes(x) for x in packer.pack("SET", "k", SMALL)) == b"".join(
+        REDIS_PY.pack("SET", "k", SMALL.join())
+    )

@@ -58,7 +58,9 @@ def hf_model(tiny_model_dir):
 
     def get(name):
         if name not in loaded:
-            m = AutoModelForCausalLM.from_pretrained(tiny_model_dir(name), dtype=torch.float32).eval()
+            m = AutoModelForCausalLM.from_pretrained(
+                tiny_model_dir(name), dtype=torch.float32
+            ).eval()
             # Greedy references must run the full 32 steps: no stop at the tiny models' eos id 2.
             m.generation_config.eos_token_id = None
             loaded[name] = m
@@ -149,14 +151,17 @@ def test_greedy_kv_cache_equals_recompute_and_transformers(family, tiny_runner, 
 
     with torch.no_grad():
         out = hf_model(family).generate(
-            ids[None], attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long),
-            max_new_tokens=32, do_sample=False, pad_token_id=0,
+            ids[None],
+            attention_mask=torch.ones(1, ids.shape[0], dtype=torch.long),
+            max_new_tokens=32,
+            do_sample=False,
+            pad_token_id=0,
         )
     # With this prompt every step's top-2 logit gap is >= ~2e-3 (gemma3 ~0.4), far above the
     # ~1e-5 agreement of our logits with transformers' (test above), so no near-tie can flip a
     # token; the gap is asserted so that a change of prompt/seed cannot make this test flaky.
     assert min_gap > 1e-3, f"prompt has a near-tie (gap {min_gap:.2g}); pick another seed"
-    assert out[0, ids.shape[0]:].tolist() == cached
+    assert out[0, ids.shape[0] :].tolist() == cached
 
 
 # ------------------------------------------- 3. prefill on top of a prefix == a full prefill
@@ -176,7 +181,13 @@ def test_prefill_on_prefix_equals_full_prefill(family, n, via_chunk, tiny_runner
     assert cache.length == n and cache.next_position == n
     if via_chunk:  # what a cache hit does: the prefix KV arrives as a chunk in a fresh cache
         chunk = cache.chunk(0, n)
-        assert chunk.kv.shape == (runner.config.num_layers, 2, n, runner.config.num_kv_heads, runner.config.head_dim)
+        assert chunk.kv.shape == (
+            runner.config.num_layers,
+            2,
+            n,
+            runner.config.num_kv_heads,
+            runner.config.head_dim,
+        )
         cache = runner.new_cache()
         cache.write(cache.length, chunk.kv, chunk.positions)
         assert cache.length == n and cache.next_position == n
@@ -220,21 +231,32 @@ def test_subset_at_a_layer_equals_full_computation(family, layer, n, k, slots_be
     exact, hs = layerwise_prefill(runner, prompt(n, seed=11))
     subset = subset_indices(n, k, seed=layer)
     if runner.config.window(layer):
-        assert int((subset >= runner.config.sliding_window).sum()) > k // 2  # mostly beyond the window
+        assert (
+            int((subset >= runner.config.sliding_window).sum()) > k // 2
+        )  # mostly beyond the window
 
     cache = clone_cache(runner, exact)
     if slots_before == "wrong":  # stale K/V at the recomputed slots must be overwritten, not used
         g = torch.Generator().manual_seed(5)
-        cache.kv[layer, :, :, subset] = torch.randn(cache.kv[layer, :, :, subset].shape, generator=g) * 10
+        cache.kv[layer, :, :, subset] = (
+            torch.randn(cache.kv[layer, :, :, subset].shape, generator=g) * 10
+        )
     before = cache.kv.clone()
 
     out = runner.layer(layer, hs[layer][subset], cache, slots=subset, kv_len=n)
 
     assert_close(out, hs[layer + 1][subset], TOL, "subset outputs")
-    assert_close(cache.kv[layer, :, :, subset], exact.kv[layer, :, :, subset], TOL, "K/V written at the subset slots")
+    assert_close(
+        cache.kv[layer, :, :, subset],
+        exact.kv[layer, :, :, subset],
+        TOL,
+        "K/V written at the subset slots",
+    )
     others = torch.ones(n, dtype=torch.bool)
     others[subset] = False
-    assert torch.equal(cache.kv[:, :, :, others], before[:, :, :, others]), "non-subset slots were modified"
+    assert torch.equal(cache.kv[:, :, :, others], before[:, :, :, others]), (
+        "non-subset slots were modified"
+    )
     other_layers = [i for i in range(runner.config.num_layers) if i != layer]
     assert torch.equal(cache.kv[other_layers], before[other_layers]), "other layers were modified"
     assert torch.equal(cache.positions, exact.positions) and cache.length == n
@@ -283,16 +305,24 @@ def test_permuted_slots_forward_equals_in_order(family, tiny_runner):
     in_order = runner.new_cache()
     runner.forward(ids, in_order, logits="none")
     nxt = int(ref[-1].argmax())
-    assert_close(runner.forward([nxt], cache, positions=torch.tensor([n])),
-                 runner.forward([nxt], in_order), TOL, "decode step")
+    assert_close(
+        runner.forward([nxt], cache, positions=torch.tensor([n])),
+        runner.forward([nxt], in_order),
+        TOL,
+        "decode step",
+    )
 
 
-@pytest.mark.parametrize("family,layer", [("gemma3", 0), ("gemma3", 5), ("mistral", 1), ("qwen3", 1)])
+@pytest.mark.parametrize(
+    "family,layer", [("gemma3", 0), ("gemma3", 5), ("mistral", 1), ("qwen3", 1)]
+)
 def test_subset_over_permuted_cache(family, layer, tiny_runner):
     runner = tiny_runner(family)
     n = 200
     exact, hs = layerwise_prefill(runner, prompt(n, seed=11))
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(3))  # slot i <- position perm[i]
+    perm = torch.randperm(
+        n, generator=torch.Generator().manual_seed(3)
+    )  # slot i <- position perm[i]
     cache = runner.new_cache(n)
     cache.kv[:, :, :, :n] = exact.kv[:, :, :, perm]
     cache.positions[:n] = perm
@@ -314,7 +344,9 @@ MOVES = [(0, 37), (37, 0), (5000, 100), (100, 7000), (123, 123)]
 def test_rerotated_keys_equal_keys_projected_at_new_positions(family, src, dst, tiny_runner):
     runner = tiny_runner(family)
     n = 24
-    h = runner.embed(prompt(n, seed=2)) + torch.randn(n, runner.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    h = runner.embed(prompt(n, seed=2)) + torch.randn(
+        n, runner.config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
     p_src, p_dst = torch.arange(src, src + n), torch.arange(dst, dst + n)
     for layer in range(runner.config.num_layers):
         _, k_src, v_src = runner.project(layer, h, p_src)
@@ -351,7 +383,9 @@ def test_rerotated_cached_layer0_keys_equal_prefill_at_new_positions(family, src
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16])
-def test_move_keys_rotates_in_place_to_a_prefill_at_the_new_positions(family, kv_dtype, tiny_runner):
+def test_move_keys_rotates_in_place_to_a_prefill_at_the_new_positions(
+    family, kv_dtype, tiny_runner
+):
     """A document's layer-0 KV computed at positions 0.. and moved to 300.. equals computing it at 300..
     (deeper layers differ only through attention, which sees the same relative positions)."""
     runner = tiny_runner(family)
@@ -373,7 +407,9 @@ def test_move_keys_rotates_in_place_to_a_prefill_at_the_new_positions(family, kv
     runner.move_keys(here, 0, 40, 0)  # and back
     back = runner.new_cache(dtype=kv_dtype)
     runner.forward(ids, back, positions=torch.arange(0, 40), logits="none")
-    assert_close(here.kv[0, 0, :, :40].float(), back.kv[0, 0, :, :40].float(), 2 * tol, "moved back")
+    assert_close(
+        here.kv[0, 0, :, :40].float(), back.kv[0, 0, :, :40].float(), 2 * tol, "moved back"
+    )
     with pytest.raises(ValueError, match="outside"):
         runner.move_keys(here, 0, 41, 5)
 
@@ -389,8 +425,12 @@ def test_a_span_computed_in_the_middle_sees_only_the_keys_before_it(family, tiny
     cache = runner.new_cache()
     runner.forward(ids[:20], cache, logits="none")
     cache.write(20, ref.chunk(20, 60).kv, torch.arange(20, 60))  # slots 20..59 hold their exact KV
-    runner.forward(ids[20:30], cache, positions=torch.arange(20, 30), logits="none", start=10)  # wrong on purpose
-    runner.forward(ids[10:20], cache, positions=torch.arange(10, 20), logits="none", start=10)  # and fixed
+    runner.forward(
+        ids[20:30], cache, positions=torch.arange(20, 30), logits="none", start=10
+    )  # wrong on purpose
+    runner.forward(
+        ids[10:20], cache, positions=torch.arange(10, 20), logits="none", start=10
+    )  # and fixed
     runner.forward(ids[20:40], cache, positions=torch.arange(20, 40), logits="none", start=20)
     assert cache.length == 60
     assert_close(cache.kv[:, :, :, :60], ref.kv[:, :, :, :60], TOL, "middle span")
@@ -401,7 +441,12 @@ def test_a_span_computed_in_the_middle_sees_only_the_keys_before_it(family, tiny
 def test_gemma3_local_and_global_layers_rotate_differently(tiny_runner):
     runner = tiny_runner("gemma3")
     assert runner.config.layer_types[0] == SLIDING and runner.config.layer_types[5] == FULL
-    k = torch.randn(8, runner.config.num_kv_heads, runner.config.head_dim, generator=torch.Generator().manual_seed(0))
+    k = torch.randn(
+        8,
+        runner.config.num_kv_heads,
+        runner.config.head_dim,
+        generator=torch.Generator().manual_seed(0),
+    )
     p, q = torch.arange(8), torch.arange(1000, 1008)
     local, glob = runner.rerotate_keys(0, k, p, q), runner.rerotate_keys(5, k, p, q)
     assert (local - glob).abs().max() > 0.1
@@ -420,13 +465,17 @@ def textbook_rope(x, positions, freqs):
     return torch.cat([xr * cos + rotated * sin, x[..., rot:]], -1)
 
 
-@pytest.mark.parametrize("cfg", [
-    RopeConfig(theta=10000.0),
-    RopeConfig(theta=1e6),
-    RopeConfig(theta=500000.0, kind="llama3", factor=8.0, original_max_position=64),
-    RopeConfig(theta=10000.0, kind="linear", factor=4.0),
-    RopeConfig(theta=10000.0, partial_rotary_factor=0.5),
-], ids=["default", "base1e6", "llama3", "linear", "partial"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        RopeConfig(theta=10000.0),
+        RopeConfig(theta=1e6),
+        RopeConfig(theta=500000.0, kind="llama3", factor=8.0, original_max_position=64),
+        RopeConfig(theta=10000.0, kind="linear", factor=4.0),
+        RopeConfig(theta=10000.0, partial_rotary_factor=0.5),
+    ],
+    ids=["default", "base1e6", "llama3", "linear", "partial"],
+)
 def test_rope_apply_and_rerotate_composition(cfg):
     head_dim = 64
     freqs = rope.inv_freq(cfg, head_dim)
@@ -437,7 +486,11 @@ def test_rope_apply_and_rerotate_composition(cfg):
     cos, sin = rope.cos_sin(freqs, pos, torch.float32)
     assert_close(rope.apply(x, cos, sin), textbook_rope(x, pos, freqs), 1e-5, "apply vs textbook")
 
-    p, q, r = pos, torch.randint(0, 8000, (16,), generator=g), torch.randint(0, 8000, (16,), generator=g)
+    p, q, r = (
+        pos,
+        torch.randint(0, 8000, (16,), generator=g),
+        torch.randint(0, 8000, (16,), generator=g),
+    )
     k = rope.apply(x, *rope.cos_sin(freqs, p, torch.float32))
     via_q = rope.rerotate(rope.rerotate(k, p, q, freqs), q, r, freqs)
     direct = rope.rerotate(k, p, r, freqs)
@@ -450,9 +503,13 @@ def test_rope_apply_and_rerotate_composition(cfg):
 
 def test_llama3_scaling_changes_low_frequencies_only():
     plain = rope.inv_freq(RopeConfig(theta=500000.0), 64)
-    scaled = rope.inv_freq(RopeConfig(theta=500000.0, kind="llama3", factor=8.0, original_max_position=64), 64)
+    scaled = rope.inv_freq(
+        RopeConfig(theta=500000.0, kind="llama3", factor=8.0, original_max_position=64), 64
+    )
     wavelen = 2 * math.pi / plain
-    high = wavelen < 64 / 4.0  # high-frequency band (wavelength below original_max / high_freq_factor)
+    high = (
+        wavelen < 64 / 4.0
+    )  # high-frequency band (wavelength below original_max / high_freq_factor)
     low = wavelen > 64 / 1.0
     assert high.any() and low.any()
     assert torch.equal(scaled[high], plain[high])
@@ -503,7 +560,11 @@ def test_blocked_attention_equals_one_masked_call(window, spread):
     got = attend(q, k, v, q_pos, k_pos, scale=0.25, window=window, keys_sorted=True)
     scores = torch.matmul(q, k.repeat_interleave(2, 0).transpose(1, 2)) * 0.25
     scores = scores.masked_fill(~position_mask(q_pos, k_pos, window), float("-inf"))
-    ref = torch.matmul(torch.softmax(scores, -1), v.repeat_interleave(2, 0)).transpose(0, 1).reshape(len(q_pos), -1)
+    ref = (
+        torch.matmul(torch.softmax(scores, -1), v.repeat_interleave(2, 0))
+        .transpose(0, 1)
+        .reshape(len(q_pos), -1)
+    )
     assert (got - ref).abs().max() < 1e-5
 
 
@@ -530,7 +591,9 @@ def test_forward_bogus_logits_raises_without_touching_the_cache(tiny_runner):
         runner.forward([8, 9], cache, logits="bogus")
     # An argument error must not leave the two tokens in the cache: a caller that catches it would
     # otherwise decode on top of tokens it believes were never added.
-    assert cache.length == 3, f"forward(logits='bogus') raised but advanced the cache to {cache.length} slots"
+    assert cache.length == 3, (
+        f"forward(logits='bogus') raised but advanced the cache to {cache.length} slots"
+    )
     assert torch.equal(cache.kv[:, :, :, :3], kv)
 
 
@@ -598,4 +661,9 @@ def test_fp16_kv_prefix_loaded_equals_one_go(family, n, tiny_runner):
     runner.forward(ids, full16, logits="none")
     assert not torch.equal(full16.kv[:, :, :, :100].float(), fp32.kv[:, :, :, :100])
     # prefix K/V (one layer deep, then the error compounds) within fp16 rounding of fp32's
-    assert_close(full16.kv[0, :, :, :n], fp32.kv[0, :, :, :n], FP16_EPS * float(fp32.kv[0, :, :, :n].abs().max()), "layer 0")
+    assert_close(
+        full16.kv[0, :, :, :n],
+        fp32.kv[0, :, :, :n],
+        FP16_EPS * float(fp32.kv[0, :, :, :n].abs().max()),
+        "layer 0",
+    )

@@ -8,7 +8,15 @@ import threading
 import pytest
 import torch
 
-from kvfuse.engine import Prompt, QueueClosed, QueueFull, Request, Scheduler, Sequence, SequenceStatus
+from kvfuse.engine import (
+    Prompt,
+    QueueClosed,
+    QueueFull,
+    Request,
+    Scheduler,
+    Sequence,
+    SequenceStatus,
+)
 from kvfuse.engine.kv_memory import KVMemory
 from kvfuse.engine.planner import prompt_keys
 from kvfuse.generation import SamplingParams
@@ -20,8 +28,11 @@ NS = Namespace("model", "float16", "L2xH1xD4")
 
 def seq(name: str, ids=(1, 2, 3), keyed: bool = False, max_tokens: int = 256) -> Sequence:
     prompt = Prompt.plain(ids)
-    return Sequence(Request(prompt, SamplingParams(max_tokens=max_tokens), request_id=name), NS if keyed else None,
-                    prompt_keys(prompt, 4, NS) if keyed else None)
+    return Sequence(
+        Request(prompt, SamplingParams(max_tokens=max_tokens), request_id=name),
+        NS if keyed else None,
+        prompt_keys(prompt, 4, NS) if keyed else None,
+    )
 
 
 def names(seqs) -> list[str]:
@@ -33,10 +44,16 @@ def test_admission_is_first_come_first_served_up_to_max_running():
     a, b, c = seq("a"), seq("b"), seq("c")
     for x in (a, b, c):
         s.add(x)
-    assert names(s.waiting()) == ["a", "b", "c"] and all(x.status is SequenceStatus.WAITING for x in (a, b, c))
+    assert names(s.waiting()) == ["a", "b", "c"] and all(
+        x.status is SequenceStatus.WAITING for x in (a, b, c)
+    )
     step = s.schedule()
     assert step.admitted == [a, b] and step.running == [a, b] and step.skipped == []
-    assert a.status is SequenceStatus.RUNNING and a.request.started_at is not None and names(s.waiting()) == ["c"]
+    assert (
+        a.status is SequenceStatus.RUNNING
+        and a.request.started_at is not None
+        and names(s.waiting()) == ["c"]
+    )
     step = s.schedule()  # a and b run together: c waits for a free place
     assert step.admitted == [] and step.running == [a, b]
     s.finish(a)
@@ -61,7 +78,10 @@ def test_admission_stops_at_the_first_sequence_that_does_not_fit(tiny_loaded):
     for x in (a, big, c):
         s.add(x)
     step = s.schedule()
-    assert step.admitted == [a] and names(s.waiting()) == ["big", "c"]  # c would fit, but waits behind big
+    assert step.admitted == [a] and names(s.waiting()) == [
+        "big",
+        "c",
+    ]  # c would fit, but waits behind big
     assert memory.budget.used == a.kv.capacity * per_slot == 67 * per_slot
     s.finish(a)
     memory.release(a)
@@ -134,7 +154,11 @@ def test_remove_frees_the_slot_and_counts():
 def test_lookahead_lists_waiting_requests_in_run_order_with_their_keys():
     s = Scheduler(max_waiting=4, max_running=1)
     shared = list(range(8))
-    a, b, c = seq("a", shared + [9], keyed=True), seq("b", shared + [7, 7, 7, 7], keyed=True), seq("c")
+    a, b, c = (
+        seq("a", shared + [9], keyed=True),
+        seq("b", shared + [7, 7, 7, 7], keyed=True),
+        seq("c"),
+    )
     for x in (a, b, c):
         s.add(x)
     look = s.lookahead()

@@ -10,15 +10,28 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from kvfuse.engine import CacheOptions, EngineStats, GenerationResult, Outcome, RequestCancelled, Timings
+from kvfuse.engine import (
+    CacheOptions,
+    EngineStats,
+    GenerationResult,
+    Outcome,
+    RequestCancelled,
+    Timings,
+)
 from kvfuse.models.tokenizer import ChatTemplateError
 from kvfuse.server.auth import Authenticator
+from kvfuse.server.bodies import SSE_DONE, ResponseBuilder, sse_event, usage
 from kvfuse.server.errors import APIError, error_body, validation_error
 from kvfuse.server.metrics import ServerMetrics
-from kvfuse.server.bodies import SSE_DONE, ResponseBuilder, sse_event, usage
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
-from kvfuse.server.translate import (EngineCall, Limits, cache_options, chat_messages, completion_prompt, plan_chat,
-                                     sampling_params)
+from kvfuse.server.translate import (
+    Limits,
+    cache_options,
+    chat_messages,
+    completion_prompt,
+    plan_chat,
+    sampling_params,
+)
 
 LIMITS = Limits(max_tokens_limit=100, default_max_tokens=16, context_window=1000)
 
@@ -28,14 +41,18 @@ def completion(**fields) -> CompletionRequest:
 
 
 def chat(**fields) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields})
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    )
 
 
 # ------------------------------------------------------------------------------------ tenants
 
 
 def test_cache_options_map_tenant_salt_and_bypass():
-    assert cache_options(completion(), "alice") == CacheOptions(enabled=True, tenant="alice", salt="")
+    assert cache_options(completion(), "alice") == CacheOptions(
+        enabled=True, tenant="alice", salt=""
+    )
     opts = cache_options(completion(cache=False, cache_salt="p1"), "bob")
     assert opts == CacheOptions(enabled=False, tenant="bob", salt="p1")
 
@@ -53,9 +70,15 @@ def test_authenticator():
 # ------------------------------------------------------------------------------- request mapping
 
 
-@pytest.mark.parametrize("prompt,expected", [
-    ("hi", "hi"), (["hi"], "hi"), ([1, 2, 3], [1, 2, 3]), ([[4, 5]], [4, 5]),
-])
+@pytest.mark.parametrize(
+    "prompt,expected",
+    [
+        ("hi", "hi"),
+        (["hi"], "hi"),
+        ([1, 2, 3], [1, 2, 3]),
+        ([[4, 5]], [4, 5]),
+    ],
+)
 def test_completion_prompt_shapes(prompt, expected):
     assert completion_prompt(completion(prompt=prompt)) == expected
 
@@ -68,11 +91,16 @@ def test_completion_prompt_rejects_empty_and_batches(prompt):
 
 
 def test_chat_messages_join_parts_and_map_roles():
-    req = chat(messages=[
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None, "name": "bot"},
-    ])
+    req = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": None, "name": "bot"},
+        ]
+    )
     assert chat_messages(req) == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb"},
@@ -83,7 +111,9 @@ def test_chat_messages_join_parts_and_map_roles():
 def test_sampling_params_defaults_and_fields():
     p = sampling_params(completion(), prompt_tokens=10, limits=LIMITS)
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (16, 1.0, 1.0, None, ())
-    p = sampling_params(completion(max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n"), 10, LIMITS)
+    p = sampling_params(
+        completion(max_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n"), 10, LIMITS
+    )
     assert (p.max_tokens, p.temperature, p.top_p, p.seed, p.stop) == (7, 0.0, 0.5, 3, ("\n",))
     # the default shrinks to what fits in the context window
     assert sampling_params(completion(), prompt_tokens=990, limits=LIMITS).max_tokens == 10
@@ -94,13 +124,16 @@ def test_sampling_params_defaults_and_fields():
     assert p.greedy and (p.temperature, p.top_p) == (1e-40, 5e-324)
 
 
-@pytest.mark.parametrize("fields,prompt_tokens,param,code", [
-    ({"max_tokens": 101}, 10, "max_tokens", "invalid_value"),
-    ({"n": 2}, 10, "n", "invalid_value"),
-    ({"stop": [""]}, 10, "stop", "invalid_value"),
-    ({}, 1000, "prompt", "context_length_exceeded"),
-    ({"max_tokens": 50}, 960, "prompt", "context_length_exceeded"),
-])
+@pytest.mark.parametrize(
+    "fields,prompt_tokens,param,code",
+    [
+        ({"max_tokens": 101}, 10, "max_tokens", "invalid_value"),
+        ({"n": 2}, 10, "n", "invalid_value"),
+        ({"stop": [""]}, 10, "stop", "invalid_value"),
+        ({}, 1000, "prompt", "context_length_exceeded"),
+        ({"max_tokens": 50}, 960, "prompt", "context_length_exceeded"),
+    ],
+)
 def test_sampling_params_errors_name_the_field(fields, prompt_tokens, param, code):
     with pytest.raises(APIError) as exc:
         sampling_params(completion(**fields), prompt_tokens, LIMITS)
@@ -124,17 +157,30 @@ def test_chat_template_failure_is_a_400():
 
     with pytest.raises(APIError) as exc:
         plan_chat(Engine(), chat(), "", LIMITS)
-    assert exc.value.status == 400 and exc.value.code == "invalid_chat_template" and "alternate" in exc.value.message
+    assert (
+        exc.value.status == 400
+        and exc.value.code == "invalid_chat_template"
+        and "alternate" in exc.value.message
+    )
 
 
 # ----------------------------------------------------------------------------- schemas and errors
 
 
-@pytest.mark.parametrize("fields,param", [
-    ({"max_tokens": "5"}, "max_tokens"), ({"temperature": "0"}, "temperature"), ({"stream": 1}, "stream"),
-    ({"cache": "false"}, "cache"), ({"cache_salt": 3}, "cache_salt"), ({"prompt": [True]}, "prompt"),
-    ({"stop": [1]}, "stop"), ({"temperature": 3}, "temperature"), ({"model": None}, "model"),
-])
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"temperature": "0"}, "temperature"),
+        ({"stream": 1}, "stream"),
+        ({"cache": "false"}, "cache"),
+        ({"cache_salt": 3}, "cache_salt"),
+        ({"prompt": [True]}, "prompt"),
+        ({"stop": [1]}, "stop"),
+        ({"temperature": 3}, "temperature"),
+        ({"model": None}, "model"),
+    ],
+)
 def test_wrong_types_are_rejected_and_named(fields, param):
     with pytest.raises(ValidationError) as exc:
         completion(**fields)
@@ -148,13 +194,23 @@ def test_unknown_fields_are_ignored():
 
 
 def test_validation_error_of_invalid_json():
-    err = validation_error([{"type": "json_invalid", "loc": ("body", 3), "msg": "JSON decode error",
-                             "ctx": {"error": "Expecting value"}}])
+    err = validation_error(
+        [
+            {
+                "type": "json_invalid",
+                "loc": ("body", 3),
+                "msg": "JSON decode error",
+                "ctx": {"error": "Expecting value"},
+            }
+        ]
+    )
     assert err.status == 400 and err.code == "invalid_json" and err.param is None
 
 
 def test_error_body_shape():
-    assert error_body("m", "t", "p", "c") == {"error": {"message": "m", "type": "t", "param": "p", "code": "c"}}
+    assert error_body("m", "t", "p", "c") == {
+        "error": {"message": "m", "type": "t", "param": "p", "code": "c"}
+    }
     e = APIError(429, "busy", code="queue_full")
     assert e.body()["error"]["type"] == "rate_limit_error" and e.response().status_code == 429
 
@@ -163,8 +219,14 @@ def test_error_body_shape():
 
 
 def result(text="ab", ids=(1, 2), reason="length", prompt=5, cached=0) -> GenerationResult:
-    return GenerationResult(text=text, token_ids=list(ids), finish_reason=reason, prompt_tokens=prompt,
-                            cached_tokens=cached, timings=Timings(queued_s=0.01, ttft_s=0.02, decode_s=0.03))
+    return GenerationResult(
+        text=text,
+        token_ids=list(ids),
+        finish_reason=reason,
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        timings=Timings(queued_s=0.01, ttft_s=0.02, decode_s=0.03),
+    )
 
 
 def test_usage_reports_cached_tokens_where_they_came_from_and_the_save_time():
@@ -172,17 +234,31 @@ def test_usage_reports_cached_tokens_where_they_came_from_and_the_save_time():
     r.hit_tiers, r.timings.store_s = ("memory", "disk", "memory"), 0.00012
     r.prefix_reused_tokens = 299
     assert usage(r) == {
-        "prompt_tokens": 300, "completion_tokens": 2, "total_tokens": 302,
-        "prompt_tokens_details": {"cached_tokens": 299, "recomputed_tokens": 0, "prefix_reused_tokens": 299,
-                                  "span_reused_tokens": 0, "prefilled_tokens": 1, "auto_reuse": "off",
-                                  "cached_entries_by_tier": {"disk": 1, "memory": 2}, "save_ms": 0.12}}
+        "prompt_tokens": 300,
+        "completion_tokens": 2,
+        "total_tokens": 302,
+        "prompt_tokens_details": {
+            "cached_tokens": 299,
+            "recomputed_tokens": 0,
+            "prefix_reused_tokens": 299,
+            "span_reused_tokens": 0,
+            "prefilled_tokens": 1,
+            "auto_reuse": "off",
+            "cached_entries_by_tier": {"disk": 1, "memory": 2},
+            "save_ms": 0.12,
+        },
+    }
 
 
 def test_completion_stream_chunks():
     b = ResponseBuilder("req_abc", "m", 123, chat=False, include_usage=True)
     assert b.first_chunk() is None
     c = b.text_chunk("x")
-    assert c["object"] == "text_completion" and c["id"] == "cmpl-abc" and c["choices"][0]["text"] == "x"
+    assert (
+        c["object"] == "text_completion"
+        and c["id"] == "cmpl-abc"
+        and c["choices"][0]["text"] == "x"
+    )
     assert c["usage"] is None
     final, usage_chunk = b.final_chunks(result(reason="stop"))
     assert final["choices"][0]["finish_reason"] == "stop"
@@ -195,11 +271,17 @@ def test_chat_stream_chunks_and_body():
     assert b.text_chunk("hi")["choices"][0]["delta"] == {"content": "hi"}
     (final,) = b.final_chunks(result())
     assert final["object"] == "chat.completion.chunk" and final["choices"][0] == {
-        "index": 0, "delta": {}, "finish_reason": "length", "logprobs": None}
+        "index": 0,
+        "delta": {},
+        "finish_reason": "length",
+        "logprobs": None,
+    }
     assert "usage" not in final
     body = b.body(result(text="hello"))
-    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {"role": "assistant",
-                                                                                    "content": "hello"}
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "hello",
+    }
 
 
 def test_sse_framing():
@@ -214,14 +296,19 @@ def test_sse_framing():
 def test_metrics_render_and_count_outcomes():
     from prometheus_client.parser import text_string_to_metric_families
 
-    stats = EngineStats(requests=2, tokens_reused=256, tokens_prefilled=10, hits_by_tier={"memory": 1})
+    stats = EngineStats(
+        requests=2, tokens_reused=256, tokens_prefilled=10, hits_by_tier={"memory": 1}
+    )
     engine = SimpleNamespace(stats_snapshot=stats.snapshot, cache_enabled=False)
     m = ServerMetrics(lambda: engine, queue=lambda: {"waiting": 3, "running": 1})
     m.observe_outcome(Outcome(result=result(reason="cancelled")))
     m.observe_outcome(Outcome(error=RequestCancelled("left")))
     m.observe_outcome(Outcome(result=result()))
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(m.render().decode()) for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(m.render().decode())
+        for s in f.samples
+    }
     assert samples[("kvfuse_requests_cancelled_total", (("stage", "running"),))] == 1
     assert samples[("kvfuse_requests_cancelled_total", (("stage", "queued"),))] == 1
     assert samples[("kvfuse_time_to_first_token_seconds_count", ())] == 2

@@ -28,10 +28,18 @@ from kvfuse.codecs import get_codec
 from kvfuse.config import CacheConfig, Config, ConfigError, load_config
 from kvfuse.config.signing import signer_of
 from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import (Entry, FormatError, SignatureError, encode_entry, open_entry, parse_header, read_entry,
-                              read_header)
-from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.kv.digests import BLAKE3, SHA256, Pending, gather, layer_digest, layer_digests
+from kvfuse.kv.format import (
+    Entry,
+    FormatError,
+    SignatureError,
+    encode_entry,
+    open_entry,
+    parse_header,
+    read_entry,
+    read_header,
+)
+from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.kv.signing import MIN_KEY_BYTES, TAG_SIZE, EntrySigner, parse_key_lines
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 
@@ -80,7 +88,9 @@ def _reseal_layer(blob: bytes, layer: int) -> bytes:
     h = parse_header(b)
     data = bytes(b[slice(*h.layer_span(layer, layer + 1))])
     if not b[FLAGS] & 8:  # no digest id: the table's xxh3 checks the payload (signed or not)
-        struct.pack_into("<Q", b, _layer_table(blob) + 16 * layer + 8, xxhash.xxh3_64_intdigest(data))
+        struct.pack_into(
+            "<Q", b, _layer_table(blob) + 16 * layer + 8, xxhash.xxh3_64_intdigest(data)
+        )
     if b[FLAGS] & 4:
         at = _digests_at(blob) + 32 * layer
         b[at : at + 32] = layer_digest(data, h.algorithm)
@@ -96,7 +106,9 @@ def _resign(blob: bytes, key: bytes = OLD) -> bytes:
 
 
 SIGNED = bytes(_entry().signed(EntrySigner([OLD])).join())  # BLAKE3, with a digest id
-LEGACY = bytes(_entry().signed(EntrySigner([OLD]), SHA256).join())  # SHA-256, as signed before digest ids
+LEGACY = bytes(
+    _entry().signed(EntrySigner([OLD]), SHA256).join()
+)  # SHA-256, as signed before digest ids
 UNSIGNED = bytes(_entry().join())
 _h = parse_header(SIGNED)
 PAYLOAD_AT = _h.header_len
@@ -129,8 +141,18 @@ def _unsigned_flag() -> bytes:
     """The signed entry with its signed flag cleared and its header made consistent again: the
     signature stripped off (a header of the unsigned size, the payload unchanged)."""
     e = open_entry(bytearray(SIGNED))
-    return bytes(Entry(e.key, e.codec, e.shape, e.dtype, e.positions, e.payload, e.layer_sizes,
-                       token_ids=e.token_ids).join())
+    return bytes(
+        Entry(
+            e.key,
+            e.codec,
+            e.shape,
+            e.dtype,
+            e.positions,
+            e.payload,
+            e.layer_sizes,
+            token_ids=e.token_ids,
+        ).join()
+    )
 
 
 # (what, blob, the reader's keys (None: signing off), the outcome: "ok" or the refusal's reason / error)
@@ -139,36 +161,79 @@ CASES = [
     ("wrong key", SIGNED, [STRANGER], "signature"),
     ("rotated list: old key still accepted", SIGNED, [NEW, OLD], "ok"),
     ("rotated list: old key removed", SIGNED, [NEW], "signature"),
-    ("tag truncated (zeroed, resealed)", _reseal(SIGNED[:TAG_AT + 16] + bytes(16) + SIGNED[TAG_AT + 32:]), [OLD],
-     "signature"),
+    (
+        "tag truncated (zeroed, resealed)",
+        _reseal(SIGNED[: TAG_AT + 16] + bytes(16) + SIGNED[TAG_AT + 32 :]),
+        [OLD],
+        "signature",
+    ),
     ("tag one bit off", _flip(SIGNED, TAG_AT + 31), [OLD], "signature"),
     ("flipped payload byte", _flip(SIGNED, PAYLOAD_AT + 5, reseal=False), [OLD], "signature"),
     ("flipped payload byte, its checksum resealed", _payload_forgery(), [OLD], "signature"),
     ("flipped header byte (a position)", _flip(SIGNED, POSITIONS_AT), [OLD], "signature"),
     ("flipped header byte (a token id)", _flip(SIGNED, TOKENS_AT), [OLD], "signature"),
-    ("flipped header byte, not resealed", _flip(SIGNED, TOKENS_AT, reseal=False), [OLD], FormatError),
+    (
+        "flipped header byte, not resealed",
+        _flip(SIGNED, TOKENS_AT, reseal=False),
+        [OLD],
+        FormatError,
+    ),
     ("unsigned entry, signing on", UNSIGNED, [OLD], "unsigned"),
     ("signature stripped, signing on", _unsigned_flag(), [OLD], "unsigned"),
     ("signed entry, signing off", SIGNED, None, "ok"),
     ("unsigned entry, signing off", UNSIGNED, None, "ok"),
     # Signing off checks integrity only: a resealed forgery passes (what signing is for).
     ("flipped payload byte resealed, signing off", _payload_forgery(), None, "ok"),
-    ("flipped payload byte, signing off", _flip(SIGNED, PAYLOAD_AT + 5, reseal=False), None, FormatError),
+    (
+        "flipped payload byte, signing off",
+        _flip(SIGNED, PAYLOAD_AT + 5, reseal=False),
+        None,
+        FormatError,
+    ),
     # The digest id: inside what the tag covers; an unknown one is refused even under a valid tag.
     ("unknown digest id, tag made with the key", _with_digest_id(0x7F), [OLD], "signature"),
-    ("digest id 0 (SHA-256 is written without an id), tag made with the key", _with_digest_id(SHA256), [OLD],
-     "signature"),
+    (
+        "digest id 0 (SHA-256 is written without an id), tag made with the key",
+        _with_digest_id(SHA256),
+        [OLD],
+        "signature",
+    ),
     ("digest id changed, tag not remade", _with_digest_id(0x7F, key=None), [OLD], "signature"),
     ("unknown digest id, signing off", _with_digest_id(0x7F), None, FormatError),
-    ("digest id flag cleared (resealed)", _with_flags(SIGNED, SIGNED[FLAGS] & ~8), [OLD], "signature"),
-    ("digest id flag set on a SHA-256 entry (resealed)", _with_flags(LEGACY, LEGACY[FLAGS] | 8), [OLD], "signature"),
-    ("digest id flag on an unsigned entry", _with_flags(UNSIGNED, UNSIGNED[FLAGS] | 8), None, FormatError),
+    (
+        "digest id flag cleared (resealed)",
+        _with_flags(SIGNED, SIGNED[FLAGS] & ~8),
+        [OLD],
+        "signature",
+    ),
+    (
+        "digest id flag set on a SHA-256 entry (resealed)",
+        _with_flags(LEGACY, LEGACY[FLAGS] | 8),
+        [OLD],
+        "signature",
+    ),
+    (
+        "digest id flag on an unsigned entry",
+        _with_flags(UNSIGNED, UNSIGNED[FLAGS] | 8),
+        None,
+        FormatError,
+    ),
     # Entries signed with SHA-256 before digest ids: read and checked as before.
     ("SHA-256 entry, right key", LEGACY, [OLD], "ok"),
     ("SHA-256 entry, rotated list", LEGACY, [NEW, OLD], "ok"),
     ("SHA-256 entry, wrong key", LEGACY, [STRANGER], "signature"),
-    ("SHA-256 entry, flipped payload byte", _flip(LEGACY, LEGACY_PAYLOAD_AT + 5, reseal=False), [OLD], "signature"),
-    ("SHA-256 entry, payload forged and its checks resealed", _payload_forgery(LEGACY), [OLD], "signature"),
+    (
+        "SHA-256 entry, flipped payload byte",
+        _flip(LEGACY, LEGACY_PAYLOAD_AT + 5, reseal=False),
+        [OLD],
+        "signature",
+    ),
+    (
+        "SHA-256 entry, payload forged and its checks resealed",
+        _payload_forgery(LEGACY),
+        [OLD],
+        "signature",
+    ),
     ("SHA-256 entry, signing off", LEGACY, None, "ok"),
     ("SHA-256 entry, forged and resealed, signing off", _payload_forgery(LEGACY), None, "ok"),
 ]
@@ -209,7 +274,9 @@ def _layer_ranges(blob, signer):
         h.decode_layers(memoryview(blob)[start:stop], i, i + 1)
 
 
-@pytest.mark.parametrize("read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"])
+@pytest.mark.parametrize(
+    "read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"]
+)
 @pytest.mark.parametrize("what, blob, keys, expected", CASES, ids=[c[0] for c in CASES])
 def test_sign_and_verify(what, blob, keys, expected, read):
     assert _outcome(read, blob, keys) == expected
@@ -219,7 +286,9 @@ def test_a_signed_entry_decodes_to_the_same_kv_and_costs_one_digest_per_layer_an
     entry = _entry()
     signed = entry.signed(EntrySigner([OLD]))
     assert signed.payload is entry.payload  # the payload is shared, not copied
-    assert len(signed) - len(entry) <= 1 + 3 * 32 + TAG_SIZE + 64  # id, digests, tag, at most one more block
+    assert (
+        len(signed) - len(entry) <= 1 + 3 * 32 + TAG_SIZE + 64
+    )  # id, digests, tag, at most one more block
     got = open_entry(bytearray(signed.join()), KEYS[0], signer=EntrySigner([OLD]))
     assert torch.equal(got.decode(), entry.decode()) and torch.equal(got.token_ids, entry.token_ids)
     h = parse_header(signed.join())
@@ -227,7 +296,9 @@ def test_a_signed_entry_decodes_to_the_same_kv_and_costs_one_digest_per_layer_an
     assert h.algorithm == BLAKE3 and h.digests == tuple(blake3.blake3(v).digest() for v in layers)
     assert SIGNED[DIGEST_ID_AT] == BLAKE3 and SIGNED[FLAGS] & 12 == 12
     old = parse_header(LEGACY)
-    assert old.algorithm == SHA256 and old.digests == tuple(hashlib.sha256(v).digest() for v in layers)
+    assert old.algorithm == SHA256 and old.digests == tuple(
+        hashlib.sha256(v).digest() for v in layers
+    )
     with pytest.raises(ValueError, match="unknown digest algorithm"):
         entry.signed(EntrySigner([OLD]), 0x7F)
 
@@ -238,16 +309,25 @@ GOLDEN_SHA256_ENTRY = "78904443a9643a47672994e1cac7e5a1fe02025e0716fd381aaf72fd8
 
 def _golden_entry() -> Entry:
     kv = (torch.arange(3 * 2 * 8 * 2 * 8, dtype=torch.float32).reshape(3, 2, 8, 2, 8) / 64).half()
-    return encode_entry(KVChunk(kv, torch.arange(8), torch.arange(100, 108)), KEYS[0], get_codec("raw"))
+    return encode_entry(
+        KVChunk(kv, torch.arange(8), torch.arange(100, 108)), KEYS[0], get_codec("raw")
+    )
 
 
-@pytest.mark.parametrize("read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"])
+@pytest.mark.parametrize(
+    "read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"]
+)
 def test_entries_signed_with_sha256_before_digest_ids_still_verify(read):
     """The SHA-256 layout is written byte for byte as the build before digest ids wrote it, and
     such an entry is read (and checked) by this build, with and without a key."""
     blob = bytes(_golden_entry().signed(EntrySigner([OLD]), SHA256).join())
     assert hashlib.sha256(blob).hexdigest() == GOLDEN_SHA256_ENTRY
-    assert _outcome(read, blob, [OLD]) == _outcome(read, blob, [NEW, OLD]) == _outcome(read, blob, None) == "ok"
+    assert (
+        _outcome(read, blob, [OLD])
+        == _outcome(read, blob, [NEW, OLD])
+        == _outcome(read, blob, None)
+        == "ok"
+    )
     assert _outcome(read, blob, [STRANGER]) == "signature"
     got = open_entry(bytearray(blob), KEYS[0], signer=EntrySigner([OLD]))
     assert torch.equal(got.decode(), _golden_entry().decode())
@@ -255,7 +335,9 @@ def test_entries_signed_with_sha256_before_digest_ids_still_verify(read):
 
 
 @pytest.mark.parametrize("blob", [SIGNED, LEGACY], ids=["blake3", "sha256"])
-@pytest.mark.parametrize("read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"])
+@pytest.mark.parametrize(
+    "read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"]
+)
 def test_flipping_any_payload_byte_of_a_signed_entry_is_refused(blob, read):
     start = parse_header(blob).header_len
     for offset in range(start, len(blob)):
@@ -274,7 +356,9 @@ class _CountedXxh3:
         return xxhash.xxh3_64_intdigest(data)
 
 
-@pytest.mark.parametrize("read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"])
+@pytest.mark.parametrize(
+    "read", [_whole, _streamed, _layer_ranges], ids=["whole", "streamed", "layers"]
+)
 def test_a_signed_entry_is_checked_by_its_digests_alone(monkeypatch, read):
     """No xxh3 pass over a signed payload, written (its table's xxh3 fields are zero) or read with
     the key; a damaged payload is still refused, by its signed digests ("signature")."""
@@ -284,7 +368,9 @@ def test_a_signed_entry_is_checked_by_its_digests_alone(monkeypatch, read):
     monkeypatch.setattr(fmt, "xxhash", counted)
     blob = bytes(_entry().signed(EntrySigner([OLD])).join())
     header_len = parse_header(blob).header_len
-    assert blob == SIGNED and counted.sizes and max(counted.sizes) < header_len  # the header's checksum only
+    assert (
+        blob == SIGNED and counted.sizes and max(counted.sizes) < header_len
+    )  # the header's checksum only
     table = struct.unpack_from("<6Q", blob, _layer_table(blob))
     assert table[1::2] == (0, 0, 0) and table[0::2] == _h.layer_sizes
     counted.sizes.clear()
@@ -297,12 +383,26 @@ def test_a_signed_entry_is_checked_by_its_digests_alone(monkeypatch, read):
         open_entry(bytearray(damaged), signer=EntrySigner([OLD]))
 
 
-@pytest.mark.parametrize("sizes", [[], [0], [10], [3 << 20], [197 * 1024] * 30, [3 << 20] * 4,
-                                   [1, 0, 700 << 10, 5, 0, 900 << 10], [64 << 10] * 9])
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [],
+        [0],
+        [10],
+        [3 << 20],
+        [197 * 1024] * 30,
+        [3 << 20] * 4,
+        [1, 0, 700 << 10, 5, 0, 900 << 10],
+        [64 << 10] * 9,
+    ],
+)
 @pytest.mark.parametrize("algorithm", [BLAKE3, SHA256], ids=["blake3", "sha256"])
 def test_layer_digests_match_one_at_a_time_however_they_are_split(sizes, algorithm):
     g = torch.Generator().manual_seed(len(sizes))
-    layers = [memoryview(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy()) for n in sizes]
+    layers = [
+        memoryview(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).numpy())
+        for n in sizes
+    ]
     one = hashlib.sha256 if algorithm == SHA256 else blake3.blake3
     expected = [one(v).digest() for v in layers]
     assert layer_digests(layers, algorithm) == expected
@@ -318,8 +418,10 @@ def test_the_signature_is_checked_before_the_key_and_the_payload():
     other = bytes(_entry(KEYS[1]).join())
     with pytest.raises(SignatureError):
         open_entry(bytearray(other), KEYS[0], signer=EntrySigner([OLD]))
-    with pytest.raises(SignatureError):  # a payload cut short: the header is refused before it is read
-        open_entry(bytearray(UNSIGNED[:PAYLOAD_AT + 3]), KEYS[0], signer=EntrySigner([OLD]))
+    with pytest.raises(
+        SignatureError
+    ):  # a payload cut short: the header is refused before it is read
+        open_entry(bytearray(UNSIGNED[: PAYLOAD_AT + 3]), KEYS[0], signer=EntrySigner([OLD]))
 
 
 def test_signer_rules():
@@ -342,9 +444,13 @@ def test_inspection_reports_the_signature():
     assert read_header(SIGNED).signature == "signed"
     assert read_header(SIGNED, EntrySigner([NEW, OLD])).signature == "valid"
     assert read_header(SIGNED, EntrySigner([STRANGER])).signature == "invalid"
-    assert read_header(_payload_forgery(), EntrySigner([OLD])).signature == "invalid"  # the table is signed
+    assert (
+        read_header(_payload_forgery(), EntrySigner([OLD])).signature == "invalid"
+    )  # the table is signed
     other = read_header(_flip(SIGNED, PAYLOAD_AT + 5, reseal=False), EntrySigner([OLD]))
-    assert other.signature == "valid" and not other.payload_ok  # a signed header over another payload
+    assert (
+        other.signature == "valid" and not other.payload_ok
+    )  # a signed header over another payload
 
 
 # ------------------------------------------------------------------------------ the store's seams
@@ -352,7 +458,9 @@ def test_inspection_reports_the_signature():
 
 def _store(tmp_path, keys=None, **kw):
     disk = DiskTier(tmp_path / "kv", 1 << 30)
-    return TieredStore(MemoryTier(1 << 30), [disk], signer=EntrySigner(keys) if keys else None, **kw), disk
+    return TieredStore(
+        MemoryTier(1 << 30), [disk], signer=EntrySigner(keys) if keys else None, **kw
+    ), disk
 
 
 def test_the_store_signs_what_it_writes_below_memory_and_checks_what_it_reads(tmp_path):
@@ -360,8 +468,13 @@ def test_the_store_signs_what_it_writes_below_memory_and_checks_what_it_reads(tm
     with store:
         store.put([(KEYS[0], _entry())])
         store.flush()
-        assert store.memory.get(KEYS[0]).header_size == _entry().header_size  # memory: in-process, unsigned
-        for key in (KEYS[0], KEYS[0].encoded_as("cachegen", 1)):  # the re-encoded copy and the variant
+        assert (
+            store.memory.get(KEYS[0]).header_size == _entry().header_size
+        )  # memory: in-process, unsigned
+        for key in (
+            KEYS[0],
+            KEYS[0].encoded_as("cachegen", 1),
+        ):  # the re-encoded copy and the variant
             assert read_header(bytes(disk.get(key)), EntrySigner([OLD])).signature == "valid"
         store.memory.clear()
         got = store.fetch([KEYS[0]])[0]
@@ -373,16 +486,21 @@ def test_the_store_signs_what_it_writes_below_memory_and_checks_what_it_reads(tm
         assert store.stats()["store"]["unusable_entries"] == 0
 
 
-@pytest.mark.parametrize("planted, reason", [(UNSIGNED, "signature_unsigned"),
-                                             (bytes(_entry().signed(EntrySigner([STRANGER])).join()),
-                                              "signature_mismatch"),
-                                             (_payload_forgery(), "signature_mismatch"),
-                                             (_with_digest_id(0x7F), "signature_mismatch"),
-                                             (bytes(_entry().signed(EntrySigner([STRANGER]), SHA256).join()),
-                                              "signature_mismatch"),
-                                             (_payload_forgery(LEGACY), "signature_mismatch")])
+@pytest.mark.parametrize(
+    "planted, reason",
+    [
+        (UNSIGNED, "signature_unsigned"),
+        (bytes(_entry().signed(EntrySigner([STRANGER])).join()), "signature_mismatch"),
+        (_payload_forgery(), "signature_mismatch"),
+        (_with_digest_id(0x7F), "signature_mismatch"),
+        (bytes(_entry().signed(EntrySigner([STRANGER]), SHA256).join()), "signature_mismatch"),
+        (_payload_forgery(LEGACY), "signature_mismatch"),
+    ],
+)
 @pytest.mark.parametrize("read", ["fetch", "layers", "encoded"])
-def test_an_unsigned_or_wrongly_signed_entry_below_memory_is_a_counted_miss(tmp_path, planted, reason, read):
+def test_an_unsigned_or_wrongly_signed_entry_below_memory_is_a_counted_miss(
+    tmp_path, planted, reason, read
+):
     store, disk = _store(tmp_path, [OLD])
     with store:
         disk.put(KEYS[0], planted)
@@ -411,7 +529,9 @@ def test_rotation_keeps_entries_of_the_old_key_readable(tmp_path):
     store, disk = _store(tmp_path, [NEW, OLD])
     with store:
         disk.put(KEYS[0], SIGNED)  # signed by OLD
-        disk.put(KEYS[2], bytes(_entry(KEYS[2]).signed(EntrySigner([OLD]), SHA256).join()))  # before digest ids
+        disk.put(
+            KEYS[2], bytes(_entry(KEYS[2]).signed(EntrySigner([OLD]), SHA256).join())
+        )  # before digest ids
         store.put([(KEYS[1], _entry(KEYS[1]))])
         store.flush()
         assert read_header(bytes(disk.get(KEYS[1])), EntrySigner([NEW])).signature == "valid"
@@ -432,7 +552,9 @@ def test_keys_come_one_way_from_file_env_or_list(tmp_path):
     f = tmp_path / "keys"
     f.write_text(f"# new first\n{'cd' * 32}\n\n{HEX}\n")
     f.chmod(0o600)
-    assert load_config(env={"KVFUSE_CACHE_SIGNING_KEY_FILE": str(f)}).cache.signing_key_file == str(f)
+    assert load_config(env={"KVFUSE_CACHE_SIGNING_KEY_FILE": str(f)}).cache.signing_key_file == str(
+        f
+    )
     signer = signer_of(CacheConfig(signing_key_file=str(f)))
     tag = signer.sign(b"x")
     assert EntrySigner([("cd" * 32).encode()]).verify(b"x", tag)  # the file's first key signs
@@ -441,13 +563,28 @@ def test_keys_come_one_way_from_file_env_or_list(tmp_path):
     assert load_config(overrides={"cache.signing_key": HEX}).cache.signing_key == HEX
 
 
-@pytest.mark.parametrize("setup, words", [
-    ({"signing_key_file": "{tmp}/missing"}, ["cache.signing_key_file", "cannot read", "openssl rand -hex 32"]),
-    ({"signing_key_file": "{tmp}/empty"}, ["cache.signing_key_file", "holds no key", "openssl rand -hex 32"]),
-    ({"signing_key": "short-secret-value"}, ["cache.signing_key", "18 bytes", "at least 32", "openssl rand"]),
-    ({"signing_keys": [HEX, "short-secret-value"]}, ["cache.signing_keys", "key number 2", "at least 32"]),
-    ({"signing_key": HEX, "signing_key_file": "{tmp}/empty"}, ["one way, not several"]),
-])
+@pytest.mark.parametrize(
+    "setup, words",
+    [
+        (
+            {"signing_key_file": "{tmp}/missing"},
+            ["cache.signing_key_file", "cannot read", "openssl rand -hex 32"],
+        ),
+        (
+            {"signing_key_file": "{tmp}/empty"},
+            ["cache.signing_key_file", "holds no key", "openssl rand -hex 32"],
+        ),
+        (
+            {"signing_key": "short-secret-value"},
+            ["cache.signing_key", "18 bytes", "at least 32", "openssl rand"],
+        ),
+        (
+            {"signing_keys": [HEX, "short-secret-value"]},
+            ["cache.signing_keys", "key number 2", "at least 32"],
+        ),
+        ({"signing_key": HEX, "signing_key_file": "{tmp}/empty"}, ["one way, not several"]),
+    ],
+)
 def test_bad_keys_are_config_errors_that_name_the_fix_and_never_show_a_key(tmp_path, setup, words):
     (tmp_path / "empty").write_text("# no key yet\n\n")
     cache = {k: (v.format(tmp=tmp_path) if isinstance(v, str) else v) for k, v in setup.items()}

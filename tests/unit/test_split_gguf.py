@@ -17,8 +17,13 @@ PARTS = [bytes([i]) * (1000 + 37 * i) for i in range(1, 4)]  # three parts of di
 
 def split_of(parts, sha256=None, size=None) -> SplitGGUF:
     whole = b"".join(parts)
-    return SplitGGUF("model.gguf", tuple(f"kvfuse-test-split-part{i}" for i in range(1, len(parts) + 1)), "0.1.0",
-                     len(whole) if size is None else size, sha256 or hashlib.sha256(whole).hexdigest())
+    return SplitGGUF(
+        "model.gguf",
+        tuple(f"kvfuse-test-split-part{i}" for i in range(1, len(parts) + 1)),
+        "0.1.0",
+        len(whole) if size is None else size,
+        sha256 or hashlib.sha256(whole).hexdigest(),
+    )
 
 
 def write_wheels(folder, split: SplitGGUF, parts) -> None:

@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 from keyed import K, ns_prefix
 
 from kvfuse.codecs import get_codec
@@ -51,7 +50,11 @@ class BrokenTier(MemoryTier):
 
 @pytest.fixture
 def three(tmp_path):
-    mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
+    mem, disk, remote = (
+        MemoryTier(10**6),
+        DiskTier(tmp_path, 10**6),
+        MemoryTier(10**6, name="remote"),
+    )
     store = TieredStore(mem, [disk, remote])
     yield store, mem, disk, remote
     store.close()
@@ -67,8 +70,13 @@ def test_lookup_reports_the_contiguous_prefix_and_the_tier_of_each(three):
     mem.put(KEYS[5], blob(KEYS[5]))  # after the gap at 4: not part of the hit
     found = store.lookup(KEYS)
     assert (found.hits, found.tiers) == (4, ("memory", "disk", "remote", "disk"))
-    assert found == LookupResult(("memory", "disk", "remote", "disk", None, "memory"))  # every key's holder
-    assert (store.lookup(KEYS[1:]).hits, store.lookup(KEYS[1:]).tiers) == (3, ("disk", "remote", "disk"))
+    assert found == LookupResult(
+        ("memory", "disk", "remote", "disk", None, "memory")
+    )  # every key's holder
+    assert (store.lookup(KEYS[1:]).hits, store.lookup(KEYS[1:]).tiers) == (
+        3,
+        ("disk", "remote", "disk"),
+    )
     assert (store.lookup(KEYS[4:]).hits, store.lookup(KEYS[4:]).tiers) == (0, ())
     assert store.lookup([]) == LookupResult(())
 
@@ -80,7 +88,9 @@ def test_lookup_is_side_effect_free(three):
     disk.put(KEYS[0], blob(KEYS[0]))
     before = {name: s for name, s in store.stats().items() if name != "store"}
     assert store.lookup([K("a"), KEYS[0]]).hits == 2
-    assert mem.keys_lru() == [K("a"), K("b")] and not mem.contains(KEYS[0])  # no recency, no promotion
+    assert mem.keys_lru() == [K("a"), K("b")] and not mem.contains(
+        KEYS[0]
+    )  # no recency, no promotion
     assert {name: s for name, s in store.stats().items() if name != "store"} == before
     assert store.stats()["store"]["lookups"] == 1
 
@@ -198,10 +208,16 @@ def test_close_flushes_pending_writes(tmp_path):
 def test_stats_shape_and_bad_configuration(tmp_path):
     with TieredStore(MemoryTier(100)) as store:
         s = store.stats()
-        assert set(s) == {"memory", "store"} and s["memory"]["entries"] == 0 and s["memory"]["used_bytes"] == 0
+        assert (
+            set(s) == {"memory", "store"}
+            and s["memory"]["entries"] == 0
+            and s["memory"]["used_bytes"] == 0
+        )
     with pytest.raises(ValueError, match="unique"):
         TieredStore(MemoryTier(1), [MemoryTier(1)])
-    with pytest.raises(TypeError, match="must be a MemoryTier"):  # the memory role: a MemoryTier, nothing else
+    with pytest.raises(
+        TypeError, match="must be a MemoryTier"
+    ):  # the memory role: a MemoryTier, nothing else
         TieredStore([])
     with pytest.raises(TypeError, match="must be a MemoryTier"):
         TieredStore(DiskTier(tmp_path, 10**6))
@@ -210,18 +226,30 @@ def test_stats_shape_and_bad_configuration(tmp_path):
 
 
 def test_the_store_takes_its_tiers_by_role(tmp_path):
-    mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
+    mem, disk, remote = (
+        MemoryTier(10**6),
+        DiskTier(tmp_path, 10**6),
+        MemoryTier(10**6, name="remote"),
+    )
     clock = lambda: 1234.5  # noqa: E731
     with TieredStore(mem, [disk, remote], clock=clock) as store:
-        assert store.memory is mem and store.lower == (disk, remote) and store.tiers == (mem, disk, remote)
-        assert store.tier("disk") is disk and store.tier("memory") is mem and store.clock() == 1234.5
+        assert (
+            store.memory is mem
+            and store.lower == (disk, remote)
+            and store.tiers == (mem, disk, remote)
+        )
+        assert (
+            store.tier("disk") is disk and store.tier("memory") is mem and store.clock() == 1234.5
+        )
         with pytest.raises(ValueError, match="no tier named 'nvme'"):
             store.tier("nvme")
         with pytest.raises(ValueError, match="no tier named 'nvme'"):
             store.fetch_encoded(KEYS[0], "nvme")
     with TieredStore(MemoryTier(10)) as alone:
         assert alone.lower == () and alone.tiers == (alone.memory,)
-        assert alone.protect_upcoming() is None and alone.flush(0) is True  # no writer thread to wait for
+        assert (
+            alone.protect_upcoming() is None and alone.flush(0) is True
+        )  # no writer thread to wait for
 
 
 def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path, monkeypatch):
@@ -252,7 +280,9 @@ def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_pa
         (promoted,) = store.get([KEYS[0]])  # from disk: verified once, then kept as an Entry
         assert checked == [KEYS[0]] and isinstance(promoted, Entry)
         assert isinstance(store.memory.get(KEYS[0]), Entry)
-        assert torch.equal(decode_chunk(store.get([KEYS[0]])[0], KEYS[0]).kv, chunk.kv) and checked == [KEYS[0]]
+        assert torch.equal(
+            decode_chunk(store.get([KEYS[0]])[0], KEYS[0]).kv, chunk.kv
+        ) and checked == [KEYS[0]]
         # an Entry stored under another key is never served for this one
         store.memory.put(KEYS[1], encode_entry(chunk, KEYS[0], get_codec("raw")))
         assert store.get([KEYS[1]]) == [None]
@@ -265,14 +295,31 @@ def test_fetch_checks_the_callers_spec_and_reports_what_it_rejected(tmp_path):
     mem, disk = MemoryTier(10**6), DiskTier(tmp_path, 10**6)
     with TieredStore(mem, [disk]) as store:
         disk.put(KEYS[0], blob(KEYS[0]))
-        mem.put(KEYS[0], encode_chunk(KVChunk(torch.zeros((2, 2, 4, 2, 8)).float(), torch.arange(4)), KEYS[0],
-                                      get_codec("raw")))  # intact, but fp32: not what the reader expects
-        spec = EntrySpec(torch.float16, num_layers=2, kv_heads=2, head_dim=8, tokens=4, first_position=0)
+        mem.put(
+            KEYS[0],
+            encode_chunk(
+                KVChunk(torch.zeros((2, 2, 4, 2, 8)).float(), torch.arange(4)),
+                KEYS[0],
+                get_codec("raw"),
+            ),
+        )  # intact, but fp32: not what the reader expects
+        spec = EntrySpec(
+            torch.float16, num_layers=2, kv_heads=2, head_dim=8, tokens=4, first_position=0
+        )
         (f,) = store.fetch([KEYS[0]], [spec])
         assert f.tier == "disk" and f.rejected == 1 and f.entry.dtype == torch.float16
-        assert store.stats()["store"]["unusable_entries"] == 1 and store.stats()["memory"]["errors"] == 1
-        (g,) = store.fetch([KEYS[0]], [EntrySpec(torch.float16, 2, 2, 8, tokens=4, first_position=7)])
-        assert (g.entry, g.tier, g.rejected) == (None, None, 2)  # the promoted copy and the disk copy
+        assert (
+            store.stats()["store"]["unusable_entries"] == 1
+            and store.stats()["memory"]["errors"] == 1
+        )
+        (g,) = store.fetch(
+            [KEYS[0]], [EntrySpec(torch.float16, 2, 2, 8, tokens=4, first_position=7)]
+        )
+        assert (g.entry, g.tier, g.rejected) == (
+            None,
+            None,
+            2,
+        )  # the promoted copy and the disk copy
         with pytest.raises(ValueError, match="specs"):
             store.fetch(KEYS[:2], [spec])
 
@@ -282,23 +329,33 @@ def test_a_layer_range_is_read_without_the_rest_of_the_entry(tmp_path, where, re
     from kvfuse.kv.format import EntrySpec
     from kvfuse.tiers import RedisTier
 
-    chunk = KVChunk(torch.randn((6, 2, 64, 2, 32), generator=torch.Generator().manual_seed(2)).half(),
-                    torch.arange(8, 72))
+    chunk = KVChunk(
+        torch.randn((6, 2, 64, 2, 32), generator=torch.Generator().manual_seed(2)).half(),
+        torch.arange(8, 72),
+    )
     data = encode_chunk(chunk, KEYS[0], get_codec("int8"))
     full = decode_chunk(data, KEYS[0]).kv
     if where == "redis":
         tier = RedisTier(request.getfixturevalue("redis_server").url, timeout_s=2.0)
     else:
         tier = MemoryTier(10**6) if where == "memory" else DiskTier(tmp_path, 10**6)
-    with TieredStore(tier) if where == "memory" else TieredStore(MemoryTier(10**6), [tier]) as store:
+    with (
+        TieredStore(tier) if where == "memory" else TieredStore(MemoryTier(10**6), [tier]) as store
+    ):
         tier.put(KEYS[0], data)
         read = tier.stats.snapshot()["bytes_out"]
-        got = store.fetch_layers(KEYS[0], 2, 4, EntrySpec(torch.float16, 6, 2, 32, tokens=64, first_position=8))
+        got = store.fetch_layers(
+            KEYS[0], 2, 4, EntrySpec(torch.float16, 6, 2, 32, tokens=64, first_position=8)
+        )
         assert got.tier == where and (got.first, got.last) == (2, 4)
         assert torch.equal(got.kv, full[2:4]) and torch.equal(got.positions, torch.arange(8, 72))
         if where != "memory":
-            assert tier.stats.snapshot()["bytes_out"] - read < len(data) / 2  # the header and two layers of six
+            assert (
+                tier.stats.snapshot()["bytes_out"] - read < len(data) / 2
+            )  # the header and two layers of six
             assert not store.memory.contains(KEYS[0])  # a layer range is not promoted
         assert store.fetch_layers(KEYS[1], 0, 1) is None
-        assert store.fetch_layers(KEYS[0], 0, 1, EntrySpec(torch.float32, 6, 2, 32)) is None  # not as expected
+        assert (
+            store.fetch_layers(KEYS[0], 0, 1, EntrySpec(torch.float32, 6, 2, 32)) is None
+        )  # not as expected
         assert not tier.contains(KEYS[0]) and store.stats()["store"]["unusable_entries"] == 1

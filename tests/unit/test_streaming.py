@@ -13,7 +13,14 @@ import torch
 from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
-from kvfuse.engine.kv_stream import RECOMPUTE, KVStreamReport, LoadEstimates, Option, choose, quality
+from kvfuse.engine.kv_stream import (
+    RECOMPUTE,
+    KVStreamReport,
+    LoadEstimates,
+    Option,
+    choose,
+    quality,
+)
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import Entry, encode_entry, open_entry, read_header
@@ -28,35 +35,67 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
 # -- the choice (pure) --------------------------------------------------------------------------
 
+
 def _opts(**times):
-    return [Option(name.replace("_", "."), read, decode, quality(name.replace("_", ".")))
-            for name, (read, decode) in times.items()]
+    return [
+        Option(name.replace("_", "."), read, decode, quality(name.replace("_", ".")))
+        for name, (read, decode) in times.items()
+    ]
 
 
 # read and decode seconds per chunk: raw needs no decoding, smaller levels read faster
-OPTS = _opts(raw=(0.100, 0.0), cachegen_3=(0.035, 0.005), cachegen_2=(0.020, 0.005), cachegen_1=(0.010, 0.005))
+OPTS = _opts(
+    raw=(0.100, 0.0),
+    cachegen_3=(0.035, 0.005),
+    cachegen_2=(0.020, 0.005),
+    cachegen_1=(0.010, 0.005),
+)
 
 
-@pytest.mark.parametrize("remaining, left, recompute, backlog, expected", [
-    (1.000, 1, 0.5, 0.0, "raw"),           # everything fits: lossless
-    (0.400, 4, 0.5, 0.0, "raw"),           # 4 reads of 0.100 fit exactly
-    (0.399, 4, 0.5, 0.0, "cachegen.3"),    # the rest at raw would not fit; 4 x 0.035 + a decode does
-    (0.100, 4, 0.5, 0.0, "cachegen.2"),
-    (0.060, 4, 0.5, 0.0, "cachegen.1"),
-    (0.040, 4, 0.5, 0.0, "cachegen.1"),    # nothing fits, recompute is slower: the soonest-ready level
-    (0.040, 4, 0.010, 0.0, RECOMPUTE),     # nothing fits, recompute is sooner: text fallback
-    (0.0, 1, 0.5, 0.0, "cachegen.1"),      # already late: the soonest-ready choice
-    (-1.0, 3, 0.001, 0.0, RECOMPUTE),
-    (0.020, 1, 0.001, 0.0, "cachegen.1"),  # a level fits: recompute is only a fallback
-    (0.020, 0, 0.001, 0.0, "cachegen.1"),  # chunks_left is at least this chunk
-    (1.000, 4, 0.5, 0.9, "raw"),           # the request's thread is the bottleneck: reads overlap it
-    (0.500, 4, 0.5, 0.9, "raw"),           # late, but a raw read (no decode) is ready soonest
-    (0.500, 4, 0.05, 0.9, "raw"),          # recomputing would wait for the backlog too
-    (0.500, 4, 0.05, 0.0, RECOMPUTE),      # an idle request thread recomputes while the link is slow
-])
+@pytest.mark.parametrize(
+    "remaining, left, recompute, backlog, expected",
+    [
+        (1.000, 1, 0.5, 0.0, "raw"),  # everything fits: lossless
+        (0.400, 4, 0.5, 0.0, "raw"),  # 4 reads of 0.100 fit exactly
+        (
+            0.399,
+            4,
+            0.5,
+            0.0,
+            "cachegen.3",
+        ),  # the rest at raw would not fit; 4 x 0.035 + a decode does
+        (0.100, 4, 0.5, 0.0, "cachegen.2"),
+        (0.060, 4, 0.5, 0.0, "cachegen.1"),
+        (
+            0.040,
+            4,
+            0.5,
+            0.0,
+            "cachegen.1",
+        ),  # nothing fits, recompute is slower: the soonest-ready level
+        (0.040, 4, 0.010, 0.0, RECOMPUTE),  # nothing fits, recompute is sooner: text fallback
+        (0.0, 1, 0.5, 0.0, "cachegen.1"),  # already late: the soonest-ready choice
+        (-1.0, 3, 0.001, 0.0, RECOMPUTE),
+        (0.020, 1, 0.001, 0.0, "cachegen.1"),  # a level fits: recompute is only a fallback
+        (0.020, 0, 0.001, 0.0, "cachegen.1"),  # chunks_left is at least this chunk
+        (1.000, 4, 0.5, 0.9, "raw"),  # the request's thread is the bottleneck: reads overlap it
+        (0.500, 4, 0.5, 0.9, "raw"),  # late, but a raw read (no decode) is ready soonest
+        (0.500, 4, 0.05, 0.9, "raw"),  # recomputing would wait for the backlog too
+        (
+            0.500,
+            4,
+            0.05,
+            0.0,
+            RECOMPUTE,
+        ),  # an idle request thread recomputes while the link is slow
+    ],
+)
 def test_choose(remaining, left, recompute, backlog, expected):
-    slow_link = _opts(raw=(1.0, 0.0), cachegen_1=(0.2, 0.005)) if (remaining, recompute, backlog) == (0.5, 0.05, 0.0) \
+    slow_link = (
+        _opts(raw=(1.0, 0.0), cachegen_1=(0.2, 0.005))
+        if (remaining, recompute, backlog) == (0.5, 0.05, 0.0)
         else OPTS
+    )
     assert choose(slow_link, remaining, left, recompute, backlog) == expected
 
 
@@ -66,20 +105,32 @@ def test_choose_without_options_recomputes_and_prefers_quality_then_speed_on_tie
     assert choose(tie, 1.0, 1, 1.0) == "int8"
     assert quality("raw") > quality("int8") > quality("cachegen.4") > quality("cachegen.1")
     o = Option("cachegen.2", read_s=0.1, decode_s=0.05, quality=2)
-    assert o.finish_all(3, 0.0) == pytest.approx(0.35) and o.finish_all(3, 1.0) == pytest.approx(1.15)
+    assert o.finish_all(3, 0.0) == pytest.approx(0.35) and o.finish_all(3, 1.0) == pytest.approx(
+        1.15
+    )
     assert o.ready(0.0) == pytest.approx(0.15) and o.ready(0.5) == pytest.approx(0.55)
 
 
 def test_estimates_learn_from_reads_and_computes():
     est = LoadEstimates()
-    before = {o.encoding: o.seconds for o in est.options("disk", ["raw", "cachegen.2"], 1_000_000, 2)}
+    before = {
+        o.encoding: o.seconds for o in est.options("disk", ["raw", "cachegen.2"], 1_000_000, 2)
+    }
     # Priors before any read: 1 GB/s; raw 2 bytes per value and no decoding, CacheGen level 2 about a
     # third of a byte and 15 ns per value to decode (on a fast link raw is the quicker one).
-    assert before["raw"] == pytest.approx(0.002) and before["cachegen.2"] == pytest.approx(0.00032 + 0.015)
+    assert before["raw"] == pytest.approx(0.002) and before["cachegen.2"] == pytest.approx(
+        0.00032 + 0.015
+    )
     est.read("disk", "cachegen.2", nbytes=100_000, values=1_000_000, read_s=0.1)
     est.decoded("cachegen.2", values=1_000_000, seconds=0.02)
-    after = {o.encoding: o.seconds for o in est.options("disk", ["raw", "cachegen.2"], 1_000_000, 2)}
-    assert est.bandwidth["disk"] == pytest.approx(1e6) and est.measured("disk") and not est.measured("redis")
+    after = {
+        o.encoding: o.seconds for o in est.options("disk", ["raw", "cachegen.2"], 1_000_000, 2)
+    }
+    assert (
+        est.bandwidth["disk"] == pytest.approx(1e6)
+        and est.measured("disk")
+        and not est.measured("redis")
+    )
     assert after["cachegen.2"] == pytest.approx(0.1 + 0.02)
     assert after["raw"] == pytest.approx(2.0)
     est.computed(100, 0.5)
@@ -112,7 +163,13 @@ def test_throttled_tier_replays_the_trace_over_time():
     assert tier.get(key) == b"x" * 5000 and c.now == pytest.approx(0.005)  # 5 kB at 1 MB/s
     # 10 kB from t=5 ms: 5 kB by 10 ms at 1 MB/s, then 0.1 MB/s: 1 kB by 20 ms, then 4 kB at 1 MB/s
     assert tier.transfer_end(0.005, 10_000) == pytest.approx(0.024)
-    for start in (0.01, 0.03, 0.1, 0.3, 0.7):  # starting on a segment boundary (float rounding) ends
+    for start in (
+        0.01,
+        0.03,
+        0.1,
+        0.3,
+        0.7,
+    ):  # starting on a segment boundary (float rounding) ends
         assert start < tier.transfer_end(start, 12_345) < start + 0.2
     tier.put(key, b"y" * 10_000)
     assert bytes(tier.read_range(key, 0, 10_000)) == b"y" * 10_000 and c.now == pytest.approx(0.024)
@@ -120,10 +177,14 @@ def test_throttled_tier_replays_the_trace_over_time():
     before = c.now
     assert tier.get(missing) is None and c.now == before  # a miss costs no transfer
     c.now = 0.5  # the link's clock runs on while nothing is read (e.g. a chunk is recomputed)
-    assert tier.bandwidth_at(0.503) == pytest.approx(1e6) and tier.bandwidth_at(0.515) == pytest.approx(1e5)
+    assert tier.bandwidth_at(0.503) == pytest.approx(1e6) and tier.bandwidth_at(
+        0.515
+    ) == pytest.approx(1e5)
     tier.reset()
     assert tier.bandwidth_at(c.now) == pytest.approx(1e6)
-    assert tier.contains(key) and tier.entries() == 1 and tier.stats is inner.stats and tier.reads == 2
+    assert (
+        tier.contains(key) and tier.entries() == 1 and tier.stats is inner.stats and tier.reads == 2
+    )
     with pytest.raises(ValueError):
         ThrottledTier(inner, [])
     with pytest.raises(ValueError):
@@ -149,12 +210,19 @@ def _ns():
 
 def _chunk(tokens=16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return KVChunk(kv=torch.randn(2, 2, tokens, 2, 8, generator=g).half(), positions=torch.arange(tokens))
+    return KVChunk(
+        kv=torch.randn(2, 2, tokens, 2, 8, generator=g).half(), positions=torch.arange(tokens)
+    )
 
 
 def test_tiers_write_their_own_codec_and_the_stream_levels(tmp_path):
     disk = DiskTier(tmp_path / "kv", 1 << 30)
-    store = TieredStore(MemoryTier(1 << 30), [disk], codecs={"disk": get_codec("cachegen", 2)}, stream_levels=(1, 2, 3))
+    store = TieredStore(
+        MemoryTier(1 << 30),
+        [disk],
+        codecs={"disk": get_codec("cachegen", 2)},
+        stream_levels=(1, 2, 3),
+    )
     key = prefix_keys(list(range(16)), 16, _ns())[0]
     chunk = _chunk()
     store.put([(key, encode_entry(chunk, key, get_codec("raw")))])
@@ -163,9 +231,14 @@ def test_tiers_write_their_own_codec_and_the_stream_levels(tmp_path):
     h = read_header(disk.get(key))
     assert (h.codec, h.level) == ("cachegen", 2)
     levels = {read_header(disk.get(key.encoded_as("cachegen", lv))).level for lv in (1, 3)}
-    assert levels == {1, 3} and disk.get(key.encoded_as("cachegen", 2)) is None  # the primary is level 2
+    assert (
+        levels == {1, 3} and disk.get(key.encoded_as("cachegen", 2)) is None
+    )  # the primary is level 2
     assert disk.entries() == 3 and store.stats()["store"]["reencoded"] == 3
-    assert store.encodings("disk") == ["cachegen.1", "cachegen.2", "cachegen.3"] and store.encodings("memory") == []
+    assert (
+        store.encodings("disk") == ["cachegen.1", "cachegen.2", "cachegen.3"]
+        and store.encodings("memory") == []
+    )
 
     # Lookups find the chunk whatever wrote it; a fetch from disk decodes the CacheGen entry.
     store.memory.clear()
@@ -175,8 +248,11 @@ def test_tiers_write_their_own_codec_and_the_stream_levels(tmp_path):
     assert (got.entry.decode().float() - chunk.kv.float()).abs().max() < 0.5
 
     one = store.fetch_encoded(key, "disk", "cachegen.1")
-    assert one.variant == "cachegen.1" and one.entry.codec.level == 1 and one.nbytes == len(disk.get(one.entry.key and
-                                                                                                      key.encoded_as("cachegen", 1)))
+    assert (
+        one.variant == "cachegen.1"
+        and one.entry.codec.level == 1
+        and one.nbytes == len(disk.get(one.entry.key and key.encoded_as("cachegen", 1)))
+    )
     assert store.fetch_encoded(key, "disk", "cachegen.4").variant == ""  # not stored: the primary
     assert store.fetch_encoded(key, "disk").entry.codec.level == 2
     with pytest.raises(ValueError, match="no tier named"):
@@ -216,7 +292,9 @@ def test_a_codec_that_refuses_the_kv_skips_that_tier_only(tmp_path):
 def test_variant_keys_parse_and_name_their_chunk():
     key = prefix_keys(list(range(16)), 16, _ns())[0]
     v = key.encoded_as("cachegen", 3)
-    assert str(v) == f"{key}@cachegen.3" and ChunkKey.parse(str(v)) == v and v.base == key and v != key
+    assert (
+        str(v) == f"{key}@cachegen.3" and ChunkKey.parse(str(v)) == v and v.base == key and v != key
+    )
     with pytest.raises(ValueError):
         ChunkKey(key.namespace_id, key.digest, ChunkKind.PREFIX, "Cache Gen")
     assert key_to_filename(v).endswith("@cachegen.3.kvf")
@@ -242,8 +320,13 @@ class Setup:
         self.slow = ThrottledTier(self.disk, list(trace), scale=1.0)
         self.memory = MemoryTier(1 << 30)
         self.store = TieredStore(self.memory, [self.slow], stream_levels=(1, 3))
-        self.engine = Engine(model, self.store, EngineSettings.of(chunk_size=CH, history=False, async_save=False, prefetch=False,
-                             **engine_kw))
+        self.engine = Engine(
+            model,
+            self.store,
+            EngineSettings.of(
+                chunk_size=CH, history=False, async_save=False, prefetch=False, **engine_kw
+            ),
+        )
 
     def cold(self):
         """Forget what memory holds: the next request reads the slow tier."""
@@ -272,7 +355,10 @@ def test_a_generous_budget_loads_lossless_and_answers_as_a_full_prefill(model, s
     setup.cold()
     # A link never measured is probed with its smallest encoding first (a slow start) ...
     first = setup.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=60_000))
-    assert first.kv_stream.chunks == {"cachegen.1": 1, "raw": 4} and setup.engine.estimates.measured("disk")
+    assert first.kv_stream.chunks == {
+        "cachegen.1": 1,
+        "raw": 4,
+    } and setup.engine.estimates.measured("disk")
     setup.cold()
     # ... then, measured fast, every chunk is read lossless.
     r = setup.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=60_000))
@@ -284,7 +370,9 @@ def test_a_generous_budget_loads_lossless_and_answers_as_a_full_prefill(model, s
     # Without a budget the same chunks load as before (one batch, promoted into memory).
     setup.cold()
     plain = setup.engine.generate(ids, GREEDY)
-    assert plain.kv_stream is None and plain.token_ids == expected and plain.hit_tiers == ("disk",) * 5
+    assert (
+        plain.kv_stream is None and plain.token_ids == expected and plain.hit_tiers == ("disk",) * 5
+    )
 
 
 def test_when_no_level_fits_the_chunks_are_recomputed_exactly(model, setup):
@@ -351,25 +439,41 @@ def test_an_entry_that_does_not_decode_is_a_miss_and_is_removed(model):
 
     def run(damage: bool):
         store = TieredStore(MemoryTier(1 << 30))
-        engine = Engine(model, store, EngineSettings.of(chunk_size=CH, history=False, async_save=False, codec="cachegen"))
+        engine = Engine(
+            model,
+            store,
+            EngineSettings.of(chunk_size=CH, history=False, async_save=False, codec="cachegen"),
+        )
         engine.generate(ids, GREEDY)
         key = prefix_keys(ids, CH, engine.namespace())[1]
         if damage:
             e = store.memory.get(key)
             payload = bytearray(e.payload)
             payload[40] ^= 0xFF
-            forged = Entry(e.key, e.codec, e.shape, e.dtype, e.positions, memoryview(payload), e.layer_sizes)
-            store.memory.put(key, open_entry(forged.join()))  # fresh checksums: only decoding can tell
+            forged = Entry(
+                e.key, e.codec, e.shape, e.dtype, e.positions, memoryview(payload), e.layer_sizes
+            )
+            store.memory.put(
+                key, open_entry(forged.join())
+            )  # fresh checksums: only decoding can tell
         else:
             store.memory.delete(key)  # the reference: the same chunk simply missing
         r = engine.generate(ids, GREEDY)
-        stats, store_stats, left = engine.stats_snapshot(), store.stats()["store"], store.memory.get(key)
+        stats, store_stats, left = (
+            engine.stats_snapshot(),
+            store.stats()["store"],
+            store.memory.get(key),
+        )
         engine.close()
         return r, stats, store_stats, left
 
     r, stats, store_stats, left = run(damage=True)
     ref, *_ = run(damage=False)
-    assert r.cached_tokens == CH and stats["chunk_load_failures"] == 1 and store_stats["unusable_entries"] == 1
+    assert (
+        r.cached_tokens == CH
+        and stats["chunk_load_failures"] == 1
+        and store_stats["unusable_entries"] == 1
+    )
     assert left is not None and left.codec.name == "cachegen"  # recomputed and stored again, intact
     assert r.token_ids == ref.token_ids
 

@@ -26,23 +26,32 @@ def key(tenant: str, i: int, salt: str = "0" * 16) -> ChunkKey:
 U = OwnerUse
 
 
-@pytest.mark.parametrize("uses, putter, expected", [
-    ({}, None, None),
-    ({OTHERS: U(10, 2, None), 1: U(90, 9, 100)}, 1, OTHERS),  # no quota, no share: first to go
-    ({OTHERS: U(10, 1, None), 1: U(90, 9, 100)}, OTHERS, 1),  # the putter's only entry is never evicted
-    ({1: U(50, 5, 100), 2: U(60, 6, 100)}, None, 2),  # the larger fraction of its quota
-    ({1: U(50, 5, 50), 2: U(60, 6, 100)}, None, 1),  # fractions, not bytes
-    ({1: U(60, 6, 100), 2: U(30, 3, 50)}, None, 1),  # equal fractions: the one holding more
-    ({1: U(30, 3, 50), 2: U(30, 3, 50)}, None, 1),  # all equal: the lower id
-    ({1: U(100, 1, 100), 2: U(50, 5, 100)}, 1, 2),  # the putter's just-put entry stays
-    ({1: U(100, 1, 100)}, 1, None),  # nothing evictable by owner: plain LRU decides
-    ({OTHERS: U(0, 0, None), 1: U(10, 2, 100)}, None, 1),
-])
+@pytest.mark.parametrize(
+    "uses, putter, expected",
+    [
+        ({}, None, None),
+        ({OTHERS: U(10, 2, None), 1: U(90, 9, 100)}, 1, OTHERS),  # no quota, no share: first to go
+        (
+            {OTHERS: U(10, 1, None), 1: U(90, 9, 100)},
+            OTHERS,
+            1,
+        ),  # the putter's only entry is never evicted
+        ({1: U(50, 5, 100), 2: U(60, 6, 100)}, None, 2),  # the larger fraction of its quota
+        ({1: U(50, 5, 50), 2: U(60, 6, 100)}, None, 1),  # fractions, not bytes
+        ({1: U(60, 6, 100), 2: U(30, 3, 50)}, None, 1),  # equal fractions: the one holding more
+        ({1: U(30, 3, 50), 2: U(30, 3, 50)}, None, 1),  # all equal: the lower id
+        ({1: U(100, 1, 100), 2: U(50, 5, 100)}, 1, 2),  # the putter's just-put entry stays
+        ({1: U(100, 1, 100)}, 1, None),  # nothing evictable by owner: plain LRU decides
+        ({OTHERS: U(0, 0, None), 1: U(10, 2, 100)}, None, 1),
+    ],
+)
 def test_capacity_owner(uses, putter, expected):
     assert capacity_owner(uses, putter) == expected
 
 
-@pytest.mark.parametrize("use, over", [(U(10, 1, None), False), (U(10, 1, 10), False), (U(11, 2, 10), True)])
+@pytest.mark.parametrize(
+    "use, over", [(U(10, 1, None), False), (U(10, 1, 10), False), (U(11, 2, 10), True)]
+)
 def test_over_quota(use, over):
     assert over_quota(use) == over
 
@@ -62,6 +71,7 @@ def test_quotas_give_owner_ids_to_tenants_with_a_quota_only():
 
 
 # ------------------------------------------------------------------------- KeyIndex's owner lists
+
 
 def test_owner_lists_match_a_model_under_random_operations():
     rng = random.Random(3)
@@ -107,14 +117,21 @@ def test_a_loaded_index_has_its_owner_lists():
     import numpy as np
 
     owners = {TAGS["alice"]: 1}
-    groups = [(TAGS["alice"] + "0" * 16, ChunkKind.PREFIX, ""), (TAGS["bob"] + "0" * 16, ChunkKind.PREFIX, "")]
+    groups = [
+        (TAGS["alice"] + "0" * 16, ChunkKind.PREFIX, ""),
+        (TAGS["bob"] + "0" * 16, ChunkKind.PREFIX, ""),
+    ]
     group_of = np.array([0, 1, 0, 1, 0])
     digests = b"".join(bytes([i]) * 32 for i in range(5))
     index = KeyIndex(owner_of=lambda ns: owners.get(ns[:8], OTHERS))
     index.load(groups, group_of, digests, np.array([1, 2, 3, 4, 5], dtype=np.int64))
     assert [k.digest[0] for k, _, _ in index.items(1)] == [0, 2, 4]
     assert [k.digest[0] for k, _, _ in index.items(OTHERS)] == [1, 3]
-    assert index.owner_bytes(1) == 9 and index.owner_entries(OTHERS) == 2 and index.owners() == [OTHERS, 1]
+    assert (
+        index.owner_bytes(1) == 9
+        and index.owner_entries(OTHERS) == 2
+        and index.owners() == [OTHERS, 1]
+    )
     assert index.nbytes() / len(index) < 1000  # the per-owner arrays are counted
 
 
@@ -138,7 +155,12 @@ def test_a_flood_evicts_the_flooders_own_oldest_entries_only():
     assert all(tier.contains(k) for k in bob)
     assert [tier.contains(k) for k in alice] == [False] * 46 + [True] * 4  # its newest 4 stay
     usage = tier.tenant_usage()
-    assert usage[TAGS["alice"]] == {"used_bytes": 4 * MB, "entries": 4, "quota_bytes": 4 * MB, "quota_evictions": 46}
+    assert usage[TAGS["alice"]] == {
+        "used_bytes": 4 * MB,
+        "entries": 4,
+        "quota_bytes": 4 * MB,
+        "quota_evictions": 46,
+    }
     assert usage[TAGS["bob"]]["quota_evictions"] == 0 and usage[TAGS["bob"]]["used_bytes"] == 3 * MB
     assert tier.stats.snapshot()["evictions"] == 46
 
@@ -159,7 +181,9 @@ def test_oversubscribed_quotas_push_every_tenant_towards_the_same_fraction():
     bob = fill(tier, "bob", 100, 8)
     usage = tier.tenant_usage()
     assert usage[TAGS["alice"]]["used_bytes"] == usage[TAGS["bob"]]["used_bytes"] == 5 * MB
-    assert [tier.contains(k) for k in alice] == [False] * 3 + [True] * 5  # alice's oldest went for bob
+    assert [tier.contains(k) for k in alice] == [False] * 3 + [
+        True
+    ] * 5  # alice's oldest went for bob
     assert [tier.contains(k) for k in bob] == [False] * 3 + [True] * 5
 
 
@@ -210,11 +234,17 @@ def test_the_disk_tier_keeps_quotas_and_trims_after_a_restart_with_a_lower_quota
     assert disk.entries() == 7 and disk.used_bytes() == 7 * MB
     disk.close()
     # restarted with bob's quota lowered: the scan finds his 3 entries, his oldest goes
-    again = DiskTier(tmp_path, 10 * MB, quotas=TenantQuotas({TAGS["alice"]: 4 * MB, TAGS["bob"]: 2 * MB}))
+    again = DiskTier(
+        tmp_path, 10 * MB, quotas=TenantQuotas({TAGS["alice"]: 4 * MB, TAGS["bob"]: 2 * MB})
+    )
     assert [again.contains(k) for k in bob] == [False, True, True]
     assert [again.contains(k) for k in alice[-4:]] == [True] * 4
-    assert again.tenant_usage()[TAGS["bob"]] == {"used_bytes": 2 * MB, "entries": 2, "quota_bytes": 2 * MB,
-                                                 "quota_evictions": 1}
+    assert again.tenant_usage()[TAGS["bob"]] == {
+        "used_bytes": 2 * MB,
+        "entries": 2,
+        "quota_bytes": 2 * MB,
+        "quota_evictions": 1,
+    }
     # a disk write larger than the tenant's quota is dropped, and never leaves an older value
     again.put(bob[-1], bytes(3 * MB))
     assert not again.contains(bob[-1]) and again.stats.snapshot()["dropped_writes"] == 1

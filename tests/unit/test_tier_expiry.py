@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from keyed import K, Ks
 
 from kvfuse.codecs import get_codec
@@ -84,7 +83,9 @@ def test_an_entry_lives_until_its_expiry_then_every_read_is_a_miss(tc):
     assert tier.contains(a) and tier.get(a) == b"va" and stat(tier, "expired") == 0
     clock.advance(0.5)  # exactly the expiry: expired (expires_at <= now)
     assert not tier.contains(a) and stat(tier, "expired") == 1
-    assert tier.get(a) is None and tier.expiry(a) is None and stat(tier, "expired") == 1  # removed once
+    assert (
+        tier.get(a) is None and tier.expiry(a) is None and stat(tier, "expired") == 1
+    )  # removed once
     clock.advance(100)
     # every read path: a miss, counted as expired, not as an error
     assert tier.get_many([c, b]) == [None, b"vb"]
@@ -117,12 +118,15 @@ def test_each_read_of_an_expired_entry_removes_it_and_counts_it(tc, read):
     assert tier.entries() == 0 and tier.expire() == 0  # gone, and nothing left to sweep
 
 
-@pytest.mark.parametrize("first, second, alive_at_20, expiry_after", [
-    (T0 + 10, None, True, None),          # a put without expiry replaces the expiry too
-    (T0 + 10, T0 + 30, True, T0 + 30),    # a later one
-    (T0 + 30, T0 + 10, False, T0 + 10),   # an earlier one (a put replaces, it does not extend)
-    (None, T0 + 10, False, T0 + 10),
-])
+@pytest.mark.parametrize(
+    "first, second, alive_at_20, expiry_after",
+    [
+        (T0 + 10, None, True, None),  # a put without expiry replaces the expiry too
+        (T0 + 10, T0 + 30, True, T0 + 30),  # a later one
+        (T0 + 30, T0 + 10, False, T0 + 10),  # an earlier one (a put replaces, it does not extend)
+        (None, T0 + 10, False, T0 + 10),
+    ],
+)
 def test_a_put_replaces_the_value_and_its_expiry(tc, first, second, alive_at_20, expiry_after):
     tier, clock = tc
     k = K("k")
@@ -145,13 +149,16 @@ def test_a_put_already_expired_stores_nothing_and_removes_the_older_value(tc, ex
     assert tier.entries() == 0 and stat(tier, "puts") == 2
 
 
-@pytest.mark.parametrize("initial, to, result, expiry_after", [
-    (T0 + 10, T0 + 50, True, T0 + 50),   # an earlier expiry moves to the later time
-    (T0 + 50, T0 + 10, True, T0 + 50),   # never shortened
-    (T0 + 10, T0 + 10, True, T0 + 10),
-    (None, T0 + 50, True, None),         # no expiry: left as it is (it lives longer already)
-    ("absent", T0 + 50, False, None),    # not held
-])
+@pytest.mark.parametrize(
+    "initial, to, result, expiry_after",
+    [
+        (T0 + 10, T0 + 50, True, T0 + 50),  # an earlier expiry moves to the later time
+        (T0 + 50, T0 + 10, True, T0 + 50),  # never shortened
+        (T0 + 10, T0 + 10, True, T0 + 10),
+        (None, T0 + 50, True, None),  # no expiry: left as it is (it lives longer already)
+        ("absent", T0 + 50, False, None),  # not held
+    ],
+)
 def test_extend_keeps_an_entry_at_least_until(tc, initial, to, result, expiry_after):
     tier, clock = tc
     k = K("k")
@@ -200,7 +207,9 @@ def test_eviction_drops_the_expiry_bookkeeping(tmp_path, kind):
     tier.put(b, b"12345678")  # evicts a
     assert not tier.contains(a) and stat(tier, "evictions") == 1
     assert len(tier._expiry) == 0  # white box: no record of a left behind
-    if kind == "disk":  # and its journal record is cancelled (were the inode reused by a later file)
+    if (
+        kind == "disk"
+    ):  # and its journal record is cancelled (were the inode reused by a later file)
         assert parse_journal((tmp_path / "disk" / JOURNAL).read_bytes())[(a, ino_a)] is None
     clock.advance(20)
     assert tier.expire() == 0 and stat(tier, "expired") == 0  # nothing of a is left to sweep
@@ -233,7 +242,11 @@ def test_a_throttled_tier_forwards_the_clock_and_expiries_to_its_inner_tier():
     t.put(K("a"), b"v", expires_at=T0 + 501)
     assert inner.expiry(K("a")) == T0 + 501 and t.expiries([K("a")]) == [T0 + 501]
     other.advance(1)
-    assert t.expire() == 1 and inner.stats.snapshot()["expired"] == 1 and t.stats.snapshot()["expired"] == 1
+    assert (
+        t.expire() == 1
+        and inner.stats.snapshot()["expired"] == 1
+        and t.stats.snapshot()["expired"] == 1
+    )
 
 
 # -- the disk tier's journal ---------------------------------------------------------------------
@@ -261,13 +274,21 @@ def test_disk_expiries_survive_a_restart_and_what_expired_meanwhile_is_removed(t
     d.put(f, b"f", expires_at=T0 + 10)
     ino_f = os.stat(file_of(tmp_path, f)).st_ino
     d.put(f, b"f2")  # replaced without expiry: the old one must not come back
-    assert parse_journal((tmp_path / JOURNAL).read_bytes())[(f, ino_f)] is None  # cancelled (were the inode reused)
+    assert (
+        parse_journal((tmp_path / JOURNAL).read_bytes())[(f, ino_f)] is None
+    )  # cancelled (were the inode reused)
     clock.advance(50)  # "down" while a expires
     d2 = DiskTier(tmp_path, 10**6, clock=clock)
-    assert d2.stats.snapshot()["expired"] == 1 and file_of(tmp_path, a) is None and file_of(tmp_path, b) is not None
+    assert (
+        d2.stats.snapshot()["expired"] == 1
+        and file_of(tmp_path, a) is None
+        and file_of(tmp_path, b) is not None
+    )
     assert [d2.contains(k) for k in (a, b, c, e, f)] == [False, True, True, True, True]
     assert d2.expiries([a, b, c, e, f]) == [None, T0 + 100, None, T0 + 200, None]
-    assert d2.entries() == 4 and d2.stats.snapshot()["expired"] == 1  # removed at start-up, not at the read
+    assert (
+        d2.entries() == 4 and d2.stats.snapshot()["expired"] == 1
+    )  # removed at start-up, not at the read
     # the journal was rewritten compacted: one line per live expiry
     assert sorted(parse_journal((tmp_path / JOURNAL).read_bytes()).values()) == [T0 + 100, T0 + 200]
     assert len(journal_lines(tmp_path)) == 2
@@ -276,7 +297,9 @@ def test_disk_expiries_survive_a_restart_and_what_expired_meanwhile_is_removed(t
     assert [d3.contains(k) for k in (b, c, e, f)] == [False, True, True, True] and d3.entries() == 3
 
 
-@pytest.mark.parametrize("remove", ["delete", "delete_many", "delete_prefix", "clear", "expire", "get", "put_over"])
+@pytest.mark.parametrize(
+    "remove", ["delete", "delete_many", "delete_prefix", "clear", "expire", "get", "put_over"]
+)
 def test_every_removal_cancels_the_journal_record_of_that_file(tmp_path, remove):
     """A record left behind could apply to a later file of the key that got the same inode."""
     clock = Clock()
@@ -287,9 +310,15 @@ def test_every_removal_cancels_the_journal_record_of_that_file(tmp_path, remove)
     ino = os.stat(file_of(tmp_path, k)).st_ino
     if remove in ("expire", "get"):
         clock.advance(10)
-    {"delete": lambda: d.delete(k), "delete_many": lambda: d.delete_many([k]),
-     "delete_prefix": lambda: d.delete_prefix(str(k)), "clear": d.clear, "expire": d.expire,
-     "get": lambda: d.get(k), "put_over": lambda: d.put(k, b"new")}[remove]()
+    {
+        "delete": lambda: d.delete(k),
+        "delete_many": lambda: d.delete_many([k]),
+        "delete_prefix": lambda: d.delete_prefix(str(k)),
+        "clear": d.clear,
+        "expire": d.expire,
+        "get": lambda: d.get(k),
+        "put_over": lambda: d.put(k, b"new"),
+    }[remove]()
     records = parse_journal((tmp_path / JOURNAL).read_bytes())
     assert records[(k, ino)] is None
     assert d.expiry(k) is None and (remove == "put_over") == d.contains(k)
@@ -318,21 +347,34 @@ def test_damaged_journal_lines_are_ignored(tmp_path):
     with open(tmp_path / JOURNAL, "ab") as f:
         f.write(b"garbage\n" + b"x" * 5000 + b"\n" + b"\xff\xfe binary\n" + b"1 2 3 4\n")
         f.write(good_c.replace(str(T0 + 5), str(T0 + 6)).encode())  # the checksum no longer matches
-        f.write(f"{body} {zlib.crc32(body.encode()):08x}\n".encode())  # well-formed, but not a finite time
+        f.write(
+            f"{body} {zlib.crc32(body.encode()):08x}\n".encode()
+        )  # well-formed, but not a finite time
         f.write(f"v2 {good_c}".encode())  # an unknown (future) form
         f.write(good_c[:-1].encode())  # a torn last line: no newline
     clock.advance(20)
     d2 = DiskTier(tmp_path, 10**6, clock=clock)
     assert [d2.contains(k) for k in (a, b, c)] == [False, False, True]
-    assert d2.stats.snapshot()["expired"] == 2 and d2.expiry(c) is None and d2.stats.snapshot()["errors"] == 0
+    assert (
+        d2.stats.snapshot()["expired"] == 2
+        and d2.expiry(c) is None
+        and d2.stats.snapshot()["errors"] == 0
+    )
     assert journal_lines(tmp_path) == []  # compacted: nothing live, the damage gone
 
 
 def test_the_parser_takes_the_last_line_of_each_file_and_rejects_damage():
     a = K("a")
-    lines = journal_line(a, 5.0, 7) + journal_line(a, 9.0, 7) + journal_line(a, None, 8) + journal_line(a, 3.0, 8)
+    lines = (
+        journal_line(a, 5.0, 7)
+        + journal_line(a, 9.0, 7)
+        + journal_line(a, None, 8)
+        + journal_line(a, 3.0, 8)
+    )
     assert parse_journal(lines.encode()) == {(a, 7): 9.0, (a, 8): 3.0}
-    assert parse_journal((journal_line(a, 5.0, 7) + journal_line(a, None, 7)).encode()) == {(a, 7): None}
+    assert parse_journal((journal_line(a, 5.0, 7) + journal_line(a, None, 7)).encode()) == {
+        (a, 7): None
+    }
     torn = journal_line(a, 5.0, 7)[:-1]
     assert parse_journal(torn.encode()) == {}  # no newline: not trusted
     flipped = journal_line(a, 5.0, 7).replace("5.0", "6.0")
@@ -352,7 +394,10 @@ def test_the_journal_is_compacted_when_stale_lines_exceed_twice_the_live_ones(tm
         counts.append(len(journal_lines(tmp_path)))
     assert max(counts) <= 2 + 4 + 2  # 2 live, compacted past max(4, 2 * live) stale lines
     assert counts[-1] < 39 and min(counts) == 2
-    assert parse_journal((tmp_path / JOURNAL).read_bytes())[(a, os.stat(file_of(tmp_path, a)).st_ino)] == T0 + 39
+    assert (
+        parse_journal((tmp_path / JOURNAL).read_bytes())[(a, os.stat(file_of(tmp_path, a)).st_ino)]
+        == T0 + 39
+    )
     # compaction keeps every live record: a restart knows both
     d2 = DiskTier(tmp_path, 10**6, clock=clock)
     assert d2.expiries([a, b]) == [T0 + 39, T0 + 1]
@@ -442,9 +487,17 @@ def test_another_process_appends_to_the_same_journal(tmp_path):
     d.put(mine, b"m", expires_at=T0 + 10)
     d.put(replaced, b"r", expires_at=T0 + 10)
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path), repr(T0), str(theirs), str(replaced)],
-                   env={**os.environ, "PYTHONPATH": str(root)}, check=True, timeout=120)
-    assert d.expiries([mine, theirs, replaced]) == [T0 + 10, None, None]  # theirs: not known here until...
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path), repr(T0), str(theirs), str(replaced)],
+        env={**os.environ, "PYTHONPATH": str(root)},
+        check=True,
+        timeout=120,
+    )
+    assert d.expiries([mine, theirs, replaced]) == [
+        T0 + 10,
+        None,
+        None,
+    ]  # theirs: not known here until...
     fresh = DiskTier(tmp_path, 10**6, clock=clock)  # ... a start-up
     assert fresh.expiries([mine, theirs, replaced]) == [T0 + 10, T0 + 10, None]
     clock.advance(10)
@@ -493,7 +546,11 @@ class Recording(MemoryTier):
 @pytest.fixture
 def three(tmp_path):
     clock = Clock()
-    mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
+    mem, disk, remote = (
+        MemoryTier(10**6),
+        DiskTier(tmp_path, 10**6),
+        MemoryTier(10**6, name="remote"),
+    )
     store = TieredStore(mem, [disk, remote], clock=clock)
     yield store, mem, disk, remote, clock
     store.close()
@@ -505,10 +562,17 @@ def test_the_store_sets_its_clock_on_every_tier(tmp_path):
     slow = ThrottledTier(inner, [1.0], clock=lambda: 0.0, sleep=lambda s: None)
     mem, disk = MemoryTier(10), DiskTier(tmp_path, 10)
     with TieredStore(mem, [disk, slow], clock=clock) as store:
-        assert mem.clock is clock and disk.clock is clock and inner.clock is clock and store.clock is clock
+        assert (
+            mem.clock is clock
+            and disk.clock is clock
+            and inner.clock is clock
+            and store.clock is clock
+        )
     plain = MemoryTier(10)
     with TieredStore(plain) as store:
-        assert abs(plain.clock() - store.clock()) < 5 and plain.clock() > 1e9  # time.time by default
+        assert (
+            abs(plain.clock() - store.clock()) < 5 and plain.clock() > 1e9
+        )  # time.time by default
     with pytest.raises(ValueError, match="expire_interval_s"):
         TieredStore(MemoryTier(1), expire_interval_s=-1)
 
@@ -531,7 +595,9 @@ def test_memory_only_writes_the_first_tier_only(three):
     store.put([(KEYS[1], blob(KEYS[1]))], memory_only=True)
     store.flush()
     assert mem.expiries(KEYS[:2]) == [T0 + 10, None]
-    assert not disk.contains(KEYS[0]) and not remote.contains(KEYS[0]) and not disk.contains(KEYS[1])
+    assert (
+        not disk.contains(KEYS[0]) and not remote.contains(KEYS[0]) and not disk.contains(KEYS[1])
+    )
     assert store.stats()["store"]["queued_writes"] == 0 and disk.stats.snapshot()["puts"] == 0
 
 
@@ -550,15 +616,23 @@ def test_the_writer_groups_a_batch_by_expiry():
         assert store.flush(5)
         assert low.calls[0] == ([KEYS[5]], None)
         assert sorted(low.calls[1:], key=lambda c: c[1] or 0) == [
-            ([KEYS[4]], None), ([KEYS[0], KEYS[2], KEYS[3]], T0 + 10), ([KEYS[1]], T0 + 20)]
+            ([KEYS[4]], None),
+            ([KEYS[0], KEYS[2], KEYS[3]], T0 + 10),
+            ([KEYS[1]], T0 + 20),
+        ]
         assert low.expiries(KEYS[:5]) == [T0 + 10, T0 + 20, T0 + 10, T0 + 10, None]
 
 
 def test_variants_get_the_expiry_of_their_chunk(tmp_path):
     clock = Clock()
     disk = DiskTier(tmp_path, 1 << 30)
-    with TieredStore(MemoryTier(1 << 30), [disk], codecs={"disk": get_codec("cachegen", 2)}, stream_levels=(1, 2),
-                     clock=clock) as store:
+    with TieredStore(
+        MemoryTier(1 << 30),
+        [disk],
+        codecs={"disk": get_codec("cachegen", 2)},
+        stream_levels=(1, 2),
+        clock=clock,
+    ) as store:
         k = KEYS[0]
         v1 = k.encoded_as("cachegen", 1)
         store.put([(k, entry(k))], expires_at=T0 + 10)
@@ -588,14 +662,20 @@ def test_a_promotion_keeps_the_expiry_of_the_tier_it_came_from(three):
 
 def test_promote_looks_the_expiry_up_below_and_skips_what_is_gone(tmp_path):
     clock = Clock()
-    mem, disk, remote = MemoryTier(10**6), DiskTier(tmp_path, 10**6), MemoryTier(10**6, name="remote")
+    mem, disk, remote = (
+        MemoryTier(10**6),
+        DiskTier(tmp_path, 10**6),
+        MemoryTier(10**6, name="remote"),
+    )
     with TieredStore(mem, [disk, remote], clock=clock, stream_levels=(1,)) as store:
         a, b, c, d, e = KEYS[:5]
         disk.put(a, blob(a), expires_at=T0 + 10)
         remote.put(a, blob(a), expires_at=T0 + 99)  # the first tier holding it rules
         remote.put(b, blob(b), expires_at=T0 + 20)
         disk.put(c, blob(c))
-        remote.put(d.encoded_as("cachegen", 1), b"variant only", expires_at=T0 + 30)  # primary evicted
+        remote.put(
+            d.encoded_as("cachegen", 1), b"variant only", expires_at=T0 + 30
+        )  # primary evicted
         store.promote([(k, entry(k)) for k in (a, b, c, d, e)])  # e: gone from every lower tier
         assert mem.expiries([a, b, c, d]) == [T0 + 10, T0 + 20, None, T0 + 30]
         assert [mem.contains(k) for k in (a, b, c, d, e)] == [True, True, True, True, False]
@@ -630,10 +710,17 @@ def test_a_queued_write_gets_an_extension_asked_while_it_waits():
         store.extend(KEYS[:3], T0 + 60)
         low.gate.set()
         assert store.flush(5)
-        assert low.expiries(KEYS[:3]) == [T0 + 60, T0 + 60, None] and mem.expiries(KEYS[:3]) == [T0 + 60] * 2 + [None]
+        assert low.expiries(KEYS[:3]) == [T0 + 60, T0 + 60, None] and mem.expiries(KEYS[:3]) == [
+            T0 + 60
+        ] * 2 + [None]
         # the queued write was made with the later time (KEYS[0] was past that point: extended after)
-        assert sorted(low.calls[1:], key=lambda c: c[1] or 0) == [([KEYS[2]], None), ([KEYS[1]], T0 + 60)]
-        assert not store._writer._queued and not store._writer._extended  # bookkeeping gone with the writes
+        assert sorted(low.calls[1:], key=lambda c: c[1] or 0) == [
+            ([KEYS[2]], None),
+            ([KEYS[1]], T0 + 60),
+        ]
+        assert (
+            not store._writer._queued and not store._writer._extended
+        )  # bookkeeping gone with the writes
 
 
 def test_an_extension_racing_the_write_is_applied_after_it():
@@ -644,7 +731,9 @@ def test_an_extension_racing_the_write_is_applied_after_it():
         low.hook_done = threading.Event()
         store.put([(KEYS[0], blob(KEYS[0]))], expires_at=T0 + 10)
         assert store.flush(5) and low.hook_done.is_set()
-        assert low.calls == [([KEYS[0]], T0 + 10)]  # written with its own time, the extension came later
+        assert low.calls == [
+            ([KEYS[0]], T0 + 10)
+        ]  # written with its own time, the extension came later
         assert low.expiry(KEYS[0]) == T0 + 60 and mem.expiry(KEYS[0]) == T0 + 60
 
 
@@ -684,7 +773,10 @@ def test_expire_sweeps_every_tier_now(three):
     clock.advance(5)
     assert store.expire() == {"memory": 3, "disk": 3, "remote": 3}
     assert {name: s["expired"] for name, s in store.stats().items() if name != "store"} == {
-        "memory": 3, "disk": 3, "remote": 3}
+        "memory": 3,
+        "disk": 3,
+        "remote": 3,
+    }
     assert store.lookup(KEYS[:4]).where == (None, None, None, "memory")
 
 
@@ -699,5 +791,10 @@ def test_delete_removes_keys_and_their_variants_everywhere(tmp_path):
         # no flush: delete waits for the queued writes, so nothing lands after it
         assert store.delete(keys + [KEYS[4]]) == {"memory": 2, "disk": 6, "remote": 6}
         assert store.lookup(keys).where == (None, None)
-        assert not any(t.contains(k.encoded_as("cachegen", lv)) for t in (disk, remote) for k in keys for lv in (1, 3))
+        assert not any(
+            t.contains(k.encoded_as("cachegen", lv))
+            for t in (disk, remote)
+            for k in keys
+            for lv in (1, 3)
+        )
         assert disk.entries() == 3 and remote.entries() == 3 and mem.contains(KEYS[2])

@@ -15,13 +15,25 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvfuse.codecs import get_codec
 from kvfuse.config import ConfigError
 from kvfuse.integrations.vllm import blocks as B
-from kvfuse.integrations.vllm.layout import BlockLayout, LayoutError, probe_layout
-from kvfuse.integrations.vllm.plan import Bookkeeper, CachedRequest, LoadChunk, LoadJob, NewRequest, SaveChunk
-from kvfuse.integrations.vllm.settings import kv_namespace, model_fingerprint, read_settings, weights_digest
+from kvfuse.integrations.vllm.layout import LayoutError, probe_layout
+from kvfuse.integrations.vllm.plan import (
+    Bookkeeper,
+    CachedRequest,
+    LoadChunk,
+    LoadJob,
+    NewRequest,
+    SaveChunk,
+)
+from kvfuse.integrations.vllm.settings import (
+    kv_namespace,
+    model_fingerprint,
+    read_settings,
+    weights_digest,
+)
 from kvfuse.integrations.vllm.worker import CacheLayers, KVWorker
-from kvfuse.codecs import get_codec
 from kvfuse.kv.format import open_entry
 from kvfuse.kv.keys import ChunkKey, prefix_keys
 from kvfuse.tiers.disk import DiskTier
@@ -32,7 +44,9 @@ from kvfuse.tiers.store import TieredStore
 # chunks vs blocks
 
 
-@pytest.mark.parametrize("chunk,block,expected", [(256, 16, 16), (256, 128, 2), (256, 256, 1), (512, 32, 16)])
+@pytest.mark.parametrize(
+    "chunk,block,expected", [(256, 16, 16), (256, 128, 2), (256, 256, 1), (512, 32, 16)]
+)
 def test_alignment_blocks_per_chunk(chunk, block, expected):
     assert B.check_alignment(chunk, block) == expected
 
@@ -45,27 +59,55 @@ def test_alignment_errors_say_what_to_set(chunk, block):
         assert "multiple of vLLM's block size" in str(e.value) and "chunk_size" in str(e.value)
 
 
-@pytest.mark.parametrize("tokens,block,expected", [(0, 128, 0), (1, 128, 0), (128, 128, 0), (129, 128, 128),
-                                                   (2048, 128, 1920), (2049, 128, 2048), (4000, 128, 3968),
-                                                   (4000, 16, 3984)])
+@pytest.mark.parametrize(
+    "tokens,block,expected",
+    [
+        (0, 128, 0),
+        (1, 128, 0),
+        (128, 128, 0),
+        (129, 128, 128),
+        (2048, 128, 1920),
+        (2049, 128, 2048),
+        (4000, 128, 3968),
+        (4000, 16, 3984),
+    ],
+)
 def test_load_limit_leaves_the_last_token_in_whole_blocks(tokens, block, expected):
     assert B.load_limit(tokens, block) == expected
 
 
-@pytest.mark.parametrize("tokens,chunk,block,expected", [
-    (0, 256, 128, 0), (1, 256, 128, 0), (256, 256, 128, 1), (256, 256, 256, 0), (257, 256, 256, 1),
-    (1024, 256, 128, 4),  # the 4th chunk starts before the limit (896): loaded in part
-    (1024, 256, 256, 3), (1000, 256, 128, 3),  # chunk 3 is not full: no key
-    (2048, 256, 128, 8), (4000, 256, 128, 15)])
+@pytest.mark.parametrize(
+    "tokens,chunk,block,expected",
+    [
+        (0, 256, 128, 0),
+        (1, 256, 128, 0),
+        (256, 256, 128, 1),
+        (256, 256, 256, 0),
+        (257, 256, 256, 1),
+        (1024, 256, 128, 4),  # the 4th chunk starts before the limit (896): loaded in part
+        (1024, 256, 256, 3),
+        (1000, 256, 128, 3),  # chunk 3 is not full: no key
+        (2048, 256, 128, 8),
+        (4000, 256, 128, 15),
+    ],
+)
 def test_lookup_chunks(tokens, chunk, block, expected):
     assert B.lookup_chunks(tokens, chunk, block) == expected
 
 
-@pytest.mark.parametrize("computed,first,hits,limit,expected", [
-    (0, 0, 3, 10_000, 768), (0, 0, 0, 10_000, 0), (384, 1, 2, 10_000, 384), (512, 2, 1, 10_000, 256),
-    (768, 3, 0, 10_000, 0), (1024, 2, 1, 10_000, 0),
-    (0, 0, 8, 1920, 1920),  # the last chunk up to the limit only
-    (1920, 7, 1, 1920, 0)])
+@pytest.mark.parametrize(
+    "computed,first,hits,limit,expected",
+    [
+        (0, 0, 3, 10_000, 768),
+        (0, 0, 0, 10_000, 0),
+        (384, 1, 2, 10_000, 384),
+        (512, 2, 1, 10_000, 256),
+        (768, 3, 0, 10_000, 0),
+        (1024, 2, 1, 10_000, 0),
+        (0, 0, 8, 1920, 1920),  # the last chunk up to the limit only
+        (1920, 7, 1, 1920, 0),
+    ],
+)
 def test_matched_tokens(computed, first, hits, limit, expected):
     assert B.matched_tokens(computed, first, hits, 256, limit) == expected
 
@@ -75,7 +117,10 @@ def test_load_spans_partial_first_and_last_chunks():
     spans = B.load_spans(384, 768, 256, 128)
     assert spans == [B.ChunkSpan(1, 256, 512, 384, 512), B.ChunkSpan(2, 512, 768, 512, 768)]
     assert [s.written_tokens for s in spans] == [128, 256]
-    assert B.load_spans(0, 512, 256, 16) == [B.ChunkSpan(0, 0, 256, 0, 256), B.ChunkSpan(1, 256, 512, 256, 512)]
+    assert B.load_spans(0, 512, 256, 16) == [
+        B.ChunkSpan(0, 0, 256, 0, 256),
+        B.ChunkSpan(1, 256, 512, 256, 512),
+    ]
     # a 2048-token prompt: 7 chunks and the first block of the 8th (the last block is vLLM's)
     spans = B.load_spans(0, 1920, 256, 128)
     assert len(spans) == 8 and spans[-1] == B.ChunkSpan(7, 1792, 2048, 1792, 1920)
@@ -106,8 +151,17 @@ def test_block_ids_and_slot_mapping():
         assert s == kb * 32 + t % 32
 
 
-@pytest.mark.parametrize("after,prompt,expected", [(0, 1000, 0), (255, 1000, 0), (256, 1000, 1), (2048, 1000, 3),
-                                                    (1024, 1024, 4), (5000, 1024, 4)])
+@pytest.mark.parametrize(
+    "after,prompt,expected",
+    [
+        (0, 1000, 0),
+        (255, 1000, 0),
+        (256, 1000, 1),
+        (2048, 1000, 3),
+        (1024, 1024, 4),
+        (5000, 1024, 4),
+    ],
+)
 def test_completed_chunks_are_prompt_chunks(after, prompt, expected):
     assert B.completed_chunks(after, prompt, 256) == expected
 
@@ -118,34 +172,42 @@ def test_completed_chunks_are_prompt_chunks(after, prompt, expected):
 
 def _pos_cpu_vec(n, h, d, hp, cp):
     """vLLM CPU_ATTN vec/vec16: per head, a K plane stored [D, N] then a V plane [N, D]."""
+
     def pos(kind, t, head, dim):
         inner = dim * n + t if kind == 0 else n * d + t * d + dim
         return head * n * cp + inner
+
     return pos
 
 
 def _pos_cpu_amx(n, h, d, hp, cp):
     """vLLM CPU_ATTN amx (bf16): K as int32 quad-words in groups of 16 tokens, V packed in token pairs."""
+
     def pos(kind, t, head, dim):
         if kind == 0:
             inner = 2 * ((t // 16) * 16 * (d // 2) + (dim // 2) * 16 + t % 16) + dim % 2
         else:
             inner = n * d + (t // 2) * 32 + t % 2 + (dim // 16) * n * 16 + (dim % 16) * 2
         return head * n * cp + inner
+
     return pos
 
 
 def _pos_flash(n, h, d, hp, cp):
     """FLASH_ATTN / TRITON_ATTN: a token's K in channels [0, D), V in [D, 2D) (cp may pad)."""
+
     def pos(kind, t, head, dim):
         return (head * n + t) * cp + kind * d + dim
+
     return pos
 
 
 def _pos_flashinfer(n, h, d, hp, cp):
     """FLASHINFER: the K heads, then the V heads."""
+
     def pos(kind, t, head, dim):
         return ((kind * h + head) * n + t) * cp + dim
+
     return pos
 
 
@@ -167,17 +229,22 @@ def _fake_writer(name: str, view: torch.Tensor, h: int, d: int):
     t = torch.arange(n)[:, None, None]
     hh = torch.arange(h)[None, :, None]
     dd = torch.arange(d)[None, None, :]
-    tables = [pos(k, t, hh, dd).expand(n, h, d) for k in (0, 1)]  # (N, H, D) flat positions per kind
+    tables = [
+        pos(k, t, hh, dd).expand(n, h, d) for k in (0, 1)
+    ]  # (N, H, D) flat positions per kind
 
     def write(key, value, slots):
         blk, off = slots // n, slots % n
         for kind, src in ((0, key), (1, value)):
             p = tables[kind][off]  # (T, H, D)
             view[blk[:, None, None].expand_as(p), p // (n * cp), (p // cp) % n, p % cp] = src
+
     return write
 
 
-def _cache(name: str, blocks: int, n: int, h: int, d: int, dtype, layers: int = 1, strided: bool = False):
+def _cache(
+    name: str, blocks: int, n: int, h: int, d: int, dtype, layers: int = 1, strided: bool = False
+):
     """Per-layer views [B, H', N, C'] of one allocation; ``strided``: H' outside B (vLLM's LHBNC)."""
     hp, _, cp = LAYOUTS[name][1](n, h, d)
     if strided:
@@ -217,7 +284,12 @@ def test_probe_learns_the_layout_and_round_trips(name, dtype):
 
 
 def test_probe_on_a_strided_view_and_kernel_blocks():
-    n_kernel, block_size, h, d = 16, 64, 2, 8  # vLLM splits each 64-token block into 4 kernel blocks
+    n_kernel, block_size, h, d = (
+        16,
+        64,
+        2,
+        8,
+    )  # vLLM splits each 64-token block into 4 kernel blocks
     views = _cache("cpu_vec", 4 * 6, n_kernel, h, d, torch.bfloat16, layers=2, strided=True)
     assert not views[1].is_contiguous()
     layout = probe_layout(views[1], _fake_writer("cpu_vec", views[1], h, d), h, d)
@@ -225,7 +297,9 @@ def test_probe_on_a_strided_view_and_kernel_blocks():
     table = [5, 1]  # manager blocks
     kv = _random_kv(2 * block_size, h, d, torch.bfloat16, seed=3)
     # vLLM's slots are computed with the manager block size and address kernel blocks alike.
-    _fake_writer("cpu_vec", views[1], h, d)(kv[0], kv[1], torch.tensor(B.slot_mapping(table, block_size, 0, 128)))
+    _fake_writer("cpu_vec", views[1], h, d)(
+        kv[0], kv[1], torch.tensor(B.slot_mapping(table, block_size, 0, 128))
+    )
     assert torch.equal(layout.gather(views[1], layers.kernel_blocks(table)), kv)
     assert torch.all(views[0] == 0)  # the other layer untouched
 
@@ -233,7 +307,10 @@ def test_probe_on_a_strided_view_and_kernel_blocks():
 def test_describe_names_the_cpu_transposed_k_plane():
     view = _cache("cpu_vec", 2, 128, 3, 64, torch.bfloat16)[0]
     layout = probe_layout(view, _fake_writer("cpu_vec", view, 3, 64), 3, 64)
-    assert layout.describe() == "K[t,h,d] at h*16384 + d*128 + t, V[t,h,d] at 8192 + h*16384 + t*64 + d"
+    assert (
+        layout.describe()
+        == "K[t,h,d] at h*16384 + d*128 + t, V[t,h,d] at 8192 + h*16384 + t*64 + d"
+    )
 
 
 def test_probe_rejects_writers_it_cannot_read_exactly():
@@ -270,13 +347,20 @@ CHUNK, BLOCK = 256, 128
 
 
 def _ns(salt="", rank=0, tp=1):
-    return kv_namespace("vllm-test", "bfloat16", 4, 2, 8, cache_salt=salt or None, tp_rank=rank, tp_size=tp)
+    return kv_namespace(
+        "vllm-test", "bfloat16", 4, 2, 8, cache_salt=salt or None, tp_rank=rank, tp_size=tp
+    )
 
 
 def _keeper(store: TieredStore, tp: int = 1, **kw) -> Bookkeeper:
     def keys_for(tokens, salt, n):
-        return [prefix_keys(list(tokens[: n * CHUNK]), CHUNK, _ns(salt or "", r, tp)) for r in range(tp)]
-    return Bookkeeper(CHUNK, BLOCK, keys_for, lambda keys: store.lookup(keys, count=False).where, **kw)
+        return [
+            prefix_keys(list(tokens[: n * CHUNK]), CHUNK, _ns(salt or "", r, tp)) for r in range(tp)
+        ]
+
+    return Bookkeeper(
+        CHUNK, BLOCK, keys_for, lambda keys: store.lookup(keys, count=False).where, **kw
+    )
 
 
 def _store_chunks(store: TieredStore, tokens, chunks, salt="", rank=0, tp=1):
@@ -330,7 +414,9 @@ def test_match_is_side_effect_free(mem_store):
     _store_chunks(mem_store, p, [0, 1, 2])
     before = mem_store.stats()
     for _ in range(3):
-        assert keeper.match("r", p, None, 0).tokens == 768  # chunk 3 (needed up to 1408) is not stored
+        assert (
+            keeper.match("r", p, None, 0).tokens == 768
+        )  # chunk 3 (needed up to 1408) is not stored
     assert mem_store.stats() == before
     assert keeper.plan([], []).loads == []  # a match alone plans nothing
 
@@ -350,7 +436,10 @@ def test_tensor_parallel_chunks_count_only_when_every_rank_has_them(mem_store):
     _store_chunks(mem_store, p, [0, 1, 2], rank=0, tp=2)
     _store_chunks(mem_store, p, [0], rank=1, tp=2)
     assert keeper.match("r", p, None, 0).tokens == 256
-    assert _ns("", 0, 2).kv_layout == "L4xH2xD8/tp0of2" and _ns("", 0, 2).digest() != _ns("", 1, 2).digest()
+    assert (
+        _ns("", 0, 2).kv_layout == "L4xH2xD8/tp0of2"
+        and _ns("", 0, 2).digest() != _ns("", 1, 2).digest()
+    )
 
 
 def test_plan_load_and_saves_of_a_new_request(mem_store):
@@ -363,12 +452,16 @@ def test_plan_load_and_saves_of_a_new_request(mem_store):
     keeper.allocated("r", m.tokens)
     step = keeper.plan([NewRequest("r", p, None, table, 512, 788)], [])
     (job,) = step.loads
-    assert job.chunks == (LoadChunk((str(keys[0]),), 0, (101,), 128, "memory", tuple(p[:256])),
-                          LoadChunk((str(keys[1]),), 1, (102, 103), 0, "memory", tuple(p[256:512])))
+    assert job.chunks == (
+        LoadChunk((str(keys[0]),), 0, (101,), 128, "memory", tuple(p[:256])),
+        LoadChunk((str(keys[1]),), 1, (102, 103), 0, "memory", tuple(p[256:512])),
+    )
     # 512 + 788 = 1300 computed: chunks 2, 3, 4 are new and saved; 0 and 1 are stored already.
     all_keys = prefix_keys(p[:1280], CHUNK, _ns())
     assert [(s.index, s.block_ids, s.keys, s.token_ids) for s in step.saves] == [
-        (i, tuple(table[2 * i: 2 * i + 2]), (str(all_keys[i]),), tuple(p[256 * i:256 * (i + 1)])) for i in (2, 3, 4)]
+        (i, tuple(table[2 * i : 2 * i + 2]), (str(all_keys[i]),), tuple(p[256 * i : 256 * (i + 1)]))
+        for i in (2, 3, 4)
+    ]
     assert keeper.counters.snapshot()["hit_tokens"] == 384
     assert keeper.counters.snapshot()["hit_tokens_by_tier"] == {"memory": 384}
     keeper.finished("r")
@@ -424,9 +517,19 @@ def _worker_setup(tmp_path, name="cpu_vec", layerwise=True, lower=None, blocks=4
     layout = probe_layout(views[0], _fake_writer(name, views[0], H, D), H, D)
     names = [f"model.layers.{i}.self_attn.attn" for i in range(NL)]
     layers = CacheLayers(dict(zip(names, views)), names, layout, KB)
-    store = TieredStore(MemoryTier(1 << 30), lower if lower is not None else [DiskTier(tmp_path / "kv", 1 << 30)])
-    worker = KVWorker(store, get_codec("raw"), layers, dtype=torch.bfloat16, kv_heads=H, head_dim=D, chunk_size=CHUNK,
-                      layerwise=layerwise)
+    store = TieredStore(
+        MemoryTier(1 << 30), lower if lower is not None else [DiskTier(tmp_path / "kv", 1 << 30)]
+    )
+    worker = KVWorker(
+        store,
+        get_codec("raw"),
+        layers,
+        dtype=torch.bfloat16,
+        kv_heads=H,
+        head_dim=D,
+        chunk_size=CHUNK,
+        layerwise=layerwise,
+    )
     return worker, layers, store, names
 
 
@@ -435,7 +538,9 @@ def _fill_request(layers, table, tokens, seed=0):
     kvs = []
     for i, view in enumerate(layers.views):
         kv = _random_kv(tokens, H, D, torch.bfloat16, seed=seed * 100 + i)
-        _fake_writer("cpu_vec", view, H, D)(kv[0], kv[1], torch.tensor(B.slot_mapping(table, KB, 0, tokens)))
+        _fake_writer("cpu_vec", view, H, D)(
+            kv[0], kv[1], torch.tensor(B.slot_mapping(table, KB, 0, tokens))
+        )
         kvs.append(kv)
     return torch.stack(kvs)  # (layers, 2, tokens, H, D)
 
@@ -450,8 +555,11 @@ def _run_step(worker, layers, names, loads=(), saves=()):
 
 
 def _save_chunks(worker, layers, names, table, n_chunks, keys, tokens=None):
-    ids = [tuple(tokens[i * CHUNK:(i + 1) * CHUNK]) if tokens else () for i in range(n_chunks)]
-    saves = [SaveChunk("r", (str(keys[i]),), i, tuple(table[4 * i: 4 * i + 4]), ids[i]) for i in range(n_chunks)]
+    ids = [tuple(tokens[i * CHUNK : (i + 1) * CHUNK]) if tokens else () for i in range(n_chunks)]
+    saves = [
+        SaveChunk("r", (str(keys[i]),), i, tuple(table[4 * i : 4 * i + 4]), ids[i])
+        for i in range(n_chunks)
+    ]
     assert _run_step(worker, layers, names, saves=saves) == set()
     assert worker.flush(30)
 
@@ -470,9 +578,9 @@ def test_worker_saves_then_loads_bit_exact(tmp_path, layerwise):
     _save_chunks(worker, layers, names, table, 3, keys, p)
     for i in range(3):  # the stored entries hold exactly vLLM's KV, at their positions
         entry = open_entry(bytes(store.lower[0].get(keys[i])), keys[i])
-        assert torch.equal(entry.decode(), kv[:, :, i * CHUNK:(i + 1) * CHUNK])
+        assert torch.equal(entry.decode(), kv[:, :, i * CHUNK : (i + 1) * CHUNK])
         assert torch.equal(entry.positions, torch.arange(i * CHUNK, (i + 1) * CHUNK))
-        assert entry.token_ids.tolist() == p[i * CHUNK:(i + 1) * CHUNK]
+        assert entry.token_ids.tolist() == p[i * CHUNK : (i + 1) * CHUNK]
     s = worker.counters.snapshot()
     assert (s["saved_chunks"], s["saved_tokens"], s["save_dropped"]) == (3, 768, 0)
     # a new engine: empty caches, the entries on disk only
@@ -480,13 +588,29 @@ def test_worker_saves_then_loads_bit_exact(tmp_path, layerwise):
     store.close()
     worker, layers, store, names = _worker_setup(tmp_path, layerwise=layerwise)
     new_table = list(range(20, 32))
-    job = LoadJob("r2", tuple(LoadChunk((str(keys[i]),), i, tuple(new_table[4 * i:4 * i + 4]), 0, None,
-                                        tuple(p[i * CHUNK:(i + 1) * CHUNK])) for i in range(3)))
+    job = LoadJob(
+        "r2",
+        tuple(
+            LoadChunk(
+                (str(keys[i]),),
+                i,
+                tuple(new_table[4 * i : 4 * i + 4]),
+                0,
+                None,
+                tuple(p[i * CHUNK : (i + 1) * CHUNK]),
+            )
+            for i in range(3)
+        ),
+    )
     assert _run_step(worker, layers, names, loads=[job]) == set()
     for i, view in enumerate(layers.views):
         assert torch.equal(layers.layout.gather(view, layers.kernel_blocks(new_table)), kv[i])
     s = worker.counters.snapshot()
-    assert (s["loaded_chunks"], s["loaded_tokens"], s["loaded_chunks_by_tier"]) == (3, 768, {"disk": 3})
+    assert (s["loaded_chunks"], s["loaded_tokens"], s["loaded_chunks_by_tier"]) == (
+        3,
+        768,
+        {"disk": 3},
+    )
     worker.close()
     store.close()
 
@@ -527,15 +651,24 @@ def test_worker_reports_failed_loads_instead_of_using_them(tmp_path):
     raw[-(NL - 2) * 2 * CHUNK * H * D * 2 - 10] ^= 0xFF
     path.write_bytes(bytes(raw))
     worker, layers, store, names = _worker_setup(tmp_path)
-    missing = prefix_keys(_prompt(768, seed=9), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D))[2]
-    job = LoadJob("r", (LoadChunk((str(keys[0]),), 0, (10, 11, 12, 13), 0),
-                        LoadChunk((str(keys[1]),), 1, (14, 15, 16, 17), 0),
-                        LoadChunk((str(missing),), 2, (18, 19, 20, 21), 0),
-                        LoadChunk((), 3, (22, 23, 24, 25), 0)))  # no key for this rank
+    missing = prefix_keys(
+        _prompt(768, seed=9), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D)
+    )[2]
+    job = LoadJob(
+        "r",
+        (
+            LoadChunk((str(keys[0]),), 0, (10, 11, 12, 13), 0),
+            LoadChunk((str(keys[1]),), 1, (14, 15, 16, 17), 0),
+            LoadChunk((str(missing),), 2, (18, 19, 20, 21), 0),
+            LoadChunk((), 3, (22, 23, 24, 25), 0),
+        ),
+    )  # no key for this rank
     assert _run_step(worker, layers, names, loads=[job]) == set(range(14, 26))
     s = worker.counters.snapshot()
     assert (s["loaded_chunks"], s["load_failed_chunks"], s["load_failed_blocks"]) == (1, 3, 12)
-    assert store.stats()["store"]["unusable_entries"] == 1 and not store.lookup([keys[1]]).hits  # removed
+    assert (
+        store.stats()["store"]["unusable_entries"] == 1 and not store.lookup([keys[1]]).hits
+    )  # removed
     assert worker.take_failed_blocks() == set()  # reported once
     worker.close()
     store.close()
@@ -564,7 +697,12 @@ def test_scheduler_and_worker_in_two_processes_share_only_the_lower_tiers(tmp_pa
     sstore = TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path / "kv", 1 << 30)])
 
     def keys_for(tokens, salt, n):
-        return [prefix_keys(list(tokens[: n * CHUNK]), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D))]
+        return [
+            prefix_keys(
+                list(tokens[: n * CHUNK]), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D)
+            )
+        ]
+
     keeper = Bookkeeper(CHUNK, KB, keys_for, lambda k: sstore.lookup(k, count=False).where)
     p = _prompt(800)
     keeper.allocated("a", keeper.match("a", p, None, 0).tokens)
@@ -588,7 +726,9 @@ def test_scheduler_and_worker_in_two_processes_share_only_the_lower_tiers(tmp_pa
         v.zero_()
     assert _run_step(worker, layers, names, loads=step.loads) == set()
     for i, v in enumerate(layers.views):
-        assert torch.equal(layers.layout.gather(v, layers.kernel_blocks(table[:12])), kv[i][:, :768])
+        assert torch.equal(
+            layers.layout.gather(v, layers.kernel_blocks(table[:12])), kv[i][:, :768]
+        )
     worker.close()
     wstore.close()
     sstore.close()
@@ -601,12 +741,24 @@ def test_scheduler_and_worker_in_two_processes_share_only_the_lower_tiers(tmp_pa
 def test_settings_from_extra_config_over_kvfuse_config(tmp_path):
     cfg = tmp_path / "kvfuse.yaml"
     cfg.write_text("cache:\n  chunk_size: 512\n  codec: int8\n")
-    s = read_settings({"config": str(cfg), "disk_path": str(tmp_path / "kv"), "cache.memory_bytes": "64MiB",
-                       "layerwise": "false", "model_fingerprint": "my-model"},
-                      env={"KVFUSE_CACHE_REDIS_URL": "redis://127.0.0.1:1/0"})
+    s = read_settings(
+        {
+            "config": str(cfg),
+            "disk_path": str(tmp_path / "kv"),
+            "cache.memory_bytes": "64MiB",
+            "layerwise": "false",
+            "model_fingerprint": "my-model",
+        },
+        env={"KVFUSE_CACHE_REDIS_URL": "redis://127.0.0.1:1/0"},
+    )
     c = s.config.cache
     assert (s.chunk_size, c.codec, c.disk_path, c.memory_bytes, c.redis_url) == (
-        512, "int8", str(tmp_path / "kv"), 64 << 20, "redis://127.0.0.1:1/0")
+        512,
+        "int8",
+        str(tmp_path / "kv"),
+        64 << 20,
+        "redis://127.0.0.1:1/0",
+    )
     assert (s.load, s.save, s.layerwise, s.model_fingerprint) == (True, True, False, "my-model")
     assert read_settings({}, env={}).chunk_size == 256
     assert read_settings({}, env={}).layerwise is None  # auto
@@ -614,15 +766,24 @@ def test_settings_from_extra_config_over_kvfuse_config(tmp_path):
     assert read_settings({"layerwise": True}, env={}).layerwise is True
 
 
-@pytest.mark.parametrize("extra,match", [
-    ({"chunk_sise": 256}, "unknown setting 'chunk_sise' in kv_connector_extra_config; valid settings"),
-    ({"chunk_size": "big"}, r"cache.chunk_size: expected an integer.*kv_connector_extra_config"),
-    ({"codec": "zip"}, "unknown codec 'zip'"),
-    ({"load": "maybe"}, "load: expected true or false"),
-    ({"layerwise": "sometimes"}, "layerwise: expected true, false or auto"),
-    ({"save_queue": 0}, "save_queue: expected an integer >= 1"),
-    ({"enabled": False}, "remove the kvfuse connector"),
-])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (
+            {"chunk_sise": 256},
+            "unknown setting 'chunk_sise' in kv_connector_extra_config; valid settings",
+        ),
+        (
+            {"chunk_size": "big"},
+            r"cache.chunk_size: expected an integer.*kv_connector_extra_config",
+        ),
+        ({"codec": "zip"}, "unknown codec 'zip'"),
+        ({"load": "maybe"}, "load: expected true or false"),
+        ({"layerwise": "sometimes"}, "layerwise: expected true, false or auto"),
+        ({"save_queue": 0}, "save_queue: expected an integer >= 1"),
+        ({"enabled": False}, "remove the kvfuse connector"),
+    ],
+)
 def test_settings_errors(extra, match):
     with pytest.raises(ConfigError, match=match):
         read_settings(extra, env={})
@@ -633,14 +794,21 @@ def test_model_fingerprint_names_the_weights(tmp_path):
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(os.urandom(300_000))
     d1 = weights_digest(folder)
-    fp = lambda w: model_fingerprint(str(folder), dtype="torch.bfloat16", hf_config={"a": 1}, weights=w)  # noqa: E731
+
+    def fp(w):
+        return model_fingerprint(str(folder), dtype="torch.bfloat16", hf_config={"a": 1}, weights=w)
+
     assert fp(d1) == fp(weights_digest(folder)) and fp(d1).startswith("vllm-")
     raw = bytearray((folder / "model.safetensors").read_bytes())
-    raw[150_000] ^= 1  # a fine-tune changes weights everywhere; a sample sees the middle of the file
+    raw[150_000] ^= (
+        1  # a fine-tune changes weights everywhere; a sample sees the middle of the file
+    )
     (folder / "model.safetensors").write_bytes(bytes(raw))
     assert weights_digest(folder) != d1
     assert weights_digest(tmp_path / "nothing") is None
-    assert model_fingerprint("m", dtype="torch.float32") != model_fingerprint("m", dtype="torch.bfloat16")
+    assert model_fingerprint("m", dtype="torch.float32") != model_fingerprint(
+        "m", dtype="torch.bfloat16"
+    )
     assert model_fingerprint("m", revision="a") != model_fingerprint("m", revision="b")
 
 
@@ -690,20 +858,31 @@ def test_a_prompt_of_whole_chunks_loads_all_but_its_last_block(tmp_path):
     _save_chunks(worker, layers, names, table, 4, keys, p)
 
     def keys_for(tokens, salt, n):
-        return [prefix_keys(list(tokens[: n * CHUNK]), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D))]
+        return [
+            prefix_keys(
+                list(tokens[: n * CHUNK]), CHUNK, kv_namespace("vllm-test", "bfloat16", NL, H, D)
+            )
+        ]
+
     keeper = Bookkeeper(CHUNK, KB, keys_for, lambda k: store.lookup(k, count=False).where)
     m = keeper.match("r", p, None, 0)
     assert m.tokens == 960
     keeper.allocated("r", m.tokens)
     new_table = list(range(20, 36))
     step = keeper.plan([NewRequest("r", p, None, new_table, 960, 64)], [])
-    assert [(c.index, c.block_ids, c.skip_tokens) for c in step.loads[0].chunks][-1] == (3, (32, 33, 34), 0)
+    assert [(c.index, c.block_ids, c.skip_tokens) for c in step.loads[0].chunks][-1] == (
+        3,
+        (32, 33, 34),
+        0,
+    )
     for v in layers.views:
         v.zero_()
     assert _run_step(worker, layers, names, loads=step.loads) == set()
     for i, v in enumerate(layers.views):
         assert torch.equal(layers.layout.gather(v, torch.tensor(new_table[:15])), kv[i][:, :960])
-        assert torch.all(layers.layout.gather(v, torch.tensor(new_table[15:])) == 0)  # vLLM computes it
+        assert torch.all(
+            layers.layout.gather(v, torch.tensor(new_table[15:])) == 0
+        )  # vLLM computes it
     assert worker.counters.snapshot()["loaded_tokens"] == 960
     worker.close()
     store.close()

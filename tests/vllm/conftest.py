@@ -32,11 +32,19 @@ def pytest_collection_modifyitems(items):
 def vllm_python() -> str:
     """vLLM's interpreter, once checked to import vLLM and the connector (else the tests skip)."""
     if not Path(DEFAULT_PYTHON).is_file():
-        pytest.skip(f"no vLLM venv at {DEFAULT_PYTHON}: run bash bench/setup_vllm.sh (or set KVFUSE_VLLM_PYTHON)")
-    probe = subprocess.run([DEFAULT_PYTHON, "-c", "import vllm, kvfuse.integrations.vllm.connector"],
-                           capture_output=True, text=True, timeout=300)
+        pytest.skip(
+            f"no vLLM venv at {DEFAULT_PYTHON}: run bash bench/setup_vllm.sh (or set KVFUSE_VLLM_PYTHON)"
+        )
+    probe = subprocess.run(
+        [DEFAULT_PYTHON, "-c", "import vllm, kvfuse.integrations.vllm.connector"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if probe.returncode != 0:
-        pytest.skip(f"vLLM's venv cannot import the connector (run bash bench/setup_vllm.sh): {probe.stderr[-500:]}")
+        pytest.skip(
+            f"vLLM's venv cannot import the connector (run bash bench/setup_vllm.sh): {probe.stderr[-500:]}"
+        )
     return DEFAULT_PYTHON
 
 

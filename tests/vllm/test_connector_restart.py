@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import torch
-
 from vllm_server import VLLMServer, connector_config, first_token, metric_total, scrape_metrics
 
 from kvfuse.kv.format import open_entry, parse_header
@@ -35,7 +34,7 @@ def _prompts(folder: Path) -> tuple[list[int], list[int]]:
     text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     ids = tok.encode(text)
     assert len(ids) > LEN_A + LEN_B + 200
-    return ids[:LEN_A], ids[LEN_A + 100: LEN_A + 100 + LEN_B]
+    return ids[:LEN_A], ids[LEN_A + 100 : LEN_A + 100 + LEN_B]
 
 
 def _disk_keys(path: Path) -> set:
@@ -89,16 +88,25 @@ def _damage(path: Path, key, layer: int) -> None:
     file.write_bytes(bytes(raw))
 
 
-def test_restarted_vllm_loads_chunks_from_the_disk_tier(vllm_python, smollm2_folder, kvfuse_home, tmp_path):
+def test_restarted_vllm_loads_chunks_from_the_disk_tier(
+    vllm_python, smollm2_folder, kvfuse_home, tmp_path
+):
     kv_dir = tmp_path / "kv"
     a, b = _prompts(smollm2_folder)
 
     def server(n: int) -> VLLMServer:
         # engine 2 loads layer by layer (wait_for_layer_load); the benchmark covers the CPU default
         # (whole entries before the forward pass)
-        config = connector_config({"disk_path": str(kv_dir), "memory_bytes": "512MiB", "layerwise": n == 2})
-        return VLLMServer(smollm2_folder, python=vllm_python, dtype="bfloat16", kv_transfer_config=config,
-                          log_path=tmp_path / f"vllm-{n}.log")
+        config = connector_config(
+            {"disk_path": str(kv_dir), "memory_bytes": "512MiB", "layerwise": n == 2}
+        )
+        return VLLMServer(
+            smollm2_folder,
+            python=vllm_python,
+            dtype="bfloat16",
+            kv_transfer_config=config,
+            log_path=tmp_path / f"vllm-{n}.log",
+        )
 
     # -- engine 1: compute and save -----------------------------------------------------------------
     with server(1) as s1:
@@ -107,13 +115,20 @@ def test_restarted_vllm_loads_chunks_from_the_disk_tier(vllm_python, smollm2_fol
         _wait_for(lambda: len(_disk_keys(kv_dir)) == LEN_A // CHUNK, "prompt A's chunks on disk")
         keys_a = _disk_keys(kv_dir)
         _, text_b1, _ = first_token(s1.base_url, b, max_tokens=24)
-        _wait_for(lambda: len(_disk_keys(kv_dir)) == LEN_A // CHUNK + LEN_B // CHUNK, "prompt B's chunks on disk")
+        _wait_for(
+            lambda: len(_disk_keys(kv_dir)) == LEN_A // CHUNK + LEN_B // CHUNK,
+            "prompt B's chunks on disk",
+        )
         keys_b = _disk_keys(kv_dir) - keys_a
-        _wait_for(lambda: metric_total(scrape_metrics(s1.url), "vllm:kvfuse_saved_chunks_total") == 12,
-                  "the saved-chunks counter")
+        _wait_for(
+            lambda: metric_total(scrape_metrics(s1.url), "vllm:kvfuse_saved_chunks_total") == 12,
+            "the saved-chunks counter",
+        )
         m1 = scrape_metrics(s1.url)
         assert metric_total(m1, "vllm:kvfuse_loaded_chunks_total") == 0
-        assert s1.log_has("kvfuse connector (worker rank 0)") and s1.log_has("per block: K[t,h,d] at")
+        assert s1.log_has("kvfuse connector (worker rank 0)") and s1.log_has(
+            "per block: K[t,h,d] at"
+        )
 
     # -- the entries hold the model's KV, not a scrambled layout ------------------------------------
     entries_a = {e.positions[0].item(): e for e in (_entry(kv_dir, k) for k in keys_a)}
@@ -122,31 +137,48 @@ def test_restarted_vllm_loads_chunks_from_the_disk_tier(vllm_python, smollm2_fol
     for i in range(2):
         e = entries_a[i * CHUNK]
         assert e.dtype == torch.bfloat16 and e.shape == (30, 2, CHUNK, 3, 64)
-        cos = _cosines(e.decode(), ref[:, :, i * CHUNK:(i + 1) * CHUNK])
-        assert cos.min() > 0.999, f"chunk {i}: per-layer K/V cosine vs kvfuse's runner {cos.min():.4f}"
-        print(f"\nchunk {i}: K/V cosine vs kvfuse's fp32 runner, per layer: min {cos.min():.4f}, mean {cos.mean():.4f}")
+        cos = _cosines(e.decode(), ref[:, :, i * CHUNK : (i + 1) * CHUNK])
+        assert cos.min() > 0.999, (
+            f"chunk {i}: per-layer K/V cosine vs kvfuse's runner {cos.min():.4f}"
+        )
+        print(
+            f"\nchunk {i}: K/V cosine vs kvfuse's fp32 runner, per layer: min {cos.min():.4f}, mean {cos.mean():.4f}"
+        )
     damaged = next(k for k in keys_b if _entry(kv_dir, k).positions[0].item() == CHUNK)
     _damage(kv_dir, damaged, layer=12)
 
     # -- engine 2: a new process, empty caches ------------------------------------------------------
     with server(2) as s2:
         ttft_a2, text_a2, _ = first_token(s2.base_url, a, max_tokens=24)
-        _wait_for(lambda: metric_total(scrape_metrics(s2.url), "vllm:kvfuse_loaded_chunks_total") > 0,
-                  "the loaded-chunks counter")
+        _wait_for(
+            lambda: metric_total(scrape_metrics(s2.url), "vllm:kvfuse_loaded_chunks_total") > 0,
+            "the loaded-chunks counter",
+        )
         m2 = scrape_metrics(s2.url)
         assert text_a2 == text_a1
-        assert metric_total(m2, "vllm:kvfuse_loaded_chunks_by_tier_total", tier="disk") == LEN_A // CHUNK
+        assert (
+            metric_total(m2, "vllm:kvfuse_loaded_chunks_by_tier_total", tier="disk")
+            == LEN_A // CHUNK
+        )
         assert metric_total(m2, "vllm:kvfuse_loaded_tokens_total") == (LEN_A // CHUNK) * CHUNK
         assert metric_total(m2, "vllm:external_prefix_cache_hits_total") == (LEN_A // CHUNK) * CHUNK
         assert metric_total(m2, "vllm:kvfuse_load_failed_chunks_total") == 0
-        assert s2.log_has(f"kvfuse: loaded {LEN_A // CHUNK} chunks ({(LEN_A // CHUNK) * CHUNK} tokens)")
+        assert s2.log_has(
+            f"kvfuse: loaded {LEN_A // CHUNK} chunks ({(LEN_A // CHUNK) * CHUNK} tokens)"
+        )
         assert s2.log_has("layerwise loads True (set)")
 
         _, text_b2, _ = first_token(s2.base_url, b, max_tokens=24)
-        _wait_for(lambda: metric_total(scrape_metrics(s2.url), "vllm:kvfuse_load_failed_chunks_total") == 1,
-                  "the failed-load counter")
+        _wait_for(
+            lambda: (
+                metric_total(scrape_metrics(s2.url), "vllm:kvfuse_load_failed_chunks_total") == 1
+            ),
+            "the failed-load counter",
+        )
         assert text_b2 == text_b1  # recomputed, not served from the damaged entry
         assert s2.log_has("Recovered from KV load failure")
         assert damaged not in _disk_keys(kv_dir)  # an unusable entry is removed
-        print(f"\nTTFT of prompt A ({LEN_A} tokens): engine 1 {ttft_a1:.2f} s (computed), "
-              f"engine 2 {ttft_a2:.2f} s (loaded from disk)")
+        print(
+            f"\nTTFT of prompt A ({LEN_A} tokens): engine 1 {ttft_a1:.2f} s (computed), "
+            f"engine 2 {ttft_a2:.2f} s (loaded from disk)"
+        )

@@ -42,7 +42,8 @@ def check_alignment(chunk_size: int, block_size: int) -> int:
         raise AlignmentError(
             f"kvfuse's chunk_size ({chunk_size} tokens) must be a multiple of vLLM's block size ({block_size} "
             f"tokens): set chunk_size in kv_connector_extra_config to e.g. {multiples or block_size}, "
-            f"or start vLLM with --block-size dividing {chunk_size}")
+            f"or start vLLM with --block-size dividing {chunk_size}"
+        )
     return chunk_size // block_size
 
 
@@ -68,7 +69,9 @@ def first_needed_chunk(num_computed_tokens: int, chunk_size: int) -> int:
     return num_computed_tokens // chunk_size
 
 
-def matched_tokens(num_computed_tokens: int, first_chunk: int, hits: int, chunk_size: int, limit: int) -> int:
+def matched_tokens(
+    num_computed_tokens: int, first_chunk: int, hits: int, chunk_size: int, limit: int
+) -> int:
     """Tokens beyond ``num_computed_tokens`` that ``hits`` contiguous stored chunks starting at
     ``first_chunk`` provide, up to ``limit`` (``load_limit``); 0 when they end before what vLLM
     holds."""
@@ -115,10 +118,14 @@ def span_block_ids(block_ids: Sequence[int], block_size: int, start: int, end: i
     """The ids of the blocks holding tokens ``[start, end)`` (both block aligned) in a request's
     block table; ValueError if the table is too short (vLLM allocated fewer blocks)."""
     if start % block_size or end % block_size or not 0 <= start <= end:
-        raise ValueError(f"[{start}, {end}) is not a block-aligned token range (block size {block_size})")
+        raise ValueError(
+            f"[{start}, {end}) is not a block-aligned token range (block size {block_size})"
+        )
     first, last = start // block_size, end // block_size
     if last > len(block_ids):
-        raise ValueError(f"tokens [{start}, {end}) need blocks up to {last}, the request has {len(block_ids)}")
+        raise ValueError(
+            f"tokens [{start}, {end}) need blocks up to {last}, the request has {len(block_ids)}"
+        )
     return [int(b) for b in block_ids[first:last]]
 
 
@@ -129,15 +136,21 @@ def slot_mapping(block_ids: Sequence[int], block_size: int, start: int, end: int
         raise ValueError(f"bad token range [{start}, {end})")
     if end and (end - 1) // block_size >= len(block_ids):
         raise ValueError(f"token {end - 1} is beyond the request's {len(block_ids)} blocks")
-    return [int(block_ids[t // block_size]) * block_size + t % block_size for t in range(start, end)]
+    return [
+        int(block_ids[t // block_size]) * block_size + t % block_size for t in range(start, end)
+    ]
 
 
-def kernel_block_ids(block_ids: Sequence[int], block_size: int, kernel_block_size: int) -> list[int]:
+def kernel_block_ids(
+    block_ids: Sequence[int], block_size: int, kernel_block_size: int
+) -> list[int]:
     """The kernel blocks of manager blocks ``block_ids``, in token order: manager block ``b`` is
     kernel blocks ``b * r .. b * r + r - 1`` with ``r = block_size // kernel_block_size`` (vLLM's
     ``group_kernel_blocks``)."""
     if kernel_block_size <= 0 or block_size % kernel_block_size:
-        raise AlignmentError(f"kernel block size {kernel_block_size} does not divide the block size {block_size}")
+        raise AlignmentError(
+            f"kernel block size {kernel_block_size} does not divide the block size {block_size}"
+        )
     r = block_size // kernel_block_size
     return [int(b) * r + j for b in block_ids for j in range(r)]
 

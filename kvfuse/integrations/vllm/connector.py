@@ -24,17 +24,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 
 from kvfuse.codecs import get_codec
 from kvfuse.counters import Counters
 from kvfuse.integrations.vllm.blocks import check_alignment
 from kvfuse.integrations.vllm.layout import LayoutError, probe_layout
 from kvfuse.integrations.vllm.plan import Bookkeeper, CachedRequest, NewRequest, StepPlan
-from kvfuse.integrations.vllm.settings import kv_namespace, model_fingerprint, read_settings, weights_digest
+from kvfuse.integrations.vllm.settings import (
+    kv_namespace,
+    model_fingerprint,
+    read_settings,
+    weights_digest,
+)
 from kvfuse.integrations.vllm.stores import acquire_store, release_store
 from kvfuse.integrations.vllm.worker import CacheLayers, KVWorker
 from kvfuse.kv.keys import Namespace, prefix_keys
@@ -63,7 +73,10 @@ def _route_logs() -> None:
 
 _route_logs()
 
-_TIER_SOURCES = {"memory": "HOST", "disk": "DISK"}  # kvfuse tier -> vLLM CacheHitSource (others: unspecified)
+_TIER_SOURCES = {
+    "memory": "HOST",
+    "disk": "DISK",
+}  # kvfuse tier -> vLLM CacheHitSource (others: unspecified)
 
 
 class KvfuseConnectorMetadata(KVConnectorMetadata):
@@ -97,18 +110,44 @@ class KvfuseConnectorStats(KVConnectorStats):
 
 # Prometheus counters: stats key (before ".label") -> (metric name, help, label name or None)
 _PROM = {
-    "hit_tokens": ("vllm:kvfuse_hit_tokens", "Prompt tokens vLLM took from kvfuse instead of computing them.", None),
-    "hit_tokens_by_tier": ("vllm:kvfuse_hit_tokens_by_tier", "Tokens taken from kvfuse, by the tier found at lookup.",
-                           "tier"),
+    "hit_tokens": (
+        "vllm:kvfuse_hit_tokens",
+        "Prompt tokens vLLM took from kvfuse instead of computing them.",
+        None,
+    ),
+    "hit_tokens_by_tier": (
+        "vllm:kvfuse_hit_tokens_by_tier",
+        "Tokens taken from kvfuse, by the tier found at lookup.",
+        "tier",
+    ),
     "lookups": ("vllm:kvfuse_lookups", "Requests admitted after a kvfuse lookup.", None),
-    "loaded_chunks": ("vllm:kvfuse_loaded_chunks", "Chunks loaded from kvfuse into vLLM's KV cache.", None),
-    "loaded_chunks_by_tier": ("vllm:kvfuse_loaded_chunks_by_tier", "Chunks loaded, by the tier that served them.",
-                              "tier"),
-    "loaded_tokens": ("vllm:kvfuse_loaded_tokens", "Tokens of KV written into vLLM's blocks by loads.", None),
-    "load_failed_chunks": ("vllm:kvfuse_load_failed_chunks", "Chunk loads that failed (vLLM recomputed them).", None),
+    "loaded_chunks": (
+        "vllm:kvfuse_loaded_chunks",
+        "Chunks loaded from kvfuse into vLLM's KV cache.",
+        None,
+    ),
+    "loaded_chunks_by_tier": (
+        "vllm:kvfuse_loaded_chunks_by_tier",
+        "Chunks loaded, by the tier that served them.",
+        "tier",
+    ),
+    "loaded_tokens": (
+        "vllm:kvfuse_loaded_tokens",
+        "Tokens of KV written into vLLM's blocks by loads.",
+        None,
+    ),
+    "load_failed_chunks": (
+        "vllm:kvfuse_load_failed_chunks",
+        "Chunk loads that failed (vLLM recomputed them).",
+        None,
+    ),
     "saved_chunks": ("vllm:kvfuse_saved_chunks", "Prompt chunks saved into kvfuse's store.", None),
     "saved_tokens": ("vllm:kvfuse_saved_tokens", "Prompt tokens saved into kvfuse's store.", None),
-    "save_dropped": ("vllm:kvfuse_save_dropped", "Chunks not saved (save queue full or incomplete).", None),
+    "save_dropped": (
+        "vllm:kvfuse_save_dropped",
+        "Chunks not saved (save queue full or incomplete).",
+        None,
+    ),
     "save_errors": ("vllm:kvfuse_save_errors", "Chunks whose save failed.", None),
 }
 
@@ -121,7 +160,9 @@ class KvfusePromMetrics(KVConnectorPromMetrics):
         self._counters = {}
         for key, (name, doc, label) in _PROM.items():
             extra = [label] if label else []
-            self._counters[key] = self._counter_cls(name=name, documentation=doc, labelnames=labelnames + extra)
+            self._counters[key] = self._counter_cls(
+                name=name, documentation=doc, labelnames=labelnames + extra
+            )
         self._children: dict[tuple, Any] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -169,22 +210,38 @@ def _model_identity(vllm_config: VllmConfig) -> str:
         config = {"config.json": (folder / "config.json").read_text()}
     else:
         hf = getattr(mc, "hf_config", None)
-        config = {"architectures": getattr(hf, "architectures", None), "model_type": getattr(hf, "model_type", None)}
-    return model_fingerprint(str(folder.resolve()) if folder.exists() else model, revision=mc.revision,
-                             dtype=str(mc.dtype), quantization=mc.quantization, hf_config=config,
-                             weights=weights_digest(folder) if folder.is_dir() else None)
+        config = {
+            "architectures": getattr(hf, "architectures", None),
+            "model_type": getattr(hf, "model_type", None),
+        }
+    return model_fingerprint(
+        str(folder.resolve()) if folder.exists() else model,
+        revision=mc.revision,
+        dtype=str(mc.dtype),
+        quantization=mc.quantization,
+        hf_config=config,
+        weights=weights_digest(folder) if folder.is_dir() else None,
+    )
 
 
 class KvfuseConnector(KVConnectorBase_V1):
     """vLLM V1 KV connector backed by kvfuse's tiers; see the module docstring and docs/vllm.md."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config)
         pc = vllm_config.parallel_config
-        for name in ("pipeline_parallel_size", "decode_context_parallel_size", "prefill_context_parallel_size"):
+        for name in (
+            "pipeline_parallel_size",
+            "decode_context_parallel_size",
+            "prefill_context_parallel_size",
+        ):
             if getattr(pc, name, 1) != 1:
-                raise ValueError(f"KvfuseConnector supports {name} = 1 only (got {getattr(pc, name)})")
+                raise ValueError(
+                    f"KvfuseConnector supports {name} = 1 only (got {getattr(pc, name)})"
+                )
         self.spec = self._attention_spec(kv_cache_config)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self.block_size = vllm_config.cache_config.block_size
@@ -196,7 +253,9 @@ class KvfuseConnector(KVConnectorBase_V1):
         self.store = acquire_store(self.settings.config)
         self.bookkeeper: Bookkeeper | None = None
         self.worker: KVWorker | None = None
-        self._requests: OrderedDict[str, str | None] = OrderedDict()  # req_id -> cache_salt (eligible requests)
+        self._requests: OrderedDict[str, str | None] = (
+            OrderedDict()
+        )  # req_id -> cache_salt (eligible requests)
         self._closed = False
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         disk = self.settings.config.disk_path
@@ -208,19 +267,38 @@ class KvfuseConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.fingerprint = self.settings.model_fingerprint or _model_identity(vllm_config)
             self._namespaces: OrderedDict[str | None, list[Namespace]] = OrderedDict()
-            self.bookkeeper = Bookkeeper(self.settings.chunk_size, self.block_size, self._keys_for, self._lookup,
-                                         load=self.load_enabled, save=self.save_enabled)
+            self.bookkeeper = Bookkeeper(
+                self.settings.chunk_size,
+                self.block_size,
+                self._keys_for,
+                self._lookup,
+                load=self.load_enabled,
+                save=self.save_enabled,
+            )
             self._deltas = _Deltas(self.bookkeeper.counters)
-            log.info("kvfuse connector (scheduler): chunks of %d tokens (%d blocks), KV %s %s, tiers %s (disk %s, "
-                     "redis %s), codec %s, model fingerprint %s, load %s, save %s, signed entries %s",
-                     self.settings.chunk_size, self.settings.chunk_size // self.block_size, self.kv_dtype,
-                     self._layout_name(0), [t.name for t in self.store.tiers], where, "on" if redis else "off",
-                     self.codec.name, self.fingerprint, self.load_enabled, self.save_enabled,
-                     "on" if self.store.signer is not None else "off")
+            log.info(
+                "kvfuse connector (scheduler): chunks of %d tokens (%d blocks), KV %s %s, tiers %s (disk %s, "
+                "redis %s), codec %s, model fingerprint %s, load %s, save %s, signed entries %s",
+                self.settings.chunk_size,
+                self.settings.chunk_size // self.block_size,
+                self.kv_dtype,
+                self._layout_name(0),
+                [t.name for t in self.store.tiers],
+                where,
+                "on" if redis else "off",
+                self.codec.name,
+                self.fingerprint,
+                self.load_enabled,
+                self.save_enabled,
+                "on" if self.store.signer is not None else "off",
+            )
             if policy != "recompute" and self.load_enabled:
-                log.warning("kvfuse connector: kv_load_failure_policy is %r: a chunk that fails to load (evicted, "
-                            "damaged, Redis down) fails its request. Set \"kv_load_failure_policy\": \"recompute\" "
-                            "in --kv-transfer-config to have vLLM recompute it instead.", policy)
+                log.warning(
+                    "kvfuse connector: kv_load_failure_policy is %r: a chunk that fails to load (evicted, "
+                    'damaged, Redis down) fails its request. Set "kv_load_failure_policy": "recompute" '
+                    "in --kv-transfer-config to have vLLM recompute it instead.",
+                    policy,
+                )
         else:
             self._deltas = None  # set when the worker exists (register_kv_caches)
 
@@ -232,26 +310,45 @@ class KvfuseConnector(KVConnectorBase_V1):
 
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1:
-            raise ValueError(f"KvfuseConnector supports models with one KV cache group, this one has {len(groups)} "
-                             "(start vLLM with --disable-hybrid-kv-cache-manager)")
+            raise ValueError(
+                f"KvfuseConnector supports models with one KV cache group, this one has {len(groups)} "
+                "(start vLLM with --disable-hybrid-kv-cache-manager)"
+            )
         spec = groups[0].kv_cache_spec
         if not isinstance(spec, FullAttentionSpec) or "MLA" in type(spec).__name__:
-            raise ValueError(f"KvfuseConnector supports full-attention K/V caches, not {type(spec).__name__}")
+            raise ValueError(
+                f"KvfuseConnector supports full-attention K/V caches, not {type(spec).__name__}"
+            )
         if getattr(spec, "non_causal", False):
-            raise ValueError("KvfuseConnector needs causal attention: a non-causal layer's KV depends on later tokens")
+            raise ValueError(
+                "KvfuseConnector needs causal attention: a non-causal layer's KV depends on later tokens"
+            )
         if spec.head_size_v != spec.head_size or getattr(spec, "num_head_slots", None) is not None:
-            raise ValueError("KvfuseConnector supports K and V of the same head size, one slot per KV head")
+            raise ValueError(
+                "KvfuseConnector supports K and V of the same head size, one slot per KV head"
+            )
         quant = getattr(spec, "kv_quant_mode", None)
         if quant is not None and getattr(quant, "name", "NONE") != "NONE":
-            raise ValueError(f"KvfuseConnector does not support quantized KV caches ({quant.name}); "
-                             "use --kv-cache-dtype auto")
+            raise ValueError(
+                f"KvfuseConnector does not support quantized KV caches ({quant.name}); "
+                "use --kv-cache-dtype auto"
+            )
         if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            raise ValueError(f"KvfuseConnector supports float16, bfloat16 and float32 KV caches, not {spec.dtype}")
+            raise ValueError(
+                f"KvfuseConnector supports float16, bfloat16 and float32 KV caches, not {spec.dtype}"
+            )
         return spec
 
     def _layout_name(self, rank: int) -> str:
-        ns = kv_namespace("x", self.kv_dtype, len(self.layer_names), self.spec.num_kv_heads, self.spec.head_size,
-                          tp_rank=rank, tp_size=self.tp_size)
+        ns = kv_namespace(
+            "x",
+            self.kv_dtype,
+            len(self.layer_names),
+            self.spec.num_kv_heads,
+            self.spec.head_size,
+            tp_rank=rank,
+            tp_size=self.tp_size,
+        )
         return ns.kv_layout
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
@@ -261,7 +358,9 @@ class KvfuseConnector(KVConnectorBase_V1):
         return KvfuseConnectorStats(data=delta) if delta else None
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None
+    ) -> KVConnectorStats | None:
         return KvfuseConnectorStats(data=dict(data or {}))
 
     @classmethod
@@ -289,9 +388,20 @@ class KvfuseConnector(KVConnectorBase_V1):
     def _rank_namespaces(self, cache_salt: str | None) -> list[Namespace]:
         got = self._namespaces.get(cache_salt)
         if got is None:
-            got = [kv_namespace(self.fingerprint, self.kv_dtype, len(self.layer_names), self.spec.num_kv_heads,
-                                self.spec.head_size, salt=self.settings.config.cache.salt, cache_salt=cache_salt,
-                                tp_rank=r, tp_size=self.tp_size) for r in range(self.tp_size)]
+            got = [
+                kv_namespace(
+                    self.fingerprint,
+                    self.kv_dtype,
+                    len(self.layer_names),
+                    self.spec.num_kv_heads,
+                    self.spec.head_size,
+                    salt=self.settings.config.cache.salt,
+                    cache_salt=cache_salt,
+                    tp_rank=r,
+                    tp_size=self.tp_size,
+                )
+                for r in range(self.tp_size)
+            ]
             self._namespaces[cache_salt] = got
             while len(self._namespaces) > 1024:
                 self._namespaces.popitem(last=False)
@@ -309,8 +419,12 @@ class KvfuseConnector(KVConnectorBase_V1):
     def _eligible(request: Request) -> bool:
         """Requests whose KV is a function of their token ids alone (no images, prompt embeddings
         or LoRA adapters, which the token ids do not name)."""
-        return (request.prompt_token_ids is not None and not getattr(request, "mm_features", None)
-                and getattr(request, "prompt_embeds", None) is None and getattr(request, "lora_request", None) is None)
+        return (
+            request.prompt_token_ids is not None
+            and not getattr(request, "mm_features", None)
+            and getattr(request, "prompt_embeds", None) is None
+            and getattr(request, "lora_request", None) is None
+        )
 
     def _remember(self, request: Request) -> bool:
         if not self._eligible(request):
@@ -323,19 +437,24 @@ class KvfuseConnector(KVConnectorBase_V1):
     def on_new_request(self, request: Request) -> None:
         self._remember(request)
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         assert self.bookkeeper is not None
         if not self._eligible(request):
             return 0, False
         try:
-            m = self.bookkeeper.match(request.request_id, request.all_token_ids, request.cache_salt,
-                                      num_computed_tokens)
+            m = self.bookkeeper.match(
+                request.request_id, request.all_token_ids, request.cache_salt, num_computed_tokens
+            )
         except Exception:  # the store failing is a miss, never a failed request
             log.exception("kvfuse: lookup failed for request %s", request.request_id)
             return 0, False
         return m.tokens, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ):
         assert self.bookkeeper is not None
         if self._remember(request):
             self.bookkeeper.allocated(request.request_id, num_external_tokens)
@@ -360,16 +479,31 @@ class KvfuseConnector(KVConnectorBase_V1):
         for r in scheduler_output.scheduled_new_reqs:
             if r.req_id not in self._requests or r.prompt_token_ids is None:
                 continue
-            new.append(NewRequest(r.req_id, r.prompt_token_ids, self._requests[r.req_id], r.block_ids[0],
-                                  r.num_computed_tokens, scheduled.get(r.req_id, 0)))
+            new.append(
+                NewRequest(
+                    r.req_id,
+                    r.prompt_token_ids,
+                    self._requests[r.req_id],
+                    r.block_ids[0],
+                    r.num_computed_tokens,
+                    scheduled.get(r.req_id, 0),
+                )
+            )
         cached = []
         c = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(c.req_ids):
             if req_id not in self._requests:
                 continue
             blocks = c.new_block_ids[i]
-            cached.append(CachedRequest(req_id, blocks[0] if blocks is not None else None, c.num_computed_tokens[i],
-                                        scheduled.get(req_id, 0), resumed=req_id in c.resumed_req_ids))
+            cached.append(
+                CachedRequest(
+                    req_id,
+                    blocks[0] if blocks is not None else None,
+                    c.num_computed_tokens[i],
+                    scheduled.get(req_id, 0),
+                    resumed=req_id in c.resumed_req_ids,
+                )
+            )
         try:
             plan = self.bookkeeper.plan(new, cached)
         except Exception:
@@ -377,7 +511,9 @@ class KvfuseConnector(KVConnectorBase_V1):
             plan = StepPlan()
         return KvfuseConnectorMetadata(plan)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.bookkeeper is not None:
             self.bookkeeper.finished(request.request_id)
         self._requests.pop(request.request_id, None)
@@ -395,51 +531,97 @@ class KvfuseConnector(KVConnectorBase_V1):
         first = views[self.layer_names[0]]
         ptrs = {v.data_ptr() for v in views.values()}
         if len(ptrs) != len(views):
-            raise ValueError("KvfuseConnector does not support layers sharing one KV cache (cross-layer KV sharing)")
+            raise ValueError(
+                "KvfuseConnector does not support layers sharing one KV cache (cross-layer KV sharing)"
+            )
         context = self._vllm_config.compilation_config.static_forward_context
         layer = context.get(self.layer_names[0])
         sig = self._signature(first, layer)
         for n in self.layer_names[1:]:
             if self._signature(views[n], context.get(n)) != sig:
-                raise LayoutError(f"KvfuseConnector needs every layer's KV cache in one layout; {n} differs from "
-                                  f"{self.layer_names[0]}: {self._signature(views[n], context.get(n))} vs {sig}")
-        layout = probe_layout(first, self._writer(layer, first), self.spec.num_kv_heads, self.spec.head_size)
+                raise LayoutError(
+                    f"KvfuseConnector needs every layer's KV cache in one layout; {n} differs from "
+                    f"{self.layer_names[0]}: {self._signature(views[n], context.get(n))} vs {sig}"
+                )
+        layout = probe_layout(
+            first, self._writer(layer, first), self.spec.num_kv_heads, self.spec.head_size
+        )
         rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
         layers = CacheLayers(views, self.layer_names, layout, self.block_size)
         # auto: layer by layer on a GPU (reads and copies run while it computes); on the CPU, whole
         # entries before the forward pass (a loader thread would take cores from the forward pass:
         # measured 1.3-2.6x slower time to first token on the 2-core machine, docs/vllm.md)
-        layerwise = self.settings.layerwise if self.settings.layerwise is not None else first.is_cuda
-        self.worker = KVWorker(self.store, self.codec, layers, dtype=self.spec.dtype, kv_heads=self.spec.num_kv_heads,
-                               head_dim=self.spec.head_size, chunk_size=self.settings.chunk_size, rank=rank,
-                               layerwise=layerwise, save_queue=self.settings.save_queue)
+        layerwise = (
+            self.settings.layerwise if self.settings.layerwise is not None else first.is_cuda
+        )
+        self.worker = KVWorker(
+            self.store,
+            self.codec,
+            layers,
+            dtype=self.spec.dtype,
+            kv_heads=self.spec.num_kv_heads,
+            head_dim=self.spec.head_size,
+            chunk_size=self.settings.chunk_size,
+            rank=rank,
+            layerwise=layerwise,
+            save_queue=self.settings.save_queue,
+        )
         self._deltas = _Deltas(self.worker.counters)
         cc = self._vllm_config.cache_config
-        log.info("kvfuse connector (worker rank %d): %d layers, vLLM layout %s, backend %s%s, per-layer view %s %s "
-                 "(kernel blocks of %d tokens); per block: %s; tiers %s, codec %s, layerwise loads %s", rank,
-                 len(self.layer_names), getattr(cc, "kv_cache_layout", None), sig[3],
-                 f" (isa {sig[4]})" if sig[4] else "", list(first.shape), self.kv_dtype, layout.block_tokens,
-                 layout.describe(), [t.name for t in self.store.tiers], self.codec.name,
-                 f"{layerwise} ({'auto' if self.settings.layerwise is None else 'set'})")
+        log.info(
+            "kvfuse connector (worker rank %d): %d layers, vLLM layout %s, backend %s%s, per-layer view %s %s "
+            "(kernel blocks of %d tokens); per block: %s; tiers %s, codec %s, layerwise loads %s",
+            rank,
+            len(self.layer_names),
+            getattr(cc, "kv_cache_layout", None),
+            sig[3],
+            f" (isa {sig[4]})" if sig[4] else "",
+            list(first.shape),
+            self.kv_dtype,
+            layout.block_tokens,
+            layout.describe(),
+            [t.name for t in self.store.tiers],
+            self.codec.name,
+            f"{layerwise} ({'auto' if self.settings.layerwise is None else 'set'})",
+        )
 
     @staticmethod
     def _signature(view: torch.Tensor, layer) -> tuple:
         impl = getattr(layer, "impl", None)
         backend = getattr(layer, "attn_backend", None)
-        name = backend.get_name() if backend is not None and hasattr(backend, "get_name") else type(impl).__name__
-        return (tuple(view.shape[1:]), tuple(view.stride()[1:]), view.dtype, name, getattr(layer, "isa", None))
+        name = (
+            backend.get_name()
+            if backend is not None and hasattr(backend, "get_name")
+            else type(impl).__name__
+        )
+        return (
+            tuple(view.shape[1:]),
+            tuple(view.stride()[1:]),
+            view.dtype,
+            name,
+            getattr(layer, "isa", None),
+        )
 
     @staticmethod
     def _writer(layer, view: torch.Tensor):
         """The backend's own KV writer for ``view``, as ``probe_layout`` calls it."""
         impl = getattr(layer, "impl", None)
         backend = getattr(layer, "attn_backend", None)
-        name = backend.get_name() if backend is not None and hasattr(backend, "get_name") else type(impl).__name__
-        if impl is None or not hasattr(impl, "do_kv_cache_update") or getattr(
-                backend, "forward_includes_kv_cache_update", True):
-            raise LayoutError(f"the attention backend {name} writes its KV cache inside its forward pass, so kvfuse "
-                              "cannot learn its block layout; use a backend with a separate KV cache update "
-                              "(CPU_ATTN, FLASH_ATTN, TRITON_ATTN, FLASHINFER, FLEX_ATTENTION)")
+        name = (
+            backend.get_name()
+            if backend is not None and hasattr(backend, "get_name")
+            else type(impl).__name__
+        )
+        if (
+            impl is None
+            or not hasattr(impl, "do_kv_cache_update")
+            or getattr(backend, "forward_includes_kv_cache_update", True)
+        ):
+            raise LayoutError(
+                f"the attention backend {name} writes its KV cache inside its forward pass, so kvfuse "
+                "cannot learn its block layout; use a backend with a separate KV cache update "
+                "(CPU_ATTN, FLASH_ATTN, TRITON_ATTN, FLASHINFER, FLEX_ATTENTION)"
+            )
 
         def write(key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
             impl.do_kv_cache_update(layer, key, value, view, slots)
@@ -458,7 +640,9 @@ class KvfuseConnector(KVConnectorBase_V1):
         if self.worker is not None:
             self.worker.wait_layer(layer_name)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         if self.worker is None:
             return
         meta = self._get_connector_metadata()

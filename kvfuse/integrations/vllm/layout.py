@@ -63,8 +63,10 @@ class BlockLayout:
 
     def _check_view(self, view: torch.Tensor) -> None:
         if view.dim() != 4 or tuple(view.shape[1:]) != self.block_shape:
-            raise LayoutError(f"a KV cache view of shape {tuple(view.shape)} does not match the probed layout "
-                              f"[B, {', '.join(map(str, self.block_shape))}]")
+            raise LayoutError(
+                f"a KV cache view of shape {tuple(view.shape)} does not match the probed layout "
+                f"[B, {', '.join(map(str, self.block_shape))}]"
+            )
 
     @property
     def strides(self) -> tuple[tuple[int, int, int, int] | None, tuple[int, int, int, int] | None]:
@@ -72,7 +74,9 @@ class BlockLayout:
         its positions are affine (every layout vLLM has but CPU-AMX), else None."""
         return _affine_strides(self.index[0]), _affine_strides(self.index[1])
 
-    def gather(self, view: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def gather(
+        self, view: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The KV of ``blocks`` (kernel block indices, in token order) as ``(2, len(blocks) * N,
         kv_heads, head_dim)`` (into ``out`` if given): a copy, on the view's device, in its dtype."""
         self._check_view(view)
@@ -80,14 +84,23 @@ class BlockLayout:
         if out is None:
             out = torch.empty(2, nb * n, h, d, dtype=view.dtype, device=view.device)
         elif tuple(out.shape) != (2, nb * n, h, d) or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous (2, {nb * n}, {h}, {d}) tensor, got {tuple(out.shape)}")
+            raise ValueError(
+                f"out must be a contiguous (2, {nb * n}, {h}, {d}) tensor, got {tuple(out.shape)}"
+            )
         pages = view.index_select(0, blocks.to(view.device)).reshape(nb, self.block_elements)
         for kind, aff in enumerate(self._strides):
             dst = out[kind].view(nb, n, h, d)
             if aff is not None:  # a strided copy
                 base, st, sh, sd = aff
-                _copy_along(dst, pages.as_strided((nb, n, h, d), (self.block_elements, st, sh, sd),
-                                                  pages.storage_offset() + base), (st, sh, sd))
+                _copy_along(
+                    dst,
+                    pages.as_strided(
+                        (nb, n, h, d),
+                        (self.block_elements, st, sh, sd),
+                        pages.storage_offset() + base,
+                    ),
+                    (st, sh, sd),
+                )
             else:  # a gather
                 idx = self._index_on(view.device)[kind].reshape(-1)
                 dst.copy_(pages.index_select(1, idx).view(nb, n, h, d))
@@ -99,8 +112,10 @@ class BlockLayout:
         self._check_view(view)
         nb, n, h, d = blocks.numel(), self.block_tokens, self.kv_heads, self.head_dim
         if tuple(kv.shape) != (2, nb * n, h, d):
-            raise ValueError(f"KV of shape {tuple(kv.shape)} for {nb} blocks of {n} tokens; expected "
-                             f"(2, {nb * n}, {h}, {d})")
+            raise ValueError(
+                f"KV of shape {tuple(kv.shape)} for {nb} blocks of {n} tokens; expected "
+                f"(2, {nb * n}, {h}, {d})"
+            )
         if kv.dtype != view.dtype:
             raise ValueError(f"KV dtype {kv.dtype} does not match the cache's {view.dtype}")
         blocks = blocks.to(view.device)
@@ -113,8 +128,15 @@ class BlockLayout:
             src = kv[kind].reshape(nb, n, h, d)
             if aff is not None:
                 base, st, sh, sd = aff
-                _copy_along(pages.as_strided((nb, n, h, d), (self.block_elements, st, sh, sd),
-                                             pages.storage_offset() + base), src, (st, sh, sd))
+                _copy_along(
+                    pages.as_strided(
+                        (nb, n, h, d),
+                        (self.block_elements, st, sh, sd),
+                        pages.storage_offset() + base,
+                    ),
+                    src,
+                    (st, sh, sd),
+                )
             else:
                 idx = self._index_on(view.device)[kind].reshape(-1)
                 pages.index_copy_(1, idx, src.reshape(nb, -1))
@@ -137,7 +159,9 @@ class BlockLayout:
     def describe(self) -> str:
         """Where K and V lie, e.g. ``K[t,h,d] at h*8192 + d*128 + t, V[t,h,d] at h*8192 + 4096 +
         t*64 + d`` (an affine form when there is one)."""
-        return ", ".join(f"{name}[t,h,d] at {_affine(self.index[kind])}" for kind, name in ((0, "K"), (1, "V")))
+        return ", ".join(
+            f"{name}[t,h,d] at {_affine(self.index[kind])}" for kind, name in ((0, "K"), (1, "V"))
+        )
 
 
 def _copy_along(dst: torch.Tensor, src: torch.Tensor, strides: tuple[int, int, int]) -> None:
@@ -155,8 +179,12 @@ def _affine_strides(index: torch.Tensor) -> tuple[int, int, int, int] | None:
     st = int(index[1, 0, 0]) - base if n > 1 else 0
     sh = int(index[0, 1, 0]) - base if h > 1 else 0
     sd = int(index[0, 0, 1]) - base if d > 1 else 0
-    grid = (base + torch.arange(n)[:, None, None] * st + torch.arange(h)[None, :, None] * sh
-            + torch.arange(d)[None, None, :] * sd)
+    grid = (
+        base
+        + torch.arange(n)[:, None, None] * st
+        + torch.arange(h)[None, :, None] * sh
+        + torch.arange(d)[None, None, :] * sd
+    )
     return (base, st, sh, sd) if torch.equal(grid, index.cpu()) else None
 
 
@@ -172,7 +200,9 @@ def _affine(index: torch.Tensor) -> str:
     return f"{base} + {text}" if base else text
 
 
-def probe_layout(view: torch.Tensor, write: Writer, kv_heads: int, head_dim: int, block: int = 0) -> BlockLayout:
+def probe_layout(
+    view: torch.Tensor, write: Writer, kv_heads: int, head_dim: int, block: int = 0
+) -> BlockLayout:
     """Learn the block layout of one layer's ``[B, H', N, C']`` view from ``write(key, value,
     slot_mapping)``, the backend's own KV writer (``key``/``value``: ``(N, kv_heads, head_dim)``
     in the view's dtype; ``slot_mapping``: int64 slots, here those of kernel block ``block``).
@@ -180,10 +210,14 @@ def probe_layout(view: torch.Tensor, write: Writer, kv_heads: int, head_dim: int
     Block ``block`` is restored afterwards; call it before the cache is in use. LayoutError when
     the writer does not place every value exactly once, or changes the values."""
     if view.dim() != 4:
-        raise LayoutError(f"expected a 4-D [blocks, heads, block_size, content] view, got shape {tuple(view.shape)}")
+        raise LayoutError(
+            f"expected a 4-D [blocks, heads, block_size, content] view, got shape {tuple(view.shape)}"
+        )
     if not view.dtype.is_floating_point or view.element_size() < 2:
-        raise LayoutError(f"the KV cache holds {view.dtype}; kvfuse reads float16, bfloat16 and float32 caches only "
-                          "(start vLLM with --kv-cache-dtype auto)")
+        raise LayoutError(
+            f"the KV cache holds {view.dtype}; kvfuse reads float16, bfloat16 and float32 caches only "
+            "(start vLLM with --kv-cache-dtype auto)"
+        )
     _, hp, n, cp = view.shape
     coords = {"token": n, "head": kv_heads, "dim": head_dim}
     device, dtype = view.device, view.dtype
@@ -206,17 +240,23 @@ def probe_layout(view: torch.Tensor, write: Writer, kv_heads: int, head_dim: int
                 try:
                     write(part.to(dtype), (-part).to(dtype), slots)
                 except Exception as e:
-                    raise LayoutError(f"the attention backend's KV writer failed on a probe of {n} tokens x "
-                                      f"{kv_heads} heads x {head_dim} dims: {e}") from e
+                    raise LayoutError(
+                        f"the attention backend's KV writer failed on a probe of {n} tokens x "
+                        f"{kv_heads} heads x {head_dim} dims: {e}"
+                    ) from e
                 read = view[block].reshape(-1).to(torch.float64)
                 if not torch.equal(read, read.round()) or read.abs().max() > _BASE:
-                    raise LayoutError("the backend changed the values it wrote (a quantized or transformed KV cache); "
-                                      "kvfuse needs a plain float16/bfloat16/float32 cache")
+                    raise LayoutError(
+                        "the backend changed the values it wrote (a quantized or transformed KV cache); "
+                        "kvfuse needs a plain float16/bfloat16/float32 cache"
+                    )
                 sign = torch.sign(read).to(torch.int8)
                 if kind is None:
                     kind = sign
                 elif not torch.equal(kind, sign):
-                    raise LayoutError("the backend placed K and V differently on two writes of the same slots")
+                    raise LayoutError(
+                        "the backend placed K and V differently on two writes of the same slots"
+                    )
                 value += (read.abs().to(torch.int64) - 1).clamp(min=0) * (_BASE**digit)
             found[name] = value
     finally:
@@ -225,8 +265,13 @@ def probe_layout(view: torch.Tensor, write: Writer, kv_heads: int, head_dim: int
     return _index_from_probe(kind, found, (hp, n, cp), kv_heads, head_dim)
 
 
-def _index_from_probe(kind: torch.Tensor, found: dict[str, torch.Tensor], block_shape: tuple[int, int, int],
-                      kv_heads: int, head_dim: int) -> BlockLayout:
+def _index_from_probe(
+    kind: torch.Tensor,
+    found: dict[str, torch.Tensor],
+    block_shape: tuple[int, int, int],
+    kv_heads: int,
+    head_dim: int,
+) -> BlockLayout:
     n = block_shape[1]
     total = n * kv_heads * head_dim
     index = torch.empty(2, total, dtype=torch.int64)
@@ -234,14 +279,20 @@ def _index_from_probe(kind: torch.Tensor, found: dict[str, torch.Tensor], block_
         pos = torch.nonzero(kind.cpu() == sign).reshape(-1)
         if pos.numel() != total:
             what = "K" if k == 0 else "V"
-            raise LayoutError(f"the backend wrote {pos.numel()} {what} values into a block, expected {total} "
-                              f"({n} tokens x {kv_heads} heads x {head_dim} dims): not a layout kvfuse can read")
+            raise LayoutError(
+                f"the backend wrote {pos.numel()} {what} values into a block, expected {total} "
+                f"({n} tokens x {kv_heads} heads x {head_dim} dims): not a layout kvfuse can read"
+            )
         t, h, d = (found[c].cpu()[pos] for c in ("token", "head", "dim"))
         if int(t.max()) >= n or int(h.max()) >= kv_heads or int(d.max()) >= head_dim:
             raise LayoutError("the backend wrote values at coordinates outside the block")
         flat = (t * kv_heads + h) * head_dim + d
-        if not torch.equal(torch.bincount(flat, minlength=total), torch.ones(total, dtype=torch.int64)):
-            raise LayoutError("the backend wrote some (token, head, dim) twice and others not at all")
+        if not torch.equal(
+            torch.bincount(flat, minlength=total), torch.ones(total, dtype=torch.int64)
+        ):
+            raise LayoutError(
+                "the backend wrote some (token, head, dim) twice and others not at all"
+            )
         index[k, flat] = pos
     dense = 2 * total == block_shape[0] * block_shape[1] * block_shape[2]
     return BlockLayout(block_shape, kv_heads, head_dim, index.view(2, n, kv_heads, head_dim), dense)

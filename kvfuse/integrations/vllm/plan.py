@@ -18,8 +18,16 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvfuse.counters import Counters
-from kvfuse.integrations.vllm.blocks import (check_alignment, completed_chunks, first_needed_chunk, load_limit,
-                                             load_spans, lookup_chunks, matched_tokens, span_block_ids)
+from kvfuse.integrations.vllm.blocks import (
+    check_alignment,
+    completed_chunks,
+    first_needed_chunk,
+    load_limit,
+    load_spans,
+    lookup_chunks,
+    matched_tokens,
+    span_block_ids,
+)
 from kvfuse.kv.keys import ChunkKey
 
 log = logging.getLogger(__name__)
@@ -41,7 +49,9 @@ class LoadChunk:
     block_ids: tuple[int, ...]
     skip_tokens: int
     tier: str | None = None  # where the scheduler's lookup found it (for statistics)
-    token_ids: tuple[int, ...] = ()  # the chunk's token ids, which the entry must record (() = not checked)
+    token_ids: tuple[
+        int, ...
+    ] = ()  # the chunk's token ids, which the entry must record (() = not checked)
 
 
 @dataclass(frozen=True)
@@ -139,8 +149,17 @@ class Bookkeeper:
     memoizes keys and answers); ``allocated`` records that vLLM took a match; ``plan`` turns a
     scheduled step into loads and saves; ``finished`` forgets a request."""
 
-    def __init__(self, chunk_size: int, block_size: int, keys_for: KeysFor, lookup: Lookup, *, load: bool = True,
-                 save: bool = True, memo_size: int = 4096) -> None:
+    def __init__(
+        self,
+        chunk_size: int,
+        block_size: int,
+        keys_for: KeysFor,
+        lookup: Lookup,
+        *,
+        load: bool = True,
+        save: bool = True,
+        memo_size: int = 4096,
+    ) -> None:
         check_alignment(chunk_size, block_size)
         self.chunk_size, self.block_size = chunk_size, block_size
         self._keys_for, self._lookup = keys_for, lookup
@@ -154,7 +173,9 @@ class Bookkeeper:
 
     # -- keys --------------------------------------------------------------------------------------
 
-    def keys(self, req_id: str, tokens: Sequence[int], cache_salt: str | None, n_chunks: int) -> list[list[ChunkKey]]:
+    def keys(
+        self, req_id: str, tokens: Sequence[int], cache_salt: str | None, n_chunks: int
+    ) -> list[list[ChunkKey]]:
         """Per rank, the keys of the request's first ``n_chunks`` chunks (memoized per request:
         a prompt's leading tokens never change)."""
         if n_chunks <= 0:
@@ -180,7 +201,9 @@ class Bookkeeper:
 
     # -- lookups -----------------------------------------------------------------------------------
 
-    def match(self, req_id: str, tokens: Sequence[int], cache_salt: str | None, num_computed: int) -> Match:
+    def match(
+        self, req_id: str, tokens: Sequence[int], cache_salt: str | None, num_computed: int
+    ) -> Match:
         """How many tokens beyond ``num_computed`` (vLLM's block-aligned local hit) the store can
         provide for this request: contiguous stored chunks from the chunk holding the first token
         vLLM lacks, up to the last whole block before the request's last token."""
@@ -194,8 +217,13 @@ class Bookkeeper:
         where = self._where([k[first:] for k in keys])
         hits = next((i for i, w in enumerate(where) if w is None), len(where))
         limit = load_limit(len(tokens), self.block_size)
-        m = Match(matched_tokens(num_computed, first, hits, self.chunk_size, limit), num_computed, first, hits,
-                  where[:hits])
+        m = Match(
+            matched_tokens(num_computed, first, hits, self.chunk_size, limit),
+            num_computed,
+            first,
+            hits,
+            where[:hits],
+        )
         self._matches[req_id] = m
         while len(self._matches) > self._memo_size:
             self._matches.popitem(last=False)
@@ -221,8 +249,11 @@ class Bookkeeper:
         self.counters.add(lookups=1)
         if external_tokens > 0:
             self._pending[req_id] = external_tokens
-            self.counters.add(hit_requests=1, hit_tokens=external_tokens,
-                              hit_tokens_by_tier=self.hit_tiers(req_id, external_tokens))
+            self.counters.add(
+                hit_requests=1,
+                hit_tokens=external_tokens,
+                hit_tokens_by_tier=self.hit_tiers(req_id, external_tokens),
+            )
 
     # -- steps -------------------------------------------------------------------------------------
 
@@ -230,7 +261,9 @@ class Bookkeeper:
         """The loads and saves of one scheduled step."""
         step = StepPlan()
         for r in new:
-            tracker = _Tracker(r.req_id, list(r.prompt_token_ids), r.cache_salt, [int(b) for b in r.block_ids])
+            tracker = _Tracker(
+                r.req_id, list(r.prompt_token_ids), r.cache_salt, [int(b) for b in r.block_ids]
+            )
             self._trackers[r.req_id] = tracker
             self._load(step, tracker, r.num_computed_tokens)
             self._first_sight(tracker)
@@ -248,7 +281,9 @@ class Bookkeeper:
             self._load(step, tracker, r.num_computed_tokens)
             self._save(step, tracker, r.num_computed_tokens + r.num_scheduled_tokens)
         if step.loads or step.saves:
-            self.counters.add(planned_loads=sum(len(j.chunks) for j in step.loads), planned_saves=len(step.saves))
+            self.counters.add(
+                planned_loads=sum(len(j.chunks) for j in step.loads), planned_saves=len(step.saves)
+            )
         return step
 
     def _tracker_keys(self, tracker: _Tracker, n_chunks: int) -> list[list[ChunkKey]] | None:
@@ -279,11 +314,16 @@ class Bookkeeper:
                 tier = m.tiers[s.index - m.first]
             blocks = span_block_ids(tracker.block_ids, self.block_size, s.write_start, s.write_end)
             chunk_keys = tuple(str(k[s.index]) for k in keys) if keys is not None else ()
-            ids = tuple(tracker.tokens[s.start:s.end]) if s.end <= len(tracker.tokens) else ()
-            chunks.append(LoadChunk(chunk_keys, s.index, tuple(blocks), s.write_start - s.start, tier, ids))
+            ids = tuple(tracker.tokens[s.start : s.end]) if s.end <= len(tracker.tokens) else ()
+            chunks.append(
+                LoadChunk(chunk_keys, s.index, tuple(blocks), s.write_start - s.start, tier, ids)
+            )
             tracker.present.add(s.index)
         if keys is None:
-            log.error("kvfuse: no keys for the load of request %s; its blocks will be reported failed", tracker.req_id)
+            log.error(
+                "kvfuse: no keys for the load of request %s; its blocks will be reported failed",
+                tracker.req_id,
+            )
         step.loads.append(LoadJob(tracker.req_id, tuple(chunks)))
 
     def _first_sight(self, tracker: _Tracker) -> None:
@@ -317,8 +357,15 @@ class Bookkeeper:
                 log.warning("kvfuse: chunk %d of request %s is not saved: %s", i, tracker.req_id, e)
                 continue
             assert keys is not None  # done <= len(tokens) // c
-            step.saves.append(SaveChunk(tracker.req_id, tuple(str(k[i]) for k in keys), i, tuple(blocks),
-                                        tuple(tracker.tokens[i * c:(i + 1) * c])))
+            step.saves.append(
+                SaveChunk(
+                    tracker.req_id,
+                    tuple(str(k[i]) for k in keys),
+                    i,
+                    tuple(blocks),
+                    tuple(tracker.tokens[i * c : (i + 1) * c]),
+                )
+            )
             tracker.present.add(i)
         tracker.next_save = done
 

@@ -71,7 +71,9 @@ def _as_bool(name: str, value: Any) -> bool:
     raise ConfigError(f"{name}: expected {choices}, got {value!r} (from {_SOURCE})")
 
 
-def read_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None) -> ConnectorSettings:
+def read_settings(
+    extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
+) -> ConnectorSettings:
     """The settings of ``kv_connector_extra_config`` over kvfuse's configuration (the YAML file
     named by ``config`` or ``$KVFUSE_CONFIG``, then ``KVFUSE_*`` variables of ``env``);
     ConfigError naming the setting on anything unknown or invalid."""
@@ -90,17 +92,28 @@ def read_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None
         elif key in _TOP_FIELDS:
             overrides[key] = value
         else:
-            valid = sorted(_BOOL_OPTIONS) + sorted(_OTHER_OPTIONS) + sorted(_TOP_FIELDS) + sorted(_CACHE_FIELDS)
-            raise ConfigError(f"unknown setting {key!r} in {_SOURCE}; valid settings: {', '.join(valid)}")
+            valid = (
+                sorted(_BOOL_OPTIONS)
+                + sorted(_OTHER_OPTIONS)
+                + sorted(_TOP_FIELDS)
+                + sorted(_CACHE_FIELDS)
+            )
+            raise ConfigError(
+                f"unknown setting {key!r} in {_SOURCE}; valid settings: {', '.join(valid)}"
+            )
     try:
         config = load_config(options.get("config"), env, overrides)
     except ConfigError as e:
         raise ConfigError(str(e).replace("(from command line)", f"(from {_SOURCE})")) from None
     if not config.cache.enabled:
-        raise ConfigError(f"cache.enabled is false: remove the kvfuse connector from --kv-transfer-config instead")
+        raise ConfigError(
+            "cache.enabled is false: remove the kvfuse connector from --kv-transfer-config instead"
+        )
     fingerprint = options.get("model_fingerprint")
     if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint.strip()):
-        raise ConfigError(f"model_fingerprint: expected a non-empty string, got {fingerprint!r} (from {_SOURCE})")
+        raise ConfigError(
+            f"model_fingerprint: expected a non-empty string, got {fingerprint!r} (from {_SOURCE})"
+        )
     layerwise = options.get("layerwise", "auto")
     if isinstance(layerwise, str) and layerwise.strip().lower() == "auto":
         layerwise = None
@@ -112,13 +125,22 @@ def read_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None
     except (TypeError, ValueError):
         queue = 0
     if isinstance(options.get("save_queue"), bool) or queue < 1:
-        raise ConfigError(f"save_queue: expected an integer >= 1, got {options.get('save_queue')!r} (from {_SOURCE})")
-    return ConnectorSettings(config, load=options.get("load", True), save=options.get("save", True),
-                             layerwise=layerwise, model_fingerprint=fingerprint,
-                             save_queue=queue)
+        raise ConfigError(
+            f"save_queue: expected an integer >= 1, got {options.get('save_queue')!r} (from {_SOURCE})"
+        )
+    return ConnectorSettings(
+        config,
+        load=options.get("load", True),
+        save=options.get("save", True),
+        layerwise=layerwise,
+        model_fingerprint=fingerprint,
+        save_queue=queue,
+    )
 
 
-def weights_digest(folder: str | Path, samples: int = 8, sample_bytes: int = 64 * 1024) -> str | None:
+def weights_digest(
+    folder: str | Path, samples: int = 8, sample_bytes: int = 64 * 1024
+) -> str | None:
     """A digest of a model folder's weight files, cheap even for huge models: each file's name and
     size, and ``samples`` slices of ``sample_bytes`` spread over it (first and last included).
     Different weights (a fine-tune, another quantization) differ in these bytes; reading them
@@ -141,8 +163,15 @@ def weights_digest(folder: str | Path, samples: int = 8, sample_bytes: int = 64 
     return h.hexdigest()
 
 
-def model_fingerprint(model: str, *, revision: str | None = None, dtype: str = "", quantization: str | None = None,
-                      hf_config: Mapping[str, Any] | None = None, weights: str | None = None) -> str:
+def model_fingerprint(
+    model: str,
+    *,
+    revision: str | None = None,
+    dtype: str = "",
+    quantization: str | None = None,
+    hf_config: Mapping[str, Any] | None = None,
+    weights: str | None = None,
+) -> str:
     """The model's identity in the connector's cache keys. Prefixed ``vllm-``: kvfuse's own engine
     (other kernels) never shares keys with vLLM."""
     h = hashlib.sha256(b"kvfuse.vllm.model.v1\x00")
@@ -152,8 +181,18 @@ def model_fingerprint(model: str, *, revision: str | None = None, dtype: str = "
     return "vllm-" + h.hexdigest()[:32]
 
 
-def kv_namespace(fingerprint: str, kv_dtype: str, num_layers: int, kv_heads: int, head_dim: int, *, salt: str = "",
-                 cache_salt: str | None = None, tp_rank: int = 0, tp_size: int = 1) -> Namespace:
+def kv_namespace(
+    fingerprint: str,
+    kv_dtype: str,
+    num_layers: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    salt: str = "",
+    cache_salt: str | None = None,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> Namespace:
     """The namespace of one tensor-parallel rank's entries: the layout names the rank's KV heads
     (and the rank, with several); ``cache_salt`` (vLLM's per-request salt) goes into the salt, as
     in kvfuse's own server."""
@@ -163,4 +202,6 @@ def kv_namespace(fingerprint: str, kv_dtype: str, num_layers: int, kv_heads: int
     if tp_size > 1:
         layout += f"/tp{tp_rank}of{tp_size}"
     full_salt = salt + ("\x00" + cache_salt if cache_salt else "")
-    return Namespace(model_fingerprint=fingerprint, kv_dtype=kv_dtype, kv_layout=layout, salt=full_salt)
+    return Namespace(
+        model_fingerprint=fingerprint, kv_dtype=kv_dtype, kv_layout=layout, salt=full_salt
+    )

@@ -28,7 +28,9 @@ def acquire_store(config: Config) -> TieredStore:
         if got is None:
             store = open_store(config)
             if store is None:
-                raise ValueError("the kvfuse cache is disabled in this configuration (cache.enabled: false)")
+                raise ValueError(
+                    "the kvfuse cache is disabled in this configuration (cache.enabled: false)"
+                )
             got = _stores[config] = [store, 0]
         got[1] += 1
         return got[0]

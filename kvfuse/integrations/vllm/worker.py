@@ -77,7 +77,13 @@ def layer_groups(num_layers: int) -> list[tuple[int, int]]:
 class CacheLayers:
     """vLLM's per-layer KV tensors in layer order, with their block layout."""
 
-    def __init__(self, views: Mapping[str, torch.Tensor], order: Sequence[str], layout: BlockLayout, block_size: int):
+    def __init__(
+        self,
+        views: Mapping[str, torch.Tensor],
+        order: Sequence[str],
+        layout: BlockLayout,
+        block_size: int,
+    ):
         missing = [n for n in order if n not in views]
         if missing:
             raise ValueError(f"no KV cache registered for layers {missing}")
@@ -86,7 +92,9 @@ class CacheLayers:
         self.views = [views[n] for n in self.names]
         self.layout = layout
         self.block_size = block_size
-        kernel_block_ids([], block_size, layout.block_tokens)  # checks that kernel blocks divide vLLM's blocks
+        kernel_block_ids(
+            [], block_size, layout.block_tokens
+        )  # checks that kernel blocks divide vLLM's blocks
 
     def __len__(self) -> int:
         return len(self.names)
@@ -120,8 +128,20 @@ class _StepLoad:
 class KVWorker:
     """Loads and saves for one worker (one tensor-parallel rank)."""
 
-    def __init__(self, store: TieredStore, codec: Codec, layers: CacheLayers, *, dtype: torch.dtype, kv_heads: int,
-                 head_dim: int, chunk_size: int, rank: int = 0, layerwise: bool = True, save_queue: int = 64) -> None:
+    def __init__(
+        self,
+        store: TieredStore,
+        codec: Codec,
+        layers: CacheLayers,
+        *,
+        dtype: torch.dtype,
+        kv_heads: int,
+        head_dim: int,
+        chunk_size: int,
+        rank: int = 0,
+        layerwise: bool = True,
+        save_queue: int = 64,
+    ) -> None:
         self.store, self.codec, self.layers = store, codec, layers
         self.dtype, self.kv_heads, self.head_dim = dtype, kv_heads, head_dim
         self.chunk_size, self.rank, self.layerwise = chunk_size, rank, layerwise
@@ -134,7 +154,9 @@ class KVWorker:
         self._save_layers: set[int] = set()
         self._save_blocks: torch.Tensor | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=save_queue)
-        self._saver = threading.Thread(target=self._save_loop, name="kvfuse-vllm-saver", daemon=True)
+        self._saver = threading.Thread(
+            target=self._save_loop, name="kvfuse-vllm-saver", daemon=True
+        )
         self._saver.start()
         self._closed = False
 
@@ -144,8 +166,15 @@ class KVWorker:
         """What a chunk's entry must be: this model's KV layout and dtype, the chunk's positions,
         and (when the scheduler sent them) the chunk's token ids."""
         c = self.chunk_size
-        return EntrySpec(self.dtype, len(self.layers), self.kv_heads, self.head_dim, tokens=c, first_position=index * c,
-                         token_ids=tuple(token_ids) if token_ids else None)
+        return EntrySpec(
+            self.dtype,
+            len(self.layers),
+            self.kv_heads,
+            self.head_dim,
+            tokens=c,
+            first_position=index * c,
+            token_ids=tuple(token_ids) if token_ids else None,
+        )
 
     def start_loads(self, jobs: Sequence[LoadJob]) -> None:
         """Start the loads of a step (before its forward pass)."""
@@ -159,18 +188,28 @@ class KVWorker:
                         key = ChunkKey.parse(c.keys[self.rank])
                     except ValueError:
                         key = None
-                item = _LoadItem(c, key, self.layers.kernel_blocks(c.block_ids), self._spec(c.index, c.token_ids))
+                item = _LoadItem(
+                    c, key, self.layers.kernel_blocks(c.block_ids), self._spec(c.index, c.token_ids)
+                )
                 if key is None:
                     self._fail(item, "no key for this rank")
-                elif c.skip_tokens + self._tokens(item) > self.chunk_size or c.skip_tokens % self.layers.block_size:
-                    self._fail(item, f"blocks {c.block_ids} from token {c.skip_tokens} do not fit in a chunk")
+                elif (
+                    c.skip_tokens + self._tokens(item) > self.chunk_size
+                    or c.skip_tokens % self.layers.block_size
+                ):
+                    self._fail(
+                        item,
+                        f"blocks {c.block_ids} from token {c.skip_tokens} do not fit in a chunk",
+                    )
                 items.append(item)
         if not items:
             return
         self.counters.add(load_requests=len(jobs))
         load = self._load = _StepLoad(items, len(self.layers))
         if self.layerwise:
-            load.thread = threading.Thread(target=self._run_layers, args=(load,), name="kvfuse-vllm-loader", daemon=True)
+            load.thread = threading.Thread(
+                target=self._run_layers, args=(load,), name="kvfuse-vllm-loader", daemon=True
+            )
             load.thread.start()
         else:
             self._run_whole(load)
@@ -185,9 +224,13 @@ class KVWorker:
         item.failed = True
         self._failed_blocks.update(item.chunk.block_ids)
         self.counters.add(load_failed_chunks=1, load_failed_blocks=len(item.chunk.block_ids))
-        log.warning("kvfuse: chunk %d (%s) not loaded: %s; vLLM recomputes its %d blocks", item.chunk.index,
-                    item.chunk.keys[self.rank] if len(item.chunk.keys) > self.rank else "?", why,
-                    len(item.chunk.block_ids))
+        log.warning(
+            "kvfuse: chunk %d (%s) not loaded: %s; vLLM recomputes its %d blocks",
+            item.chunk.index,
+            item.chunk.keys[self.rank] if len(item.chunk.keys) > self.rank else "?",
+            why,
+            len(item.chunk.block_ids),
+        )
 
     def _write_layer(self, layer: int, parts: list[tuple[_LoadItem, torch.Tensor]]) -> None:
         """Write one layer of several chunks: ``parts`` holds each chunk's ``(2, tokens, heads,
@@ -195,7 +238,13 @@ class KVWorker:
         if not parts:
             return
         blocks = torch.cat([it.blocks for it, _ in parts])
-        kv = torch.cat([x[:, it.chunk.skip_tokens:it.chunk.skip_tokens + self._tokens(it)] for it, x in parts], dim=1)
+        kv = torch.cat(
+            [
+                x[:, it.chunk.skip_tokens : it.chunk.skip_tokens + self._tokens(it)]
+                for it, x in parts
+            ],
+            dim=1,
+        )
         try:
             view = self.layers.views[layer]
             self.layers.layout.scatter(view, blocks, kv)
@@ -216,13 +265,17 @@ class KVWorker:
                         continue
                     r = self.store.fetch_layers(it.key, first, last, it.spec)
                     if r is None:
-                        self._fail(it, f"layers {first}-{last - 1} are missing or damaged in every tier")
+                        self._fail(
+                            it, f"layers {first}-{last - 1} are missing or damaged in every tier"
+                        )
                         continue
                     if first == 0:
                         it.tier = r.tier
                     got.append((it, r.kv))
                 for layer in range(first, last):
-                    self._write_layer(layer, [(it, kv[layer - first]) for it, kv in got if not it.failed])
+                    self._write_layer(
+                        layer, [(it, kv[layer - first]) for it, kv in got if not it.failed]
+                    )
                     load.events[layer].set()
         except Exception as e:
             log.exception("kvfuse: the layer loader failed at layer %d", layer)
@@ -288,12 +341,21 @@ class KVWorker:
             tiers[it.tier or "unknown"] = tiers.get(it.tier or "unknown", 0) + 1
         tokens = sum(self._tokens(it) for it in ok)
         elapsed = (load.finished or time.perf_counter()) - load.started
-        self.counters.add(loaded_chunks=len(ok), loaded_tokens=tokens, loaded_chunks_by_tier=tiers,
-                          load_us=int(elapsed * 1e6))
+        self.counters.add(
+            loaded_chunks=len(ok),
+            loaded_tokens=tokens,
+            loaded_chunks_by_tier=tiers,
+            load_us=int(elapsed * 1e6),
+        )
         if ok:
-            log.info("kvfuse: loaded %d chunks (%d tokens) in %.1f ms from %s%s", len(ok), tokens, elapsed * 1e3,
-                     ", ".join(f"{t}: {n}" for t, n in sorted(tiers.items())),
-                     f"; {len(load.items) - len(ok)} failed" if len(ok) < len(load.items) else "")
+            log.info(
+                "kvfuse: loaded %d chunks (%d tokens) in %.1f ms from %s%s",
+                len(ok),
+                tokens,
+                elapsed * 1e3,
+                ", ".join(f"{t}: {n}" for t, n in sorted(tiers.items())),
+                f"; {len(load.items) - len(ok)} failed" if len(ok) < len(load.items) else "",
+            )
 
     def take_failed_blocks(self) -> set[int]:
         """vLLM block ids whose load failed since the last call (after the step's loads end)."""
@@ -315,8 +377,15 @@ class KVWorker:
         if self._save_plan != saves:  # the step's first layer
             self._save_plan, self._save_layers = saves, set()
             self._save_blocks = torch.cat([self.layers.kernel_blocks(s.block_ids) for s in saves])
-            self._save_buf = torch.empty(len(self.layers), 2, len(saves) * self.chunk_size, self.kv_heads,
-                                         self.head_dim, dtype=self.dtype, device=view.device)
+            self._save_buf = torch.empty(
+                len(self.layers),
+                2,
+                len(saves) * self.chunk_size,
+                self.kv_heads,
+                self.head_dim,
+                dtype=self.dtype,
+                device=view.device,
+            )
         self.layers.layout.gather(view, self._save_blocks, out=self._save_buf[i])
         self._save_layers.add(i)
         self.counters.add(save_copy_us=int((time.perf_counter() - t0) * 1e6))
@@ -324,13 +393,22 @@ class KVWorker:
     def end_step(self) -> None:
         """After the forward pass: hand this step's complete save chunks to the saver thread."""
         saves, buf, layers = self._save_plan, self._save_buf, self._save_layers
-        self._save_plan, self._save_buf, self._save_layers, self._save_blocks = (), None, set(), None
+        self._save_plan, self._save_buf, self._save_layers, self._save_blocks = (
+            (),
+            None,
+            set(),
+            None,
+        )
         if not saves or buf is None:
             return
         if len(layers) != len(self.layers):
             self.counters.add(save_dropped=len(saves))
-            log.warning("kvfuse: %d chunks not saved: only %d of %d layers were copied", len(saves), len(layers),
-                        len(self.layers))
+            log.warning(
+                "kvfuse: %d chunks not saved: only %d of %d layers were copied",
+                len(saves),
+                len(layers),
+                len(self.layers),
+            )
             return
         if buf.device.type != "cpu":
             buf = buf.cpu()
@@ -340,10 +418,16 @@ class KVWorker:
                 self.counters.add(save_errors=1)
                 continue
             try:  # the chunk's KV is made contiguous (copied) on the saver thread, off the forward path
-                self._queue.put_nowait((s.keys[self.rank], s.index, s.token_ids, buf[:, :, j * c:(j + 1) * c]))
+                self._queue.put_nowait(
+                    (s.keys[self.rank], s.index, s.token_ids, buf[:, :, j * c : (j + 1) * c])
+                )
             except queue.Full:
                 self.counters.add(save_dropped=1)
-                log.warning("kvfuse: the save queue is full; chunk %d of request %s is not saved", s.index, s.req_id)
+                log.warning(
+                    "kvfuse: the save queue is full; chunk %d of request %s is not saved",
+                    s.index,
+                    s.req_id,
+                )
 
     def _save_loop(self) -> None:
         while True:
@@ -354,8 +438,11 @@ class KVWorker:
                 key, index, token_ids, kv = item
                 try:
                     c = self.chunk_size
-                    chunk = KVChunk(kv.contiguous(), torch.arange(index * c, (index + 1) * c, dtype=torch.int64),
-                                    token_ids=torch.tensor(token_ids, dtype=torch.int64) if token_ids else None)
+                    chunk = KVChunk(
+                        kv.contiguous(),
+                        torch.arange(index * c, (index + 1) * c, dtype=torch.int64),
+                        token_ids=torch.tensor(token_ids, dtype=torch.int64) if token_ids else None,
+                    )
                     entry = encode_entry(chunk, key, self.codec)
                     self.store.put([(ChunkKey.parse(key), entry)], block=True)
                     self.counters.add(saved_chunks=1, saved_tokens=chunk.num_tokens)

@@ -41,16 +41,32 @@ from types import ModuleType
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(f) for f in ("module.cpp", "batch_attention.cpp", "linear.cpp", "pointwise.cpp",
-                                                      "layer.cpp", "stack.cpp")]
-_NAME = "kvfuse_cpu_kernels_v8"  # bump when the sources change in a way the build cache must not reuse
+_SOURCES = [
+    Path(__file__).with_name(f)
+    for f in (
+        "module.cpp",
+        "batch_attention.cpp",
+        "linear.cpp",
+        "pointwise.cpp",
+        "layer.cpp",
+        "stack.cpp",
+    )
+]
+_NAME = (
+    "kvfuse_cpu_kernels_v8"  # bump when the sources change in a way the build cache must not reuse
+)
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
 
 def enabled() -> bool:
     """False when ``KVFUSE_KERNELS`` is ``off`` (or ``0``/``false``)."""
-    return os.environ.get("KVFUSE_KERNELS", "auto").strip().lower() not in ("off", "0", "false", "no")
+    return os.environ.get("KVFUSE_KERNELS", "auto").strip().lower() not in (
+        "off",
+        "0",
+        "false",
+        "no",
+    )
 
 
 def get() -> ModuleType | None:
@@ -81,9 +97,17 @@ def _build() -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
-        log.info("loading kvfuse's CPU kernels (compiled once per machine, about two minutes on 2 cores)")
-        return cpp_extension.load(name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_flags(), verbose=False)
+        log.info(
+            "loading kvfuse's CPU kernels (compiled once per machine, about two minutes on 2 cores)"
+        )
+        return cpp_extension.load(
+            name=_NAME, sources=[str(s) for s in _SOURCES], extra_cflags=_flags(), verbose=False
+        )
     except Exception as exc:  # no compiler, no ninja, headers missing: the PyTorch path still works
-        log.warning("CPU kernels unavailable (%s: %s); using PyTorch's attention and projections "
-                    "(set KVFUSE_KERNELS=off to skip the attempt)", type(exc).__name__, str(exc).splitlines()[0][:200])
+        log.warning(
+            "CPU kernels unavailable (%s: %s); using PyTorch's attention and projections "
+            "(set KVFUSE_KERNELS=off to skip the attempt)",
+            type(exc).__name__,
+            str(exc).splitlines()[0][:200],
+        )
         return None

@@ -11,8 +11,6 @@
 // Scores are kept for the whole row (two passes: scores, then the softmax-weighted sum of values),
 // accumulated in float32.
 
-#include "kernels.h"
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -20,6 +18,8 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#include "kernels.h"
 
 #if defined(__AVX__)
 #include <immintrin.h>
@@ -31,7 +31,9 @@
 namespace {
 
 // Widen one row of `d` stored values to float32.
-inline void widen(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+inline void widen(const float* src, float* dst, int64_t d) {
+  std::memcpy(dst, src, d * sizeof(float));
+}
 
 inline void widen(const at::Half* src, float* dst, int64_t d) {
   int64_t i = 0;
@@ -53,14 +55,16 @@ inline float dot(const float* a, const float* b, int64_t d) {
   float s = 0.f;
 #if defined(__AVX2__) && defined(__FMA__)
   // Four independent 8-wide accumulators: the compiler does not reorder a float reduction itself.
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc2 = _mm256_setzero_ps(),
+         acc3 = _mm256_setzero_ps();
   for (; i + 32 <= d; i += 32) {
     acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
     acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
     acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
     acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
   }
-  for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  for (; i + 8 <= d; i += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
   __m256 acc = _mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3));
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
@@ -72,16 +76,17 @@ inline float dot(const float* a, const float* b, int64_t d) {
 }
 
 struct Seq {
-  const void* kv;            // the sequence's whole KV buffer
-  const int64_t* positions;  // slot -> position
-  int64_t len;               // valid slots
+  const void* kv;                         // the sequence's whole KV buffer
+  const int64_t* positions;               // slot -> position
+  int64_t len;                            // valid slots
   int64_t s_layer, s_kv, s_head, s_slot;  // strides of kv (elements)
 };
 
 template <typename T>
-void attend_one(const Seq& seq, int64_t layer, int64_t g, int64_t group, int64_t d, const float* q_row,
-                int64_t q_head_stride, int64_t q_pos, int64_t window, float scale, float softcap, float* out,
-                std::vector<float>& scores, std::vector<float>& row) {
+void attend_one(const Seq& seq, int64_t layer, int64_t g, int64_t group, int64_t d,
+                const float* q_row, int64_t q_head_stride, int64_t q_pos, int64_t window,
+                float scale, float softcap, float* out, std::vector<float>& scores,
+                std::vector<float>& row) {
   const T* kbase = static_cast<const T*>(seq.kv) + layer * seq.s_layer + g * seq.s_head;
   const T* vbase = kbase + seq.s_kv;
   const int64_t n = seq.len;
@@ -127,21 +132,27 @@ void attend_one(const Seq& seq, int64_t layer, int64_t g, int64_t group, int64_t
   }
 }
 
-std::vector<Seq> describe(const std::vector<torch::Tensor>& kvs, const std::vector<torch::Tensor>& positions,
+std::vector<Seq> describe(const std::vector<torch::Tensor>& kvs,
+                          const std::vector<torch::Tensor>& positions,
                           const std::vector<int64_t>& lens, at::ScalarType dtype) {
-  TORCH_CHECK(kvs.size() == positions.size() && kvs.size() == lens.size(), "one kv, positions and length per sequence");
+  TORCH_CHECK(kvs.size() == positions.size() && kvs.size() == lens.size(),
+              "one kv, positions and length per sequence");
   std::vector<Seq> seqs;
   seqs.reserve(kvs.size());
   for (size_t i = 0; i < kvs.size(); ++i) {
     const auto& kv = kvs[i];
-    TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "kv must be (layers, 2, kv_heads, capacity, head_dim)");
+    TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2,
+                "kv must be (layers, 2, kv_heads, capacity, head_dim)");
     TORCH_CHECK(kv.scalar_type() == dtype, "every sequence's kv must have the same dtype");
     TORCH_CHECK(kv.stride(4) == 1, "kv rows must be contiguous in head_dim");
-    TORCH_CHECK(kv.device().is_cpu() && positions[i].device().is_cpu(), "batch_attention runs on the CPU");
-    TORCH_CHECK(positions[i].scalar_type() == at::kLong && positions[i].is_contiguous(), "positions must be int64");
-    TORCH_CHECK(lens[i] >= 0 && lens[i] <= kv.size(3) && lens[i] <= positions[i].numel(), "length beyond capacity");
-    seqs.push_back(Seq{kv.data_ptr(), positions[i].data_ptr<int64_t>(), lens[i], kv.stride(0), kv.stride(1),
-                       kv.stride(2), kv.stride(3)});
+    TORCH_CHECK(kv.device().is_cpu() && positions[i].device().is_cpu(),
+                "batch_attention runs on the CPU");
+    TORCH_CHECK(positions[i].scalar_type() == at::kLong && positions[i].is_contiguous(),
+                "positions must be int64");
+    TORCH_CHECK(lens[i] >= 0 && lens[i] <= kv.size(3) && lens[i] <= positions[i].numel(),
+                "length beyond capacity");
+    seqs.push_back(Seq{kv.data_ptr(), positions[i].data_ptr<int64_t>(), lens[i], kv.stride(0),
+                       kv.stride(1), kv.stride(2), kv.stride(3)});
   }
   return seqs;
 }
@@ -150,19 +161,23 @@ std::vector<Seq> describe(const std::vector<torch::Tensor>& kvs, const std::vect
 
 // q: (n, heads, head_dim) float32, head_dim contiguous; q_seq[i]: the sequence of query i;
 // q_pos[i]: its position. Returns (n, heads * head_dim) float32.
-torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs, std::vector<torch::Tensor> positions,
-                     std::vector<int64_t> lens, std::vector<int64_t> q_seq, std::vector<int64_t> q_pos, int64_t layer,
+torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs,
+                     std::vector<torch::Tensor> positions, std::vector<int64_t> lens,
+                     std::vector<int64_t> q_seq, std::vector<int64_t> q_pos, int64_t layer,
                      double scale, int64_t window, double softcap) {
-  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1, "q must be (n, heads, head_dim) float32");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.stride(2) == 1,
+              "q must be (n, heads, head_dim) float32");
   TORCH_CHECK(!kvs.empty(), "no sequences");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2);
-  TORCH_CHECK((int64_t)q_seq.size() == n && (int64_t)q_pos.size() == n, "one sequence index and position per query");
+  TORCH_CHECK((int64_t)q_seq.size() == n && (int64_t)q_pos.size() == n,
+              "one sequence index and position per query");
   const auto dtype = kvs[0].scalar_type();
   const auto seqs = describe(kvs, positions, lens, dtype);
   const int64_t kv_heads = kvs[0].size(2);
   TORCH_CHECK(kvs[0].size(4) == d && heads % kv_heads == 0, "q does not match the kv layout");
   TORCH_CHECK(layer >= 0 && layer < kvs[0].size(0), "layer out of range");
-  for (auto s : q_seq) TORCH_CHECK(s >= 0 && s < (int64_t)seqs.size(), "query of an unknown sequence");
+  for (auto s : q_seq)
+    TORCH_CHECK(s >= 0 && s < (int64_t)seqs.size(), "query of an unknown sequence");
   const int64_t group = heads / kv_heads;
   auto out = torch::empty({n, heads * d}, q.options());
   const float* qp = q.data_ptr<float>();
@@ -178,13 +193,16 @@ torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs, std::vecto
       const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
       switch (dtype) {
         case at::kFloat:
-          attend_one<float>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, o, scores, row);
+          attend_one<float>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, o,
+                            scores, row);
           break;
         case at::kHalf:
-          attend_one<at::Half>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, o, scores, row);
+          attend_one<at::Half>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, o,
+                               scores, row);
           break;
         case at::kBFloat16:
-          attend_one<at::BFloat16>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, o, scores, row);
+          attend_one<at::BFloat16>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap,
+                                   o, scores, row);
           break;
         default:
           TORCH_CHECK(false, "unsupported kv dtype");
@@ -196,7 +214,9 @@ torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs, std::vecto
 
 namespace {
 
-inline void narrow_row(const float* src, float* dst, int64_t d) { std::memcpy(dst, src, d * sizeof(float)); }
+inline void narrow_row(const float* src, float* dst, int64_t d) {
+  std::memcpy(dst, src, d * sizeof(float));
+}
 
 inline void narrow_row(const float* src, at::Half* dst, int64_t d) {
   int64_t i = 0;
@@ -214,8 +234,8 @@ inline void narrow_row(const float* src, at::BFloat16* dst, int64_t d) {
 }
 
 template <typename T>
-void write_rows(torch::Tensor& kv, int64_t layer, const torch::Tensor& k, const torch::Tensor& v, int64_t row0,
-                int64_t slot0, int64_t count) {
+void write_rows(torch::Tensor& kv, int64_t layer, const torch::Tensor& k, const torch::Tensor& v,
+                int64_t row0, int64_t slot0, int64_t count) {
   const int64_t heads = k.size(1), d = k.size(2);
   T* base = kv.data_ptr<T>() + layer * kv.stride(0);
   const float* kp = k.data_ptr<float>();
@@ -236,22 +256,35 @@ void write_rows(torch::Tensor& kv, int64_t layer, const torch::Tensor& k, const 
 // slot0[s].. of kvs[s], rounded to the buffer's dtype as a tensor copy would (round to nearest).
 void write_kv(std::vector<torch::Tensor> kvs, int64_t layer, torch::Tensor k, torch::Tensor v,
               std::vector<int64_t> row0, std::vector<int64_t> slot0, std::vector<int64_t> count) {
-  TORCH_CHECK(kvs.size() == row0.size() && kvs.size() == slot0.size() && kvs.size() == count.size(), "one span per sequence");
-  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(), "k and v must be (n, kv_heads, head_dim)");
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(2) == 1 && v.stride(2) == 1,
+  TORCH_CHECK(kvs.size() == row0.size() && kvs.size() == slot0.size() && kvs.size() == count.size(),
+              "one span per sequence");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.sizes() == v.sizes(),
+              "k and v must be (n, kv_heads, head_dim)");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.stride(2) == 1 &&
+                  v.stride(2) == 1,
               "k and v must be float32 with contiguous rows");
   for (size_t s = 0; s < kvs.size(); ++s) {
     auto& kv = kvs[s];
-    TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.stride(4) == 1 && kv.device().is_cpu(), "kv layout");
-    TORCH_CHECK(kv.size(2) == k.size(1) && kv.size(4) == k.size(2), "k/v do not match the kv layout");
+    TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && kv.stride(4) == 1 && kv.device().is_cpu(),
+                "kv layout");
+    TORCH_CHECK(kv.size(2) == k.size(1) && kv.size(4) == k.size(2),
+                "k/v do not match the kv layout");
     TORCH_CHECK(layer >= 0 && layer < kv.size(0), "layer out of range");
-    TORCH_CHECK(row0[s] >= 0 && count[s] >= 0 && row0[s] + count[s] <= k.size(0), "rows out of range");
+    TORCH_CHECK(row0[s] >= 0 && count[s] >= 0 && row0[s] + count[s] <= k.size(0),
+                "rows out of range");
     TORCH_CHECK(slot0[s] >= 0 && slot0[s] + count[s] <= kv.size(3), "slots out of range");
     switch (kv.scalar_type()) {
-      case at::kFloat: write_rows<float>(kv, layer, k, v, row0[s], slot0[s], count[s]); break;
-      case at::kHalf: write_rows<at::Half>(kv, layer, k, v, row0[s], slot0[s], count[s]); break;
-      case at::kBFloat16: write_rows<at::BFloat16>(kv, layer, k, v, row0[s], slot0[s], count[s]); break;
-      default: TORCH_CHECK(false, "unsupported kv dtype");
+      case at::kFloat:
+        write_rows<float>(kv, layer, k, v, row0[s], slot0[s], count[s]);
+        break;
+      case at::kHalf:
+        write_rows<at::Half>(kv, layer, k, v, row0[s], slot0[s], count[s]);
+        break;
+      case at::kBFloat16:
+        write_rows<at::BFloat16>(kv, layer, k, v, row0[s], slot0[s], count[s]);
+        break;
+      default:
+        TORCH_CHECK(false, "unsupported kv dtype");
     }
   }
 }

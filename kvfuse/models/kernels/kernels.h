@@ -6,8 +6,9 @@
 #include <vector>
 
 // batch_attention.cpp
-torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs, std::vector<torch::Tensor> positions,
-                     std::vector<int64_t> lens, std::vector<int64_t> q_seq, std::vector<int64_t> q_pos, int64_t layer,
+torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs,
+                     std::vector<torch::Tensor> positions, std::vector<int64_t> lens,
+                     std::vector<int64_t> q_seq, std::vector<int64_t> q_pos, int64_t layer,
                      double scale, int64_t window, double softcap);
 void write_kv(std::vector<torch::Tensor> kvs, int64_t layer, torch::Tensor k, torch::Tensor v,
               std::vector<int64_t> row0, std::vector<int64_t> slot0, std::vector<int64_t> count);
@@ -15,12 +16,14 @@ void write_kv(std::vector<torch::Tensor> kvs, int64_t layer, torch::Tensor k, to
 // linear.cpp
 torch::Tensor pack_linear(torch::Tensor w);
 std::vector<torch::Tensor> pack_linear_int8(torch::Tensor w);
-torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocks, int64_t out, c10::optional<torch::Tensor> scales,
+torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocks, int64_t out,
+                             c10::optional<torch::Tensor> scales,
                              c10::optional<torch::Tensor> bias);
 
 // pointwise.cpp
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w,
+                                        double eps);
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
@@ -30,12 +33,15 @@ struct BlockedArg {
   int64_t out;
   c10::optional<torch::Tensor> scales;
 };
-std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm, double eps, BlockedArg wqkv,
-                                       c10::optional<torch::Tensor> bqkv, c10::optional<torch::Tensor> q_norm,
-                                       c10::optional<torch::Tensor> k_norm, int64_t heads, int64_t kv_heads,
-                                       int64_t head_dim, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor post_attention(torch::Tensor attn, torch::Tensor h, BlockedArg wo, c10::optional<torch::Tensor> attn_out_norm,
-                             torch::Tensor mlp_norm, BlockedArg w_gate, BlockedArg w_up, BlockedArg w_down,
+std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm, double eps,
+                                       BlockedArg wqkv, c10::optional<torch::Tensor> bqkv,
+                                       c10::optional<torch::Tensor> q_norm,
+                                       c10::optional<torch::Tensor> k_norm, int64_t heads,
+                                       int64_t kv_heads, int64_t head_dim, torch::Tensor cos,
+                                       torch::Tensor sin);
+torch::Tensor post_attention(torch::Tensor attn, torch::Tensor h, BlockedArg wo,
+                             c10::optional<torch::Tensor> attn_out_norm, torch::Tensor mlp_norm,
+                             BlockedArg w_gate, BlockedArg w_up, BlockedArg w_down,
                              c10::optional<torch::Tensor> mlp_out_norm, int64_t act, double eps);
 
 // stack.cpp: every layer of a decode step in one call
@@ -56,13 +62,15 @@ struct Stack {
   double eps, scale, softcap;
   std::vector<StackLayer> layers;
   void add_layer(torch::Tensor attn_norm, BlockedArg wqkv, c10::optional<torch::Tensor> bqkv,
-                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm, BlockedArg wo,
-                 c10::optional<torch::Tensor> attn_out_norm, torch::Tensor mlp_norm, BlockedArg w_gate, BlockedArg w_up,
-                 BlockedArg w_down, c10::optional<torch::Tensor> mlp_out_norm, int64_t window, int64_t rope_kind);
+                 c10::optional<torch::Tensor> q_norm, c10::optional<torch::Tensor> k_norm,
+                 BlockedArg wo, c10::optional<torch::Tensor> attn_out_norm, torch::Tensor mlp_norm,
+                 BlockedArg w_gate, BlockedArg w_up, BlockedArg w_down,
+                 c10::optional<torch::Tensor> mlp_out_norm, int64_t window, int64_t rope_kind);
 };
 torch::Tensor run_stack(const Stack& stack, torch::Tensor h, std::vector<torch::Tensor> kvs,
-                        std::vector<torch::Tensor> positions, std::vector<int64_t> lens, std::vector<int64_t> q_seq,
-                        std::vector<int64_t> q_pos, std::vector<int64_t> row0, std::vector<int64_t> slot0,
-                        std::vector<int64_t> count, std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
-                        c10::optional<torch::Tensor> last_rows, std::vector<int64_t> last_q_seq,
-                        std::vector<int64_t> last_q_pos);
+                        std::vector<torch::Tensor> positions, std::vector<int64_t> lens,
+                        std::vector<int64_t> q_seq, std::vector<int64_t> q_pos,
+                        std::vector<int64_t> row0, std::vector<int64_t> slot0,
+                        std::vector<int64_t> count, std::vector<torch::Tensor> cos,
+                        std::vector<torch::Tensor> sin, c10::optional<torch::Tensor> last_rows,
+                        std::vector<int64_t> last_q_seq, std::vector<int64_t> last_q_pos);

@@ -9,16 +9,19 @@
 
 namespace {
 
-torch::Tensor product(const torch::Tensor& x, const BlockedArg& w, const c10::optional<torch::Tensor>& bias) {
+torch::Tensor product(const torch::Tensor& x, const BlockedArg& w,
+                      const c10::optional<torch::Tensor>& bias) {
   return blocked_linear(x, w.blocks, w.out, w.scales, bias);
 }
 
 }  // namespace
 
-std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm, double eps, BlockedArg wqkv,
-                                       c10::optional<torch::Tensor> bqkv, c10::optional<torch::Tensor> q_norm,
-                                       c10::optional<torch::Tensor> k_norm, int64_t heads, int64_t kv_heads,
-                                       int64_t head_dim, torch::Tensor cos, torch::Tensor sin) {
+std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm, double eps,
+                                       BlockedArg wqkv, c10::optional<torch::Tensor> bqkv,
+                                       c10::optional<torch::Tensor> q_norm,
+                                       c10::optional<torch::Tensor> k_norm, int64_t heads,
+                                       int64_t kv_heads, int64_t head_dim, torch::Tensor cos,
+                                       torch::Tensor sin) {
   TORCH_CHECK(h.dim() == 2, "h must be (n, hidden)");
   TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k norms come together");
   const int64_t n = h.size(0), qs = heads * head_dim, ks = kv_heads * head_dim;
@@ -34,8 +37,9 @@ std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm,
   return {rope(q, cos, sin), rope(k, cos, sin), v};
 }
 
-torch::Tensor post_attention(torch::Tensor attn, torch::Tensor h, BlockedArg wo, c10::optional<torch::Tensor> attn_out_norm,
-                             torch::Tensor mlp_norm, BlockedArg w_gate, BlockedArg w_up, BlockedArg w_down,
+torch::Tensor post_attention(torch::Tensor attn, torch::Tensor h, BlockedArg wo,
+                             c10::optional<torch::Tensor> attn_out_norm, torch::Tensor mlp_norm,
+                             BlockedArg w_gate, BlockedArg w_up, BlockedArg w_down,
                              c10::optional<torch::Tensor> mlp_out_norm, int64_t act, double eps) {
   auto out = product(attn, wo, c10::nullopt);
   if (attn_out_norm) out = rms_norm(out, *attn_out_norm, eps);

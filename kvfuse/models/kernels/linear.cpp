@@ -16,14 +16,14 @@
 // blocking of a GEMM micro-kernel, with the weight as the streamed operand). Accumulation is in
 // float32, k ascending within a chunk: results equal F.linear's up to float rounding.
 
-#include "kernels.h"
-
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -54,25 +54,25 @@ inline void load16(const int8_t* p, __m256& a, __m256& b) {
 
 // c[r][0:16] (+)= sum_k x[k * MR + r] * w[k][0:16] for r < R (x a packed panel). Twelve named
 // accumulators: with an array of them GCC keeps a copy on the stack and stores it every step.
-#define KVF_ROW(r)                                     \
-  if constexpr (R > r) {                               \
-    const __m256 xr = _mm256_broadcast_ss(xk + r);     \
-    a##r##0 = _mm256_fmadd_ps(u, xr, a##r##0);         \
-    a##r##1 = _mm256_fmadd_ps(v, xr, a##r##1);         \
+#define KVF_ROW(r)                                 \
+  if constexpr (R > r) {                           \
+    const __m256 xr = _mm256_broadcast_ss(xk + r); \
+    a##r##0 = _mm256_fmadd_ps(u, xr, a##r##0);     \
+    a##r##1 = _mm256_fmadd_ps(v, xr, a##r##1);     \
   }
-#define KVF_OUT(r)                                                          \
-  if constexpr (R > r) {                                                    \
-    if (!first) {                                                           \
-      a##r##0 = _mm256_add_ps(a##r##0, _mm256_loadu_ps(c + r * NB));        \
-      a##r##1 = _mm256_add_ps(a##r##1, _mm256_loadu_ps(c + r * NB + 8));    \
-    }                                                                       \
-    _mm256_storeu_ps(c + r * NB, a##r##0);                                  \
-    _mm256_storeu_ps(c + r * NB + 8, a##r##1);                              \
+#define KVF_OUT(r)                                                       \
+  if constexpr (R > r) {                                                 \
+    if (!first) {                                                        \
+      a##r##0 = _mm256_add_ps(a##r##0, _mm256_loadu_ps(c + r * NB));     \
+      a##r##1 = _mm256_add_ps(a##r##1, _mm256_loadu_ps(c + r * NB + 8)); \
+    }                                                                    \
+    _mm256_storeu_ps(c + r * NB, a##r##0);                               \
+    _mm256_storeu_ps(c + r * NB + 8, a##r##1);                           \
   }
 template <typename T, int R>
 inline void tile(const T* w, int64_t kc, const float* x, float* c, bool first, const T* ahead) {
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
-         a40 = a00, a41 = a00, a50 = a00, a51 = a00;
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00,
+         a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;
   for (int64_t k = 0; k < kc; ++k) {
     if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * NB), _MM_HINT_T0);
     __m256 u, v;
@@ -115,14 +115,27 @@ inline void row(const T* w, int64_t in, const float* x, float* c) {
 // current one (the first panel of a chunk waits for memory, the others do not: without this the
 // stream and the arithmetic take turns instead of overlapping). Null: nothing to fetch.
 template <typename T>
-inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first, const T* ahead) {
+inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first,
+                  const T* ahead) {
   switch (rows) {
-    case 6: tile<T, 6>(w, kc, x, c, first, ahead); break;
-    case 5: tile<T, 5>(w, kc, x, c, first, ahead); break;
-    case 4: tile<T, 4>(w, kc, x, c, first, ahead); break;
-    case 3: tile<T, 3>(w, kc, x, c, first, ahead); break;
-    case 2: tile<T, 2>(w, kc, x, c, first, ahead); break;
-    default: tile<T, 1>(w, kc, x, c, first, ahead); break;
+    case 6:
+      tile<T, 6>(w, kc, x, c, first, ahead);
+      break;
+    case 5:
+      tile<T, 5>(w, kc, x, c, first, ahead);
+      break;
+    case 4:
+      tile<T, 4>(w, kc, x, c, first, ahead);
+      break;
+    case 3:
+      tile<T, 3>(w, kc, x, c, first, ahead);
+      break;
+    case 2:
+      tile<T, 2>(w, kc, x, c, first, ahead);
+      break;
+    default:
+      tile<T, 1>(w, kc, x, c, first, ahead);
+      break;
   }
 }
 
@@ -144,7 +157,8 @@ inline void row(const T* w, int64_t in, const float* x, float* c) {
     for (int64_t j = 0; j < NB; ++j) c[j] += static_cast<float>(w[k * NB + j]) * x[k];
 }
 template <typename T>
-inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first, const T*) {
+inline void panel(const T* w, int64_t kc, const float* x, int64_t rows, float* c, bool first,
+                  const T*) {
   for (int64_t r = 0; r < rows; ++r) {
     float acc[NB] = {0.f};
     for (int64_t k = 0; k < kc; ++k)
@@ -170,8 +184,8 @@ std::vector<float> panels_of(const float* x, int64_t n, int64_t in) {
 }
 
 template <typename T>
-void run(const float* x, int64_t n, int64_t in, const T* w, int64_t nblocks, int64_t out, const float* scales,
-         const float* bias, float* y) {
+void run(const float* x, int64_t n, int64_t in, const T* w, int64_t nblocks, int64_t out,
+         const float* scales, const float* bias, float* y) {
   const int64_t kc_max = k_chunk(n);
   const std::vector<float> packed = n > 1 ? panels_of(x, n, in) : std::vector<float>();
   at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
@@ -187,16 +201,19 @@ void run(const float* x, int64_t n, int64_t in, const T* w, int64_t nblocks, int
           for (int64_t k0 = 0; k0 < in; k0 += kc_max) {
             const int64_t kc = std::min(kc_max, in - k0);
             // the next chunk: the rest of this block, else the start of the thread's next block
-            const T* next = k0 + kc < in ? wb + (k0 + kc) * NB : (blk + 1 < b1 ? wb + in * NB : nullptr);
+            const T* next =
+                k0 + kc < in ? wb + (k0 + kc) * NB : (blk + 1 < b1 ? wb + in * NB : nullptr);
             for (int64_t p = p0; p < p0 + pn; ++p) {
               const float* xp = packed.data() + p * in * MR + k0 * MR;
               float* cp = c.data() + (p - p0) * MR * NB;
               const int64_t rows = std::min(MR, n - p * MR);
               const T* ahead = p == p0 + 1 ? next : nullptr;
               if (!wide.empty()) {
-                if (p == p0) widen_chunk(reinterpret_cast<const int8_t*>(wb) + k0 * NB, kc, wide.data());
+                if (p == p0)
+                  widen_chunk(reinterpret_cast<const int8_t*>(wb) + k0 * NB, kc, wide.data());
                 panel<float>(wide.data(), kc, xp, rows, cp, k0 == 0, nullptr);
-                if (ahead) for (int64_t k = 0; k < kc; k += 4) __builtin_prefetch(ahead + k * NB);
+                if (ahead)
+                  for (int64_t k = 0; k < kc; k += 4) __builtin_prefetch(ahead + k * NB);
               } else {
                 panel<T>(wb + k0 * NB, kc, xp, rows, cp, k0 == 0, ahead);
               }
@@ -229,37 +246,52 @@ torch::Tensor blocks_of(const torch::Tensor& w) {
 }  // namespace
 
 torch::Tensor pack_linear(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "pack_linear needs a 2-d float32 CPU weight");
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "pack_linear needs a 2-d float32 CPU weight");
   return blocks_of(w.contiguous());
 }
 
 std::vector<torch::Tensor> pack_linear_int8(torch::Tensor w) {
-  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.is_floating_point(), "pack_linear_int8 needs a 2-d floating CPU weight");
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.is_floating_point(),
+              "pack_linear_int8 needs a 2-d floating CPU weight");
   auto wf = w.to(at::kFloat).contiguous();
   auto scale = wf.abs().amax(1).div(127.0).clamp_min(1e-12);
   auto q = wf.div(scale.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
   return {blocks_of(q), scale.contiguous()};
 }
 
-torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocks, int64_t out, c10::optional<torch::Tensor> scales,
+torch::Tensor blocked_linear(torch::Tensor x, torch::Tensor blocks, int64_t out,
+                             c10::optional<torch::Tensor> scales,
                              c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "x must be (n, in) float32 on the CPU");
-  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == NB && blocks.is_contiguous(), "blocks must be (nblocks, in, 16)");
-  TORCH_CHECK(blocks.size(1) == x.size(1), "x has ", x.size(1), " features, the weight expects ", blocks.size(1));
-  TORCH_CHECK(out > 0 && out <= blocks.size(0) * NB && out > (blocks.size(0) - 1) * NB, "out does not match the blocks");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be (n, in) float32 on the CPU");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.size(2) == NB && blocks.is_contiguous(),
+              "blocks must be (nblocks, in, 16)");
+  TORCH_CHECK(blocks.size(1) == x.size(1), "x has ", x.size(1), " features, the weight expects ",
+              blocks.size(1));
+  TORCH_CHECK(out > 0 && out <= blocks.size(0) * NB && out > (blocks.size(0) - 1) * NB,
+              "out does not match the blocks");
   const bool int8 = blocks.scalar_type() == at::kChar;
   TORCH_CHECK(int8 || blocks.scalar_type() == at::kFloat, "blocks must be float32 or int8");
-  TORCH_CHECK(int8 == scales.has_value(), "int8 blocks need their scales (and float32 blocks none)");
-  if (scales) TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->numel() == out, "scales: (out,) float32");
-  if (bias) TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out, "bias: (out,) float32");
+  TORCH_CHECK(int8 == scales.has_value(),
+              "int8 blocks need their scales (and float32 blocks none)");
+  if (scales)
+    TORCH_CHECK(
+        scales->scalar_type() == at::kFloat && scales->is_contiguous() && scales->numel() == out,
+        "scales: (out,) float32");
+  if (bias)
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out,
+                "bias: (out,) float32");
   x = x.contiguous();
   auto y = torch::empty({x.size(0), out}, x.options());
   if (x.size(0) == 0) return y;
   const float* s = scales ? scales->data_ptr<float>() : nullptr;
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   if (int8)
-    run<int8_t>(x.data_ptr<float>(), x.size(0), x.size(1), blocks.data_ptr<int8_t>(), blocks.size(0), out, s, b, y.data_ptr<float>());
+    run<int8_t>(x.data_ptr<float>(), x.size(0), x.size(1), blocks.data_ptr<int8_t>(),
+                blocks.size(0), out, s, b, y.data_ptr<float>());
   else
-    run<float>(x.data_ptr<float>(), x.size(0), x.size(1), blocks.data_ptr<float>(), blocks.size(0), out, s, b, y.data_ptr<float>());
+    run<float>(x.data_ptr<float>(), x.size(0), x.size(1), blocks.data_ptr<float>(), blocks.size(0),
+               out, s, b, y.data_ptr<float>());
   return y;
 }

@@ -7,11 +7,11 @@
 // keep PyTorch's expressions for anything else. Results equal PyTorch's up to float rounding
 // (sums of squares are accumulated in double).
 
-#include "kernels.h"
-
 #include <ATen/Parallel.h>
 
 #include <cmath>
+
+#include "kernels.h"
 
 namespace {
 
@@ -25,7 +25,8 @@ struct Rows {
 };
 
 Rows rows_of(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), name, " must be float32 on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(), name,
+              " must be float32 on the CPU");
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, name, " must be (n, d) or (n, heads, d)");
   TORCH_CHECK(x.stride(-1) == 1, name, "'s last dimension must be contiguous");
   if (x.dim() == 2) return Rows{x.data_ptr<float>(), x.size(0), 1, x.stride(0), 0, x.size(1)};
@@ -40,8 +41,8 @@ inline void norm_row(const float* x, const float* w, float eps, int64_t d, float
 }
 
 void check_weight(const torch::Tensor& w, int64_t d) {
-  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == d, "the norm weight must be (", d,
-              ",) float32");
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.numel() == d,
+              "the norm weight must be (", d, ",) float32");
 }
 
 }  // namespace
@@ -54,14 +55,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   float* yp = y.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   at::parallel_for(0, r.count(), 64, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) norm_row(r.row(i), wp, static_cast<float>(eps), r.d, yp + i * r.d);
+    for (int64_t i = b; i < e; ++i)
+      norm_row(r.row(i), wp, static_cast<float>(eps), r.d, yp + i * r.d);
   });
   return y;
 }
 
 // The residual add then the next norm: returns (h + delta, rms_norm(h + delta)).
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w, double eps) {
-  TORCH_CHECK(h.dim() == 2 && h.sizes() == delta.sizes(), "h and delta must be (n, d) of the same shape");
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w,
+                                        double eps) {
+  TORCH_CHECK(h.dim() == 2 && h.sizes() == delta.sizes(),
+              "h and delta must be (n, d) of the same shape");
   const Rows rh = rows_of(h, "h"), rd = rows_of(delta, "delta");
   check_weight(w, rh.d);
   auto sum = torch::empty(h.sizes(), h.options());
@@ -84,7 +88,8 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, to
 // The gated MLP activation of gate and up (n, inter) (two column ranges of one product, say):
 // act(gate) * up, act = silu (0) or the tanh approximation of gelu (1).
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
-  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes(), "gate and up must be (n, inter) of the same shape");
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes(),
+              "gate and up must be (n, inter) of the same shape");
   TORCH_CHECK(act == 0 || act == 1, "act: 0 (silu) or 1 (gelu, tanh)");
   const Rows rg = rows_of(gate, "gate"), ru = rows_of(up, "up");
   auto y = torch::empty(gate.sizes(), gate.options());
@@ -115,8 +120,9 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.dim() == 3, "x must be (n, heads, head_dim)");
   const Rows r = rows_of(x, "x");
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == x.size(0) &&
+                  cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == at::kFloat &&
+                  sin.scalar_type() == at::kFloat,
               "cos and sin must be (n, half) float32, contiguous");
   const int64_t half = cos.size(1), d = r.d;
   TORCH_CHECK(2 * half <= d, "the rotated dims exceed head_dim");
