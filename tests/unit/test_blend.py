@@ -285,11 +285,11 @@ def test_documents_on_disk_load_layer_by_layer_and_are_promoted(tiny_loaded, tmp
     model = tiny_loaded("gemma3")
     prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
     warm = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])
-    expected = engine_with(model, warm, recompute_ratio=0.15).generate(prompt, GREEDY)
-    warm.close()
-    store = TieredStore(
-        MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)]
-    )  # a restart: documents on disk only
+    first = engine_with(model, warm, recompute_ratio=0.15)
+    expected = first.generate(prompt, GREEDY)
+    first.close()  # its saves flushed, then the store closed
+    # a restart: documents on disk only
+    store = TieredStore(MemoryTier(1 << 26), [DiskTier(tmp_path, 1 << 30)])
     engine = engine_with(model, store, recompute_ratio=0.15)
     cold = engine.generate(prompt, GREEDY)
     assert cold.token_ids == expected.token_ids and cold.hit_tiers == ("disk",) * 4
@@ -307,7 +307,7 @@ def test_a_damaged_document_on_disk_is_computed_again_mid_blend(tiny_loaded, tmp
     engine = engine_with(model, warm, recompute_ratio=0.15)
     expected = engine.generate(prompt, GREEDY)
     ns = engine.namespace()
-    warm.close()
+    engine.close()  # its saves flushed, then the store closed
     (path,) = tmp_path.rglob(key_to_filename(document_key(DOCS[1], ns)))
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x20  # in the last layer: found only when the blend gets there
