@@ -476,8 +476,9 @@ def cmd_generate(args, config: Config) -> int:
 
 
 def cmd_chat(args, config: Config) -> int:
+    from kvfuse.prompts.truncate import without_oldest
+
     from .generation import SamplingParams
-    from .history.truncate import without_oldest
     from .runtime import open_engine
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)

@@ -5,8 +5,8 @@
 - ``blender``  the layer-wise blended prefill over the live KV cache
 - ``loader``   the documents' KV written layer by layer on a background thread (pipelining)
 
-The engine plans documents as loads moved to their positions (``engine.planner``); its plan
-executor (``engine.plan_executor``) runs the documents and the suffix as one step with these.
+The engine plans documents as loads moved to their positions (``reuse.planner``); its plan
+executor (``reuse.plan_executor``) runs the documents and the suffix as one step with these.
 """
 
 from .blender import BlendStats, blend_prefill

@@ -210,7 +210,7 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     )
     if (
         k.retention is not None and k.retention != "in_memory"
-    ):  # engine.retention.Retention.parse's forms
+    ):  # reuse.retention.Retention.parse's forms
         try:
             parse_duration(k.retention)
         except ValueError as e:

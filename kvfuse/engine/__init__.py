@@ -20,8 +20,8 @@ Layout, in the order a request goes through it:
 - ``loop``            the engine's own thread, for servers
 """
 
-from .core import Engine
-from .planner import (
+from kvfuse.prompts.prompt import Prompt, Segment, SegmentKind
+from kvfuse.reuse.planner import (
     Compute,
     Load,
     Plan,
@@ -32,7 +32,9 @@ from .planner import (
     prompt_keys,
     replan,
 )
-from .prompt import Prompt, Segment, SegmentKind
+from kvfuse.reuse.retention import Breakpoint, Retention
+
+from .core import Engine
 from .request import (
     CacheOptions,
     GenerationResult,
@@ -43,7 +45,6 @@ from .request import (
     RequestCancelled,
     Timings,
 )
-from .retention import Breakpoint, Retention
 from .scheduler import ScheduledStep, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats

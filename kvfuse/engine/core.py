@@ -32,21 +32,21 @@ from kvfuse.generation import SamplingParams
 from kvfuse.history import HistoryIndex
 from kvfuse.kv.keys import tenant_tag
 from kvfuse.models import LoadedModel
+from kvfuse.prompts.builder import PromptBuilder
+from kvfuse.prompts.prompt import Prompt
+from kvfuse.reuse import offline
+from kvfuse.reuse.cache_writer import CacheWriter
+from kvfuse.reuse.keying import Keying
+from kvfuse.reuse.kv_stream import LoadEstimates
+from kvfuse.reuse.prefill import Prefiller
+from kvfuse.reuse.retention import Retention
+from kvfuse.reuse.saver import Saver
 from kvfuse.tiers.prefetch import Prefetcher
 from kvfuse.tiers.store import TieredStore
 
-from . import offline
-from .cache_writer import CacheWriter
-from .keying import Keying
 from .kv_memory import KVMemory
-from .kv_stream import LoadEstimates
 from .loop import EngineLoop
-from .prefill import Prefiller
-from .prompt import Prompt
-from .prompt_builder import PromptBuilder
 from .request import CacheOptions, GenerationResult, Outcome, Request, RequestCancelled
-from .retention import Retention
-from .saver import Saver
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats

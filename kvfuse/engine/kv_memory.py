@@ -17,8 +17,8 @@ import torch
 
 from kvfuse.models.cache import KVBudget, OutOfKVMemory, slot_bytes
 from kvfuse.models.transformer import Transformer
+from kvfuse.reuse.saver import Saver
 
-from .saver import Saver
 from .sequence import Sequence
 
 # Slots a sequence is admitted with beyond its prompt (its cache grows as it decodes): enough for

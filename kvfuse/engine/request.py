@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from kvfuse.blend.options import BlendOptions
 from kvfuse.generation import SamplingParams
 from kvfuse.history.records import Record
-
-from .kv_stream import KVStreamReport
-from .prompt import Prompt
-from .retention import Breakpoint, Retention
+from kvfuse.prompts.prompt import Prompt
+from kvfuse.reuse.kv_stream import KVStreamReport
+from kvfuse.reuse.retention import Breakpoint, Retention
 
 log = logging.getLogger(__name__)
 

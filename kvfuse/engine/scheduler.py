@@ -37,8 +37,8 @@ import torch
 from kvfuse.config import EngineConfig, ServerConfig
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.transformer import BatchItem
+from kvfuse.reuse.computing import ComputingChunks
 
-from .computing import ComputingChunks
 from .kv_memory import KVMemory
 from .request import QueueClosed, QueueFull, Request
 from .sequence import Sequence, SequenceStatus

@@ -30,11 +30,11 @@ from kvfuse.history.records import Record
 from kvfuse.kv.keys import ChunkKey, Namespace
 from kvfuse.models.cache import KVCache
 from kvfuse.models.tokenizer import IncrementalDecoder
+from kvfuse.reuse.auto_reuse import settled
+from kvfuse.reuse.kv_stream import KVStreamReport
+from kvfuse.reuse.plan_executor import Filled
+from kvfuse.reuse.planner import BLENDED, Plan, PromptKeys
 
-from .auto_reuse import settled
-from .kv_stream import KVStreamReport
-from .plan_executor import Filled
-from .planner import BLENDED, Plan, PromptKeys
 from .request import GenerationResult, Request, Timings
 
 

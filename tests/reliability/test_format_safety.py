@@ -383,7 +383,7 @@ def test_entries_of_another_format_version_are_never_used(rig, prompts, referenc
 def test_every_entry_the_engine_writes_records_its_token_ids(smollm2, prompts, CH):
     """Prefix chunks, documents, and (with history) the answer's chunk and tail: each records the
     exact ids of its KV, which is what the check above compares."""
-    from kvfuse.engine.planner import history_entries
+    from kvfuse.reuse.planner import history_entries
 
     ids = prompts["p"][: 2 * CH - 12]
     engine = Engine(

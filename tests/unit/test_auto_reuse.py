@@ -12,9 +12,9 @@ import torch
 from kvfuse.blend import BlendOptions
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine, Prompt
-from kvfuse.engine.auto_reuse import AutoReuse
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import ChunkKind, prefix_keys
+from kvfuse.reuse.auto_reuse import AutoReuse
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 
 CH = 16

@@ -196,6 +196,7 @@ def test_documents_in_any_order_repeated_and_at_the_end(tiny_loaded):
     store = TieredStore(MemoryTier(1 << 26))
     engine = engine_with(model, store, recompute_ratio=0.2)
     engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
+    engine.flush()  # the saves are asynchronous: count the puts once they are done
     puts = store.stats()["memory"]["puts"]
     swapped = engine.generate(
         Prompt.of(PREFIX, DOCS[::-1], SUFFIX), GREEDY

@@ -10,8 +10,9 @@ import time
 import pytest
 
 from kvfuse.config import EngineSettings
-from kvfuse.engine import Engine, Outcome, Prompt, QueueClosed, Request, RequestCancelled, prefill
+from kvfuse.engine import Engine, Outcome, Prompt, QueueClosed, Request, RequestCancelled
 from kvfuse.generation import SamplingParams
+from kvfuse.reuse import prefill
 from kvfuse.server.events import RequestEvents
 from kvfuse.tiers import MemoryTier, TieredStore
 

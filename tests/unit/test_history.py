@@ -7,7 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvfuse.engine.planner import (
+from kvfuse.history import (
+    HistoryIndex,
+    Record,
+    Run,
+    StoredEntry,
+    align,
+    byte_sync,
+)
+from kvfuse.history.align import common_prefix
+from kvfuse.history.records import decode_record, encode_record
+from kvfuse.kv.keys import ChunkKind, Namespace, prefix_keys, tail_key
+from kvfuse.prompts.prompt import Prompt
+from kvfuse.prompts.truncate import drop_oldest_turns, without_oldest
+from kvfuse.reuse.planner import (
     Compute,
     Load,
     Plan,
@@ -17,20 +30,6 @@ from kvfuse.engine.planner import (
     prompt_keys,
     tail_probe,
 )
-from kvfuse.engine.prompt import Prompt
-from kvfuse.history import (
-    HistoryIndex,
-    Record,
-    Run,
-    StoredEntry,
-    align,
-    byte_sync,
-    drop_oldest_turns,
-)
-from kvfuse.history.align import common_prefix
-from kvfuse.history.records import decode_record, encode_record
-from kvfuse.history.truncate import without_oldest
-from kvfuse.kv.keys import ChunkKind, Namespace, prefix_keys, tail_key
 
 # A byte table: ids 0..99 spell one letter each ("a".."z" cycling), 100 spells "ab", 101 spells
 # "cd", 102 spells "" (a token with no bytes).

@@ -12,9 +12,9 @@ import torch
 
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
-from kvfuse.engine.prompt import Prompt
 from kvfuse.engine.request import Request
 from kvfuse.generation import SamplingParams
+from kvfuse.prompts.prompt import Prompt
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 from kvfuse.tiers.prefetch import Prefetcher
 

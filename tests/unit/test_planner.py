@@ -7,7 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from kvfuse.engine.planner import (
+from kvfuse.kv.keys import Namespace, content_keys, document_key, prefix_keys
+from kvfuse.prompts.prompt import Prompt
+from kvfuse.reuse.planner import (
     Compute,
     ContentChunk,
     Load,
@@ -21,8 +23,6 @@ from kvfuse.engine.planner import (
     prompt_keys,
     replan,
 )
-from kvfuse.engine.prompt import Prompt
-from kvfuse.kv.keys import Namespace, content_keys, document_key, prefix_keys
 
 CH = 4
 NS = Namespace("model", "float16", "L2xH1xD4")

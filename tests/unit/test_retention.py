@@ -7,8 +7,6 @@ from __future__ import annotations
 import pytest
 
 from kvfuse.durations import parse_duration
-from kvfuse.engine.planner import Save, breakpoint_saves
-from kvfuse.engine.retention import Breakpoint, Retention, keep_until, write_policy
 from kvfuse.history.response_store import (
     ResponseExpired,
     ResponseNotFound,
@@ -16,6 +14,8 @@ from kvfuse.history.response_store import (
     StoredResponse,
 )
 from kvfuse.kv.keys import Namespace, prefix_keys, tail_key
+from kvfuse.reuse.planner import Save, breakpoint_saves
+from kvfuse.reuse.retention import Breakpoint, Retention, keep_until, write_policy
 from kvfuse.server.errors import APIError
 from kvfuse.server.responses_api import chat_request, input_messages, plain_messages
 from kvfuse.server.schemas import ChatCompletionRequest, ResponseCreateRequest
@@ -146,7 +146,7 @@ def test_breakpoint_stores_add_tails_inside_chunks_only():
 def test_breakpoint_tail_is_what_a_later_prompt_probes():
     """The key a breakpoint stores is one of the keys ``tail_probe`` asks for when a later prompt
     shares the first ``position`` tokens (and goes on differently)."""
-    from kvfuse.engine.planner import tail_probe
+    from kvfuse.reuse.planner import tail_probe
 
     ns = Namespace("model", "float16", "L2")
     ids = list(range(1, 41))

@@ -18,10 +18,10 @@ from kvfuse.engine import (
     SequenceStatus,
 )
 from kvfuse.engine.kv_memory import KVMemory
-from kvfuse.engine.planner import prompt_keys
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import Namespace
 from kvfuse.models.cache import slot_bytes
+from kvfuse.reuse.planner import prompt_keys
 
 NS = Namespace("model", "float16", "L2xH1xD4")
 

@@ -13,7 +13,11 @@ import torch
 from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
-from kvfuse.engine.kv_stream import (
+from kvfuse.generation import SamplingParams
+from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.format import Entry, encode_entry, open_entry, read_header
+from kvfuse.kv.keys import ChunkKey, ChunkKind, prefix_keys
+from kvfuse.reuse.kv_stream import (
     RECOMPUTE,
     KVStreamReport,
     LoadEstimates,
@@ -21,10 +25,6 @@ from kvfuse.engine.kv_stream import (
     choose,
     quality,
 )
-from kvfuse.generation import SamplingParams
-from kvfuse.kv.chunk import KVChunk
-from kvfuse.kv.format import Entry, encode_entry, open_entry, read_header
-from kvfuse.kv.keys import ChunkKey, ChunkKind, prefix_keys
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 from kvfuse.tiers.disk_files import key_to_filename
 from kvfuse_testkit.throttled import ThrottledTier, load_trace

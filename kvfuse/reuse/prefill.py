@@ -30,6 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from kvfuse.codecs.base import Codec
+from kvfuse.engine.kv_memory import initial_slots
+from kvfuse.engine.sequence import Sequence
+from kvfuse.engine.stats import EngineStats
 from kvfuse.kv.format import Entry, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models import LoadedModel
@@ -38,14 +41,11 @@ from kvfuse.tiers.store import TieredStore
 from .cache_writer import CacheWriter
 from .fetch import FetchedEntries, fetch_entries, streamed
 from .keying import Keying
-from .kv_memory import initial_slots
 from .kv_stream import LoadEstimates
 from .kv_stream_reader import StreamedSource
 from .plan_executor import BlendRun, Filled, KVSource, LoadFailed, execute
 from .planner import Plan, Precompute, content_lookups, full_prefill, replan
 from .saver import Saver
-from .sequence import Sequence
-from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 

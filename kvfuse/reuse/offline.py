@@ -19,13 +19,13 @@ from collections.abc import Sequence as Seq
 import torch
 
 from kvfuse.blend import BlendOptions
+from kvfuse.engine.request import CacheOptions, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import document_key
+from kvfuse.prompts.prompt import Prompt
 
 from .planner import Precompute
 from .prefill import precompute_entry
-from .prompt import Prompt
-from .request import CacheOptions, Request
 
 
 def score(

@@ -31,11 +31,11 @@ from typing import Sequence
 import numpy as np
 
 from kvfuse.blend.options import BlendOptions
+from kvfuse.engine.request import CacheOptions
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, content_keys
 
 from .planner import ContentChunk, PromptKeys
-from .request import CacheOptions
 
 STATUSES = ("off", "skipped", "prefix", "none_found", "blended")
 

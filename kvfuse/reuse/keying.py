@@ -35,18 +35,18 @@ import numpy as np
 from kvfuse.blend.options import BlendOptions
 from kvfuse.calibration import profile
 from kvfuse.config import EngineSettings
+from kvfuse.engine.request import Request
+from kvfuse.engine.sequence import Sequence, SequenceStatus
 from kvfuse.history import Alignment, HistoryIndex, Record, Run, align
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, layout_of
 from kvfuse.models import LoadedModel
+from kvfuse.prompts.prompt import Prompt
 from kvfuse.tiers.store import TieredStore
 
 from .auto_reuse import AutoReuse
 from .planner import prompt_keys, tail_probe
-from .prompt import Prompt
-from .request import Request
 from .saver import Saver
-from .sequence import Sequence, SequenceStatus
 
 
 class Keying:

@@ -54,8 +54,7 @@ from typing import Sequence
 from kvfuse.history.align import Run
 from kvfuse.history.records import StoredEntry
 from kvfuse.kv.keys import ChunkKey, ChunkKind, Namespace, document_key, prefix_keys, tail_key
-
-from .prompt import Prompt, SegmentKind
+from kvfuse.prompts.prompt import Prompt, SegmentKind
 
 BLENDED = (ChunkKind.DOCUMENT, ChunkKind.CONTENT)  # loads a blend fuses: documents and found spans
 

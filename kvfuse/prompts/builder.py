@@ -3,7 +3,7 @@
 ``PromptBuilder`` knows the model's tokenizer and chat template and the engine's context window:
 it renders chat messages, drops the oldest turns of a conversation that no longer fits
 (``history.drop_oldest_turns``, keeping system messages and the last message; ``cache.truncation``
-off disables it), places documents (``engine.encode``: each tokenized on its own), finds cache
+off disables it), places documents (``prompts.encode``: each tokenized on its own), finds cache
 breakpoints' positions, and says when a prompt and its answer cannot fit the context window.
 The server, the CLI and benchmarks build prompts here; the engine takes them as they are.
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from kvfuse.history import drop_oldest_turns
+from kvfuse.engine.stats import EngineStats
 from kvfuse.models import LoadedModel
 
 from . import encode
 from .prompt import Prompt
-from .stats import EngineStats
+from .truncate import drop_oldest_turns
 
 
 class PromptBuilder:
@@ -70,7 +70,7 @@ class PromptBuilder:
         return lengths[len(kept)], len(messages) - len(kept)
 
     def encode_document(self, text: str) -> list[int]:
-        """A document's token ids, the same wherever it is used (``engine.encode``)."""
+        """A document's token ids, the same wherever it is used (``prompts.encode``)."""
         return encode.encode_document(self.model.tokenizer, text)
 
     def document_prompt(

@@ -10,9 +10,8 @@ the saver (or never will be), and ``blocks`` is the scheduler's test.
 
 from __future__ import annotations
 
+from kvfuse.engine.sequence import Sequence
 from kvfuse.kv.keys import ChunkKey
-
-from .sequence import Sequence
 
 
 class ComputingChunks:

@@ -27,16 +27,16 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvfuse.codecs.base import Codec
+from kvfuse.engine.request import CacheOptions
+from kvfuse.engine.sequence import Sequence
 from kvfuse.history import HistoryIndex, Record
 from kvfuse.kv.format import Entry
 from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.tiers.store import TieredStore
 
 from .planner import Load, Save, breakpoint_saves, generated_saves, history_entries
-from .request import CacheOptions
 from .retention import Retention, keep_until, write_policy
 from .saver import Saver, save_now
-from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
