@@ -825,9 +825,8 @@ def _inspect(target: str, store) -> int:
                 f"{target!r} is neither an entry file nor a key held by the disk or Redis tier"
             )
     try:
-        header = read_header(
-            blob, store.signer
-        )  # with signing on, whether an accepted key signed it
+        # with signing on, whether an accepted key signed it
+        header = read_header(blob, store.signer)
     except FormatError as e:
         raise UserError(f"{where}: not a valid kvfuse entry: {e}") from e
     info = {"source": where, **{k: getattr(header, k) for k in header.__dataclass_fields__}}

@@ -111,13 +111,11 @@ class Sampler:
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches ``top_p``; renormalise."""
     sorted_probs, order = torch.sort(probs, descending=True)
-    before = (
-        torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    )  # mass of strictly more likely tokens
+    # mass of strictly more likely tokens
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
     drop = before >= top_p
-    drop[..., 0] = (
-        False  # the most likely token always stays (a top_p that rounds to 0 keeps just it)
-    )
+    # the most likely token always stays (a top_p that rounds to 0 keeps just it)
+    drop[..., 0] = False
     sorted_probs[drop] = 0.0
     out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return out / out.sum()

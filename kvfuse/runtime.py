@@ -52,9 +52,8 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
     if stream_levels or c.codec == "cachegen" or any(x.name == "cachegen" for x in codecs.values()):
         shared_pool().warm()  # CacheGen codes in worker processes: start them before the first request
     if signer is not None:
-        log.info(
-            "cache entries below memory are signed and checked (%r)", signer
-        )  # the count, never a key
+        # the count, never a key
+        log.info("cache entries below memory are signed and checked (%r)", signer)
     memory = MemoryTier(c.memory_bytes, quotas=tenant_quotas(config, "memory"))
     return TieredStore(
         memory,

@@ -50,9 +50,8 @@ class DocumentLoad:
     entry: Entry | None = None
     spec: EntrySpec | None = None
     tier: str | None = None  # the tier that served it (filled in while loading)
-    layers: list[torch.Tensor] = field(
-        default_factory=list
-    )  # kept for promotion (lower tiers only)
+    # kept for promotion (lower tiers only)
+    layers: list[torch.Tensor] = field(default_factory=list)
 
 
 class LayerLoader:
@@ -131,9 +130,8 @@ class LayerLoader:
             if doc.entry is None and self.keep and len(doc.layers) == len(self._ready):
                 kv = torch.cat(doc.layers, dim=0)
                 positions = torch.arange(doc.start - doc.shift, doc.end - doc.shift)
-                ids = (
-                    doc.spec.token_ids if doc.spec is not None else None
-                )  # what the read was checked against
+                # what the read was checked against
+                ids = doc.spec.token_ids if doc.spec is not None else None
                 out.append(
                     (
                         doc.key,

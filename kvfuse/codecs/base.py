@@ -98,9 +98,8 @@ class Codec(ABC):
 
 def check_kv(kv: torch.Tensor) -> torch.Tensor:
     """Validate a KV tensor for encoding and return it contiguous on the CPU."""
-    dtypes.name_of(
-        kv.dtype
-    )  # ValueError for a dtype the table (and the entry format) does not hold
+    # ValueError for a dtype the table (and the entry format) does not hold
+    dtypes.name_of(kv.dtype)
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(
             f"KV must be (layers, 2, tokens, kv_heads, head_dim), got {tuple(kv.shape)}"

@@ -113,9 +113,8 @@ class CacheGenCodec(Codec):
                     f"cachegen levels are {', '.join(map(str, LEVELS))} (0: the model's "
                     f"calibrated level, else {DEFAULT_LEVEL}); got {lv}"
                 )
-        self.configured_level = (
-            level  # kept through for_model: 0 lets each model's calibration decide
-        )
+        # kept through for_model: 0 lets each model's calibration decide
+        self.configured_level = level
         self.level = level or model_level or DEFAULT_LEVEL
         self.bins = LEVELS[self.level]
         self.boosted = frozenset(boosted)  # layers whose K gets twice its group's bins

@@ -79,9 +79,8 @@ class Engine:
         )
         self.saver = Saver(store) if store is not None and c.async_save else None
         retention = Retention.parse(c.retention) if c.retention is not None else None
-        self.keying = Keying(
-            model, store, self.saver, s, history, self.context_window
-        )  # its profile: codec level too
+        # its profile: codec level too
+        self.keying = Keying(model, store, self.saver, s, history, self.context_window)
         self.codec = get_codec(c.codec, c.codec_level).for_model(
             model.config.layer_types, self.keying.codec_level
         )
@@ -93,9 +92,8 @@ class Engine:
             else None
         )
         self.blend = self.keying.blend  # ``auto`` resolved against the model's blend profile
-        if (
-            self.blend.check_layer >= model.config.num_layers
-        ):  # depends on the model: not the config's to know
+        # depends on the model: not the config's to know
+        if self.blend.check_layer >= model.config.num_layers:
             raise ValueError(
                 f"blend check_layer {self.blend.check_layer} is not a layer of this model "
                 f"({model.config.num_layers} layers)"
@@ -297,9 +295,8 @@ class Engine:
             return seq.decode.sample(seq.prefill.filled.logits)
         seq.count_prefill()
         self.prefiller.measure(seq)
-        seq.start_decoding(
-            self.model.tokenizer, self.model.eos_token_ids
-        )  # the first token, the TTFT
+        # the first token, the TTFT
+        seq.start_decoding(self.model.tokenizer, self.model.eos_token_ids)
         t0 = time.perf_counter()
         if self.writer is not None:
             self.writer.after_prefill(seq)
@@ -331,9 +328,8 @@ class Engine:
             # A failed request's KV is dropped now, whatever still refers to it (an exception's
             # frames, a log record); its saves, if any were queued, are lost with it.
             seq.kv.release()
-        seq.kv = (
-            None  # the live KV is freed as soon as the request is done (once the saver copied it)
-        )
+        # the live KV is freed as soon as the request is done (once the saver copied it)
+        seq.kv = None
         seq.request.finish(outcome)
 
     def _guard(self, seq: Sequence, fn: Callable[[Sequence], None]) -> bool:

@@ -30,22 +30,18 @@ class CacheOptions:
     tenant: str = ""
     salt: str = ""
     store_generated: bool | None = None  # None -> the engine's default
-    history_key: str | None = (
-        None  # OpenAI's prompt_cache_key: names a conversation's stored history
-    )
+    # OpenAI's prompt_cache_key: names a conversation's stored history
+    history_key: str | None = None
     kv_slo_ms: float | None = None  # budget for loading KV from slow tiers (None: the engine's)
-    retention: Retention | None = (
-        None  # how long the entries it writes stay (None: the tiers' policy)
-    )
-    breakpoints: tuple[
-        Breakpoint, ...
-    ] = ()  # prompt prefixes to store even mid-chunk (kept >= their ttl)
+    # how long the entries it writes stay (None: the tiers' policy)
+    retention: Retention | None = None
+    # prompt prefixes to store even mid-chunk (kept >= their ttl)
+    breakpoints: tuple[Breakpoint, ...] = ()
     # A stored history to line the prompt up with first (e.g. the one a Responses API
     # previous_response_id names); used only when its scope is the request's cache namespace.
     history_hint: Record | None = None
-    auto_reuse: bool | None = (
-        None  # look for cached passages inside a plain prompt (None: blend.auto)
-    )
+    # look for cached passages inside a plain prompt (None: blend.auto)
+    auto_reuse: bool | None = None
 
 
 @dataclass
@@ -80,12 +76,10 @@ class GenerationResult:
     kv_stream: KVStreamReport | None = None  # slow-tier chunks loaded adaptively within kv_slo_ms
     written_tokens: int = 0  # prompt tokens whose KV this request handed to the cache
     history: Record | None = None  # the stored history of the KV this turn kept (None: none kept)
-    blend: BlendOptions | None = (
-        None  # how the prompt's documents (or found spans) were used (None: neither)
-    )
-    prefix_reused_tokens: int = (
-        0  # of cached_tokens, those loaded at their own positions (prefix, history)
-    )
+    # how the prompt's documents (or found spans) were used (None: neither)
+    blend: BlendOptions | None = None
+    # of cached_tokens, those loaded at their own positions (prefix, history)
+    prefix_reused_tokens: int = 0
     span_reused_tokens: int = 0  # of cached_tokens, those of documents and found spans (blended)
     auto_reuse: str = "off"  # automatic reuse: off | skipped | prefix | none_found | blended
 

@@ -56,9 +56,8 @@ class ScheduledStep:
     """Which sequences one engine step ends, admits and runs."""
 
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
-    admitted: list[Sequence] = field(
-        default_factory=list
-    )  # admitted now: plan, load, start their prefill
+    # admitted now: plan, load, start their prefill
+    admitted: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)  # every running sequence, oldest first
 
     @property

@@ -50,13 +50,11 @@ class PrefillState:
 
     plan: Plan | None = None
     filled: Filled | None = None  # set at admission; its logits once the last chunk is computed
-    fill: list[int] = field(
-        default_factory=list
-    )  # ids still to compute, in chunks (chunked prefill)
+    # ids still to compute, in chunks (chunked prefill)
+    fill: list[int] = field(default_factory=list)
     fill_start: int = 0  # the slot of fill[0]
-    computing: frozenset[ChunkKey] = (
-        frozenset()
-    )  # the chunks it computes and will store (see ComputingChunks)
+    # the chunks it computes and will store (see ComputingChunks)
+    computing: frozenset[ChunkKey] = frozenset()
 
     def computed(self, n: int, logits: torch.Tensor, seconds: float) -> bool:
         """``n`` more ids of ``fill`` were computed (in ``seconds`` of a batched pass); True when
@@ -98,9 +96,8 @@ class Usage:
     """What the request's prompt reused and recomputed, and what it stored and kept."""
 
     reused: int = 0  # prompt tokens whose KV was loaded, not computed
-    span_reused: int = (
-        0  # of those, tokens of documents and found spans (blended; the rest: exact loads)
-    )
+    # of those, tokens of documents and found spans (blended; the rest: exact loads)
+    span_reused: int = 0
     recomputed: int = 0  # document (or found span) tokens a blend recomputed in context
     span_lookups: tuple[int, int] = (0, 0)  # content chunks looked up: (found, missing)
     history_reused: int = 0  # prompt tokens loaded from a stored history's entries
@@ -108,9 +105,8 @@ class Usage:
     hit_tiers: tuple[str, ...] = ()  # the tier of each entry it reused
     stored: int = 0  # entries written
     written: int = 0  # prompt tokens whose KV was handed to the cache
-    kv_stream: KVStreamReport | None = (
-        None  # how slow-tier chunks were loaded (kv_slo_ms), if they were
-    )
+    # how slow-tier chunks were loaded (kv_slo_ms), if they were
+    kv_stream: KVStreamReport | None = None
     kept: Record | None = None  # the history record of the KV kept when the turn ended
 
 
@@ -120,12 +116,10 @@ class Sequence:
     namespace: Namespace | None  # None: this request does not use the cache
     keys: PromptKeys | None
     blend: BlendOptions = field(default_factory=BlendOptions)  # for prompts with documents
-    documents: bool = (
-        False  # the request came with documents: its result and counters say how they were used
-    )
-    auto: str = (
-        "off"  # automatic reuse (``auto_reuse.STATUSES``): ``on`` until its prefill is planned
-    )
+    # the request came with documents: its result and counters say how they were used
+    documents: bool = False
+    # automatic reuse (``auto_reuse.STATUSES``): ``on`` until its prefill is planned
+    auto: str = "off"
     record: Record | None = None  # the stored history this prompt was lined up with
     scope: str = ""  # where its own history record goes (the cache namespace's key prefix)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -27,9 +27,8 @@ class EngineStats(Counters):
     tokens_generated: int = 0
     tokens_recomputed: int = 0  # document tokens a blend recomputed in context
     blended_requests: int = 0
-    blends: dict[str, int] = field(
-        default_factory=dict
-    )  # requests with documents by "method:budget:source"
+    # requests with documents by "method:budget:source"
+    blends: dict[str, int] = field(default_factory=dict)
     # Automatic reuse: requests by status (off, skipped, prefix, none_found, blended), content
     # chunks looked up and found / missing, tokens reused from found spans.
     auto_requests: dict[str, int] = field(default_factory=dict)
@@ -46,18 +45,15 @@ class EngineStats(Counters):
     truncated_messages: int = 0  # messages dropped from them
     streamed_requests: int = 0  # prompts whose slow-tier chunks were loaded within kv_slo_ms
     stream_slo_violations: int = 0  # of those, loads that took longer than the budget
-    stream_chunks: dict[str, int] = field(
-        default_factory=dict
-    )  # chunks per encoding, or "recompute"
+    # chunks per encoding, or "recompute"
+    stream_chunks: dict[str, int] = field(default_factory=dict)
     stream_bytes: int = 0
     # Continuous batching: forward passes, the sequences and tokens in them, preemptions.
     steps: int = 0
     step_sequences: int = 0
     step_tokens: int = 0
-    batch_sizes: dict[str, int] = field(
-        default_factory=dict
-    )  # steps per sequences-per-step bucket ("16": 9..16)
-    step_token_counts: dict[str, int] = field(
-        default_factory=dict
-    )  # steps per tokens-per-step bucket
+    # steps per sequences-per-step bucket ("16": 9..16)
+    batch_sizes: dict[str, int] = field(default_factory=dict)
+    # steps per tokens-per-step bucket
+    step_token_counts: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0  # running sequences whose KV was freed to make room (they ran again later)

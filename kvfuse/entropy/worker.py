@@ -24,9 +24,8 @@ def run_job(op: str, args: tuple):
     if op == "encode":
         values, bins = args  # values (n, 2, tokens, channels); bins [(k, v)] per layer
         return [layer.encode(values[i], *bins[i]) for i in range(len(bins))]
-    if (
-        op == "decode"
-    ):  # -> symbols (n, 2, channels, tokens) u8, scales (n, 2, tokens) f32, bins [(k, v)]
+    # -> symbols (n, 2, channels, tokens) u8, scales (n, 2, tokens) f32, bins [(k, v)]
+    if op == "decode":
         blobs, tokens, channels = args
         for blob in blobs:  # every head before allocating what the shape asks for
             layer.check_head(blob, tokens, channels)

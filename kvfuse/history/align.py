@@ -96,9 +96,8 @@ def byte_sync(
         off += len(p)
         if off > c:
             break
-        if (
-            off in ends_a and p
-        ):  # never take an empty new token as the boundary: it would be dropped
+        # never take an empty new token as the boundary: it would be dropped
+        if off in ends_a and p:
             best = (ends_a[off], start + j + 1)
     return best
 

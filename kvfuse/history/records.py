@@ -135,9 +135,8 @@ class HistoryIndex:
             raise ValueError("the history index capacity must be >= 0")
         self.capacity = capacity
         self.path = Path(path) if path is not None else None
-        self._records: OrderedDict[int, Record] = (
-            OrderedDict()
-        )  # serial -> record, least recent first
+        # serial -> record, least recent first
+        self._records: OrderedDict[int, Record] = OrderedDict()
         self._by_key: dict[tuple[str, str], int] = {}
         self._by_anchor: dict[tuple[str, int], OrderedDict[int, None]] = {}
         self._serials = itertools.count(1)
@@ -169,9 +168,8 @@ class HistoryIndex:
                     and f.name.endswith(".tmp")
                     and now - st.st_mtime > stale_temp_s
                 )
-                if old_temp or stale_temp(
-                    f.name, st.st_mtime, now, stale_temp_s
-                ):  # (old names had no pid)
+                # (old names had no pid)
+                if old_temp or stale_temp(f.name, st.st_mtime, now, stale_temp_s):
                     os.unlink(f.path)
                 elif f.name.endswith(_SUFFIX) and f.is_file():
                     files.append((st.st_mtime_ns, f))
@@ -196,9 +194,8 @@ class HistoryIndex:
             return
         token = secrets.token_hex(12)
         name = token + _SUFFIX
-        tmp = (
-            self.path / f".{os.getpid()}.{token}.tmp"
-        )  # the pid: a dead writer's is removed at start-up
+        # the pid: a dead writer's is removed at start-up
+        tmp = self.path / f".{os.getpid()}.{token}.tmp"
         try:
             tmp.write_bytes(encode_record(rec))
             os.replace(tmp, self.path / name)
@@ -244,9 +241,8 @@ class HistoryIndex:
             self._insert_locked(rec)
 
     def _insert_locked(self, rec: Record) -> None:
-        rec.anchors = frozenset(
-            anchors(rec.ids.tolist())
-        )  # computed under the lock: cheap (~1 ms / 4k ids)
+        # computed under the lock: cheap (~1 ms / 4k ids)
+        rec.anchors = frozenset(anchors(rec.ids.tolist()))
         rec.serial = next(self._serials)
         if rec.cache_key is not None:
             old = self._by_key.get((rec.scope, rec.cache_key))

@@ -104,9 +104,8 @@ def segments(
     ends = np.flatnonzero(sep[:-1] & ~sep[1:]) + 1  # after the last separator of each run
     lines = [0, *ends.tolist(), n]
     out = [0]
-    for a, b, c in zip(
-        lines, lines[1:], lines[2:]
-    ):  # keep cut b unless the lines on both sides are short
+    # keep cut b unless the lines on both sides are short
+    for a, b, c in zip(lines, lines[1:], lines[2:]):
         if b - a >= min_size or c - b >= min_size:
             out.append(b)
     return out + [n]

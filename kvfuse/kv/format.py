@@ -102,9 +102,8 @@ from kvfuse.kv.keys import ChunkKey
 from kvfuse.kv.signing import TAG_SIZE, EntrySigner
 from kvfuse.kv.version import FORMAT_VERSION
 
-MAX_TOKENS = (
-    1 << 20
-)  # per entry; a header claiming more is not an entry (positions are allocated from it)
+# per entry; a header claiming more is not an entry (positions are allocated from it)
+MAX_TOKENS = 1 << 20
 MAGIC = b"KVFZ"
 
 _FIXED = struct.Struct("<4sHIHHBB5IIHQ")
@@ -213,9 +212,8 @@ class Entry:
             tuple(layer_sizes),
             header,
         )
-        self.token_ids = (
-            token_ids  # int64, one per token (the ids whose KV this is), or None: not recorded
-        )
+        # int64, one per token (the ids whose KV this is), or None: not recorded
+        self.token_ids = token_ids
         offsets = [0]
         for size in self.layer_sizes:
             offsets.append(offsets[-1] + size)
@@ -396,9 +394,8 @@ class EntryHeader:
     payload_size: int
     layer_sizes: tuple[int, ...]
     payload_ok: bool  # every layer present at its declared size, checksums match, no trailing bytes
-    has_token_ids: bool = (
-        False  # the entry records the token ids of its KV (every entry the engine writes)
-    )
+    # the entry records the token ids of its KV (every entry the engine writes)
+    has_token_ids: bool = False
     # "unsigned"; "signed" (not checked: no signer given); "valid" or "invalid" (checked with a signer)
     signature: str = "unsigned"
 
@@ -959,9 +956,8 @@ def read_entry(
             f"{kind} payload ({size - header_len} bytes, header says {h.payload_len})"
         )
     views = h.layer_views(buf[header_len:], 0, len(h.layer_sizes))
-    pending: list[
-        Pending
-    ] = []  # checked by digest on the pool: each piece's layers, started once read
+    # checked by digest on the pool: each piece's layers, started once read
+    pending: list[Pending] = []
     piece_bytes = DIGEST_PIECE_BYTES if h.by_digest else PIECE_BYTES
     for first, last, stop in _pieces(h.layer_sizes, header_len, have, piece_bytes):
         if stop > have:

@@ -134,9 +134,8 @@ class Namespace:
     def short_id(self) -> str:
         """The tenant tag + the first 16 hex chars of the digest: the prefix of every storage key
         of this namespace."""
-        return (
-            tenant_tag(self.tenant) + self.digest().hex()[:16]
-        )  # digest() is cheap: a few dozen bytes
+        # digest() is cheap: a few dozen bytes
+        return tenant_tag(self.tenant) + self.digest().hex()[:16]
 
     def key_prefix(self) -> str:
         """The storage-key prefix shared by all keys of this namespace (for ``delete_prefix``)."""

@@ -97,9 +97,8 @@ class CacheWriter:
         """The turn is over: keep its history (a plain prompt with history on), or store the
         answer's whole chunks (``store_generated``)."""
         req = seq.request
-        if (
-            seq.keys is None or seq.prefill.plan.blended
-        ):  # a blend's KV is not a prefill's: no history
+        # a blend's KV is not a prefill's: no history
+        if seq.keys is None or seq.prefill.plan.blended:
             return
         if self.history is not None and req.prompt.is_prefix_only:
             self._keep_history(seq)

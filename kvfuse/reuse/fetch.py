@@ -29,12 +29,10 @@ class FetchedEntries:
 
     entries: dict[ChunkKey, Entry] = field(default_factory=dict)
     served: dict[ChunkKey, str] = field(default_factory=dict)  # the tier that served each entry
-    unusable: set[ChunkKey] = field(
-        default_factory=set
-    )  # found by lookup, but missing or damaged when read
-    rejected: int = (
-        0  # damaged copies removed on the way (some were replaced by a slower tier's copy)
-    )
+    # found by lookup, but missing or damaged when read
+    unusable: set[ChunkKey] = field(default_factory=set)
+    # damaged copies removed on the way (some were replaced by a slower tier's copy)
+    rejected: int = 0
 
 
 def entry_spec(runner: Transformer, kv_dtype: torch.dtype, load: Load, ids) -> EntrySpec:
@@ -123,9 +121,8 @@ def fetch_entries(
             out.unusable.add(key)
         else:
             out.entries[key], out.served[key] = f.entry, f.tier
-    for (
-        load
-    ) in plan.loads:  # a key loaded over several spans (a stored history's): check the others too
+    # a key loaded over several spans (a stored history's): check the others too
+    for load in plan.loads:
         entry = out.entries.get(load.key)
         if (
             entry is not None

@@ -65,14 +65,12 @@ class Keying:
         self.chunk_size = settings.cache.chunk_size
         self.kv_dtype = settings.cache.kv_dtype
         self.salt = settings.cache.salt
-        self.allow_gap = (
-            settings.cache.truncation == "reuse"
-        )  # reuse the kept turns' KV after dropped ones
+        # reuse the kept turns' KV after dropped ones
+        self.allow_gap = settings.cache.truncation == "reuse"
         folder = Path(settings.profiles_path) if settings.profiles_path else None
         self.profile = profile.find(model.fingerprint, folder)
-        self.codec_level = profile.codec_level(
-            self.profile
-        )  # CacheGen at level 0 writes this (0: the default)
+        # CacheGen at level 0 writes this (0: the default)
+        self.codec_level = profile.codec_level(self.profile)
         # the engine's blend, ``auto`` resolved (without a cache there are no documents: nothing to warn of)
         self.blend = profile.resolve(
             settings.blend, self.profile, model.name, warn=store is not None
@@ -147,9 +145,8 @@ class Keying:
         )
         seq = self._sequence(request, request.blend)
         seq.documents, seq.auto = documents, auto
-        if (
-            auto == "on"
-        ):  # the prompt as it runs (lined up with a history), keyed in the plain namespace
+        # the prompt as it runs (lined up with a history), keyed in the plain namespace
+        if auto == "on":
             c = request.cache
             seq.keys = self.auto.with_content(
                 seq.keys, request.prompt.ids, self.namespace(c.tenant, c.salt), self.separators
@@ -181,9 +178,8 @@ class Keying:
         table = self.token_bytes or None
         candidates = self.history.candidates(scope, request.prompt.ids, request.cache.history_key)
         hint = request.cache.history_hint
-        if (
-            hint is not None and hint.scope == scope
-        ):  # e.g. a previous_response_id's history: tried first
+        # e.g. a previous_response_id's history: tried first
+        if hint is not None and hint.scope == scope:
             candidates.insert(0, hint)
         best = None
         for rec in candidates:
@@ -206,9 +202,8 @@ class Keying:
             entries, runs = record.entries, al.runs
         keys = prompt_keys(request.prompt, self.chunk_size, seq_ns).with_history(entries, runs)
         seq = Sequence(request, seq_ns, keys, blend, record=record, scope=scope)
-        if (
-            record is None
-        ):  # found by content, if at all: known now, so that the queue can prefetch it
+        # found by content, if at all: known now, so that the queue can prefetch it
+        if record is None:
             self.probe_tail(seq, self.store.lookup(keys.all(), count=False).where)
         return seq
 

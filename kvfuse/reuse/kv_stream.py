@@ -109,9 +109,8 @@ class LoadEstimates:
 
     bandwidth: dict[str, float] = field(default_factory=dict)  # tier -> bytes/s of the last read
     bandwidth_avg: dict[str, float] = field(default_factory=dict)  # tier -> a moving average
-    bytes_per_value: dict[str, float] = field(
-        default_factory=dict
-    )  # encoding -> bytes per KV value
+    # encoding -> bytes per KV value
+    bytes_per_value: dict[str, float] = field(default_factory=dict)
     decode_s_per_value: dict[str, float] = field(default_factory=dict)
     compute_s_per_token: float = _PRIOR_COMPUTE_S_PER_TOKEN
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -80,13 +80,11 @@ class _Reader(threading.Thread):
         c = runner.config
         self.per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim
         self.raw_bytes = torch.empty((), dtype=kv_dtype).element_size()
-        self.results: list[queue.Queue] = [
-            queue.Queue() for _ in slow
-        ]  # one result each, as it is read
+        # one result each, as it is read
+        self.results: list[queue.Queue] = [queue.Queue() for _ in slow]
         self.stop = threading.Event()
-        self.busy_until = (
-            t_start  # when the request's thread should be done with what it was handed
-        )
+        # when the request's thread should be done with what it was handed
+        self.busy_until = t_start
 
     def run(self) -> None:
         seen: dict[ChunkKey, _Read] = {}
@@ -95,9 +93,8 @@ class _Reader(threading.Thread):
                 return
             try:
                 got = seen.get(step.key)
-                if (
-                    got is not None and got.entry is not None
-                ):  # read for another span: check this one's ids
+                # read for another span: check this one's ids
+                if got is not None and got.entry is not None:
                     why = span_fits(self.runner, self.kv_dtype, step, self.ids, got.entry)
                     if why is not None:
                         log.warning(
@@ -181,9 +178,8 @@ class StreamedSource(KVSource):
         )
         self.reader.start()
         self.done = 0  # slow loads taken from the reader
-        self.streamed: dict[
-            ChunkKey, str
-        ] = {}  # the tier of each chunk streamed (not the recomputed)
+        # the tier of each chunk streamed (not the recomputed)
+        self.streamed: dict[ChunkKey, str] = {}
         self.decoded: dict[ChunkKey, tuple[torch.Tensor, torch.Tensor]] = {}
         self.promoted: list[tuple[ChunkKey, Entry]] = []
 

@@ -75,20 +75,16 @@ class Promotions:
 class Filled:
     """What executing a plan produced."""
 
-    logits: torch.Tensor | None = (
-        None  # of the prompt's last token (None while ``rest`` is to compute)
-    )
-    rest: tuple[int, int] | None = (
-        None  # slots [start, end) left to compute (``execute(defer_last=True)``)
-    )
+    # of the prompt's last token (None while ``rest`` is to compute)
+    logits: torch.Tensor | None = None
+    # slots [start, end) left to compute (``execute(defer_last=True)``)
+    rest: tuple[int, int] | None = None
     load_s: float = 0.0
     compute_s: float = 0.0
-    served: dict[ChunkKey, str] = field(
-        default_factory=dict
-    )  # the tier that served each loaded key
-    recomputed_loads: list[Load] = field(
-        default_factory=list
-    )  # loads computed instead (a KV stream's)
+    # the tier that served each loaded key
+    served: dict[ChunkKey, str] = field(default_factory=dict)
+    # loads computed instead (a KV stream's)
+    recomputed_loads: list[Load] = field(default_factory=list)
     kv_stream: KVStreamReport | None = None
     blend: BlendStats | None = None
     promotions: Promotions = field(default_factory=Promotions)
@@ -252,13 +248,11 @@ class _Run:
         fresh = [c for c in plan.computes if c.end > region]  # between the spans, and the suffix
         suffix = fresh[-1]
         kv.reserve(n)
-        kv.positions[region:n] = torch.arange(
-            region, n, device=kv.device
-        )  # the slots' positions, set once
+        # the slots' positions, set once
+        kv.positions[region:n] = torch.arange(region, n, device=kv.device)
         for c in fresh:
-            kv.kv[:, :, :, c.start : c.end] = (
-                0  # not computed yet: never garbage under an attention mask
-            )
+            # not computed yet: never garbage under an attention mask
+            kv.kv[:, :, :, c.start : c.end] = 0
         kv.length = n
         loads = [
             DocumentLoad(

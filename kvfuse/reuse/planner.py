@@ -65,9 +65,8 @@ class Load:
     tier: str | None  # where lookup found it; None: made by this plan's Precompute
     start: int
     end: int
-    source: (
-        int | None
-    )  # the position the entry's first token was stored at (None: as the entry says)
+    # the position the entry's first token was stored at (None: as the entry says)
+    source: int | None
     offset: int = 0  # the entry's first token used (a span of a longer stored history)
     entry_tokens: int | None = None  # tokens the entry holds (None: end - start)
 
@@ -243,9 +242,8 @@ def make_plan(
     doc_where = list(where[n_pre : n_pre + n_doc])
     blended_where = list(where[n_pre + n_doc : n_pre + n_doc + n_bl])
     history_where = list(where[n_pre + n_doc + n_bl :])
-    if blended_where and all(
-        w is not None for w in blended_where
-    ):  # blended before: an exact prefix hit
+    # blended before: an exact prefix hit
+    if blended_where and all(w is not None for w in blended_where):
         loads = tuple(
             Load(k, w, i * ch, (i + 1) * ch, i * ch)
             for i, (k, w) in enumerate(zip(keys.blended, blended_where))
@@ -280,9 +278,8 @@ def make_plan(
 
     if prompt.documents:
         computes.append(Compute(suffix_start(prompt), n))
-        saves += [
-            Save(k, i * ch, (i + 1) * ch) for i, k in enumerate(keys.blended)
-        ]  # after the blend
+        # after the blend
+        saves += [Save(k, i * ch, (i + 1) * ch) for i, k in enumerate(keys.blended)]
     elif prompt.segments[-1].kind is SegmentKind.SUFFIX:
         computes.append(Compute(suffix_start(prompt), n))
     return Plan(n, tuple(precomputes), tuple(loads), tuple(computes), tuple(saves))

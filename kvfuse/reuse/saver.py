@@ -161,9 +161,8 @@ class Saver:
                 )
                 self.stats.add(save_errors=1)
             finally:
-                job = kv = (
-                    None  # let the live KV go now (its bytes go back to the KV budget), not at the next job
-                )
+                # let the live KV go now (its bytes go back to the KV budget), not at the next job
+                job = kv = None
                 with self._cond:
                     self._pending.subtract(s.key for s in spans)
                     self._pending = +self._pending

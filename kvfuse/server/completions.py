@@ -168,9 +168,8 @@ async def submit(state: ServerState, job: EngineRequest) -> None:
         ) from None
     except QueueClosed:
         raise APIError(503, "the server is shutting down", code="server_shutting_down") from None
-    except (
-        ValueError
-    ) as e:  # a request that can never run here (e.g. larger than the whole KV budget)
+    # a request that can never run here (e.g. larger than the whole KV budget)
+    except ValueError as e:
         raise APIError(400, str(e), code="request_too_large") from None
 
 

@@ -21,9 +21,8 @@ class RequestEvents:
     def on_text(self, piece: str) -> None:  # engine thread
         self._loop.call_soon_threadsafe(self._items.put_nowait, piece)
 
-    def on_done(
-        self, outcome: Outcome
-    ) -> None:  # engine thread (or the loop, for a withdrawn request)
+    # engine thread (or the loop, for a withdrawn request)
+    def on_done(self, outcome: Outcome) -> None:
         self._loop.call_soon_threadsafe(self._items.put_nowait, outcome)
 
     async def next(self) -> str | Outcome:

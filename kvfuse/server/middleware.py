@@ -142,9 +142,8 @@ class BodyLimitMiddleware:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.limit:
-                    raise BodyTooLarge(
-                        self.limit
-                    )  # FastAPI re-raises HTTPExceptions from body reads
+                    # FastAPI re-raises HTTPExceptions from body reads
+                    raise BodyTooLarge(self.limit)
             return message
 
         await self.app(scope, limited_receive, send)

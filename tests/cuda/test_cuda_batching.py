@@ -108,9 +108,8 @@ def test_engine_batches_concurrent_requests_like_one_by_one(smollm2_cpu, smollm2
         EngineSettings.of(max_running=8, max_step_tokens=128),
     )
     try:
-        engine.generate(
-            prompts[0], SamplingParams(max_tokens=2, ignore_eos=True)
-        )  # the shared prefix, cached
+        # the shared prefix, cached
+        engine.generate(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
         done: dict[int, object] = {}
         for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
             engine.submit(

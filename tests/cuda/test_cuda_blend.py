@@ -158,9 +158,8 @@ def test_smollm2_blend_selects_and_computes_as_on_the_cpu(
     ids = prefix + sum(docs, []) + question
     out = {}
     for where, r in (("cpu", smollm2_cpu.runner), ("device", smollm2_on(torch.float32).runner)):
-        kv, spans, s = blended_cache(
-            r, prefix, docs, len(question), torch.float32
-        )  # no fp16 rounding flips
+        # no fp16 rounding flips
+        kv, spans, s = blended_cache(r, prefix, docs, len(question), torch.float32)
         out[where] = blend_prefill(
             r, kv, ids, spans[0][0], s, spans, BlendOptions(recompute_ratio=0.15, method=method)
         )
@@ -199,18 +198,16 @@ def test_engine_blends_documents_from_memory_and_layer_by_layer_from_disk(
     )
     warm = TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)])
     engine = Engine(model, warm, settings)
-    first = engine.generate(
-        Prompt.of(prefix, docs, question), GREEDY
-    )  # documents computed and stored
+    # documents computed and stored
+    first = engine.generate(Prompt.of(prefix, docs, question), GREEDY)
     swapped = Prompt.of(prefix, docs[::-1], question)
     from_memory = engine.generate(swapped, GREEDY)
     assert set(from_memory.hit_tiers) == {"memory"} and len(from_memory.hit_tiers) >= 3
     n_docs = sum(len(d) for d in docs)
     assert first.recomputed_tokens == from_memory.recomputed_tokens == sel.budget(n_docs, 0.15)
     engine.close()
-    cold = TieredStore(
-        MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)]
-    )  # a restart: documents on disk only
+    # a restart: documents on disk only
+    cold = TieredStore(MemoryTier(1 << 30), [DiskTier(tmp_path, 1 << 30)])
     engine = Engine(model, cold, settings)
     from_disk = engine.generate(swapped, GREEDY)
     assert set(from_disk.hit_tiers) == {"disk"} and from_disk.token_ids == from_memory.token_ids
@@ -224,9 +221,8 @@ def test_engine_blends_documents_from_memory_and_layer_by_layer_from_disk(
             chunk_size=256, blend=BlendOptions(recompute_ratio=1.0, store_blended=False)
         ),
     )
-    engine.generate(
-        Prompt.of(prefix, docs, question), SamplingParams(max_tokens=1)
-    )  # stores the documents
+    # stores the documents
+    engine.generate(Prompt.of(prefix, docs, question), SamplingParams(max_tokens=1))
     blended = engine.generate(Prompt.of(prefix, docs, question), GREEDY)
     engine.close()
     assert blended.recomputed_tokens == n_docs

@@ -48,9 +48,8 @@ def assert_within_codec_bound(name: str, codec, decoded: torch.Tensor, kv: torch
         )
         step = scale.view(L, 2, T) / (bins[:, :, None] // 2 - 1)
     err = (y - x).abs().amax(-1)
-    bound = (
-        step / 2 * (1 + 1e-3) + absmax * 2**-10 + 1e-6
-    )  # + one fp16 rounding of the decoded value
+    # + one fp16 rounding of the decoded value
+    bound = step / 2 * (1 + 1e-3) + absmax * 2**-10 + 1e-6
     assert (err <= bound).all(), f"{name}: error {float((err - bound).max()):.3g} beyond its bound"
 
 

@@ -28,9 +28,8 @@ def served(smollm2_cpu, device):
     model = load_model("smollm2", home=model_home(), device=str(device))
     assert model.runner.device.type == DEVICE.type
     assert model.runner.dtype == (torch.bfloat16 if DEVICE.type == "cuda" else torch.float32)
-    assert (
-        model.fingerprint == smollm2_cpu.fingerprint
-    )  # one namespace: CPU and GPU engines share entries
+    # one namespace: CPU and GPU engines share entries
+    assert model.fingerprint == smollm2_cpu.fingerprint
     return model
 
 

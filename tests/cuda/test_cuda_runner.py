@@ -117,9 +117,8 @@ def test_smollm2_half_compute_is_close_to_cpu_float32(dtype, smollm2_cpu, smollm
     ids = text_ids(smollm2_cpu)
     ref = smollm2_cpu.runner.forward(ids, smollm2_cpu.runner.new_cache(), logits="all")
     dev = smollm2_on(dtype).runner
-    got = dev.forward(
-        ids, dev.new_cache(dtype=torch.float16), logits="all"
-    )  # the engine's KV dtype
+    # the engine's KV dtype
+    got = dev.forward(ids, dev.new_cache(dtype=torch.float16), logits="all")
     assert_half_close(got, ref, dtype, f"smollm2 {dtype} logits of every position")
 
 
@@ -130,9 +129,8 @@ def test_smollm2_greedy_answer_matches_the_cpu(dtype, smollm2_cpu, smollm2_on):
     got_tokens, _ = greedy(smollm2_on(dtype).runner, ids, 24)
     limit = tie_gap(dtype, smollm2_cpu.runner.forward(ids, smollm2_cpu.runner.new_cache()))
     assert_same_or_near_tie(got_tokens, ref_tokens, gaps, limit, f"smollm2 {dtype} greedy")
-    if (
-        dtype == torch.float32
-    ):  # fp32's first step is a near-tie ("The" 0.085 over "L"): bf16 may say "L'Étoile"
+    # fp32's first step is a near-tie ("The" 0.085 over "L"): bf16 may say "L'Étoile"
+    if dtype == torch.float32:
         assert "Paris" in smollm2_cpu.tokenizer.decode(got_tokens)
 
 
@@ -178,9 +176,8 @@ def test_prefix_reuse_on_the_device_equals_a_full_prefill(
     )
 
 
-@pytest.mark.parametrize(
-    "family", ["llama", "gemma3"]
-)  # gemma3: local and global layers rotate differently
+# gemma3: local and global layers rotate differently
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_moved_keys_on_the_device_equal_a_prefill_at_the_new_positions(family, tiny_on):
     runner = tiny_on(family).runner
     ids = ids_of(40, 7)

@@ -72,9 +72,8 @@ def test_concurrent_greedy_requests_match_running_them_one_by_one(smollm2):
         TieredStore(MemoryTier(1 << 30)),
         EngineSettings.of(max_running=8, max_step_tokens=128),
     )
-    engine.generate(
-        prompts[0], SamplingParams(max_tokens=2, ignore_eos=True)
-    )  # the shared prefix, cached
+    # the shared prefix, cached
+    engine.generate(prompts[0], SamplingParams(max_tokens=2, ignore_eos=True))
     done: dict[int, object] = {}
     requests = []
     for i, (ids, n) in enumerate(zip(prompts, max_tokens)):
@@ -160,6 +159,5 @@ def test_the_server_batches_within_its_kv_budget():
         assert m["kvfuse_kv_memory_limit_bytes"] == limit
         assert 0 < m["kvfuse_kv_memory_peak_bytes"] <= limit
         assert m["kvfuse_engine_steps_total"] > 0
-        assert (
-            m["kvfuse_batch_sequences_sum"] > m["kvfuse_batch_sequences_count"]
-        )  # > 1 sequence per step
+        # > 1 sequence per step
+        assert m["kvfuse_batch_sequences_sum"] > m["kvfuse_batch_sequences_count"]

@@ -111,9 +111,8 @@ def test_reuse_extends_the_expiry_never_shortens_it(setup):
     engine.generate(ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=60)))
     r = engine.generate(ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=3600)))
     assert r.cached_tokens == 512
-    engine.generate(
-        ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=30))
-    )  # does not shorten it
+    # does not shorten it
+    engine.generate(ids, GREEDY, cache=CacheOptions(retention=Retention(ttl_s=30)))
     clock.t += 600
     assert where(engine, ids) == [("memory", "disk")] * 2
     clock.t += 3001

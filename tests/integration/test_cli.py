@@ -93,9 +93,8 @@ def test_chat_reuses_the_whole_history_turn_after_turn_and_truncates_when_asked(
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [tuple(map(int, m.groups()[:2])) for m in VERBOSE.finditer(proc.stderr)]
-    assert (
-        len(rows) == 3 and rows[0][1] == 0 and len(proc.stdout.strip().splitlines()) == 3
-    )  # blank lines skipped
+    # blank lines skipped
+    assert len(rows) == 3 and rows[0][1] == 0 and len(proc.stdout.strip().splitlines()) == 3
     for (prompt, _), (next_prompt, cached) in zip(rows, rows[1:]):
         assert cached >= prompt  # the previous prompt and (all but the last token of) its answer
     small = kvfuse(
@@ -275,9 +274,8 @@ def test_cachegen_on_disk_listed_by_inspect_and_streamed_back(smollm2_ready, tmp
     listing = kvfuse(["cache", "inspect"], disk=disk)
     assert listing.returncode == 0, listing.stderr
     lines = [ln for ln in listing.stdout.splitlines() if ln.startswith("disk ")]
-    assert len(lines) == 6 + 3, (
-        listing.stdout
-    )  # two chunks x (primary + 2 levels); a summary line per level
+    # two chunks x (primary + 2 levels); a summary line per level
+    assert len(lines) == 6 + 3, listing.stdout
     data = json.loads(kvfuse(["cache", "inspect", "--json"], disk=disk).stdout)
     by_level = {(e["codec"], e["level"]): e for e in data["entries"]}
     assert set(by_level) == {("cachegen", 1), ("cachegen", 2), ("cachegen", 3)}

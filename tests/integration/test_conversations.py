@@ -92,9 +92,8 @@ def test_five_turns_reuse_every_earlier_token_with_the_same_greedy_answers(serve
     without, _ = converse(client, extra_body={"cache": False})
     assert with_reuse == without  # token for token: the same text, turn after turn
     assert_history_reused(usages)
-    for u in usages[
-        1:
-    ]:  # where each turn's reused KV came from, and its time spent saving on the request path
+    # where each turn's reused KV came from, and its time spent saving on the request path
+    for u in usages[1:]:
         extra = u.prompt_tokens_details.model_extra
         assert sum(extra["cached_entries_by_tier"].values()) >= 1 and 0 <= extra["save_ms"] < 1000
     assert (
@@ -142,9 +141,8 @@ def test_a_conversation_on_disk_is_resumed_after_a_restart(home, tmp_path):
             >= prev.prompt_tokens + prev.completion_tokens - 1
         )
         stats = httpx.get(second.base_url + "/kv/stats", timeout=30).json()
-        assert (
-            stats["tiers"]["disk"]["hits"] > 0
-        )  # read from disk (by the request, or by the prefetcher before it)
+        # read from disk (by the request, or by the prefetcher before it)
+        assert stats["tiers"]["disk"]["hits"] > 0
     finally:
         second.close()
 
@@ -175,9 +173,8 @@ def test_a_history_that_tokenizes_differently_reuses_the_ids_that_ran(server, ho
         temperature=0,
         extra_body={"cache_salt": "retokenized"},
     )
-    assert r2.usage.prompt_tokens_details.cached_tokens >= len(
-        first
-    )  # the spelled-out ids were kept
+    # the spelled-out ids were kept
+    assert r2.usage.prompt_tokens_details.cached_tokens >= len(first)
     assert r2.usage.prompt_tokens > len(canonical) - (
         len(tok.encode(word, add_special_tokens=False)) + 1
     ) and r2.usage.prompt_tokens != len(canonical)
@@ -195,14 +192,12 @@ def test_a_conversation_beyond_the_context_window_drops_its_oldest_turns_and_reu
             for i in range(6)
         ]
         messages, usages = converse(client, long_turns)
-        assert all(
-            m["content"] for m in messages if m["role"] == "assistant"
-        )  # valid answers throughout
+        # valid answers throughout
+        assert all(m["content"] for m in messages if m["role"] == "assistant")
         assert all(u.prompt_tokens + MAX_TOKENS <= 400 for u in usages)
         assert metric(srv, "kvfuse_truncated_requests") >= 1
-        assert (
-            metric(srv, "kvfuse_history_moved_tokens") > 0
-        )  # the kept turns' KV was reused where it moved
+        # the kept turns' KV was reused where it moved
+        assert metric(srv, "kvfuse_history_moved_tokens") > 0
         truncated = [u for u in usages[1:] if u.prompt_tokens < usages[0].prompt_tokens * 3]
         assert truncated and all(u.prompt_tokens_details.cached_tokens > 50 for u in truncated)
     finally:

@@ -62,9 +62,8 @@ def test_a_cluster_tier_spreads_keys_and_batches_per_node(cluster):
         tier.put(KEYS[0], b"short", expires_at=now[0] + 60)
         assert 55 < tier.expiry(KEYS[0]) - now[0] <= 60 and tier.expiry(KEYS[1]) is None
         assert tier.extend_many(KEYS[:2], now[0] + 600) == [True, True]
-        assert (
-            tier.expiry(KEYS[0]) - now[0] > 590 and tier.expiry(KEYS[1]) is None
-        )  # no TTL: left alone
+        # no TTL: left alone
+        assert tier.expiry(KEYS[0]) - now[0] > 590 and tier.expiry(KEYS[1]) is None
         assert tier.delete_many(KEYS[:4]) == 4
         assert tier.delete_prefix("") == len(KEYS) - 4 and sum(keys_per_node(cluster)) == 0
         assert tier.stats.snapshot()["errors"] == 0
@@ -113,9 +112,8 @@ def test_two_servers_share_entries_through_the_cluster(cluster, kvfuse_home):
         cached, _, text_a = ask(a)
         assert cached == 0
         deadline = time.monotonic() + 30
-        while (
-            sum(keys_per_node(cluster)) < 2 and time.monotonic() < deadline
-        ):  # A's background writes
+        # A's background writes
+        while sum(keys_per_node(cluster)) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         cached, details, text_b = ask(b)  # another process: its memory tier is empty
         assert cached >= 512 and details["cached_entries_by_tier"].get("redis", 0) >= 2

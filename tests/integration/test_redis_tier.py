@@ -79,9 +79,8 @@ def test_ttl_expires_entries(redis_server):
 
 def test_delete_prefix_scans_only_the_prefix_literally(redis_server):
     t, other = _tier(redis_server), _tier(redis_server, key_prefix="other:")
-    glob = _tier(
-        redis_server, key_prefix="a*"
-    )  # a key prefix with glob characters, taken literally
+    # a key prefix with glob characters, taken literally
+    glob = _tier(redis_server, key_prefix="a*")
     near = _tier(redis_server, key_prefix="ab")
     a1, a2 = K("1", "a"), K("2", "a")
     glob.put_many([(a1, b"1"), (a2, b"2")])
@@ -277,9 +276,8 @@ def test_extend_only_lengthens_a_ttl(redis_server):
     assert 49_000 < _pttl(raw, a) <= 50_000  # moved later
     assert 99_000 < _pttl(raw, b) <= 100_000  # never shortened (GT)
     assert _pttl(raw, n) == -1  # no TTL: left alone, it lives longer already
-    assert (
-        t.extend(K("missing"), 1050.0) is False and t.extend(a, 900.0) is True
-    )  # a time passed: no change
+    # a time passed: no change
+    assert t.extend(K("missing"), 1050.0) is False and t.extend(a, 900.0) is True
     assert 49_000 < _pttl(raw, a) <= 50_000
 
 

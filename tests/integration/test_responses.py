@@ -21,9 +21,8 @@ pytestmark = pytest.mark.integration
 
 MODEL = "smollm2"
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
-NOTES = " ".join(
-    f"Station {i} on the line is called Halt {i * 7 % 31}." for i in range(30)
-)  # ~400 tokens
+# ~400 tokens
+NOTES = " ".join(f"Station {i} on the line is called Halt {i * 7 % 31}." for i in range(30))
 QUESTIONS = [
     "Which station is called Halt 14?",
     "And which one is Halt 21?",
@@ -104,9 +103,8 @@ def test_chain_equals_chat_history_reuses_kv_and_survives_restart(server):
     third = ask(c, QUESTIONS[2], previous=second.id)
     details = third.usage.input_tokens_details
     assert details.cached_tokens > second.usage.input_tokens
-    assert (
-        details.model_extra["cached_entries_by_tier"].get("disk", 0) > 0
-    )  # after the restart: from disk
+    # after the restart: from disk
+    assert details.model_extra["cached_entries_by_tier"].get("disk", 0) > 0
     assert c.responses.retrieve(first.id).output_text == first.output_text
 
     messages = [{"role": "system", "content": "Answer briefly."}]
@@ -315,9 +313,8 @@ def test_stored_responses_expire_and_free_their_entries(clocked):
         c.responses.retrieve(r.id)
     assert "expired" in str(e.value)
     # the expired response's own entries (its tail) are freed; those its follow-up shares are kept
-    assert (
-        settled_disk_entries(url + "/v1") == entries - 1
-    )  # r's tail; its first chunk is follow's too
+    # r's tail; its first chunk is follow's too
+    assert settled_disk_entries(url + "/v1") == entries - 1
     assert c.responses.retrieve(follow.id).id == follow.id
     with pytest.raises(openai.NotFoundError):
         c.responses.create(

@@ -153,9 +153,8 @@ def test_server_side_encryption_is_applied_to_every_put_upload_and_copy(s3):
     plain = make_tier(s3, "sse-none/")
     try:
         plain.put(KEYS[0], b"x")
-        assert (
-            _head(s3, "sse-none/" + str(KEYS[0])).get("SSEKMSKeyId") is None
-        )  # the bucket's default
+        # the bucket's default
+        assert _head(s3, "sse-none/" + str(KEYS[0])).get("SSEKMSKeyId") is None
     finally:
         plain.close()
 
@@ -173,9 +172,8 @@ def test_sse_settings_from_the_configuration(s3):
         "KVFUSE_CACHE_S3_SSE": "aws:kms",
         "KVFUSE_CACHE_S3_SSE_KMS_KEY_ID": "alias/kvfuse",
     }
-    store = open_store(
-        load_config(env=env)
-    )  # no keys in the configuration: boto3's chain (S3_ENV here)
+    # no keys in the configuration: boto3's chain (S3_ENV here)
+    store = open_store(load_config(env=env))
     try:
         store.tier("s3").put(KEYS[3], b"v")
         head = _head(s3, "sse-config/" + str(KEYS[3]))

@@ -181,17 +181,15 @@ def test_repeated_long_prompt_reports_cached_tokens(client):
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert (
-        cached == second.usage.prompt_tokens - 1
-    )  # all but the last token, whose logits are needed
+    # all but the last token, whose logits are needed
+    assert cached == second.usage.prompt_tokens - 1
     assert second.choices[0].text == first.choices[0].text  # reuse does not change greedy output
 
 
 def test_cache_salt_is_a_separate_namespace(client):
     prompt = long_prompt("salted")
-    client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=1, temperature=0
-    )  # cached without salt
+    # cached without salt
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     a = client.completions.create(
         model=MODEL,
         prompt=prompt,
@@ -218,9 +216,8 @@ def test_cache_false_neither_reads_nor_writes(client, server):
     )
     assert r1.usage.prompt_tokens_details.cached_tokens == 0
     assert kv_stats(server)["engine"]["chunks_stored"] == before  # nothing written
-    salt = {
-        "cache_salt": "bypass"
-    }  # a namespace no other test's prompts (sharing its first tokens) are in
+    # a namespace no other test's prompts (sharing its first tokens) are in
+    salt = {"cache_salt": "bypass"}
     r2 = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body=salt
     )
@@ -228,9 +225,8 @@ def test_cache_false_neither_reads_nor_writes(client, server):
     r3 = client.completions.create(
         model=MODEL, prompt=prompt, max_tokens=1, temperature=0, extra_body={"cache": False, **salt}
     )
-    assert (
-        r3.usage.prompt_tokens_details.cached_tokens == 0
-    )  # and the now-cached prefix is not read
+    # and the now-cached prefix is not read
+    assert r3.usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_sigterm_flushes_the_disk_tier_and_exits_zero(client, server, disk_dir):

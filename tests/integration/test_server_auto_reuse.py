@@ -18,9 +18,8 @@ from kvfuse_testkit import ServerProcess, ensure_model
 pytestmark = pytest.mark.integration
 
 MODEL = "smollm2"
-PASSAGES = [
-    d for i in (0, 1) for d in fictional_qa.item(i, 5).documents
-]  # 10 passages, ~60 tokens each
+# 10 passages, ~60 tokens each
+PASSAGES = [d for i in (0, 1) for d in fictional_qa.item(i, 5).documents]
 
 
 def messages(order: list[int], question: str) -> list[dict]:
@@ -77,9 +76,8 @@ def test_passages_seen_in_another_order_are_span_reused(client, server):
     assert d1["auto_reuse"] == "none_found" and d1["span_reused_tokens"] == 0
     second, d2 = ask(client, SECOND)
     assert d2["auto_reuse"] == "blended" and d2["blend"]["recompute_ratio"] == 0.3
-    found = (
-        d2["span_reused_tokens"] + d2["recomputed_tokens"]
-    )  # the found passages' tokens (~60 each: edges lost)
+    # the found passages' tokens (~60 each: edges lost)
+    found = d2["span_reused_tokens"] + d2["recomputed_tokens"]
     assert d2["span_reused_tokens"] > 0 and found > 0.5 * second.usage.prompt_tokens
     assert (
         second.usage.prompt_tokens_details.cached_tokens
@@ -92,9 +90,8 @@ def test_passages_seen_in_another_order_are_span_reused(client, server):
     assert d2["recomputed_tokens"] > 0
     off, d3 = ask(client, messages([5, 6, 3, 8, 1], "Who plays the cello?"), blend_auto="off")
     assert (d3["auto_reuse"], d3["span_reused_tokens"]) == ("off", 0)
-    assert (
-        d3["prefix_reused_tokens"] == off.usage.prompt_tokens_details.cached_tokens
-    )  # the system prompt at most
+    # the system prompt at most
+    assert d3["prefix_reused_tokens"] == off.usage.prompt_tokens_details.cached_tokens
     text = httpx.get(server.url + "/metrics", timeout=30).text
     hits = [
         line
@@ -116,9 +113,8 @@ def test_bad_values_are_400s(client):
     with pytest.raises(openai.BadRequestError) as e:  # a budget needs documents or automatic reuse
         ask(client, FIRST, blend_auto="off", recompute_ratio=0.5)
     assert e.value.body["param"] == "recompute_ratio"
-    _, d = ask(
-        client, messages([3, 1, 4], "Who plays the flute?"), recompute_ratio=1.0
-    )  # a budget of its own
+    # a budget of its own
+    _, d = ask(client, messages([3, 1, 4], "Who plays the flute?"), recompute_ratio=1.0)
     assert (
         d["auto_reuse"] == "blended"
         and d["blend"]["source"] == "request"

@@ -95,9 +95,8 @@ def test_completion_with_documents_is_reused_at_any_position(client, engine):
     )
     d = again.usage.prompt_tokens_details
     doc_tokens = sum(len(engine.prompts.encode_document(x)) for x in DOCS)
-    assert (
-        d.cached_tokens + d.model_extra["recomputed_tokens"] == doc_tokens
-    )  # every document token reused
+    # every document token reused
+    assert d.cached_tokens + d.model_extra["recomputed_tokens"] == doc_tokens
     assert d.model_extra["recomputed_tokens"] == round(0.2 * doc_tokens)
 
 
@@ -290,9 +289,8 @@ def test_precompute_fills_the_cache_a_server_reads(home, engine, tmp_path):
             extra_body={"documents": DOCS},
         )
         d = r.usage.prompt_tokens_details
-        assert (
-            d.cached_tokens > 0
-        )  # precomputed: read from the disk tier, nothing computed on the way
+        # precomputed: read from the disk tier, nothing computed on the way
+        assert d.cached_tokens > 0
         assert d.cached_tokens + d.model_extra["recomputed_tokens"] == sum(
             len(engine.prompts.encode_document(x)) for x in DOCS
         )

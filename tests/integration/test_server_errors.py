@@ -286,9 +286,8 @@ def test_disconnects_cancel_running_and_queued_work(server):
 
 def test_queue_full_is_429(small_server):
     """max_queue 1: with one request running and one waiting, the others are refused at once."""
-    prompt = " ".join(
-        f"Line {i}: the value is {7 * i}." for i in range(60)
-    )  # ~600 tokens: a slow prefill
+    # ~600 tokens: a slow prefill
+    prompt = " ".join(f"Line {i}: the value is {7 * i}." for i in range(60))
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "cache": False}
     barrier = threading.Barrier(6)
 

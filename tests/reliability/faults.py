@@ -30,9 +30,8 @@ from kvfuse_helpers import SENTENCES
 from kvfuse_testkit import ServerProcess, free_port
 
 MODEL = "smollm2"
-NEAR_TIE = (
-    1e-3  # a top-2 logit gap below this is within float rounding (see docs/features.md, Exactness)
-)
+# a top-2 logit gap below this is within float rounding (see docs/features.md, Exactness)
+NEAR_TIE = 1e-3
 
 
 # ---------------------------------------------------------------------------------- prompts
@@ -181,9 +180,8 @@ class Outcome:
     started: float  # time.monotonic() at the start
     cached_tokens: int = 0
     by_tier: dict[str, int] = field(default_factory=dict)
-    error: str | None = (
-        None  # the exception, for a request that failed (any status, any transport error)
-    )
+    # the exception, for a request that failed (any status, any transport error)
+    error: str | None = None
 
 
 def client_of(srv: ServerProcess, timeout: float = 300.0) -> openai.OpenAI:
@@ -706,9 +704,8 @@ def chain_paths(
     engine = chat_engine(model)
     ids, _ = engine.prompts.encode_chat(job.body())
     keys = prefix_keys(ids, chunk_size, engine.namespace(tenant, salt))
-    return [
-        Path(DiskTier._path(SimpleNamespace(root=root), k)) for k in keys
-    ]  # the tier's own layout rule
+    # the tier's own layout rule
+    return [Path(DiskTier._path(SimpleNamespace(root=root), k)) for k in keys]
 
 
 def entry_ok(path: Path) -> bool | None:

@@ -258,9 +258,8 @@ def test_a_damaged_chunk_under_a_stored_history_of_another_prompt_is_planned_aro
         assert 0 < result.cached_tokens < 64 and result.hit_tiers == (
             "disk",
         )  # Q's entry, over the shared head
-        assert (
-            store.stats()["store"]["unusable_entries"] == 1 and entry_ok(first) is not False
-        )  # removed (or redone)
+        # removed (or redone)
+        assert store.stats()["store"]["unusable_entries"] == 1 and entry_ok(first) is not False
     finally:
         engine.close()
         without_history.close()
@@ -445,9 +444,8 @@ def test_folders_and_files_the_server_may_not_read(model, tmp_path):
         after = disk_counts(srv)
         d = delta(after, before, "errors", "errors_in_metrics")
         assert d["errors"] > 0 and d["errors_in_metrics"] == d["errors"], f"EACCES not counted: {d}"
-        assert (
-            locked_dir.stat().st_mode & 0o777 == 0
-        )  # still locked: the server could not have worked around it
+        # still locked: the server could not have worked around it
+        assert locked_dir.stat().st_mode & 0o777 == 0
 
         # a restart with the folder still locked: the start-up scan must not stop the server
         srv.close()
@@ -522,9 +520,8 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
         client = client_of(srv)
         ref.cache_free(client, job_list, shape.threads)
         for cycle in range(shape.cycles):
-            salt = (
-                f"cycle-{cycle}"  # every chunk new: the server has writes to do when it is killed
-            )
+            # every chunk new: the server has writes to do when it is killed
+            salt = f"cycle-{cycle}"
             puts0 = tier(srv, "disk")["puts"]
 
             def writing():  # entries written, and more coming: saves queued, or requests running
@@ -544,9 +541,8 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
                 killed = time.monotonic()
                 outcomes = load.stop()
             finished = [o for o in outcomes if o.started + o.latency_s < killed and o.error is None]
-            check_outcomes(
-                ref, finished
-            )  # those answered before the kill; the others lost their server
+            # those answered before the kill; the others lost their server
+            check_outcomes(ref, finished)
             figures["kills"] += 1
             figures["requests"] += len(finished)
             figures["temp_files_left"] += len(temp_files(disk))
@@ -555,9 +551,8 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
             sub = next(p for p in sorted(disk.iterdir()) if p.is_dir() and len(p.name) == 2)
             (sub / f".{pid}.{os.urandom(8).hex()}.tmp").write_bytes(os.urandom(100_000))
             (disk / "histories").mkdir(exist_ok=True)
-            (disk / "histories" / f".{pid}.{os.urandom(12).hex()}.tmp").write_bytes(
-                b"partial"
-            )  # a record's
+            # a record's
+            (disk / "histories" / f".{pid}.{os.urandom(12).hex()}.tmp").write_bytes(b"partial")
             with open(disk / "expiry.log", "ab") as f:
                 f.write(b"torn line without its newl")
             present = [
@@ -568,9 +563,8 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
             ]
             assert present, "the killed server had written no first chunk"
             torn = present[0][1]
-            truncate(
-                torn, torn.stat().st_size // 2
-            )  # as if the rename had reached the disk, not the data
+            # as if the rename had reached the disk, not the data
+            truncate(torn, torn.stat().st_size // 2)
             srv.close()
 
             srv = serve(disk, shape, disk_bytes=capacity, retention="1h")
@@ -607,9 +601,8 @@ def test_a_server_killed_in_the_middle_of_writes_restarts_clean(model, shape, tm
             figures["requests"] += len(again)
             figures["reused_after_restart"] += len(reused)
             end = tier(srv, "disk")
-            assert (
-                end["used_bytes"] <= cap_bytes and used_bytes(disk) <= cap_bytes + 1024**2
-            )  # + journal, records
+            # + journal, records
+            assert end["used_bytes"] <= cap_bytes and used_bytes(disk) <= cap_bytes + 1024**2
         record(
             label("disk_killed_mid_write", shape),
             wrong=0,

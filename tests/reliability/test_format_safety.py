@@ -158,12 +158,10 @@ def test_an_entry_relabelled_with_another_chunks_key_is_rejected_by_its_token_id
     spec = EntrySpec(
         torch.float16, c.num_layers, c.num_kv_heads, c.head_dim, tokens=CH, first_position=CH
     )
-    open_entry(
-        bytearray(forged), kq[1], spec
-    )  # key, dtype, shape, positions, checksums: all as q expects ...
-    with pytest.raises(
-        FormatError, match="other token ids"
-    ):  # ... only the token ids tell it apart
+    # key, dtype, shape, positions, checksums: all as q expects ...
+    open_entry(bytearray(forged), kq[1], spec)
+    # ... only the token ids tell it apart
+    with pytest.raises(FormatError, match="other token ids"):
         open_entry(
             bytearray(forged),
             kq[1],
@@ -207,9 +205,8 @@ def test_a_document_relabelled_as_another_document_of_the_same_length_is_rejecte
         TieredStore(MemoryTier(1 << 30)),
         EngineSettings.of(chunk_size=rig.chunk_size, blend=BLEND, history=False, prefetch=False),
     )
-    want = reference.generate(
-        Prompt.of(documents=[doc_b], suffix=question), GREEDY
-    )  # b computed, not loaded
+    # b computed, not loaded
+    want = reference.generate(Prompt.of(documents=[doc_b], suffix=question), GREEDY)
     reference.close()
 
     rig.plant("redis", kb, relabel(rig.disk.get(ka), kb))
@@ -238,9 +235,8 @@ def test_entries_of_another_model_configuration_are_never_used(
     other.flush()
     theirs = [bytes(other.store.memory.get(k).join()) for k in keys_of(other, p)]
     ours = keys_of(rig.engine, p)
-    assert set(keys_of(other, p)).isdisjoint(
-        ours
-    )  # another namespace: another key for the same tokens
+    # another namespace: another key for the same tokens
+    assert set(keys_of(other, p)).isdisjoint(ours)
     other.close()
     rig.plant("disk", ours[0], theirs[0])  # as it is: it names its own key
     run_and_check(rig, p, references["p"], expect_cached=0)

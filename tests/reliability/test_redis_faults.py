@@ -168,9 +168,8 @@ def test_a_trickling_reply_is_a_bounded_time_out_and_a_slow_link_still_serves(re
         assert t.stats.errors == 1
         proxy.bandwidth = None
         assert t.get(KEY) == value  # the next call reconnects
-        assert (
-            t.keys() == [KEY] and t.delete_prefix("") == 1 and t.ping()
-        )  # SCAN round trips bounded too
+        # SCAN round trips bounded too
+        assert t.keys() == [KEY] and t.delete_prefix("") == 1 and t.ping()
 
 
 # ----------------------------------------------------------------------------- the server
@@ -209,9 +208,8 @@ class Faults:
         self._proxied(load, n, "latency_s", 2 * TIMEOUT_S)  # every reply later than the time-out
 
     def trickle(self, load: Load, n: int) -> None:
-        self._proxied(
-            load, n, "bandwidth", 50e3
-        )  # 50 KB/s: one 64-token entry (1.5 MB) would take 30 s
+        # 50 KB/s: one 64-token entry (1.5 MB) would take 30 s
+        self._proxied(load, n, "bandwidth", 50e3)
 
     def cut(self, load: Load, n: int) -> None:
         self._proxied(load, n, "cut_after", 200_000)  # connections reset in the middle of replies

@@ -52,9 +52,8 @@ def test_generations_survive_a_redis_outage_and_hit_again_after_it(
 ):
     redis = RedisTier(redis_server.url, timeout_s=0.3, backoff_s=BACKOFF)
     store = TieredStore(MemoryTier(1), [redis])  # memory holds nothing: every hit comes from Redis
-    engine = Engine(
-        smollm2, store, EngineSettings.of(history=False)
-    )  # chunk-level reuse: what this test pins down
+    # chunk-level reuse: what this test pins down
+    engine = Engine(smollm2, store, EngineSettings.of(history=False))
     try:
 
         def run(name: str, **kw):
@@ -78,9 +77,8 @@ def test_generations_survive_a_redis_outage_and_hit_again_after_it(
         for name in ("a", "b"):
             assert run(name).cached_tokens == 0
             engine.flush()
-            time.sleep(
-                BACKOFF
-            )  # let the back-off end, so the next call tries the dead server again
+            # let the back-off end, so the next call tries the dead server again
+            time.sleep(BACKOFF)
         after = redis.stats.snapshot()
         assert after["errors"] > before["errors"]
         assert after["dropped_writes"] > before["dropped_writes"]

@@ -155,9 +155,8 @@ def stored_chunk(rig: Rig, ids: list[int], i: int) -> Entry:
     rig.engine.flush()
     blob = bytes(rig.tiers["disk"].get(rig.keys(ids)[i]))
     signed = rig.store.signer is not None
-    assert read_header(blob, EntrySigner([KEY])).signature == (
-        "valid" if signed else "unsigned"
-    )  # what it wrote
+    # what it wrote
+    assert read_header(blob, EntrySigner([KEY])).signature == ("valid" if signed else "unsigned")
     return open_entry(bytearray(blob))
 
 
@@ -230,9 +229,8 @@ def test_entries_without_an_accepted_signature_are_never_used(make_rig, prompts,
         before = rig.counters()
         result = rig.engine.generate(p, GREEDY)
         after = rig.counters()
-        assert result.cached_tokens == CH, (
-            what
-        )  # chunk 0 (genuine, signed) reused; the forgery computed
+        # chunk 0 (genuine, signed) reused; the forgery computed
+        assert result.cached_tokens == CH, what
         moved = {k: after[k] - before[k] for k in after}
         assert moved == {
             "unusable": 1,
@@ -266,7 +264,6 @@ def test_entries_of_a_retired_key_are_misses_and_of_a_rotated_one_hits(
     retired = make_rig(keys=(KEY,))
     result = retired.engine.generate(p, GREEDY)
     counted = retired.counters()
-    assert (
-        result.cached_tokens == 0 and counted["mismatch"] >= 2 and counted["unsigned"] == 0
-    )  # every copy refused
+    # every copy refused
+    assert result.cached_tokens == 0 and counted["mismatch"] >= 2 and counted["unsigned"] == 0
     assert near_tie_verdict(result.token_ids, *reference) != "wrong"

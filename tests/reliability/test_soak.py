@@ -234,9 +234,8 @@ class References:
         if kind in ("conv", "resp"):
             ids, dropped = self.encoder.prompts.encode_chat(payload)
             assert dropped == 0
-            return [
-                (*greedy_reference(self.model, ids, MAX_TOKENS), kind == "resp")
-            ]  # responses stop at EOS
+            # responses stop at EOS
+            return [(*greedy_reference(self.model, ids, MAX_TOKENS), kind == "resp")]
         # RAG, served by a cache-empty engine with the server's settings. Two answers are right:
         # the blend's (the documents computed or loaded, then blended), and, once a blend of the
         # same documents stored its KV as prefix chunks, the prefix hit's (those chunks loaded,
@@ -262,9 +261,8 @@ class References:
             logits = self.blender.score(prompt, [tokens])[0].float()
             top = torch.topk(logits, 2, dim=-1).values
             gaps.append((top[:, 0] - top[:, 1]).tolist())
-            self.blender.generate(
-                prompt, SamplingParams(max_tokens=1)
-            )  # the blended prefix, stored
+            # the blended prefix, stored
+            self.blender.generate(prompt, SamplingParams(max_tokens=1))
             self.blender.flush()
         self.blender.clear_cache("")
         return [(tokens, g, False) for tokens, g in zip(out, gaps)]
@@ -442,9 +440,8 @@ def soak(home, tmp_path, seconds: float, scale: int) -> None:
 
 def run_soak(server: ServerProcess, home, workload: Workload, seconds: float) -> None:
     warm = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=600)
-    warm.completions.create(
-        model=MODEL, prompt="Hello", max_tokens=2, extra_body={"cache": False}
-    )  # runtime warm
+    # runtime warm
+    warm.completions.create(model=MODEL, prompt="Hello", max_tokens=2, extra_body={"cache": False})
     rss_start = rss_bytes(server.pid)
     bound = rss_start + MEMORY_BYTES + KV_BYTES + RSS_MARGIN
     tally, results = Tally(), []
@@ -546,9 +543,8 @@ def test_the_judge_tells_a_wrong_answer_from_a_right_one(kvfuse_home):
     ((tokens, gaps, _),) = refs.of("plain", prompt)
     right = refs.tokenizer.decode(tokens)
     assert refs.verdict("plain", prompt, right) == "same"
-    step = next(
-        i for i, g in enumerate(gaps) if g >= NEAR_TIE
-    )  # a step where the reference is sure
+    # a step where the reference is sure
+    step = next(i for i, g in enumerate(gaps) if g >= NEAR_TIE)
     other = next(
         t
         for t in range(100, 200)

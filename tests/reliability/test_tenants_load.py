@@ -317,9 +317,8 @@ def check_responses_isolation(server, clients, response_ids, seen) -> None:
             assert answers[0] == answers[1], (
                 f"{other} can tell {owner}'s response exists: {answers}"
             )
-        assert (
-            clients[owner].responses.retrieve(rid).id == rid
-        )  # still there for its owner (not deleted)
+        # still there for its owner (not deleted)
+        assert clients[owner].responses.retrieve(rid).id == rid
 
 
 def send_private(clients, seen) -> dict[str, list[str]]:

@@ -119,9 +119,8 @@ def test_metrics_token():
 def test_config_accepts_digest_entries_and_names_bad_ones(tmp_path):
     c = load_config(env={"KVFUSE_SERVER_API_KEYS": f"{ALICE_DIGEST}:alice,sk-bob:bob"})
     assert c.api_key_map() == {ALICE_DIGEST: "alice", "sk-bob": "bob"}
-    assert ALICE_DIGEST not in repr(c) and "sk-bob" not in repr(
-        c
-    )  # secrets stay out of a config's repr
+    # secrets stay out of a config's repr
+    assert ALICE_DIGEST not in repr(c) and "sk-bob" not in repr(c)
     with pytest.raises(
         ConfigError, match=r"server.api_keys: a digest entry .*kvfuse keys digest.*KVFUSE_SERVER"
     ):

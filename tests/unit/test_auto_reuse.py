@@ -29,9 +29,8 @@ SYSTEM = ids_of(20, 1)
 P = [ids_of(90, 2), ids_of(70, 3), ids_of(110, 4)]  # three passages
 Q1, Q2 = ids_of(9, 5), ids_of(11, 6)
 FIRST = SYSTEM + P[0] + P[1] + P[2] + Q1  # stores the passages' chunks
-SECOND = (
-    ids_of(7, 7) + P[2] + P[0] + P[1] + Q2
-)  # the same passages, other order, after another start
+# the same passages, other order, after another start
+SECOND = ids_of(7, 7) + P[2] + P[0] + P[1] + Q2
 
 
 def engine_with(model, store, auto="on", min_tokens=64, history=False, **blend) -> Engine:
@@ -120,9 +119,8 @@ def test_a_prefix_profile_blends_nothing(tiny_loaded):
     model = tiny_loaded("llama")
     store = TieredStore(MemoryTier(1 << 27))
     engine_with(model, store).generate(FIRST, GREEDY)
-    engine = engine_with(
-        model, store, method="prefix"
-    )  # what auto gives a model whose blends lose answers
+    # what auto gives a model whose blends lose answers
+    engine = engine_with(model, store, method="prefix")
     got = engine.generate(SECOND, GREEDY)
     assert (got.auto_reuse, got.span_reused_tokens, got.recomputed_tokens) == ("prefix", 0, 0)
     assert got.token_ids == baseline(model, SECOND)
@@ -181,9 +179,8 @@ def test_found_spans_on_disk_and_a_damaged_one(tiny_loaded, tmp_path):
         data = bytearray(path.read_bytes())
         data[-3] ^= 0x20
         path.write_bytes(bytes(data))
-    store = TieredStore(
-        MemoryTier(1 << 27), [DiskTier(tmp_path, 1 << 28)]
-    )  # a restart: chunks on disk only
+    # a restart: chunks on disk only
+    store = TieredStore(MemoryTier(1 << 27), [DiskTier(tmp_path, 1 << 28)])
     engine = engine_with(model, store, recompute_ratio=1.0)
     got = engine.generate(SECOND, GREEDY)
     assert got.auto_reuse == "blended" and set(got.hit_tiers) == {"disk"}

@@ -26,9 +26,8 @@ def _seq(n: int, cap: int, dtype, shuffle: bool, seed: int):
     g = torch.Generator().manual_seed(seed)
     kv = torch.randn(3, 2, 2, cap, 16, generator=g).to(dtype)
     pos = torch.zeros(cap, dtype=torch.int64)
-    pos[:n] = (
-        torch.randperm(n, generator=g) * 2 if shuffle else torch.arange(n) * 2
-    )  # gaps, like blended documents
+    # gaps, like blended documents
+    pos[:n] = torch.randperm(n, generator=g) * 2 if shuffle else torch.arange(n) * 2
     return kv, pos
 
 
@@ -91,9 +90,8 @@ def test_the_kernel_computes_the_position_masked_attention(ext, dtype, window, s
 def test_write_kv_rounds_like_a_tensor_copy(ext, dtype):
     bufs = [_seq(10, 20, dtype, False, s)[0] for s in range(3)]
     want = [b.clone() for b in bufs]
-    qkv = torch.randn(
-        6, 4 * 16 + 2 * 2 * 16
-    )  # k and v are strided views of a fused projection, as in the runner
+    # k and v are strided views of a fused projection, as in the runner
+    qkv = torch.randn(6, 4 * 16 + 2 * 2 * 16)
     k, v = qkv[:, 64:96].view(6, 2, 16), qkv[:, 96:].view(6, 2, 16)
     spans = [(0, 3, 2), (2, 0, 3), (5, 19, 1)]  # (first row, first slot, rows)
     ext.write_kv(bufs, 2, k, v, [s[0] for s in spans], [s[1] for s in spans], [s[2] for s in spans])

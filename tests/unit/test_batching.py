@@ -199,9 +199,8 @@ def test_concurrent_requests_give_the_outputs_of_running_them_one_by_one(tiny_lo
             assert r.token_ids == ref[i], i
     assert outcomes[1].result.cached_tokens >= 32 and outcomes[3].result.cached_tokens >= 32
     s = engine.stats_snapshot()
-    assert (
-        s["steps"] > 0 and s["step_sequences"] > s["steps"]
-    )  # several sequences per step on average
+    # several sequences per step on average
+    assert s["steps"] > 0 and s["step_sequences"] > s["steps"]
     engine.close()
 
 
@@ -328,10 +327,8 @@ def test_requests_sharing_a_prefix_submitted_together_compute_it_once(tiny_loade
     engine = engine_for(loaded, max_running=4, max_step_tokens=24)
     outcomes, steps, peak = run_all(engine, requests)
     assert [o.result.token_ids for o in outcomes] == ref
-    assert (
-        outcomes[2].result.cached_tokens == 64
-    )  # all four shared chunks, computed by request 0 only
-    assert (
-        outcomes[1].result.timings.queued_s <= outcomes[2].result.timings.queued_s
-    )  # 1 overtook the deferred 2
+    # all four shared chunks, computed by request 0 only
+    assert outcomes[2].result.cached_tokens == 64
+    # 1 overtook the deferred 2
+    assert outcomes[1].result.timings.queued_s <= outcomes[2].result.timings.queued_s
     engine.close()

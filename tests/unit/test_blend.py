@@ -94,20 +94,17 @@ def test_ratio_zero_is_the_concatenation_of_moved_document_kv(family, runner):
     logits, stats = blend_prefill(
         r, kv, ids, spans[0][0], s, spans, BlendOptions(recompute_ratio=0.0)
     )
-    assert stats.selected == 0 and torch.equal(
-        kv.kv[:, :, :, :s], before
-    )  # no document KV was touched
+    # no document KV was touched
+    assert stats.selected == 0 and torch.equal(kv.kv[:, :, :, :s], before)
     concat, _, _ = blended_cache(r, PREFIX, DOCS, 0, torch.float16)
     ref = r.forward(SUFFIX, concat, logits="last")  # the suffix over the plain concatenation
     assert (logits - ref).abs().max() <= 1e-5
-    assert (
-        logits - full_logits(r, ids, torch.float16)
-    ).abs().max() > 1e-3  # and that is not a prefill
+    # and that is not a prefill
+    assert (logits - full_logits(r, ids, torch.float16)).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize(
-    "family", ["llama", "gemma3"]
-)  # with 2 layers, the check layer is the last one
+# with 2 layers, the check layer is the last one
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_partial_ratios_sit_between_full_reuse_and_full_prefill(family, runner):
     r = runner(family)
     ids = PREFIX + sum(DOCS, []) + SUFFIX
@@ -135,9 +132,8 @@ def test_the_check_layer_the_deviation_and_gradual_filtering(runner):
         kv, spans, s = blended_cache(r, PREFIX, DOCS, len(SUFFIX), torch.float32)
         _, stats = blend_prefill(r, kv, ids, spans[0][0], s, spans, opts)
         check = opts.check_layer
-        assert stats.active[: check + 1] == [110] * (
-            check + 1
-        )  # full layers and the check layer: all tokens
+        # full layers and the check layer: all tokens
+        assert stats.active[: check + 1] == [110] * (check + 1)
         if opts.gradual:  # twice the budget at the check layer, shrinking to it over three layers
             assert (
                 stats.selected == 44 and stats.active[2:5] == [44, 37, 29] and stats.active[5] == 22
@@ -198,16 +194,14 @@ def test_documents_in_any_order_repeated_and_at_the_end(tiny_loaded):
     engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     engine.flush()  # the saves are asynchronous: count the puts once they are done
     puts = store.stats()["memory"]["puts"]
-    swapped = engine.generate(
-        Prompt.of(PREFIX, DOCS[::-1], SUFFIX), GREEDY
-    )  # other positions: keys moved
+    # other positions: keys moved
+    swapped = engine.generate(Prompt.of(PREFIX, DOCS[::-1], SUFFIX), GREEDY)
     assert swapped.stored_chunks == 0 and store.stats()["memory"]["puts"] == puts
     assert swapped.hit_tiers == ("memory",) * 4 and swapped.recomputed_tokens == round(0.2 * 110)
     twice = engine.generate(Prompt.of(PREFIX, [DOCS[0], DOCS[1], DOCS[0]], SUFFIX), GREEDY)
     assert twice.hit_tiers == ("memory",) * 4 and len(twice.token_ids) == GREEDY.max_tokens
-    ending = engine.generate(
-        Prompt.of(PREFIX, DOCS), GREEDY
-    )  # no question: the last token is computed
+    # no question: the last token is computed
+    ending = engine.generate(Prompt.of(PREFIX, DOCS), GREEDY)
     assert len(ending.token_ids) == GREEDY.max_tokens and ending.recomputed_tokens == round(
         0.2 * 109
     )
@@ -218,9 +212,8 @@ def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
     store = TieredStore(MemoryTier(1 << 26))
     engine = engine_with(model, store, recompute_ratio=0.2, store_blended=True)
     first = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
-    assert (
-        first.stored_chunks == 1 + 3 + 8
-    )  # prefix chunk, three documents, the blended chain (130 // 16)
+    # prefix chunk, three documents, the blended chain (130 // 16)
+    assert first.stored_chunks == 1 + 3 + 8
     other_question = ids_of(12, 8)
     hit = engine.generate(Prompt.of(PREFIX, DOCS, other_question), GREEDY)
     assert (
@@ -246,13 +239,11 @@ def test_a_question_aware_blend_is_stored_for_its_question_only(tiny_loaded):
     engine = engine_with(model, store, recompute_ratio=0.2, method="hkvd-attn", store_blended=True)
     first = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     assert first.recomputed_tokens == 22 and first.stored_chunks == 1 + 3 + 8
-    other = engine.generate(
-        Prompt.of(PREFIX, DOCS, ids_of(9, 12)), GREEDY
-    )  # the selection follows the question
+    # the selection follows the question
+    other = engine.generate(Prompt.of(PREFIX, DOCS, ids_of(9, 12)), GREEDY)
     assert other.recomputed_tokens == 22
-    same = engine.generate(
-        Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY
-    )  # the very same prompt: an exact prefix hit
+    # the very same prompt: an exact prefix hit
+    same = engine.generate(Prompt.of(PREFIX, DOCS, SUFFIX), GREEDY)
     assert (
         same.recomputed_tokens == 0
         and same.cached_tokens == 128
@@ -294,9 +285,8 @@ def test_documents_on_disk_load_layer_by_layer_and_are_promoted(tiny_loaded, tmp
     engine = engine_with(model, store, recompute_ratio=0.15)
     cold = engine.generate(prompt, GREEDY)
     assert cold.token_ids == expected.token_ids and cold.hit_tiers == ("disk",) * 4
-    assert (
-        store.stats()["store"]["promotions"] == 4
-    )  # the prefix chunk fetched whole, 3 documents rebuilt
+    # the prefix chunk fetched whole, 3 documents rebuilt
+    assert store.stats()["store"]["promotions"] == 4
     warm_again = engine.generate(prompt, GREEDY)
     assert warm_again.hit_tiers == ("memory",) * 4 and warm_again.token_ids == expected.token_ids
 
@@ -340,9 +330,8 @@ def test_documents_need_the_cache_and_tokens(tiny_loaded):
     with pytest.raises(ValueError, match="context window"):
         engine.generate(Prompt.of(PREFIX, [ids_of(4090, 9)], SUFFIX), GREEDY)
     with pytest.raises(ValueError, match="check_layer"):
-        Engine(
-            model, None, EngineSettings.of(blend=BlendOptions(check_layer=3))
-        )  # the tiny llama has 3 layers
+        # the tiny llama has 3 layers
+        Engine(model, None, EngineSettings.of(blend=BlendOptions(check_layer=3)))
 
 
 def test_score_gives_teacher_forced_logits_through_the_request_path(tiny_loaded):
@@ -361,7 +350,6 @@ def test_score_gives_teacher_forced_logits_through_the_request_path(tiny_loaded)
         prompt, [cont_a], blend=BlendOptions(recompute_ratio=0.0, store_blended=False)
     )
     assert (reuse_a - ref).abs().max() > 1e-3  # full reuse is not a prefill ...
-    plain = Engine(model, None).score(prompt.ids, [cont_a])[
-        0
-    ]  # ... and a plain prompt without a cache is
+    # ... and a plain prompt without a cache is
+    plain = Engine(model, None).score(prompt.ids, [cont_a])[0]
     assert (plain - ref).abs().max() <= 1e-3

@@ -109,9 +109,8 @@ def test_entries_decode_in_their_dtype_and_layer_by_layer(dtype):
 def test_levels_bins_fall_with_depth_and_with_the_level():
     for level, bins in LEVELS.items():
         assert bins.k_early >= bins.k_late and bins.v_early >= bins.v_late
-        assert (
-            bins.k_early >= bins.v_early and bins.k_late >= bins.v_late
-        )  # K is the sensitive part
+        # K is the sensitive part
+        assert bins.k_early >= bins.v_early and bins.k_late >= bins.v_late
         if level > 1:
             lower = LEVELS[level - 1]
             assert bins.k_late >= lower.k_late and bins.v_late >= lower.v_late
@@ -286,9 +285,8 @@ def test_worker_pool_matches_in_process_and_survives_a_dead_worker():
             p.run("decode", [([blobs[0][:-3]], 40, 32), (blobs[3:4], 40, 32)])
         p._workers[0].proc.kill()
         p._workers[0].proc.wait()
-        again = p.run(
-            "decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)]
-        )  # one job in-process, then a restart
+        # one job in-process, then a restart
+        again = p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])
         assert all(np.array_equal(a[0], b[0]) for a, b in zip(again, got))
         assert p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])[0][0].shape == (
             3,
@@ -326,9 +324,8 @@ def test_a_model_with_global_layers_gets_more_k_bins_there(workers):
     assert codec.boosted == {2, 5} and codec.level == 2
     expected = [(2 * k if i in (2, 5) else k, v) for i, (k, v) in enumerate(plain.layer_bins(6))]
     assert codec.layer_bins(6) == expected
-    assert (
-        get_codec("cachegen", 4).for_model(types).layer_bins(6)[2][0] == 128
-    )  # the most a layer may have
+    # the most a layer may have
+    assert get_codec("cachegen", 4).for_model(types).layer_bins(6)[2][0] == 128
     kv = _kv(6, 64, 2, 16, seed=3)
     payload, sizes = codec.encode(kv)
     out = plain.decode(memoryview(payload), sizes, tuple(kv.shape[1:]), kv.dtype)

@@ -129,9 +129,8 @@ def test_auto_resolves_to_the_profile_or_a_conservative_budget(caplog):
     )
     assert "kvfuse calibrate tiny" in caplog.text
     fixed = BlendOptions(recompute_ratio=0.2)
-    assert (
-        profile.resolve(fixed, a_profile(), "tiny") is fixed
-    )  # a configured budget is not overridden
+    # a configured budget is not overridden
+    assert profile.resolve(fixed, a_profile(), "tiny") is fixed
 
 
 PREFIX, SUFFIX = [5, 6, 7, 8], [40, 41, 42]
@@ -191,9 +190,8 @@ def test_a_profile_that_does_not_blend_reuses_documents_as_a_prefix(tiny_loaded,
     assert (first.cached_tokens, first.recomputed_tokens) == (0, 0)
     assert again.cached_tokens == len(prompt) - 1  # the same prompt again: an exact prefix hit
     assert (again.blend.method, again.blend.source) == ("prefix", "profile")
-    other = engine.generate(
-        Prompt.of(PREFIX, DOCS[::-1], SUFFIX), GREEDY
-    )  # documents elsewhere: not reused
+    # documents elsewhere: not reused
+    other = engine.generate(Prompt.of(PREFIX, DOCS[::-1], SUFFIX), GREEDY)
     assert other.cached_tokens == 0
 
 

@@ -64,9 +64,8 @@ def test_list_show(home, capsys):
     assert code == 0 and "resp_a" in out and "first answer" in out and "resp_old" not in out
     code, out, _ = run(capsys, "responses", "show", "resp_a", "--home", str(path))
     assert code == 0 and json.loads(out)["id"] == "resp_a"
-    code, _, err = run(
-        capsys, "responses", "show", "resp_old", "--home", str(path)
-    )  # another tenant's
+    # another tenant's
+    code, _, err = run(capsys, "responses", "show", "resp_old", "--home", str(path))
     assert code == 2 and "kvfuse responses list" in err
 
 

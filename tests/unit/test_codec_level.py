@@ -140,9 +140,8 @@ def test_a_configured_level_wins_and_level_0_takes_the_models():
     assert get_codec("cachegen", 3).for_model(GEMMA_LIKE, 1).level == 3  # explicit: kept
     calibrated = get_codec("cachegen").for_model(GEMMA_LIKE, 1)
     assert (calibrated.level, calibrated.boosted) == (1, frozenset({2, 5}))  # boosted layers kept
-    assert (
-        get_codec("cachegen").for_model(GEMMA_LIKE).level == DEFAULT_LEVEL
-    )  # no calibration: the default
+    # no calibration: the default
+    assert get_codec("cachegen").for_model(GEMMA_LIKE).level == DEFAULT_LEVEL
     # the codec remembers it was configured at 0: another model's level replaces the first's
     again = calibrated.for_model(("full",) * 4, 4)
     assert (again.level, again.boosted, again.configured_level) == (4, frozenset(), 0)
@@ -195,9 +194,8 @@ def test_the_engine_writes_the_profiles_level(tiny_loaded, tmp_path, configured,
     )
     engine = Engine(model, store, settings)
     try:
-        assert (
-            engine.codec.level == expected and engine.codec.boosted
-        )  # gemma's global layers still boosted
+        # gemma's global layers still boosted
+        assert engine.codec.level == expected and engine.codec.boosted
         assert store.codecs["disk"].level == expected
     finally:
         engine.close()

@@ -48,9 +48,8 @@ def test_a_run_is_cut_at_the_same_places_whatever_surrounds_it(name, sizes):
     first, last = natural[0], natural[-1]
     stable = lambda cs: [c for c in cs if first <= c <= last]  # noqa: E731
     assert stable(cuts) == stable(alone)
-    assert (
-        first <= horizon(lo) + 3 * hi and last >= len(R) - 4 * hi
-    )  # only chunks at the edges differ
+    # only chunks at the edges differ
+    assert first <= horizon(lo) + 3 * hi and last >= len(R) - 4 * hi
 
 
 @pytest.mark.parametrize(

@@ -138,14 +138,12 @@ def test_put_many_writes_in_parallel_and_records_in_order(tmp_path, threads):
         (K("a"), blob(K("a"), seed=99))
     ]
     t.put_many(batch)
-    assert t.keys_lru() == Ks(
-        "old", "d", "c", "b", "x", "y", "z", "a"
-    )  # the batch's order; "a" put twice
+    # the batch's order; "a" put twice
+    assert t.keys_lru() == Ks("old", "d", "c", "b", "x", "y", "z", "a")
     assert t.get(K("a")) == blob(K("a"), seed=99) and t.get(K("x")) == blob(K("x"), seed=4)
     assert not list(tmp_path.rglob("*.tmp")) and t.stats.snapshot()["puts"] == 9
-    assert DiskTier(tmp_path, CAP).keys_lru() == Ks(
-        "old", "d", "c", "b", "y", "z", "a", "x"
-    )  # mtimes too
+    # mtimes too
+    assert DiskTier(tmp_path, CAP).keys_lru() == Ks("old", "d", "c", "b", "y", "z", "a", "x")
     t.close()
 
 

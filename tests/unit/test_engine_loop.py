@@ -126,9 +126,8 @@ def test_withdraw_stops_the_running_request_and_drops_the_waiting_one(engine):
     assert isinstance(done["wait"].error, RequestCancelled)
     result = done["run"].result
     assert result.finish_reason == "cancelled" and 1 <= result.completion_tokens < 50
-    assert (
-        engine.cache_stats()["store"]["lookups"] == lookups + 1
-    )  # the withdrawn request never ran
+    # the withdrawn request never ran
+    assert engine.cache_stats()["store"]["lookups"] == lookups + 1
     s = engine.stats_snapshot()
     assert (s["requests"], s["requests_skipped"]) == (2, 1) and engine.queue_state()["skipped"] == 1
 
@@ -139,9 +138,8 @@ def test_a_request_cancelled_as_it_is_admitted_stops_before_its_prefill(tiny_loa
     req = Request(Prompt.plain(range(3, 40)), PARAMS)
     real = store.lookup
 
-    def lookup(
-        keys, count=True
-    ):  # the prefill's lookup (submit's probe is not counted): the client leaves now
+    # the prefill's lookup (submit's probe is not counted): the client leaves now
+    def lookup(keys, count=True):
         if count:
             req.cancel.set()
         return real(keys, count=count)

@@ -148,9 +148,8 @@ def test_key_mismatch_is_an_error():
     with pytest.raises(FormatError, match="expected"):
         decode_chunk(blob, OTHER_KEY)
     assert not verify(blob, OTHER_KEY)
-    assert _same(
-        decode_chunk(blob, prefix_keys(range(4), 4, NS)[0]), decode_chunk(blob)
-    )  # a ChunkKey works too
+    # a ChunkKey works too
+    assert _same(decode_chunk(blob, prefix_keys(range(4), 4, NS)[0]), decode_chunk(blob))
 
 
 @pytest.mark.parametrize(
@@ -388,9 +387,8 @@ def test_a_file_that_changes_size_while_read_is_a_format_error():
     blob = bytes(encode_chunk(_chunk(tokens=5), KEY, get_codec("raw")))
     with pytest.raises(FormatError, match="truncated entry"):  # shrank after its size was taken
         _streamed(blob[:-10], size=len(blob))
-    with pytest.raises(
-        FormatError, match="trailing"
-    ):  # grew: the size taken is longer than the entry
+    # grew: the size taken is longer than the entry
+    with pytest.raises(FormatError, match="trailing"):
         _streamed(blob + b"\0" * 64, size=len(blob) + 64)
     with pytest.raises(FormatError, match="truncated header"):
         _streamed(blob[:FIXED], size=FIXED)

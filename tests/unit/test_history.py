@@ -95,9 +95,8 @@ def test_align_finds_the_kept_turns_after_dropped_ones():
 def test_a_passage_that_recurs_inside_another_history_is_not_reused_after_a_gap():
     system = [50, 51, 52]
     passage = list(range(20, 40))
-    stored = (
-        system + list(range(60, 80)) + passage + list(range(0, 40))
-    )  # the passage, then 40 more tokens
+    # the passage, then 40 more tokens
+    stored = system + list(range(60, 80)) + passage + list(range(0, 40))
     new = system + passage + [90, 91]
     assert align(stored, new, TABLE, allow_gap=True).runs == (Run(0, 3, 0),)
 
@@ -160,9 +159,8 @@ def test_records_are_found_by_key_and_by_content_and_stay_in_their_scope():
     index = HistoryIndex(capacity=3)
     ids = list(range(1000, 1300))
     rec = index.add("tenantA:", ids, "ns", cache_key="conv-1")
-    assert index.candidates("tenantA:", [7, 7, 7], cache_key="conv-1") == [
-        rec
-    ]  # by key, whatever the prompt
+    # by key, whatever the prompt
+    assert index.candidates("tenantA:", [7, 7, 7], cache_key="conv-1") == [rec]
     assert index.candidates("tenantA:", ids[:200] + [5, 5]) == [rec]  # by content
     assert index.candidates("tenantA:", ids[150:]) == [rec]  # content anywhere (dropped turns)
     assert index.candidates("tenantB:", ids, cache_key="conv-1") == []  # never another scope's
@@ -255,9 +253,8 @@ def test_a_stored_history_loads_its_tail_and_only_the_new_tokens_are_computed():
     entries = history_entries(stored, CH, NS)
     prompt = Prompt.plain(stored + [50, 51, 52])
     keys = prompt_keys(prompt, CH, NS).with_history(entries, [Run(0, 10, 0)])
-    assert [e.key for e in keys.history] == [
-        entries[2].key
-    ]  # the chain's own chunks are not repeated
+    # the chain's own chunks are not repeated
+    assert [e.key for e in keys.history] == [entries[2].key]
     chain = keys.prefix
     plan = make_plan(prompt, keys, [M, M, None, D])  # chain chunk 2 ([8, 12)) is new: a miss
     assert plan == Plan(

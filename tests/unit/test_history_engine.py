@@ -79,15 +79,13 @@ def test_after_a_restart_the_history_is_found_on_disk_by_content(model, tmp_path
     first = Engine(model, store(), EngineSettings.of(chunk_size=CH))
     ((prompt, r),) = converse(first, model, turns=1, seed=3)
     first.close()  # saves and flushes: the disk tier keeps the history
-    restarted = Engine(
-        model, store(), EngineSettings.of(chunk_size=CH)
-    )  # no records: found through the chain and the tail
+    # no records: found through the chain and the tail
+    restarted = Engine(model, store(), EngineSettings.of(chunk_size=CH))
     follow = prompt + r.token_ids + ids_of(5, 99)
     again = restarted.generate(follow, GREEDY)
     assert again.cached_tokens == len(prompt) + len(r.token_ids) - 1
-    assert (
-        restarted.cache_stats()["disk"]["hits"] > 0
-    )  # by the request, or the prefetcher just before it
+    # by the request, or the prefetcher just before it
+    assert restarted.cache_stats()["disk"]["hits"] > 0
     assert again.token_ids == reference(model, follow)
     restarted.close()
 
@@ -116,9 +114,8 @@ def test_a_keyed_conversation_that_tokenizes_differently_is_lined_up_after_a_res
     r2 = e2.generate(retokenized, GREEDY, cache=cache)
     assert r2.prompt_tokens == len(first) + len(r1.token_ids) + 2
     assert r2.cached_tokens >= len(first) + len(r1.token_ids) - 1
-    assert (
-        e2.cache_stats()["disk"]["hits"] > 0
-    )  # read from disk (by the request, or the prefetcher just before)
+    # read from disk (by the request, or the prefetcher just before)
+    assert e2.cache_stats()["disk"]["hits"] > 0
     e2.close()
 
 
@@ -152,9 +149,8 @@ def test_kept_turns_after_dropped_ones_are_reused_at_their_new_positions_or_reco
     assert r.prompt_tokens == len(truncated) and len(r.token_ids) == GREEDY.max_tokens
     if mode == "reuse":  # measured, not assumed: the moved tokens are counted
         assert r.cached_tokens >= len(system) + len(kept) and s["moved_tokens_reused"] >= len(kept)
-        again = engine.generate(
-            truncated + r.token_ids + [5, 6], GREEDY
-        )  # the next turn: exact reuse again
+        # the next turn: exact reuse again
+        again = engine.generate(truncated + r.token_ids + [5, 6], GREEDY)
         assert again.cached_tokens >= len(truncated) + len(r.token_ids) - 1
     else:
         assert r.cached_tokens <= len(system) and s["moved_tokens_reused"] == 0
@@ -191,9 +187,8 @@ def test_the_answer_does_not_wait_for_any_store_write(model):
 
 def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(model):
     slow = GatedTier()
-    store = TieredStore(
-        MemoryTier(1), [slow]
-    )  # memory keeps nothing: the history is findable only below
+    # memory keeps nothing: the history is findable only below
+    store = TieredStore(MemoryTier(1), [slow])
     engine = Engine(model, store, EngineSettings.of(chunk_size=CH))
     first = ids_of(2 * CH + 3, 12)
     r = engine.generate(first, GREEDY)
@@ -201,9 +196,8 @@ def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(mo
     follow = first + r.token_ids + [5, 6]
     threading.Timer(0.3, slow.gate.set).start()  # the slow tier finishes its writes a moment later
     again = engine.generate(follow, GREEDY)
-    assert (
-        again.cached_tokens >= len(first) + len(r.token_ids) - 1
-    )  # it waited instead of recomputing
+    # it waited instead of recomputing
+    assert again.cached_tokens >= len(first) + len(r.token_ids) - 1
     assert engine.saver.stats.snapshot()["save_waits"] >= 1
     assert again.token_ids == reference(model, follow)
     engine.close()

@@ -230,12 +230,10 @@ def test_document_keys_never_equal_prefix_keys():
     assert doc.digest != pre.digest and str(doc) != str(pre)
     assert document_key(tokens, NS) == doc
     assert document_key(tokens[:-1], NS) != doc
-    assert (
-        document_key(tokens, NS, context=[1]) != doc
-    )  # KV computed behind another context: another entry
-    assert document_key(tokens[1:], NS, context=tokens[:1]) != document_key(
-        tokens, NS
-    )  # no ambiguity
+    # KV computed behind another context: another entry
+    assert document_key(tokens, NS, context=[1]) != doc
+    # no ambiguity
+    assert document_key(tokens[1:], NS, context=tokens[:1]) != document_key(tokens, NS)
 
 
 @pytest.mark.parametrize(

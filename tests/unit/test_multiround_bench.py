@@ -97,9 +97,8 @@ def test_system_prompt_from_documents():
 
 
 def test_percentile_and_the_early_stop_rule():
-    xs = [
-        float(i) for i in range(1, 21)
-    ]  # 20 values: p95 is the value at index round(0.95 * 19) = 18
+    # 20 values: p95 is the value at index round(0.95 * 19) = 18
+    xs = [float(i) for i in range(1, 21)]
     assert percentile(xs, 0.95) == 19.0
     assert percentile(xs, 0.5) == 11.0  # index round(9.5) = 10 (banker's rounding)
     # p95 of 20 requests passes with one request over the bound, not two

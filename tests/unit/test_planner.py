@@ -237,17 +237,15 @@ def test_content_lookups_are_the_chunks_after_the_chain_before_the_last_token():
     assert content_lookups(CONTENT_KEYS, NO_PREFIX) == [1, 2, 3]  # [5, 9) [9, 14) [14, 20)
     assert content_lookups(CONTENT_KEYS, [None] * 6) == [0, 1, 2, 3]
     assert content_lookups(CONTENT_KEYS, [M] * 6) == []  # a whole-prompt hit: nothing to look for
-    assert (
-        content_lookups(prompt_keys(P24, CH, NS), NO_PREFIX) == []
-    )  # automatic reuse off: no content keys
+    # automatic reuse off: no content keys
+    assert content_lookups(prompt_keys(P24, CH, NS), NO_PREFIX) == []
 
 
 # ------------------------------------------------------------------------------- documents
 
 PREFIX, DOC1, DOC2, SUFFIX = list(range(1, 7)), [20, 21, 22, 23, 24], [30, 31, 32], [40, 41]
-BLENDED = Prompt.of(
-    PREFIX, [DOC1, DOC2], SUFFIX
-)  # prefix [0, 6), doc1 [6, 11), doc2 [11, 14), suffix [14, 16)
+# prefix [0, 6), doc1 [6, 11), doc2 [11, 14), suffix [14, 16)
+BLENDED = Prompt.of(PREFIX, [DOC1, DOC2], SUFFIX)
 KP = prefix_keys(PREFIX, CH, NS)
 KD1, KD2 = document_key(DOC1, NS), document_key(DOC2, NS)
 
@@ -292,9 +290,8 @@ def test_a_missing_document_is_precomputed_on_its_own_once_then_loaded():
         Load(kd1, None, 14, 19, 1),
     )
     assert plan.computes == (Compute(0, 6), Compute(19, 21)) and plan.saves == (Save(KP[0], 0, 4),)
-    assert (
-        plan.reused_tokens == 3
-    )  # only the stored doc2 was reused; doc1 was computed for this request
+    # only the stored doc2 was reused; doc1 was computed for this request
+    assert plan.reused_tokens == 3
 
 
 def test_a_prompt_ending_in_a_document_recomputes_its_last_token():
@@ -309,18 +306,15 @@ BLEND_NS = Namespace("model", "float16", "L2xH1xD4", salt="blend:test")
 
 def test_a_blended_prompt_is_stored_as_a_chain_and_then_an_exact_prefix_hit():
     keys = prompt_keys(BLENDED, CH, NS, blend_namespace=BLEND_NS)
-    chain = prefix_keys(
-        BLENDED.ids[:14], CH, BLEND_NS
-    )  # everything before the suffix: 3 whole chunks
+    # everything before the suffix: 3 whole chunks
+    chain = prefix_keys(BLENDED.ids[:14], CH, BLEND_NS)
     assert keys.blended == tuple(chain) and keys.all()[-3:] == chain
     plan = make_plan(BLENDED, keys, [M, M, M, None, None, None])
-    assert plan.saves == tuple(
-        Save(k, 4 * i, 4 * i + 4) for i, k in enumerate(chain)
-    )  # after the blend
+    # after the blend
+    assert plan.saves == tuple(Save(k, 4 * i, 4 * i + 4) for i, k in enumerate(chain))
     assert plan.computes == (Compute(4, 6), Compute(14, 16)) and plan.has_documents
-    hit = make_plan(
-        BLENDED, keys, [M, None, None, M, D, D]
-    )  # blended before: the documents are not needed
+    # blended before: the documents are not needed
+    hit = make_plan(BLENDED, keys, [M, None, None, M, D, D])
     assert hit == Plan(
         16,
         loads=(Load(chain[0], M, 0, 4, 0), Load(chain[1], D, 4, 8, 4), Load(chain[2], D, 8, 12, 8)),
@@ -328,9 +322,8 @@ def test_a_blended_prompt_is_stored_as_a_chain_and_then_an_exact_prefix_hit():
     )
     partial = make_plan(BLENDED, keys, [M, M, M, M, None, D])  # a partial chain is not used
     assert partial.has_documents and len(partial.saves) == 3
-    assert (
-        prompt_keys(Prompt.plain(range(20)), CH, NS, blend_namespace=BLEND_NS).blended == ()
-    )  # no documents
+    # no documents
+    assert prompt_keys(Prompt.plain(range(20)), CH, NS, blend_namespace=BLEND_NS).blended == ()
 
 
 def test_a_damaged_document_becomes_a_precompute():
@@ -363,6 +356,5 @@ def test_generated_stores_cover_the_answer_chunks_whose_kv_exists():
         Save(keys[1], 4, 8),
         Save(keys[2], 8, 12),
     ]
-    assert generated_saves(ids, 11, CH, NS, first_chunk=1) == [
-        Save(keys[1], 4, 8)
-    ]  # chunk 2's KV is not all there
+    # chunk 2's KV is not all there
+    assert generated_saves(ids, 11, CH, NS, first_chunk=1) == [Save(keys[1], 4, 8)]

@@ -75,9 +75,8 @@ def test_the_conversion_reports_every_tensor_in_order(tmp_path, capsys):
         on_progress=lambda step, done, total: seen.append((step, done, total)),
     )
     assert len(out) == count and config["vocab_size"] == 16
-    assert [done for _, done, _ in seen] == list(
-        range(1, count + 1)
-    )  # one update per tensor, to the total
+    # one update per tensor, to the total
+    assert [done for _, done, _ in seen] == list(range(1, count + 1))
     assert {(step, total) for step, _, total in seen} == {("converting weights", count)}
     assert capsys.readouterr().err == ""  # progress=False: nothing shown
 

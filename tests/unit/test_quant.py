@@ -151,9 +151,8 @@ def test_int8_is_cpu_only_with_a_clear_error():
 
 def test_quantize_weights_packs_the_projections_and_keeps_the_rest(tiny_model_dir, monkeypatch):
     folder = tiny_model_dir("qwen2")  # q/k/v bias, tied embeddings
-    monkeypatch.setenv(
-        "KVFUSE_KERNELS", "off"
-    )  # plain float32 tensors, not oneDNN packs (see models.packed)
+    # plain float32 tensors, not oneDNN packs (see models.packed)
+    monkeypatch.setenv("KVFUSE_KERNELS", "off")
     runner = load_folder(folder)
     w = runner.weights
     before = {name: t.clone() for name, t in [("embed", w.embed), ("wqkv", w.layers[0].wqkv)]}
@@ -205,9 +204,8 @@ def test_the_fingerprint_names_the_weight_format(tiny_model_dir, tmp_path):
     write_word_tokenizer(folder, 512)
     _, config = read_config(folder)
     digests = [sha256_file(f) for f in weight_files(folder)]
-    assert fingerprint(config, digests) == fingerprint(
-        config, digests, "auto"
-    )  # as before this setting
+    # as before this setting
+    assert fingerprint(config, digests) == fingerprint(config, digests, "auto")
     assert fingerprint(config, digests, "int8") != fingerprint(config, digests)
     fp32 = load_model(folder, device="cpu")
     int8 = load_model(folder, device="auto", weights="int8")  # auto -> CPU for int8

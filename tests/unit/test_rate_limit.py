@@ -36,9 +36,8 @@ def test_the_limiter_counts_admitted_requests_per_tenant_only():
     assert limiter.admit("bob")[0].allowed  # alice's requests are not bob's
     now[0] = 30.0
     refused, limit = limiter.admit("alice")
-    assert (
-        not refused.allowed and limit == 2 and refused.retry_after_s == 30.0
-    )  # refusals are not counted
+    # refusals are not counted
+    assert not refused.allowed and limit == 2 and refused.retry_after_s == 30.0
     now[0] = 60.0  # both of t=0 have left the window
     assert [limiter.admit("alice")[0].allowed for _ in range(3)] == [True, True, False]
 

@@ -325,9 +325,8 @@ def test_response_store_tenants_and_persistence(tmp_path):
 def test_response_store_frees_only_unshared_entries():
     store = ResponseStore(None, ttl_s=None)
     store.put(response("r1", keys=["c1", "c2", "t1"]))
-    store.put(
-        response("r2", keys=["c1", "c2", "c3", "t2"], previous="r1")
-    )  # shares the parent's chunks
+    # shares the parent's chunks
+    store.put(response("r2", keys=["c1", "c2", "c3", "t2"], previous="r1"))
     assert sorted(store.delete("a", "r1")) == ["t1"]
     with pytest.raises(ResponseNotFound):
         store.get("a", "r1")

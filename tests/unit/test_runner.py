@@ -231,9 +231,8 @@ def test_subset_at_a_layer_equals_full_computation(family, layer, n, k, slots_be
     exact, hs = layerwise_prefill(runner, prompt(n, seed=11))
     subset = subset_indices(n, k, seed=layer)
     if runner.config.window(layer):
-        assert (
-            int((subset >= runner.config.sliding_window).sum()) > k // 2
-        )  # mostly beyond the window
+        # mostly beyond the window
+        assert int((subset >= runner.config.sliding_window).sum()) > k // 2
 
     cache = clone_cache(runner, exact)
     if slots_before == "wrong":  # stale K/V at the recomputed slots must be overwritten, not used
@@ -320,9 +319,8 @@ def test_subset_over_permuted_cache(family, layer, tiny_runner):
     runner = tiny_runner(family)
     n = 200
     exact, hs = layerwise_prefill(runner, prompt(n, seed=11))
-    perm = torch.randperm(
-        n, generator=torch.Generator().manual_seed(3)
-    )  # slot i <- position perm[i]
+    # slot i <- position perm[i]
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(3))
     cache = runner.new_cache(n)
     cache.kv[:, :, :, :n] = exact.kv[:, :, :, perm]
     cache.positions[:n] = perm
@@ -425,12 +423,10 @@ def test_a_span_computed_in_the_middle_sees_only_the_keys_before_it(family, tiny
     cache = runner.new_cache()
     runner.forward(ids[:20], cache, logits="none")
     cache.write(20, ref.chunk(20, 60).kv, torch.arange(20, 60))  # slots 20..59 hold their exact KV
-    runner.forward(
-        ids[20:30], cache, positions=torch.arange(20, 30), logits="none", start=10
-    )  # wrong on purpose
-    runner.forward(
-        ids[10:20], cache, positions=torch.arange(10, 20), logits="none", start=10
-    )  # and fixed
+    # wrong on purpose
+    runner.forward(ids[20:30], cache, positions=torch.arange(20, 30), logits="none", start=10)
+    # and fixed
+    runner.forward(ids[10:20], cache, positions=torch.arange(10, 20), logits="none", start=10)
     runner.forward(ids[20:40], cache, positions=torch.arange(20, 40), logits="none", start=20)
     assert cache.length == 60
     assert_close(cache.kv[:, :, :, :60], ref.kv[:, :, :, :60], TOL, "middle span")
@@ -507,9 +503,8 @@ def test_llama3_scaling_changes_low_frequencies_only():
         RopeConfig(theta=500000.0, kind="llama3", factor=8.0, original_max_position=64), 64
     )
     wavelen = 2 * math.pi / plain
-    high = (
-        wavelen < 64 / 4.0
-    )  # high-frequency band (wavelength below original_max / high_freq_factor)
+    # high-frequency band (wavelength below original_max / high_freq_factor)
+    high = wavelen < 64 / 4.0
     low = wavelen > 64 / 1.0
     assert high.any() and low.any()
     assert torch.equal(scaled[high], plain[high])

@@ -106,9 +106,8 @@ def _resign(blob: bytes, key: bytes = OLD) -> bytes:
 
 
 SIGNED = bytes(_entry().signed(EntrySigner([OLD])).join())  # BLAKE3, with a digest id
-LEGACY = bytes(
-    _entry().signed(EntrySigner([OLD]), SHA256).join()
-)  # SHA-256, as signed before digest ids
+# SHA-256, as signed before digest ids
+LEGACY = bytes(_entry().signed(EntrySigner([OLD]), SHA256).join())
 UNSIGNED = bytes(_entry().join())
 _h = parse_header(SIGNED)
 PAYLOAD_AT = _h.header_len
@@ -286,9 +285,8 @@ def test_a_signed_entry_decodes_to_the_same_kv_and_costs_one_digest_per_layer_an
     entry = _entry()
     signed = entry.signed(EntrySigner([OLD]))
     assert signed.payload is entry.payload  # the payload is shared, not copied
-    assert (
-        len(signed) - len(entry) <= 1 + 3 * 32 + TAG_SIZE + 64
-    )  # id, digests, tag, at most one more block
+    # id, digests, tag, at most one more block
+    assert len(signed) - len(entry) <= 1 + 3 * 32 + TAG_SIZE + 64
     got = open_entry(bytearray(signed.join()), KEYS[0], signer=EntrySigner([OLD]))
     assert torch.equal(got.decode(), entry.decode()) and torch.equal(got.token_ids, entry.token_ids)
     h = parse_header(signed.join())
@@ -368,9 +366,8 @@ def test_a_signed_entry_is_checked_by_its_digests_alone(monkeypatch, read):
     monkeypatch.setattr(fmt, "xxhash", counted)
     blob = bytes(_entry().signed(EntrySigner([OLD])).join())
     header_len = parse_header(blob).header_len
-    assert (
-        blob == SIGNED and counted.sizes and max(counted.sizes) < header_len
-    )  # the header's checksum only
+    # the header's checksum only
+    assert blob == SIGNED and counted.sizes and max(counted.sizes) < header_len
     table = struct.unpack_from("<6Q", blob, _layer_table(blob))
     assert table[1::2] == (0, 0, 0) and table[0::2] == _h.layer_sizes
     counted.sizes.clear()
@@ -418,9 +415,8 @@ def test_the_signature_is_checked_before_the_key_and_the_payload():
     other = bytes(_entry(KEYS[1]).join())
     with pytest.raises(SignatureError):
         open_entry(bytearray(other), KEYS[0], signer=EntrySigner([OLD]))
-    with pytest.raises(
-        SignatureError
-    ):  # a payload cut short: the header is refused before it is read
+    # a payload cut short: the header is refused before it is read
+    with pytest.raises(SignatureError):
         open_entry(bytearray(UNSIGNED[: PAYLOAD_AT + 3]), KEYS[0], signer=EntrySigner([OLD]))
 
 
@@ -444,13 +440,11 @@ def test_inspection_reports_the_signature():
     assert read_header(SIGNED).signature == "signed"
     assert read_header(SIGNED, EntrySigner([NEW, OLD])).signature == "valid"
     assert read_header(SIGNED, EntrySigner([STRANGER])).signature == "invalid"
-    assert (
-        read_header(_payload_forgery(), EntrySigner([OLD])).signature == "invalid"
-    )  # the table is signed
+    # the table is signed
+    assert read_header(_payload_forgery(), EntrySigner([OLD])).signature == "invalid"
     other = read_header(_flip(SIGNED, PAYLOAD_AT + 5, reseal=False), EntrySigner([OLD]))
-    assert (
-        other.signature == "valid" and not other.payload_ok
-    )  # a signed header over another payload
+    # a signed header over another payload
+    assert other.signature == "valid" and not other.payload_ok
 
 
 # ------------------------------------------------------------------------------ the store's seams
@@ -468,9 +462,8 @@ def test_the_store_signs_what_it_writes_below_memory_and_checks_what_it_reads(tm
     with store:
         store.put([(KEYS[0], _entry())])
         store.flush()
-        assert (
-            store.memory.get(KEYS[0]).header_size == _entry().header_size
-        )  # memory: in-process, unsigned
+        # memory: in-process, unsigned
+        assert store.memory.get(KEYS[0]).header_size == _entry().header_size
         for key in (
             KEYS[0],
             KEYS[0].encoded_as("cachegen", 1),
@@ -529,9 +522,8 @@ def test_rotation_keeps_entries_of_the_old_key_readable(tmp_path):
     store, disk = _store(tmp_path, [NEW, OLD])
     with store:
         disk.put(KEYS[0], SIGNED)  # signed by OLD
-        disk.put(
-            KEYS[2], bytes(_entry(KEYS[2]).signed(EntrySigner([OLD]), SHA256).join())
-        )  # before digest ids
+        # before digest ids
+        disk.put(KEYS[2], bytes(_entry(KEYS[2]).signed(EntrySigner([OLD]), SHA256).join()))
         store.put([(KEYS[1], _entry(KEYS[1]))])
         store.flush()
         assert read_header(bytes(disk.get(KEYS[1])), EntrySigner([NEW])).signature == "valid"

@@ -70,9 +70,8 @@ def test_lookup_reports_the_contiguous_prefix_and_the_tier_of_each(three):
     mem.put(KEYS[5], blob(KEYS[5]))  # after the gap at 4: not part of the hit
     found = store.lookup(KEYS)
     assert (found.hits, found.tiers) == (4, ("memory", "disk", "remote", "disk"))
-    assert found == LookupResult(
-        ("memory", "disk", "remote", "disk", None, "memory")
-    )  # every key's holder
+    # every key's holder
+    assert found == LookupResult(("memory", "disk", "remote", "disk", None, "memory"))
     assert (store.lookup(KEYS[1:]).hits, store.lookup(KEYS[1:]).tiers) == (
         3,
         ("disk", "remote", "disk"),
@@ -88,9 +87,8 @@ def test_lookup_is_side_effect_free(three):
     disk.put(KEYS[0], blob(KEYS[0]))
     before = {name: s for name, s in store.stats().items() if name != "store"}
     assert store.lookup([K("a"), KEYS[0]]).hits == 2
-    assert mem.keys_lru() == [K("a"), K("b")] and not mem.contains(
-        KEYS[0]
-    )  # no recency, no promotion
+    # no recency, no promotion
+    assert mem.keys_lru() == [K("a"), K("b")] and not mem.contains(KEYS[0])
     assert {name: s for name, s in store.stats().items() if name != "store"} == before
     assert store.stats()["store"]["lookups"] == 1
 
@@ -215,9 +213,8 @@ def test_stats_shape_and_bad_configuration(tmp_path):
         )
     with pytest.raises(ValueError, match="unique"):
         TieredStore(MemoryTier(1), [MemoryTier(1)])
-    with pytest.raises(
-        TypeError, match="must be a MemoryTier"
-    ):  # the memory role: a MemoryTier, nothing else
+    # the memory role: a MemoryTier, nothing else
+    with pytest.raises(TypeError, match="must be a MemoryTier"):
         TieredStore([])
     with pytest.raises(TypeError, match="must be a MemoryTier"):
         TieredStore(DiskTier(tmp_path, 10**6))
@@ -247,9 +244,8 @@ def test_the_store_takes_its_tiers_by_role(tmp_path):
             store.fetch_encoded(KEYS[0], "nvme")
     with TieredStore(MemoryTier(10)) as alone:
         assert alone.lower == () and alone.tiers == (alone.memory,)
-        assert (
-            alone.protect_upcoming() is None and alone.flush(0) is True
-        )  # no writer thread to wait for
+        # no writer thread to wait for
+        assert alone.protect_upcoming() is None and alone.flush(0) is True
 
 
 def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path, monkeypatch):
@@ -350,12 +346,10 @@ def test_a_layer_range_is_read_without_the_rest_of_the_entry(tmp_path, where, re
         assert got.tier == where and (got.first, got.last) == (2, 4)
         assert torch.equal(got.kv, full[2:4]) and torch.equal(got.positions, torch.arange(8, 72))
         if where != "memory":
-            assert (
-                tier.stats.snapshot()["bytes_out"] - read < len(data) / 2
-            )  # the header and two layers of six
+            # the header and two layers of six
+            assert tier.stats.snapshot()["bytes_out"] - read < len(data) / 2
             assert not store.memory.contains(KEYS[0])  # a layer range is not promoted
         assert store.fetch_layers(KEYS[1], 0, 1) is None
-        assert (
-            store.fetch_layers(KEYS[0], 0, 1, EntrySpec(torch.float32, 6, 2, 32)) is None
-        )  # not as expected
+        # not as expected
+        assert store.fetch_layers(KEYS[0], 0, 1, EntrySpec(torch.float32, 6, 2, 32)) is None
         assert not tier.contains(KEYS[0]) and store.stats()["store"]["unusable_entries"] == 1

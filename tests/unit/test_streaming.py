@@ -231,9 +231,8 @@ def test_tiers_write_their_own_codec_and_the_stream_levels(tmp_path):
     h = read_header(disk.get(key))
     assert (h.codec, h.level) == ("cachegen", 2)
     levels = {read_header(disk.get(key.encoded_as("cachegen", lv))).level for lv in (1, 3)}
-    assert (
-        levels == {1, 3} and disk.get(key.encoded_as("cachegen", 2)) is None
-    )  # the primary is level 2
+    # the primary is level 2
+    assert levels == {1, 3} and disk.get(key.encoded_as("cachegen", 2)) is None
     assert disk.entries() == 3 and store.stats()["store"]["reencoded"] == 3
     assert (
         store.encodings("disk") == ["cachegen.1", "cachegen.2", "cachegen.3"]
@@ -453,9 +452,8 @@ def test_an_entry_that_does_not_decode_is_a_miss_and_is_removed(model):
             forged = Entry(
                 e.key, e.codec, e.shape, e.dtype, e.positions, memoryview(payload), e.layer_sizes
             )
-            store.memory.put(
-                key, open_entry(forged.join())
-            )  # fresh checksums: only decoding can tell
+            # fresh checksums: only decoding can tell
+            store.memory.put(key, open_entry(forged.join()))
         else:
             store.memory.delete(key)  # the reference: the same chunk simply missing
         r = engine.generate(ids, GREEDY)

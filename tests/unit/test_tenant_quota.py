@@ -181,9 +181,8 @@ def test_oversubscribed_quotas_push_every_tenant_towards_the_same_fraction():
     bob = fill(tier, "bob", 100, 8)
     usage = tier.tenant_usage()
     assert usage[TAGS["alice"]]["used_bytes"] == usage[TAGS["bob"]]["used_bytes"] == 5 * MB
-    assert [tier.contains(k) for k in alice] == [False] * 3 + [
-        True
-    ] * 5  # alice's oldest went for bob
+    # alice's oldest went for bob
+    assert [tier.contains(k) for k in alice] == [False] * 3 + [True] * 5
     assert [tier.contains(k) for k in bob] == [False] * 3 + [True] * 5
 
 

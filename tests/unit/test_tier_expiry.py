@@ -83,9 +83,8 @@ def test_an_entry_lives_until_its_expiry_then_every_read_is_a_miss(tc):
     assert tier.contains(a) and tier.get(a) == b"va" and stat(tier, "expired") == 0
     clock.advance(0.5)  # exactly the expiry: expired (expires_at <= now)
     assert not tier.contains(a) and stat(tier, "expired") == 1
-    assert (
-        tier.get(a) is None and tier.expiry(a) is None and stat(tier, "expired") == 1
-    )  # removed once
+    # removed once
+    assert tier.get(a) is None and tier.expiry(a) is None and stat(tier, "expired") == 1
     clock.advance(100)
     # every read path: a miss, counted as expired, not as an error
     assert tier.get_many([c, b]) == [None, b"vb"]
@@ -207,9 +206,8 @@ def test_eviction_drops_the_expiry_bookkeeping(tmp_path, kind):
     tier.put(b, b"12345678")  # evicts a
     assert not tier.contains(a) and stat(tier, "evictions") == 1
     assert len(tier._expiry) == 0  # white box: no record of a left behind
-    if (
-        kind == "disk"
-    ):  # and its journal record is cancelled (were the inode reused by a later file)
+    # and its journal record is cancelled (were the inode reused by a later file)
+    if kind == "disk":
         assert parse_journal((tmp_path / "disk" / JOURNAL).read_bytes())[(a, ino_a)] is None
     clock.advance(20)
     assert tier.expire() == 0 and stat(tier, "expired") == 0  # nothing of a is left to sweep
@@ -274,9 +272,8 @@ def test_disk_expiries_survive_a_restart_and_what_expired_meanwhile_is_removed(t
     d.put(f, b"f", expires_at=T0 + 10)
     ino_f = os.stat(file_of(tmp_path, f)).st_ino
     d.put(f, b"f2")  # replaced without expiry: the old one must not come back
-    assert (
-        parse_journal((tmp_path / JOURNAL).read_bytes())[(f, ino_f)] is None
-    )  # cancelled (were the inode reused)
+    # cancelled (were the inode reused)
+    assert parse_journal((tmp_path / JOURNAL).read_bytes())[(f, ino_f)] is None
     clock.advance(50)  # "down" while a expires
     d2 = DiskTier(tmp_path, 10**6, clock=clock)
     assert (
@@ -286,9 +283,8 @@ def test_disk_expiries_survive_a_restart_and_what_expired_meanwhile_is_removed(t
     )
     assert [d2.contains(k) for k in (a, b, c, e, f)] == [False, True, True, True, True]
     assert d2.expiries([a, b, c, e, f]) == [None, T0 + 100, None, T0 + 200, None]
-    assert (
-        d2.entries() == 4 and d2.stats.snapshot()["expired"] == 1
-    )  # removed at start-up, not at the read
+    # removed at start-up, not at the read
+    assert d2.entries() == 4 and d2.stats.snapshot()["expired"] == 1
     # the journal was rewritten compacted: one line per live expiry
     assert sorted(parse_journal((tmp_path / JOURNAL).read_bytes()).values()) == [T0 + 100, T0 + 200]
     assert len(journal_lines(tmp_path)) == 2
@@ -347,9 +343,8 @@ def test_damaged_journal_lines_are_ignored(tmp_path):
     with open(tmp_path / JOURNAL, "ab") as f:
         f.write(b"garbage\n" + b"x" * 5000 + b"\n" + b"\xff\xfe binary\n" + b"1 2 3 4\n")
         f.write(good_c.replace(str(T0 + 5), str(T0 + 6)).encode())  # the checksum no longer matches
-        f.write(
-            f"{body} {zlib.crc32(body.encode()):08x}\n".encode()
-        )  # well-formed, but not a finite time
+        # well-formed, but not a finite time
+        f.write(f"{body} {zlib.crc32(body.encode()):08x}\n".encode())
         f.write(f"v2 {good_c}".encode())  # an unknown (future) form
         f.write(good_c[:-1].encode())  # a torn last line: no newline
     clock.advance(20)
@@ -570,9 +565,8 @@ def test_the_store_sets_its_clock_on_every_tier(tmp_path):
         )
     plain = MemoryTier(10)
     with TieredStore(plain) as store:
-        assert (
-            abs(plain.clock() - store.clock()) < 5 and plain.clock() > 1e9
-        )  # time.time by default
+        # time.time by default
+        assert abs(plain.clock() - store.clock()) < 5 and plain.clock() > 1e9
     with pytest.raises(ValueError, match="expire_interval_s"):
         TieredStore(MemoryTier(1), expire_interval_s=-1)
 
@@ -673,9 +667,8 @@ def test_promote_looks_the_expiry_up_below_and_skips_what_is_gone(tmp_path):
         remote.put(a, blob(a), expires_at=T0 + 99)  # the first tier holding it rules
         remote.put(b, blob(b), expires_at=T0 + 20)
         disk.put(c, blob(c))
-        remote.put(
-            d.encoded_as("cachegen", 1), b"variant only", expires_at=T0 + 30
-        )  # primary evicted
+        # primary evicted
+        remote.put(d.encoded_as("cachegen", 1), b"variant only", expires_at=T0 + 30)
         store.promote([(k, entry(k)) for k in (a, b, c, d, e)])  # e: gone from every lower tier
         assert mem.expiries([a, b, c, d]) == [T0 + 10, T0 + 20, None, T0 + 30]
         assert [mem.contains(k) for k in (a, b, c, d, e)] == [True, True, True, True, False]
@@ -718,9 +711,8 @@ def test_a_queued_write_gets_an_extension_asked_while_it_waits():
             ([KEYS[2]], None),
             ([KEYS[1]], T0 + 60),
         ]
-        assert (
-            not store._writer._queued and not store._writer._extended
-        )  # bookkeeping gone with the writes
+        # bookkeeping gone with the writes
+        assert not store._writer._queued and not store._writer._extended
 
 
 def test_an_extension_racing_the_write_is_applied_after_it():
@@ -731,9 +723,8 @@ def test_an_extension_racing_the_write_is_applied_after_it():
         low.hook_done = threading.Event()
         store.put([(KEYS[0], blob(KEYS[0]))], expires_at=T0 + 10)
         assert store.flush(5) and low.hook_done.is_set()
-        assert low.calls == [
-            ([KEYS[0]], T0 + 10)
-        ]  # written with its own time, the extension came later
+        # written with its own time, the extension came later
+        assert low.calls == [([KEYS[0]], T0 + 10)]
         assert low.expiry(KEYS[0]) == T0 + 60 and mem.expiry(KEYS[0]) == T0 + 60
 
 

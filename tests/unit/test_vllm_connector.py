@@ -229,9 +229,8 @@ def _fake_writer(name: str, view: torch.Tensor, h: int, d: int):
     t = torch.arange(n)[:, None, None]
     hh = torch.arange(h)[None, :, None]
     dd = torch.arange(d)[None, None, :]
-    tables = [
-        pos(k, t, hh, dd).expand(n, h, d) for k in (0, 1)
-    ]  # (N, H, D) flat positions per kind
+    # (N, H, D) flat positions per kind
+    tables = [pos(k, t, hh, dd).expand(n, h, d) for k in (0, 1)]
 
     def write(key, value, slots):
         blk, off = slots // n, slots % n
@@ -414,9 +413,8 @@ def test_match_is_side_effect_free(mem_store):
     _store_chunks(mem_store, p, [0, 1, 2])
     before = mem_store.stats()
     for _ in range(3):
-        assert (
-            keeper.match("r", p, None, 0).tokens == 768
-        )  # chunk 3 (needed up to 1408) is not stored
+        # chunk 3 (needed up to 1408) is not stored
+        assert keeper.match("r", p, None, 0).tokens == 768
     assert mem_store.stats() == before
     assert keeper.plan([], []).loads == []  # a match alone plans nothing
 
@@ -666,9 +664,8 @@ def test_worker_reports_failed_loads_instead_of_using_them(tmp_path):
     assert _run_step(worker, layers, names, loads=[job]) == set(range(14, 26))
     s = worker.counters.snapshot()
     assert (s["loaded_chunks"], s["load_failed_chunks"], s["load_failed_blocks"]) == (1, 3, 12)
-    assert (
-        store.stats()["store"]["unusable_entries"] == 1 and not store.lookup([keys[1]]).hits
-    )  # removed
+    # removed
+    assert store.stats()["store"]["unusable_entries"] == 1 and not store.lookup([keys[1]]).hits
     assert worker.take_failed_blocks() == set()  # reported once
     worker.close()
     store.close()
@@ -800,9 +797,8 @@ def test_model_fingerprint_names_the_weights(tmp_path):
 
     assert fp(d1) == fp(weights_digest(folder)) and fp(d1).startswith("vllm-")
     raw = bytearray((folder / "model.safetensors").read_bytes())
-    raw[150_000] ^= (
-        1  # a fine-tune changes weights everywhere; a sample sees the middle of the file
-    )
+    # a fine-tune changes weights everywhere; a sample sees the middle of the file
+    raw[150_000] ^= 1
     (folder / "model.safetensors").write_bytes(bytes(raw))
     assert weights_digest(folder) != d1
     assert weights_digest(tmp_path / "nothing") is None
@@ -880,9 +876,8 @@ def test_a_prompt_of_whole_chunks_loads_all_but_its_last_block(tmp_path):
     assert _run_step(worker, layers, names, loads=step.loads) == set()
     for i, v in enumerate(layers.views):
         assert torch.equal(layers.layout.gather(v, torch.tensor(new_table[:15])), kv[i][:, :960])
-        assert torch.all(
-            layers.layout.gather(v, torch.tensor(new_table[15:])) == 0
-        )  # vLLM computes it
+        # vLLM computes it
+        assert torch.all(layers.layout.gather(v, torch.tensor(new_table[15:])) == 0)
     assert worker.counters.snapshot()["loaded_tokens"] == 960
     worker.close()
     store.close()

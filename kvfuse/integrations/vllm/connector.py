@@ -253,9 +253,8 @@ class KvfuseConnector(KVConnectorBase_V1):
         self.store = acquire_store(self.settings.config)
         self.bookkeeper: Bookkeeper | None = None
         self.worker: KVWorker | None = None
-        self._requests: OrderedDict[str, str | None] = (
-            OrderedDict()
-        )  # req_id -> cache_salt (eligible requests)
+        # req_id -> cache_salt (eligible requests)
+        self._requests: OrderedDict[str, str | None] = OrderedDict()
         self._closed = False
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         disk = self.settings.config.disk_path

@@ -49,9 +49,8 @@ class LoadChunk:
     block_ids: tuple[int, ...]
     skip_tokens: int
     tier: str | None = None  # where the scheduler's lookup found it (for statistics)
-    token_ids: tuple[
-        int, ...
-    ] = ()  # the chunk's token ids, which the entry must record (() = not checked)
+    # the chunk's token ids, which the entry must record (() = not checked)
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -92,9 +92,8 @@ class CacheLayers:
         self.views = [views[n] for n in self.names]
         self.layout = layout
         self.block_size = block_size
-        kernel_block_ids(
-            [], block_size, layout.block_tokens
-        )  # checks that kernel blocks divide vLLM's blocks
+        # checks that kernel blocks divide vLLM's blocks
+        kernel_block_ids([], block_size, layout.block_tokens)
 
     def __len__(self) -> int:
         return len(self.names)
