@@ -408,7 +408,7 @@ def cmd_models(args, config: Config) -> int:
 
 def cmd_generate(args, config: Config) -> int:
     from .generation import SamplingParams
-    from .runtime import open_engine
+    from .runtime import open_serving
 
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     params = SamplingParams(
@@ -424,31 +424,30 @@ def cmd_generate(args, config: Config) -> int:
         raise UserError("--recompute-ratio applies to prompts with --document")
     if documents and args.no_cache:
         raise UserError("--document needs the KV cache: remove --no-cache")
-    engine = open_engine(config)
+    serving = open_serving(config)
+    engine, prompts = serving.engine, serving.prompts
     try:
         messages = None
         if args.chat:
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
                 {"role": "user", "content": prompt}
             ]
-        blend = None
         if documents:
-            ids = engine.prompts.document_prompt(
+            ids = prompts.document_prompt(
                 documents, prompt=None if args.chat else prompt, messages=messages
             )
-            blend = engine.blend.with_ratio(args.recompute_ratio)
         else:
             ids = (
-                engine.prompts.encode_prompt(messages=messages)
+                prompts.encode_prompt(messages=messages)
                 if args.chat
-                else engine.prompts.encode_prompt(prompt)
+                else prompts.encode_prompt(prompt)
             )
 
         def write(piece: str) -> None:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        result = engine.generate(ids, params, on_text=write, blend=blend)
+        result = engine.generate(ids, params, on_text=write, recompute_ratio=args.recompute_ratio)
         sys.stdout.write("\n")
         if args.verbose:
             t = result.timings
@@ -479,10 +478,11 @@ def cmd_chat(args, config: Config) -> int:
     from kvfuse.prompts.truncate import without_oldest
 
     from .generation import SamplingParams
-    from .runtime import open_engine
+    from .runtime import open_serving
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    engine = open_engine(config)
+    serving = open_serving(config)
+    engine = serving.engine
     messages = [{"role": "system", "content": args.system}] if args.system else []
     interactive = sys.stdin.isatty()
     try:
@@ -495,7 +495,7 @@ def cmd_chat(args, config: Config) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line.rstrip("\n")})
-            ids, dropped = engine.prompts.encode_chat(messages, reserve=params.max_tokens)
+            ids, dropped = serving.prompts.encode_chat(messages, reserve=params.max_tokens)
             if dropped:  # the next turns go on from what is left
                 messages = without_oldest(messages, dropped)
             result = engine.generate(

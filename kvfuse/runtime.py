@@ -1,4 +1,7 @@
-"""Assemble the running parts from a ``Config``: the tiered store, the model, the engine."""
+"""Assemble the running parts from a ``Config``: the tiered store, the model, the prompt builder,
+the engine. The prompt builder is made here, once per model, and handed to the engine (which
+checks prompts against the context window and reports truncations) and to the server and CLI
+(which build prompts with it): nothing reads it through the engine."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import ctypes.util
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +23,7 @@ from .engine import Engine
 from .entropy.pool import set_shared_pool, shared_pool
 from .kv.keys import tenant_tag
 from .models import LoadedModel, load_model
+from .prompts import PromptBuilder
 from .tiers.base import Tier
 from .tiers.disk import DiskTier
 from .tiers.memory import MemoryTier
@@ -155,18 +160,43 @@ def open_model(config: Config) -> LoadedModel:
     )
 
 
+def open_prompts(config: Config, model: LoadedModel) -> PromptBuilder:
+    """The prompt builder of ``model`` within the configured context window."""
+    truncate = config.cache.truncation != "off"
+    return PromptBuilder.for_model(model, config.context_tokens, truncate)
+
+
 def open_engine(
     config: Config,
     model: LoadedModel | None = None,
     store: TieredStore | None = None,
     clock: Callable[[], float] | None = None,
+    prompts: PromptBuilder | None = None,
 ) -> Engine:
     """An engine over ``model`` (loaded from the config if not given) and ``store`` (likewise, with
-    ``clock`` for the entries' expiry)."""
+    ``clock`` for the entries' expiry), with ``prompts`` (made for the model if not given)."""
     set_threads(config)
     if config.tune_malloc:
         tune_allocator()
     model = model or open_model(config)
     if store is None:
         store = open_store(config, clock)
-    return Engine(model, store, config.engine_settings())
+    prompts = prompts or open_prompts(config, model)
+    return Engine(model, store, config.engine_settings(), prompts)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """An engine and the prompt builder it shares with whoever builds its requests."""
+
+    engine: Engine
+    prompts: PromptBuilder
+
+
+def open_serving(
+    config: Config, model: LoadedModel | None = None, clock: Callable[[], float] | None = None
+) -> Serving:
+    """The engine and prompt builder a server (or the CLI) runs on."""
+    model = model or open_model(config)
+    prompts = open_prompts(config, model)
+    return Serving(open_engine(config, model, clock=clock, prompts=prompts), prompts)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvfuse.config import BlendOptions
+from kvfuse.prompts import PromptBuilder
 
 from . import fictional_qa
 from .choose import Measurement
@@ -72,14 +73,14 @@ def asks_in_chat(engine) -> bool:
     return engine.model.tokenizer.chat_template is not None and engine.model.name not in BASE_MODELS
 
 
-def item_prompt(engine, item: fictional_qa.Item, chat: bool):
+def item_prompt(prompts: PromptBuilder, item: fictional_qa.Item, chat: bool):
     """The item as a prompt: a chat turn (documents before the question), or a completion."""
     if chat:
         text = QUESTION.format(question=item.question)
-        return engine.prompts.document_prompt(
+        return prompts.document_prompt(
             list(item.documents), messages=[{"role": "user", "content": text}]
         )
-    return engine.prompts.document_prompt(
+    return prompts.document_prompt(
         list(item.documents), prompt=f"Question: {item.question}\nAnswer:"
     )
 
@@ -191,9 +192,10 @@ def measure(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=("\n",))
     off = CacheOptions(enabled=False)
     tallies = {"full prefill": Tally(), **{name: Tally() for name in configs}}
+    prompts = PromptBuilder.for_model(engine.model)
     t0 = time.perf_counter()
     for n, it in enumerate(items):
-        prompt = item_prompt(engine, it, chat)
+        prompt = item_prompt(prompts, it, chat)
         ref = engine.generate(prompt.ids, params, cache=off)
         ref_ids = ref.token_ids or [engine.model.tokenizer.eos_token_id or 0]
         (ref_logits,) = engine.score(prompt.ids, [ref_ids], cache=off)

@@ -1,11 +1,13 @@
 """The engine: requests in, one step at a time (schedule -> run -> post-process), results out.
 
-``submit`` checks a request and queues its ``Sequence`` (keys computed on the caller's thread by
-``keying``). In ``step``, the ``Scheduler`` says which sequences end, start and run, and, once the
-new ones are planned and loaded (``prefill``), which tokens the forward pass computes (preempting
-when KV memory is short); the model runs one batched pass; post-processing accepts tokens, streams
-their text and finishes sequences, their KV handed to the ``CacheWriter``. ``generate`` is submit +
-steps until that request is done, on the caller's thread or on the engine's loop thread (``start``).
+``submit`` checks a request, has the cache engine key it (``reuse.CacheEngine.key``, on the
+caller's thread) and queues its ``Sequence``. In ``step``, the ``Scheduler`` says which sequences
+end, start and run; a newly admitted sequence is handed to the cache engine, which plans and
+loads its prompt off the step while the others keep decoding, and joins the batch once that is
+done (``_take_loaded``); the model runs one batched pass over the running sequences (preempting
+when KV memory is short); post-processing accepts tokens, streams their text and finishes
+sequences, their KV handed back to the cache engine. ``generate`` is submit + steps until that
+request is done, on the caller's thread or on the engine's loop thread (``start``).
 
 A loaded chunk holds exactly what a prefill of its tokens writes (the live KV has the stored
 dtype) and moved keys are rotated exactly (``rope``), so greedy output with a cache hit is the
@@ -26,108 +28,66 @@ import torch
 
 from kvfuse import dtypes
 from kvfuse.blend import BlendOptions
-from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.generation import SamplingParams
-from kvfuse.history import HistoryIndex
-from kvfuse.kv.keys import tenant_tag
 from kvfuse.models import LoadedModel
-from kvfuse.prompts.builder import PromptBuilder
-from kvfuse.prompts.prompt import Prompt
-from kvfuse.reuse import offline
-from kvfuse.reuse.cache_writer import CacheWriter
-from kvfuse.reuse.keying import Keying
-from kvfuse.reuse.kv_stream import LoadEstimates
-from kvfuse.reuse.prefill import Prefiller
-from kvfuse.reuse.retention import Retention
-from kvfuse.reuse.saver import Saver
-from kvfuse.tiers.prefetch import Prefetcher
+from kvfuse.prompts import Prompt, PromptBuilder
+from kvfuse.reuse import CacheOptions, Loaded, open_cache
 from kvfuse.tiers.store import TieredStore
 
-from .kv_memory import KVMemory
+from .kv_memory import KVMemory, initial_slots
 from .loop import EngineLoop
-from .request import CacheOptions, GenerationResult, Outcome, Request, RequestCancelled
+from .request import GenerationResult, Outcome, Request, RequestCancelled
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats
 
 log = logging.getLogger(__name__)
 
+# How long a step with nothing to run waits for a load to finish (woken early when one does).
+LOAD_WAIT_S = 0.05
+LEFT_WHILE_QUEUED = "the client left while the request was queued"
+
 
 class Engine:
     """Generation over one model with an optional tiered KV store; ``settings`` come from the
-    configuration (``Config.engine_settings()``), validated there."""
+    configuration (``Config.engine_settings()``), validated there; ``prompts``: the builder the
+    server and CLI build prompts with (one is made for the model when not given)."""
 
     def __init__(
         self,
         model: LoadedModel,
         store: TieredStore | None = None,
         settings: EngineSettings = EngineSettings(),
+        prompts: PromptBuilder | None = None,
     ):
         s, c = settings, settings.cache
-        self.model, self.store, self.settings = model, store, settings
+        self.model, self.settings = model, settings
         self.kv_dtype = dtypes.torch_dtype(c.kv_dtype)
-        self.stats, self.estimates = EngineStats(), LoadEstimates()
-        self.context_window = min(model.config.max_position_embeddings, s.context_tokens or 1 << 62)
-        self.prompts = PromptBuilder(model, self.context_window, c.truncation != "off", self.stats)
-        # Conversations: the ids each stored history was built from (found again for a later turn),
-        # its KV saved off the request path, queued requests' KV prefetched and kept in memory.
-        history = (
-            HistoryIndex(c.history_records, s.history_path)
-            if store is not None and c.history
-            else None
-        )
-        self.saver = Saver(store) if store is not None and c.async_save else None
-        retention = Retention.parse(c.retention) if c.retention is not None else None
-        # its profile: codec level too
-        self.keying = Keying(model, store, self.saver, s, history, self.context_window)
-        self.codec = get_codec(c.codec, c.codec_level).for_model(
-            model.config.layer_types, self.keying.codec_level
-        )
-        self.writer = (
-            CacheWriter(
-                store, self.saver, self.codec, c.chunk_size, retention, c.store_generated, history
-            )
-            if store is not None
-            else None
-        )
-        self.blend = self.keying.blend  # ``auto`` resolved against the model's blend profile
-        # depends on the model: not the config's to know
-        if self.blend.check_layer >= model.config.num_layers:
+        self.stats = EngineStats()
+        truncate = c.truncation != "off"
+        self.prompts = prompts or PromptBuilder.for_model(model, s.context_tokens, truncate)
+        self.context_window = self.prompts.context_window
+        self.step_lock = threading.Lock()  # held while a step runs: work between steps holds it too
+        self.cache = open_cache(model, store, s, self.context_window, self.step_lock)
+        check_layer = self.cache.blend.check_layer
+        if check_layer >= model.config.num_layers:  # the model's to know, not the config's
             raise ValueError(
-                f"blend check_layer {self.blend.check_layer} is not a layer of this model "
+                f"blend check_layer {check_layer} is not a layer of this model "
                 f"({model.config.num_layers} layers)"
             )
-        self.prefiller = Prefiller(
-            model,
-            store,
-            self.saver,
-            self.keying,
-            self.writer,
-            self.kv_dtype,
-            self.codec,
-            c.kv_slo_ms,
-            self.stats,
-            self.estimates,
-        )
-        memory = KVMemory(model.runner, self.kv_dtype, s.engine.kv_memory_bytes, self.saver)
+        memory = KVMemory(model.runner, self.kv_dtype, s.engine.kv_memory_bytes, self.cache)
+        e = s.engine
         self.scheduler = Scheduler(
-            s.max_queue, s.engine.max_running, memory, s.engine.max_step_tokens
+            s.max_queue, e.max_running, memory, e.max_step_tokens, self.cache.computing
         )
-        self.prefetcher = None
-        if store is not None:
-            store.use_model(model.config.layer_types, self.keying.codec_level)
-            store.set_lookahead(self.scheduler.upcoming_keys)
-            store.protect_upcoming(c.eviction == "queue")
-            if c.prefetch and store.lower:
-                self.prefetcher = Prefetcher(store)
-        self.step_lock = threading.Lock()  # held while a step runs: work between steps holds it too
+        self.cache.watch(self.scheduler.upcoming_keys, self.scheduler.wake)
         self._loop: EngineLoop | None = None
         self._closed = False
 
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         """The cache namespace of ``tenant`` and ``salt`` (``Keying.namespace``)."""
-        return self.keying.namespace(tenant, salt, blend)
+        return self.cache.namespace(tenant, salt, blend)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -135,30 +95,35 @@ class Engine:
         """ValueError for a request that cannot run: beyond the context window or the whole KV
         budget, a blend check layer the model lacks, documents to blend without a cache."""
         self.prompts.check(request.prompt, request.params.max_tokens)
-        blend = self.keying.resolve(request.blend)
-        if blend.check_layer >= self.model.config.num_layers:
-            raise ValueError(f"blend check_layer {blend.check_layer} is not a layer of this model")
-        if (
-            request.prompt.documents
-            and blend.blends
-            and (self.store is None or not request.cache.enabled)
-        ):
-            raise ValueError("documents need the KV cache: it is disabled for this request")
+        self.cache.check(request.prompt, request.cache, self._blend(request))
         self.scheduler.memory.check(len(request.prompt), request.params.max_tokens)
+
+    def _blend(self, request: Request) -> BlendOptions | None:
+        """The request's blend options: its own (None: the engine's) with its recompute budget."""
+        if request.recompute_ratio is None:
+            return request.blend
+        return (request.blend or self.cache.blend).with_ratio(request.recompute_ratio)
 
     def submit(self, request: Request) -> None:
         """Queue ``request``. ValueError for a prompt that cannot run; QueueFull / QueueClosed."""
         self.check(request)
-        self.scheduler.add(self.keying.sequence(request))
-        if self.prefetcher is not None:
-            self.prefetcher.wake()
+        r = self.cache.key(
+            request.prompt,
+            request.cache,
+            self._blend(request),
+            request.params.max_tokens,
+            request.request_id,
+            request.cancel,
+        )
+        request.prompt, request.blend = r.prompt, r.blend  # as it runs
+        self.scheduler.add(Sequence(request, r))
 
     def withdraw(self, request: Request) -> None:
         """The client of ``request`` left: drop it if it waits, stop it at its next step if it runs."""
         request.cancel.set()
         seq = self.scheduler.remove(request)
         if seq is not None:
-            self._skip(seq, "the client left while the request was queued")
+            self._skip(seq, LEFT_WHILE_QUEUED)
         self.scheduler.wake()
 
     def generate(
@@ -170,20 +135,20 @@ class Engine:
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
         blend: BlendOptions | None = None,
+        recompute_ratio: float | str | None = None,
     ) -> GenerationResult:
         """Generate from ``prompt`` (token ids or a ``Prompt``) and wait for the result;
         ``on_text`` receives text pieces as they are decoded. ``cancel`` is checked between steps
-        (finish reason "cancelled"). ValueError for an empty prompt or one beyond the context window."""
-        if not isinstance(prompt, Prompt):
-            if not list(prompt):
-                raise ValueError("the prompt is empty")
-            prompt = Prompt.plain(list(prompt))
+        (finish reason "cancelled"). ``recompute_ratio``: a budget over ``blend`` (None: the
+        engine's). ValueError for an empty prompt or one beyond the context window."""
+        prompt = as_prompt(prompt)
         done, outcome = threading.Event(), []
         request = Request(
             prompt,
             params,
             cache,
             blend=blend,
+            recompute_ratio=recompute_ratio,
             on_text=on_text,
             on_done=lambda o: (outcome.append(o), done.set()),
             cancel=cancel if cancel is not None else threading.Event(),
@@ -207,8 +172,22 @@ class Engine:
         blend: BlendOptions | None = None,
         on_document: Callable[[int, bool], None] | None = None,
     ) -> dict[str, int]:
-        """Compute and store the KV of each document not cached yet (``offline.precompute_documents``)."""
-        return offline.precompute_documents(self, texts, cache, blend, on_document)
+        """Compute and store the KV of each document not cached yet (``reuse.offline``)."""
+        if not self.cache.enabled:
+            raise ValueError(
+                "precompute needs the KV cache, and it is disabled in this configuration"
+            )
+        docs = []
+        for i, text in enumerate(texts):
+            try:
+                docs.append(self.prompts.encode_document(text))
+            except ValueError as e:
+                raise ValueError(f"document {i}: {e}") from None
+        # ``document_context: prefix``: behind what a chat turn without a system message starts
+        # with (a completion's special tokens for a model without a chat template)
+        context = (blend or self.cache.blend).document_context
+        prefix = self.prompts.default_document_prefix() if context == "prefix" else None
+        return self.cache.precompute_documents(docs, cache, blend, prefix, on_document)
 
     def score(
         self,
@@ -218,8 +197,32 @@ class Engine:
         cache: CacheOptions = CacheOptions(),
         blend: BlendOptions | None = None,
     ) -> list[torch.Tensor]:
-        """Teacher-forced logits after ``prompt`` prefilled as a request would be (``offline.score``)."""
-        return offline.score(self, prompt, continuations, cache, blend)
+        """For each continuation, a ``(len + 1, vocab)`` tensor of the logits predicting its
+        tokens and the one after (the first row predicts its first token), after ``prompt``
+        prefilled exactly as a request would be (lookup, plan, loads, blend): what the quality
+        benchmarks compare lossy reuse with. Without continuations, the prompt's last logits.
+        Nothing is generated and the answers are not stored (the prompt's new chunks are, as a
+        request's would be)."""
+        prompt = as_prompt(prompt)
+        longest = max((len(c) for c in continuations), default=0)
+        request = Request(prompt, SamplingParams(max_tokens=1 + longest), cache, blend=blend)
+        self.check(request)
+        r = self.cache.key(prompt, cache, blend, 1 + longest, request.request_id)
+        with self.step_lock:
+            kv = self.model.runner.new_cache(
+                initial_slots(r.prompt_len, 0, 1 + longest), dtype=self.kv_dtype
+            )
+            logits = self.cache.load_now(r, kv).logits
+            self.cache.prefilled(r, kv, r.prompt.ids)
+            out = []
+            for cont in continuations:
+                kv.truncate(r.prompt_len)
+                rows = [logits[None]]
+                if len(cont):
+                    more = self.model.runner.forward(list(cont), kv, logits="all")
+                    rows.append(more.to(logits.dtype))
+                out.append(torch.cat(rows))
+        return out if continuations else [logits[None]]
 
     # ------------------------------------------------------------------------------ steps
 
@@ -230,28 +233,54 @@ class Engine:
         """One engine step: schedule, run, post-process. Returns the requests it finished."""
         with self.step_lock:
             scheduled = self.scheduler.schedule()
-            finished = [
-                self._skip(seq, "the client left while the request was queued")
-                for seq in scheduled.skipped
-            ]
-            finished += [seq for seq in scheduled.admitted if not self._guard(seq, self.admit)]
+            finished = [self._skip(s, LEFT_WHILE_QUEUED) for s in scheduled.skipped]
+            self._begin(scheduled.admitted, scheduled.running)
+            finished += self._take_loaded()
             running = [s for s in scheduled.running if s.status is SequenceStatus.RUNNING]
             batch = self.scheduler.batch([s for s in running if s.finish_reason is None])
             self.stats.add(preemptions=len(batch.preempted))
-            if batch.items:
+            ran = bool(batch.items)
+            if ran:
                 self._run(batch)
             batch = None  # nothing of this step may hold a finished sequence's KV
             finished += self._post_process(running)
-            return [s.request for s in finished]
+        if not ran and not finished and self.cache.loading():
+            self.scheduler.pause(LOAD_WAIT_S)  # only loads in flight: wait for one (or a submit)
+        return [s.request for s in finished]
 
-    def admit(self, seq: Sequence, chunked: bool = True) -> None:
-        """Plan and load an admitted sequence (``Prefiller.admit``), and sample its first token now
-        if nothing is left to compute. On the engine's thread, or under ``step_lock``."""
-        self.prefiller.admit(seq, chunked)
-        if seq.finish_reason is None:
-            self.scheduler.computing.computing(seq)
-            if not seq.prefill.fill:
-                self._first_token(seq)
+    def _begin(self, admitted: list[Sequence], running: list[Sequence]) -> None:
+        """Admitted sequences: the cache engine plans and loads them off the step. When no other
+        sequence has anything to compute meanwhile, the step waits for those loads."""
+        for seq in admitted:
+            seq.start_clock()
+            seq.loading = True
+            self.cache.begin(seq.reuse, seq.kv, seq)
+        if admitted and all(s.loading or s.finish_reason is not None for s in running):
+            self.cache.wait_loads()
+
+    def _take_loaded(self) -> list[Sequence]:
+        """The sequences the cache engine finished loading: what needs the model is loaded now,
+        then they join the batch (a fully cached prompt samples its first token at once). Those
+        whose load failed are finished and returned."""
+        failed = []
+        for done in self.cache.ready():
+            seq = done.tag
+            seq.loading = False
+            if done.error is not None:
+                self._end(seq, Outcome(error=done.error))
+                failed.append(seq)
+            elif not self._guard(seq, lambda s, d=done: self._loaded(s, d)):
+                failed.append(seq)
+        return failed
+
+    def _loaded(self, seq: Sequence, done: Loaded) -> None:
+        filled = self.cache.load(seq.reuse, seq.kv, done.ready)
+        if filled is None:  # the client left as the request was admitted
+            seq.cancel()
+            return
+        seq.loaded(filled)
+        if not seq.prefill.fill:
+            self._first_token(seq)
 
     def _run(self, batch: Batch) -> None:
         """The forward pass, then per sequence: a sampled token, or a prompt chunk done (and the
@@ -276,8 +305,8 @@ class Engine:
         """Accept the sampled tokens and finish the sequences that are done; those are returned."""
         finished = []
         for seq in running:
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted in this step
+            if seq.status is not SequenceStatus.RUNNING or seq.loading:
+                continue  # preempted in this step, or still loading
             if seq.decode.pending is not None and seq.finish_reason is None:
                 seq.accept_pending()
             elif seq.prefill.fill and seq.request.cancel.is_set():
@@ -292,27 +321,21 @@ class Engine:
         count what was reused, write the new chunks. A preempted sequence admitted again only
         samples its next token (all of that happened the first time)."""
         if seq.started:
-            return seq.decode.sample(seq.prefill.filled.logits)
-        seq.count_prefill()
-        self.prefiller.measure(seq)
-        # the first token, the TTFT
-        seq.start_decoding(self.model.tokenizer, self.model.eos_token_ids)
+            return seq.decode.sample(seq.prefill.logits)
+        seq.start_decoding(self.model.tokenizer, self.model.eos_token_ids)  # the first token
         t0 = time.perf_counter()
-        if self.writer is not None:
-            self.writer.after_prefill(seq)
-        self.scheduler.computing.done(seq)
+        self.cache.prefilled(seq.reuse, seq.kv, seq.reuse.prompt.ids + seq.token_ids)
         seq.timings.store_s = time.perf_counter() - t0
         seq.decode.started_at = time.perf_counter()
 
     def _complete(self, seq: Sequence) -> None:
-        """``seq`` finished: its KV written (``CacheWriter.after_turn``), counted, its result out."""
+        """``seq`` finished: its KV handed back to the cache engine, counted, its result out."""
         t = seq.timings
+        t0 = time.perf_counter()
         if seq.started:
-            t.decode_s = time.perf_counter() - seq.decode.started_at
-            t0 = time.perf_counter()
-            if self.writer is not None:
-                self.writer.after_turn(seq)
-            t.store_s += time.perf_counter() - t0
+            t.decode_s = t0 - seq.decode.started_at
+        self.cache.finish(seq.reuse, seq.kv if seq.started else None, seq.token_ids)
+        t.store_s += time.perf_counter() - t0
         t.total_s = time.perf_counter() - seq.t_start
         self.stats.add(**seq.counters())
         self._end(seq, Outcome(result=seq.result()))
@@ -328,8 +351,9 @@ class Engine:
             # A failed request's KV is dropped now, whatever still refers to it (an exception's
             # frames, a log record); its saves, if any were queued, are lost with it.
             seq.kv.release()
-        # the live KV is freed as soon as the request is done (once the saver copied it)
-        seq.kv = None
+        seq.kv = (
+            None  # the live KV is freed as soon as the request is done (once the saver copied it)
+        )
         seq.request.finish(outcome)
 
     def _guard(self, seq: Sequence, fn: Callable[[Sequence], None]) -> bool:
@@ -368,33 +392,33 @@ class Engine:
                 log.warning("the engine loop did not stop within %.0f s", timeout)
 
     def close(self) -> None:
-        """``stop()``, then flush and close the store. Idempotent."""
+        """``stop()``, then the cache engine's threads stopped, its saves flushed, its store
+        closed. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self.stop()
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-        if self.writer is not None:
-            self.writer.close()  # saves what is queued, then flushes the store's writes and closes it
+        self.cache.close()
 
     # ------------------------------------------------------------------------------ the server's view
 
     @property
     def cache_enabled(self) -> bool:
-        return self.store is not None
+        return self.cache.enabled
 
     def stats_snapshot(self) -> dict:
-        """The engine's counters (a consistent copy), with the histories remembered and the
-        saver's counters (``saver``: saves, their time off the request path, waits) when on."""
-        return {
-            **self.stats.snapshot(),
-            **(self.writer.counters() if self.writer is not None else {}),
-        }
+        """The serving loop's, the prompt builder's and the cache engine's counters (a
+        consistent copy of each): requests and steps, truncations, reuse, histories remembered
+        and the saver's figures (``saver``) when it runs."""
+        return {**self.stats.snapshot(), **self.prompts.stats.snapshot(), **self.cache.counters()}
 
     def cache_stats(self) -> dict[str, dict]:
         """Counters of every tier and of the store ({} without a cache)."""
-        return self.store.stats() if self.store is not None else {}
+        return self.cache.tier_stats()
+
+    def tenant_usage(self) -> dict:
+        """Per tier, per tenant tag: bytes and entries held, quota, evictions ({} without one)."""
+        return self.cache.tenant_usage()
 
     def queue_state(self) -> dict[str, int]:
         return self.scheduler.state()
@@ -402,17 +426,22 @@ class Engine:
     def clear_cache(self, tenant: str, salt: str | None = None) -> dict[str, int]:
         """Delete ``tenant``'s entries (and history records) from every tier: all of them, or only
         namespace ``salt``; entries removed per tier."""
-        if self.writer is None:
-            return {}
-        return self.writer.clear(
-            tenant_tag(tenant) if salt is None else self.namespace(tenant, salt).key_prefix()
-        )
+        return self.cache.clear(tenant, salt)
 
     def free_entries(self, keys: Seq[str]) -> dict[str, int]:
         """Remove the entries ``keys`` (their string forms; e.g. a deleted response's) from every
         tier, after the saves still queued for them; entries removed per tier."""
-        return self.writer.free(keys) if self.writer is not None and keys else {}
+        return self.cache.free(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the queued saves and lower-tier writes; False if ``timeout`` passed first."""
-        return self.writer.flush(timeout) if self.writer is not None else True
+        return self.cache.flush(timeout)
+
+
+def as_prompt(prompt: Seq[int] | Prompt) -> Prompt:
+    """A ``Prompt`` of token ids as they are; ValueError for an empty one."""
+    if isinstance(prompt, Prompt):
+        return prompt
+    if not list(prompt):
+        raise ValueError("the prompt is empty")
+    return Prompt.plain(list(prompt))

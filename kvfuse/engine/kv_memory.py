@@ -17,7 +17,6 @@ import torch
 
 from kvfuse.models.cache import KVBudget, OutOfKVMemory, slot_bytes
 from kvfuse.models.transformer import Transformer
-from kvfuse.reuse.saver import Saver
 
 from .sequence import Sequence
 
@@ -30,13 +29,10 @@ class KVMemory:
     """Caches of running sequences in one ``KVBudget``; see the module docstring."""
 
     def __init__(
-        self,
-        runner: Transformer,
-        kv_dtype: torch.dtype,
-        limit_bytes: int | None,
-        saver: Saver | None = None,
+        self, runner: Transformer, kv_dtype: torch.dtype, limit_bytes: int | None, cache=None
     ):
-        self.runner, self.kv_dtype, self.saver = runner, kv_dtype, saver
+        # ``cache``: the cache engine (``release``, ``settle``); None in tests of memory alone
+        self.runner, self.kv_dtype, self.cache = runner, kv_dtype, cache
         self.budget = KVBudget(limit_bytes)
         self.slot_bytes = slot_bytes(runner.config, kv_dtype)
 
@@ -55,10 +51,10 @@ class KVMemory:
     def allocate(self, seq: Sequence) -> bool:
         """Give ``seq`` its cache from the budget (if it has none yet); False if it does not fit."""
         if seq.kv is None:
+            n, p = len(seq.token_ids), seq.request.params
             try:
-                seq.kv = self.runner.new_cache(
-                    initial_slots(seq), dtype=self.kv_dtype, budget=self.budget
-                )
+                slots = initial_slots(seq.prompt_len, n, p.max_tokens)
+                seq.kv = self.runner.new_cache(slots, dtype=self.kv_dtype, budget=self.budget)
             except OutOfKVMemory:
                 return False
         return True
@@ -73,17 +69,16 @@ class KVMemory:
 
     def release(self, seq: Sequence) -> None:
         """Free ``seq``'s cache now, after the saver copied out the chunks its plan stores."""
-        plan = seq.prefill.plan
-        if self.saver is not None and plan is not None and plan.saves:
-            self.saver.wait(s.key for s in plan.saves)  # its prompt's chunks, copied out first
+        if self.cache is not None:
+            self.cache.release(seq.reuse)  # its prompt's chunks, copied out first
         seq.kv.release()  # its bytes are back in the budget now
 
     def wait_for_release(self) -> None:
         """Nothing runs, yet the oldest waiting sequence did not fit: the KV it needs is still held
         by finished sequences whose chunks the saver is copying out (or by a reference cycle).
         Wait for the saver rather than spin on empty steps."""
-        if self.saver is not None:
-            self.saver.flush(timeout=0.5)
+        if self.cache is not None:
+            self.cache.settle(timeout=0.5)
         gc.collect()
 
     def state(self) -> dict[str, int]:
@@ -91,8 +86,8 @@ class KVMemory:
         return {"kv_bytes_used": b.used, "kv_bytes_peak": b.peak, "kv_bytes_limit": b.limit or 0}
 
 
-def initial_slots(seq: Sequence) -> int:
-    """The slots ``seq`` is admitted with: its prompt, the tokens it already generated (if it was
-    preempted), and room to decode."""
-    left = seq.request.params.max_tokens - len(seq.token_ids)
-    return seq.prompt_len + len(seq.token_ids) + max(1, min(left, DECODE_HEADROOM))
+def initial_slots(prompt_len: int, generated: int, max_tokens: int) -> int:
+    """The slots a sequence is admitted with: its prompt, the tokens it already generated (if it
+    was preempted), and room to decode."""
+    left = max_tokens - generated
+    return prompt_len + generated + max(1, min(left, DECODE_HEADROOM))

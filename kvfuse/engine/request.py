@@ -13,35 +13,11 @@ from kvfuse.blend.options import BlendOptions
 from kvfuse.generation import SamplingParams
 from kvfuse.history.records import Record
 from kvfuse.prompts.prompt import Prompt
-from kvfuse.reuse.kv_stream import KVStreamReport
-from kvfuse.reuse.retention import Breakpoint, Retention
+from kvfuse.reuse import CacheOptions, KVStreamReport
 
 log = logging.getLogger(__name__)
 
 _ids = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class CacheOptions:
-    """Per-request cache behaviour: the server maps an API key's tenant onto ``tenant`` and the
-    request's ``cache_salt`` onto ``salt``; tenants never share entries."""
-
-    enabled: bool = True
-    tenant: str = ""
-    salt: str = ""
-    store_generated: bool | None = None  # None -> the engine's default
-    # OpenAI's prompt_cache_key: names a conversation's stored history
-    history_key: str | None = None
-    kv_slo_ms: float | None = None  # budget for loading KV from slow tiers (None: the engine's)
-    # how long the entries it writes stay (None: the tiers' policy)
-    retention: Retention | None = None
-    # prompt prefixes to store even mid-chunk (kept >= their ttl)
-    breakpoints: tuple[Breakpoint, ...] = ()
-    # A stored history to line the prompt up with first (e.g. the one a Responses API
-    # previous_response_id names); used only when its scope is the request's cache namespace.
-    history_hint: Record | None = None
-    # look for cached passages inside a plain prompt (None: blend.auto)
-    auto_reuse: bool | None = None
 
 
 @dataclass
@@ -126,6 +102,8 @@ class Request:
     params: SamplingParams = field(default_factory=SamplingParams)
     cache: CacheOptions = field(default_factory=CacheOptions)
     blend: BlendOptions | None = None  # None: the engine's blend options (prompts with documents)
+    # a request's recompute budget over ``blend`` (the server's ``recompute_ratio``; None: as is)
+    recompute_ratio: float | str | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     on_text: Callable[[str], None] | None = None
     on_done: Callable[[Outcome], None] | None = None

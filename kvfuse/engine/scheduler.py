@@ -121,6 +121,7 @@ class Scheduler:
         max_running: int = EngineConfig.max_running,
         memory: KVMemory | None = None,
         max_step_tokens: int = EngineConfig.max_step_tokens,
+        computing: ComputingChunks | None = None,
     ):
         if max_waiting < 1 or max_running < 1 or max_step_tokens < 1:
             raise ValueError("max_waiting, max_running and max_step_tokens must be >= 1")
@@ -130,7 +131,8 @@ class Scheduler:
             max_step_tokens,
         )
         self.memory = memory
-        self.computing = ComputingChunks()
+        # the cache engine's defer rule (its own bookkeeping when the queue is tested alone)
+        self.computing = computing if computing is not None else ComputingChunks()
         self._waiting: deque[Sequence] = deque()
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
@@ -184,7 +186,6 @@ class Scheduler:
         there is room and memory, run everything running (see the module docstring). When nothing
         can run although sequences wait, waits a little for KV memory to come back."""
         step = ScheduledStep()
-        self.computing.begin_step()
         with self._cond:
             step.skipped = [s for s in self._waiting if s.request.cancel.is_set()]
             self._waiting = deque(s for s in self._waiting if not s.request.cancel.is_set())
@@ -192,7 +193,7 @@ class Scheduler:
             for seq in list(self._waiting):
                 if len(self._running) >= self.max_running:
                     break
-                if self.computing.blocks(seq):
+                if self.computing.blocks(seq.reuse):
                     continue  # keeps its place; later ones may be admitted
                 if self.memory is not None and not self.memory.allocate(seq):
                     break
@@ -211,7 +212,7 @@ class Scheduler:
         if seq.request.started_at is None:
             seq.request.started_at = time.monotonic()
         self._running.append(seq)
-        self.computing.admitted(seq)
+        self.computing.admitted(seq.reuse)
 
     def batch(self, running: list[Sequence]) -> Batch:
         """This step's forward pass over ``running`` (see the module docstring). Makes room in the
@@ -245,7 +246,10 @@ class Scheduler:
         """Grow ``seq``'s KV to ``total`` slots, preempting the most recently admitted running
         sequences (``seq`` itself last) until it fits. False if ``seq`` was preempted."""
         while self.memory is not None and not self.memory.grow(seq, total):
-            victims = [s for s in self.running() if s.status is SequenceStatus.RUNNING]
+            # a sequence being loaded off the step is not a victim: its cache is in use
+            victims = [
+                s for s in self.running() if s.status is SequenceStatus.RUNNING and not s.loading
+            ]
             victim = next((s for s in reversed(victims) if s is not seq), seq)
             self.preempt(victim)
             preempted.append(victim)
@@ -264,7 +268,7 @@ class Scheduler:
         )
         if self.memory is not None and seq.kv is not None:
             self.memory.release(seq)
-        self.computing.done(seq)
+        self.computing.done(seq.reuse)
         seq.preempted()
         with self._cond:
             if seq in self._running:
@@ -275,7 +279,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """``seq`` is done (whatever the reason): it leaves the running set."""
-        self.computing.done(seq)
+        self.computing.done(seq.reuse)
         with self._cond:
             seq.status = SequenceStatus.FINISHED
             if seq in self._running:
@@ -284,6 +288,11 @@ class Scheduler:
     def has_work(self) -> bool:
         with self._cond:
             return bool(self._waiting or self._running)
+
+    def pause(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for something to happen (a submit, a finished load: ``wake``)."""
+        with self._cond:
+            self._cond.wait(timeout)
 
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Block until something waits or runs (True), or ``timeout`` passes / close() (False)."""
@@ -307,7 +316,7 @@ class Scheduler:
         """``(request id, planned keys)`` of every waiting sequence, in the order they will run."""
         with self._cond:
             return [
-                (s.request.request_id, s.keys.all() if s.keys is not None else [])
+                (s.request.request_id, s.reuse.keys.all() if s.reuse.keys is not None else [])
                 for s in self._waiting
             ]
 

@@ -11,8 +11,9 @@ The server, the CLI and benchmarks build prompts here; the engine takes them as 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
-from kvfuse.engine.stats import EngineStats
+from kvfuse.counters import Counters
 from kvfuse.models import LoadedModel
 
 from . import encode
@@ -20,16 +21,29 @@ from .prompt import Prompt
 from .truncate import drop_oldest_turns
 
 
+@dataclass
+class PromptStats(Counters):
+    """Conversations that outgrew the context window, and the messages dropped from them."""
+
+    truncated_requests: int = 0
+    truncated_messages: int = 0
+
+
 class PromptBuilder:
     """Prompts for one model within one context window; see the module docstring."""
 
-    def __init__(self, model: LoadedModel, context_window: int, truncate: bool, stats: EngineStats):
-        self.model, self.context_window, self.truncate, self.stats = (
-            model,
-            context_window,
-            truncate,
-            stats,
-        )
+    def __init__(self, model: LoadedModel, context_window: int, truncate: bool = True):
+        self.model, self.context_window, self.truncate = model, context_window, truncate
+        self.stats = PromptStats()
+
+    @classmethod
+    def for_model(
+        cls, model: LoadedModel, context_tokens: int | None = None, truncate: bool = True
+    ):
+        """The builder of ``model`` within its context window, or ``context_tokens`` if smaller
+        (``context_tokens`` in the configuration; ``cache.truncation: off`` turns truncation off)."""
+        window = min(model.config.max_position_embeddings, context_tokens or 1 << 62)
+        return cls(model, window, truncate)
 
     def encode_prompt(
         self, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None

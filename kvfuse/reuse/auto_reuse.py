@@ -31,10 +31,10 @@ from typing import Sequence
 import numpy as np
 
 from kvfuse.blend.options import BlendOptions
-from kvfuse.engine.request import CacheOptions
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, content_keys
 
+from .options import CacheOptions
 from .planner import ContentChunk, PromptKeys
 
 STATUSES = ("off", "skipped", "prefix", "none_found", "blended")

@@ -13,9 +13,9 @@ A request writes at three moments:
   last chunk as a tail) are saved; without history, the answer's whole chunks when it asks to
   store generated tokens. Not after a blend (documents, found spans): its KV is not a prefill's.
 
-Saves go to the ``Saver`` thread when there is one (no request waits for a store write), each group
-of spans with its write policy (``retention.write_policy``: expiry, memory only), or are written on
-the calling thread without one.
+Saves go to the saver (``Saver``: a thread, so that no request waits for a store write; or
+``SyncSaver`` with ``cache.async_save: false``), each group of spans with its write policy
+(``retention.write_policy``: expiry, memory only).
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ from collections.abc import Iterable
 import numpy as np
 
 from kvfuse.codecs.base import Codec
-from kvfuse.engine.request import CacheOptions
-from kvfuse.engine.sequence import Sequence
 from kvfuse.history import HistoryIndex, Record
 from kvfuse.kv.format import Entry
 from kvfuse.kv.keys import ChunkKey, ChunkKind
+from kvfuse.models.cache import KVCache
 from kvfuse.tiers.store import TieredStore
 
+from .options import CacheOptions
 from .planner import Load, Save, breakpoint_saves, generated_saves, history_entries
 from .retention import Retention, keep_until, write_policy
-from .saver import Saver, save_now
+from .saver import Saver, SyncSaver
+from .state import Reuse
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class CacheWriter:
     def __init__(
         self,
         store: TieredStore,
-        saver: Saver | None,
+        saver: Saver | SyncSaver,
         codec: Codec,
         chunk_size: int,
         retention: Retention | None,
@@ -70,124 +71,95 @@ class CacheWriter:
         expires_at, memory_only = self.policy(cache, end)
         self.store.put([(key, entry)], expires_at=expires_at, memory_only=memory_only)
 
-    def after_prefill(self, seq: Sequence) -> None:
+    def after_prefill(self, r: Reuse, kv: KVCache, ids: list[int]) -> None:
         """Promote what the prefill read from below memory, save its new chunks (and the partial
-        chunks its breakpoints mark), and keep what it reused as long as it asks."""
-        req, plan, filled = seq.request, seq.prefill.plan, seq.prefill.filled
+        chunks its breakpoints mark), and keep what it reused as long as it asks. ``ids``: the
+        token id of every slot of ``kv``."""
+        plan, filled, prompt = r.plan, r.filled, r.prompt
         self.store.promote(filled.promotions.entries(self.codec))  # after the first token
         saves = [s for s in plan.saves if s.key.kind is not ChunkKind.CONTENT]
         planned = len(saves)
-        if seq.keys is not None and req.cache.breakpoints and req.prompt.is_prefix_only:
+        if r.keys is not None and r.cache.breakpoints and prompt.is_prefix_only:
             saves += breakpoint_saves(
-                req.prompt.ids,
-                seq.keys.prefix,
-                req.cache.breakpoints,
+                prompt.ids,
+                r.keys.prefix,
+                r.cache.breakpoints,
                 self.chunk_size,
-                seq.namespace,
+                r.namespace,
                 {s.key for s in saves},
             )
         if saves:
-            seq.usage.stored += self.save(seq, saves, skip_held=len(saves) > planned)
+            r.usage.stored += self.save(r, kv, ids, saves, skip_held=len(saves) > planned)
         content = [s for s in plan.saves if s.key.kind is ChunkKind.CONTENT]
-        if content:  # a copy of KV saved under the chain too, or found spans' neighbours: not counted as written
-            seq.usage.stored += self.save(seq, content, skip_held=True, written=False)
-        self.retain(seq, plan.loads)
+        # a copy of KV saved under the chain too, or found spans' neighbours: not counted as written
+        if content:
+            r.usage.stored += self.save(r, kv, ids, content, skip_held=True, written=False)
+        self.retain(r, plan.loads)
 
-    def after_turn(self, seq: Sequence) -> None:
+    def after_turn(self, r: Reuse, kv: KVCache, generated: list[int]) -> None:
         """The turn is over: keep its history (a plain prompt with history on), or store the
         answer's whole chunks (``store_generated``)."""
-        req = seq.request
-        # a blend's KV is not a prefill's: no history
-        if seq.keys is None or seq.prefill.plan.blended:
+        if r.keys is None or r.plan.blended:  # a blend's KV is not a prefill's: no history
             return
-        if self.history is not None and req.prompt.is_prefix_only:
-            self._keep_history(seq)
+        n = r.prompt_len
+        state = r.prompt.ids + generated[: kv.length - n]  # the ids the turn's KV holds
+        if self.history is not None and r.prompt.is_prefix_only:
+            self._keep_history(r, kv, state)
             return
-        store_generated = (
-            req.cache.store_generated
-            if req.cache.store_generated is not None
-            else self.store_generated
-        )
-        if store_generated and req.prompt.is_plain:
-            n = seq.prompt_len
-            full = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
+        store_generated = r.cache.store_generated
+        if store_generated is None:
+            store_generated = self.store_generated
+        if store_generated and r.prompt.is_plain:
             spans = generated_saves(
-                full, seq.kv.length, self.chunk_size, seq.namespace, len(seq.keys.prefix)
+                state, kv.length, self.chunk_size, r.namespace, len(r.keys.prefix)
             )
-            seq.usage.stored += self.save(seq, spans)
+            r.usage.stored += self.save(r, kv, state, spans)
 
-    def _keep_history(self, seq: Sequence) -> None:
+    def _keep_history(self, r: Reuse, kv: KVCache, state: list[int]) -> None:
         """Remember the ids the turn's KV holds (the prompt and the answer tokens fed back) and save
         the entries the prompt's own chunks do not cover, the partial last chunk as a tail."""
-        req, n, ch = seq.request, seq.prompt_len, self.chunk_size
-        state = req.prompt.ids + seq.token_ids[: seq.kv.length - n]
-        entries = history_entries(state, ch, seq.namespace)
+        ch = self.chunk_size
+        entries = history_entries(state, ch, r.namespace)
         new = [
             Save(e.key, e.source, e.source + e.tokens)
             for e in entries
-            if e.source + e.tokens > len(seq.keys.prefix) * ch
+            if e.source + e.tokens > len(r.keys.prefix) * ch
         ]
-        kept = self.history.add(
-            seq.scope,
-            state,
-            seq.namespace,
-            tuple(entries),
-            req.cache.history_key,
-            replaces=seq.record,
-        )
-        seq.usage.kept = kept or Record(
-            seq.scope,
-            np.asarray(state, dtype=np.uint32),
-            seq.namespace,
-            tuple(entries),
-            req.cache.history_key,
-        )
-        seq.usage.stored += self.save(seq, new, skip_held=True)
+        key = r.cache.history_key
+        kept = self.history.add(r.scope, state, r.namespace, tuple(entries), key, replaces=r.record)
+        ids = np.asarray(state, dtype=np.uint32)
+        r.usage.kept = kept or Record(r.scope, ids, r.namespace, tuple(entries), key)
+        r.usage.stored += self.save(r, kv, state, new, skip_held=True)
 
     def save(
-        self, seq: Sequence, spans: list[Save], skip_held: bool = False, written: bool = True
+        self,
+        r: Reuse,
+        kv: KVCache,
+        ids: list[int],
+        spans: list[Save],
+        skip_held: bool = False,
+        written: bool = True,
     ) -> int:
-        """Save spans of ``seq``'s live cache, each group of spans with its write policy: handed to
-        the saver thread, or written now without one. Returns how many entries. ``written``: count
-        the prompt tokens in the request's ``written`` tokens."""
-        req, kv = seq.request, seq.kv
-        ids = req.prompt.ids + list(seq.token_ids)  # the token id of every slot of the live KV
+        """Save spans of a request's live cache ``kv`` (``ids``: the token id of each of its
+        slots), each group of spans with its write policy, through the saver. Returns how many
+        entries. ``written``: count the prompt tokens in the request's ``written`` tokens."""
+        n = r.prompt_len
         if written:
-            seq.usage.written += sum(
-                min(s.end, seq.prompt_len) - s.start for s in spans if s.start < seq.prompt_len
-            )
+            r.usage.written += sum(min(s.end, n) - s.start for s in spans if s.start < n)
         groups: dict[tuple[float | None, bool], list[Save]] = {}
         for s in spans:
-            groups.setdefault(self.policy(req.cache, s.end), []).append(s)
-        n = 0
-        for (expires_at, memory_only), group in groups.items():
-            if self.saver is not None:
-                n += self.saver.save(
-                    kv,
-                    self.codec,
-                    group,
-                    ids,
-                    skip_held,
-                    expires_at=expires_at,
-                    memory_only=memory_only,
-                )
-            else:
-                n += save_now(
-                    self.store,
-                    kv,
-                    self.codec,
-                    group,
-                    ids,
-                    skip_held,
-                    expires_at=expires_at,
-                    memory_only=memory_only,
-                )
-        return n
+            groups.setdefault(self.policy(r.cache, s.end), []).append(s)
+        return sum(
+            self.saver.save(
+                kv, self.codec, group, ids, skip_held, expires_at=expires_at, memory_only=memory
+            )
+            for (expires_at, memory), group in groups.items()
+        )
 
-    def retain(self, seq: Sequence, loads: tuple[Load, ...]) -> None:
+    def retain(self, r: Reuse, loads: tuple[Load, ...]) -> None:
         """Entries this request reuses stay at least as long as it asks (a retention duration, a
         breakpoint's ttl): their expiry is extended, never shortened."""
-        c = seq.request.cache
+        c = r.cache
         retention = c.retention or self.retention
         if not loads or (retention is None and not c.breakpoints):
             return
@@ -208,21 +180,20 @@ class CacheWriter:
         out: dict = {}
         if self.history is not None:
             out["history_records"] = len(self.history)
-        if self.saver is not None:
+        if isinstance(self.saver, Saver):  # a SyncSaver saves on the request path: no figures
             out["saver"] = {**self.saver.stats.snapshot(), "pending": self.saver.pending()}
         return out
 
     def close(self) -> None:
         """Save what is queued, stop the saver, then flush the store's writes and close it."""
-        if self.saver is not None:
-            self.saver.close()
+        self.saver.close()
         self.store.close()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the saver's queued saves, then the store's queued lower-tier writes; False if
         ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.saver is not None and not self.saver.flush(timeout):
+        if not self.saver.flush(timeout):
             return False
         return self.store.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
@@ -235,8 +206,7 @@ class CacheWriter:
                 parsed.append(ChunkKey.parse(k))
             except ValueError:
                 log.warning("not a chunk key, not freed: %r", k)
-        if self.saver is not None:
-            self.saver.wait(parsed)
+        self.saver.wait(parsed)
         return self.store.delete(parsed)
 
     def clear(self, prefix: str) -> dict[str, int]:

@@ -1,14 +1,15 @@
 """Which keys a request's prompt is served from: its namespace, its chain and documents, and, for a
 plain prompt, the stored history it lines up with.
 
-``Keying.sequence(request)`` turns a request into the engine's ``Sequence`` with its keys
-computed (hashing only, on the submitting thread). A plain prompt (one prefix segment: a chat or
+``Keying.key(...)`` turns a request into its ``Reuse`` with its keys computed (hashing only, on
+the submitting thread; no store is asked until the sequence is planned). A plain prompt (one prefix segment: a chat or
 a completion without documents) is first lined up against the stored history that covers most of
 it (``kvfuse.history``: found by ``prompt_cache_key``, by content anchors, or named by the request,
 e.g. a Responses API ``previous_response_id``): the prompt then runs with the stored ids wherever
 they spell the same text, and its keys name that history's entries for the slots they fill. With
 no record, ``probe_tail`` looks for a stored history by content: a tail entry after the chain's
-hits (e.g. after a restart, or the partial chunk a cache breakpoint stored).
+hits (e.g. after a restart, or the partial chunk a cache breakpoint stored); on submit (so that
+the queue can prefetch it), and again when the sequence is planned only if a save landed since.
 
 Keys never mix: the namespace names the model, the KV dtype and layout, the format version, the
 tenant and every salt (the engine's, the request's, the blend settings'); a conversation continued
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import struct
+import threading
 from collections.abc import Sequence as Seq
 from dataclasses import replace
 from pathlib import Path
@@ -35,8 +37,6 @@ import numpy as np
 from kvfuse.blend.options import BlendOptions
 from kvfuse.calibration import profile
 from kvfuse.config import EngineSettings
-from kvfuse.engine.request import Request
-from kvfuse.engine.sequence import Sequence, SequenceStatus
 from kvfuse.history import Alignment, HistoryIndex, Record, Run, align
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, layout_of
@@ -45,8 +45,10 @@ from kvfuse.prompts.prompt import Prompt
 from kvfuse.tiers.store import TieredStore
 
 from .auto_reuse import AutoReuse
+from .options import CacheOptions
 from .planner import prompt_keys, tail_probe
 from .saver import Saver
+from .state import Reuse
 
 
 class Keying:
@@ -131,100 +133,102 @@ class Keying:
             return self.blend
         return profile.resolve(blend, self.profile, self.model.name)
 
-    def sequence(self, request: Request) -> Sequence:
-        """``request``'s sequence, with its keys computed (hashing only)."""
-        documents = bool(request.prompt.documents)
-        request.blend = self.resolve(request.blend)
-        if documents and not request.blend.blends:  # no blending: the documents are prompt text
-            request.prompt = Prompt.plain(request.prompt.ids)
-        auto = self.auto.status(
-            request.cache,
-            request.blend,
-            cached=self.store is not None and request.cache.enabled,
-            plain=not documents and request.prompt.is_prefix_only,
+    def key(
+        self,
+        prompt: Prompt,
+        cache: CacheOptions,
+        blend: BlendOptions | None,
+        max_tokens: int,
+        request_id: str = "",
+        cancel: threading.Event | None = None,
+    ) -> Reuse:
+        """A request's ``Reuse``: its blend resolved, its prompt as it will run, its keys
+        (hashing only; no store is asked)."""
+        documents = bool(prompt.documents)
+        blend = self.resolve(blend)
+        if documents and not blend.blends:  # no blending: the documents are prompt text
+            prompt = Prompt.plain(prompt.ids)
+        r = Reuse(request_id, prompt, cache, blend, documents=documents)
+        if cancel is not None:
+            r.cancel = cancel
+        r.auto = self.auto.status(
+            cache,
+            blend,
+            cached=self.store is not None and cache.enabled,
+            plain=not documents and prompt.is_prefix_only,
         )
-        seq = self._sequence(request, request.blend)
-        seq.documents, seq.auto = documents, auto
-        # the prompt as it runs (lined up with a history), keyed in the plain namespace
-        if auto == "on":
-            c = request.cache
-            seq.keys = self.auto.with_content(
-                seq.keys, request.prompt.ids, self.namespace(c.tenant, c.salt), self.separators
+        if self.store is None or not cache.enabled:
+            return r
+        r.namespace = self.namespace(cache.tenant, cache.salt)
+        if self.history is not None and prompt.is_prefix_only:
+            self._line_up(r, max_tokens)
+        else:
+            blend_ns = (
+                self.namespace(cache.tenant, cache.salt, blend) if blend.store_blended else None
             )
-        return seq
+            context = self.document_context(blend, prompt.prefix)
+            r.keys = prompt_keys(
+                prompt, self.chunk_size, r.namespace, context, blend_ns, blend.query_aware
+            )
+        if r.auto == "on":  # the prompt as it runs, keyed in the plain namespace
+            plain = self.namespace(cache.tenant, cache.salt)
+            r.keys = self.auto.with_content(r.keys, r.prompt.ids, plain, self.separators)
+        return r
 
-    def _sequence(self, request: Request, blend: BlendOptions) -> Sequence:
-        if self.store is None or not request.cache.enabled:
-            return Sequence(request, None, None, blend)
-        c = request.cache
-        ns = self.namespace(c.tenant, c.salt)
-        if self.history is not None and request.prompt.is_prefix_only:
-            return self._lined_up(request, ns, blend)
-        blend_ns = self.namespace(c.tenant, c.salt, blend) if blend.store_blended else None
-        keys = prompt_keys(
-            request.prompt,
-            self.chunk_size,
-            ns,
-            self.document_context(blend, request.prompt.prefix),
-            blend_ns,
-            chain_over_suffix=blend.query_aware,
-        )
-        return Sequence(request, ns, keys, blend)
-
-    def _best_record(self, request: Request, scope: str) -> tuple[Record, Alignment] | None:
+    def _best_record(self, r: Reuse) -> tuple[Record, Alignment] | None:
         """The stored history that lines up with most of the prompt, and how."""
         if self.token_bytes is None:
             self.token_bytes = self.model.tokenizer.token_bytes() or ()
         table = self.token_bytes or None
-        candidates = self.history.candidates(scope, request.prompt.ids, request.cache.history_key)
-        hint = request.cache.history_hint
+        candidates = self.history.candidates(r.scope, r.prompt.ids, r.cache.history_key)
+        hint = r.cache.history_hint
         # e.g. a previous_response_id's history: tried first
-        if hint is not None and hint.scope == scope:
+        if hint is not None and hint.scope == r.scope:
             candidates.insert(0, hint)
         best = None
         for rec in candidates:
-            al = align(rec.ids.tolist(), request.prompt.ids, table, allow_gap=self.allow_gap)
+            al = align(rec.ids.tolist(), r.prompt.ids, table, allow_gap=self.allow_gap)
             if al.reusable and (best is None or al.reusable > best[1].reusable):
                 best = (rec, al)
         return best
 
-    def _lined_up(self, request: Request, ns: Namespace, blend: BlendOptions) -> Sequence:
+    def _line_up(self, r: Reuse, max_tokens: int) -> None:
         """A plain prompt lined up against the stored history that covers most of it: the prompt
         runs with the stored ids where they spell the same text, its keys name that history's
-        entries for the slots they fill."""
-        scope = ns.key_prefix()
-        best = self._best_record(request, scope)
-        seq_ns, record, entries, runs = ns, None, (), ()
-        if best is not None and len(best[1].ids) + request.params.max_tokens <= self.context_window:
-            record, al = best
-            request.prompt = Prompt.plain(al.ids)
-            seq_ns = derived_namespace(record, al) if al.moved else record.namespace
-            entries, runs = record.entries, al.runs
-        keys = prompt_keys(request.prompt, self.chunk_size, seq_ns).with_history(entries, runs)
-        seq = Sequence(request, seq_ns, keys, blend, record=record, scope=scope)
-        # found by content, if at all: known now, so that the queue can prefetch it
-        if record is None:
-            self.probe_tail(seq, self.store.lookup(keys.all(), count=False).where)
-        return seq
+        entries for the slots they fill. With no record, the planning looks for a stored history
+        by content (``probe_tail``), once, after the pending saves."""
+        r.scope = r.namespace.key_prefix()
+        best = self._best_record(r)
+        entries, runs = (), ()
+        if best is not None and len(best[1].ids) + max_tokens <= self.context_window:
+            r.record, al = best
+            r.prompt = Prompt.plain(al.ids)
+            r.namespace = derived_namespace(r.record, al) if al.moved else r.record.namespace
+            entries, runs = r.record.entries, al.runs
+        r.keys = prompt_keys(r.prompt, self.chunk_size, r.namespace).with_history(entries, runs)
+        if r.record is None:  # found by content, if at all: known now, so that the queue can
+            # prefetch it; probed again when planned only if a save landed in between
+            r.probed = self.saver.epoch
+            self.probe_tail(r, self.store.lookup(r.keys.all(), count=False).where, wait=False)
 
-    def probe_tail(self, seq: Sequence, where: tuple) -> tuple:
+    def probe_tail(self, r: Reuse, where: tuple, wait: bool = True) -> tuple:
         """No record of a stored history lines up with this prompt (e.g. after a restart): look
         for one by content, a tail entry after the chain's hits, longest first. Returns ``where``
-        with the found entry's tier appended (``seq.keys`` then name it), or as it was."""
-        keys, ids = seq.keys, seq.request.prompt.ids
+        with the found entry's tier appended (``r.keys`` then name it), or as it was."""
+        keys, ids = r.keys, r.prompt.ids
         hits = next(
             (i for i, w in enumerate(where[: len(keys.prefix)]) if w is None), len(keys.prefix)
         )
         if hits * self.chunk_size >= len(ids):
             return where
-        probe = tail_probe(ids, keys.prefix, hits, self.chunk_size, seq.namespace)
-        if self.saver is not None and seq.status is SequenceStatus.RUNNING:
+        probe = tail_probe(ids, keys.prefix, hits, self.chunk_size, r.namespace)
+        if wait:
             self.saver.wait(e.key for e in probe)
         found = self.store.lookup([e.key for e in probe], count=False).where
         for entry, tier in zip(probe, found):
             if tier is not None:
                 end = min(entry.source + entry.tokens, len(ids))
-                seq.keys = keys.with_history([entry], [Run(entry.source, end, entry.source)])
+                r.keys = keys.with_history([entry], [Run(entry.source, end, entry.source)])
                 return tuple(where) + (tier,)
         return where
 

@@ -1,24 +1,23 @@
-"""Admission's prefill: a sequence's prompt looked up, planned, fetched, precomputed and filled.
+"""A sequence's prompt planned and loaded into its live KV, in two halves.
 
-``Prefiller.admit(seq)`` runs four steps, one function each:
+``plan`` runs off the engine's step (on the loader thread, ``loader.Loader``), since it only
+reads: one wait for the pending saves of the prompt's keys, one batched lookup (a stored
+history's tail probed by content when no record lined the prompt up, and, with automatic reuse,
+the content chunks after the chain's hits), then the plan (``planner.replan``) and every entry
+it loads, read and checked in one batch; an entry that turns out missing or damaged is planned
+around and the new plan's loads read too, until all of them are in hand. When the plan needs
+nothing but those entries before the prompt's last span (the usual cache hit: a prefix or a
+stored history, the rest computed by the batched steps), it is executed here too, into the
+sequence's own cache, which no step touches until the sequence is ready.
 
-1. ``lookup``: where the tiers hold the prompt's keys (after the previous turn's pending saves of
-   those keys, and, for a plain prompt without a lined-up history, a stored history's tail found
-   by content: ``Keying.probe_tail``), and, with automatic reuse, its content chunks after the
-   chain's hits (``planner.content_lookups``: one batched lookup, not counted as the chain's);
-2. ``fetch``: the plan (``planner.replan``: the lookup, less the keys found unusable), and every
-   entry it loads, read and checked in one batch; an entry that turns out missing or damaged is
-   planned around and the new plan's loads read too, until all of them are in hand;
-3. ``precompute``: documents no tier holds, computed on their own and stored;
-4. ``fill``: the plan executed into the live KV (``plan_executor.execute``), from the entries in
-   hand, as a KV stream when the request has a load budget and chunks in slow tiers, or as a blend
-   when it has documents or found spans.
+``fill`` runs on the engine's thread and does what needs the model: documents no tier holds,
+computed on their own and stored (``precompute``), and the plan executed (``plan_executor``)
+when it computes more than its last span, streams slow-tier chunks (``kv_slo_ms``) or blends.
 
-A load that fails while the plan runs (``LoadFailed``: an entry that does not decode, a document's
-layer that cannot be read) is planned around and the prefill starts again, at most
+A load that fails while the plan runs (``LoadFailed``: an entry that does not decode, a
+document's layer that cannot be read) is planned around and the prefill starts again, at most
 ``MAX_ATTEMPTS`` times. A plain prompt's last compute is left to the engine's batched steps
-(``PrefillState.fill``, chunked prefill); anything else is prefilled here. A preempted sequence
-admitted again also computes the tokens it had generated.
+(``Filled.rest``, chunked prefill); anything else is prefilled here.
 """
 
 from __future__ import annotations
@@ -30,22 +29,16 @@ from dataclasses import dataclass
 import torch
 
 from kvfuse.codecs.base import Codec
-from kvfuse.engine.kv_memory import initial_slots
-from kvfuse.engine.sequence import Sequence
-from kvfuse.engine.stats import EngineStats
 from kvfuse.kv.format import Entry, encode_entry
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.models import LoadedModel
-from kvfuse.tiers.store import TieredStore
+from kvfuse.models.cache import KVCache
 
-from .cache_writer import CacheWriter
 from .fetch import FetchedEntries, fetch_entries, streamed
-from .keying import Keying
-from .kv_stream import LoadEstimates
 from .kv_stream_reader import StreamedSource
+from .parts import Parts
 from .plan_executor import BlendRun, Filled, KVSource, LoadFailed, execute
 from .planner import Plan, Precompute, content_lookups, full_prefill, replan
-from .saver import Saver
+from .state import Reuse
 
 log = logging.getLogger(__name__)
 
@@ -59,121 +52,93 @@ class ReadyPlan:
     plan: Plan
     got: FetchedEntries
     kv_stream: bool  # slow-tier chunks are left to the KV stream
+    where: tuple = ()  # the lookup it was planned from
+    found: tuple = ()  # where each content chunk is held
 
 
 class Prefiller:
-    """The prefill of one engine's sequences; see the module docstring."""
+    """The two halves of a sequence's prefill; see the module docstring."""
 
-    def __init__(
-        self,
-        model: LoadedModel,
-        store: TieredStore | None,
-        saver: Saver | None,
-        keying: Keying,
-        writer: CacheWriter | None,
-        kv_dtype: torch.dtype,
-        codec: Codec,
-        kv_slo_ms: float | None,
-        stats: EngineStats,
-        estimates: LoadEstimates,
-    ):
-        self.runner, self.store, self.saver, self.keying, self.writer = (
-            model.runner,
-            store,
-            saver,
-            keying,
-            writer,
-        )
-        self.kv_dtype, self.codec, self.kv_slo_ms = kv_dtype, codec, kv_slo_ms
-        self.stats, self.estimates = stats, estimates
+    def __init__(self, parts: Parts):
+        self.p = parts
 
-    def admit(self, seq: Sequence, chunked: bool = True) -> None:
-        """Plan and load ``seq``'s prompt into its cache; leaves ``seq.prefill`` with the plan, the
-        result and the ids still to compute (none: the caller samples the first token)."""
-        if not seq.started:
-            seq.start_clock()
-        if seq.kv is None:  # Engine.score: outside the scheduler and its budget
-            seq.kv = self.runner.new_cache(initial_slots(seq), dtype=self.kv_dtype)
-        where, found = self.lookup(seq) if seq.keys is not None else ((), ())
-        filled = self._attempts(seq, where, found, chunked)
-        if filled is not None:  # None: cancelled
-            self._left_to_compute(seq, filled)
+    # -- off the step ---------------------------------------------------------------------------
 
-    def _attempts(self, seq: Sequence, where: tuple, found: tuple, chunked: bool) -> Filled | None:
-        """Fetch, precompute and fill, planning around the keys whose loads fail; None when the
-        request was cancelled meanwhile."""
+    def plan(self, r: Reuse, kv: KVCache, chunked: bool = True) -> ReadyPlan:
+        """Look up, plan and read ``r``'s prompt, and execute the plan into ``kv`` now when it
+        only loads entries before its deferred last span (``r.filled`` is then set)."""
+        where, found = self.lookup(r) if r.keys is not None else ((), ())
         unusable: set[ChunkKey] = set()
         for _ in range(MAX_ATTEMPTS):
-            fetched = self.fetch(seq, where, unusable, found)
-            seq.prefill.plan = fetched.plan
-            if seq.request.cancel.is_set():  # e.g. the client left just as the request was admitted
-                seq.cancel()
-                return None
-            self.precompute(seq, fetched)
+            ready = self.fetch(r, where, unusable, found)
+            r.plan = ready.plan
+            if r.cancel.is_set() or not (chunked and only_loads(ready)):
+                return ready
             try:
-                return self.fill(seq, fetched, chunked)
+                r.filled = self._execute(r, kv, ready, chunked)
+                return ready
             except LoadFailed as e:
-                log.warning("request %s: %s; computing it instead", seq.request.request_id, e)
-                self.stats.add(chunk_load_failures=1)
-                unusable.add(e.key)
+                self._failed(r, e, unusable)
         raise RuntimeError("the prompt's entries could not be loaded after several attempts")
 
-    def lookup(self, seq: Sequence) -> tuple[tuple, tuple]:
-        """Where each of ``seq``'s keys is held (None: nowhere), and each of its content chunks
-        (None also where not looked up); its lookup time in its timings."""
+    def lookup(self, r: Reuse) -> tuple[tuple, tuple]:
+        """Where each of ``r``'s keys is held (None: nowhere), and each of its content chunks
+        (None also where not looked up), after the pending saves of those keys."""
         t0 = time.perf_counter()
-        keys = seq.keys
-        if self.saver is not None:
-            self.saver.wait(keys.all())  # the previous turn's KV, if still being saved
-        where = self.store.lookup(keys.all()).where
-        if seq.request.prompt.is_prefix_only and not keys.runs:
-            where = self.keying.probe_tail(seq, where)  # a stored history's tail, or a breakpoint's
-        found = self._find_spans(seq, where)
-        seq.timings.lookup_s = time.perf_counter() - t0
+        keys = r.keys
+        content = [c.key for c in keys.content]
+        self.p.saver.wait(keys.all() + content)  # e.g. the previous turn's KV, still being saved
+        where = self.p.store.lookup(keys.all()).where
+        saver = self.p.saver
+        if (
+            r.prompt.is_prefix_only
+            and not keys.runs
+            and (r.probed != saver.epoch or saver.pending())
+        ):
+            where = self.p.keying.probe_tail(r, where)  # a stored history's tail, or a breakpoint's
+        found = self._find_spans(r, where)
+        r.lookup_s = time.perf_counter() - t0
         return where, found
 
-    def _find_spans(self, seq: Sequence, where: tuple) -> tuple:
-        """Where each content chunk after the chain's hits is held (one batched lookup, after
-        the saves still pending for them); counted in the sequence's usage."""
-        chunks = seq.keys.content
-        asked = content_lookups(seq.keys, where)
+    def _find_spans(self, r: Reuse, where: tuple) -> tuple:
+        """Where each content chunk after the chain's hits is held (one batched lookup);
+        counted in the request's usage."""
+        chunks = r.keys.content
+        asked = content_lookups(r.keys, where)
         if not asked:
             return (None,) * len(chunks)
-        keys = [chunks[i].key for i in asked]
-        if self.saver is not None:
-            self.saver.wait(keys)  # an earlier prompt's chunks, if still being saved
-        tiers = self.store.lookup(keys, count=False).where
+        tiers = self.p.store.lookup([chunks[i].key for i in asked], count=False).where
         found: list[str | None] = [None] * len(chunks)
         for i, tier in zip(asked, tiers):
             found[i] = tier
         hits = sum(t is not None for t in tiers)
-        seq.usage.span_lookups = (hits, len(tiers) - hits)
+        r.usage.span_lookups = (hits, len(tiers) - hits)
         return tuple(found)
 
     def fetch(
-        self, seq: Sequence, where: tuple, unusable: set[ChunkKey], found: tuple = ()
+        self, r: Reuse, where: tuple, unusable: set[ChunkKey], found: tuple = ()
     ) -> ReadyPlan:
         """The plan around ``unusable`` keys, and its loads' entries read; keys found unusable on
         the way are added to ``unusable`` and planned around too (each round adds some, so this
         ends). A new plan can load entries the one before did not (a stored history's entry over
         slots the chain covered until its damaged chunk broke it): those are read and checked as
         well, never loaded unread."""
-        prompt = seq.request.prompt
-        if seq.keys is None:  # the cache is off for this request: compute everything
-            return ReadyPlan(full_prefill(prompt), FetchedEntries(), False)
+        if r.keys is None:  # the cache is off for this request: compute everything
+            return ReadyPlan(full_prefill(r.prompt), FetchedEntries(), False)
         t0 = time.perf_counter()
-        plan = replan(prompt, seq.keys, where, unusable, found)
+        p, prompt = self.p, r.prompt
+        plan = replan(prompt, r.keys, where, unusable, found)
         kv_stream = (
-            bool(self._slo_ms(seq))
+            bool(self._slo_ms(r))
             and not plan.blended
-            and any(streamed(self.store, x) for x in plan.loads)
+            and any(streamed(p.store, x) for x in plan.loads)
         )
         got, rejected = FetchedEntries(), 0
         while True:
             more = fetch_entries(
-                self.store,
-                self.runner,
-                self.kv_dtype,
+                p.store,
+                p.runner,
+                p.kv_dtype,
                 plan,
                 prompt.ids,
                 blended=plan.blended,
@@ -186,81 +151,98 @@ class Prefiller:
             if not more.unusable:
                 break
             unusable |= more.unusable
-            plan = replan(prompt, seq.keys, where, unusable, found)
-        seq.timings.load_s += time.perf_counter() - t0
-        self.stats.add(chunk_load_failures=rejected)
-        return ReadyPlan(plan, got, kv_stream)
+            plan = replan(prompt, r.keys, where, unusable, found)
+        r.load_s += time.perf_counter() - t0
+        p.stats.add(chunk_load_failures=rejected)
+        return ReadyPlan(plan, got, kv_stream, where, found)
 
-    def precompute(self, seq: Sequence, fetched: ReadyPlan) -> None:
+    # -- on the engine's step -------------------------------------------------------------------
+
+    def fill(self, r: Reuse, kv: KVCache, ready: ReadyPlan, chunked: bool) -> Filled | None:
+        """What ``plan`` left: precompute missing documents and execute the plan into ``kv``
+        (replanning around loads that fail). None when the request was cancelled meanwhile."""
+        unusable: set[ChunkKey] = set()
+        for _ in range(MAX_ATTEMPTS):
+            if r.filled is not None:
+                return r.filled
+            if r.cancel.is_set():  # e.g. the client left just as the request was admitted
+                return None
+            self.precompute(r, ready)
+            try:
+                r.filled = self._execute(r, kv, ready, chunked)
+            except LoadFailed as e:
+                self._failed(r, e, unusable)
+                ready = self.fetch(r, ready.where, unusable, ready.found)
+                r.plan = ready.plan
+        if r.filled is None:
+            raise RuntimeError("the prompt's entries could not be loaded after several attempts")
+        return r.filled
+
+    def precompute(self, r: Reuse, ready: ReadyPlan) -> None:
         """Compute and store the documents no tier holds (each once)."""
-        plan, entries = fetched.plan, fetched.got.entries
+        plan, entries, p = ready.plan, ready.got.entries, self.p
         for pre in plan.precomputes:
             if pre.key in entries:
                 continue
-            entries[pre.key] = precompute_entry(self.runner, self.kv_dtype, self.codec, pre)
-            end = max((x.end for x in plan.loads if x.key == pre.key), default=seq.prompt_len)
-            self.writer.precomputed(seq.request.cache, pre.key, entries[pre.key], end)
-            seq.usage.stored += 1
+            entries[pre.key] = precompute_entry(p.runner, p.kv_dtype, p.codec, pre)
+            end = max((x.end for x in plan.loads if x.key == pre.key), default=r.prompt_len)
+            p.writer.precomputed(r.cache, pre.key, entries[pre.key], end)
+            r.usage.stored += 1
 
-    def fill(self, seq: Sequence, fetched: ReadyPlan, chunked: bool) -> Filled:
-        """Execute the plan into ``seq``'s cache from the source its loads need."""
-        plan, got, ids = fetched.plan, fetched.got, seq.request.prompt.ids
-        seq.kv.truncate(0)
-        if fetched.kv_stream:
+    def _execute(self, r: Reuse, kv: KVCache, ready: ReadyPlan, chunked: bool) -> Filled:
+        """Execute the plan into ``kv`` from the source its loads need."""
+        p, plan, got, ids = self.p, ready.plan, ready.got, r.prompt.ids
+        kv.truncate(0)
+        if ready.kv_stream:
             source = StreamedSource(
                 plan,
                 got.entries,
                 got.served,
-                self.store,
-                self.runner,
-                self.kv_dtype,
+                p.store,
+                p.runner,
+                p.kv_dtype,
                 ids,
-                self._slo_ms(seq) / 1000,
-                self.estimates,
+                self._slo_ms(r) / 1000,
+                p.estimates,
             )
-            return execute(self.runner, seq.kv, ids, plan, source)
-        source = KVSource(got.entries, got.served, self.store)
+            return execute(p.runner, kv, ids, plan, source)
+        source = KVSource(got.entries, got.served, p.store)
         if plan.blended:
-            return execute(
-                self.runner,
-                seq.kv,
-                ids,
-                plan,
-                source,
-                blend=BlendRun(seq.blend, self.store, self.kv_dtype),
-            )
-        return execute(self.runner, seq.kv, ids, plan, source, defer_last=chunked)
+            blend = BlendRun(r.blend, p.store, p.kv_dtype)
+            return execute(p.runner, kv, ids, plan, source, blend=blend)
+        return execute(p.runner, kv, ids, plan, source, defer_last=chunked)
 
-    def _slo_ms(self, seq: Sequence) -> float | None:
+    def _failed(self, r: Reuse, e: LoadFailed, unusable: set[ChunkKey]) -> None:
+        log.warning("request %s: %s; computing it instead", r.request_id, e)
+        self.p.stats.add(chunk_load_failures=1)
+        unusable.add(e.key)
+
+    def _slo_ms(self, r: Reuse) -> float | None:
         """The request's budget for loading KV from slow tiers (its own, else the engine's)."""
-        own = seq.request.cache.kv_slo_ms
-        return own if own is not None else self.kv_slo_ms
+        own = r.cache.kv_slo_ms
+        return own if own is not None else self.p.kv_slo_ms
 
-    def measure(self, seq: Sequence) -> None:
-        """A prefill is complete: its KV stream's figures into the engine's counters, or, for a
-        plain prompt, its compute speed into the estimates the KV stream plans with."""
-        plan, filled = seq.prefill.plan, seq.prefill.filled
+    def measure(self, r: Reuse) -> None:
+        """A prefill is complete: its KV stream's figures into the counters, or, for a plain
+        prompt, its compute speed into the estimates the KV stream plans with."""
+        plan, filled = r.plan, r.filled
         if filled.kv_stream is not None:
-            r = filled.kv_stream
-            self.stats.add(
+            s = filled.kv_stream
+            self.p.stats.add(
                 streamed_requests=1,
-                stream_slo_violations=int(not r.met),
-                stream_chunks=dict(r.chunks),
-                stream_bytes=r.bytes_read,
+                stream_slo_violations=int(not s.met),
+                stream_chunks=dict(s.chunks),
+                stream_bytes=s.bytes_read,
             )
         elif not plan.blended and plan.computed_tokens:
-            self.estimates.computed(plan.computed_tokens, filled.compute_s)
+            self.p.estimates.computed(plan.computed_tokens, filled.compute_s)
 
-    def _left_to_compute(self, seq: Sequence, filled: Filled) -> None:
-        """What the batched steps compute: the prompt's deferred last span, then the tokens
-        generated before a preemption."""
-        p = seq.prefill
-        p.filled = filled
-        n = seq.prompt_len
-        if filled.rest is not None and filled.rest[1] != n:
-            raise RuntimeError("a plan's last compute must end the prompt")
-        p.fill_start = filled.rest[0] if filled.rest is not None else n
-        p.fill = (seq.request.prompt.ids + seq.token_ids)[p.fill_start :]
+
+def only_loads(ready: ReadyPlan) -> bool:
+    """Whether executing ``ready`` needs no model before the deferred last span: no document to
+    precompute, no blend, no KV stream (which may recompute), and no compute but the last."""
+    plan = ready.plan
+    return not (ready.kv_stream or plan.blended or plan.precomputes or len(plan.computes) > 1)
 
 
 def precompute_entry(runner, kv_dtype: torch.dtype, codec: Codec, step: Precompute) -> Entry:

@@ -8,8 +8,8 @@ encodes it and puts it in the store; the lower tiers' writes it queues wait for 
 being dropped, since nobody waits on this thread. The cache object stays alive until its spans
 are saved.
 
-``save_now`` is the same work on the caller's thread, for an engine without a saver
-(``cache.async_save: false``).
+``SyncSaver`` is the same interface doing that work on the caller's thread (``save_now``), for
+``cache.async_save: false``: the rest of the cache engine never asks which one it has.
 
 A prefill that needs keys still being saved (the next turn, sent the moment the answer arrived)
 waits for exactly those keys (``wait``), at most ``wait_s``; what is not saved by then is a
@@ -70,6 +70,9 @@ class Saver:
         self._queue: queue.Queue = queue.Queue()
         self._pending: Counter[ChunkKey] = Counter()
         self._cond = threading.Condition()
+        self.epoch = (
+            0  # jobs finished so far: a lookup made at the same epoch would answer the same
+        )
         self._thread = threading.Thread(target=self._loop, name="kvfuse-saver", daemon=True)
         self._thread.start()
 
@@ -164,6 +167,7 @@ class Saver:
                 # let the live KV go now (its bytes go back to the KV budget), not at the next job
                 job = kv = None
                 with self._cond:
+                    self.epoch += 1
                     self._pending.subtract(s.key for s in spans)
                     self._pending = +self._pending
                     self._cond.notify_all()
@@ -213,3 +217,38 @@ def save_now(
     if items:
         store.put(items, expires_at=expires_at, memory_only=memory_only)
     return len(items)
+
+
+class SyncSaver:
+    """``Saver``'s interface without a thread (``cache.async_save: false``): each save is written
+    on the caller's thread, so nothing is ever pending."""
+
+    def __init__(self, store: TieredStore) -> None:
+        self.store = store
+        self.stats = SaveStats()
+        self.epoch = 0  # saves made so far (see ``Saver.epoch``)
+
+    def save(
+        self,
+        kv: KVCache,
+        codec: Codec,
+        spans: Sequence[Save],
+        ids: Sequence[int],
+        skip_held: bool = False,
+        expires_at: float | None = None,
+        memory_only: bool = False,
+    ) -> int:
+        self.epoch += 1
+        return save_now(self.store, kv, codec, spans, ids, skip_held, expires_at, memory_only)
+
+    def wait(self, keys: Iterable[ChunkKey]) -> bool:
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def pending(self) -> int:
+        return 0
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        pass

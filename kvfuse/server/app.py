@@ -47,13 +47,14 @@ prefixes across memory, disk and Redis tiers.
 """
 
 
-def create_app(config: Config, engine=None, clock: Callable[[], float] | None = None) -> FastAPI:
-    """The app serving ``engine`` (None: opened from ``config`` at start-up and closed at shutdown).
+def create_app(config: Config, serving=None, clock: Callable[[], float] | None = None) -> FastAPI:
+    """The app serving ``serving`` (``runtime.Serving``: an engine and its prompt builder; None:
+    opened from ``config`` at start-up and closed at shutdown).
 
     A given engine is not closed by the app: its loop is stopped and its store flushed at shutdown.
     ``clock``: the wall clock stored responses (and an engine opened here) expire by.
     """
-    state = ServerState(config, engine, clock)
+    state = ServerState(config, serving, clock)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -149,12 +150,12 @@ def _configure_logging(config: Config) -> None:
 
 def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None:
     """Run the server until SIGTERM/SIGINT; ``on_ready(url)`` is called once it listens."""
-    from kvfuse.runtime import open_engine
+    from kvfuse.runtime import open_serving
 
     _configure_logging(config)
-    engine = open_engine(config)  # load errors surface here, before anything listens
+    serving = open_serving(config)  # load errors surface here, before anything listens
     try:
-        app = create_app(config, engine)
+        app = create_app(config, serving)
         uv_config = uvicorn.Config(
             app,
             host=config.server.host,
@@ -167,4 +168,4 @@ def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None
         )
         _Server(uv_config, on_ready).run()
     finally:
-        engine.close()  # flushes whatever is still queued for disk / Redis
+        serving.engine.close()  # flushes whatever is still queued for disk / Redis

@@ -118,7 +118,7 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
     check_model(body.model, state.model_name)
     plan = plan_chat if chat else plan_completion
     # Tokenizing (and rendering the chat template) can take a while for a long prompt: not on the loop.
-    call = await asyncio.to_thread(plan, state.engine, body, tenant, state.limits)
+    call = await asyncio.to_thread(plan, state.prompting, body, tenant, state.limits)
     record.prompt_tokens = len(call.prompt)
 
     events = RequestEvents()

@@ -365,7 +365,7 @@ def _store_metrics(stats: dict[str, dict]) -> Iterator[Metric]:
 
 class TenantCollector(Collector):
     """Per-tenant series of the tenants with a byte quota in a tier (``tenants:``), read at scrape
-    time (``engine.store.tenant_usage()``): bytes and entries held, the quota, the evictions it caused.
+    time (``engine.tenant_usage()``): bytes and entries held, the quota, the evictions it caused.
     Tenants are named by ``names`` (tenant tag -> name); a tag no configured tenant has (entries
     of a tenant since removed from ``server.api_keys``) is shown as ``tag:<tag>``."""
 
@@ -375,7 +375,7 @@ class TenantCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine()
-        usage = engine.store.tenant_usage() if engine is not None and engine.cache_enabled else {}
+        usage = engine.tenant_usage() if engine is not None and engine.cache_enabled else {}
         families = {
             key: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
                 name, help_, labels=["tenant", "tier"]

@@ -353,7 +353,7 @@ async def create_response(
     messages, items = input_messages(body.input)
     chat = chat_request(body, previous.history if previous is not None else [], messages)
     try:
-        call = await asyncio.to_thread(plan_chat, state.engine, chat, tenant, state.limits)
+        call = await asyncio.to_thread(plan_chat, state.prompting, chat, tenant, state.limits)
     except APIError as e:
         raise _renamed(e) from None
     if previous is not None and previous.record is not None and call.cache.enabled:

@@ -17,11 +17,12 @@ from kvfuse.config.secrets import read_secret
 from kvfuse.config.tenants import EVERY, quota_of
 from kvfuse.history.response_store import ResponseStore
 from kvfuse.kv.keys import tenant_tag
+from kvfuse.runtime import Serving
 
 from .auth import ANONYMOUS, Authenticator, MetricsToken
 from .metrics import ServerMetrics
 from .rate_limit import RateLimiter, rate_limited
-from .translate import Limits
+from .translate import Limits, Prompting
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +32,18 @@ class ServerState:
     loop; ``stop()`` cancels what is left and flushes the store's pending lower-tier writes (and
     closes an engine it opened)."""
 
-    def __init__(self, config: Config, engine=None, clock: Callable[[], float] | None = None):
+    def __init__(
+        self,
+        config: Config,
+        serving: Serving | None = None,
+        clock: Callable[[], float] | None = None,
+    ):
         self.config = config
-        self.engine = engine
-        self.owns_engine = engine is None
+        self.owns_engine = serving is None
+        self.engine = serving.engine if serving is not None else None
+        self.prompting = (
+            Prompting(serving.prompts, config.blend.auto_reuse) if serving is not None else None
+        )
         self.clock = clock or time.time  # stored responses expire by it (tests inject one)
         self.auth = Authenticator(config.api_key_map())
         s = config.server
@@ -73,9 +82,11 @@ class ServerState:
 
     def start(self) -> None:
         if self.engine is None:
-            from kvfuse.runtime import open_engine
+            from kvfuse.runtime import open_serving
 
-            self.engine = open_engine(self.config, clock=self.clock)
+            serving = open_serving(self.config, clock=self.clock)
+            self.engine = serving.engine
+            self.prompting = Prompting(serving.prompts, self.config.blend.auto_reuse)
         r = self.config.responses
         if r.store:
             self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from kvfuse.blend import BlendOptions
 from kvfuse.durations import parse_duration
 from kvfuse.engine import Breakpoint, CacheOptions, Outcome, Prompt, Request, Retention
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
+from kvfuse.prompts import PromptBuilder
 
 from .errors import APIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest, KVFuseOptions, SamplingRequest
@@ -28,7 +28,8 @@ class EngineCall:
     prompt: Prompt
     params: SamplingParams
     cache: CacheOptions
-    blend: BlendOptions | None = None  # None: the engine's default
+    # the request's recompute budget over the engine's blend options (None: the engine's)
+    recompute_ratio: float | str | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -45,11 +46,21 @@ class EngineCall:
             self.prompt,
             self.params,
             self.cache,
-            blend=self.blend,
+            recompute_ratio=self.recompute_ratio,
             request_id=request_id,
             on_text=on_text,
             on_done=on_done,
         )
+
+
+@dataclass(frozen=True)
+class Prompting:
+    """What translating a request needs of the running server: its prompt builder (shared with
+    the engine: ``runtime.open_serving``) and whether plain prompts look for cached passages
+    unless a request says otherwise (``blend.auto``)."""
+
+    prompts: PromptBuilder
+    auto_reuse: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,39 +239,39 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) ->
         raise bad_request(f"{e}", param=field_name) from None
 
 
-def blend_options(engine, opts: KVFuseOptions) -> BlendOptions | None:
-    """The request's blend options (its ``recompute_ratio`` over the server's), None without
-    documents (or, with automatic reuse, without a ``recompute_ratio``)."""
+def recompute_ratio(p: Prompting, opts: KVFuseOptions) -> float | str | None:
+    """The request's ``recompute_ratio`` (over the server's blend options), checked: it applies
+    to prompts with documents or with automatic reuse."""
     if opts.documents is None:
         if opts.recompute_ratio is None:
             return None
-        auto = opts.blend_auto == "on" if opts.blend_auto is not None else engine.blend.auto_reuse
+        auto = opts.blend_auto == "on" if opts.blend_auto is not None else p.auto_reuse
         if not auto:
             raise bad_request(
                 "recompute_ratio: applies to requests with documents or with automatic reuse "
                 '(blend_auto: "on", or the server\'s blend.auto); add one or remove it',
                 param="recompute_ratio",
             )
-        return engine.blend.with_ratio(opts.recompute_ratio)
+        return opts.recompute_ratio
     if not opts.cache:
         raise bad_request('documents: need the KV cache; remove "cache": false', param="documents")
-    return engine.blend.with_ratio(opts.recompute_ratio)
+    return opts.recompute_ratio
 
 
 def _engine_call(
-    req: SamplingRequest, prompt: Prompt, tenant: str, limits: Limits, engine
+    req: SamplingRequest, prompt: Prompt, tenant: str, limits: Limits, p: Prompting
 ) -> EngineCall:
     return EngineCall(
         prompt,
         sampling_params(req, len(prompt), limits),
         cache_options(req, tenant),
-        blend_options(engine, req),
+        recompute_ratio(p, req),
     )
 
 
-def _document_prompt(engine, req: SamplingRequest, **prompt) -> Prompt:
+def _document_prompt(p: Prompting, req: SamplingRequest, **prompt) -> Prompt:
     try:
-        return engine.prompts.document_prompt(req.documents, **prompt)
+        return p.prompts.document_prompt(req.documents, **prompt)
     except ChatTemplateError as e:
         raise bad_request(
             f"messages: {e}", param="messages", code="invalid_chat_template"
@@ -274,7 +285,9 @@ def _document_prompt(engine, req: SamplingRequest, **prompt) -> Prompt:
         raise bad_request(f"{param}: {e}", param=param) from None
 
 
-def plan_completion(engine, req: CompletionRequest, tenant: str, limits: Limits) -> EngineCall:
+def plan_completion(
+    p: Prompting, req: CompletionRequest, tenant: str, limits: Limits
+) -> EngineCall:
     """Tokenize and check a completion request (runs the tokenizer: call it off the event loop)."""
     prompt = completion_prompt(req)
     if req.documents is not None:
@@ -283,28 +296,26 @@ def plan_completion(engine, req: CompletionRequest, tenant: str, limits: Limits)
                 "documents: need a text prompt; token-id prompts cannot be combined with documents",
                 param="documents",
             )
-        return _engine_call(
-            req, _document_prompt(engine, req, prompt=prompt), tenant, limits, engine
-        )
+        return _engine_call(req, _document_prompt(p, req, prompt=prompt), tenant, limits, p)
     try:
-        ids = engine.prompts.encode_prompt(prompt)
+        ids = p.prompts.encode_prompt(prompt)
     except ValueError as e:  # token ids outside the vocabulary
         raise bad_request(f"prompt: {e}", param="prompt") from None
     if not ids:
         raise bad_request("prompt: the prompt is empty", param="prompt")
-    return _engine_call(req, Prompt.plain(ids), tenant, limits, engine)
+    return _engine_call(req, Prompt.plain(ids), tenant, limits, p)
 
 
-def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -> EngineCall:
+def plan_chat(p: Prompting, req: ChatCompletionRequest, tenant: str, limits: Limits) -> EngineCall:
     """Render, tokenize and check a chat request (call it off the event loop)."""
     if req.documents is not None:
         return _engine_call(
-            req, _document_prompt(engine, req, messages=chat_messages(req)), tenant, limits, engine
+            req, _document_prompt(p, req, messages=chat_messages(req)), tenant, limits, p
         )
     try:
         # A conversation beyond the context window loses its oldest turns (cache.truncation).
         reserve = requested_max_tokens(req) or limits.default_max_tokens
-        ids, dropped = engine.prompts.encode_chat(
+        ids, dropped = p.prompts.encode_chat(
             chat_messages(req), reserve=min(reserve, limits.context_window - 1)
         )
     except ChatTemplateError as e:
@@ -313,10 +324,10 @@ def plan_chat(engine, req: ChatCompletionRequest, tenant: str, limits: Limits) -
         ) from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
-    call = _engine_call(req, Prompt.plain(ids), tenant, limits, engine)
+    call = _engine_call(req, Prompt.plain(ids), tenant, limits, p)
     marks = chat_marks(req)
     if marks and dropped == 0 and call.cache.enabled:
-        positions = engine.prompts.breakpoint_positions(
+        positions = p.prompts.breakpoint_positions(
             chat_messages(req), [(m, c) for m, c, _ in marks], ids
         )
         points = tuple(

@@ -63,8 +63,8 @@ def prompt(engine, tag: int) -> list[int]:
 def where(engine, ids) -> list[tuple]:
     """For each whole chunk of ``ids``: which tiers hold it."""
     keys = prefix_keys(ids, engine.settings.cache.chunk_size, engine.namespace())
-    engine.store.flush()
-    return [tuple(t.name for t in engine.store.tiers if t.contains(k)) for k in keys]
+    engine.cache.store.flush()
+    return [tuple(t.name for t in engine.cache.store.tiers if t.contains(k)) for k in keys]
 
 
 def test_a_short_retention_is_gone_after_it(setup):

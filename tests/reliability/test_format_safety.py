@@ -99,9 +99,9 @@ class Rig:
         assert bytes(self.tier(name).get(key)) == blob
 
     def counters(self) -> tuple[int, int]:
-        return self.store.stats()["store"][
-            "unusable_entries"
-        ], self.engine.stats.chunk_load_failures
+        return self.store.stats()["store"]["unusable_entries"], self.engine.stats_snapshot()[
+            "chunk_load_failures"
+        ]
 
     def close(self) -> None:
         self.engine.close()
@@ -196,7 +196,7 @@ def test_a_document_relabelled_as_another_document_of_the_same_length_is_rejecte
     doc_a, doc_b = doc_a[:n], doc_b[:n]  # same length: same positions behind BOS, same shape
     question = tok.encode("\n\nWhat is this about?")
     engine = rig.engine
-    context = engine.keying.document_context()
+    context = engine.cache.parts.keying.document_context()
     ka, kb = (document_key(d, engine.namespace(), context) for d in (doc_a, doc_b))
     engine.generate(Prompt.of(documents=[doc_a], suffix=question), GREEDY)
     engine.flush()
@@ -389,7 +389,7 @@ def test_every_entry_the_engine_writes_records_its_token_ids(smollm2, prompts, C
     )  # history on
     r = engine.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True))
     engine.flush()
-    memory = engine.store.memory
+    memory = engine.cache.store.memory
     state = ids + r.token_ids[:-1]  # the KV holds the prompt and every answer token fed back
     entries = history_entries(state, CH, engine.namespace())
     assert [(e.source, e.tokens) for e in entries] == [
@@ -402,6 +402,6 @@ def test_every_entry_the_engine_writes_records_its_token_ids(smollm2, prompts, C
         assert read_header(bytes(memory.get(e.key).join())).has_token_ids
     doc = smollm2.tokenizer.encode(SENTENCES[0])
     engine.generate(Prompt.of(documents=[doc], suffix=[13]), SamplingParams(max_tokens=1))
-    dk = document_key(doc, engine.namespace(), engine.keying.document_context())
+    dk = document_key(doc, engine.namespace(), engine.cache.parts.keying.document_context())
     assert memory.get(dk).token_ids.tolist() == doc
     engine.close()

@@ -128,7 +128,7 @@ class Rig:
             "unusable": s["unusable_entries"],
             "unsigned": s["signature_unsigned"],
             "mismatch": s["signature_mismatch"],
-            "load_failures": self.engine.stats.chunk_load_failures,
+            "load_failures": self.engine.stats_snapshot()["chunk_load_failures"],
         }
 
     def close(self) -> None:

@@ -220,7 +220,7 @@ def test_a_blended_prompt_is_stored_and_reused_as_an_exact_prefix(tiny_loaded):
         hit.hit_tiers == ("memory",) * 8 and hit.recomputed_tokens == 0 and hit.cached_tokens == 128
     )
     # the chain: the prefix keys of everything before the question, in the namespace of the blend settings
-    chain = prefix_keys(PREFIX + sum(DOCS, []), CH, engine.namespace(blend=engine.blend))
+    chain = prefix_keys(PREFIX + sum(DOCS, []), CH, engine.namespace(blend=engine.cache.blend))
     assert all(store.memory.get(k) is not None for k in chain)
     # other blend settings or a plain prompt with the same tokens never see the blended KV
     other = Engine(

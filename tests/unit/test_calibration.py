@@ -157,7 +157,7 @@ def test_the_engine_blends_with_the_profile_and_reports_it(tiny_loaded, tmp_path
         BlendOptions(store_blended=False),
         {"method": "hkvd", "recompute_ratio": 1.0},
     )
-    assert (engine.blend.recompute_ratio, engine.blend.source) == (1.0, "profile")
+    assert (engine.cache.blend.recompute_ratio, engine.cache.blend.source) == (1.0, "profile")
     prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
     expected = (
         Engine(model, None, EngineSettings.of(chunk_size=16)).generate(prompt.ids, GREEDY).token_ids
@@ -169,11 +169,11 @@ def test_the_engine_blends_with_the_profile_and_reports_it(tiny_loaded, tmp_path
         1.0,
         "profile",
     )
-    request_budget = engine.generate(prompt, GREEDY, blend=engine.blend.with_ratio(0.0))
+    request_budget = engine.generate(prompt, GREEDY, blend=engine.cache.blend.with_ratio(0.0))
     assert (request_budget.blend.recompute_ratio, request_budget.blend.source) == (0.0, "request")
     assert request_budget.recomputed_tokens == 0
     assert engine.generate(PREFIX + SUFFIX, GREEDY).blend is None  # no documents: nothing to report
-    assert engine.stats.snapshot()["blends"] == {"hkvd:1:profile": 1, "hkvd:0:request": 1}
+    assert engine.stats_snapshot()["blends"] == {"hkvd:1:profile": 1, "hkvd:0:request": 1}
 
 
 def test_a_profile_that_does_not_blend_reuses_documents_as_a_prefix(tiny_loaded, tmp_path):
@@ -199,7 +199,7 @@ def test_without_a_profile_auto_is_conservative_and_says_so(tiny_loaded, tmp_pat
     model = tiny_loaded("llama")
     with caplog.at_level(logging.WARNING):
         engine = engine_for(model, tmp_path, BlendOptions())
-    assert (engine.blend.recompute_ratio, engine.blend.source) == (
+    assert (engine.cache.blend.recompute_ratio, engine.cache.blend.source) == (
         profile.CONSERVATIVE["recompute_ratio"],
         "default",
     )

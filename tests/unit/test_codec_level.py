@@ -195,14 +195,16 @@ def test_the_engine_writes_the_profiles_level(tiny_loaded, tmp_path, configured,
     engine = Engine(model, store, settings)
     try:
         # gemma's global layers still boosted
-        assert engine.codec.level == expected and engine.codec.boosted
+        assert engine.cache.parts.codec.level == expected and engine.cache.parts.codec.boosted
         assert store.codecs["disk"].level == expected
     finally:
         engine.close()
     engine = Engine(
         model, TieredStore(MemoryTier(1 << 26)), EngineSettings.of(chunk_size=16, codec="cachegen")
     )
-    assert engine.codec.level == DEFAULT_LEVEL  # no profile of this model in the shipped ones
+    assert (
+        engine.cache.parts.codec.level == DEFAULT_LEVEL
+    )  # no profile of this model in the shipped ones
     engine.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -312,7 +313,7 @@ def test_a_corrupted_memory_entry_falls_back_to_the_disk_copy(model, stores):
     assert memory.stats.snapshot()["errors"] == 1
     # the reported tiers are the ones that served each chunk, not lookup()'s guess
     assert result.hit_tiers == ("memory", "disk", "memory")
-    assert engine.stats.hits_by_tier == {"memory": 2, "disk": 1}
+    assert engine.stats_snapshot()["hits_by_tier"] == {"memory": 2, "disk": 1}
 
 
 def test_entries_of_another_dtype_or_model_are_never_used(model, stores):
@@ -370,7 +371,7 @@ def test_a_key_names_content_not_encoding_so_entries_of_any_codec_are_read(model
     }
     hit = raw.generate(other, GREEDY)  # ... and read by an engine that writes raw
     assert hit.cached_tokens == 3 * CH and hit.hit_tiers == ("memory",) * 3
-    assert raw.stats.chunk_load_failures == 0
+    assert raw.stats_snapshot()["chunk_load_failures"] == 0
 
 
 def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, stores):
@@ -387,7 +388,7 @@ def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, sto
     key32 = prefix_keys(ids, CH, fp32.namespace())[0]
     memory.put(key32, encode_chunk(chunk0, key32, get_codec("raw")))
     result = fp32.generate(ids, GREEDY)
-    assert result.cached_tokens == 0 and fp32.stats.chunk_load_failures == 1
+    assert result.cached_tokens == 0 and fp32.stats_snapshot()["chunk_load_failures"] == 1
     assert result.token_ids == baseline(model, ids, kv_dtype="float32")
 
     # chunk 0's KV (positions 0..31) stored as chunk 1: the engine checks the positions
@@ -395,7 +396,7 @@ def test_a_well_formed_entry_of_the_wrong_dtype_or_position_is_a_miss(model, sto
     store.lower[0].clear()  # no good copy of chunk 1 on disk to fall back to
     memory.put(keys16[1], encode_chunk(chunk0, keys16[1], get_codec("raw")))
     result = fp16.generate(ids, GREEDY)
-    assert result.cached_tokens == CH and fp16.stats.chunk_load_failures == 1
+    assert result.cached_tokens == CH and fp16.stats_snapshot()["chunk_load_failures"] == 1
     assert result.token_ids == baseline(model, ids)
 
 
@@ -502,7 +503,7 @@ def test_stats_add_up(model, stores):
         engine.generate(a, GREEDY, cache=CacheOptions(salt="x")),
         engine.generate(b, SamplingParams(max_tokens=3, ignore_eos=True)),
     ]
-    s = engine.stats
+    s = SimpleNamespace(**engine.stats_snapshot())
     assert s.requests == len(results)
     assert s.prompt_tokens == sum(r.prompt_tokens for r in results)
     assert s.tokens_reused == sum(r.cached_tokens for r in results) == 3 * CH + 2 * CH

@@ -99,7 +99,7 @@ def test_a_keyed_conversation_that_tokenizes_differently_is_lined_up_after_a_res
             TieredStore(MemoryTier(64 << 20), [DiskTier(tmp_path / "kv", 64 << 20)]),
             EngineSettings.of(chunk_size=CH, history_path=str(tmp_path / "kv" / "histories")),
         )
-        e.keying.token_bytes = table
+        e.cache.parts.keying.token_bytes = table
         return e
 
     table = [b"<%d>" % i for i in range(model.config.vocab_size)]
@@ -125,7 +125,7 @@ def test_a_history_that_tokenizes_differently_reuses_the_stored_ids(model):
     # text of the history re-tokenizes to [300] where the engine generated [301, 302].
     table = [b"<%d>" % i for i in range(model.config.vocab_size)]
     table[300] = b"<301><302>"
-    engine.keying.token_bytes = table
+    engine.cache.parts.keying.token_bytes = table
     first = ids_of(20, 5) + [301, 302] + ids_of(5, 6)
     engine.generate(first, GREEDY)
     retokenized = ids_of(20, 5) + [300] + ids_of(5, 6)
@@ -180,7 +180,7 @@ def test_the_answer_does_not_wait_for_any_store_write(model):
     slow.gate.set()
     assert engine.flush(10)
     assert slow.entries() == r.stored_chunks  # nothing dropped: the saver waited for room
-    saved = engine.saver.stats.snapshot()
+    saved = engine.cache.parts.saver.stats.snapshot()
     assert saved["saved_entries"] == r.stored_chunks and saved["save_errors"] == 0
     engine.close()
 
@@ -192,13 +192,13 @@ def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(mo
     engine = Engine(model, store, EngineSettings.of(chunk_size=CH))
     first = ids_of(2 * CH + 3, 12)
     r = engine.generate(first, GREEDY)
-    assert engine.saver.pending() > 0  # handed over, not findable yet
+    assert engine.cache.parts.saver.pending() > 0  # handed over, not findable yet
     follow = first + r.token_ids + [5, 6]
     threading.Timer(0.3, slow.gate.set).start()  # the slow tier finishes its writes a moment later
     again = engine.generate(follow, GREEDY)
     # it waited instead of recomputing
     assert again.cached_tokens >= len(first) + len(r.token_ids) - 1
-    assert engine.saver.stats.snapshot()["save_waits"] >= 1
+    assert engine.cache.parts.saver.stats.snapshot()["save_waits"] >= 1
     assert again.token_ids == reference(model, follow)
     engine.close()
 
@@ -222,7 +222,7 @@ def test_queued_requests_are_prefetched_and_kept_in_memory_while_they_wait(
     engine = Engine(
         model, store, EngineSettings.of(chunk_size=CH, eviction=eviction, max_running=1)
     )  # one at a time: a queue
-    prefetcher = engine.prefetcher or Prefetcher(store)
+    prefetcher = engine.cache.prefetcher or Prefetcher(store)
     prefetcher.close()  # driven by hand below, so that nothing depends on timing
     store.prefetching = True
     others = [Request(Prompt.plain(ids_of(4 * CH + 2, 50 + i)), GREEDY) for i in range(2)]

@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from kvfuse.blend import BlendOptions
 from kvfuse.engine import (
     Prompt,
     QueueClosed,
@@ -21,6 +22,7 @@ from kvfuse.engine.kv_memory import KVMemory
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import Namespace
 from kvfuse.models.cache import slot_bytes
+from kvfuse.reuse import CacheOptions, Reuse
 from kvfuse.reuse.planner import prompt_keys
 
 NS = Namespace("model", "float16", "L2xH1xD4")
@@ -28,11 +30,10 @@ NS = Namespace("model", "float16", "L2xH1xD4")
 
 def seq(name: str, ids=(1, 2, 3), keyed: bool = False, max_tokens: int = 256) -> Sequence:
     prompt = Prompt.plain(ids)
-    return Sequence(
-        Request(prompt, SamplingParams(max_tokens=max_tokens), request_id=name),
-        NS if keyed else None,
-        prompt_keys(prompt, 4, NS) if keyed else None,
-    )
+    reuse = Reuse(name, prompt, CacheOptions(), BlendOptions())
+    if keyed:
+        reuse.namespace, reuse.keys = NS, prompt_keys(prompt, 4, NS)
+    return Sequence(Request(prompt, SamplingParams(max_tokens=max_tokens), request_id=name), reuse)
 
 
 def names(seqs) -> list[str]:
@@ -163,9 +164,9 @@ def test_lookahead_lists_waiting_requests_in_run_order_with_their_keys():
         s.add(x)
     look = s.lookahead()
     assert [name for name, _ in look] == ["a", "b", "c"]
-    assert look[0][1] == a.keys.all() and len(look[1][1]) == 3 and look[2][1] == []
+    assert look[0][1] == a.reuse.keys.all() and len(look[1][1]) == 3 and look[2][1] == []
     # every key once, in the order the requests will need them
-    assert s.upcoming_keys() == a.keys.all() + [b.keys.all()[2]]
+    assert s.upcoming_keys() == a.reuse.keys.all() + [b.reuse.keys.all()[2]]
     assert s.schedule().admitted == [a]  # a runs: it is no longer ahead
     assert [name for name, _ in s.lookahead()] == ["b", "c"]
 

@@ -19,6 +19,7 @@ from kvfuse.engine import (
     Timings,
 )
 from kvfuse.models.tokenizer import ChatTemplateError
+from kvfuse.reuse import ReuseStats
 from kvfuse.server.auth import Authenticator
 from kvfuse.server.bodies import SSE_DONE, ResponseBuilder, sse_event, usage
 from kvfuse.server.errors import APIError, error_body, validation_error
@@ -296,10 +297,13 @@ def test_sse_framing():
 def test_metrics_render_and_count_outcomes():
     from prometheus_client.parser import text_string_to_metric_families
 
-    stats = EngineStats(
-        requests=2, tokens_reused=256, tokens_prefilled=10, hits_by_tier={"memory": 1}
+    stats, reuse = (
+        EngineStats(requests=2),
+        ReuseStats(tokens_reused=256, tokens_prefilled=10, hits_by_tier={"memory": 1}),
     )
-    engine = SimpleNamespace(stats_snapshot=stats.snapshot, cache_enabled=False)
+    engine = SimpleNamespace(
+        stats_snapshot=lambda: {**stats.snapshot(), **reuse.snapshot()}, cache_enabled=False
+    )
     m = ServerMetrics(lambda: engine, queue=lambda: {"waiting": 3, "running": 1})
     m.observe_outcome(Outcome(result=result(reason="cancelled")))
     m.observe_outcome(Outcome(error=RequestCancelled("left")))

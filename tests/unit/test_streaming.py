@@ -357,7 +357,7 @@ def test_a_generous_budget_loads_lossless_and_answers_as_a_full_prefill(model, s
     assert first.kv_stream.chunks == {
         "cachegen.1": 1,
         "raw": 4,
-    } and setup.engine.estimates.measured("disk")
+    } and setup.engine.cache.parts.estimates.measured("disk")
     setup.cold()
     # ... then, measured fast, every chunk is read lossless.
     r = setup.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=60_000))
@@ -379,7 +379,7 @@ def test_when_no_level_fits_the_chunks_are_recomputed_exactly(model, setup):
     expected = _reference(model, ids)
     setup.engine.generate(ids, GREEDY)
     setup.cold()
-    est = setup.engine.estimates
+    est = setup.engine.cache.parts.estimates
     est.bandwidth["disk"] = 1e3  # 1 kB/s, measured: every encoding takes seconds
     est.compute_s_per_token = 1e-7  # and recomputing is nearly free
     est.computed = lambda tokens, seconds: None  # keep it so for this test
@@ -391,7 +391,7 @@ def test_when_no_level_fits_the_chunks_are_recomputed_exactly(model, setup):
 def test_a_tight_budget_picks_smaller_levels_and_spends_the_slack(model, setup):
     ids = _ids(4 * CH + 3, seed=2)
     setup.engine.generate(ids, GREEDY)
-    est = setup.engine.estimates
+    est = setup.engine.cache.parts.estimates
     values = CH * model.config.num_layers * 2 * model.config.num_kv_heads * model.config.head_dim
     # Fixed estimates (the real reads are instant here): 10 kB/s, so a level-3 chunk "takes"
     # values * 0.5 / 1e4 s and a level-1 chunk values * 0.2 / 1e4 s; recomputing is out of reach.
@@ -425,7 +425,10 @@ def test_streaming_from_a_slow_link_measures_it(model, tmp_path):
         s.cold()
         r = s.engine.generate(ids, GREEDY, cache=CacheOptions(kv_slo_ms=60))
         # The first chunk goes at the prior's choice; once the link is measured, the rest shrink.
-        assert sum(r.kv_stream.chunks.values()) == 3 and s.engine.estimates.bandwidth["disk"] < 1e6
+        assert (
+            sum(r.kv_stream.chunks.values()) == 3
+            and s.engine.cache.parts.estimates.bandwidth["disk"] < 1e6
+        )
         assert r.kv_stream.chunks.get("raw", 0) <= 1
     finally:
         s.close()
