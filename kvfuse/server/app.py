@@ -147,12 +147,14 @@ def _configure_logging(config: Config) -> None:
         requests_log.propagate = False
 
 
-def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None:
-    """Run the server until SIGTERM/SIGINT; ``on_ready(url)`` is called once it listens."""
+def serve(config: Config, on_ready: Callable[[str, object], None] | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT; ``on_ready(url, model)`` is called once it listens
+    (``model``: the ``LoadedModel`` served, for the start-up line)."""
     from kvfuse.runtime import open_engine
 
     _configure_logging(config)
     engine = open_engine(config)  # load errors surface here, before anything listens
+    ready = None if on_ready is None else (lambda url: on_ready(url, engine.model))
     try:
         app = create_app(config, engine)
         uv_config = uvicorn.Config(
@@ -165,6 +167,6 @@ def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             log_config=None,
         )
-        _Server(uv_config, on_ready).run()
+        _Server(uv_config, ready).run()
     finally:
         engine.close()  # flushes whatever is still queued for disk / Redis
