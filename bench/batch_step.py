@@ -31,7 +31,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common import environment, median, plot_path, print_table, write_json
 
-from kvfuse.models import kernels, load_model
+from kvfuse.models import load_model
+from kvfuse.models.cpu import kernels
 from kvfuse.models.transformer import BatchItem
 
 

@@ -90,6 +90,12 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
             help="weight format: auto (the compute dtype, default) or int8 (CPU only: ~3x faster decoding, "
             "lossy; its KV is cached apart from full-precision KV)",
         )
+        p.add_argument(
+            "--kernels",
+            choices=("auto", "on", "off"),
+            help="kvfuse's CPU kernels: auto (where they build, default), on (required: an error "
+            "where they cannot run) or off (PyTorch's operators only, for measurements)",
+        )
         p.add_argument("--threads", type=int, help="CPU threads for PyTorch (default: all cores)")
         p.add_argument(
             "--retention",
@@ -359,6 +365,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "device": getattr(args, "device", None),
         "dtype": getattr(args, "dtype", None),
         "weights": getattr(args, "weights", None),
+        "kernels": getattr(args, "kernels", None),
         "threads": getattr(args, "threads", None),
         "cache.redis_url": getattr(args, "redis_url", None),
         "cache.disk": False if getattr(args, "no_disk", False) else None,
@@ -400,10 +407,32 @@ def cmd_models(args, config: Config) -> int:
         swidth = max(len(r[1]) for r in rows)
         for name, state, desc in rows:
             print(f"{name:<{width}}  {state:<{swidth}}  {desc}")
+        print(f"\nCPU backend: {_backend_line(config)}")
         return 0
     folder = registry.pull(args.name, home, force=args.force)
     print(folder)
     return 0
+
+
+def _backend_line(config: Config) -> str:
+    """The CPU path a model loaded with this configuration would run on (``models list``), without
+    compiling the kernels for it: a listing must not take the two minutes of a first build."""
+    from .models import resolve_device, resolve_dtype
+    from .models.cpu import backend, kernels
+
+    int8_on_cpu = config.weights != "auto" and config.device == "auto"  # as load_model does
+    device = resolve_device("cpu" if int8_on_cpu else config.device)
+    if config.kernels != "off" and device.type == "cpu" and not kernels.built():
+        return (
+            f"kernels not built yet (kernels: {config.kernels}): the first model load builds them "
+            "(about two minutes), or python -m kvfuse.models.cpu.kernels now"
+        )
+    dtype = resolve_dtype(config.dtype, device)
+    try:
+        chosen = backend.select(config.kernels, device, dtype, config.weights)
+    except backend.KernelsUnavailable as e:
+        return f"unavailable: {e}"
+    return f"{chosen.describe()} (device {device}, {str(dtype).removeprefix('torch.')})"
 
 
 def cmd_generate(args, config: Config) -> int:
@@ -608,7 +637,7 @@ def _current_profile(path: Path, config: Config, model, needed: bool):
     """The model's profile whose part not measured now is kept: the one at ``path`` (the output),
     else the user's, else the shipped one; None if there is none. An unusable file at ``path`` is
     an error when ``needed``, else ignored (it is about to be replaced)."""
-    from .calibration import profile
+    from .config import profiles as profile
 
     if not path.is_file():
         return profile.find(model.fingerprint, config.home_path / "profiles")
@@ -693,7 +722,7 @@ def _calibrate_codec(args, config: Config, model) -> dict:
 
 
 def cmd_calibrate(args, config: Config) -> int:
-    from .calibration import profile
+    from .config import profiles as profile
     from .runtime import open_model
 
     grid = _blend_grid(args)  # checked before a model is loaded, whatever the part
@@ -721,11 +750,7 @@ def cmd_calibrate(args, config: Config) -> int:
         result = dataclasses.replace(result, codec=_calibrate_codec(args, config, model))
     elif current is not None:  # the level measured before stays with the new blend
         result = dataclasses.replace(result, codec=current.codec)
-    if args.output:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_json(), indent=1) + "\n")
-    else:
-        profile.save(result, path.parent)
+    profile.write(result, path)  # the output, or where the model's profile is looked up
     b = result.blend
     what = (
         "no blending (documents reused as an exact prefix)"
@@ -746,8 +771,10 @@ def cmd_serve(args, config: Config) -> int:
 
     serve(
         config,
-        on_ready=lambda url: print(
-            f"kvfuse: serving {config.model} at {url}/v1", file=sys.stderr, flush=True
+        on_ready=lambda url, model: print(
+            f"kvfuse: serving {config.model} at {url}/v1 (CPU backend: {model.backend.describe()})",
+            file=sys.stderr,
+            flush=True,
         ),
     )
     return 0

@@ -151,13 +151,28 @@ def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 2 << 3
 
 
 def open_model(config: Config) -> LoadedModel:
-    return load_model(
+    """The configured model, its CPU backend chosen from ``kernels`` (named in the log)."""
+    model = load_model(
         config.model,
         home=config.home_path,
         device=config.device,
         dtype=config.dtype,
         weights=config.weights,
+        kernels=config.kernels,
     )
+    r = model.runner
+    log.info(
+        "model %s on %s in %s: %s",
+        model.name,
+        r.device,
+        _dtype_name(r.dtype),
+        model.backend.describe(),
+    )
+    return model
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def open_prompts(config: Config, model: LoadedModel) -> PromptBuilder:

@@ -48,7 +48,7 @@ fi
 
 # kvfuse's CPU kernels (attention, projections, per-row ops), compiled once per machine (about two minutes;
 # needs g++). Without a compiler kvfuse keeps its PyTorch paths, so a failure here is only reported.
-.venv/bin/python -m kvfuse.models.kernels || echo "install.sh: the CPU kernels did not build (is g++ installed?); kvfuse will use its PyTorch paths (slower decoding)" >&2
+.venv/bin/python -m kvfuse.models.cpu.kernels || echo "install.sh: the CPU kernels did not build (is g++ installed?); kvfuse will use its PyTorch paths (slower decoding)" >&2
 
 # Convert the default model once (GGUF -> safetensors, checksummed) into the kvfuse home; each step
 # shows its progress on stderr (bars on a terminal, lines in logs).

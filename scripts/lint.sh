@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${LINT_BIN:-.venv/bin}
 PY_PATHS=(kvfuse kvfuse_testkit bench tests scripts)
-CPP=(kvfuse/models/kernels/*.cpp kvfuse/models/kernels/*.h)
+CPP=(kvfuse/models/cpu/kernels/*.cpp kvfuse/models/cpu/kernels/*.h)
 if [[ "${1:-}" == "--fix" ]]; then
   "$BIN/ruff" check --fix "${PY_PATHS[@]}"
   "$BIN/ruff" format "${PY_PATHS[@]}"

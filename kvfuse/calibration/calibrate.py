@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 
 from kvfuse.config import BlendOptions
+from kvfuse.config.profiles import BlendProfile
 
 from . import fictional_qa
 from .choose import Targets, choose
 from .measure import Report, asks_in_chat, configurations, measure
-from .profile import BlendProfile
 
 METHODS = ("hkvd", "sinks+hkvd")
 RATIOS = (0.05, 0.1, 0.15, 0.3, 0.6)

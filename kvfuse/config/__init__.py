@@ -4,6 +4,9 @@
 - ``load``      file, environment and flags -> typed values (``load_config``)
 - ``validate``  ranges and consistency, errors naming the field, its source and the fix
 - ``signing``   the entry signing keys (``cache.signing_key``, ``signing_keys``, ``signing_key_file``)
+- ``tenants``   the ``tenants:`` quotas; ``errors`` the ``ConfigError`` every module raises
+- ``profiles``  the models' calibrated blend profiles (what ``recompute_ratio: auto`` and
+  ``codec_level: 0`` mean for a model), found by fingerprint; ``kvfuse calibrate`` writes them
 
 The file mirrors the dataclasses::
 
@@ -31,16 +34,18 @@ Environment variables: ``KVFUSE_<FIELD>`` for top-level fields (``KVFUSE_MODEL``
 and ``KVFUSE_SERVER_<FIELD>`` for the sections
 (``KVFUSE_CACHE_REDIS_URL``),
 ``KVFUSE_CONFIG`` for the file (``KVFUSE_CACHE_TIERS`` takes a YAML list). Only this package
-reads the environment, and only when asked to.
+reads the environment, and only when asked to (``default_home`` and ``default_kernels`` serve
+code that loads a model without a ``Config``).
 Every error names the field, where the bad value came from, and what to write instead.
 """
 
-from .load import default_home, load_config, load_from_environment
+from .load import default_home, default_kernels, load_config, load_from_environment
 from .sections import (
     AUTO_MODES,
     BUDGET_SOURCES,
     CONTEXTS,
     DEVIATIONS,
+    KERNEL_MODES,
     KV_DTYPES,
     METHODS,
     QUERY_AWARE,
@@ -62,6 +67,7 @@ __all__ = [
     "BUDGET_SOURCES",
     "CONTEXTS",
     "DEVIATIONS",
+    "KERNEL_MODES",
     "KV_DTYPES",
     "METHODS",
     "QUERY_AWARE",
@@ -77,6 +83,7 @@ __all__ = [
     "ServerConfig",
     "TierConfig",
     "default_home",
+    "default_kernels",
     "load_config",
     "load_from_environment",
 ]

@@ -45,6 +45,7 @@ _UNITS = {
     "ti": 1024**4,
     "tib": 1024**4,
 }
+_KERNEL_ALIASES = {"0": "off", "false": "off", "no": "off", "1": "on", "true": "on", "yes": "on"}
 
 
 def load_config(
@@ -180,6 +181,8 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
         return parse_tenants(value, source, _size)
     if name == "blend.auto" and isinstance(value, bool):  # YAML reads on / off as booleans
         return "on" if value else "off"
+    if name == "kernels":
+        return _kernels(value)
     is_size = name.endswith("_bytes")
     base = typ.replace(" | None", "")
     if value is None or (
@@ -234,6 +237,16 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
         fail("a string", f"{name.split('.')[-1]}: text")
     return str(value)
+
+
+def _kernels(value: Any) -> Any:
+    """``kernels`` as one of ``KERNEL_MODES`` where it spells one (``validate`` rejects the rest):
+    YAML reads on / off as booleans, and the values ``KVFUSE_KERNELS`` took before it was a setting
+    (``0``, ``false``, ``no`` for off) keep their meaning."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    text = str(value).strip().lower()
+    return _KERNEL_ALIASES.get(text, text)
 
 
 def _tiers(value: Any, source: str) -> tuple[TierConfig, ...] | None:
@@ -305,8 +318,19 @@ def default_home(env: Mapping[str, str] | None = None) -> Path:
     )
 
 
+def default_kernels(env: Mapping[str, str] | None = None) -> str:
+    """The ``kernels`` setting for code that loads a model without a ``Config`` (``load_model``'s
+    callers: tests, benchmarks): ``$KVFUSE_KERNELS`` of ``env`` (default: this process's
+    environment), read and checked as the field is, else ``auto``."""
+    env = os.environ if env is None else env
+    return load_config(env={k: env[k] for k in ("KVFUSE_KERNELS",) if k in env}).kernels
+
+
 def load_from_environment(
-    path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+    path: str | Path | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Config:
-    """``load_config`` with this process's environment (the CLI's entry point)."""
-    return load_config(path, os.environ, overrides)
+    """``load_config`` with this process's environment (the CLI's entry point; the vLLM
+    connector's, with ``env`` for its tests)."""
+    return load_config(path, os.environ if env is None else env, overrides)

@@ -10,23 +10,19 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvfuse import dtypes
 from kvfuse.durations import parse_duration
 
 from .api_keys import split_entry
-
-if TYPE_CHECKING:
-    from .tenants import TenantQuota
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, its source and the fix."""
-
+from .errors import ConfigError as ConfigError  # re-exported: where the other modules import it
+from .tenants import TenantQuota
 
 KV_DTYPES = dtypes.KV_DTYPES
 WEIGHT_FORMATS = ("auto", "int8")  # = models.quant.WEIGHT_FORMATS (a unit test keeps them equal)
+# kvfuse's CPU kernels (models.cpu.backend): auto = where they build, on = required, off = PyTorch
+KERNEL_MODES = ("auto", "on", "off")
 METHODS = (
     "hkvd",
     "hkvd-head",
@@ -240,7 +236,7 @@ class BlendOptions:
     ``recompute_ratio``: the fraction of document tokens recomputed in context (0 = full reuse:
     the documents' KV concatenated as stored; 1 = every token recomputed, a full prefill), or
     ``auto`` (the default): the method and budget the model's calibrated profile found to keep its
-    answers (``kvfuse calibrate``; ``kvfuse.calibration.profile``), a conservative budget for a
+    answers (``kvfuse calibrate``; ``kvfuse.config.profiles``), a conservative budget for a
     model without one. The engine resolves ``auto`` when it starts; ``source`` says what decided
     the budget (config, request, profile, default).
 
@@ -326,7 +322,7 @@ class BlendOptions:
 
     @property
     def auto_budget(self) -> bool:
-        """The budget is the model's calibrated one (``kvfuse.calibration.profile.resolve``)."""
+        """The budget is the model's calibrated one (``kvfuse.config.profiles.resolve``)."""
         return self.recompute_ratio == "auto"
 
     @property
@@ -412,6 +408,7 @@ class Config:
     device: str = "auto"
     dtype: str = "auto"
     weights: str = "auto"  # auto (the compute dtype) | int8 (CPU only; its own cache namespace)
+    kernels: str = "auto"  # kvfuse's CPU kernels: auto (where they build) | on (required) | off
     threads: int = 0  # 0 = all cores
     context_tokens: int = (
         0  # the context window; 0 = the model's (lower it to truncate conversations sooner)

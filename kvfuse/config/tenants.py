@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from .sections import ConfigError
+from .errors import ConfigError
 
 EVERY = "*"  # the quota of every tenant without a section of its own
 _EXAMPLE = "tenants: {alice: {quota: {memory_bytes: 512MiB, requests_per_minute: 600}}}"

@@ -16,7 +16,15 @@ from kvfuse.durations import parse_duration
 
 from .api_keys import digest_bytes, entry_problem, is_digest, split_entry
 from .secrets import redact_url
-from .sections import WEIGHT_FORMATS, CacheConfig, Config, ConfigError, ServerConfig, TierConfig
+from .sections import (
+    KERNEL_MODES,
+    WEIGHT_FORMATS,
+    CacheConfig,
+    Config,
+    ConfigError,
+    ServerConfig,
+    TierConfig,
+)
 from .signing import signer_of
 from .tenants import check_tenants
 
@@ -70,35 +78,7 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
             where = f" (from {source})" if source else " (the default)"
             raise ConfigError(f"{name}: {message}{where}")
 
-    need(
-        c.device in ("auto", "cpu", "cuda") or c.device.startswith("cuda:"),
-        "device",
-        f"must be auto, cpu or cuda[:N], got {c.device!r}",
-    )
-    need(
-        c.dtype == "auto" or c.dtype in dtypes.COMPUTE_DTYPES,
-        "dtype",
-        f"must be auto, {', '.join(dtypes.COMPUTE_DTYPES)}, got {c.dtype!r}",
-    )
-    need(
-        c.weights in WEIGHT_FORMATS,
-        "weights",
-        f"must be one of {', '.join(WEIGHT_FORMATS)} (auto = the compute dtype, int8 = int8 projections on CPU), "
-        f"got {c.weights!r}",
-    )
-    need(
-        c.weights == "auto" or not c.device.startswith("cuda"),
-        "weights",
-        f"int8 runs on the CPU only (PyTorch's fbgemm kernels), not on device {c.device!r}; use weights: auto "
-        "with a GPU, or device: cpu",
-    )
-    need(c.threads >= 0, "threads", "must be >= 0 (0 = all cores)")
-    need(
-        c.log_level.lower() in ("debug", "info", "warning", "error"),
-        "log_level",
-        "must be debug, info, warning or error",
-    )
-    need(bool(c.model), "model", "must name a built-in model, a model folder or a .gguf file")
+    _check_top_level(c, need)
     k = c.cache
     e = c.engine
     need(
@@ -220,6 +200,50 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     except ValueError as e:
         need(False, "responses.ttl", str(e))
     signer_of(k, sources)  # the signing keys: one way, long enough, a key file that holds some
+
+
+def _check_top_level(c: Config, need: Callable) -> None:
+    """The top-level fields: the model, where and how it runs, the threads and the log level."""
+    need(
+        c.device in ("auto", "cpu", "cuda") or c.device.startswith("cuda:"),
+        "device",
+        f"must be auto, cpu or cuda[:N], got {c.device!r}",
+    )
+    need(
+        c.dtype == "auto" or c.dtype in dtypes.COMPUTE_DTYPES,
+        "dtype",
+        f"must be auto, {', '.join(dtypes.COMPUTE_DTYPES)}, got {c.dtype!r}",
+    )
+    need(
+        c.weights in WEIGHT_FORMATS,
+        "weights",
+        f"must be one of {', '.join(WEIGHT_FORMATS)} (auto = the compute dtype, int8 = int8 projections on CPU), "
+        f"got {c.weights!r}",
+    )
+    need(
+        c.weights == "auto" or not c.device.startswith("cuda"),
+        "weights",
+        f"int8 runs on the CPU only (PyTorch's fbgemm kernels), not on device {c.device!r}; use weights: auto "
+        "with a GPU, or device: cpu",
+    )
+    need(
+        c.kernels in KERNEL_MODES,
+        "kernels",
+        "must be one of auto (kvfuse's CPU kernels where they build), on (required) or off "
+        f"(PyTorch's operators only), got {c.kernels!r}",
+    )
+    need(
+        c.kernels != "on" or not c.device.startswith("cuda"),
+        "kernels",
+        f"on runs kvfuse's CPU kernels, which do not run on device {c.device!r}; use kernels: auto",
+    )
+    need(c.threads >= 0, "threads", "must be >= 0 (0 = all cores)")
+    need(
+        c.log_level.lower() in ("debug", "info", "warning", "error"),
+        "log_level",
+        "must be debug, info, warning or error",
+    )
+    need(bool(c.model), "model", "must name a built-in model, a model folder or a .gguf file")
 
 
 def _check_metrics_token(s: ServerConfig, need: Callable) -> None:

@@ -31,6 +31,10 @@ class JobError(ValueError):
 
 class _Worker:
     def __init__(self) -> None:
+        # The child's environment: this process's, passed through whole (the worker must import
+        # kvfuse as this process does: PYTHONPATH, a venv's variables), with one thread per math
+        # library. Nothing here is read as kvfuse's configuration (that is kvfuse.config's), so
+        # this copy is the one os.environ use outside config/ (tests/unit/test_layout.py).
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvfuse.entropy.worker"],

@@ -11,6 +11,7 @@ import torch
 from .. import dtypes
 from .cache import KVCache
 from .config import ModelConfig
+from .cpu.backend import CpuBackend, KernelsUnavailable
 from .loader import fingerprint, load_folder, sha256_file, weight_files
 from .quant import WEIGHT_FORMATS, QuantizationUnavailable, identity_of
 from .registry import (
@@ -31,7 +32,9 @@ from .transformer import Transformer
 __all__ = [
     "BUILTIN",
     "CorruptModel",
+    "CpuBackend",
     "KVCache",
+    "KernelsUnavailable",
     "LoadedModel",
     "ModelConfig",
     "ModelNotFound",
@@ -62,6 +65,11 @@ class LoadedModel:
     @property
     def config(self) -> ModelConfig:
         return self.runner.config
+
+    @property
+    def backend(self) -> CpuBackend:
+        """The CPU path chosen for this model (``cpu.backend``): kernels or PyTorch, weights' form."""
+        return self.runner.backend
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -97,6 +105,7 @@ def load_model(
     device: str | torch.device = "auto",
     dtype: str | torch.dtype | None = None,
     weights: str = "auto",
+    kernels: str | None = None,
 ) -> LoadedModel:
     """Load a built-in model name, an HF style folder, or a ``.gguf`` file.
 
@@ -104,7 +113,8 @@ def load_model(
     checksums verified at every load; an HF folder is used in place. ``weights`` is ``auto`` (the
     compute dtype) or ``int8`` (the projections packed as int8, see ``quant``; CPU only, so device
     ``auto`` means the CPU). The format is part of the fingerprint: int8 and full-precision KV
-    never share cache entries.
+    never share cache entries. ``kernels``: the ``kernels`` setting (``auto``, ``on``, ``off``)
+    the CPU backend is chosen by (``cpu.backend``; None: ``$KVFUSE_KERNELS``, else ``auto``).
     """
     home = Path(home) if home else default_home()
     if weights not in WEIGHT_FORMATS:
@@ -127,7 +137,7 @@ def load_model(
         raise ModelNotFound(
             f"unknown model {text!r}: not a built-in name ({', '.join(BUILTIN)}), a model folder, or a .gguf file"
         )
-    runner = load_folder(folder, device, dtype, weights)
+    runner = load_folder(folder, device, dtype, weights, kernels)
     digests = _weight_digests(folder, verified)
     return LoadedModel(
         name,

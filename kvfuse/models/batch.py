@@ -8,7 +8,8 @@ that per-sequence part:
 - ``write_kv``: the fresh K/V rows into each sequence's own buffer (one kernel call per layer on
   the CPU, else one copy per sequence);
 - ``attend``: the attention of every row. Sequences with a few new tokens (decoding, the usual
-  case) go through the batched CPU kernel (``kernels``): one call per layer for all of them,
+  case) go through the batched CPU kernel (``cpu/kernels``, where the runner's backend chose the
+  kernels: ``CpuBackend.step_kernel``): one call per layer for all of them,
   reading each buffer in place in its stored dtype. Sequences with more tokens (prefill chunks)
   keep PyTorch's SDPA, split by ``attention.plan`` once per step: for many queries its blocked
   matmuls beat a per-query loop. Both use the same position mask, so a sequence gets the same
@@ -16,7 +17,7 @@ that per-sequence part:
 
 At the last layer only the rows whose logits are wanted are computed (``last_rows``). When every
 sequence takes the kernel (``stacked``), ``run_stack`` runs all the layers in one kernel call
-(``kernels/stack.cpp``) instead of the runner's per-layer loop over ``write_kv`` and ``attend``.
+(``cpu/kernels/stack.cpp``) instead of the runner's per-layer loop over ``write_kv`` and ``attend``.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import attention, kernels
+from . import attention
 from .cache import KVCache
 
 # Sequences with at most this many new tokens may use the kernel: it loops over queries, which
@@ -116,7 +117,7 @@ class BatchStep:
     def run_stack(
         self, stack, h: torch.Tensor, tables: list[tuple[torch.Tensor, torch.Tensor]]
     ) -> torch.Tensor:
-        """Every layer of the step in one kernel call (``kernels/stack.cpp``) over the embedded
+        """Every layer of the step in one kernel call (``cpu/kernels/stack.cpp``) over the embedded
         tokens ``h``; ``tables``: (cos, sin) per rope kind, in the order the stack was built with.
         Returns the hidden states of ``last_rows`` after the last layer."""
         _, q_seq, q_pos = self._row_args
@@ -233,7 +234,7 @@ def prepare(runner, items) -> tuple[BatchStep, torch.Tensor]:
     return the step and the positions of all its tokens, in row order."""
     c = runner.config
     windows = {layer: c.window(layer) for layer in range(c.num_layers)}
-    kernel = _kernel_for(runner, items)
+    kernel = runner.backend.step_kernel(it.cache.dtype for it in items)
     spans, row = [], 0
     for it in items:
         span = _span(runner, it, row, set(windows.values()), use_kernel=kernel is not None)
@@ -241,21 +242,6 @@ def prepare(runner, items) -> tuple[BatchStep, torch.Tensor]:
         row = span.row1
     step = BatchStep(spans, kernel, windows, c.scaling, c.attn_logit_softcap)
     return step, torch.cat([s.positions for s in spans])
-
-
-def _kernel_for(runner, items):
-    """The kernel module when this step can use it: a float32 runner on the CPU, every sequence's KV
-    in the same dtype, one the kernel reads, and the runner's kernels not switched off."""
-    if (
-        not getattr(runner, "use_kernels", True)
-        or runner.device.type != "cpu"
-        or runner.dtype != torch.float32
-    ):
-        return None
-    dtypes = {it.cache.dtype for it in items}
-    if len(dtypes) > 1 or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
-        return None  # the kernel reads one KV dtype per call
-    return kernels.get()
 
 
 def _span(runner, it, row: int, windows: set, use_kernel: bool) -> Span:

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import gemma3, kernels, llama, packed, qwen
+from . import gemma3, llama, qwen
 from .config import ModelConfig
+from .cpu.backend import select
 from .family import Family
-from .quant import INT8_IDENTITY, WEIGHT_FORMATS, check_int8_supported, quantize_weights
+from .quant import INT8_IDENTITY, WEIGHT_FORMATS, check_int8_supported
 from .transformer import LayerWeights, Transformer, Weights
 
 FAMILIES: dict[str, Family] = {
@@ -133,9 +134,12 @@ def load_folder(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     weights: str = "auto",
+    kernels: str | None = None,
 ) -> Transformer:
     """Load a Hugging Face style model folder onto ``device`` in compute ``dtype``; ``weights``
-    ``int8`` packs the projections as int8 (``quant.quantize_weights``, CPU only)."""
+    ``int8`` packs the projections as int8 (``quant.quantize_weights``, CPU only). ``kernels``:
+    the ``kernels`` setting the CPU backend is chosen by (``cpu.backend.select``; None: from the
+    environment, else ``auto``)."""
     folder = Path(folder)
     hf, config = read_config(folder)
     device = torch.device(device)
@@ -143,14 +147,11 @@ def load_folder(
         raise ValueError(
             f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}"
         )
-    if weights != "auto":
-        check_int8_supported(device)  # before reading the weights
+    backend = select(kernels, device, dtype, weights)
+    if weights != "auto":  # before reading the weights
+        check_int8_supported(device, fbgemm=backend.weights == "fbgemm-int8")
     built = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
-    if weights == "auto" and packed.available(device, dtype):
-        return Transformer(
-            config, packed.pack_weights(built), device, dtype
-        )  # see packed: faster, same numbers
-    return Transformer(config, quantize_weights(built, weights), device, dtype)
+    return Transformer(config, backend.pack(built), device, dtype, backend)
 
 
 def sha256_file(
@@ -175,15 +176,17 @@ def fingerprint(
     """The model's identity in cache keys: a hash of its architecture, of its weight files and of
     the format its weights run in. int8 weights compute other KV than the files' own precision,
     so their entries live in a namespace of their own, one per int8 implementation
-    (``implementation``: a ``quant.INT8_IDENTITY`` value, default what ``quantize_weights``
-    picks on this machine; ``auto`` adds nothing: the identity of models loaded as before is
-    unchanged)."""
+    (``implementation``: a ``quant.INT8_IDENTITY`` value, default what the CPU backend picks on
+    this machine with the environment's ``kernels`` setting; ``auto`` adds nothing: the identity
+    of models loaded as before is unchanged)."""
     h = hashlib.sha256(b"kvfuse-model-v1\0")
     h.update(config.to_json().encode())
     for d in weight_digests:
         h.update(b"\0" + d.encode())
     if weights != "auto":
         if implementation is None:
-            implementation = INT8_IDENTITY["blocked" if kernels.get() is not None else "fbgemm"]
+            implementation = INT8_IDENTITY[
+                select(None, "cpu", torch.float32, "int8").int8_implementation
+            ]
         h.update(b"\0weights=" + implementation.encode())
     return h.hexdigest()[:32]

@@ -5,7 +5,7 @@ run on a CPU.
 forms replace it:
 
 - ``BlockedWeight`` (the default where kvfuse's CPU kernels build): the weight in blocks of 16
-  output channels, ``(ceil(out/16), in, 16)``, multiplied by ``kernels/linear.cpp``. A decode step
+  output channels, ``(ceil(out/16), in, 16)``, multiplied by ``cpu/kernels/linear.cpp``. A decode step
   is memory-bound: one contiguous stream per block, read once whatever the number of rows, with
   the rows' products kept in registers. Measured on the 2-core development machine against
   oneDNN's packed linear (the previous default) over SmolLM2's projections with the weights
@@ -18,34 +18,34 @@ forms replace it:
   it freezes weights): what ``weights: auto`` runs when the kernels cannot be built.
 
 Both compute the same products as ``F.linear`` (float32 accumulation; equal up to rounding).
-``KVFUSE_KERNELS=off`` keeps plain tensors (the plain PyTorch path, for measurements).
+Which form a model gets is ``cpu.backend``'s choice (``kernels: off`` keeps plain tensors: the
+plain PyTorch path, for measurements); this module only makes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
-from . import kernels
-
-log = logging.getLogger(__name__)
+from .cpu import kernels
 
 ROWS_HINT = 16  # oneDNN's pack is laid out for a batched decode step's rows and serves any number
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether projections on ``device`` in ``dtype`` can be packed here (by either form)."""
+    """Whether projections on ``device`` in ``dtype`` can be packed on this machine, by either
+    form (what this machine can do, for tests and benchmarks; whether a model's projections are
+    packed is ``cpu.backend``'s choice)."""
     return (
         device.type == "cpu"
         and dtype == torch.float32
-        and kernels.enabled()
-        and (kernels.get() is not None or _onednn_available())
+        and (kernels.get() is not None or onednn_available())
     )
 
 
-def _onednn_available() -> bool:
+def onednn_available() -> bool:
+    """Whether this PyTorch build has oneDNN's packed linear (``PackedWeight``)."""
     return torch.backends.mkldnn.is_available() and hasattr(
         torch.ops.mkldnn, "_reorder_linear_weight"
     )
@@ -55,21 +55,21 @@ class BlockedWeight:
     """A ``(out, in)`` weight in blocks of 16 output channels, float32 or int8 (``fmt``);
     ``linear(x, bias)`` as ``F.linear``. int8 is symmetric per output channel (scale = abs-max /
     127, round to nearest), the quantization ``weights: int8`` has always used; inputs stay
-    float32."""
+    float32. ``kernel``: the compiled kernel module (default: built now, ``cpu.kernels.get``)."""
 
     __slots__ = ("blocks", "scales", "shape", "fmt", "handle", "_kernel")
 
-    def __init__(self, weight: torch.Tensor, fmt: str = "float32"):
+    def __init__(self, weight: torch.Tensor, fmt: str = "float32", kernel=None):
         if weight.dim() != 2:
             raise ValueError(
                 f"a blocked weight must be 2-d (out, in), got shape {tuple(weight.shape)}"
             )
         if fmt not in ("float32", "int8"):
             raise ValueError(f"blocked weights are float32 or int8, not {fmt!r}")
-        kernel = kernels.get()
+        kernel = kernel if kernel is not None else kernels.get()
         if kernel is None:
             raise RuntimeError(
-                "blocked weights need kvfuse's CPU kernels (python -m kvfuse.models.kernels)"
+                "blocked weights need kvfuse's CPU kernels (python -m kvfuse.models.cpu.kernels)"
             )
         w = weight.detach().to("cpu", torch.float32)
         if fmt == "int8":
@@ -155,17 +155,14 @@ def map_projections(weights, pack):
     return dataclasses.replace(weights, layers=layers, lm_head=pack(weights.lm_head))
 
 
-def pack_weights(weights):
-    """A copy of ``weights`` whose float32 projections are ``BlockedWeight``s (``PackedWeight``s
-    where the kernels cannot be built). Returns ``weights`` unchanged if packing fails (logged)."""
-    try:
-        if kernels.get() is not None:
-            return map_projections(
-                weights, lambda w: w if isinstance(w, BlockedWeight) else BlockedWeight(w)
-            )
-        return map_projections(
-            weights, lambda w: w if isinstance(w, PackedWeight) else PackedWeight(w)
-        )
-    except (RuntimeError, ValueError) as exc:
-        log.warning("keeping plain float32 weights: packing failed (%s)", exc)
-        return weights
+def to_blocked(weights, kernel):
+    """A copy of ``weights`` whose float32 projections are ``BlockedWeight``s (``kernel``: the
+    compiled kernel module)."""
+    return map_projections(
+        weights, lambda w: w if isinstance(w, BlockedWeight) else BlockedWeight(w, kernel=kernel)
+    )
+
+
+def to_onednn(weights):
+    """A copy of ``weights`` whose float32 projections are ``PackedWeight``s."""
+    return map_projections(weights, lambda w: w if isinstance(w, PackedWeight) else PackedWeight(w))

@@ -1,5 +1,6 @@
-"""The runner's small per-row operations, each one call of ``kernels/pointwise.cpp`` where the
-CPU kernels are in use (``ops``: the kernel module, or None) and PyTorch's expression otherwise.
+"""The runner's small per-row operations, each one call of ``cpu/kernels/pointwise.cpp`` where the
+CPU kernels are in use (``ops``: the kernel module, or None: ``CpuBackend.ops``, the backend's
+choice) and PyTorch's expression otherwise.
 
 Why: in a decode step these run on one row (or a few) per layer, where PyTorch's fixed cost per
 operator dominates: ``F.rms_norm`` alone was ~44 us for a 576-wide row on the development machine

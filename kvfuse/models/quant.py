@@ -9,7 +9,7 @@ reads a quarter of the fp32 weight bytes, which is what bounds single-stream dec
 Two implementations, with their own cache identity (``identity_of``: they compute slightly
 different numbers, so their KV never mixes):
 
-- where kvfuse's CPU kernels build (the usual case): ``packed.BlockedWeight`` in int8, widened
+- where kvfuse's CPU kernels run (the usual case): ``packed.BlockedWeight`` in int8, widened
   to float32 in registers and multiplied with float32 activations: the only rounding is the
   weights'; faster than fbgemm at every row count measured (``bench/decode.py``);
 - otherwise ``Int8Weight``: fbgemm's dynamic-quantized linear, which also rounds each call's
@@ -51,22 +51,18 @@ class QuantizationUnavailable(ValueError):
     """int8 weights were asked for where PyTorch's quantized CPU kernels cannot run them."""
 
 
-def check_int8_supported(device: torch.device | str = "cpu", fbgemm: bool | None = None) -> None:
+def check_int8_supported(device: torch.device | str = "cpu", fbgemm: bool = True) -> None:
     """Raise ``QuantizationUnavailable`` (naming the fix) unless int8 weights can run on ``device``.
 
-    ``fbgemm``: whether the fbgemm implementation is the one to check (default: only where
-    kvfuse's kernels do not build); selects an fbgemm-based quantized engine if another one is
-    active."""
-    from . import kernels
-
+    ``fbgemm``: whether the fbgemm implementation is the one to check (the loader says False where
+    the backend runs int8 on kvfuse's kernels); selects an fbgemm-based quantized engine if another
+    one is active."""
     device = torch.device(device)
     if device.type != "cpu":
         raise QuantizationUnavailable(
             f"weights: int8 runs on the CPU only (kvfuse's CPU kernels or PyTorch's fbgemm), not on {device}; "
             "use weights: auto on a GPU, or --device cpu"
         )
-    if fbgemm is None:
-        fbgemm = kernels.get() is None
     if not fbgemm:
         return
     supported = torch.backends.quantized.supported_engines
@@ -208,23 +204,26 @@ def quantize_weights(
     split: bool = True,
     reduce_range: bool | None = None,
     implementation: str | None = None,
+    kernel=None,
 ):
     """A copy of ``weights`` (``transformer.Weights``) whose projections are int8.
 
     The input is not modified. ``fmt`` is a ``WEIGHT_FORMATS`` value (``auto`` returns ``weights``
-    as it is). ``implementation`` is ``blocked`` (kvfuse's kernel, ``packed.BlockedWeight``) or
-    ``fbgemm`` (``Int8Weight``, with ``split`` and ``reduce_range``); default: ``blocked`` where the
-    kernels build. The embedding table stays a plain tensor (``F.embedding`` looks rows up in it);
-    a tied vocabulary projection (the same tensor) gets its own packed copy. Norms and biases stay.
+    as it is). ``implementation`` is ``blocked`` (kvfuse's kernel, ``packed.BlockedWeight``, with
+    the compiled module ``kernel``) or ``fbgemm`` (``Int8Weight``, with ``split`` and
+    ``reduce_range``); default: ``blocked`` when given ``kernel``. Which one a model gets is
+    ``cpu.backend``'s choice. The embedding table stays a plain tensor (``F.embedding`` looks rows
+    up in it); a tied vocabulary projection (the same tensor) gets its own packed copy. Norms and
+    biases stay.
     """
-    from . import kernels, packed
+    from . import packed
 
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {fmt!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
     if fmt == "auto":
         return weights
     if implementation is None:
-        implementation = "blocked" if kernels.get() is not None else "fbgemm"
+        implementation = "blocked" if kernel is not None else "fbgemm"
     if implementation not in INT8_IDENTITY:
         raise ValueError(
             f"unknown int8 implementation {implementation!r}; use one of: {', '.join(INT8_IDENTITY)}"
@@ -237,7 +236,7 @@ def quantize_weights(
         ):
             return w
         if implementation == "blocked":
-            return packed.BlockedWeight(w, "int8")
+            return packed.BlockedWeight(w, "int8", kernel=kernel)
         return Int8Weight(w, split, reduce_range)
 
     return packed.map_projections(weights, pack)

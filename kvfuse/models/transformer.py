@@ -12,9 +12,12 @@ shaped for the cache features built on top of it:
 - ``project`` returns one layer's fresh q/k/v without touching the cache (CacheBlend's check
   layer compares them with the cached values).
 
-Weights are plain tensors (no ``nn.Module``). The q/k/v projections are fused into one matmul;
-gate and up are not: on this CPU one (n, 2 x intermediate) output ran ~10% slower than two
-(n, intermediate) ones at 512 tokens (larger output than the caches hold), and equal at 2048.
+Weights are plain tensors or packed projections (no ``nn.Module``). Every operation runs through
+the model's CPU backend (``self.backend``, ``cpu.backend``: kvfuse's kernels or PyTorch's
+operators, chosen once at load), so that nothing here decides which. The q/k/v projections are
+fused into one matmul; gate and up are not: on this CPU one (n, 2 x intermediate) output ran ~10%
+slower than two (n, intermediate) ones at 512 tokens (larger output than the caches hold), and
+equal at 2048.
 """
 
 from __future__ import annotations
@@ -24,11 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import batch, kernels, packed, pointwise, rope
+from . import batch, pointwise, rope
 from .attention import attend
 from .cache import KVBudget, KVCache
 from .config import ModelConfig
-from .quant import linear
+from .cpu.backend import CpuBackend, select
 
 
 @dataclass
@@ -81,8 +84,15 @@ class Transformer:
     """A loaded model on one device, in one compute dtype. See the module docstring for the API."""
 
     def __init__(
-        self, config: ModelConfig, weights: Weights, device: torch.device, dtype: torch.dtype
+        self,
+        config: ModelConfig,
+        weights: Weights,
+        device: torch.device,
+        dtype: torch.dtype,
+        backend: CpuBackend | None = None,
     ):
+        """``backend``: the CPU path chosen for this model (``cpu.backend.select``, as the loader
+        does; default: chosen now from the environment's ``kernels`` setting)."""
         self.config = config
         self.weights = weights
         self.device = device
@@ -90,7 +100,8 @@ class Transformer:
         self._freqs = {
             t: rope.inv_freq(r, config.head_dim).to(device) for t, r in config.rope.items()
         }
-        self.use_kernels = kernels.enabled()  # the CPU kernels when they build (see ``kernels``)
+        self._chosen = backend or select(None, device, dtype)
+        self.use_kernels = self._chosen.mode != "off"  # binds ``self.backend``
         c = config
         self._q_size = c.num_heads * c.head_dim
         self._kv_size = c.num_kv_heads * c.head_dim
@@ -100,59 +111,20 @@ class Transformer:
 
     @property
     def use_kernels(self) -> bool:
-        """Whether this runner uses kvfuse's CPU kernels (batched attention, pointwise ops) where
-        they apply: float32 on the CPU, and the module built. Set False for the plain PyTorch path."""
+        """Whether this runner uses kvfuse's CPU kernels (batched attention, pointwise ops, fused
+        layers) where its backend has them. Set False for the plain PyTorch path (the weights stay
+        in their form)."""
         return self._use_kernels
 
     @use_kernels.setter
     def use_kernels(self, on: bool) -> None:
         self._use_kernels = bool(on)
-        cpu32 = self.device.type == "cpu" and self.dtype == torch.float32
-        self._ops = kernels.get() if on and cpu32 else None  # the module, for ``pointwise``
-        # The fused halves of a layer (kernels/layer.cpp) when every projection is in blocks.
-        self._fused = self._ops is not None and all(
-            isinstance(getattr(lw, f), packed.BlockedWeight)
-            for lw in self.weights.layers
-            for f in ("wqkv", "wo", "w_gate", "w_up", "w_down")
-        )
-        # Every layer of a decode step in one call (kernels/stack.cpp), on the same fused halves.
-        self._stack = self._build_stack() if self._fused else None
-
-    def _build_stack(self):
-        """The model's layers described once for ``run_stack``: weights, windows, rope kinds (the
-        order of ``self._freqs``, in which ``forward_batch`` hands over the rotation tables)."""
-        c = self.config
-        kinds = list(self._freqs)
-        stack = self._ops.Stack(
-            heads=c.num_heads,
-            kv_heads=c.num_kv_heads,
-            head_dim=c.head_dim,
-            act=pointwise.ACTS[c.hidden_act],
-            eps=c.rms_norm_eps,
-            scale=c.scaling,
-            softcap=c.attn_logit_softcap or 0.0,
-        )
-        for i, w in enumerate(self.weights.layers):
-            stack.add_layer(
-                w.attn_norm,
-                w.wqkv.handle,
-                w.bqkv,
-                w.q_norm,
-                w.k_norm,
-                w.wo.handle,
-                w.attn_out_norm,
-                w.mlp_norm,
-                w.w_gate.handle,
-                w.w_up.handle,
-                w.w_down.handle,
-                w.mlp_out_norm,
-                c.window(i) or 0,
-                kinds.index(c.layer_types[i]),
-            )
-        return stack
+        # The stack's rope kinds in the order of ``self._freqs``, in which ``forward_batch`` hands
+        # over the rotation tables.
+        self.backend = self._chosen.bind(self.config, self.weights, list(self._freqs), bool(on))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return pointwise.rms_norm(x, weight, self.config.rms_norm_eps, self._ops)
+        return self.backend.rms_norm(x, weight, self.config.rms_norm_eps)
 
     # ----------------------------------------------------------------------------- whole passes
 
@@ -244,10 +216,8 @@ class Transformer:
         )
         tables = self.rope_tables(positions, self.dtype)
         h = self.embed(ids)
-        if self._fused and self._stack is not None and step.stacked and h.dtype == torch.float32:
-            h = step.run_stack(self._stack, h, [tables[t] for t in self._freqs])
-        else:
-            h = self._layers_batch(step, h, positions, tables)
+        stacked = self.backend.run_stack(step, h, [tables[t] for t in self._freqs])
+        h = stacked if stacked is not None else self._layers_batch(step, h, positions, tables)
         for s in step.spans:
             s.cache.length = s.kv_len
         out: list[torch.Tensor | None] = [None] * len(items)
@@ -285,7 +255,7 @@ class Transformer:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + vocabulary projection for the given hidden states ``(n, hidden)``."""
         c = self.config
-        out = linear(self._norm(h, self.weights.final_norm), self.weights.lm_head)
+        out = self.backend.linear(self._norm(h, self.weights.final_norm), self.weights.lm_head)
         if c.final_logit_softcap is not None:
             out = torch.tanh(out / c.final_logit_softcap) * c.final_logit_softcap
         return out
@@ -312,24 +282,11 @@ class Transformer:
         c, w = self.config, self.weights.layers[layer]
         tables = tables or self.rope_tables(positions, h.dtype)
         cos, sin = tables[c.layer_types[layer]]
-        if self._fused and h.dtype == torch.float32 and h.dim() == 2:
-            q, k, v = self._ops.project_qkv(
-                h,
-                w.attn_norm,
-                c.rms_norm_eps,
-                w.wqkv.handle,
-                w.bqkv,
-                w.q_norm,
-                w.k_norm,
-                c.num_heads,
-                c.num_kv_heads,
-                c.head_dim,
-                cos,
-                sin,
-            )
-            return q, k, v
+        fused = self.backend.project_qkv(c, w, h, cos, sin)
+        if fused is not None:
+            return fused
         x = self._norm(h, w.attn_norm)
-        qkv = linear(x, w.wqkv, w.bqkv)
+        qkv = self.backend.linear(x, w.wqkv, w.bqkv)
         n = h.shape[0]
         q = qkv[:, : self._q_size].view(n, c.num_heads, c.head_dim)
         k = qkv[:, self._q_size : self._q_size + self._kv_size].view(n, c.num_kv_heads, c.head_dim)
@@ -337,7 +294,7 @@ class Transformer:
         if c.qk_norm:
             q = self._norm(q, w.q_norm)
             k = self._norm(k, w.k_norm)
-        return pointwise.rope(q, cos, sin, self._ops), pointwise.rope(k, cos, sin, self._ops), v
+        return self.backend.rope(q, cos, sin), self.backend.rope(k, cos, sin), v
 
     @torch.inference_mode()
     def layer(
@@ -416,32 +373,16 @@ class Transformer:
 
     def post_attention(self, layer: int, attn: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The rest of ``layer`` after attention: output projection, residual, MLP, residual."""
-        c, w = self.config, self.weights.layers[layer]
-        if (
-            self._fused
-            and attn.dtype == torch.float32
-            and h.dtype == torch.float32
-            and h.dim() == 2
-        ):
-            return self._ops.post_attention(
-                attn,
-                h,
-                w.wo.handle,
-                w.attn_out_norm,
-                w.mlp_norm,
-                w.w_gate.handle,
-                w.w_up.handle,
-                w.w_down.handle,
-                w.mlp_out_norm,
-                pointwise.ACTS[c.hidden_act],
-                c.rms_norm_eps,
-            )
-        out = linear(attn, w.wo)
+        c, w, b = self.config, self.weights.layers[layer], self.backend
+        fused = b.post_attention(c, w, attn, h)
+        if fused is not None:
+            return fused
+        out = b.linear(attn, w.wo)
         if w.attn_out_norm is not None:
             out = self._norm(out, w.attn_out_norm)
-        h, x = pointwise.add_rms_norm(h, out, w.mlp_norm, c.rms_norm_eps, self._ops)
-        act = pointwise.gated_act(linear(x, w.w_gate), linear(x, w.w_up), c.hidden_act, self._ops)
-        out = linear(act, w.w_down)
+        h, x = b.add_rms_norm(h, out, w.mlp_norm, c.rms_norm_eps)
+        act = b.gated_act(b.linear(x, w.w_gate), b.linear(x, w.w_up), c.hidden_act)
+        out = b.linear(act, w.w_down)
         if w.mlp_out_norm is not None:
             out = self._norm(out, w.mlp_out_norm)
         return h + out

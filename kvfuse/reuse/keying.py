@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 from kvfuse.blend.options import BlendOptions
-from kvfuse.calibration import profile
 from kvfuse.config import EngineSettings
+from kvfuse.config import profiles as profile
 from kvfuse.history import Alignment, HistoryIndex, Record, Run, align
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, layout_of

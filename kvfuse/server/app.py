@@ -148,12 +148,15 @@ def _configure_logging(config: Config) -> None:
         requests_log.propagate = False
 
 
-def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None:
-    """Run the server until SIGTERM/SIGINT; ``on_ready(url)`` is called once it listens."""
+def serve(config: Config, on_ready: Callable[[str, object], None] | None = None) -> None:
+    """Run the server until SIGTERM/SIGINT; ``on_ready(url, model)`` is called once it listens
+    (``model``: the ``LoadedModel`` served, for the start-up line)."""
     from kvfuse.runtime import open_serving
 
     _configure_logging(config)
     serving = open_serving(config)  # load errors surface here, before anything listens
+    model = serving.engine.model
+    ready = None if on_ready is None else (lambda url: on_ready(url, model))
     try:
         app = create_app(config, serving)
         uv_config = uvicorn.Config(
@@ -166,6 +169,6 @@ def serve(config: Config, on_ready: Callable[[str], None] | None = None) -> None
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
             log_config=None,
         )
-        _Server(uv_config, on_ready).run()
+        _Server(uv_config, ready).run()
     finally:
         serving.engine.close()  # flushes whatever is still queued for disk / Redis

@@ -176,6 +176,7 @@ class CacheCollector(Collector):
             value=s["chunk_load_failures"],
         )
         yield from _blend_metrics(s)
+        yield from _backend_metrics(engine)
         reused = CounterMetricFamily(
             "kvfuse_reused_chunks",
             "Chunks reused by requests, by the tier they came from.",
@@ -233,6 +234,22 @@ class CacheCollector(Collector):
             )
         if engine.cache_enabled:
             yield from _store_metrics(engine.cache_stats())
+
+
+def _backend_metrics(engine) -> Iterator[Metric]:
+    """The model's CPU path (``models.cpu.backend``, chosen once at load) as an info gauge."""
+    backend = getattr(getattr(engine, "model", None), "backend", None)
+    if backend is None:
+        return
+    info = backend.info()
+    family = GaugeMetricFamily(
+        "kvfuse_cpu_backend_info",
+        "The CPU path the model was loaded with (kernels: auto | on | off): whether kvfuse's "
+        "kernels run (kernels) and the projections' form (weights).",
+        labels=sorted(info),
+    )
+    family.add_metric([info[k] for k in sorted(info)], 1)
+    yield family
 
 
 def _blend_metrics(s: dict) -> Iterator[Metric]:

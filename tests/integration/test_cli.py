@@ -59,6 +59,21 @@ def test_models_list_shows_both_builtins(smollm2_ready):
     assert rows["smollm2"].split()[1] == "ready"
 
 
+def test_models_list_names_the_cpu_backend():
+    """The CPU path a model would load with: a line after the models, from ``kernels``."""
+    proc = kvfuse(["models", "list"], env_extra={"KVFUSE_KERNELS": "off", "KVFUSE_DEVICE": "cpu"})
+    assert proc.returncode == 0, proc.stderr
+    line = proc.stdout.splitlines()[-1]
+    assert line == "CPU backend: kernels off (kernels: off), weights plain (device cpu, float32)"
+    proc = kvfuse(["models", "list"], env_extra={"KVFUSE_DEVICE": "cpu"})
+    assert proc.returncode == 0 and "CPU backend: " in proc.stdout, proc.stderr
+    assert_user_error(
+        kvfuse(["models", "list"], env_extra={"KVFUSE_KERNELS": "fast"}),
+        "kernels:",
+        "KVFUSE_KERNELS",
+    )
+
+
 def test_pulling_an_unknown_model_lists_the_known_names():
     assert_user_error(kvfuse(["models", "pull", "bogus"]), "'bogus'", "smollm2", "gemma3-270m")
 

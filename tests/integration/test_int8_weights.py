@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from kvfuse_helpers import builtin_folder, load_builtin, long_text, model_home
 
 from kvfuse.config import load_config
-from kvfuse.models import kernels, load_model
+from kvfuse.models import load_model
+from kvfuse.models.cpu import kernels
 from kvfuse.models.packed import BlockedWeight
 from kvfuse.models.quant import Int8Weight, weight_bytes
 from kvfuse.runtime import open_model

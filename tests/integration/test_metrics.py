@@ -64,6 +64,16 @@ def test_metrics_parse_and_name_every_family(server):
     assert ("kvfuse_tier_hits_total", (("tier", "disk"),)) in samples
 
 
+def test_the_cpu_backend_is_an_info_gauge(server):
+    """The CPU path chosen at load (``kernels: auto``): one series, its labels naming the choice."""
+    info = [labels for name, labels in scrape(server) if name == "kvfuse_cpu_backend_info"]
+    assert len(info) == 1
+    labels = dict(info[0])
+    assert labels["kernels"] in ("on", "off")
+    assert labels["weights"] in ("plain", "blocked-fp32", "onednn-fp32")  # weights: auto
+    assert value(scrape(server), "kvfuse_cpu_backend_info", **labels) == 1
+
+
 def test_counters_move_with_requests(server):
     client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
     prompt = " ".join(f"Step {i}: add {i} to the total." for i in range(45)) + "\nThe total is"

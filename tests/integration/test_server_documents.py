@@ -200,8 +200,8 @@ def test_metrics_count_blends(client, server):
 def test_usage_and_metrics_say_which_budget_was_used(client, server, engine):
     """The configured budget, a request's own, and ``auto`` (the model's calibrated profile, or the
     conservative default without one): each response says which, and ``/metrics`` counts them."""
-    from kvfuse.calibration import profile
     from kvfuse.config import BlendOptions
+    from kvfuse.config import profiles as profile
 
     def blend_of(**extra) -> dict:
         got = client.completions.create(

@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvfuse.models import attention, kernels
+from kvfuse.models import attention
+from kvfuse.models.cpu import kernels
 from kvfuse.models.transformer import BatchItem
 
 FAMILIES = ["llama", "qwen3", "gemma3"]

@@ -9,10 +9,11 @@ import logging
 
 import pytest
 
-from kvfuse.calibration import calibrate, fictional_qa, profile
+from kvfuse.calibration import calibrate, fictional_qa
 from kvfuse.calibration.choose import Measurement, Targets, choose
 from kvfuse.calibration.measure import configurations, correct, measure
 from kvfuse.config import BlendOptions, EngineSettings
+from kvfuse.config import profiles as profile
 from kvfuse.engine import Engine, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.tiers import MemoryTier, TieredStore

@@ -10,10 +10,11 @@ import math
 
 import pytest
 
-from kvfuse.calibration import codec_level, fictional_qa, profile
+from kvfuse.calibration import codec_level, fictional_qa
 from kvfuse.codecs import get_codec
 from kvfuse.codecs.cachegen import DEFAULT_LEVEL, CacheGenCodec
 from kvfuse.config import EngineSettings
+from kvfuse.config import profiles as profile
 from kvfuse.engine import Engine
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 from kvfuse.tiers.results import StoreCounters

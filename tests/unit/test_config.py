@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from kvfuse.config import CacheConfig, Config, ConfigError, ServerConfig, load_config
+from kvfuse.config import (
+    CacheConfig,
+    Config,
+    ConfigError,
+    ServerConfig,
+    default_kernels,
+    load_config,
+)
 
 # ------------------------------------------------------------------------------ precedence
 
@@ -304,6 +311,39 @@ def test_the_weights_setting_lists_its_values_and_is_cpu_only(tmp_path):
         assert message.startswith("weights:") and "CPU only" in message and device in message
     assert load_config(overrides={"weights": "int8", "device": "cpu"}).weights == "int8"
     assert load_config(overrides={"weights": "int8"}).device == "auto"  # the loader picks the CPU
+
+
+@pytest.mark.parametrize(
+    "written,expected",
+    [
+        ("auto", "auto"),
+        ("on", "on"),
+        ("off", "off"),
+        ("OFF", "off"),
+        ("0", "off"),  # what KVFUSE_KERNELS took before it was a setting
+        ("false", "off"),
+        ("no", "off"),
+        ("1", "on"),
+    ],
+)
+def test_the_kernels_setting_from_env_and_flags(written, expected):
+    assert Config().kernels == "auto"
+    assert load_config(env={"KVFUSE_KERNELS": written}).kernels == expected
+    assert load_config(overrides={"kernels": written}).kernels == expected
+    assert default_kernels({"KVFUSE_KERNELS": written}) == expected
+
+
+def test_the_kernels_setting_in_a_file_and_its_errors(tmp_path):
+    assert load_config(_write(tmp_path, "kernels: off\n")).kernels == "off"  # YAML: False
+    assert load_config(_write(tmp_path, "kernels: on\n")).kernels == "on"  # YAML: True
+    assert default_kernels({}) == "auto"
+    message = _error(env={"KVFUSE_KERNELS": "fast"})
+    assert message.startswith("kernels:") and "auto" in message and "'fast'" in message
+    assert "KVFUSE_KERNELS" in message
+    message = _error(_write(tmp_path, {"kernels": "on", "device": "cuda"}))
+    assert message.startswith("kernels:") and "cuda" in message and "kernels: auto" in message
+    with pytest.raises(ConfigError, match="KVFUSE_KERNELS"):
+        default_kernels({"KVFUSE_KERNELS": "sometimes"})
 
 
 def test_unknown_setting_in_the_file_names_it_the_file_and_the_valid_ones(tmp_path):

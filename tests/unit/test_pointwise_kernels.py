@@ -4,6 +4,8 @@ gelu-tanh gating, RoPE with full and partial rotation; and the fallbacks (no ker
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -116,11 +118,11 @@ def test_fused_layer_halves_compute_the_step_by_step_path(ops, tiny_model_dir, f
     from kvfuse.models.transformer import BatchItem
 
     runner = load_folder(tiny_model_dir(family), weights=weights)
-    assert runner._fused
+    assert runner.backend.fused
     ids = torch.randint(3, 500, (29,), generator=_g(4)).tolist()
     outs = []
     for fused in (True, False):
-        runner._fused = fused
+        runner.backend = dataclasses.replace(runner.backend, fused=fused)
         caches = [runner.new_cache(64), runner.new_cache(64)]
         first = runner.forward(ids, caches[0], logits="all")
         runner.forward(ids[:11], caches[1], logits="none")
@@ -156,14 +158,17 @@ def test_whole_stack_in_one_call_is_the_layer_loop_bit_for_bit(
     from kvfuse.models.transformer import BatchItem
 
     runner = load_folder(tiny_model_dir(family), weights=weights)
-    assert runner._stack is not None and len(runner._stack) == runner.config.num_layers
+    assert (
+        runner.backend.stack is not None and len(runner.backend.stack) == runner.config.num_layers
+    )
     calls = []
     real = ops.run_stack
     monkeypatch.setattr(ops, "run_stack", lambda *a: calls.append(1) or real(*a))
     ids = torch.randint(3, 500, (40,), generator=_g(5)).tolist()
     results = []
+    full = runner.backend
     for stacked in (True, False):
-        runner._stack = runner._build_stack() if stacked else None
+        runner.backend = full if stacked else dataclasses.replace(full, stack=None)
         caches = [runner.new_cache(80, dtype=kv_dtype) for _ in range(3)]
         for cache, n in zip(caches, (40, 23, 9)):
             runner.forward(ids[:n], cache, logits="none")

@@ -27,12 +27,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from kvfuse.config import CacheConfig, Config, ConfigError, load_config
+from kvfuse.config import CacheConfig, Config, ConfigError, load_from_environment
 from kvfuse.kv.keys import Namespace, layout_of
 
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
@@ -75,10 +74,10 @@ def read_settings(
     extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None
 ) -> ConnectorSettings:
     """The settings of ``kv_connector_extra_config`` over kvfuse's configuration (the YAML file
-    named by ``config`` or ``$KVFUSE_CONFIG``, then ``KVFUSE_*`` variables of ``env``);
-    ConfigError naming the setting on anything unknown or invalid."""
+    named by ``config`` or ``$KVFUSE_CONFIG``, then ``KVFUSE_*`` variables of ``env``, default
+    this process's environment, read by ``kvfuse.config``); ConfigError naming the setting on
+    anything unknown or invalid."""
     extra = dict(extra or {})
-    env = dict(os.environ if env is None else env)
     options: dict[str, Any] = {}
     overrides: dict[str, Any] = {}
     for key, value in extra.items():
@@ -102,7 +101,7 @@ def read_settings(
                 f"unknown setting {key!r} in {_SOURCE}; valid settings: {', '.join(valid)}"
             )
     try:
-        config = load_config(options.get("config"), env, overrides)
+        config = load_from_environment(options.get("config"), overrides, env)
     except ConfigError as e:
         raise ConfigError(str(e).replace("(from command line)", f"(from {_SOURCE})")) from None
     if not config.cache.enabled:

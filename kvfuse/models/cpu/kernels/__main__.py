@@ -1,4 +1,4 @@
-"""``python -m kvfuse.models.kernels``: build the CPU kernels now (exit 1 if they cannot be built)."""
+"""``python -m kvfuse.models.cpu.kernels``: build the CPU kernels now (exit 1 if they cannot be built)."""
 
 import logging
 import sys

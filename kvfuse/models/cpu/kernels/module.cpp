@@ -1,4 +1,4 @@
-// The Python module of kvfuse's CPU kernels (kvfuse.models.kernels.get()).
+// The Python module of kvfuse's CPU kernels (kvfuse.models.cpu.kernels.get()).
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

@@ -1,5 +1,5 @@
 // Batched attention of a few queries per sequence over every running sequence's own KV cache,
-// in one call per layer: the CPU kernel behind kvfuse.models.kernels (see its docstring for why).
+// in one call per layer: the CPU kernel behind kvfuse.models.cpu.kernels (its docstring says why).
 //
 // Each sequence keeps its KV in its own buffer `kv` of shape (layers, 2, kv_heads, capacity,
 // head_dim) (float32, float16 or bfloat16) with `positions` (int64, capacity). A query at position

@@ -1,13 +1,18 @@
 """A model's measured blend profile, and how ``recompute_ratio: auto`` becomes a concrete blend.
 
+Profiles are configuration data: what ``recompute_ratio: auto`` and ``codec_level: 0`` mean for
+one model. They live here, beside the settings they complete, so that the engine reads them
+(``find``, ``resolve``, ``codec_level``) without depending on ``kvfuse.calibration``, which
+measures models by running the engine and writes its results through ``save``.
+
 A profile is a JSON file made by ``kvfuse calibrate MODEL``: the blend options that keep the
 model's answers (method, budget, check layer, deviation, document context), the measurements
 they were chosen from, and the command that made them; optionally (``codec``) the CacheGen level
-a codec configured at level 0 uses for this model (``codec_level.py``; a profile without it, as
+a codec configured at level 0 uses for this model (``kvfuse.calibration.codec_level``; a profile without it, as
 older ones are, leaves the default level). It is tied to the model's fingerprint
 (architecture and weight files), so a profile never applies to another model or to changed
 weights. Lookup order: the user's calibrations (``<home>/profiles/<fingerprint>.json``), then the
-profiles shipped for the built-in models (``kvfuse/calibration/profiles/``).
+profiles shipped for the built-in models (``kvfuse/config/profiles/``).
 
 ``resolve`` turns options whose ``recompute_ratio`` is ``auto`` into the profile's blend; a model
 without a profile gets ``CONSERVATIVE`` (a large budget that rarely loses answers, but slower)
@@ -27,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from kvfuse.codecs.cachegen import LEVELS
-from kvfuse.config import BlendOptions
+
+from .sections import BlendOptions
 
 log = logging.getLogger(__name__)
 
@@ -121,10 +127,15 @@ def path_for(folder: Path, fingerprint: str) -> Path:
 
 
 def save(profile: BlendProfile, folder: Path) -> Path:
-    """Write ``profile`` atomically as ``<folder>/<fingerprint>.json``."""
-    folder = Path(folder)
+    """Write ``profile`` atomically as ``<folder>/<fingerprint>.json`` (where ``find`` looks)."""
+    return write(profile, path_for(folder, profile.fingerprint))
+
+
+def write(profile: BlendProfile, target: Path) -> Path:
+    """Write ``profile`` atomically to the file ``target`` (its folder made if needed)."""
+    target = Path(target)
+    folder = target.parent
     folder.mkdir(parents=True, exist_ok=True)
-    target = path_for(folder, profile.fingerprint)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".profile-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

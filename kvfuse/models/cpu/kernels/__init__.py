@@ -3,7 +3,7 @@
 - ``batch_attention.cpp``: attention of every decoding sequence of a batched step, and the write
   of their fresh K/V (below);
 - ``linear.cpp``: the projections, for float32 and int8 weights in blocks of 16 output channels
-  (``packed.BlockedWeight`` says why);
+  (``models.packed.BlockedWeight`` says why);
 - ``pointwise.cpp``: RMSNorm (with the residual add before it), the gated activation and RoPE,
   one call each instead of several PyTorch operators (``models.pointwise``);
 - ``layer.cpp``: the two halves of a layer around attention (``Transformer.project`` and
@@ -20,12 +20,15 @@ with the same position mask as ``attention.position_mask`` (sliding windows and 
 included), in one call per layer; ``write_kv`` likewise writes a step's fresh K/V rows into every
 sequence's buffer in one call.
 
-The module is compiled once per machine with ``torch.utils.cpp_extension`` (g++ and ninja; about
-two minutes on 2 cores) into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``). ``get()`` returns the built module, or None when it cannot be
-built (no compiler, not x86, ``KVFUSE_KERNELS=off``): the runner then keeps its PyTorch path,
-which computes the same numbers up to float rounding. ``python -m kvfuse.models.kernels`` builds
-it ahead of time (``scripts/install.sh`` does). It is built with OpenMP: ``at::parallel_for``
+The module is compiled once per machine and checkout with ``torch.utils.cpp_extension`` (g++ and
+ninja; about two minutes on 2 cores) into PyTorch's extension folder (``$TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``), under a name that includes a digest of this folder's path:
+the build records its sources' paths, so two checkouts on one machine (git worktrees) sharing one
+name would rebuild it for each other at every switch. ``get()`` returns the built module, or None
+when it cannot be built (no compiler, not x86): whether the runner uses it is the backend's
+choice (``models.cpu.backend``, from the ``kernels`` setting), not this module's; without it the
+runner keeps its PyTorch path, which computes the same numbers up to float rounding.
+``python -m kvfuse.models.cpu.kernels`` builds it ahead of time (``scripts/install.sh`` does). It is built with OpenMP: ``at::parallel_for``
 in a header compiled without it runs on one thread, which is how the attention kernel ran
 until the module was rebuilt with ``-fopenmp`` (the symbols resolve to PyTorch's own OpenMP
 runtime, so ``torch.set_num_threads`` governs the kernels too).
@@ -33,16 +36,17 @@ runtime, so ``torch.set_num_threads`` governs the kernels too).
 
 from __future__ import annotations
 
+import hashlib
 import logging
-import os
 import threading
 from pathlib import Path
 from types import ModuleType
 
 log = logging.getLogger(__name__)
 
+_DIR = Path(__file__).resolve().parent
 _SOURCES = [
-    Path(__file__).with_name(f)
+    _DIR / f
     for f in (
         "module.cpp",
         "batch_attention.cpp",
@@ -52,32 +56,34 @@ _SOURCES = [
         "stack.cpp",
     )
 ]
-_NAME = (
-    "kvfuse_cpu_kernels_v8"  # bump when the sources change in a way the build cache must not reuse
-)
+# v8: bump when the sources change in a way the build cache must not reuse; the digest: one build
+# per checkout (see the module docstring).
+_NAME = "kvfuse_cpu_kernels_v8_" + hashlib.sha256(str(_DIR).encode()).hexdigest()[:8]
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
 
-def enabled() -> bool:
-    """False when ``KVFUSE_KERNELS`` is ``off`` (or ``0``/``false``)."""
-    return os.environ.get("KVFUSE_KERNELS", "auto").strip().lower() not in (
-        "off",
-        "0",
-        "false",
-        "no",
-    )
-
-
 def get() -> ModuleType | None:
-    """The compiled kernel module, building it on first use; None if disabled or it cannot be built
-    (logged once, with the reason)."""
-    if not enabled():
-        return None
+    """The compiled kernel module, building it on first use; None if it cannot be built (logged
+    once, with the reason)."""
     with _lock:
         if "module" not in _state:
             _state["module"] = _build()
         return _state["module"]
+
+
+def built() -> bool:
+    """Whether the module is loaded or compiled already, so that ``get`` would not build it now
+    (``kvfuse models list`` asks, and builds nothing)."""
+    if _state.get("module") is not None:
+        return True
+    try:
+        from torch.utils import cpp_extension
+
+        folder = Path(cpp_extension._get_build_directory(_NAME, verbose=False))
+    except Exception:  # another PyTorch's internals: say not built, never fail a listing
+        return False
+    return (folder / f"{_NAME}.so").is_file()
 
 
 def _flags() -> list[str]:
@@ -106,7 +112,7 @@ def _build() -> ModuleType | None:
     except Exception as exc:  # no compiler, no ninja, headers missing: the PyTorch path still works
         log.warning(
             "CPU kernels unavailable (%s: %s); using PyTorch's attention and projections "
-            "(set KVFUSE_KERNELS=off to skip the attempt)",
+            "(kernels: off, or KVFUSE_KERNELS=off, skips the attempt)",
             type(exc).__name__,
             str(exc).splitlines()[0][:200],
         )
