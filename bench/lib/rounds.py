@@ -1,0 +1,69 @@
+"""Interleaved rounds and their summary.
+
+A benchmark that compares candidates (engines, modes, configurations) runs every candidate once
+per round, round after round, rather than each candidate's repetitions back to back: a slow
+stretch of the shared machine then hits every candidate alike. The summary of a candidate's
+samples is the median with the min and max beside it (the spread the tables show)."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def median(xs: Iterable[float]) -> float:
+    return statistics.median(list(xs))
+
+
+def spread(xs: Iterable[float], suffix: str = "", prefix: str = "") -> dict[str, float]:
+    """``{prefix + "median" + suffix, ... "min" ..., ... "max" ...}`` of ``xs``; e.g.
+    ``spread(s, "_tok_s")`` -> ``median_tok_s``, ``min_tok_s``, ``max_tok_s``."""
+    xs = list(xs)
+    return {
+        f"{prefix}median{suffix}": statistics.median(xs),
+        f"{prefix}min{suffix}": min(xs),
+        f"{prefix}max{suffix}": max(xs),
+    }
+
+
+def order(names: list[str], round_index: int, alternate: bool) -> list[str]:
+    """The candidates' order in a round: as given, or reversed every other round."""
+    return names[::-1] if alternate and round_index % 2 else list(names)
+
+
+def interleaved(
+    candidates: Mapping[str, Callable[[], T]],
+    rounds: int,
+    *,
+    alternate: bool = False,
+    before_round: Callable[[int], None] | None = None,
+    after_each: Callable[[str, T], None] | None = None,
+    after_round: Callable[[int, dict[str, list[T]]], None] | None = None,
+) -> dict[str, list[T]]:
+    """Run every candidate once per round for ``rounds`` rounds; each candidate's samples in order.
+
+    ``alternate`` reverses the order every other round (so that no candidate always runs first);
+    the hooks see the round index before it, each sample as it comes, and the samples so far
+    after each round (progress lines, machine-load marks, a checkpoint)."""
+    samples: dict[str, list[T]] = {name: [] for name in candidates}
+    for r in range(rounds):
+        if before_round is not None:
+            before_round(r)
+        for name in order(list(candidates), r, alternate):
+            sample = candidates[name]()
+            samples[name].append(sample)
+            if after_each is not None:
+                after_each(name, sample)
+        if after_round is not None:
+            after_round(r, samples)
+    return samples
+
+
+def summarize(
+    samples: Mapping[str, list[float]], suffix: str = "", prefix: str = ""
+) -> dict[str, dict[str, float]]:
+    """``spread`` of every candidate's samples."""
+    return {name: spread(xs, suffix, prefix) for name, xs in samples.items()}
