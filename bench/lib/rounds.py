@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -35,25 +35,26 @@ def order(names: list[str], round_index: int, alternate: bool) -> list[str]:
 
 
 def interleaved(
-    candidates: Mapping[str, Callable[[], T]],
+    candidates: Mapping[Any, Callable[[int], T]],
     rounds: int,
     *,
     alternate: bool = False,
     before_round: Callable[[int], None] | None = None,
-    after_each: Callable[[str, T], None] | None = None,
-    after_round: Callable[[int, dict[str, list[T]]], None] | None = None,
-) -> dict[str, list[T]]:
-    """Run every candidate once per round for ``rounds`` rounds; each candidate's samples in order.
+    after_each: Callable[[Any, T], None] | None = None,
+    after_round: Callable[[int, dict], None] | None = None,
+) -> dict:
+    """Run every candidate once per round for ``rounds`` rounds (called with the round index);
+    each candidate's samples, in round order.
 
     ``alternate`` reverses the order every other round (so that no candidate always runs first);
     the hooks see the round index before it, each sample as it comes, and the samples so far
     after each round (progress lines, machine-load marks, a checkpoint)."""
-    samples: dict[str, list[T]] = {name: [] for name in candidates}
+    samples: dict = {name: [] for name in candidates}
     for r in range(rounds):
         if before_round is not None:
             before_round(r)
         for name in order(list(candidates), r, alternate):
-            sample = candidates[name]()
+            sample = candidates[name](r)
             samples[name].append(sample)
             if after_each is not None:
                 after_each(name, sample)
