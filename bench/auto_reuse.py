@@ -49,10 +49,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blend import f1
-from common import DATA, OUT, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.blend import f1
+from bench.lib.paths import DATA, OUT
+from bench.lib.results import environment, print_table
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import BASE_MODELS, QUESTION, correct
 

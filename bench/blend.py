@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, OUT, drop_page_cache, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.data import drop_page_cache
+from bench.lib.paths import DATA, OUT
+from bench.lib.results import environment, print_table
 from kvfuse.blend import BlendOptions
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import correct, kl, normalize

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blend import open_engine, qa_prompt
-from common import OUT, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.blend import open_engine, qa_prompt
+from bench.lib.paths import OUT
+from bench.lib.results import environment, print_table
 from kvfuse.blend import select as sel
 from kvfuse.blend.blender import _attention_mass
 from kvfuse.calibration import fictional_qa

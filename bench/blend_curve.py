@@ -30,9 +30,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.paths import OUT
+from bench.lib.results import environment, print_table
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import configurations, measure
 from kvfuse.config import BlendOptions, EngineSettings

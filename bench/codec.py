@@ -65,7 +65,9 @@ sys.path.insert(0, str(REPO))
 import numpy as np
 import torch
 
-from bench.common import DATA, dev_text_tokens, plot_path, print_table, write_json
+from bench.lib.data import dev_text_tokens
+from bench.lib.paths import DATA
+from bench.lib.results import plot_path, print_table, write_json
 from kvfuse.codecs import get_codec
 from kvfuse.codecs.cachegen import LEVELS, LevelBins
 from kvfuse.entropy import layer as coded_layer
@@ -554,8 +556,7 @@ def run_quality(args, checkpoint=None) -> dict:
 
 def run_fictional(args) -> dict:
     sys.path.insert(0, str(REPO / "bench"))
-    from blend import correct, qa_prompt
-
+    from bench.blend import correct, qa_prompt
     from kvfuse.calibration import fictional_qa
     from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine

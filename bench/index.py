@@ -28,9 +28,8 @@ import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, print_table, write_json
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.results import environment, print_table, write_json
 from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 from kvfuse.tiers.key_index import KeyIndex

@@ -33,7 +33,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import OUT, environment, median, print_table
+from bench.lib.paths import OUT
+from bench.lib.results import environment, print_table
+from bench.lib.rounds import median
 
 LAYERS, HEADS, KV_HEADS, DIM = 30, 9, 3, 64
 BLOCK = 16

@@ -51,7 +51,8 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from bench.common import DATA, plot_path, print_table, write_json
+from bench.lib.paths import DATA
+from bench.lib.results import plot_path, print_table, write_json
 from kvfuse.config import load_config
 from kvfuse.generation import SamplingParams
 from kvfuse.runtime import open_engine, open_model

@@ -16,10 +16,16 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import sys
 import time
+from pathlib import Path
 
 import torch
-from common import dev_text_tokens, median, plot_path, print_table, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.data import dev_text_tokens
+from bench.lib.results import plot_path, print_table, write_json
+from bench.lib.rounds import median
 
 
 def sync(device) -> None:

@@ -68,8 +68,10 @@ import time
 from pathlib import Path
 
 import torch
-from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.paths import DATA, MUSIQUE_DEV, OUT, REPO
+from bench.lib.results import environment, print_table
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry, read_entry

@@ -41,7 +41,8 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from bench.common import DATA, plot_path, print_table, write_json
+from bench.lib.paths import DATA
+from bench.lib.results import plot_path, print_table, write_json
 from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine

@@ -30,8 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import DATA, MUSIQUE_DEV, OUT, drop_page_cache, environment
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.data import drop_page_cache
+from bench.lib.paths import DATA, MUSIQUE_DEV, OUT
+from bench.lib.results import environment
 from kvfuse_testkit import LocalRedis
 
 DEV = MUSIQUE_DEV  # musique_s.json: 0-49 dev, 50-149 test (never used here)

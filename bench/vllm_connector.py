@@ -45,8 +45,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import DATA, OUT, drop_page_cache, environment, print_table
-from vllm_server import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.data import drop_page_cache
+from bench.lib.paths import DATA, OUT
+from bench.lib.results import environment, print_table
+from bench.lib.vllm import (
     DEFAULT_PYTHON,
     VLLMServer,
     connector_config,
@@ -55,7 +58,6 @@ from vllm_server import (
     metric_total,
     scrape_metrics,
 )
-
 from kvfuse_testkit import LocalRedis
 
 CONFIGS = ("vllm", "kvfuse-disk", "kvfuse-redis")
@@ -118,8 +120,7 @@ def make_prompts(
     folder: Path, data: Path, lengths: list[int], per_length: int
 ) -> dict[int, list[list[int]]]:
     """Non-overlapping slices of MuSiQue dev documents' token ids: ``per_length`` prompts per length."""
-    from common import musique
-
+    from bench.lib.data import musique
     from kvfuse.models.tokenizer import Tokenizer
 
     if not data.is_file():
