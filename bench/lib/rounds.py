@@ -29,8 +29,12 @@ def spread(xs: Iterable[float], suffix: str = "", prefix: str = "") -> dict[str,
     }
 
 
-def order(names: list[str], round_index: int, alternate: bool) -> list[str]:
-    """The candidates' order in a round: as given, or reversed every other round."""
+def order(names: list, round_index: int, alternate: bool = False, rotate: bool = False) -> list:
+    """The candidates' order in a round: as given, reversed every other round (``alternate``), or
+    rotated by one more place each round (``rotate``: round r starts with candidate r)."""
+    if rotate and names:
+        k = round_index % len(names)
+        return list(names[k:]) + list(names[:k])
     return names[::-1] if alternate and round_index % 2 else list(names)
 
 
@@ -39,6 +43,7 @@ def interleaved(
     rounds: int,
     *,
     alternate: bool = False,
+    rotate: bool = False,
     before_round: Callable[[int], None] | None = None,
     after_each: Callable[[Any, T], None] | None = None,
     after_round: Callable[[int, dict], None] | None = None,
@@ -46,14 +51,15 @@ def interleaved(
     """Run every candidate once per round for ``rounds`` rounds (called with the round index);
     each candidate's samples, in round order.
 
-    ``alternate`` reverses the order every other round (so that no candidate always runs first);
+    ``alternate`` reverses the order every other round, ``rotate`` rotates it (so that no
+    candidate always runs first);
     the hooks see the round index before it, each sample as it comes, and the samples so far
     after each round (progress lines, machine-load marks, a checkpoint)."""
     samples: dict = {name: [] for name in candidates}
     for r in range(rounds):
         if before_round is not None:
             before_round(r)
-        for name in order(list(candidates), r, alternate):
+        for name in order(list(candidates), r, alternate, rotate):
             sample = candidates[name](r)
             samples[name].append(sample)
             if after_each is not None:
