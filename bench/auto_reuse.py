@@ -52,7 +52,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.blend import f1
 from bench.lib.paths import DATA, OUT
-from bench.lib.results import environment, print_table
+from bench.lib.results import environment, plot_path, print_table, write_json
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import BASE_MODELS, QUESTION, correct
 
@@ -420,71 +420,58 @@ def _scored(got: dict, it, full: dict) -> dict:
 
 def report(result: dict) -> None:
     for m in result["models"]:
-        sp = m.get("speed")
-        if sp:
-            print(
-                f"\n{m['model']}: MuSiQue {result['split']} split, {m['examples']} examples x {m['runs']} runs, "
-                f"10 passages of {m['words']} words (~{sp['summary']['full prefill']['prompt_tokens']:.0f} tokens)"
-            )
-            print_table(
-                [
-                    "configuration",
-                    "TTFT ms",
-                    "speed-up",
-                    "found",
-                    "reused",
-                    "F1 vs full",
-                    "F1 gold",
-                ],
-                [
-                    [
-                        name,
-                        s["ttft_ms_median"],
-                        s["speedup_vs_full_prefill"],
-                        s["doc_tokens_found"],
-                        s["doc_tokens_reused"],
-                        s["f1_vs_full"],
-                        s["f1_gold"],
-                    ]
-                    for name, s in sp["summary"].items()
-                ],
-            )
-        ns = m.get("no_shared_content")
-        if ns:
-            rp = ns["request_path"]
-            print(
-                f"no shared content: TTFT on / off {ns['ratio_on_vs_off']:.3f} (medians of {len(ns['ttft_ms_on'])} "
-                f"alternating pairs); in-process, automatic reuse adds {rp['added_ms']:.2f} ms to a request "
-                f"of {rp['on']['prompt_tokens']} tokens ({rp['on']['content_chunks']} content chunks: keying "
-                f"{rp['off']['keying_ms']:.2f} -> {rp['on']['keying_ms']:.2f} ms, lookup "
-                f"{rp['off']['lookup_ms']:.2f} -> {rp['on']['lookup_ms']:.2f} ms)"
-            )
-        q = m.get("quality")
-        if q:
-            print(
-                f"\n{m['model']}: fictional QA {q['split']} split, {q['items']} items, plain prompts"
-            )
-            print_table(
-                [
-                    "configuration",
-                    "accuracy",
-                    "vs full",
-                    "same answer",
-                    "span reused",
-                    "auto_reuse",
-                ],
-                [
-                    [
-                        name,
-                        s["accuracy"],
-                        s["accuracy_vs_full"] if s["accuracy_vs_full"] is not None else "-",
-                        s["agrees_with_full"],
-                        s["span_reused_tokens"],
-                        ",".join(s["auto_reuse"]),
-                    ]
-                    for name, s in q["summary"].items()
-                ],
-            )
+        if m.get("speed"):
+            report_speed(m, result["split"])
+        if m.get("no_shared_content"):
+            report_no_shared(m["no_shared_content"])
+        if m.get("quality"):
+            report_quality(m)
+
+
+def report_speed(m: dict, split: str) -> None:
+    sp = m["speed"]
+    print(
+        f"\n{m['model']}: MuSiQue {split} split, {m['examples']} examples x {m['runs']} runs, "
+        f"10 passages of {m['words']} words (~{sp['summary']['full prefill']['prompt_tokens']:.0f} tokens)"
+    )
+    keys = ["ttft_ms_median", "speedup_vs_full_prefill", "doc_tokens_found", "doc_tokens_reused"]
+    print_table(
+        ["configuration", "TTFT ms", "speed-up", "found", "reused", "F1 vs full", "F1 gold"],
+        [
+            [name, *(s[k] for k in keys), s["f1_vs_full"], s["f1_gold"]]
+            for name, s in sp["summary"].items()
+        ],
+    )
+
+
+def report_no_shared(ns: dict) -> None:
+    rp = ns["request_path"]
+    print(
+        f"no shared content: TTFT on / off {ns['ratio_on_vs_off']:.3f} (medians of {len(ns['ttft_ms_on'])} "
+        f"alternating pairs); in-process, automatic reuse adds {rp['added_ms']:.2f} ms to a request "
+        f"of {rp['on']['prompt_tokens']} tokens ({rp['on']['content_chunks']} content chunks: keying "
+        f"{rp['off']['keying_ms']:.2f} -> {rp['on']['keying_ms']:.2f} ms, lookup "
+        f"{rp['off']['lookup_ms']:.2f} -> {rp['on']['lookup_ms']:.2f} ms)"
+    )
+
+
+def report_quality(m: dict) -> None:
+    q = m["quality"]
+    print(f"\n{m['model']}: fictional QA {q['split']} split, {q['items']} items, plain prompts")
+    print_table(
+        ["configuration", "accuracy", "vs full", "same answer", "span reused", "auto_reuse"],
+        [
+            [
+                name,
+                s["accuracy"],
+                s["accuracy_vs_full"] if s["accuracy_vs_full"] is not None else "-",
+                s["agrees_with_full"],
+                s["span_reused_tokens"],
+                ",".join(s["auto_reuse"]),
+            ]
+            for name, s in q["summary"].items()
+        ],
+    )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -579,10 +566,8 @@ def main(argv=None) -> None:
     result["load_average_end"] = os.getloadavg()
     report(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out.with_suffix('.json')}")
-    plot(result, out.with_suffix(".png"))
+    print(f"wrote {write_json(out, result, add_environment=False, indent=1, default=str)}")
+    plot(result, plot_path(out))
 
 
 if __name__ == "__main__":

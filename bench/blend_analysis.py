@@ -20,7 +20,6 @@ full prefill of the same prompt computes, and reports:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.blend import open_engine, qa_prompt
 from bench.lib.paths import OUT
-from bench.lib.results import environment, print_table
+from bench.lib.results import environment, print_table, write_json
 from kvfuse.blend import select as sel
 from kvfuse.blend.blender import _attention_mass
 from kvfuse.calibration import fictional_qa
@@ -144,18 +143,13 @@ def main(argv=None) -> None:
             results.append(res)
             report(res, args)
         engine.close()
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "benchmark": "blend_analysis",
-                "environment": environment(),
-                "split": args.split,
-                "results": results,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {args.out}")
+    payload = {
+        "benchmark": "blend_analysis",
+        "environment": environment(),
+        "split": args.split,
+        "results": results,
+    }
+    print(f"wrote {write_json(Path(args.out), payload, indent=1)}")
 
 
 def report(res: dict, args) -> None:

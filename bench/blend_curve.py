@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.lib.paths import OUT
-from bench.lib.results import environment, print_table
+from bench.lib.results import environment, plot_path, print_table, write_json
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import configurations, measure
 from kvfuse.config import BlendOptions, EngineSettings
@@ -194,14 +194,9 @@ def main(argv=None) -> None:
         results = [run_model(m, args, home) for m in args.models.split(",")]
     report(results)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {"benchmark": "blend_curve", "environment": environment(), "results": results}, indent=1
-        )
-    )
-    print(f"wrote {out.with_suffix('.json')}")
-    plot(results, out.with_suffix(".png"))
+    payload = {"benchmark": "blend_curve", "environment": environment(), "results": results}
+    print(f"wrote {write_json(out, payload, indent=1)}")
+    plot(results, plot_path(out))
 
 
 if __name__ == "__main__":

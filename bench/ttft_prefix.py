@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.lib.data import drop_page_cache
 from bench.lib.paths import DATA, MUSIQUE_DEV, OUT
-from bench.lib.results import environment
+from bench.lib.results import environment, plot_path, write_json
 from kvfuse_testkit import LocalRedis
 
 DEV = MUSIQUE_DEV  # musique_s.json: 0-49 dev, 50-149 test (never used here)
@@ -344,10 +344,9 @@ def main(argv=None) -> int:
     result["verdict"] = verdict(result)
     print_table(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    path = write_json(out, result)
+    plot(result, plot_path(out))
+    print(f"wrote {path} and {plot_path(out)}")
     return 0
 
 
