@@ -53,6 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.blend import f1
 from bench.lib.paths import DATA, OUT
 from bench.lib.results import environment, plot_path, print_table, write_json
+from bench.lib.rounds import interleaved
+from bench.lib.rounds import order as round_order
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import BASE_MODELS, QUESTION, correct
 
@@ -239,9 +241,13 @@ def speed(args, bench: Bench, tokenizer) -> dict:
                     max_tokens=1,
                 )
         rng = random.Random(1000 * e)
-        for run in range(args.runs):
-            order = rng.sample(range(len(docs)), len(docs))
-            for name, mode, budget in configs:
+        order: list[int] = []
+
+        def shuffle(_run: int) -> None:  # each round: a new order of the passages
+            order[:] = rng.sample(range(len(docs)), len(docs))
+
+        def config(name, mode, budget, ex=ex, e=e, docs=docs, doc_tokens=doc_tokens, salts=salts):
+            def one(run: int) -> None:
                 got = bench.ask(
                     [docs[i] for i in order], ex["question"], mode, budget, salt=salts[name]
                 )
@@ -255,7 +261,17 @@ def speed(args, bench: Bench, tokenizer) -> dict:
                         **got,
                     }
                 )
-            print(f"  {bench.model}: example {e} run {run} done", flush=True)
+
+            return one
+
+        interleaved(
+            {name: config(name, mode, budget) for name, mode, budget in configs},
+            args.runs,
+            before_round=shuffle,
+            after_round=lambda run, _s, e=e: print(
+                f"  {bench.model}: example {e} run {run} done", flush=True
+            ),
+        )
     return summarize_speed(cells, configs)
 
 
@@ -292,11 +308,7 @@ def no_shared_content(args, bench: Bench, home: Path) -> dict:
     for r in range(args.pairs):
         ex = rows[args.examples + r % 3]
         docs = [" ".join(c["text"].split()[: args.words]) for c in ex["ctxs"]]
-        pair = (
-            [("on", "auto"), ("off", "prefix")]
-            if r % 2 == 0
-            else [("off", "prefix"), ("on", "auto")]
-        )
+        pair = round_order([("on", "auto"), ("off", "prefix")], r, alternate=True)
         for label, mode in pair:
             # a budget of its own: automatic reuse looks up even where the model's blend is prefix
             got = bench.ask(

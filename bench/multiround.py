@@ -125,6 +125,7 @@ from bench.lib.results import (
     stem,
     write_json,
 )
+from bench.lib.rounds import order
 from bench.lib.servers import kv_bytes_per_token
 
 SERIES = ("kvfuse-on", "kvfuse-off", "vllm", "llama.cpp")
@@ -699,8 +700,7 @@ def run_kvfuse(b: Bench) -> None:
 def kvfuse_loads(b: Bench, driver: Driver, url: str, modes: list[bool]) -> None:
     failed = {c: False for c in modes}
     for i, (u, wl) in enumerate(sorted(b.workloads.items())):
-        order = modes if i % 2 == 0 else modes[::-1]  # alternate which mode runs first
-        for cache in order:
+        for cache in order(modes, i, alternate=True):  # alternate which mode runs first
             if failed[cache]:
                 continue
             series = "kvfuse-on" if cache else "kvfuse-off"

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.lib.data import dev_text_tokens
 from bench.lib.results import plot_path, print_table, write_json
-from bench.lib.rounds import median
+from bench.lib.rounds import interleaved, median
 
 
 def sync(device) -> None:
@@ -121,11 +121,16 @@ def bench_model(
     rows = []
     for n in lengths:
         ids = ids_all[:n]
-        samples: dict[str, list[float]] = {k: [] for k in timers}
-        for _ in range(runs):
-            for k, fn in timers.items():
-                samples[k].append(fn(ids))
+
+        def timed(fn, ids=ids):
+            def one(_r: int) -> float:
+                t = fn(ids)
                 gc.collect()
+                return t
+
+            return one
+
+        samples = interleaved({k: timed(fn) for k, fn in timers.items()}, runs)
         row = {
             "model": name,
             "tokens": n,

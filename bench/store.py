@@ -810,7 +810,7 @@ def measure_signing(kv: dict, args, workdir: Path, redis_url: str) -> dict:
     cells: dict[str, dict[str, list]] = {name: {"unsigned": [], "signed": []} for name in tiers}
     try:
         for rep in range(args.reps):
-            modes = ("unsigned", "signed") if rep % 2 == 0 else ("signed", "unsigned")
+            modes = order(["unsigned", "signed"], rep, alternate=True)
             print(f"\nrepetition {rep + 1} of {args.reps} (load average {os.getloadavg()[0]:.2f})")
             for name, tier in tiers.items():
                 for mode in modes:
