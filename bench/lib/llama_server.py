@@ -105,6 +105,14 @@ class LlamaServer(ChildServer):
             r.raise_for_status()
 
     def version(self) -> str:
-        """The build's version line, from its start-up log."""
-        lines = self.log_lines("build:", "version:", width=200)
-        return lines[0] if lines else "?"
+        """The build's ``--version`` line (``version: N (commit)``), or ``?``."""
+        import subprocess
+
+        try:
+            out = subprocess.run(
+                [self.binary, "--version"], capture_output=True, text=True, timeout=60
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return "?"
+        lines = [ln for ln in (out.stdout + out.stderr).splitlines() if ln.startswith("version")]
+        return lines[0].strip() if lines else "?"
