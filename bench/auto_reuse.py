@@ -51,6 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.blend import f1
+from bench.lib.cli import add_common
 from bench.lib.paths import DATA, OUT
 from bench.lib.results import environment, plot_path, print_table, write_json
 from bench.lib.rounds import interleaved
@@ -63,11 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--models", default="qwen2.5-0.5b")
+    add_common(p, ("models", {"default": "qwen2.5-0.5b"}))
     p.add_argument("--part", choices=("speed", "quality", "all"), default="all")
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
+    add_common(p, "split")
     p.add_argument("--examples", type=int, default=2, help="MuSiQue examples (speed)")
-    p.add_argument("--runs", type=int, default=2, help="rounds per example (speed)")
+    add_common(p, ("runs", {"default": 2, "help": "rounds per example (speed)"}))
     p.add_argument("--words", type=int, default=200, help="words per MuSiQue passage")
     p.add_argument(
         "--budgets", default="auto,0.15,0.3", help="recompute budgets of auto and documents (speed)"
@@ -82,8 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--pairs", type=int, default=4, help="prompts sharing nothing: on/off pairs (speed)"
     )
-    p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME)")
-    p.add_argument("--out", default=str(OUT / "auto_reuse"), help="output path without extension")
+    add_common(p, ("home", {"help": "kvfuse home (default: $KVFUSE_HOME)"}))
+    add_common(
+        p, ("out", {"default": str(OUT / "auto_reuse"), "help": "output path without extension"})
+    )
     p.add_argument("--combine", nargs="*", help="merge earlier JSON results instead of measuring")
     return p.parse_args(argv)
 

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
 from bench.lib.data import drop_page_cache
 from bench.lib.paths import DATA, OUT
 from bench.lib.results import environment, plot_path, print_table, write_json
@@ -63,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--part", choices=("quality", "speed", "all"), default="all")
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
-    p.add_argument("--models", default=",".join(MODELS))
+    add_common(p, "split")
+    add_common(p, ("models", {"default": ",".join(MODELS)}))
     p.add_argument("--items", type=int, default=40, help="fictional QA items (default 40)")
     p.add_argument(
         "--documents", type=int, default=5, help="documents per fictional QA item (default 5)"
@@ -91,15 +92,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="0.05,0.1,0.15,0.3",
         help="budgets for the speed part; 'auto' is the model's calibrated blend",
     )
-    p.add_argument("--runs", type=int, default=3, help="timed runs per speed cell (default 3)")
+    add_common(p, ("runs", {"default": 3, "help": "timed runs per speed cell (default 3)"}))
     p.add_argument("--max-tokens", type=int, default=16, help="answer tokens (default 16)")
-    p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (default), cuda or cuda:N (compute dtype: that device's default)",
+    add_common(p, "home")
+    add_common(
+        p,
+        (
+            "device",
+            {"help": "cpu (default), cuda or cuda:N (compute dtype: that device's default)"},
+        ),
     )
-    p.add_argument("--out", default=str(OUT / "blend"), help="output path without suffix")
+    add_common(p, ("out", {"default": str(OUT / "blend")}))
     p.add_argument("--no-drop-caches", action="store_true")
     p.add_argument(
         "--combine",

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.blend import open_engine, qa_prompt
+from bench.lib.cli import add_common
 from bench.lib.paths import OUT
 from bench.lib.results import environment, print_table, write_json
 from kvfuse.blend import select as sel
@@ -123,13 +124,13 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--items", type=int, default=10)
-    p.add_argument("--models", default="smollm2,gemma3-270m,qwen2.5-0.5b,qwen2.5-1.5b")
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
+    add_common(p, ("models", {"default": "smollm2,gemma3-270m,qwen2.5-0.5b,qwen2.5-1.5b"}))
+    add_common(p, "split")
     p.add_argument(
         "--contexts", default="bos", help="document contexts compared (bos, eos, prefix, none)"
     )
-    p.add_argument("--home")
-    p.add_argument("--out", default=str(OUT / "blend_analysis.json"))
+    add_common(p, "home")
+    add_common(p, ("out", {"default": str(OUT / "blend_analysis.json")}))
     args = p.parse_args(argv)
     from kvfuse.config import default_home
 

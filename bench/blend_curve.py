@@ -31,6 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
 from bench.lib.paths import OUT
 from bench.lib.results import environment, plot_path, print_table, write_json
 from kvfuse.calibration import fictional_qa
@@ -45,15 +46,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--split", choices=("dev", "test"), default="test")
+    add_common(p, ("models", {"default": ",".join(MODELS)}))
+    add_common(p, ("split", {"default": "test"}))
     p.add_argument("--items", type=int, default=20)
     p.add_argument("--ratios", default="0.05,0.15,0.3,0.6")
     p.add_argument(
         "--methods", default="hkvd,sinks+hkvd", help="selection methods, comma-separated"
     )
-    p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
-    p.add_argument("--out", default=str(OUT / "blend_curve"), help="output path without suffix")
+    add_common(p, "home")
+    add_common(p, ("out", {"default": str(OUT / "blend_curve")}))
     p.add_argument(
         "--combine", nargs="+", metavar="JSON", help="measure nothing: merge these runs' JSON"
     )

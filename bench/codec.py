@@ -65,6 +65,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np
 import torch
 
+from bench.lib.cli import add_common
 from bench.lib.data import dev_text_tokens
 from bench.lib.paths import DATA
 from bench.lib.results import plot_path, print_table, write_json
@@ -87,10 +88,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--part", choices=("size", "quality", "fictional", "allocation"), default="size")
     p.add_argument("--documents", type=int, default=12, help="documents per fictional QA item")
-    p.add_argument("--models", nargs="+", default=list(MODELS))
+    add_common(p, ("models", {"nargs": "+", "default": list(MODELS)}))
     p.add_argument("--tokens", type=int, default=2048, help="KV tokens per model for the size part")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--split", choices=("dev", "test"), default="test")
+    add_common(p, "repeats")
+    add_common(p, ("split", {"default": "test"}))
     p.add_argument(
         "--limit", type=int, default=0, help="LongChat prompts per model (0: the whole split)"
     )
@@ -107,10 +108,15 @@ def parse_args(argv=None):
         help="quality part: the encodings compared (default int8 and every cachegen level; "
         "cachegen.N-uniform: without the per-model layer bins)",
     )
-    p.add_argument(
-        "--tag",
-        default="",
-        help="suffix of the result file (runs of one model at a time in parallel)",
+    add_common(
+        p,
+        (
+            "tag",
+            {
+                "default": "",
+                "help": "suffix of the result file (runs of one model at a time in parallel)",
+            },
+        ),
     )
     return p.parse_args(argv)
 

@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
+from bench.lib.cli import add_common
 from bench.lib.paths import DATA
 from bench.lib.results import print_table, pyplot, save_figure, stem, write_json
 from bench.lib.rounds import interleaved
@@ -565,10 +566,8 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--part", choices=["replay", "truncation"], default="replay")
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument(
-        "--home", default=None, help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)"
-    )
+    add_common(ap, "model")
+    add_common(ap, "home")
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=10, help="user turns replayed per conversation")
     ap.add_argument(
@@ -590,7 +589,7 @@ def main() -> None:
     ap.add_argument(
         "--budget", type=float, default=0.25, help="memory tier size as a share of the working set"
     )
-    ap.add_argument("--repeats", type=int, default=2)
+    add_common(ap, ("repeats", {"default": 2}))
     ap.add_argument("--setups", nargs="+", default=DEFAULT_SETUPS, choices=list(SETUPS))
     ap.add_argument(
         "--context", type=int, default=1024, help="truncation part: the context window, tokens"

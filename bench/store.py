@@ -70,6 +70,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
 from bench.lib.paths import DATA, MUSIQUE_DEV, OUT, REPO
 from bench.lib.results import environment, print_table, write_json
 from bench.lib.rounds import order
@@ -90,9 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--model", default="smollm2", help="built-in model whose KV is stored (default smollm2)"
-    )
+    add_common(p, ("model", {"help": "built-in model whose KV is stored (default smollm2)"}))
     p.add_argument(
         "--tokens",
         type=int,
@@ -131,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _run_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", type=int, default=5, help="timed runs per measurement (default 5)")
+    add_common(p, ("runs", {"help": "timed runs per measurement (default 5)"}))
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument(
         "--reps",
@@ -139,7 +138,7 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         default=5,
         help="repetitions of the whole comparison, interleaved (default 5)",
     )
-    p.add_argument("--quick", action="store_true", help="smoke mode: 2 runs, 2 repetitions")
+    add_common(p, ("quick", {"help": "smoke mode: 2 runs, 2 repetitions"}))
     p.add_argument(
         "--signing",
         action="store_true",

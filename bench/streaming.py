@@ -41,6 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
+from bench.lib.cli import add_common
 from bench.lib.paths import DATA
 from bench.lib.results import plot_path, print_table, write_json
 from bench.lib.rounds import interleaved
@@ -60,7 +61,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="smollm2")
+    add_common(p, "model")
     p.add_argument(
         "--chunks", type=int, default=10, help="context chunks (the traces have 10 values per row)"
     )

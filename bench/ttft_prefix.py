@@ -31,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
 from bench.lib.data import drop_page_cache
 from bench.lib.paths import DATA, MUSIQUE_DEV, OUT
 from bench.lib.results import environment, plot_path, write_json
@@ -45,26 +46,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--runs",
-        type=int,
-        default=3,
-        help="timed runs per cell; the median is reported (default 3)",
+    add_common(
+        p,
+        ("runs", {"default": 3, "help": "timed runs per cell; the median is reported (default 3)"}),
     )
     p.add_argument(
         "--lengths",
         default="1000,2000,4000",
         help="prompt lengths in tokens (default 1000,2000,4000)",
     )
-    p.add_argument(
-        "--quick", action="store_true", help="smoke run: one 1000-token prompt, one run per cell"
+    add_common(p, ("quick", {"help": "smoke run: one 1000-token prompt, one run per cell"}))
+    add_common(
+        p,
+        (
+            "home",
+            {
+                "help": "kvfuse home holding the converted model (default: $KVFUSE_HOME or ~/.cache/kvfuse)"
+            },
+        ),
     )
-    p.add_argument(
-        "--home",
-        help="kvfuse home holding the converted model (default: $KVFUSE_HOME or ~/.cache/kvfuse)",
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    add_common(p, "device")
+    add_common(p, ("threads", {"default": 0, "help": "torch threads (default: torch's choice)"}))
     p.add_argument(
         "--data",
         default=str(DATA / "musique_s.json"),
@@ -76,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="skip runtime.tune_allocator() (open_engine runs it)",
     )
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold page cache cells")
-    p.add_argument("--out", default=str(OUT / "ttft_prefix"), help="output path without suffix")
+    add_common(p, ("out", {"default": str(OUT / "ttft_prefix")}))
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.lengths = 1, "1000"

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
 from bench.lib.data import drop_page_cache
 from bench.lib.paths import DATA, OUT
 from bench.lib.results import environment, plot_path, print_table, write_json
@@ -76,9 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--lengths", default="2048,4000", help="prompt lengths in tokens (default 2048,4000)"
     )
     p.add_argument("--prompts", type=int, default=2, help="distinct prompts per length (default 2)")
-    p.add_argument(
-        "--rounds", type=int, default=3, help="vLLM restarts per configuration (default 3)"
-    )
+    add_common(p, ("rounds", {"default": 3, "help": "vLLM restarts per configuration (default 3)"}))
     p.add_argument(
         "--configs",
         default=",".join(CONFIGS),
@@ -86,8 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quick", action="store_true", help="one 2048-token prompt, one round")
-    p.add_argument("--home", help="kvfuse home holding the converted model (default $KVFUSE_HOME)")
+    add_common(p, ("quick", {"help": "one 2048-token prompt, one round"}))
+    add_common(
+        p, ("home", {"help": "kvfuse home holding the converted model (default $KVFUSE_HOME)"})
+    )
     p.add_argument("--python", default=DEFAULT_PYTHON, help="vLLM's interpreter")
     p.add_argument("--data", default=str(DATA / "musique_s.json"))
     p.add_argument(
@@ -101,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="drop the whole page cache (root) instead of evicting only the KV files (which also "
         "evicts vLLM's own libraries: the next request pays for reading them back)",
     )
-    p.add_argument("--out", default=str(OUT / "vllm_connector"), help="output path without suffix")
+    add_common(p, ("out", {"default": str(OUT / "vllm_connector")}))
     p.add_argument("--keep", help="keep the servers' logs and the disk tier in this folder")
     args = p.parse_args(argv)
     if args.quick:
