@@ -49,10 +49,13 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blend import f1
-from common import DATA, OUT, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.blend import f1
+from bench.lib.cli import add_common
+from bench.lib.paths import DATA, OUT
+from bench.lib.results import environment, plot_path, print_table, write_json
+from bench.lib.rounds import interleaved
+from bench.lib.rounds import order as round_order
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import BASE_MODELS, QUESTION, correct
 
@@ -61,11 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--models", default="qwen2.5-0.5b")
+    add_common(p, ("models", {"default": "qwen2.5-0.5b"}))
     p.add_argument("--part", choices=("speed", "quality", "all"), default="all")
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
+    add_common(p, "split")
     p.add_argument("--examples", type=int, default=2, help="MuSiQue examples (speed)")
-    p.add_argument("--runs", type=int, default=2, help="rounds per example (speed)")
+    add_common(p, ("runs", {"default": 2, "help": "rounds per example (speed)"}))
     p.add_argument("--words", type=int, default=200, help="words per MuSiQue passage")
     p.add_argument(
         "--budgets", default="auto,0.15,0.3", help="recompute budgets of auto and documents (speed)"
@@ -80,8 +83,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--pairs", type=int, default=4, help="prompts sharing nothing: on/off pairs (speed)"
     )
-    p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME)")
-    p.add_argument("--out", default=str(OUT / "auto_reuse"), help="output path without extension")
+    add_common(p, ("home", {"help": "kvfuse home (default: $KVFUSE_HOME)"}))
+    add_common(
+        p, ("out", {"default": str(OUT / "auto_reuse"), "help": "output path without extension"})
+    )
     p.add_argument("--combine", nargs="*", help="merge earlier JSON results instead of measuring")
     return p.parse_args(argv)
 
@@ -239,9 +244,13 @@ def speed(args, bench: Bench, tokenizer) -> dict:
                     max_tokens=1,
                 )
         rng = random.Random(1000 * e)
-        for run in range(args.runs):
-            order = rng.sample(range(len(docs)), len(docs))
-            for name, mode, budget in configs:
+        order: list[int] = []
+
+        def shuffle(_run: int) -> None:  # each round: a new order of the passages
+            order[:] = rng.sample(range(len(docs)), len(docs))
+
+        def config(name, mode, budget, ex=ex, e=e, docs=docs, doc_tokens=doc_tokens, salts=salts):
+            def one(run: int) -> None:
                 got = bench.ask(
                     [docs[i] for i in order], ex["question"], mode, budget, salt=salts[name]
                 )
@@ -255,7 +264,17 @@ def speed(args, bench: Bench, tokenizer) -> dict:
                         **got,
                     }
                 )
-            print(f"  {bench.model}: example {e} run {run} done", flush=True)
+
+            return one
+
+        interleaved(
+            {name: config(name, mode, budget) for name, mode, budget in configs},
+            args.runs,
+            before_round=shuffle,
+            after_round=lambda run, _s, e=e: print(
+                f"  {bench.model}: example {e} run {run} done", flush=True
+            ),
+        )
     return summarize_speed(cells, configs)
 
 
@@ -292,11 +311,7 @@ def no_shared_content(args, bench: Bench, home: Path) -> dict:
     for r in range(args.pairs):
         ex = rows[args.examples + r % 3]
         docs = [" ".join(c["text"].split()[: args.words]) for c in ex["ctxs"]]
-        pair = (
-            [("on", "auto"), ("off", "prefix")]
-            if r % 2 == 0
-            else [("off", "prefix"), ("on", "auto")]
-        )
+        pair = round_order([("on", "auto"), ("off", "prefix")], r, alternate=True)
         for label, mode in pair:
             # a budget of its own: automatic reuse looks up even where the model's blend is prefix
             got = bench.ask(
@@ -420,71 +435,58 @@ def _scored(got: dict, it, full: dict) -> dict:
 
 def report(result: dict) -> None:
     for m in result["models"]:
-        sp = m.get("speed")
-        if sp:
-            print(
-                f"\n{m['model']}: MuSiQue {result['split']} split, {m['examples']} examples x {m['runs']} runs, "
-                f"10 passages of {m['words']} words (~{sp['summary']['full prefill']['prompt_tokens']:.0f} tokens)"
-            )
-            print_table(
-                [
-                    "configuration",
-                    "TTFT ms",
-                    "speed-up",
-                    "found",
-                    "reused",
-                    "F1 vs full",
-                    "F1 gold",
-                ],
-                [
-                    [
-                        name,
-                        s["ttft_ms_median"],
-                        s["speedup_vs_full_prefill"],
-                        s["doc_tokens_found"],
-                        s["doc_tokens_reused"],
-                        s["f1_vs_full"],
-                        s["f1_gold"],
-                    ]
-                    for name, s in sp["summary"].items()
-                ],
-            )
-        ns = m.get("no_shared_content")
-        if ns:
-            rp = ns["request_path"]
-            print(
-                f"no shared content: TTFT on / off {ns['ratio_on_vs_off']:.3f} (medians of {len(ns['ttft_ms_on'])} "
-                f"alternating pairs); in-process, automatic reuse adds {rp['added_ms']:.2f} ms to a request "
-                f"of {rp['on']['prompt_tokens']} tokens ({rp['on']['content_chunks']} content chunks: keying "
-                f"{rp['off']['keying_ms']:.2f} -> {rp['on']['keying_ms']:.2f} ms, lookup "
-                f"{rp['off']['lookup_ms']:.2f} -> {rp['on']['lookup_ms']:.2f} ms)"
-            )
-        q = m.get("quality")
-        if q:
-            print(
-                f"\n{m['model']}: fictional QA {q['split']} split, {q['items']} items, plain prompts"
-            )
-            print_table(
-                [
-                    "configuration",
-                    "accuracy",
-                    "vs full",
-                    "same answer",
-                    "span reused",
-                    "auto_reuse",
-                ],
-                [
-                    [
-                        name,
-                        s["accuracy"],
-                        s["accuracy_vs_full"] if s["accuracy_vs_full"] is not None else "-",
-                        s["agrees_with_full"],
-                        s["span_reused_tokens"],
-                        ",".join(s["auto_reuse"]),
-                    ]
-                    for name, s in q["summary"].items()
-                ],
-            )
+        if m.get("speed"):
+            report_speed(m, result["split"])
+        if m.get("no_shared_content"):
+            report_no_shared(m["no_shared_content"])
+        if m.get("quality"):
+            report_quality(m)
+
+
+def report_speed(m: dict, split: str) -> None:
+    sp = m["speed"]
+    print(
+        f"\n{m['model']}: MuSiQue {split} split, {m['examples']} examples x {m['runs']} runs, "
+        f"10 passages of {m['words']} words (~{sp['summary']['full prefill']['prompt_tokens']:.0f} tokens)"
+    )
+    keys = ["ttft_ms_median", "speedup_vs_full_prefill", "doc_tokens_found", "doc_tokens_reused"]
+    print_table(
+        ["configuration", "TTFT ms", "speed-up", "found", "reused", "F1 vs full", "F1 gold"],
+        [
+            [name, *(s[k] for k in keys), s["f1_vs_full"], s["f1_gold"]]
+            for name, s in sp["summary"].items()
+        ],
+    )
+
+
+def report_no_shared(ns: dict) -> None:
+    rp = ns["request_path"]
+    print(
+        f"no shared content: TTFT on / off {ns['ratio_on_vs_off']:.3f} (medians of {len(ns['ttft_ms_on'])} "
+        f"alternating pairs); in-process, automatic reuse adds {rp['added_ms']:.2f} ms to a request "
+        f"of {rp['on']['prompt_tokens']} tokens ({rp['on']['content_chunks']} content chunks: keying "
+        f"{rp['off']['keying_ms']:.2f} -> {rp['on']['keying_ms']:.2f} ms, lookup "
+        f"{rp['off']['lookup_ms']:.2f} -> {rp['on']['lookup_ms']:.2f} ms)"
+    )
+
+
+def report_quality(m: dict) -> None:
+    q = m["quality"]
+    print(f"\n{m['model']}: fictional QA {q['split']} split, {q['items']} items, plain prompts")
+    print_table(
+        ["configuration", "accuracy", "vs full", "same answer", "span reused", "auto_reuse"],
+        [
+            [
+                name,
+                s["accuracy"],
+                s["accuracy_vs_full"] if s["accuracy_vs_full"] is not None else "-",
+                s["agrees_with_full"],
+                s["span_reused_tokens"],
+                ",".join(s["auto_reuse"]),
+            ]
+            for name, s in q["summary"].items()
+        ],
+    )
 
 
 def plot(result: dict, path: Path) -> None:
@@ -579,10 +581,8 @@ def main(argv=None) -> None:
     result["load_average_end"] = os.getloadavg()
     report(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out.with_suffix('.json')}")
-    plot(result, out.with_suffix(".png"))
+    print(f"wrote {write_json(out, result, add_environment=False, indent=1, default=str)}")
+    plot(result, plot_path(out))
 
 
 if __name__ == "__main__":

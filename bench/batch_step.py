@@ -2,7 +2,7 @@
 
 One process loads the model twice: *fast*, as ``weights: auto`` loads it on a CPU (oneDNN-packed
 float32 projections, ``kvfuse.models.packed``; the batched attention kernel,
-``kvfuse.models.kernels``), and *plain* (plain float32 tensors and one SDPA call per sequence and
+``kvfuse.models.cpu.kernels``), and *plain* (plain float32 tensors and one SDPA call per sequence and
 layer, the path of ``KVFUSE_KERNELS=off``). For each batch size, sequences of different lengths
 (``--context`` tokens plus 7 per sequence, fp16 KV as the server keeps it) are prefilled, then
 ``--steps`` decode steps of all of them run through ``Transformer.forward_batch``; the median step
@@ -19,7 +19,6 @@ Writes ``docs/bench/batch_step.json`` and ``batch_step.png`` (``--tag T``: ``bat
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -29,8 +28,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common import environment, median, plot_path, print_table, write_json
-
+from bench.lib.cli import parser
+from bench.lib.results import environment, output_name, print_table, pyplot, save_figure, write_json
+from bench.lib.rounds import interleaved, median, order
 from kvfuse.models import load_model
 from kvfuse.models.cpu import kernels
 from kvfuse.models.transformer import BatchItem
@@ -87,49 +87,59 @@ def agreement(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> tuple
     return agree, total
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def parse_args():
+    p = parser(
+        __doc__,
+        "model",
+        ("rounds", {"help": "interleaved rounds (default 5)"}),
+        ("threads", {"default": torch.get_num_threads()}),
+        "tag",
     )
-    p.add_argument("--model", default="smollm2")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument(
         "--context", type=int, default=300, help="prompt tokens of the first sequence (default 300)"
     )
     p.add_argument("--steps", type=int, default=12, help="decode steps per sample (default 12)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
-    p.add_argument("--tag")
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    kernel = kernels.get()
-    print(
-        f"{args.model}: {args.threads} threads, kernel {'built' if kernel else 'unavailable'}; "
-        f"load average {os.getloadavg()[0]:.2f}"
-    )
-    fast, plain = load_both(args.model)
-    samples = {(m, b): [] for m in ("fast", "plain") for b in args.batches}
+    return p.parse_args()
+
+
+def measure(args, fast, plain) -> tuple[dict, dict]:
+    """Interleaved rounds: each batch size once a round, fast and plain alternating which runs
+    first; per batch, both modes' step seconds and the greedy agreement summed over rounds."""
     agree = {b: [0, 0] for b in args.batches}
-    for r in range(args.rounds):
-        for b in args.batches:
-            order = (
-                [("fast", fast), ("plain", plain)]
-                if r % 2 == 0
-                else [("plain", plain), ("fast", fast)]
-            )
-            logits = {}
-            for name, runner in order:
-                seconds, logits[name] = one_sample(runner, b, args.context, args.steps, seed=r)
-                samples[(name, b)].append(seconds)
+
+    def batch(b: int):
+        def one(r: int) -> dict[str, float]:
+            modes = order(["fast", "plain"], r, alternate=True)
+            runners, logits, seconds = {"fast": fast, "plain": plain}, {}, {}
+            for name in modes:
+                seconds[name], logits[name] = one_sample(
+                    runners[name], b, args.context, args.steps, seed=r
+                )
             a, t = agreement(logits["fast"], logits["plain"])
             agree[b][0] += a
             agree[b][1] += t
+            return seconds
+
+        return one
+
+    def progress(r: int, _samples) -> None:
         print(
             f"round {r + 1}/{args.rounds} done; load average {os.getloadavg()[0]:.2f}", flush=True
         )
+
+    samples = interleaved({b: batch(b) for b in args.batches}, args.rounds, after_round=progress)
+    return samples, agree
+
+
+def _ms(xs: list[float]) -> str:
+    return f"{median(xs) * 1e3:.1f} ({min(xs) * 1e3:.1f}-{max(xs) * 1e3:.1f})"
+
+
+def summarize(args, samples: dict, agree: dict) -> tuple[list[dict], list[list]]:
     rows, results = [], []
     for b in args.batches:
-        f, pl = samples[("fast", b)], samples[("plain", b)]
+        f, pl = [s["fast"] for s in samples[b]], [s["plain"] for s in samples[b]]
         res = {
             "batch": b,
             "fast_ms": [x * 1e3 for x in f],
@@ -142,28 +152,37 @@ def main() -> None:
         results.append(res)
         rows.append(
             [
-                b,
-                f"{median(f) * 1e3:.1f} ({min(f) * 1e3:.1f}-{max(f) * 1e3:.1f})",
-                f"{median(pl) * 1e3:.1f} ({min(pl) * 1e3:.1f}-{max(pl) * 1e3:.1f})",
-                f"{res['fast_tok_s']:.1f}",
-                f"{res['plain_tok_s']:.1f}",
+                *(b, _ms(f), _ms(pl), f"{res['fast_tok_s']:.1f}", f"{res['plain_tok_s']:.1f}"),
                 f"{res['speedup']:.2f}x",
                 f"{agree[b][0]}/{agree[b][1]}",
             ]
         )
-    print_table(
-        [
-            "batch",
-            "fast step ms (min-max)",
-            "plain step ms (min-max)",
-            "fast tok/s",
-            "plain tok/s",
-            "fast / plain",
-            "agree",
-        ],
-        rows,
+    return results, rows
+
+
+HEADERS = [
+    "batch",
+    "fast step ms (min-max)",
+    "plain step ms (min-max)",
+    "fast tok/s",
+    "plain tok/s",
+    "fast / plain",
+    "agree",
+]
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    kernel = kernels.get()
+    print(
+        f"{args.model}: {args.threads} threads, kernel {'built' if kernel else 'unavailable'}; "
+        f"load average {os.getloadavg()[0]:.2f}"
     )
-    name = f"batch_step-{args.tag}" if args.tag else "batch_step"
+    fast, plain = load_both(args.model)
+    results, rows = summarize(args, *measure(args, fast, plain))
+    print_table(HEADERS, rows)
+    name = output_name("batch_step", args.tag)
     write_json(
         name,
         {
@@ -178,15 +197,12 @@ def main() -> None:
             "load_average_after": os.getloadavg()[0],
         },
     )
-    plot(results, args.model, plot_path(name))
+    plot(results, args.model, name)
 
 
-def plot(results: list[dict], model: str, path: Path) -> None:
+def plot(results: list[dict], model: str, name: str) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
     except ImportError:
         print("matplotlib missing: no plot")
         return
@@ -200,8 +216,7 @@ def plot(results: list[dict], model: str, path: Path) -> None:
     ax.set_title(f"{model}: batched decode step")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    print(f"plot: {save_figure(fig, name, dpi=120)}")
 
 
 if __name__ == "__main__":

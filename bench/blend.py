@@ -40,9 +40,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import DATA, OUT, drop_page_cache, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
+from bench.lib.data import drop_page_cache
+from bench.lib.paths import DATA, OUT
+from bench.lib.results import environment, plot_path, print_table, write_json
+from bench.lib.rounds import interleaved
 from kvfuse.blend import BlendOptions
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import correct, kl, normalize
@@ -61,8 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--part", choices=("quality", "speed", "all"), default="all")
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
-    p.add_argument("--models", default=",".join(MODELS))
+    add_common(p, "split")
+    add_common(p, ("models", {"default": ",".join(MODELS)}))
     p.add_argument("--items", type=int, default=40, help="fictional QA items (default 40)")
     p.add_argument(
         "--documents", type=int, default=5, help="documents per fictional QA item (default 5)"
@@ -89,15 +92,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="0.05,0.1,0.15,0.3",
         help="budgets for the speed part; 'auto' is the model's calibrated blend",
     )
-    p.add_argument("--runs", type=int, default=3, help="timed runs per speed cell (default 3)")
+    add_common(p, ("runs", {"default": 3, "help": "timed runs per speed cell (default 3)"}))
     p.add_argument("--max-tokens", type=int, default=16, help="answer tokens (default 16)")
-    p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (default), cuda or cuda:N (compute dtype: that device's default)",
+    add_common(p, "home")
+    add_common(
+        p,
+        (
+            "device",
+            {"help": "cpu (default), cuda or cuda:N (compute dtype: that device's default)"},
+        ),
     )
-    p.add_argument("--out", default=str(OUT / "blend"), help="output path without suffix")
+    add_common(p, ("out", {"default": str(OUT / "blend")}))
     p.add_argument("--no-drop-caches", action="store_true")
     p.add_argument(
         "--combine",
@@ -207,55 +212,71 @@ def configurations(args) -> list[tuple[str, BlendOptions]]:
 
 def quality(args, model: str, home: Path) -> dict:
     engine = open_engine(model, home, device=args.device)
-    tok = engine.model.tokenizer
     data = fictional_qa.items(args.split, args.items, args.documents)
     configs = configurations(args)
-    params = greedy(args.max_tokens)
-    off = CacheOptions(enabled=False)
     rows: dict[str, list[dict]] = {name: [] for name, _ in [("full prefill", None), *configs]}
     t0 = time.perf_counter()
     for n, it in enumerate(data):
-        prompt = qa_prompt(engine, model, it)
-        ref = engine.generate(prompt.ids, params, cache=off)
-        ref_ids = ref.token_ids or [tok.eos_token_id or 0]
-        # a chat answer starts a new turn (no leading space); a completion continues "Answer:"
-        gold_ids = tok.encode(
-            it.answer if model in CHAT_MODELS else " " + it.answer, add_special_tokens=False
-        )
-        engine.precompute_documents(it.documents)  # outside the timed requests
-        ref_logits, ref_gold = engine.score(prompt.ids, [ref_ids, gold_ids], cache=off)
-        rows["full prefill"].append(
-            {
-                "correct": correct(ref.text, it.answer),
-                "f1": 1.0,
-                "kl": 0.0,
-                "nll": nll(ref_gold, gold_ids),
-                "ttft_s": ref.timings.ttft_s,
-                "kind": it.kind,
-                "answer": ref.text,
-            }
-        )
-        for name, opts in configs:
-            got = engine.generate(prompt, params, blend=opts)
-            logits, gold = engine.score(prompt, [ref_ids, gold_ids], blend=opts)
-            rows[name].append(
-                {
-                    "correct": correct(got.text, it.answer),
-                    "f1": f1(got.text, ref.text),
-                    "kl": kl(ref_logits[: len(ref_ids)], logits[: len(ref_ids)]),
-                    "nll": nll(gold, gold_ids),
-                    "ttft_s": got.timings.ttft_s,
-                    "kind": it.kind,
-                    "recomputed": got.recomputed_tokens,
-                    "answer": got.text,
-                }
-            )
+        for name, row in quality_item(args, engine, model, it, configs).items():
+            rows[name].append(row)
         if (n + 1) % 5 == 0:
             print(
                 f"  {model}: {n + 1}/{len(data)} items ({time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
     engine.close()
+    return {
+        "model": model,
+        "split": args.split,
+        "items": len(data),
+        "documents": args.documents,
+        "summary": quality_summary(rows),
+        "per_item": rows,
+        "configurations": {name: opts.__dict__ for name, opts in configs},
+    }
+
+
+def quality_item(args, engine: Engine, model: str, it, configs) -> dict[str, dict]:
+    """One item: full prefill's answer and logits, then every configuration against them."""
+    tok = engine.model.tokenizer
+    params, off = greedy(args.max_tokens), CacheOptions(enabled=False)
+    prompt = qa_prompt(engine, model, it)
+    ref = engine.generate(prompt.ids, params, cache=off)
+    ref_ids = ref.token_ids or [tok.eos_token_id or 0]
+    # a chat answer starts a new turn (no leading space); a completion continues "Answer:"
+    gold_ids = tok.encode(
+        it.answer if model in CHAT_MODELS else " " + it.answer, add_special_tokens=False
+    )
+    engine.precompute_documents(it.documents)  # outside the timed requests
+    ref_logits, ref_gold = engine.score(prompt.ids, [ref_ids, gold_ids], cache=off)
+    out = {
+        "full prefill": {
+            "correct": correct(ref.text, it.answer),
+            "f1": 1.0,
+            "kl": 0.0,
+            "nll": nll(ref_gold, gold_ids),
+            "ttft_s": ref.timings.ttft_s,
+            "kind": it.kind,
+            "answer": ref.text,
+        }
+    }
+    for name, opts in configs:
+        got = engine.generate(prompt, params, blend=opts)
+        logits, gold = engine.score(prompt, [ref_ids, gold_ids], blend=opts)
+        out[name] = {
+            "correct": correct(got.text, it.answer),
+            "f1": f1(got.text, ref.text),
+            "kl": kl(ref_logits[: len(ref_ids)], logits[: len(ref_ids)]),
+            "nll": nll(gold, gold_ids),
+            "ttft_s": got.timings.ttft_s,
+            "kind": it.kind,
+            "recomputed": got.recomputed_tokens,
+            "answer": got.text,
+        }
+    return out
+
+
+def quality_summary(rows: dict[str, list[dict]]) -> dict:
     full_acc = statistics.mean(r["correct"] for r in rows["full prefill"])
     summary = {}
     for name, rs in rows.items():
@@ -277,15 +298,7 @@ def quality(args, model: str, home: Path) -> dict:
     reuse_kl = summary["full reuse"]["kl"]
     for s in summary.values():
         s["kl_vs_full_reuse"] = s["kl"] / reuse_kl if reuse_kl else None
-    return {
-        "model": model,
-        "split": args.split,
-        "items": len(data),
-        "documents": args.documents,
-        "summary": summary,
-        "per_item": rows,
-        "configurations": {name: opts.__dict__ for name, opts in configs},
-    }
+    return summary
 
 
 # ------------------------------------------------------------------------------------ speed
@@ -304,6 +317,73 @@ def _ratio_name(base: BlendOptions, ratio) -> str:
     return "auto" if ratio == "auto" else f"{base.method} {ratio:g}"
 
 
+class SpeedRounds:
+    """One example's timed rounds: every configuration once per round, so that a slow stretch
+    of the machine hits them all; TTFT samples, the last answers, the tokens recomputed."""
+
+    def __init__(self, args, engine: Engine, prompt, blends, cold: list):
+        self.args, self.engine, self.prompt, self.blends = args, engine, prompt, blends
+        self.cold = cold  # [note]: None until the page cache was first tried
+        self.params = greedy(args.max_tokens)
+        self.times: dict[tuple[str, str], list[float]] = {}
+        self.answers: dict[tuple[str, str], str] = {}
+        self.recomputed: dict[str, int] = {}
+
+    def round(self, _r: int) -> None:
+        engine, prompt, params = self.engine, self.prompt, self.params
+        off = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))
+        self.times.setdefault(("full prefill", "-"), []).append(off.timings.ttft_s)
+        # Stores / promotes the plain prompt's chunks and its tail. Twice: the turn before
+        # may have left a longer tail in memory (the prompt and its answer) and the prompt's
+        # own tail on disk only; the second run promotes that one.
+        engine.generate(prompt.ids, greedy(1))
+        engine.generate(prompt.ids, greedy(1))
+        hit = engine.generate(prompt.ids, params)
+        if set(hit.hit_tiers) != {"memory"}:
+            raise RuntimeError(f"prefix hit served from {hit.hit_tiers}")
+        self.times.setdefault(("prefix hit", "memory"), []).append(hit.timings.ttft_s)
+        self.answers[("prefix hit", "memory")] = hit.text
+        for name, opts in self.blends:
+            for tier in ("memory", "disk"):
+                self.blend_cell(name, opts, tier)
+
+    def blend_cell(self, name: str, opts, tier: str) -> None:
+        engine = self.engine
+        if tier == "disk":
+            engine.flush()  # no save still queued lands in memory after the clear
+            engine.store.memory.clear()
+            if self.cold[0] is None:
+                self.cold[0] = drop_page_cache()
+                if self.cold[0] is None:
+                    self.cold[0] = "dropped before every disk run"
+            if self.cold[0].startswith("dropped"):
+                drop_page_cache()
+        r = engine.generate(self.prompt, self.params, blend=opts)  # a disk hit is promoted
+        if set(r.hit_tiers) != {tier}:
+            raise RuntimeError(f"{tier} cell served from {r.hit_tiers}")
+        self.times.setdefault((name, tier), []).append(r.timings.ttft_s)
+        self.answers[(name, tier)] = r.text
+        self.recomputed[name] = r.recomputed_tokens
+
+    def cells(self, ex: int, ref) -> list[dict]:
+        out = []
+        for (name, tier), ts in self.times.items():
+            answer = self.answers.get((name, tier), ref.text)
+            out.append(
+                {
+                    "example": ex,
+                    "tokens": len(self.prompt),
+                    "config": name,
+                    "tier": tier,
+                    "ttft_s": ts,
+                    "f1": f1(answer, ref.text),
+                    "recomputed": self.recomputed.get(name),
+                    "answer": answer,
+                }
+            )
+        return out
+
+
 def speed(args, model: str, home: Path) -> dict:
     rows = json.loads((DATA / "musique_s.json").read_text())
     examples = list(range(0, 50) if args.split == "dev" else range(50, 150))[: args.examples]
@@ -313,71 +393,35 @@ def speed(args, model: str, home: Path) -> dict:
         (_ratio_name(base, r), base.with_ratio(r)) for r in ratios
     ]
     params = greedy(args.max_tokens)
-    cold_note = None if not args.no_drop_caches else "skipped"
+    cold = [None if not args.no_drop_caches else "skipped"]
     cells = []
     with tempfile.TemporaryDirectory(prefix="kvfuse-blend-") as d:
         engine = open_engine(model, home, Path(d), args.device)
-        if not engine.keying.resolve(
-            base.with_ratio("auto")
-        ).blends:  # the model's profile: prefix reuse only
-            blends = [(n, o) for n, o in blends if o.recompute_ratio != "auto"]
+        if not engine.keying.resolve(base.with_ratio("auto")).blends:
+            blends = [(n, o) for n, o in blends if o.recompute_ratio != "auto"]  # prefix reuse only
         for ex in examples:
             prompt = musique_prompt(engine, model, rows[ex], args.words)
             ref = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))
             engine.generate(prompt, greedy(1), blend=blends[0][1])  # precomputes the documents
             engine.flush()
-            # Rounds interleave every configuration, so a slow stretch of the machine hits them all.
-            times: dict[tuple[str, str], list[float]] = {}
-            answers: dict[tuple[str, str], str] = {}
-            recomputed: dict[str, int] = {}
-            for _ in range(args.runs):
-                off = engine.generate(prompt.ids, params, cache=CacheOptions(enabled=False))
-                times.setdefault(("full prefill", "-"), []).append(off.timings.ttft_s)
-                # Stores / promotes the plain prompt's chunks and its tail. Twice: the turn before
-                # may have left a longer tail in memory (the prompt and its answer) and the prompt's
-                # own tail on disk only; the second run promotes that one.
-                engine.generate(prompt.ids, greedy(1))
-                engine.generate(prompt.ids, greedy(1))
-                hit = engine.generate(prompt.ids, params)
-                if set(hit.hit_tiers) != {"memory"}:
-                    raise RuntimeError(f"prefix hit served from {hit.hit_tiers}")
-                times.setdefault(("prefix hit", "memory"), []).append(hit.timings.ttft_s)
-                answers[("prefix hit", "memory")] = hit.text
-                for name, opts in blends:
-                    for tier in ("memory", "disk"):
-                        if tier == "disk":
-                            engine.flush()  # no save still queued lands in memory after the clear
-                            engine.store.memory.clear()
-                            if cold_note is None:
-                                cold_note = drop_page_cache()
-                                if cold_note is None:
-                                    cold_note = "dropped before every disk run"
-                            if cold_note.startswith("dropped"):
-                                drop_page_cache()
-                        r = engine.generate(
-                            prompt, params, blend=opts
-                        )  # a disk hit is promoted to memory
-                        if set(r.hit_tiers) != {tier}:
-                            raise RuntimeError(f"{tier} cell served from {r.hit_tiers}")
-                        times.setdefault((name, tier), []).append(r.timings.ttft_s)
-                        answers[(name, tier)] = r.text
-                        recomputed[name] = r.recomputed_tokens
-            for (name, tier), ts in times.items():
-                answer = answers.get((name, tier), ref.text)
-                cells.append(
-                    {
-                        "example": ex,
-                        "tokens": len(prompt),
-                        "config": name,
-                        "tier": tier,
-                        "ttft_s": ts,
-                        "f1": f1(answer, ref.text),
-                        "recomputed": recomputed.get(name),
-                        "answer": answer,
-                    }
-                )
+            rounds = SpeedRounds(args, engine, prompt, blends, cold)
+            interleaved({"all": rounds.round}, args.runs)
+            cells += rounds.cells(ex, ref)
             print(f"  {model} example {ex} done", flush=True)
         engine.close()
+    return {
+        "model": model,
+        "split": args.split,
+        "examples": examples,
+        "words_per_document": args.words,
+        "tokens": [c["tokens"] for c in cells if c["config"] == "full prefill"],
+        "drop_caches": cold[0],
+        "summary": speed_summary(cells),
+        "cells": cells,
+    }
+
+
+def speed_summary(cells: list[dict]) -> dict:
     summary = {}
     for c in cells:
         s = summary.setdefault(f"{c['config']} | {c['tier']}", {"ttft_s": [], "f1": []})
@@ -394,16 +438,7 @@ def speed(args, model: str, home: Path) -> dict:
             "speedup_vs_full_prefill": full / med,
             "f1_vs_full": statistics.mean(s["f1"]),
         }
-    return {
-        "model": model,
-        "split": args.split,
-        "examples": examples,
-        "words_per_document": args.words,
-        "tokens": [c["tokens"] for c in cells if c["config"] == "full prefill"],
-        "drop_caches": cold_note,
-        "summary": out,
-        "cells": cells,
-    }
+    return out
 
 
 # ------------------------------------------------------------------------------------ report
@@ -553,10 +588,8 @@ def main(argv=None) -> None:
             result["speed"].append(speed(args, model, home))
     report(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {out.with_suffix('.json')}")
-    plot(result, out.with_suffix(".png"))
+    print(f"wrote {write_json(out, result, add_environment=False, indent=1, default=str)}")
+    plot(result, plot_path(out))
 
 
 if __name__ == "__main__":

@@ -20,17 +20,17 @@ full prefill of the same prompt computes, and reports:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blend import open_engine, qa_prompt
-from common import OUT, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.blend import open_engine, qa_prompt
+from bench.lib.cli import add_common
+from bench.lib.paths import OUT
+from bench.lib.results import environment, print_table, write_json
 from kvfuse.blend import select as sel
 from kvfuse.blend.blender import _attention_mass
 from kvfuse.calibration import fictional_qa
@@ -124,13 +124,13 @@ def main(argv=None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--items", type=int, default=10)
-    p.add_argument("--models", default="smollm2,gemma3-270m,qwen2.5-0.5b,qwen2.5-1.5b")
-    p.add_argument("--split", choices=("dev", "test"), default="dev")
+    add_common(p, ("models", {"default": "smollm2,gemma3-270m,qwen2.5-0.5b,qwen2.5-1.5b"}))
+    add_common(p, "split")
     p.add_argument(
         "--contexts", default="bos", help="document contexts compared (bos, eos, prefix, none)"
     )
-    p.add_argument("--home")
-    p.add_argument("--out", default=str(OUT / "blend_analysis.json"))
+    add_common(p, "home")
+    add_common(p, ("out", {"default": str(OUT / "blend_analysis.json")}))
     args = p.parse_args(argv)
     from kvfuse.config import default_home
 
@@ -144,18 +144,13 @@ def main(argv=None) -> None:
             results.append(res)
             report(res, args)
         engine.close()
-    Path(args.out).write_text(
-        json.dumps(
-            {
-                "benchmark": "blend_analysis",
-                "environment": environment(),
-                "split": args.split,
-                "results": results,
-            },
-            indent=1,
-        )
-    )
-    print(f"wrote {args.out}")
+    payload = {
+        "benchmark": "blend_analysis",
+        "environment": environment(),
+        "split": args.split,
+        "results": results,
+    }
+    print(f"wrote {write_json(Path(args.out), payload, indent=1)}")
 
 
 def report(res: dict, args) -> None:

@@ -30,9 +30,10 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import OUT, environment, print_table
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
+from bench.lib.paths import OUT
+from bench.lib.results import environment, plot_path, print_table, write_json
 from kvfuse.calibration import fictional_qa
 from kvfuse.calibration.measure import configurations, measure
 from kvfuse.config import BlendOptions, EngineSettings
@@ -45,15 +46,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--models", default=",".join(MODELS))
-    p.add_argument("--split", choices=("dev", "test"), default="test")
+    add_common(p, ("models", {"default": ",".join(MODELS)}))
+    add_common(p, ("split", {"default": "test"}))
     p.add_argument("--items", type=int, default=20)
     p.add_argument("--ratios", default="0.05,0.15,0.3,0.6")
     p.add_argument(
         "--methods", default="hkvd,sinks+hkvd", help="selection methods, comma-separated"
     )
-    p.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
-    p.add_argument("--out", default=str(OUT / "blend_curve"), help="output path without suffix")
+    add_common(p, "home")
+    add_common(p, ("out", {"default": str(OUT / "blend_curve")}))
     p.add_argument(
         "--combine", nargs="+", metavar="JSON", help="measure nothing: merge these runs' JSON"
     )
@@ -194,14 +195,9 @@ def main(argv=None) -> None:
         results = [run_model(m, args, home) for m in args.models.split(",")]
     report(results)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(
-        json.dumps(
-            {"benchmark": "blend_curve", "environment": environment(), "results": results}, indent=1
-        )
-    )
-    print(f"wrote {out.with_suffix('.json')}")
-    plot(results, out.with_suffix(".png"))
+    payload = {"benchmark": "blend_curve", "environment": environment(), "results": results}
+    print(f"wrote {write_json(out, payload, indent=1)}")
+    plot(results, plot_path(out))
 
 
 if __name__ == "__main__":

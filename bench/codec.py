@@ -65,7 +65,10 @@ sys.path.insert(0, str(REPO))
 import numpy as np
 import torch
 
-from bench.common import DATA, dev_text_tokens, plot_path, print_table, write_json
+from bench.lib.cli import add_common
+from bench.lib.data import dev_text_tokens
+from bench.lib.paths import DATA
+from bench.lib.results import plot_path, print_table, write_json
 from kvfuse.codecs import get_codec
 from kvfuse.codecs.cachegen import LEVELS, LevelBins
 from kvfuse.entropy import layer as coded_layer
@@ -85,10 +88,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--part", choices=("size", "quality", "fictional", "allocation"), default="size")
     p.add_argument("--documents", type=int, default=12, help="documents per fictional QA item")
-    p.add_argument("--models", nargs="+", default=list(MODELS))
+    add_common(p, ("models", {"nargs": "+", "default": list(MODELS)}))
     p.add_argument("--tokens", type=int, default=2048, help="KV tokens per model for the size part")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--split", choices=("dev", "test"), default="test")
+    add_common(p, "repeats")
+    add_common(p, ("split", {"default": "test"}))
     p.add_argument(
         "--limit", type=int, default=0, help="LongChat prompts per model (0: the whole split)"
     )
@@ -105,10 +108,15 @@ def parse_args(argv=None):
         help="quality part: the encodings compared (default int8 and every cachegen level; "
         "cachegen.N-uniform: without the per-model layer bins)",
     )
-    p.add_argument(
-        "--tag",
-        default="",
-        help="suffix of the result file (runs of one model at a time in parallel)",
+    add_common(
+        p,
+        (
+            "tag",
+            {
+                "default": "",
+                "help": "suffix of the result file (runs of one model at a time in parallel)",
+            },
+        ),
     )
     return p.parse_args(argv)
 
@@ -239,92 +247,99 @@ def throughput(kv: torch.Tensor, codec, repeats: int) -> dict:
     return {"encode_mb_s": [mb / s for s in enc], "decode_mb_s": [mb / s for s in dec]}
 
 
+def _empty_bounds() -> dict:
+    keys = ("entropy_bits", "model_bits", "profile_bits", "values", "stream_bytes", "side_bytes")
+    return {lv: {k: 0.0 if k.endswith("_bits") else 0 for k in keys} for lv in LEVELS}
+
+
+def chunk_sizes(chunks: list, shape: tuple) -> tuple[dict, dict]:
+    """Bytes of every chunk in each encoding, and per CacheGen level the bounds' ingredients
+    (entropy, stream models, profile) over the chunks after the two profiled ones."""
+    L, _, _, H, D = shape
+    sizes = {"raw_fp16": 0, "zstd_fp16": 0}
+    sizes.update({e: 0 for e in ENCODINGS})
+    bounds = _empty_bounds()
+    profile_chunks = chunks[:2]  # profiled on the first two chunks; measured on the others
+    profiles = {lv: build_profile(profile_chunks, lv) for lv in LEVELS}
+    for ci, ch in enumerate(chunks):
+        sizes["raw_fp16"] += ch.numel() * 2
+        sizes["zstd_fp16"] += zstd_bytes(ch)
+        positions = torch.arange(ch.shape[2])
+        sizes["int8"] += len(
+            encode_entry(KVChunk(kv=ch, positions=positions), "k", get_codec("int8"))
+        )
+        for lv in LEVELS:
+            entry = encode_entry(
+                KVChunk(kv=ch, positions=positions), "k", get_codec("cachegen", lv)
+            )
+            sizes[f"cachegen.{lv}"] += len(entry)
+            if ci < len(profile_chunks):
+                continue
+            st = stream_stats(ch, lv, profiles[lv])
+            b = bounds[lv]
+            for k in ("entropy_bits", "model_bits", "profile_bits", "values"):
+                b[k] += st[k]
+            T = ch.shape[2]
+            per_part_side = 2 * T + 2 * H * D + 4  # scales, stream models, word count
+            side = L * (12 + 8 + 2 * per_part_side)
+            b["side_bytes"] += side + entry.header_size
+            b["stream_bytes"] += len(entry) - side - entry.header_size
+    return sizes, bounds
+
+
+def bound_rows(bounds: dict, shape: tuple, n_chunks: int) -> dict:
+    L, _, _, H, D = shape
+    out = {}
+    for lv, b in bounds.items():
+        entropy_b = b["entropy_bits"] / 8
+        out[f"cachegen.{lv}"] = {
+            "bits_per_value": 8 * (b["stream_bytes"] + b["side_bytes"]) / b["values"],
+            "entropy_bits_per_value": b["entropy_bits"] / b["values"],
+            "coder_vs_models": b["stream_bytes"] / (b["model_bits"] / 8),
+            "models_vs_entropy": b["model_bits"] / b["entropy_bits"],
+            "entry_vs_entropy": (b["stream_bytes"] + b["side_bytes"]) / entropy_b,
+            "per_chunk_models_bytes": b["stream_bytes"] + b["side_bytes"],
+            # the same entries without their per-chunk stream models (2 bytes per stream), the
+            # symbols coded with the profile's tables instead (the profile itself not counted)
+            "profile_bytes": b["profile_bits"] / 8
+            + b["side_bytes"]
+            - 4 * L * H * D * (n_chunks - 2),
+        }
+    return out
+
+
+def default_level_throughput(chunk, repeats: int) -> dict:
+    """The default level's encode/decode MB/s with the shared worker pool and in-process."""
+    codec = get_codec("cachegen")
+    tp_pool = throughput(chunk, codec, repeats)
+    pool.set_shared_pool(0)
+    tp_one = throughput(chunk, codec, repeats)
+    pool.set_shared_pool(pool.default_size())
+    return {"workers": pool.default_size(), "pool": tp_pool, "in_process": tp_one}
+
+
 def run_size(args) -> dict:
     res = {"chunk_tokens": CHUNK, "models": {}}
     for name in args.models:
         kv = model_kv(name, args.tokens)
         chunks = [kv[:, :, a : a + CHUNK].contiguous() for a in range(0, kv.shape[2], CHUNK)]
         L, _, _, H, D = kv.shape
-        values_per_token = L * 2 * H * D
-        sizes = {"raw_fp16": 0, "zstd_fp16": 0}
-        sizes.update({e: 0 for e in ENCODINGS})
-        bounds = {
-            lv: {
-                "entropy_bits": 0.0,
-                "model_bits": 0.0,
-                "profile_bits": 0.0,
-                "values": 0,
-                "stream_bytes": 0,
-                "side_bytes": 0,
-            }
-            for lv in LEVELS
-        }
-        profile_chunks = chunks[:2]  # profiled on the first two chunks; measured on the others
-        profiles = {lv: build_profile(profile_chunks, lv) for lv in LEVELS}
-        for ci, ch in enumerate(chunks):
-            sizes["raw_fp16"] += ch.numel() * 2
-            sizes["zstd_fp16"] += zstd_bytes(ch)
-            positions = torch.arange(ch.shape[2])
-            sizes["int8"] += len(
-                encode_entry(KVChunk(kv=ch, positions=positions), "k", get_codec("int8"))
-            )
-            for lv in LEVELS:
-                entry = encode_entry(
-                    KVChunk(kv=ch, positions=positions), "k", get_codec("cachegen", lv)
-                )
-                sizes[f"cachegen.{lv}"] += len(entry)
-                if ci < len(profile_chunks):
-                    continue
-                st = stream_stats(ch, lv, profiles[lv])
-                b = bounds[lv]
-                for k in ("entropy_bits", "model_bits", "profile_bits", "values"):
-                    b[k] += st[k]
-                T = ch.shape[2]
-                per_part_side = 2 * T + 2 * H * D + 4  # scales, stream models, word count
-                side = L * (12 + 8 + 2 * per_part_side)
-                b["side_bytes"] += side + entry.header_size
-                b["stream_bytes"] += len(entry) - side - entry.header_size
+        sizes, bounds = chunk_sizes(chunks, kv.shape)
         tokens = sum(c.shape[2] for c in chunks)
-        per_token = {k: v / tokens for k, v in sizes.items()}
-        bound_rows = {}
-        for lv, b in bounds.items():
-            entropy_b = b["entropy_bits"] / 8
-            bound_rows[f"cachegen.{lv}"] = {
-                "bits_per_value": 8 * (b["stream_bytes"] + b["side_bytes"]) / b["values"],
-                "entropy_bits_per_value": b["entropy_bits"] / b["values"],
-                "coder_vs_models": b["stream_bytes"] / (b["model_bits"] / 8),
-                "models_vs_entropy": b["model_bits"] / b["entropy_bits"],
-                "entry_vs_entropy": (b["stream_bytes"] + b["side_bytes"]) / entropy_b,
-                "per_chunk_models_bytes": b["stream_bytes"] + b["side_bytes"],
-                # the same entries without their per-chunk stream models (2 bytes per stream), the
-                # symbols coded with the profile's tables instead (the profile itself not counted)
-                "profile_bytes": b["profile_bits"] / 8
-                + b["side_bytes"]
-                - 4 * L * H * D * (len(chunks) - 2),
-            }
-        codec = get_codec("cachegen")
-        chunk = chunks[0]
-        tp_pool = throughput(chunk, codec, args.repeats)
-        pool.set_shared_pool(0)
-        tp_one = throughput(chunk, codec, args.repeats)
-        pool.set_shared_pool(pool.default_size())
-        delta = delta_experiment(kv[:, :, :1024])
+        rows = bound_rows(bounds, kv.shape, len(chunks))
+        tp = default_level_throughput(chunks[0], args.repeats)
         res["models"][name] = {
             "layers": L,
             "kv_heads": H,
             "head_dim": D,
             "tokens": tokens,
-            "values_per_token": values_per_token,
-            "bytes_per_token": per_token,
+            "values_per_token": L * 2 * H * D,
+            "bytes_per_token": {k: v / tokens for k, v in sizes.items()},
             "ratio_vs_int8": {k: sizes["int8"] / v for k, v in sizes.items()},
             "ratio_vs_fp16": {k: sizes["raw_fp16"] / v for k, v in sizes.items()},
-            "bounds": bound_rows,
-            "throughput_default_level": {
-                "workers": pool.default_size(),
-                "pool": tp_pool,
-                "in_process": tp_one,
-            },
-            "deltas": delta,
+            "bounds": rows,
+            "throughput_default_level": tp,
+            "deltas": delta_experiment(kv[:, :, :1024]),
         }
     return res
 
@@ -340,55 +355,36 @@ def report_size(res: dict) -> None:
             for k in ["raw_fp16", "zstd_fp16", *ENCODINGS]
         ]
         print_table(["encoding", "bytes/token", "x smaller than fp16", "x smaller than int8"], rows)
-        rows = [
-            [
-                k,
-                b["bits_per_value"],
-                b["entropy_bits_per_value"],
-                b["coder_vs_models"],
-                b["models_vs_entropy"],
-                b["entry_vs_entropy"],
-                b["profile_bytes"] / b["per_chunk_models_bytes"],
-            ]
-            for k, b in r["bounds"].items()
-        ]
+        keys = ["bits_per_value", "entropy_bits_per_value", "coder_vs_models"]
+        keys += ["models_vs_entropy", "entry_vs_entropy"]
         print_table(
+            ["level", "bits/value", "entropy bits/value", "coder/models", "models/entropy"]
+            + ["entry/entropy", "profile/per-chunk"],
             [
-                "level",
-                "bits/value",
-                "entropy bits/value",
-                "coder/models",
-                "models/entropy",
-                "entry/entropy",
-                "profile/per-chunk",
+                [k, *(b[x] for x in keys), b["profile_bytes"] / b["per_chunk_models_bytes"]]
+                for k, b in r["bounds"].items()
             ],
-            rows,
         )
-        tp = r["throughput_default_level"]
-        for kind in ("pool", "in_process"):
-            e, d = tp[kind]["encode_mb_s"], tp[kind]["decode_mb_s"]
-            print(
-                f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s (min {min(e):.0f}, max {max(e):.0f})  "
-                f"decode {statistics.median(d):6.0f} MB/s (min {min(d):.0f}, max {max(d):.0f})  "
-                f"[fp16-equivalent, {tp['workers']} workers]"
-                if kind == "pool"
-                else f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s  decode {statistics.median(d):6.0f} MB/s"
-            )
+        report_throughput(r["throughput_default_level"])
         print(
             "  token-group deltas (anchor + deltas, groups of 10) vs plain per-token quantization:"
         )
+        keys = ["bins", "bits_per_value", "mse", "plain_bits_at_same_mse", "delta_vs_plain"]
         print_table(
             ["bins", "delta bits/value", "delta MSE", "plain bits at that MSE", "delta / plain"],
-            [
-                [
-                    d["bins"],
-                    d["bits_per_value"],
-                    d["mse"],
-                    d["plain_bits_at_same_mse"],
-                    d["delta_vs_plain"],
-                ]
-                for d in r["deltas"]["delta"]
-            ],
+            [[d[k] for k in keys] for d in r["deltas"]["delta"]],
+        )
+
+
+def report_throughput(tp: dict) -> None:
+    for kind in ("pool", "in_process"):
+        e, d = tp[kind]["encode_mb_s"], tp[kind]["decode_mb_s"]
+        print(
+            f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s (min {min(e):.0f}, max {max(e):.0f})  "
+            f"decode {statistics.median(d):6.0f} MB/s (min {min(d):.0f}, max {max(d):.0f})  "
+            f"[fp16-equivalent, {tp['workers']} workers]"
+            if kind == "pool"
+            else f"  {kind:<10} encode {statistics.median(e):6.0f} MB/s  decode {statistics.median(d):6.0f} MB/s"
         )
 
 
@@ -465,12 +461,70 @@ def reencoded_store(raw_tier, encoding: str, layer_types=()):
     return TieredStore(tier)
 
 
-def run_quality(args, checkpoint=None) -> dict:
+def _settings():
     from kvfuse.config import EngineSettings
+
+    return EngineSettings.of(history=False, async_save=False, prefetch=False)
+
+
+def _nll(logp, cont: list[int]) -> float:
+    return float(-logp[torch.arange(len(cont)), torch.tensor(cont)].mean())
+
+
+def quality_prompt(m, r: dict, budget, encodings: list[str], greedy, per: dict) -> tuple:
+    """One LongChat prompt: lossless entries answered and scored, then each encoding's entries
+    (re-encoded from them) against them; ``per`` collects. Returns (lossless text, truncated)."""
     from kvfuse.engine import Engine
+    from kvfuse.tiers import MemoryTier, TieredStore
+
+    ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
+    truncated = budget is not None and head_len + (len(ids) - head_len) >= budget
+    raw = TieredStore(MemoryTier(1 << 34))
+    engine = Engine(m, raw, _settings())
+    lossless = engine.generate(ids, greedy)
+    context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
+    ref_logp = torch.log_softmax(engine.score(context, [cont])[0][:-1].float(), -1)
+    answers = {"lossless": lossless.text}
+    per["lossless"]["nll"].append(_nll(ref_logp, cont))
+    per["lossless"]["kl"].append(0.0)
+    for enc in encodings:
+        store = reencoded_store(raw.memory, enc, m.config.layer_types)
+        lossy_engine = Engine(m, store, _settings())
+        res = lossy_engine.generate(ids, greedy)
+        assert res.cached_tokens >= (len(ids) // 256) * 256 - 256, "the lossy entries were not used"
+        answers[enc] = res.text
+        logp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
+        per[enc]["kl"].append(float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()))
+        per[enc]["nll"].append(_nll(logp, cont))
+        per[enc]["agree"] += res.text == lossless.text
+        lossy_engine.close()
+        store.close()
+    gold = normalise(r["label"][0])
+    for enc, text in answers.items():
+        per[enc]["correct"] += gold in normalise(text)
+    per["lossless"]["agree"] += 1
+    engine.close()
+    return lossless.text, truncated
+
+
+def quality_results(per: dict, n: int) -> dict:
+    base_nll = statistics.mean(per["lossless"]["nll"])
+    return {
+        e: {
+            "accuracy": v["correct"] / n,
+            "answer_agreement": v["agree"] / n,
+            "kl_mean": statistics.mean(v["kl"]),
+            "kl_median": statistics.median(v["kl"]),
+            "nll": statistics.mean(v["nll"]),
+            "nll_relative_increase": statistics.mean(v["nll"]) / base_nll - 1,
+        }
+        for e, v in per.items()
+    }
+
+
+def run_quality(args, checkpoint=None) -> dict:
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, TieredStore
 
     rows = longchat(args.split)
     if args.limit:
@@ -485,65 +539,17 @@ def run_quality(args, checkpoint=None) -> dict:
         truncated = 0
         t0 = time.perf_counter()
         for i, r in enumerate(rows):
-            ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
-            truncated += budget is not None and head_len + (len(ids) - head_len) >= budget
-            raw = TieredStore(MemoryTier(1 << 34))
-            engine = Engine(
-                m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False)
-            )
-            lossless = engine.generate(ids, greedy)
-            context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
-            ref_logits = engine.score(context, [cont])[0][:-1].float()
-            ref_logp = torch.log_softmax(ref_logits, -1)
-            answers = {"lossless": lossless.text}
-            per["lossless"]["nll"].append(
-                float(-ref_logp[torch.arange(len(cont)), torch.tensor(cont)].mean())
-            )
-            per["lossless"]["kl"].append(0.0)
-            for enc in encodings:
-                store = reencoded_store(raw.memory, enc, m.config.layer_types)
-                lossy_engine = Engine(
-                    m, store, EngineSettings.of(history=False, async_save=False, prefetch=False)
-                )
-                res = lossy_engine.generate(ids, greedy)
-                assert res.cached_tokens >= (len(ids) // 256) * 256 - 256, (
-                    "the lossy entries were not used"
-                )
-                answers[enc] = res.text
-                logp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
-                per[enc]["kl"].append(float((ref_logp.exp() * (ref_logp - logp)).sum(-1).mean()))
-                per[enc]["nll"].append(
-                    float(-logp[torch.arange(len(cont)), torch.tensor(cont)].mean())
-                )
-                per[enc]["agree"] += res.text == lossless.text
-                lossy_engine.close()
-                store.close()
-            gold = normalise(r["label"][0])
-            for enc, text in answers.items():
-                per[enc]["correct"] += gold in normalise(text)
-            per["lossless"]["agree"] += 1
-            engine.close()
+            text, cut = quality_prompt(m, r, budget, encodings, greedy, per)
+            truncated += cut
             print(
-                f"  {name} {i + 1}/{len(rows)} ({time.perf_counter() - t0:.0f}s) lossless={lossless.text!r}",
+                f"  {name} {i + 1}/{len(rows)} ({time.perf_counter() - t0:.0f}s) lossless={text!r}",
                 flush=True,
             )
-            n = i + 1
-            base_nll = statistics.mean(per["lossless"]["nll"])
             out["models"][name] = {
                 "context_budget": budget,
                 "prompts_truncated": truncated,
-                "prompts_done": n,
-                "results": {
-                    e: {
-                        "accuracy": v["correct"] / n,
-                        "answer_agreement": v["agree"] / n,
-                        "kl_mean": statistics.mean(v["kl"]),
-                        "kl_median": statistics.median(v["kl"]),
-                        "nll": statistics.mean(v["nll"]),
-                        "nll_relative_increase": statistics.mean(v["nll"]) / base_nll - 1,
-                    }
-                    for e, v in per.items()
-                },
+                "prompts_done": i + 1,
+                "results": quality_results(per, i + 1),
             }
             if (
                 checkpoint is not None
@@ -553,9 +559,7 @@ def run_quality(args, checkpoint=None) -> dict:
 
 
 def run_fictional(args) -> dict:
-    sys.path.insert(0, str(REPO / "bench"))
-    from blend import correct, qa_prompt
-
+    from bench.blend import correct, qa_prompt
     from kvfuse.calibration import fictional_qa
     from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
@@ -668,12 +672,40 @@ ALLOCATIONS = {
 }
 
 
-def run_allocation(args) -> dict:
-    from kvfuse.config import EngineSettings
+def allocation_prompt(m, r: dict, budget, acc: dict) -> None:
+    """One prompt: the lossless entries scored, then each bin allocation's simulated entries."""
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
-    from kvfuse.models import load_model
     from kvfuse.tiers import MemoryTier, TieredStore
+
+    ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
+    raw = TieredStore(MemoryTier(1 << 34))
+    engine = Engine(m, raw, _settings())
+    engine.generate(ids, SamplingParams(max_tokens=1))
+    context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
+    ref = torch.log_softmax(engine.score(context, [cont])[0][:-1].float(), -1)
+    acc["lossless"]["nll"].append(_nll(ref, cont))
+    acc["lossless"]["kl"].append(0.0)
+    entries = {k: raw.memory.get(k) for k in raw.memory.keys_lru()}
+    for a, (bins, opts) in ALLOCATIONS.items():
+        tier = MemoryTier(1 << 34)
+        for key, entry in entries.items():
+            chunk = entry.chunk()
+            lossy, bits, n = simulate(chunk.kv, bins, **opts)
+            acc[a]["bits"] += bits
+            acc[a]["values"] += n
+            lossy_chunk = KVChunk(kv=lossy, positions=chunk.positions)
+            tier.put(key, encode_entry(lossy_chunk, key, get_codec("raw")))
+        lossy_engine = Engine(m, TieredStore(tier), _settings())
+        lp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
+        acc[a]["nll"].append(_nll(lp, cont))
+        acc[a]["kl"].append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
+        lossy_engine.close()
+    engine.close()
+
+
+def run_allocation(args) -> dict:
+    from kvfuse.models import load_model
 
     rows = longchat("dev")[: args.limit or 3]
     out = {"split": "dev", "prompts": len(rows), "models": {}}
@@ -684,41 +716,7 @@ def run_allocation(args) -> dict:
             a: {"nll": [], "kl": [], "bits": 0.0, "values": 0} for a in ["lossless", *ALLOCATIONS]
         }
         for r in rows:
-            ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
-            raw = TieredStore(MemoryTier(1 << 34))
-            engine = Engine(
-                m, raw, EngineSettings.of(history=False, async_save=False, prefetch=False)
-            )
-            engine.generate(ids, SamplingParams(max_tokens=1))
-            context, cont = ids[: head_len - 64], ids[head_len - 64 : head_len]
-            ref = torch.log_softmax(engine.score(context, [cont])[0][:-1].float(), -1)
-            target = torch.tensor(cont)
-            acc["lossless"]["nll"].append(float(-ref[torch.arange(len(cont)), target].mean()))
-            acc["lossless"]["kl"].append(0.0)
-            entries = {k: raw.memory.get(k) for k in raw.memory.keys_lru()}
-            for a, (bins, opts) in ALLOCATIONS.items():
-                tier = MemoryTier(1 << 34)
-                for key, entry in entries.items():
-                    chunk = entry.chunk()
-                    lossy, bits, n = simulate(chunk.kv, bins, **opts)
-                    acc[a]["bits"] += bits
-                    acc[a]["values"] += n
-                    tier.put(
-                        key,
-                        encode_entry(
-                            KVChunk(kv=lossy, positions=chunk.positions), key, get_codec("raw")
-                        ),
-                    )
-                lossy_engine = Engine(
-                    m,
-                    TieredStore(tier),
-                    EngineSettings.of(history=False, async_save=False, prefetch=False),
-                )
-                lp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
-                acc[a]["nll"].append(float(-lp[torch.arange(len(cont)), target].mean()))
-                acc[a]["kl"].append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
-                lossy_engine.close()
-            engine.close()
+            allocation_prompt(m, r, budget, acc)
             print(f"  {name}: prompt done", flush=True)
         base = statistics.mean(acc["lossless"]["nll"])
         out["models"][name] = {

@@ -43,7 +43,6 @@ part (those are about the CPU).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import json
@@ -52,29 +51,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from common import DATA, REPO, median, plot_path, print_table, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from bench.lib.cli import parser
+from bench.lib.data import sharegpt_first_messages
+from bench.lib.gguf import gguf_files
+from bench.lib.paths import BASELINES
+from bench.lib.results import plot_path, print_table, pyplot, save_figure, write_json
+from bench.lib.rounds import interleaved, median, spread
 
 BASELINE_TOK_S = 10.9  # the issue's measurement of kvfuse fp32 (SmolLM2, this machine)
-DEFAULT_LLAMA_VENV = REPO / ".baselines/llama-venv/bin/python"
+DEFAULT_LLAMA_VENV = BASELINES / "llama-venv/bin/python"
 
 
 # ------------------------------------------------------------------------------------- inputs
-
-
-def sharegpt_first_messages(n: int) -> list[str]:
-    """The first user message of each of the first ``n`` conversations that have a non-empty one."""
-    out = []
-    with open(DATA / "sharegpt_multiturn_dev.jsonl") as f:
-        for line in f:
-            msgs = json.loads(line)["messages"]
-            if msgs and msgs[0]["role"] == "user" and msgs[0]["content"].strip():
-                out.append(msgs[0]["content"])
-            if len(out) == n:
-                break
-    return out
 
 
 def chat_ids(tokenizer, text: str, max_tokens: int) -> list[int]:
@@ -285,24 +281,6 @@ def find_llama_python(explicit: str | None) -> str | None:
     return python if ok else None
 
 
-def gguf_files(name: str, home: Path, precisions: list[str]) -> dict[str, Path]:
-    """The model's own GGUF, and the same tensors at ``precisions`` (written once under the home)."""
-    from gguf_variants import requantize
-
-    from kvfuse.models import registry
-
-    model = registry.builtin(name)
-    source = model.locate(model, home)
-    out = {"gguf " + source.stem.rsplit(".", 1)[-1]: source}
-    for p in precisions:
-        dst = home / "bench" / "gguf" / f"{source.stem}.{p}.gguf"
-        if not dst.is_file():
-            print(f"  writing {dst.name} from {source.name}", flush=True)
-            requantize(source, dst, p)
-        out[f"gguf {p.upper()}"] = dst
-    return out
-
-
 # ---------------------------------------------------------------------------------- agreement
 
 
@@ -316,64 +294,79 @@ def agreement(fp32, variants: dict, prompts: list[list[int]], max_tokens: int) -
     free: dict[str, list[int | None]] = {k: [] for k in variants}
     lengths = []
     for ids in prompts:
-        runner = fp32.runner
-        cache = runner.new_cache(len(ids) + max_tokens + 1)
-        logits = runner.forward(ids, cache)
-        ref_logits, ref_tokens = [], []
-        while len(ref_tokens) < max_tokens:
-            ref_logits.append(logits)
-            ref_tokens.append(int(logits.argmax()))
-            if ref_tokens[-1] in eos:
-                break
-            logits = runner.forward([ref_tokens[-1]], cache)
+        ref_logits, ref_tokens = reference_answer(fp32.runner, ids, max_tokens, eos)
         lengths.append(len(ref_tokens))
         for name, (v, kv_dtype) in variants.items():
-            cache = v.new_cache(len(ids) + max_tokens + 1, dtype=kv_dtype)
-            logits = v.forward(ids, cache)
-            for i, ref in enumerate(ref_logits):
-                lp, lq = F.log_softmax(ref, -1), F.log_softmax(logits, -1)
-                steps[name].append(
-                    {
-                        "cos": float(F.cosine_similarity(logits, ref, dim=0)),
-                        "max_abs": float((logits - ref).abs().max()),
-                        "kl": float((lp.exp() * (lp - lq)).sum()),
-                        "same": int(logits.argmax()) == ref_tokens[i],
-                    }
-                )
-                if i + 1 < len(ref_logits):
-                    logits = v.forward([ref_tokens[i]], cache)
-            # free-running
-            cache = v.new_cache(len(ids) + max_tokens + 1, dtype=kv_dtype)
-            logits = v.forward(ids, cache)
-            first = None
-            for i, t in enumerate(ref_tokens):
-                mine = int(logits.argmax())
-                if mine != t:
-                    first = i
-                    break
-                if i + 1 < len(ref_tokens):
-                    logits = v.forward([mine], cache)
-            free[name].append(first)
-    out = {}
-    for name in variants:
-        s = steps[name]
-        firsts = free[name]
-        diverged = [f for f in firsts if f is not None]
-        out[name] = {
-            "steps": len(s),
-            "mean_cosine": sum(x["cos"] for x in s) / len(s),
-            "min_cosine": min(x["cos"] for x in s),
-            "mean_max_abs_diff": sum(x["max_abs"] for x in s) / len(s),
-            "mean_kl": sum(x["kl"] for x in s) / len(s),
-            "greedy_agreement": sum(x["same"] for x in s) / len(s),
-            "identical_answers": sum(f is None for f in firsts) / len(firsts),
-            "first_divergence": firsts,
-            "median_first_divergence": median(
-                [f if f is not None else n for f, n in zip(firsts, lengths)]
-            ),
-            "diverged_prompts": len(diverged),
-        }
+            steps[name] += teacher_forced(v, kv_dtype, ids, max_tokens, ref_logits, ref_tokens)
+            free[name].append(free_running(v, kv_dtype, ids, max_tokens, ref_tokens))
+    out = {name: agreement_summary(steps[name], free[name], lengths) for name in variants}
     return {"prompts": len(prompts), "answer_tokens": lengths, "variants": out}
+
+
+def reference_answer(runner, ids: list[int], max_tokens: int, eos: set) -> tuple[list, list[int]]:
+    """fp32's greedy answer (up to ``max_tokens``, stopping at end-of-sequence): each step's logits
+    and token."""
+    cache = runner.new_cache(len(ids) + max_tokens + 1)
+    logits = runner.forward(ids, cache)
+    ref_logits, ref_tokens = [], []
+    while len(ref_tokens) < max_tokens:
+        ref_logits.append(logits)
+        ref_tokens.append(int(logits.argmax()))
+        if ref_tokens[-1] in eos:
+            break
+        logits = runner.forward([ref_tokens[-1]], cache)
+    return ref_logits, ref_tokens
+
+
+def teacher_forced(v, kv_dtype, ids, max_tokens, ref_logits, ref_tokens) -> list[dict]:
+    """The variant fed fp32's tokens: per step, cosine, max-abs difference, KL, same greedy token."""
+    out = []
+    cache = v.new_cache(len(ids) + max_tokens + 1, dtype=kv_dtype)
+    logits = v.forward(ids, cache)
+    for i, ref in enumerate(ref_logits):
+        lp, lq = F.log_softmax(ref, -1), F.log_softmax(logits, -1)
+        out.append(
+            {
+                "cos": float(F.cosine_similarity(logits, ref, dim=0)),
+                "max_abs": float((logits - ref).abs().max()),
+                "kl": float((lp.exp() * (lp - lq)).sum()),
+                "same": int(logits.argmax()) == ref_tokens[i],
+            }
+        )
+        if i + 1 < len(ref_logits):
+            logits = v.forward([ref_tokens[i]], cache)
+    return out
+
+
+def free_running(v, kv_dtype, ids, max_tokens, ref_tokens) -> int | None:
+    """The step where the variant's own greedy answer first departs from fp32's (None: never)."""
+    cache = v.new_cache(len(ids) + max_tokens + 1, dtype=kv_dtype)
+    logits = v.forward(ids, cache)
+    for i, t in enumerate(ref_tokens):
+        mine = int(logits.argmax())
+        if mine != t:
+            return i
+        if i + 1 < len(ref_tokens):
+            logits = v.forward([mine], cache)
+    return None
+
+
+def agreement_summary(s: list[dict], firsts: list[int | None], lengths: list[int]) -> dict:
+    diverged = [f for f in firsts if f is not None]
+    return {
+        "steps": len(s),
+        "mean_cosine": sum(x["cos"] for x in s) / len(s),
+        "min_cosine": min(x["cos"] for x in s),
+        "mean_max_abs_diff": sum(x["max_abs"] for x in s) / len(s),
+        "mean_kl": sum(x["kl"] for x in s) / len(s),
+        "greedy_agreement": sum(x["same"] for x in s) / len(s),
+        "identical_answers": sum(f is None for f in firsts) / len(firsts),
+        "first_divergence": firsts,
+        "median_first_divergence": median(
+            [f if f is not None else n for f, n in zip(firsts, lengths)]
+        ),
+        "diverged_prompts": len(diverged),
+    }
 
 
 # --------------------------------------------------------------------------------------- main
@@ -383,15 +376,18 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-def plot(result: dict, path) -> None:
-    import matplotlib
+def plot(result: dict, name: str) -> None:
+    plt = pyplot()
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2.2, 1.2]})
+    plot_speed(ax, result)
+    plot_agreement(ax2, result["agreement"])
+    fig.tight_layout()
+    save_figure(fig, name)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def plot_speed(ax, result: dict) -> None:
     engines = result["engines"]
     names = list(engines)
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [2.2, 1.2]})
     xs = range(len(names))
     med = [engines[n]["median_tok_s"] for n in names]
     lo = [engines[n]["median_tok_s"] - engines[n]["min_tok_s"] for n in names]
@@ -405,23 +401,12 @@ def plot(result: dict, path) -> None:
         for n in names
     ]
     ax.bar(xs, med, yerr=[lo, hi], color=colors, capsize=4)
-    ax.plot(
-        xs,
-        [engines[n]["bound_tok_s"] for n in names],
-        "k_",
-        markersize=22,
-        mew=2,
-        label="weight-streaming bound",
-    )
+    bounds = [engines[n]["bound_tok_s"] for n in names]
+    ax.plot(xs, bounds, "k_", markersize=22, mew=2, label="weight-streaming bound")
     for x, n in zip(xs, names):
-        ax.text(
-            x + 0.05,
-            engines[n]["max_tok_s"] * 1.03,
-            f"{engines[n]['median_tok_s']:.1f}",
-            ha="left",
-            va="bottom",
-            fontsize=8,
-        )
+        e = engines[n]
+        label = f"{e['median_tok_s']:.1f}"
+        ax.text(x + 0.05, e["max_tok_s"] * 1.03, label, ha="left", va="bottom", fontsize=8)
     ax.axhline(
         2 * BASELINE_TOK_S, color="tab:green", ls="--", lw=1, label=f"target 2 x {BASELINE_TOK_S}"
     )
@@ -432,46 +417,26 @@ def plot(result: dict, path) -> None:
     ax.set_title(f"{result['model']}: single-stream greedy decode, {result['threads']} CPU threads")
     ax.legend(fontsize=8, loc="upper left")
     ax.grid(alpha=0.3, axis="y")
-    ag = result["agreement"]["variants"]
+
+
+def plot_agreement(ax2, agreement_: dict) -> None:
+    ag = agreement_["variants"]
     vnames = list(ag)
     width = 0.38
-    ax2.bar(
-        [i - width / 2 for i in range(len(vnames))],
-        [ag[v]["greedy_agreement"] for v in vnames],
-        width,
-        label="greedy token = fp32's (teacher forced)",
-    )
-    ax2.bar(
-        [i + width / 2 for i in range(len(vnames))],
-        [ag[v]["identical_answers"] for v in vnames],
-        width,
-        label="whole answer = fp32's",
-    )
-    for i, v in enumerate(vnames):
-        ax2.text(
-            i - width / 2,
-            ag[v]["greedy_agreement"],
-            f"{ag[v]['greedy_agreement']:.3f}",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-        ax2.text(
-            i + width / 2,
-            ag[v]["identical_answers"],
-            f"{ag[v]['identical_answers']:.2f}",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+    for shift, k, label, fmt in (
+        (-width / 2, "greedy_agreement", "greedy token = fp32's (teacher forced)", ".3f"),
+        (width / 2, "identical_answers", "whole answer = fp32's", ".2f"),
+    ):
+        xs = [i + shift for i in range(len(vnames))]
+        ax2.bar(xs, [ag[v][k] for v in vnames], width, label=label)
+        for x, v in zip(xs, vnames):
+            ax2.text(x, ag[v][k], f"{ag[v][k]:{fmt}}", ha="center", va="bottom", fontsize=8)
     ax2.set_xticks(range(len(vnames)))
     ax2.set_xticklabels(vnames, fontsize=8)
     ax2.set_ylim(0, 1.3)
-    ax2.set_title(f"vs fp32, {result['agreement']['prompts']} ShareGPT dev prompts", fontsize=10)
+    ax2.set_title(f"vs fp32, {agreement_['prompts']} ShareGPT dev prompts", fontsize=10)
     ax2.legend(fontsize=8, loc="upper center")
     ax2.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def fbgemm_int8(model: str, home: Path):
@@ -502,13 +467,16 @@ def fbgemm_int8(model: str, home: Path):
     )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def parse_args():
+    ap = parser(
+        __doc__,
+        ("model", {"help": "built-in model (smollm2, gemma3-270m)"}),
+        "runs",
+        "home",
+        ("threads", {"default": 2}),
+        ("device", {"help": "cpu (default: the whole benchmark), or cuda / cuda:N (see above)"}),
     )
-    ap.add_argument("--model", default="smollm2", help="built-in model (smollm2, gemma3-270m)")
     ap.add_argument("--tokens", type=int, default=128, help="greedy tokens per timed run")
-    ap.add_argument("--runs", type=int, default=5, help="interleaved rounds")
     ap.add_argument(
         "--prompt-tokens", type=int, default=128, help="the timed prompt, at most this long"
     )
@@ -516,7 +484,6 @@ def main() -> None:
     ap.add_argument(
         "--agree-tokens", type=int, default=48, help="answer tokens compared per prompt"
     )
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
         "--gguf", default="f32,q8_0", help="extra GGUF precisions for llama.cpp ('' for none)"
     )
@@ -525,15 +492,9 @@ def main() -> None:
         help="interpreter with llama_cpp (default: this one, else .baselines/llama-venv)",
     )
     ap.add_argument("--no-transformers", action="store_true")
-    ap.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
     ap.add_argument("--tag", default="", help="suffix of the result files (decode<tag>.json/.png)")
     ap.add_argument(
         "--quick", action="store_true", help="32 tokens, 2 rounds, 4 agreement prompts of 24 tokens"
-    )
-    ap.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu (default: the whole benchmark), or cuda / cuda:N (see above)",
     )
     ap.add_argument(
         "--batch", type=int, default=16, help="concurrent streams of the batched run (GPU only)"
@@ -541,138 +502,157 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.tokens, args.runs, args.agree_prompts, args.agree_tokens = 32, 2, 4, 24
-    if args.device != "cpu":
-        return main_device(args)
-    torch.set_num_threads(args.threads)
-    from kvfuse.models import default_home, load_model
+    return args
 
-    home = Path(args.home) if args.home else default_home()
-    load_before = os.getloadavg()
-    t_start = time.time()
-    print(
-        f"decode benchmark: {args.model}, {args.tokens} tokens x {args.runs} interleaved rounds, "
-        f"{args.threads} threads; data: sharegpt_multiturn_dev.jsonl (dev); load average {load_before[0]:.2f}",
-        flush=True,
-    )
 
-    other = OtherLoad()
-    fp32 = load_model(args.model, home=home, device="cpu", dtype="float32")
-    int8 = load_model(args.model, home=home, device="cpu", dtype="float32", weights="int8")
-    int8_fbgemm = fbgemm_int8(args.model, home)
-    texts = sharegpt_first_messages(max(args.agree_prompts, 1))
-    prompt = chat_ids(fp32.tokenizer, texts[0], args.prompt_tokens)
+class Setup:
+    """The CPU run's models, engines (timers), their weight bytes, and what to close after."""
 
-    bandwidth = memory_bandwidth()
-    print(
-        f"  memory: read {bandwidth['read_GBps']:.1f} GB/s, copy {bandwidth['copy_GBps']:.1f} GB/s",
-        flush=True,
-    )
+    def __init__(self, args, home: Path):
+        from kvfuse.models import load_model
 
-    timers, weight_bytes, closers = {}, {}, []
-    for name, model in (
-        ("kvfuse fp32", fp32),
-        ("kvfuse int8", int8),
-        ("kvfuse int8-fbgemm", int8_fbgemm),
-    ):
-        run, engine = kvfuse_timer(model)
-        timers[name], weight_bytes[name] = run, kvfuse_weight_bytes(model)
-        closers.append(engine.close)
-    if not args.no_transformers:
-        timers["transformers"], _hf = transformers_timer(fp32.folder)
-        weight_bytes["transformers"] = weight_bytes["kvfuse fp32"]
-    llama_python = find_llama_python(args.llama_python)
-    llama_info = None
-    if llama_python is None:
-        print(
-            "  llama.cpp: skipped (llama-cpp-python not found: run `bash bench/setup_llamacpp.sh`, "
-            "or pass --llama-python)",
-            flush=True,
-        )
-    else:
-        from gguf_variants import tensor_bytes
+        self.args, self.home = args, home
+        self.other = OtherLoad()
+        self.fp32 = load_model(args.model, home=home, device="cpu", dtype="float32")
+        self.int8 = load_model(args.model, home=home, device="cpu", dtype="float32", weights="int8")
+        self.int8_fbgemm = fbgemm_int8(args.model, home)
+        self.texts = sharegpt_first_messages(max(args.agree_prompts, 1))
+        self.prompt = chat_ids(self.fp32.tokenizer, self.texts[0], args.prompt_tokens)
+        self.timers, self.weight_bytes, self.closers = {}, {}, []
+        self.llama_info = None
+
+    def add_kvfuse(self) -> None:
+        for name, model in (
+            ("kvfuse fp32", self.fp32),
+            ("kvfuse int8", self.int8),
+            ("kvfuse int8-fbgemm", self.int8_fbgemm),
+        ):
+            run, engine = kvfuse_timer(model)
+            self.timers[name], self.weight_bytes[name] = run, kvfuse_weight_bytes(model)
+            self.closers.append(engine.close)
+        if not self.args.no_transformers:
+            self.timers["transformers"], self._hf = transformers_timer(self.fp32.folder)
+            self.weight_bytes["transformers"] = self.weight_bytes["kvfuse fp32"]
+
+    def add_llama(self) -> None:
+        args = self.args
+        llama_python = find_llama_python(args.llama_python)
+        if llama_python is None:
+            print(
+                "  llama.cpp: skipped (llama-cpp-python not found: run `bash bench/setup_llamacpp.sh`, "
+                "or pass --llama-python)",
+                flush=True,
+            )
+            return
+        from bench.gguf_variants import tensor_bytes
 
         worker = LlamaWorker(llama_python)
-        other.pids.append(worker.proc.pid)
-        closers.append(worker.close)
-        for label, path in gguf_files(
-            args.model, home, [p for p in args.gguf.split(",") if p]
-        ).items():
+        self.other.pids.append(worker.proc.pid)
+        self.closers.append(worker.close)
+        precisions = [p for p in args.gguf.split(",") if p]
+        for label, path in gguf_files(args.model, self.home, precisions).items():
             name = f"llama.cpp {label}"
-            worker.load(name, path, args.threads, len(prompt) + args.tokens + 16)
-            timers[name] = worker.timer(name)
-            weight_bytes[name] = sum(tensor_bytes(path).values())
-        llama_info = {
+            worker.load(name, path, args.threads, len(self.prompt) + args.tokens + 16)
+            self.timers[name] = worker.timer(name)
+            self.weight_bytes[name] = sum(tensor_bytes(path).values())
+        self.llama_info = {
             "python": llama_python,
             "version": worker.info.get("version"),
             "system_info": worker.info.get("system_info"),
         }
         print(
-            f"  llama.cpp: llama-cpp-python {llama_info['version']} via {llama_python}", flush=True
+            f"  llama.cpp: llama-cpp-python {self.llama_info['version']} via {llama_python}",
+            flush=True,
         )
 
-    for fn in timers.values():  # warm-up: kernel selection, allocator growth, page faults
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+
+
+def timed_rounds(s: Setup, with_load: bool = True) -> tuple[dict, dict, list]:
+    """Warm-up, then ``--runs`` interleaved rounds of every engine (``--tokens`` each): tok/s
+    samples, the first run's token ids, the other processes' CPU use per round."""
+    args, prompt = s.args, s.prompt
+    for fn in s.timers.values():  # warm-up: kernel selection, allocator growth, page faults
         fn(prompt, 8)
-    samples: dict[str, list[float]] = {k: [] for k in timers}
     generated: dict[str, list[int]] = {}
-    rounds_load = []
-    for r in range(args.runs):
-        start = other.mark()
-        for name, fn in timers.items():
+    rounds_load: list = []
+    marks: list = []
+
+    def timer(name: str, fn):
+        def one(_r: int) -> float:
             out = fn(prompt, args.tokens)
-            samples[name].append(out["tok_s"])
             generated.setdefault(name, out["ids"])
-            gc.collect()
-        rounds_load.append(OtherLoad.since(start, other.mark()))
-        busy = (
-            ""
-            if rounds_load[-1] is None
-            else f"; other processes: {rounds_load[-1]['other_cores']:.2f} cores"
-        )
+            if with_load:
+                gc.collect()
+            return out["tok_s"]
+
+        return one
+
+    def start(_r: int) -> None:
+        marks.append(s.other.mark() if with_load else None)
+
+    def done(r: int, samples: dict) -> None:
+        busy = ""
+        if with_load:
+            rounds_load.append(OtherLoad.since(marks[-1], s.other.mark()))
+            if rounds_load[-1] is not None:
+                busy = f"; other processes: {rounds_load[-1]['other_cores']:.2f} cores"
+        unit = "" if with_load else " tok/s"
         print(
             f"  round {r + 1}/{args.runs}: "
-            + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items())
+            + ", ".join(f"{k} {v[-1]:.1f}{unit}" for k, v in samples.items())
             + busy,
             flush=True,
         )
-    for close in closers:
-        close()
 
+    timers = {name: timer(name, fn) for name, fn in s.timers.items()}
+    samples = interleaved(timers, args.runs, before_round=start, after_round=done)
+    return samples, generated, rounds_load
+
+
+def engine_rows(samples: dict, generated: dict, weight_bytes: dict, bandwidth: dict) -> dict:
     ref_ids = generated["kvfuse fp32"]
     engines = {}
     for name, s in samples.items():
         wb = weight_bytes[name]
         engines[name] = {
             "tok_s": s,
-            "median_tok_s": median(s),
-            "min_tok_s": min(s),
-            "max_tok_s": max(s),
+            **spread(s, "_tok_s"),
             "weight_bytes_per_token": wb,
             "bound_tok_s": bandwidth["read_GBps"] * 1e9 / wb,
             "fraction_of_bound": median(s) / (bandwidth["read_GBps"] * 1e9 / wb),
             "first_divergence_from_kvfuse_fp32": first_divergence(generated[name], ref_ids),
         }
+    return engines
 
+
+def agreement_part(s: Setup) -> dict:
+    args = s.args
     print(
         f"  agreement: {args.agree_prompts} prompts, up to {args.agree_tokens} answer tokens each",
         flush=True,
     )
-    prompts = [chat_ids(fp32.tokenizer, t, 256) for t in texts[: args.agree_prompts]]
+    prompts = [chat_ids(s.fp32.tokenizer, t, 256) for t in s.texts[: args.agree_prompts]]
     # fp32 weights with the engine's fp16 KV: a perturbation kvfuse already ships, for scale
-    agree = agreement(
-        fp32,
+    return agreement(
+        s.fp32,
         {
-            "int8": (int8.runner, None),
-            "int8-fbgemm": (int8_fbgemm.runner, None),
-            "fp32, fp16 KV": (fp32.runner, torch.float16),
+            "int8": (s.int8.runner, None),
+            "int8-fbgemm": (s.int8_fbgemm.runner, None),
+            "fp32, fp16 KV": (s.fp32.runner, torch.float16),
         },
         prompts,
         args.agree_tokens,
     )
 
-    # prefill cost of int8 against fp32
-    long_ids = chat_ids(fp32.tokenizer, " ".join(texts), 512)
+
+def prefill_part(s: Setup) -> dict:
+    """Prefill cost of int8 against fp32: a 512-token prompt, median of 3."""
+    long_ids = chat_ids(s.fp32.tokenizer, " ".join(s.texts), 512)
     prefill = {}
-    for name, model in (("kvfuse fp32", fp32), ("kvfuse int8", int8)):
+    for name, model in (("kvfuse fp32", s.fp32), ("kvfuse int8", s.int8)):
         ts = []
         for _ in range(3):
             cache = model.runner.new_cache(len(long_ids), dtype=torch.float16)
@@ -680,8 +660,10 @@ def main() -> None:
             model.runner.forward(long_ids, cache)
             ts.append(time.perf_counter() - t)
         prefill[name] = {"tokens": len(long_ids), "median_s": median(ts)}
+    return prefill
 
-    load_after = os.getloadavg()
+
+def targets_of(engines: dict) -> dict:
     base = engines["kvfuse fp32"]["median_tok_s"]
     i8 = engines["kvfuse int8"]["median_tok_s"]
     targets = {
@@ -702,7 +684,10 @@ def main() -> None:
         targets["int8_at_least_llama_cpp_same_gguf"] = i8 >= engines[own]["median_tok_s"]
     if "llama.cpp gguf Q8_0" in engines:
         targets["int8_vs_llama.cpp_q8_0"] = i8 / engines["llama.cpp gguf Q8_0"]["median_tok_s"]
+    return targets
 
+
+def print_engines(engines: dict, agree: dict) -> None:
     print()
     print_table(
         [
@@ -732,33 +717,16 @@ def main() -> None:
         ],
     )
     print()
+    keys = ["steps", "mean_cosine", "min_cosine", "mean_max_abs_diff", "mean_kl"]
+    keys += ["greedy_agreement", "identical_answers", "median_first_divergence"]
     print_table(
-        [
-            "variant",
-            "steps",
-            "mean cos",
-            "min cos",
-            "mean max|d|",
-            "mean KL",
-            "greedy agree",
-            "same answer",
-            "median 1st diff",
-        ],
-        [
-            [
-                v,
-                a["steps"],
-                a["mean_cosine"],
-                a["min_cosine"],
-                a["mean_max_abs_diff"],
-                a["mean_kl"],
-                a["greedy_agreement"],
-                a["identical_answers"],
-                a["median_first_divergence"],
-            ]
-            for v, a in agree["variants"].items()
-        ],
+        ["variant", "steps", "mean cos", "min cos", "mean max|d|", "mean KL", "greedy agree"]
+        + ["same answer", "median 1st diff"],
+        [[v, *(a[k] for k in keys)] for v, a in agree["variants"].items()],
     )
+
+
+def print_summary(prefill: dict, targets: dict, rounds_load: list, loads: tuple, t_start) -> None:
     print()
     print(
         "prefill "
@@ -774,14 +742,45 @@ def main() -> None:
     )
     busy = [x["other_cores"] for x in rounds_load if x is not None]
     print(
-        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); other processes used "
+        f"load average before {loads[0][0]:.2f}, after {loads[1][0]:.2f} (1 min); other processes used "
         + (f"{max(busy):.2f} cores at most in a round" if busy else "? cores")
         + f"; {time.time() - t_start:.0f} s in all"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    if args.device != "cpu":
+        return main_device(args)
+    torch.set_num_threads(args.threads)
+    from kvfuse.models import default_home
+
+    home = Path(args.home) if args.home else default_home()
+    load_before, t_start = os.getloadavg(), time.time()
+    print(
+        f"decode benchmark: {args.model}, {args.tokens} tokens x {args.runs} interleaved rounds, "
+        f"{args.threads} threads; data: sharegpt_multiturn_dev.jsonl (dev); load average {load_before[0]:.2f}",
+        flush=True,
+    )
+    s = Setup(args, home)
+    bandwidth = memory_bandwidth()
+    print(
+        f"  memory: read {bandwidth['read_GBps']:.1f} GB/s, copy {bandwidth['copy_GBps']:.1f} GB/s",
+        flush=True,
+    )
+    s.add_kvfuse()
+    s.add_llama()
+    samples, generated, rounds_load = timed_rounds(s)
+    s.close()
+    engines = engine_rows(samples, generated, s.weight_bytes, bandwidth)
+    agree, prefill = agreement_part(s), prefill_part(s)
+    load_after, targets = os.getloadavg(), targets_of(engines)
+    print_engines(engines, agree)
+    print_summary(prefill, targets, rounds_load, (load_before, load_after), t_start)
     result = {
         "model": args.model,
         "threads": args.threads,
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": len(s.prompt),
         "decode_tokens": args.tokens,
         "runs": args.runs,
         "kv_dtype": "float16 (kvfuse engine), float32 (transformers), f16 (llama.cpp default)",
@@ -791,7 +790,7 @@ def main() -> None:
         "prefill": prefill,
         "targets": targets,
         "issue_baseline_tok_s": BASELINE_TOK_S,
-        "llama_cpp": llama_info,
+        "llama_cpp": s.llama_info,
         "quick": args.quick,
         "load_average_before": load_before,
         "load_average_after": load_after,
@@ -799,60 +798,66 @@ def main() -> None:
     }
     name = f"decode{args.tag}"
     print(f"wrote {write_json(name, result)}")
-    plot(result, plot_path(name))
+    plot(result, name)
     print(f"wrote {plot_path(name)}")
 
 
 def main_device(args) -> None:
     """``--device cuda``: kvfuse's engine and transformers on the GPU, one stream; kvfuse batched."""
-    from kvfuse.config import EngineSettings
-    from kvfuse.engine import Engine, Prompt, Request
-    from kvfuse.generation import SamplingParams
     from kvfuse.models import default_home, load_model
 
     home = Path(args.home) if args.home else default_home()
     model = load_model(args.model, home=home, device=args.device)  # the device's default dtype
     device, dtype = model.runner.device, model.runner.dtype
     texts = sharegpt_first_messages(max(args.batch, 1))
-    prompt = chat_ids(model.tokenizer, texts[0], args.prompt_tokens)
+    s = SimpleNamespace(args=args, prompt=chat_ids(model.tokenizer, texts[0], args.prompt_tokens))
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     print(
-        f"decode benchmark: {args.model} on {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}), "
+        f"decode benchmark: {args.model} on {device} ({gpu or ''}), "
         f"{dtype}, {args.tokens} tokens x {args.runs} rounds; data: sharegpt_multiturn_dev.jsonl (dev)",
         flush=True,
     )
-    timers, closers = {}, []
+    timers, engine = {}, None
     timers["kvfuse"], engine = kvfuse_timer(model)
-    closers.append(engine.close)
     if not args.no_transformers:
         timers["transformers"], _hf = transformers_timer(model.folder, str(device), dtype)
-    for fn in timers.values():  # warm-up: kernel selection, allocator growth
-        fn(prompt, 8)
-    samples: dict[str, list[float]] = {k: [] for k in timers}
-    generated: dict[str, list[int]] = {}
-    for r in range(args.runs):
-        for name, fn in timers.items():
-            out = fn(prompt, args.tokens)
-            samples[name].append(out["tok_s"])
-            generated.setdefault(name, out["ids"])
-        print(
-            f"  round {r + 1}/{args.runs}: "
-            + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in samples.items()),
-            flush=True,
-        )
-    for close in closers:
-        close()
+    s.timers = timers
+    samples, generated, _ = timed_rounds(s, with_load=False)
+    engine.close()
     engines = {
         name: {
-            "tok_s": s,
-            "median_tok_s": median(s),
-            "min_tok_s": min(s),
-            "max_tok_s": max(s),
+            "tok_s": xs,
+            **spread(xs, "_tok_s"),
             "first_divergence_from_kvfuse": first_divergence(generated[name], generated["kvfuse"]),
         }
-        for name, s in samples.items()
+        for name, xs in samples.items()
     }
-    # batched: --batch streams submitted together, the engine's continuous batching
     prompts = [chat_ids(model.tokenizer, t, args.prompt_tokens) for t in texts[: args.batch]]
+    batched = batched_runs(model, prompts, args)
+    print_device(engines)
+    result = {
+        "model": args.model,
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "gpu": gpu,
+        "prompt_tokens": len(s.prompt),
+        "decode_tokens": args.tokens,
+        "runs": args.runs,
+        "kv_dtype": "float16 (kvfuse engine)",
+        "engines": engines,
+        "batched": batched,
+        "batched_median_tok_s": median([b["tok_s"] for b in batched]),
+        "quick": args.quick,
+    }
+    print(f"wrote {write_json(f'decode{args.tag}', result)}")
+
+
+def batched_runs(model, prompts: list[list[int]], args) -> list[dict]:
+    """``--batch`` streams submitted together, the engine's continuous batching, ``--runs`` times."""
+    from kvfuse.config import EngineSettings
+    from kvfuse.engine import Engine, Prompt, Request
+    from kvfuse.generation import SamplingParams
+
     engine = Engine(
         model, None, EngineSettings.of(history=False, async_save=False, max_running=args.batch)
     )
@@ -883,6 +888,10 @@ def main_device(args) -> None:
             flush=True,
         )
     engine.close()
+    return batched
+
+
+def print_device(engines: dict) -> None:
     print_table(
         ["engine", "tok/s", "min", "max", "1st diff vs kvfuse"],
         [
@@ -898,21 +907,6 @@ def main_device(args) -> None:
             for n, e in engines.items()
         ],
     )
-    result = {
-        "model": args.model,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "prompt_tokens": len(prompt),
-        "decode_tokens": args.tokens,
-        "runs": args.runs,
-        "kv_dtype": "float16 (kvfuse engine)",
-        "engines": engines,
-        "batched": batched,
-        "batched_median_tok_s": median([b["tok_s"] for b in batched]),
-        "quick": args.quick,
-    }
-    print(f"wrote {write_json(f'decode{args.tag}', result)}")
 
 
 if __name__ == "__main__":

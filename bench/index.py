@@ -18,19 +18,18 @@ disk rebuild in seconds. Writes docs/bench/index.json; prints a table.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
-import statistics
 import sys
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import environment, print_table, write_json
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import parser
+from bench.lib.results import environment, print_table, write_json
+from bench.lib.rounds import spread
 from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
 from kvfuse.tiers.key_index import KeyIndex
@@ -114,77 +113,86 @@ def disk_contains_per_s(folder: Path, ks: list[ChunkKey], seconds: float = 2.0) 
     return n / (time.perf_counter() - t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--entries", type=int, default=1_000_000)
-    ap.add_argument("--files", type=int, default=100_000)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument(
-        "--folder", help="where the disk tier's files go (default: a temp folder, removed)"
-    )
-    args = ap.parse_args()
-
+def measure(args) -> dict:
+    """Bytes per entry (memory tier, disk index, disk index after a scan), then ``--repeats``
+    lookups/s, disk rebuilds and disk contains/s, each measure repeated back to back."""
     ks = keys(args.entries)
-    mem = bytes_per_entry(memory_tier, args.entries)
-    disk = bytes_per_entry(disk_index, args.entries)
-    rates = [lookups_per_s(ks) for _ in range(args.repeats)]
+    m = {
+        "mem": bytes_per_entry(memory_tier, args.entries),
+        "disk": bytes_per_entry(disk_index, args.entries),
+        "rates": [lookups_per_s(ks) for _ in range(args.repeats)],
+    }
     tmp = None if args.folder else tempfile.TemporaryDirectory(prefix="kvfuse-index-")
     folder = Path(args.folder or tmp.name)
     fk = disk_files(folder, args.files)
     scans = [rebuild_s(folder) for _ in range(args.repeats)]
-    rebuilds = [dt for dt, _ in scans]
-    scanned = scans[-1][1]
-    contains = [disk_contains_per_s(folder, fk) for _ in range(args.repeats)]
+    m["rebuilds"] = [dt for dt, _ in scans]
+    m["scanned"] = scans[-1][1]
+    m["contains"] = [disk_contains_per_s(folder, fk) for _ in range(args.repeats)]
     if tmp is not None:
         tmp.cleanup()
+    return m
 
-    def mmm(xs):
-        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
+def rows(args, m: dict) -> list[list]:
+    files, rebuilds = args.files, m["rebuilds"]
+    return [
+        ["memory tier: bytes/entry", f"{m['mem']:.0f}", "", "", "<= 100"],
+        ["disk index: bytes/entry", f"{m['disk']:.0f}", "", "", "<= 100"],
+        [
+            f"disk index after a scan of {files:,} files: bytes/entry",
+            f"{m['scanned']:.0f}",
+            "",
+            "",
+            "<= 100",
+        ],
+        [
+            "lookups/s (memory, batches of 64)",
+            *(f"{v:,.0f}" for v in spread(m["rates"]).values()),
+            ">= 1,000,000",
+        ],
+        [
+            "disk contains/s (batches of 64)",
+            *(f"{v:,.0f}" for v in spread(m["contains"]).values()),
+            "",
+        ],
+        [
+            f"disk rebuild, {files:,} files (s)",
+            *(f"{v:.2f}" for v in spread(rebuilds).values()),
+            "",
+        ],
+        [
+            "  = per 1M files (s)",
+            *(f"{v * 1e6 / files:.1f}" for v in spread(rebuilds).values()),
+            "seconds",
+        ],
+    ]
+
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0], ("repeats", {"help": "repetitions of each measure"}))
+    ap.add_argument("--entries", type=int, default=1_000_000)
+    ap.add_argument("--files", type=int, default=100_000)
+    ap.add_argument(
+        "--folder", help="where the disk tier's files go (default: a temp folder, removed)"
+    )
+    args = ap.parse_args()
+    m = measure(args)
     result = {
         "environment": {**environment(), "load_average_1m": os.getloadavg()[0]},
         "entries": args.entries,
         "files": args.files,
         "repeats": args.repeats,
-        "memory_tier_bytes_per_entry": mem,
-        "disk_index_bytes_per_entry": disk,
-        "disk_index_after_scan_bytes_per_entry": scanned,
-        "memory_lookups_per_s": mmm(rates),
-        "disk_contains_per_s": mmm(contains),
-        "disk_rebuild_s": mmm(rebuilds),
-        "disk_rebuild_s_per_million": mmm([r * 1e6 / args.files for r in rebuilds]),
+        "memory_tier_bytes_per_entry": m["mem"],
+        "disk_index_bytes_per_entry": m["disk"],
+        "disk_index_after_scan_bytes_per_entry": m["scanned"],
+        "memory_lookups_per_s": spread(m["rates"]),
+        "disk_contains_per_s": spread(m["contains"]),
+        "disk_rebuild_s": spread(m["rebuilds"]),
+        "disk_rebuild_s_per_million": spread([r * 1e6 / args.files for r in m["rebuilds"]]),
         "targets": {"bytes_per_entry": 100, "lookups_per_s": 1e6},
     }
-    print_table(
-        ["measure", "median", "min", "max", "target"],
-        [
-            ["memory tier: bytes/entry", f"{mem:.0f}", "", "", "<= 100"],
-            ["disk index: bytes/entry", f"{disk:.0f}", "", "", "<= 100"],
-            [
-                f"disk index after a scan of {args.files:,} files: bytes/entry",
-                f"{scanned:.0f}",
-                "",
-                "",
-                "<= 100",
-            ],
-            [
-                "lookups/s (memory, batches of 64)",
-                *(f"{v:,.0f}" for v in mmm(rates).values()),
-                ">= 1,000,000",
-            ],
-            ["disk contains/s (batches of 64)", *(f"{v:,.0f}" for v in mmm(contains).values()), ""],
-            [
-                f"disk rebuild, {args.files:,} files (s)",
-                *(f"{v:.2f}" for v in mmm(rebuilds).values()),
-                "",
-            ],
-            [
-                "  = per 1M files (s)",
-                *(f"{v * 1e6 / args.files:.1f}" for v in mmm(rebuilds).values()),
-                "seconds",
-            ],
-        ],
-    )
+    print_table(["measure", "median", "min", "max", "target"], rows(args, m))
     print(f"wrote {write_json('index', result)}")
 
 

@@ -22,8 +22,6 @@ Medians of interleaved repetitions, with min and max. Writes ``docs/bench/kv_lay
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -33,7 +31,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import OUT, environment, median, print_table
+from bench.lib.cli import parser
+from bench.lib.results import environment, output_name, print_table, pyplot, save_figure, write_json
+from bench.lib.rounds import interleaved, spread
 
 LAYERS, HEADS, KV_HEADS, DIM = 30, 9, 3, 64
 BLOCK = 16
@@ -101,12 +101,7 @@ def case(batch: int, length: int, reps: int) -> dict:
     }
     for fn in runs.values():
         fn()  # warm-up
-    times: dict[str, list[float]] = {k: [] for k in runs}
-    for _ in range(reps):  # interleaved
-        for name, fn in runs.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    times = interleaved({name: _timed(fn) for name, fn in runs.items()}, reps)
     slot = LAYERS * 2 * KV_HEADS * DIM * 2
     live = sum(lengths) * slot
     out = {
@@ -119,11 +114,7 @@ def case(batch: int, length: int, reps: int) -> dict:
         },
     }
     for name, ts in times.items():
-        out[name] = {
-            "median_ms": round(median(ts) * 1000, 2),
-            "min_ms": round(min(ts) * 1000, 2),
-            "max_ms": round(max(ts) * 1000, 2),
-        }
+        out[name] = {k: round(v * 1000, 2) for k, v in spread(ts, "_ms").items()}
     out["paged_over_contiguous"] = round(
         out["paged"]["median_ms"] / out["contiguous"]["median_ms"], 2
     )
@@ -133,12 +124,46 @@ def case(batch: int, length: int, reps: int) -> dict:
     return out
 
 
+def _timed(fn):
+    def run(_r: int) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return run
+
+
+HEADERS = [
+    "B",
+    "L",
+    "contiguous",
+    "paged",
+    "padded",
+    "paged/contig",
+    "padded/contig",
+    "reserved MB contig",
+    "reserved MB paged",
+    "live MB",
+]
+
+
+def row(r: dict) -> list:
+    return [
+        r["batch"],
+        r["tokens_per_sequence"],
+        r["contiguous"]["median_ms"],
+        r["paged"]["median_ms"],
+        r["padded"]["median_ms"],
+        r["paged_over_contiguous"],
+        r["padded_over_contiguous"],
+        r["reserved_mb"]["contiguous"],
+        r["reserved_mb"]["paged"],
+        r["live_kv_mb"],
+    ]
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
+    ap = parser(__doc__, "quick", ("threads", {"default": 2}))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     reps = 3 if args.quick else 7
@@ -147,43 +172,11 @@ def main() -> None:
         if args.quick
         else [(1, 512), (4, 512), (16, 256), (16, 512), (16, 1024), (32, 512)]
     )
-    results = []
     with torch.inference_mode():
-        for batch, length in grid:
-            results.append(case(batch, length, reps))
-    rows = [
-        [
-            r["batch"],
-            r["tokens_per_sequence"],
-            r["contiguous"]["median_ms"],
-            r["paged"]["median_ms"],
-            r["padded"]["median_ms"],
-            r["paged_over_contiguous"],
-            r["padded_over_contiguous"],
-            r["reserved_mb"]["contiguous"],
-            r["reserved_mb"]["paged"],
-            r["live_kv_mb"],
-        ]
-        for r in results
-    ]
+        results = [case(batch, length, reps) for batch, length in grid]
     print("attention of one decode step, all 30 layers (ms, median of", reps, "interleaved runs)")
-    print_table(
-        [
-            "B",
-            "L",
-            "contiguous",
-            "paged",
-            "padded",
-            "paged/contig",
-            "padded/contig",
-            "reserved MB contig",
-            "reserved MB paged",
-            "live MB",
-        ],
-        rows,
-    )
-    name = "kv_layout-quick" if args.quick else "kv_layout"
-    OUT.mkdir(parents=True, exist_ok=True)
+    print_table(HEADERS, [row(r) for r in results])
+    name = output_name("kv_layout", quick=args.quick)
     meta = {
         "model_shapes": "SmolLM2-135M: 30 layers, 9 heads, 3 KV heads x 64, fp16 KV, fp32 compute",
         "block_tokens": BLOCK,
@@ -192,12 +185,13 @@ def main() -> None:
         "threads": args.threads,
         **environment(),
     }
-    (OUT / f"{name}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    try:
-        import matplotlib
+    write_json(name, {"meta": meta, "results": results}, add_environment=False, indent=1)
+    plot(results, name)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+
+def plot(results: list[dict], name: str) -> None:
+    try:
+        plt = pyplot()
     except ImportError:
         print("matplotlib missing: no plot")
         return
@@ -216,7 +210,7 @@ def main() -> None:
     ax.set_title("KV layout: per-sequence contiguous vs paged pool (pure PyTorch, CPU)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(OUT / f"{name}.png", dpi=120)
+    save_figure(fig, name, dpi=120)
 
 
 if __name__ == "__main__":

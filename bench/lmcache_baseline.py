@@ -67,12 +67,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _build_engine(args, kv_shape, dtype, disk_dir):
+def _connector_class():
+    """MockGPUConnector that really moves the bytes (the stock one copies nothing)."""
     import torch
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-    from lmcache.v1.config import LMCacheEngineConfig
     from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
-    from lmcache.v1.metadata import LMCacheMetadata
 
     class CopyingConnector(MockGPUConnector):
         """MockGPUConnector that really moves the bytes (the stock one copies nothing)."""
@@ -104,24 +102,36 @@ def _build_engine(args, kv_shape, dtype, disk_dir):
             for obj, s, e in zip(memory_objs, starts, ends):
                 self.to_gpu(obj, s, e, **kwargs)
 
+    return CopyingConnector
+
+
+def _engine_config(args, kv_shape, dtype, disk_dir):
+    from lmcache.v1.config import LMCacheEngineConfig
+
     total_gb = kv_shape[0] * 2 * kv_shape[2] * kv_shape[3] * kv_shape[4] * dtype.itemsize / 1e9
     # cpu: room for all chunks (the tier under test). disk/redis: only staging buffers, which a
     # retrieve allocates for all chunks at once, so the same size; it holds no entries there.
     cpu_gb = max(0.25, 2.5 * total_gb)
     common = dict(chunk_size=args.chunk_size, max_local_cpu_size=cpu_gb, save_unfull_chunk=False)
     if args.backend == "cpu":
-        config = LMCacheEngineConfig.from_defaults(local_cpu=True, **common)
-    elif args.backend == "disk":
-        config = LMCacheEngineConfig.from_defaults(
+        return LMCacheEngineConfig.from_defaults(local_cpu=True, **common)
+    if args.backend == "disk":
+        return LMCacheEngineConfig.from_defaults(
             local_cpu=False,
             local_disk=f"file://{disk_dir}/",
             max_local_disk_size=max(1.0, 50 * total_gb),
             **common,
         )
-    else:
-        config = LMCacheEngineConfig.from_defaults(
-            local_cpu=False, remote_url=args.redis_url, remote_serde="naive", **common
-        )
+    return LMCacheEngineConfig.from_defaults(
+        local_cpu=False, remote_url=args.redis_url, remote_serde="naive", **common
+    )
+
+
+def _build_engine(args, kv_shape, dtype, disk_dir):
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    config = _engine_config(args, kv_shape, dtype, disk_dir)
     chunk_shape = (kv_shape[0], 2, args.chunk_size, kv_shape[3], kv_shape[4])
     metadata = LMCacheMetadata(
         model_name="kvfuse-bench",
@@ -137,7 +147,7 @@ def _build_engine(args, kv_shape, dtype, disk_dir):
         name,
         config,
         metadata,
-        CopyingConnector(chunk_shape),
+        _connector_class()(chunk_shape),
         lambda *a, **k: None,
         lambda *a, **k: None,
     )
@@ -200,11 +210,11 @@ def _clear(engine, keys, args, redis_client) -> None:
         raise RuntimeError("LMCache entries survived the clear between runs")
 
 
-def run(args: argparse.Namespace) -> dict:
+def _source(args):
+    """The engine's KV tensor (what a GPU connector would read): all chunks back to back; the
+    prompt's tokens; the chunks' shape."""
     import torch
 
-    if args.torch_threads > 0:
-        torch.set_num_threads(args.torch_threads)
     data = torch.load(args.kv, weights_only=True)
     chunks, tokens = data["kv"], data["tokens"]
     n_chunks, layers, two, chunk_tokens, heads, dim = chunks.shape
@@ -212,15 +222,16 @@ def run(args: argparse.Namespace) -> dict:
         raise ValueError(
             f"{args.kv} holds {chunk_tokens}-token chunks; --chunk-size is {args.chunk_size}"
         )
-    # The engine's KV tensor (what a GPU connector would read): all chunks back to back.
     src = (
         chunks.permute(1, 2, 0, 3, 4, 5)
         .reshape(layers, 2, n_chunks * chunk_tokens, heads, dim)
         .contiguous()
     )
-    args._tokens = tokens
-    nbytes = src.numel() * src.element_size()
+    return src, tokens, (n_chunks, chunk_tokens)
 
+
+def _backend(args):
+    """The disk backend's fresh folder, or a flushed Redis client: (disk_dir, redis_client)."""
     disk_dir = None
     if args.backend == "disk":
         if not args.disk_dir:
@@ -234,36 +245,56 @@ def run(args: argparse.Namespace) -> dict:
 
         redis_client = redis.Redis.from_url(args.redis_url)
         redis_client.flushdb()
+    return disk_dir, redis_client
 
+
+def _roundtrips(args, engine, keys, src, tokens, redis_client) -> tuple:
+    """``--warmup`` then ``--runs`` store + retrieve round trips, each after a clear: the timed
+    seconds, whether the first came back exact, which backends served it."""
+    import torch
+
+    out = torch.empty_like(src)
+    landed = None if args.backend == "cpu" else _landed_check(engine, keys, args, redis_client)
+    put_s, get_s, exact, served_by = [], [], None, None
+    for i in range(args.warmup + args.runs):
+        _clear(engine, keys, args, redis_client)
+        t0 = time.perf_counter()
+        engine.store(tokens, kvcaches=src)
+        if landed is not None:
+            _wait_landed(landed)
+        t1 = time.perf_counter()
+        if engine.lookup(tokens) != len(tokens):
+            raise RuntimeError("LMCache did not store every chunk")
+        out.zero_()
+        t2 = time.perf_counter()
+        mask = engine.retrieve(tokens, kvcaches=out)
+        t3 = time.perf_counter()
+        if int(mask.sum()) != len(tokens):
+            raise RuntimeError(f"LMCache retrieved {int(mask.sum())} of {len(tokens)} tokens")
+        if exact is None:
+            exact = bool(torch.equal(out, src))
+            served_by = _served_by(engine, tokens)
+        if i >= args.warmup:
+            put_s.append(t1 - t0)
+            get_s.append(t3 - t2)
+    return put_s, get_s, exact, served_by
+
+
+def run(args: argparse.Namespace) -> dict:
+    import torch
+
+    if args.torch_threads > 0:
+        torch.set_num_threads(args.torch_threads)
+    src, tokens, (n_chunks, chunk_tokens) = _source(args)
+    args._tokens = tokens
+    nbytes = src.numel() * src.element_size()
+    disk_dir, redis_client = _backend(args)
     name, engine = _build_engine(args, src.shape, src.dtype, disk_dir)
     from lmcache.v1.cache_engine import LMCacheEngineBuilder
 
     keys = [key for _, _, key in engine.token_database.process_tokens(tokens=tokens)]
-    out = torch.empty_like(src)
-    landed = None if args.backend == "cpu" else _landed_check(engine, keys, args, redis_client)
-    put_s, get_s, exact, served_by = [], [], None, None
     try:
-        for i in range(args.warmup + args.runs):
-            _clear(engine, keys, args, redis_client)
-            t0 = time.perf_counter()
-            engine.store(tokens, kvcaches=src)
-            if landed is not None:
-                _wait_landed(landed)
-            t1 = time.perf_counter()
-            if engine.lookup(tokens) != len(tokens):
-                raise RuntimeError("LMCache did not store every chunk")
-            out.zero_()
-            t2 = time.perf_counter()
-            mask = engine.retrieve(tokens, kvcaches=out)
-            t3 = time.perf_counter()
-            if int(mask.sum()) != len(tokens):
-                raise RuntimeError(f"LMCache retrieved {int(mask.sum())} of {len(tokens)} tokens")
-            if exact is None:
-                exact = bool(torch.equal(out, src))
-                served_by = _served_by(engine, tokens)
-            if i >= args.warmup:
-                put_s.append(t1 - t0)
-                get_s.append(t3 - t2)
+        put_s, get_s, exact, served_by = _roundtrips(args, engine, keys, src, tokens, redis_client)
     finally:
         clean_close = _destroy(LMCacheEngineBuilder, name)
         if redis_client is not None:
@@ -271,7 +302,6 @@ def run(args: argparse.Namespace) -> dict:
             redis_client.close()
         if disk_dir is not None:
             shutil.rmtree(disk_dir, ignore_errors=True)
-
     put_mbs = [nbytes / 1e6 / t for t in put_s]
     get_mbs = [nbytes / 1e6 / t for t in get_s]
     import lmcache

@@ -51,7 +51,10 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from bench.common import DATA, plot_path, print_table, write_json
+from bench.lib.cli import add_common
+from bench.lib.paths import DATA
+from bench.lib.results import print_table, pyplot, save_figure, stem, write_json
+from bench.lib.rounds import interleaved
 from kvfuse.config import load_config
 from kvfuse.generation import SamplingParams
 from kvfuse.runtime import open_engine, open_model
@@ -143,29 +146,8 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
             msgs.append({"role": "user", "content": user})
             ids, dropped = engine.prompts.encode_chat(msgs, reserve=args.max_tokens)
             r = engine.generate(ids, params)
-            row = {
-                "conversation": ci,
-                "turn": ti + 1,
-                "prompt_tokens": r.prompt_tokens,
-                "cached_tokens": r.cached_tokens,
-                "completion_tokens": r.completion_tokens,
-                "tokens": r.token_ids,
-                "ttft_s": r.timings.ttft_s,
-                "queued_s": r.timings.queued_s,
-                "total_s": r.timings.total_s,
-                "store_s": r.timings.store_s,
-                "lookup_s": r.timings.lookup_s,
-                "load_s": r.timings.load_s,
-                "prefill_s": r.timings.prefill_s,
-                "hit_tiers": list(r.hit_tiers),
-                "dropped_messages": dropped,
-                # the KV the previous turn left: its prompt and the answer tokens fed back
-                "history_tokens": 0
-                if prev is None
-                else prev.prompt_tokens + max(0, prev.completion_tokens - 1),
-            }
             with lock:
-                turns.append(row)
+                turns.append(turn_row(ci, ti, r, prev, dropped))
             msgs.append({"role": "assistant", "content": r.text})
             prev = r
             time.sleep(rng.uniform(*args.think))
@@ -177,15 +159,40 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    return {"setup": setup, "seed": seed, "wall_s": wall, "turns": turns, **engine_report(engine)}
+
+
+def turn_row(ci: int, ti: int, r, prev, dropped) -> dict:
+    return {
+        "conversation": ci,
+        "turn": ti + 1,
+        "prompt_tokens": r.prompt_tokens,
+        "cached_tokens": r.cached_tokens,
+        "completion_tokens": r.completion_tokens,
+        "tokens": r.token_ids,
+        "ttft_s": r.timings.ttft_s,
+        "queued_s": r.timings.queued_s,
+        "total_s": r.timings.total_s,
+        "store_s": r.timings.store_s,
+        "lookup_s": r.timings.lookup_s,
+        "load_s": r.timings.load_s,
+        "prefill_s": r.timings.prefill_s,
+        "hit_tiers": list(r.hit_tiers),
+        "dropped_messages": dropped,
+        # the KV the previous turn left: its prompt and the answer tokens fed back
+        "history_tokens": 0
+        if prev is None
+        else prev.prompt_tokens + max(0, prev.completion_tokens - 1),
+    }
+
+
+def engine_report(engine) -> dict:
+    """The engine's counters after its saves are flushed; the engine closed."""
     engine.flush(60)
     stats, cache = engine.stats_snapshot(), engine.cache_stats()
     saver = engine.saver.stats.snapshot() if engine.saver is not None else {}
     engine.close()
     return {
-        "setup": setup,
-        "seed": seed,
-        "wall_s": wall,
-        "turns": turns,
         "engine": stats,
         "store": cache.get("store", {}),
         "tiers": {k: v for k, v in cache.items() if k != "store"},
@@ -262,66 +269,91 @@ def run_replay(args) -> None:
         f"{ws_tokens} tokens = {ws / 2**20:.0f} MiB of KV; memory budget {budget / 2**20:.0f} MiB ({args.budget:.0%})"
     )
     order = list(args.setups)
-    runs: dict[str, list[dict]] = {s: [] for s in order}
     with tempfile.TemporaryDirectory(prefix="kvfuse-multiturn-") as tmp:
-        for rep in range(args.repeats):
-            for setup in (
-                order[rep % len(order) :] + order[: rep % len(order)]
-            ):  # rotate: no set-up always first
+
+        def one(setup: str):
+            def run(rep: int) -> dict:
                 t0 = time.perf_counter()
-                runs[setup].append(replay(setup, model, convs, args, budget, Path(tmp), seed=rep))
+                out = replay(setup, model, convs, args, budget, Path(tmp), seed=rep)
                 print(f"  repeat {rep + 1} {setup}: {time.perf_counter() - t0:.0f} s", flush=True)
+                return out
+
+            return run
+
+        # rotate: no set-up always first
+        runs = interleaved({s: one(s) for s in order}, args.repeats, rotate=True)
     reference = {
         (r["seed"], t["conversation"], t["turn"]): t["tokens"]
         for r in runs.get("no-reuse", [])
         for t in r["turns"]
     }
     summary = {s: summarize(rs, reference) for s, rs in runs.items()}
-    base = summary.get("no-reuse")
-    rows = []
-    for s, v in summary.items():
-        ratio = base["ttft_p50_turn8plus"] / v["ttft_p50_turn8plus"] if base else float("nan")
-        ratio_q = (
-            base["ttft_p50_turn8plus_with_queue"] / v["ttft_p50_turn8plus_with_queue"]
-            if base
-            else float("nan")
-        )
-        v["ttft_ratio_turn8plus"], v["ttft_ratio_turn8plus_with_queue"] = ratio, ratio_q
-        tps = v["turns_per_s"]
-        rows.append(
-            [
-                s,
-                v["ttft_p50_turn8plus"],
-                ratio,
-                v["ttft_p50_turn8plus_with_queue"],
-                ratio_q,
-                f"{v['history_reused']:.1%}",
-                f"{v['prefill_tokens_saved']:.1%}",
-                " ".join(f"{k}:{n}" for k, n in sorted(v["hits_by_tier"].items())) or "-",
-                f"{v['prefetch_hits']}/{v['prefetch_misses']}",
-                f"{statistics.median(tps):.3f} [{min(tps):.3f}, {max(tps):.3f}]",
-                f"{v['save_share_request_path']:.2%}",
-                v["answers_equal_to_no_reuse"],
-            ]
-        )
-    print()
-    print_table(
-        [
-            "setup",
-            "TTFT p50 t>=8 s",
-            "x",
-            "+queue s",
-            "x",
-            "history reused",
-            "prefill saved",
-            "chunk hits",
-            "prefetch hit/miss",
-            "turns/s med [min,max]",
-            "save share",
-            "same answers",
-        ],
-        rows,
+    print_replay(summary, order)
+    name = args.name
+    write_json(
+        name,
+        {
+            "args": {k: v for k, v in vars(args).items() if k != "func"},
+            "working_set_tokens": ws_tokens,
+            "memory_budget_bytes": budget,
+            "summary": summary,
+            "runs": {s: [without_tokens(r) for r in rs] for s, rs in runs.items()},
+        },
     )
+    plot(summary, name)
+    print(f"\nwrote {stem(name)}.json and {name}.png")
+
+
+def without_tokens(run: dict) -> dict:
+    return {**run, "turns": [{k: v for k, v in t.items() if k != "tokens"} for t in run["turns"]]}
+
+
+REPLAY_HEADERS = [
+    "setup",
+    "TTFT p50 t>=8 s",
+    "x",
+    "+queue s",
+    "x",
+    "history reused",
+    "prefill saved",
+    "chunk hits",
+    "prefetch hit/miss",
+    "turns/s med [min,max]",
+    "save share",
+    "same answers",
+]
+
+
+def replay_row(s: str, v: dict, base: dict | None) -> list:
+    """A set-up's row; sets its TTFT ratios against no-reuse in ``v`` too."""
+    ratio = base["ttft_p50_turn8plus"] / v["ttft_p50_turn8plus"] if base else float("nan")
+    ratio_q = (
+        base["ttft_p50_turn8plus_with_queue"] / v["ttft_p50_turn8plus_with_queue"]
+        if base
+        else float("nan")
+    )
+    v["ttft_ratio_turn8plus"], v["ttft_ratio_turn8plus_with_queue"] = ratio, ratio_q
+    tps = v["turns_per_s"]
+    return [
+        s,
+        v["ttft_p50_turn8plus"],
+        ratio,
+        v["ttft_p50_turn8plus_with_queue"],
+        ratio_q,
+        f"{v['history_reused']:.1%}",
+        f"{v['prefill_tokens_saved']:.1%}",
+        " ".join(f"{k}:{n}" for k, n in sorted(v["hits_by_tier"].items())) or "-",
+        f"{v['prefetch_hits']}/{v['prefetch_misses']}",
+        f"{statistics.median(tps):.3f} [{min(tps):.3f}, {max(tps):.3f}]",
+        f"{v['save_share_request_path']:.2%}",
+        v["answers_equal_to_no_reuse"],
+    ]
+
+
+def print_replay(summary: dict, order: list[str]) -> None:
+    base = summary.get("no-reuse")
+    print()
+    print_table(REPLAY_HEADERS, [replay_row(s, v, base) for s, v in summary.items()])
     print()
     print_table(
         ["setup", "turns >= 8 medians: lookup s", "load s", "compute s", "queued s"],
@@ -343,38 +375,10 @@ def run_replay(args) -> None:
             for k in turns_all
         ],
     )
-    name = args.name
-    write_json(
-        name,
-        {
-            "args": {k: v for k, v in vars(args).items() if k != "func"},
-            "working_set_tokens": ws_tokens,
-            "memory_budget_bytes": budget,
-            "summary": summary,
-            "runs": {
-                s: [
-                    {
-                        **r,
-                        "turns": [
-                            {k: v for k, v in t.items() if k != "tokens"} for t in r["turns"]
-                        ],
-                    }
-                    for r in rs
-                ]
-                for s, rs in runs.items()
-            },
-        },
-    )
-    plot(summary, plot_path(name))
-    print(f"\nwrote docs/bench/{name}.json and {name}.png")
 
 
-def plot(summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(summary: dict, name: str) -> None:
+    plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for s, v in summary.items():
         ks = sorted(v["ttft_by_turn"])
@@ -390,17 +394,14 @@ def plot(summary: dict, path: Path) -> None:
     b.set_title("history reuse at the memory budget")
     b.tick_params(axis="x", rotation=20)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, name)
 
 
 # ------------------------------------------------------------------------------ truncation
 
 
-def run_truncation(args) -> None:
-    model = open_model(load_config(overrides={"model": args.model, "home": args.home}))
-    tok = model.tokenizer
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    engines = {
+def truncation_engines(args, model) -> dict:
+    return {
         mode: open_engine(
             load_config(
                 overrides={
@@ -416,7 +417,12 @@ def run_truncation(args) -> None:
         )
         for mode in ("reuse", "recompute")
     }
-    rows, items = [], []
+
+
+def truncation_items(args, tok) -> list[tuple]:
+    """(the last history that fits, the next one that does not, its recorded answer) of the first
+    ``--conversations`` dev conversations that outgrow the context window."""
+    items = []
     for line in (DATA / "sharegpt_multiturn_dev.jsonl").read_text().splitlines():
         if len(items) >= args.conversations:
             break
@@ -431,70 +437,61 @@ def run_truncation(args) -> None:
                 break
             prev_fit = nxt
             msgs = nxt + [conv[i + 1]]
-    for n, (before, after, answer) in enumerate(items):
-        ref_ids = None
-        out = {}
-        for mode, engine in engines.items():
-            engine.clear_cache("")
-            engine.generate(
-                engine.prompts.encode_chat(before, reserve=args.max_tokens)[0],
-                SamplingParams(max_tokens=1),
-            )
-            ids, dropped = engine.prompts.encode_chat(after, reserve=args.max_tokens)
-            cont = tok.encode(answer, add_special_tokens=False)[: args.score_tokens]
-            s0 = engine.stats_snapshot()
-            r = engine.generate(ids, params)
-            engine.generate(
-                engine.prompts.encode_chat(before, reserve=args.max_tokens)[0],
-                SamplingParams(max_tokens=1),
-            )
-            logits = engine.score(ids, [cont])[0]
-            s1 = engine.stats_snapshot()
-            out[mode] = {
-                "ids": r.token_ids,
-                "cached": r.cached_tokens,
-                "moved": s1["moved_tokens_reused"] - s0["moved_tokens_reused"],
-                "ttft_s": r.timings.ttft_s,
-                "logits": logits.float(),
-                "dropped": dropped,
-                "prompt": len(ids),
-            }
-            ref_ids = ids
-        p = torch.log_softmax(out["recompute"]["logits"], -1)
-        q = torch.log_softmax(out["reuse"]["logits"], -1)
-        kl = (p.exp() * (p - q)).sum(-1)
-        a, b = out["reuse"]["ids"], out["recompute"]["ids"]
-        agree = sum(x == y for x, y in zip(a, b)) / max(1, max(len(a), len(b)))
-        prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        rows.append(
-            {
-                "item": n,
-                "prompt_tokens": len(ref_ids),
-                "dropped_messages": out["reuse"]["dropped"],
-                "reused_tokens": out["reuse"]["cached"],
-                "moved_tokens": out["reuse"]["moved"],
-                "recompute_cached_tokens": out["recompute"]["cached"],
-                "kl_mean": float(kl.mean()),
-                "kl_first": float(kl[0]),
-                "top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
-                "greedy_token_agreement": agree,
-                "greedy_identical_prefix": prefix,
-                "greedy_identical": a == b,
-                "ttft_reuse_s": out["reuse"]["ttft_s"],
-                "ttft_recompute_s": out["recompute"]["ttft_s"],
-            }
-        )
-        print(
-            f"  item {n}: prompt {len(ref_ids)} reused {out['reuse']['cached']} (moved {out['reuse']['moved']}) "
-            f"KL {float(kl.mean()):.4f} identical {a == b}",
-            flush=True,
-        )
-    for e in engines.values():
-        e.close()
-    if not rows:
-        raise SystemExit("no conversation outgrows the context window; lower --context")
+    return items
+
+
+def truncated_turn(args, engine, tok, params, before, after, answer) -> dict:
+    """One mode: the history that fit cached, then the truncated one answered and scored."""
+    engine.clear_cache("")
+    prime = engine.prompts.encode_chat(before, reserve=args.max_tokens)[0]
+    engine.generate(prime, SamplingParams(max_tokens=1))
+    ids, dropped = engine.prompts.encode_chat(after, reserve=args.max_tokens)
+    cont = tok.encode(answer, add_special_tokens=False)[: args.score_tokens]
+    s0 = engine.stats_snapshot()
+    r = engine.generate(ids, params)
+    engine.generate(prime, SamplingParams(max_tokens=1))
+    logits = engine.score(ids, [cont])[0]
+    s1 = engine.stats_snapshot()
+    return {
+        "ids": r.token_ids,
+        "cached": r.cached_tokens,
+        "moved": s1["moved_tokens_reused"] - s0["moved_tokens_reused"],
+        "ttft_s": r.timings.ttft_s,
+        "logits": logits.float(),
+        "dropped": dropped,
+        "prompt": len(ids),
+        "prompt_ids": ids,
+    }
+
+
+def truncation_row(n: int, out: dict) -> dict:
+    p = torch.log_softmax(out["recompute"]["logits"], -1)
+    q = torch.log_softmax(out["reuse"]["logits"], -1)
+    kl = (p.exp() * (p - q)).sum(-1)
+    a, b = out["reuse"]["ids"], out["recompute"]["ids"]
+    agree = sum(x == y for x, y in zip(a, b)) / max(1, max(len(a), len(b)))
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return {
+        "item": n,
+        "prompt_tokens": len(out["recompute"]["prompt_ids"]),
+        "dropped_messages": out["reuse"]["dropped"],
+        "reused_tokens": out["reuse"]["cached"],
+        "moved_tokens": out["reuse"]["moved"],
+        "recompute_cached_tokens": out["recompute"]["cached"],
+        "kl_mean": float(kl.mean()),
+        "kl_first": float(kl[0]),
+        "top1_agree": float((p.argmax(-1) == q.argmax(-1)).float().mean()),
+        "greedy_token_agreement": agree,
+        "greedy_identical_prefix": prefix,
+        "greedy_identical": a == b,
+        "ttft_reuse_s": out["reuse"]["ttft_s"],
+        "ttft_recompute_s": out["recompute"]["ttft_s"],
+    }
+
+
+def truncation_summary(rows: list[dict]) -> dict:
     med = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
-    summary = {
+    return {
         "items": len(rows),
         "kl_mean_median": med("kl_mean"),
         "kl_mean_max": max(r["kl_mean"] for r in rows),
@@ -507,18 +504,12 @@ def run_truncation(args) -> None:
         "ttft_reuse_median_s": med("ttft_reuse_s"),
         "ttft_recompute_median_s": med("ttft_recompute_s"),
     }
+
+
+def print_truncation(summary: dict) -> None:
     print_table(
-        [
-            "items",
-            "KL med",
-            "KL max",
-            "top-1 agree",
-            "greedy identical",
-            "token agree",
-            "reused share",
-            "TTFT reuse s",
-            "TTFT recompute s",
-        ],
+        ["items", "KL med", "KL max", "top-1 agree", "greedy identical", "token agree"]
+        + ["reused share", "TTFT reuse s", "TTFT recompute s"],
         [
             [
                 summary["items"],
@@ -533,15 +524,41 @@ def run_truncation(args) -> None:
             ]
         ],
     )
+
+
+def run_truncation(args) -> None:
+    model = open_model(load_config(overrides={"model": args.model, "home": args.home}))
+    tok = model.tokenizer
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    engines = truncation_engines(args, model)
+    rows = []
+    for n, (before, after, answer) in enumerate(truncation_items(args, tok)):
+        out = {
+            mode: truncated_turn(args, engine, tok, params, before, after, answer)
+            for mode, engine in engines.items()
+        }
+        rows.append(row := truncation_row(n, out))
+        print(
+            f"  item {n}: prompt {row['prompt_tokens']} reused {row['reused_tokens']} "
+            f"(moved {row['moved_tokens']}) KL {row['kl_mean']:.4f} identical {row['greedy_identical']}",
+            flush=True,
+        )
+    for e in engines.values():
+        e.close()
+    if not rows:
+        raise SystemExit("no conversation outgrows the context window; lower --context")
+    summary = truncation_summary(rows)
+    print_truncation(summary)
+    name = args.name + "_truncation"
     write_json(
-        args.name + "_truncation",
+        name,
         {
             "args": {k: v for k, v in vars(args).items() if k != "func"},
             "summary": summary,
             "items": rows,
         },
     )
-    print(f"\nwrote docs/bench/{args.name}_truncation.json")
+    print(f"\nwrote {stem(name)}.json")
 
 
 def main() -> None:
@@ -549,10 +566,8 @@ def main() -> None:
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--part", choices=["replay", "truncation"], default="replay")
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument(
-        "--home", default=None, help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)"
-    )
+    add_common(ap, "model")
+    add_common(ap, "home")
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=10, help="user turns replayed per conversation")
     ap.add_argument(
@@ -574,7 +589,7 @@ def main() -> None:
     ap.add_argument(
         "--budget", type=float, default=0.25, help="memory tier size as a share of the working set"
     )
-    ap.add_argument("--repeats", type=int, default=2)
+    add_common(ap, ("repeats", {"default": 2}))
     ap.add_argument("--setups", nargs="+", default=DEFAULT_SETUPS, choices=list(SETUPS))
     ap.add_argument(
         "--context", type=int, default=1024, help="truncation part: the context window, tokens"

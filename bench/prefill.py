@@ -16,10 +16,17 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import sys
 import time
+from pathlib import Path
 
 import torch
-from common import dev_text_tokens, median, plot_path, print_table, write_json
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
+from bench.lib.data import dev_text_tokens
+from bench.lib.results import plot_path, print_table, write_json
+from bench.lib.rounds import interleaved, median
 
 
 def sync(device) -> None:
@@ -115,11 +122,16 @@ def bench_model(
     rows = []
     for n in lengths:
         ids = ids_all[:n]
-        samples: dict[str, list[float]] = {k: [] for k in timers}
-        for _ in range(runs):
-            for k, fn in timers.items():
-                samples[k].append(fn(ids))
+
+        def timed(fn, ids=ids):
+            def one(_r: int) -> float:
+                t = fn(ids)
                 gc.collect()
+                return t
+
+            return one
+
+        samples = interleaved({k: timed(fn) for k, fn in timers.items()}, runs)
         row = {
             "model": name,
             "tokens": n,
@@ -166,14 +178,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--models", default="smollm2,gemma3-270m")
+    add_common(ap, ("models", {"default": "smollm2,gemma3-270m"}))
     ap.add_argument("--lengths", default="512,1024,2048,4096")
-    ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--home", help="kvfuse home (default: $KVFUSE_HOME or ~/.cache/kvfuse)")
-    ap.add_argument("--quick", action="store_true", help="512 and 1024 tokens, 2 runs")
-    ap.add_argument(
-        "--device", default="cpu", help="cpu (default), cuda or cuda:N: both engines run there"
-    )
+    add_common(ap, "runs")
+    add_common(ap, "home")
+    add_common(ap, ("quick", {"help": "512 and 1024 tokens, 2 runs"}))
+    add_common(ap, ("device", {"help": "cpu (default), cuda or cuda:N: both engines run there"}))
     ap.add_argument(
         "--dtype", default="float32", help="compute dtype of both engines (default float32)"
     )

@@ -7,6 +7,8 @@
 #        an existing venv (even kvfuse's .venv) is installed into as it is.
 # The CPU build compiles llama.cpp from the sdist: about 5-10 minutes on 2 cores (run under nice).
 # CMAKE_ARGS may be set by the caller; the default builds for this CPU (-DGGML_NATIVE=ON).
+# llama.cpp's own server (llama-server, the serving baseline of bench/serve.py and
+# bench/multiround.py) is built from the same source by bash bench/setup_llama_server.sh.
 set -euo pipefail
 
 VENV_DIR="${1:-$(cd "$(dirname "$0")/.." && pwd)/.baselines/llama-venv}"

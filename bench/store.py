@@ -68,8 +68,12 @@ import time
 from pathlib import Path
 
 import torch
-from common import DATA, MUSIQUE_DEV, OUT, REPO, environment, print_table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
+from bench.lib.paths import DATA, MUSIQUE_DEV, OUT, REPO
+from bench.lib.results import environment, print_table, write_json
+from bench.lib.rounds import order
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry, read_entry
@@ -87,9 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--model", default="smollm2", help="built-in model whose KV is stored (default smollm2)"
-    )
+    add_common(p, ("model", {"help": "built-in model whose KV is stored (default smollm2)"}))
     p.add_argument(
         "--tokens",
         type=int,
@@ -115,7 +117,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="cache of the prefilled KV: loaded if it exists, else written (skips the "
         "~35 s model load + prefill on reruns)",
     )
-    p.add_argument("--runs", type=int, default=5, help="timed runs per measurement (default 5)")
+    _run_flags(p)
+    _baseline_flags(p)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.runs, args.reps = 2, 2
+    if args.tokens <= 0 or args.tokens % args.chunk_tokens:
+        p.error(f"--tokens must be a positive multiple of --chunk-tokens ({args.chunk_tokens})")
+    if args.runs < 1 or args.warmup < 0 or args.reps < 1:
+        p.error("--runs and --reps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    add_common(p, ("runs", {"help": "timed runs per measurement (default 5)"}))
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
     p.add_argument(
         "--reps",
@@ -123,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=5,
         help="repetitions of the whole comparison, interleaved (default 5)",
     )
-    p.add_argument("--quick", action="store_true", help="smoke mode: 2 runs, 2 repetitions")
+    add_common(p, ("quick", {"help": "smoke mode: 2 runs, 2 repetitions"}))
     p.add_argument(
         "--signing",
         action="store_true",
@@ -134,6 +149,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=str(OUT / "store_signing.json"),
         help="--signing results (default docs/bench/store_signing.json; written by a full run only)",
     )
+
+
+def _baseline_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dir",
         default=tempfile.gettempdir(),
@@ -164,14 +182,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--out-png", default=str(OUT / "store.png"), help="bar chart (default docs/bench/store.png)"
     )
-    args = p.parse_args(argv)
-    if args.quick:
-        args.runs, args.reps = 2, 2
-    if args.tokens <= 0 or args.tokens % args.chunk_tokens:
-        p.error(f"--tokens must be a positive multiple of --chunk-tokens ({args.chunk_tokens})")
-    if args.runs < 1 or args.warmup < 0 or args.reps < 1:
-        p.error("--runs and --reps must be >= 1 and --warmup >= 0")
-    return args
 
 
 # -- the KV under test ----------------------------------------------------------------------------
@@ -509,6 +519,28 @@ def run_lmcache(args, kv_file: Path, backend: str, workdir: Path, redis_url: str
 def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
     """Milliseconds per batch (all chunks) of the pieces of the kvfuse paths, median of ``runs``:
     hashing, copies into fresh vs reused memory, reads into fresh vs reused buffers."""
+    root = workdir / "breakdown"
+    root.mkdir()
+    pieces, n_blobs = breakdown_pieces(kv, codec, root)
+    out = {}
+    for name, fn in pieces.items():
+        times = []
+        for _ in range(runs + 1):
+            t, keep = _timed(fn)
+            del keep
+            times.append(t * 1e3)
+        out[name] = round(statistics.median(times[1:]), 2)
+    shutil.rmtree(root)
+    print(
+        f"\nbreakdown, ms per batch of {n_blobs} chunks ({kv['nbytes'] / 1e6:.0f} MB), median of {runs}:"
+    )
+    for name, ms in out.items():
+        print(f"  {ms:8.1f} ms  {kv['nbytes'] / 1e3 / ms:7.0f} MB/s  {name}")
+    return out
+
+
+def breakdown_pieces(kv: dict, codec, root: Path) -> tuple[dict, int]:
+    """The pieces ``breakdown`` times, each a callable over the whole batch; the chunk count."""
     import numpy as np
     import xxhash
 
@@ -520,8 +552,6 @@ def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
     reused = [np.empty(len(b), np.uint8) for b in blobs]
     for r in reused:
         r.fill(0)
-    root = workdir / "breakdown"
-    root.mkdir()
     paths = [root / f"{i}.kvf" for i in range(len(blobs))]
     for p, b in zip(paths, blobs):
         p.write_bytes(b)
@@ -539,7 +569,7 @@ def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
             out.append(buf)
         return out
 
-    pieces = {
+    return {
         "xxh3_64 of the payloads": lambda: [xxhash.xxh3_64_intdigest(v) for v in views],
         "copy payloads into fresh bytes": lambda: [bytes(v) for v in views],
         "copy payloads into reused buffers": copy_reused,
@@ -556,22 +586,7 @@ def breakdown(kv: dict, codec, workdir: Path, runs: int) -> dict:
             lambda i: np.empty(len(blobs[i]), np.uint8)
         ),
         "readinto reused buffers (as raw file)": lambda: read(lambda i: reused[i]),
-    }
-    out = {}
-    for name, fn in pieces.items():
-        times = []
-        for _ in range(runs + 1):
-            t, keep = _timed(fn)
-            del keep
-            times.append(t * 1e3)
-        out[name] = round(statistics.median(times[1:]), 2)
-    shutil.rmtree(root)
-    print(
-        f"\nbreakdown, ms per batch of {len(blobs)} chunks ({kv['nbytes'] / 1e6:.0f} MB), median of {runs}:"
-    )
-    for name, ms in out.items():
-        print(f"  {ms:8.1f} ms  {kv['nbytes'] / 1e3 / ms:7.0f} MB/s  {name}")
-    return out
+    }, len(blobs)
 
 
 # -- the report -----------------------------------------------------------------------------------
@@ -662,62 +677,64 @@ def targets(res: dict) -> list[dict]:
     return out
 
 
+def _cell(cell) -> str:
+    if cell is None:
+        return "-"
+    return f"{cell['median']:,.0f} ({cell['min']:,.0f}-{cell['max']:,.0f})"
+
+
+def _ratio(res: dict, name: str) -> str:
+    st = res["ratios"].get(name)
+    return "-" if st is None else f"{st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
+
+
+REPORT_HEADERS = [
+    "tier",
+    "put",
+    "get",
+    "raw put",
+    "raw get",
+    "put/raw",
+    "get/raw",
+    "put from KV",
+    "get into KV",
+    "LMCache put",
+    "LMCache get",
+    "put/LMC",
+    "get/LMC",
+]
+
+
+def report_row(res: dict, row: str) -> list:
+    f = _cell
+    k, lm = res["kvfuse"][row], res["lmcache"].get(LMCACHE_OF[row])
+    raw = res["raw_file"] if row == "disk" else None
+    b = LMCACHE_OF[row]
+    return [
+        f"{row} ~ LMCache {b}",
+        f(k["put_mbs"]),
+        f(k["get_mbs"]),
+        f(raw["put_mbs"]) if raw else "",
+        f(raw["get_mbs"]) if raw else "",
+        _ratio(res, "disk put / raw file put") if raw else "",
+        _ratio(res, "disk get / raw file get") if raw else "",
+        f(k["put_kv_mbs"]),
+        f(k["get_kv_mbs"]),
+        f(lm["put_mbs"]) if lm else "-",
+        f(lm["get_mbs"]) if lm else "-",
+        _ratio(res, f"{row} put from/into the KV / LMCache {b} put"),
+        _ratio(res, f"{row} get from/into the KV / LMCache {b} get"),
+    ]
+
+
 def report(res: dict) -> None:
-    def f(cell):
-        if cell is None:
-            return "-"
-        return f"{cell['median']:,.0f} ({cell['min']:,.0f}-{cell['max']:,.0f})"
-
-    def r(name):
-        st = res["ratios"].get(name)
-        return "-" if st is None else f"{st['median']:.2f} ({st['min']:.2f}-{st['max']:.2f})"
-
-    rows = []
-    for row in ROWS:
-        k, lm = res["kvfuse"][row], res["lmcache"].get(LMCACHE_OF[row])
-        raw = res["raw_file"] if row == "disk" else None
-        b = LMCACHE_OF[row]
-        rows.append(
-            [
-                f"{row} ~ LMCache {b}",
-                f(k["put_mbs"]),
-                f(k["get_mbs"]),
-                f(raw["put_mbs"]) if raw else "",
-                f(raw["get_mbs"]) if raw else "",
-                r("disk put / raw file put") if raw else "",
-                r("disk get / raw file get") if raw else "",
-                f(k["put_kv_mbs"]),
-                f(k["get_kv_mbs"]),
-                f(lm["put_mbs"]) if lm else "-",
-                f(lm["get_mbs"]) if lm else "-",
-                r(f"{row} put from/into the KV / LMCache {b} put"),
-                r(f"{row} get from/into the KV / LMCache {b} get"),
-            ]
-        )
     n = len(res["kvfuse"]["disk"]["reps"])
     print(
         f"\nthroughput, MB/s (1 MB = 1e6 bytes of KV): median (min-max) over {n} interleaved repetitions, each "
         f"the median of {res['config']['runs']} runs; tier put/get vs raw files; put from / get into the KV vs "
         "LMCache store / retrieve; ratios taken within each repetition"
     )
-    print_table(
-        [
-            "tier",
-            "put",
-            "get",
-            "raw put",
-            "raw get",
-            "put/raw",
-            "get/raw",
-            "put from KV",
-            "get into KV",
-            "LMCache put",
-            "LMCache get",
-            "put/LMC",
-            "get/LMC",
-        ],
-        rows,
-    )
+    print_table(REPORT_HEADERS, [report_row(res, row) for row in ROWS])
     print("\ntargets (median of the repetitions' ratios; min-max):")
     for t in res["targets"]:
         if t["ratio"] is None:
@@ -792,7 +809,7 @@ def measure_signing(kv: dict, args, workdir: Path, redis_url: str) -> dict:
     cells: dict[str, dict[str, list]] = {name: {"unsigned": [], "signed": []} for name in tiers}
     try:
         for rep in range(args.reps):
-            modes = ("unsigned", "signed") if rep % 2 == 0 else ("signed", "unsigned")
+            modes = order(["unsigned", "signed"], rep, alternate=True)
             print(f"\nrepetition {rep + 1} of {args.reps} (load average {os.getloadavg()[0]:.2f})")
             for name, tier in tiers.items():
                 for mode in modes:
@@ -877,25 +894,22 @@ def report_signing(summary: dict, cpu_ms: dict, args, kv: dict) -> None:
     print_table(["tier op", "unsigned", "signed", "time signed/unsigned", "<= 1.10"], rows)
     full = (args.reps, args.runs, args.tokens) == (5, 5, 4096) and not args.quick
     if full:
-        out = Path(args.signing_json)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(
-            json.dumps(
-                {
-                    "summary": summary,
-                    "cpu_ms": cpu_ms,
-                    "env": {**environment(), "loadavg_end": os.getloadavg()},
-                    "config": {
-                        "reps": args.reps,
-                        "runs": args.runs,
-                        "warmup": args.warmup,
-                        "tokens": args.tokens,
-                        "chunk_tokens": args.chunk_tokens,
-                    },
+        out = write_json(
+            Path(args.signing_json),
+            {
+                "summary": summary,
+                "cpu_ms": cpu_ms,
+                "env": {**environment(), "loadavg_end": os.getloadavg()},
+                "config": {
+                    "reps": args.reps,
+                    "runs": args.runs,
+                    "warmup": args.warmup,
+                    "tokens": args.tokens,
+                    "chunk_tokens": args.chunk_tokens,
                 },
-                indent=1,
-            )
-            + "\n"
+            },
+            add_environment=False,
+            indent=1,
         )
         print(f"wrote {out}")
     else:
@@ -903,6 +917,93 @@ def report_signing(summary: dict, cpu_ms: dict, args, kv: dict) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------------
+
+
+def run_signing(args, kv: dict, workdir: Path, redis) -> int:
+    """``--signing``: signed vs unsigned entries on the disk and Redis tiers."""
+    try:
+        summary = signing_summary(measure_signing(kv, args, workdir, redis.url))
+    finally:
+        redis.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(f"\nCPU alone, ms per batch of {len(kv['chunks'])} chunks, median of {args.runs}:")
+    report_signing(summary, signing_breakdown(kv, args.runs), args, kv)
+    return 0
+
+
+def lmcache_status(args) -> str | None:
+    """Why the LMCache baseline is skipped, or None."""
+    note = None
+    if args.no_lmcache:
+        note = "skipped (--no-lmcache)"
+    elif not Path(args.lmcache_python).is_file():
+        note = f"skipped: {args.lmcache_python} not found (run bench/setup_lmcache.sh)"
+    if note:
+        print(f"LMCache baseline {note}")
+    return note
+
+
+def repetitions(args, kv, cases, raw, workdir: Path, redis_url: str, note) -> list[dict]:
+    """The whole comparison ``--reps`` times: kvfuse's cases in an order rotated every repetition
+    and LMCache's backends likewise, LMCache first every other time, so slow minutes of the
+    machine fall on every side."""
+    kv_file = workdir / "kv.pt"
+    if not note:
+        torch.save(
+            {"kv": torch.stack([c.kv for c in kv["chunks"]]), "tokens": kv["tokens"]}, kv_file
+        )
+    reps: list[dict] = []
+    for rep in range(args.reps):
+        print(f"\nrepetition {rep + 1} of {args.reps} (load average {os.getloadavg()[0]:.2f})")
+        one: dict = {"kvfuse": {}, "lmcache": {}}
+        cases_now = order(cases, rep, rotate=True)
+        backends = [] if note else order(["cpu", "disk", "redis"], rep, rotate=True)
+
+        def kvfuse_side():
+            measure_kvfuse(cases_now, raw, kv, args, one)
+
+        def lmcache_side():
+            for backend in backends:
+                result = run_lmcache(args, kv_file, backend, workdir, redis_url)
+                if result:
+                    one["lmcache"][backend] = result
+
+        for side in order([kvfuse_side, lmcache_side], rep, alternate=True):
+            side()
+        reps.append(one)
+    kv_file.unlink(missing_ok=True)
+    return reps
+
+
+def result_meta(args, kv: dict, load_start, note) -> dict:
+    return dict(
+        config={
+            "reps": args.reps,
+            "runs": args.runs,
+            "warmup": args.warmup,
+            "chunk_tokens": args.chunk_tokens,
+            "dir": args.dir,
+        },
+        env={
+            **environment(),
+            "loadavg_start": load_start,
+            "loadavg_end": os.getloadavg(),
+            "lmcache_python": args.lmcache_python,
+            "lmcache_note": note,
+        },
+        data={
+            "file": args.data,
+            "examples": kv["examples"],
+            "split": kv["split"],
+            "model": kv["model"],
+            "tokens": len(kv["tokens"]),
+            "chunks": len(kv["chunks"]),
+            "chunk_bytes": kv["chunks"][0].nbytes,
+            "kv_bytes": kv["nbytes"],
+            "shape": list(kv["chunks"][0].kv.shape),
+            "dtype": "float16",
+        },
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -921,20 +1022,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     workdir = Path(tempfile.mkdtemp(prefix="kvfuse-bench-store-", dir=args.dir))
     redis = LocalRedis(args.redis_server).start()
-    redis_url = redis.url
     print(f"redis-server pid {redis.proc.pid} on 127.0.0.1:{redis.port}")
     if args.signing:
-        try:
-            summary = signing_summary(measure_signing(kv, args, workdir, redis_url))
-        finally:
-            redis.stop()
-            shutil.rmtree(workdir, ignore_errors=True)
-        print(f"\nCPU alone, ms per batch of {len(kv['chunks'])} chunks, median of {args.runs}:")
-        report_signing(summary, signing_breakdown(kv, args.runs), args, kv)
-        return 0
+        return run_signing(args, kv, workdir, redis)
     cases: list[KvfuseCase] = []
-    reps: list[dict] = []
-    lmcache_note = None
     try:
         cap = 4 * nbytes + GIB
         cases = [
@@ -942,89 +1033,23 @@ def main(argv: list[str] | None = None) -> int:
             store_case("memory (TieredStore)", TieredStore(MemoryTier(cap)), kv, codec),
             tier_case("disk", DiskTier(workdir / "kvfuse-disk", cap), kv, codec),
             # timeout 10 s, not 0.5: a stall of the busy machine must not turn into a dropped write.
-            tier_case("redis", RedisTier(redis_url, timeout_s=10.0), kv, codec),
+            tier_case("redis", RedisTier(redis.url, timeout_s=10.0), kv, codec),
         ]
         raw = RawFiles(workdir / "raw", kv)
-        if args.no_lmcache:
-            lmcache_note = "skipped (--no-lmcache)"
-        elif not Path(args.lmcache_python).is_file():
-            lmcache_note = f"skipped: {args.lmcache_python} not found (run bench/setup_lmcache.sh)"
-        if lmcache_note:
-            print(f"LMCache baseline {lmcache_note}")
-        kv_file = workdir / "kv.pt"
-        if not lmcache_note:
-            torch.save(
-                {"kv": torch.stack([c.kv for c in kv["chunks"]]), "tokens": kv["tokens"]}, kv_file
-            )
-        backends = ["cpu", "disk", "redis"]
-        for rep in range(args.reps):
-            # The whole comparison once, in an order rotated every repetition (LMCache first every
-            # other time), so slow minutes of the machine fall on every side.
-            print(f"\nrepetition {rep + 1} of {args.reps} (load average {os.getloadavg()[0]:.2f})")
-            one: dict = {"kvfuse": {}, "lmcache": {}}
-            k = rep % len(cases)
-            order = cases[k:] + cases[:k]
-            b = rep % len(backends)
-            lm_order = backends[b:] + backends[:b]
-
-            def kvfuse_side():
-                measure_kvfuse(order, raw, kv, args, one)
-
-            def lmcache_side():
-                for backend in [] if lmcache_note else lm_order:
-                    result = run_lmcache(args, kv_file, backend, workdir, redis_url)
-                    if result:
-                        one["lmcache"][backend] = result
-
-            for side in (
-                (kvfuse_side, lmcache_side) if rep % 2 == 0 else (lmcache_side, kvfuse_side)
-            ):
-                side()
-            reps.append(one)
-        kv_file.unlink(missing_ok=True)
+        note = lmcache_status(args)
+        reps = repetitions(args, kv, cases, raw, workdir, redis.url, note)
         breakdown_ms = breakdown(kv, codec, workdir, args.runs)
     finally:
         for case in cases:
             case.close()
         redis.stop()
         shutil.rmtree(workdir, ignore_errors=True)
-
     res = aggregate(reps)
     res["breakdown_ms"] = breakdown_ms
-    res.update(
-        config={
-            "reps": args.reps,
-            "runs": args.runs,
-            "warmup": args.warmup,
-            "chunk_tokens": args.chunk_tokens,
-            "dir": args.dir,
-        },
-        env={
-            **environment(),
-            "loadavg_start": load_start,
-            "loadavg_end": os.getloadavg(),
-            "lmcache_python": args.lmcache_python,
-            "lmcache_note": lmcache_note,
-        },
-        data={
-            "file": args.data,
-            "examples": kv["examples"],
-            "split": kv["split"],
-            "model": kv["model"],
-            "tokens": len(kv["tokens"]),
-            "chunks": len(kv["chunks"]),
-            "chunk_bytes": kv["chunks"][0].nbytes,
-            "kv_bytes": nbytes,
-            "shape": list(kv["chunks"][0].kv.shape),
-            "dtype": "float16",
-        },
-    )
+    res.update(result_meta(args, kv, load_start, note))
     res["targets"] = targets(res)
     report(res)
-    out = Path(args.out_json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
-    print(f"wrote {out}")
+    print(f"wrote {write_json(Path(args.out_json), res, add_environment=False, indent=1)}")
     plot(res, Path(args.out_png))
     return 0
 

@@ -41,7 +41,10 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from bench.common import DATA, plot_path, print_table, write_json
+from bench.lib.cli import add_common
+from bench.lib.paths import DATA
+from bench.lib.results import plot_path, print_table, write_json
+from bench.lib.rounds import interleaved
 from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
@@ -58,7 +61,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--model", default="smollm2")
+    add_common(p, "model")
     p.add_argument(
         "--chunks", type=int, default=10, help="context chunks (the traces have 10 values per row)"
     )
@@ -129,6 +132,60 @@ def kl(ref: torch.Tensor, logits: torch.Tensor) -> float:
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+class Prompt:
+    """One prompt's reference (a cache-free greedy answer and its logits), its entries on disk,
+    and its KV budget (the SLO less the question's own compute)."""
+
+    def __init__(self, args, model, tmp: Path, pi: int, ids: list[int], greedy):
+        self.args, self.model, self.ids, self.greedy = args, model, ids, greedy
+        self.free = Engine(model, None, EngineSettings.of(history=False))
+        self.ref = self.free.generate(ids, greedy)
+        self.ref_logits = self.free.score(ids, [self.ref.token_ids])[0][:-1]
+        # the question's own compute on top of the cached context: outside the KV budget
+        self.disk = Disk(tmp / f"p{pi}", model, ids)
+        st, _ = self.disk.store("raw", [1e6], 1.0)
+        warm = Engine(
+            model, st, EngineSettings.of(history=False, async_save=False, prefetch=False)
+        ).generate(ids, greedy)
+        suffix_ms = warm.timings.prefill_s * 1000
+        st.close()
+        self.kv_slo_ms = max(1.0, args.slo_ms - suffix_ms)
+        self.estimates = None  # what the adaptive policy's earlier requests measured
+        print(
+            f"prompt {pi}: {len(ids)} tokens, question compute {suffix_ms:.0f} ms -> kv_slo_ms {self.kv_slo_ms:.0f}",
+            flush=True,
+        )
+
+    def policy(self, policy: str, trace: list[float], shared: dict) -> tuple:
+        """(the result, the logits scored) of one request under ``policy`` with ``trace``."""
+        if policy == "recompute":
+            return self.free.generate(self.ids, self.greedy), self.ref_logits, {}
+        a, extra = self.args, {}
+        which = "raw" if policy == "adaptive" else policy
+        store, slow = self.disk.store(which, trace, a.scale, a.period)
+        engine = Engine(
+            self.model, store, EngineSettings.of(history=False, async_save=False, prefetch=False)
+        )
+        if policy == "adaptive" and "estimates" in shared:
+            engine.estimates = shared["estimates"]  # what earlier requests measured
+        cache = CacheOptions(kv_slo_ms=self.kv_slo_ms) if policy == "adaptive" else CacheOptions()
+        slow.reset()  # the trace starts with the request
+        result = engine.generate(self.ids, self.greedy, cache=cache)
+        if policy == "raw":
+            logits = self.ref_logits  # lossless entries: the full prefill's numbers (to rounding)
+        else:
+            store.memory.clear()
+            slow.reset()
+            logits = engine.score(self.ids, [self.ref.token_ids], cache=cache)[0][:-1]
+        if policy == "adaptive":
+            shared["estimates"] = engine.estimates
+            extra["chunks"] = dict(result.kv_stream.chunks) if result.kv_stream else {}
+            extra["kv_load_ms"] = result.kv_stream.load_s * 1000 if result.kv_stream else None
+        engine.close()
+        store.close()
+        return result, logits, extra
+
+
 def run(args) -> dict:
     from kvfuse.models import load_model
 
@@ -136,108 +193,38 @@ def run(args) -> dict:
     traces = [load_trace(args.trace, row) for row in range(args.rows)]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     policies = ["adaptive", "raw", *[f"level-{lv}" for lv in LEVELS], "recompute"]
-    runs = {p: [] for p in policies}
-    adaptive_engines = {}
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    shared: dict = {}  # the adaptive policy's estimates, carried across requests
     with tempfile.TemporaryDirectory(prefix="kvfuse-stream-") as tmp:
         for pi, ids in enumerate(prompts(model.tokenizer, args.first, args.prompts, args.chunks)):
-            free = Engine(model, None, EngineSettings.of(history=False))
-            ref = free.generate(ids, greedy)
-            ref_logits = free.score(ids, [ref.token_ids])[0][:-1]
-            # the question's own compute on top of the cached context: outside the KV budget
-            disk = Disk(Path(tmp) / f"p{pi}", model, ids)
-            st, _ = disk.store("raw", [1e6], 1.0)
-            warm = Engine(
-                model, st, EngineSettings.of(history=False, async_save=False, prefetch=False)
-            ).generate(ids, greedy)
-            suffix_ms = warm.timings.prefill_s * 1000
-            st.close()
-            kv_slo_ms = max(1.0, args.slo_ms - suffix_ms)
-            print(
-                f"prompt {pi}: {len(ids)} tokens, question compute {suffix_ms:.0f} ms -> kv_slo_ms {kv_slo_ms:.0f}",
-                flush=True,
-            )
-            for ri, trace in enumerate(traces):
-                for policy in policies:
-                    rec = {"prompt": pi, "row": ri}
-                    if policy == "recompute":
-                        r = free.generate(ids, greedy)
-                        logits = ref_logits  # the same full prefill: exact
-                    else:
-                        which = "raw" if policy == "adaptive" else policy
-                        store, slow = disk.store(which, trace, args.scale, args.period)
-                        engine = Engine(
-                            model,
-                            store,
-                            EngineSettings.of(history=False, async_save=False, prefetch=False),
-                        )
-                        if policy == "adaptive" and "estimates" in adaptive_engines:
-                            engine.estimates = adaptive_engines[
-                                "estimates"
-                            ]  # what earlier requests measured
-                        cache = (
-                            CacheOptions(kv_slo_ms=kv_slo_ms)
-                            if policy == "adaptive"
-                            else CacheOptions()
-                        )
-                        slow.reset()  # the trace starts with the request
-                        r = engine.generate(ids, greedy, cache=cache)
-                        if policy == "raw":
-                            logits = ref_logits  # lossless entries: the full prefill's numbers (to float rounding)
-                        else:
-                            store.memory.clear()
-                            slow.reset()
-                            logits = engine.score(ids, [ref.token_ids], cache=cache)[0][:-1]
-                        if policy == "adaptive":
-                            adaptive_engines["estimates"] = engine.estimates
-                            rec["chunks"] = dict(r.kv_stream.chunks) if r.kv_stream else {}
-                            rec["kv_load_ms"] = r.kv_stream.load_s * 1000 if r.kv_stream else None
-                        engine.close()
-                        store.close()
-                    rec.update(
-                        ttft_ms=r.timings.ttft_s * 1000,
-                        violated=r.timings.ttft_s * 1000 > args.slo_ms,
-                        agree=r.token_ids == ref.token_ids,
-                        kl=kl(ref_logits, logits),
-                    )
-                    runs[policy].append(rec)
+            pr = Prompt(args, model, Path(tmp), pi, ids, greedy)
+
+            def one(policy: str):
+                def request(ri: int) -> dict:
+                    r, logits, extra = pr.policy(policy, traces[ri], shared)
+                    return {"prompt": pi, "row": ri, **extra} | {
+                        "ttft_ms": r.timings.ttft_s * 1000,
+                        "violated": r.timings.ttft_s * 1000 > args.slo_ms,
+                        "agree": r.token_ids == pr.ref.token_ids,
+                        "kl": kl(pr.ref_logits, logits),
+                    }
+
+                return request
+
+            def row(ri: int, samples: dict) -> None:
                 print(
                     f"  row {ri}: "
-                    + "  ".join(f"{p} {runs[p][-1]['ttft_ms']:.0f}ms" for p in policies)
-                    + f"  adaptive chunks {runs['adaptive'][-1].get('chunks')}",
+                    + "  ".join(f"{p} {samples[p][-1]['ttft_ms']:.0f}ms" for p in policies)
+                    + f"  adaptive chunks {samples['adaptive'][-1].get('chunks')}",
                     flush=True,
                 )
-            free.close()
-    summary = {}
-    for p, rs in runs.items():
-        t = sorted(x["ttft_ms"] for x in rs)
-        summary[p] = {
-            "runs": len(rs),
-            "slo_violations": sum(x["violated"] for x in rs),
-            "violation_rate": sum(x["violated"] for x in rs) / len(rs),
-            "ttft_p50_ms": statistics.median(t),
-            "ttft_p95_ms": t[min(len(t) - 1, int(0.95 * len(t)))],
-            "answer_agreement": sum(x["agree"] for x in rs) / len(rs),
-            "kl_mean": statistics.mean(x["kl"] for x in rs),
-        }
-        if p == "adaptive":
-            chunks: dict[str, int] = {}
-            for x in rs:
-                for k, v in x.get("chunks", {}).items():
-                    chunks[k] = chunks.get(k, 0) + v
-            summary[p]["chunks"] = chunks
-    fixed = [p for p in policies if p != "adaptive"]
-    lowest = "level-1"
-    targets = {
-        "fewer_violations_than_every_fixed_policy": all(
-            summary["adaptive"]["slo_violations"] < summary[p]["slo_violations"]
-            for p in fixed
-            if p != "recompute"
-        ),
-        "fewer_violations_than_recompute": summary["adaptive"]["slo_violations"]
-        < summary["recompute"]["slo_violations"],
-        "quality_no_worse_than_lowest_level": summary["adaptive"]["kl_mean"]
-        <= summary[lowest]["kl_mean"],
-    }
+
+            # every trace row is a round: each policy once, in this order
+            done = interleaved({p: one(p) for p in policies}, len(traces), after_round=row)
+            for p in policies:
+                runs[p] += done[p]
+            pr.free.close()
+    summary = {p: policy_summary(p, rs) for p, rs in runs.items()}
     return {
         "model": args.model,
         "chunks": args.chunks,
@@ -249,8 +236,44 @@ def run(args) -> dict:
         "prompts": args.prompts,
         "first_line": args.first,
         "summary": summary,
-        "targets": targets,
+        "targets": targets(summary, policies),
         "runs": runs,
+    }
+
+
+def policy_summary(p: str, rs: list[dict]) -> dict:
+    t = sorted(x["ttft_ms"] for x in rs)
+    out = {
+        "runs": len(rs),
+        "slo_violations": sum(x["violated"] for x in rs),
+        "violation_rate": sum(x["violated"] for x in rs) / len(rs),
+        "ttft_p50_ms": statistics.median(t),
+        "ttft_p95_ms": t[min(len(t) - 1, int(0.95 * len(t)))],
+        "answer_agreement": sum(x["agree"] for x in rs) / len(rs),
+        "kl_mean": statistics.mean(x["kl"] for x in rs),
+    }
+    if p == "adaptive":
+        chunks: dict[str, int] = {}
+        for x in rs:
+            for k, v in x.get("chunks", {}).items():
+                chunks[k] = chunks.get(k, 0) + v
+        out["chunks"] = chunks
+    return out
+
+
+def targets(summary: dict, policies: list[str]) -> dict:
+    fixed = [p for p in policies if p != "adaptive"]
+    lowest = "level-1"
+    return {
+        "fewer_violations_than_every_fixed_policy": all(
+            summary["adaptive"]["slo_violations"] < summary[p]["slo_violations"]
+            for p in fixed
+            if p != "recompute"
+        ),
+        "fewer_violations_than_recompute": summary["adaptive"]["slo_violations"]
+        < summary["recompute"]["slo_violations"],
+        "quality_no_worse_than_lowest_level": summary["adaptive"]["kl_mean"]
+        <= summary[lowest]["kl_mean"],
     }
 
 

@@ -30,8 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import DATA, MUSIQUE_DEV, OUT, drop_page_cache, environment
-
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
+from bench.lib.data import drop_page_cache
+from bench.lib.paths import DATA, MUSIQUE_DEV, OUT
+from bench.lib.results import environment, plot_path, write_json
 from kvfuse_testkit import LocalRedis
 
 DEV = MUSIQUE_DEV  # musique_s.json: 0-49 dev, 50-149 test (never used here)
@@ -43,26 +46,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(
-        "--runs",
-        type=int,
-        default=3,
-        help="timed runs per cell; the median is reported (default 3)",
+    add_common(
+        p,
+        ("runs", {"default": 3, "help": "timed runs per cell; the median is reported (default 3)"}),
     )
     p.add_argument(
         "--lengths",
         default="1000,2000,4000",
         help="prompt lengths in tokens (default 1000,2000,4000)",
     )
-    p.add_argument(
-        "--quick", action="store_true", help="smoke run: one 1000-token prompt, one run per cell"
+    add_common(p, ("quick", {"help": "smoke run: one 1000-token prompt, one run per cell"}))
+    add_common(
+        p,
+        (
+            "home",
+            {
+                "help": "kvfuse home holding the converted model (default: $KVFUSE_HOME or ~/.cache/kvfuse)"
+            },
+        ),
     )
-    p.add_argument(
-        "--home",
-        help="kvfuse home holding the converted model (default: $KVFUSE_HOME or ~/.cache/kvfuse)",
-    )
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    add_common(p, "device")
+    add_common(p, ("threads", {"default": 0, "help": "torch threads (default: torch's choice)"}))
     p.add_argument(
         "--data",
         default=str(DATA / "musique_s.json"),
@@ -74,7 +78,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="skip runtime.tune_allocator() (open_engine runs it)",
     )
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold page cache cells")
-    p.add_argument("--out", default=str(OUT / "ttft_prefix"), help="output path without suffix")
+    add_common(p, ("out", {"default": str(OUT / "ttft_prefix")}))
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.lengths = 1, "1000"
@@ -113,114 +117,134 @@ def dev_prompts(tokenizer, data_path: Path, lengths: list[int]) -> dict[int, lis
 # ----------------------------------------------------------------------------------- measuring
 
 
+class Cells:
+    """The measurement's state: the model, its prompts, the tiers to measure, the cells so far."""
+
+    def __init__(self, args):
+        import torch
+
+        from kvfuse.config import default_home
+        from kvfuse.generation import SamplingParams
+        from kvfuse.models import load_model
+        from kvfuse.runtime import tune_allocator
+
+        self.args = args
+        self.tuned = False if args.no_tune_malloc else tune_allocator()  # as open_engine does
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        home = Path(args.home) if args.home else default_home()
+        self.model = load_model("smollm2", home=home, device=args.device, dtype="auto")
+        self.chunk = 256
+        self.one = SamplingParams(max_tokens=1, ignore_eos=True)
+        self.prompts = dev_prompts(self.model.tokenizer, Path(args.data), args.lengths)
+        print(
+            f"data: {args.data}, split: dev (examples {DEV.start}-{DEV.stop - 1}); "
+            f"lengths {args.lengths}, {args.runs} run(s) per cell, chunk {self.chunk}, "
+            f"torch threads {torch.get_num_threads()}"
+        )
+        self.cold_note = "skipped (--no-drop-caches)" if args.no_drop_caches else drop_page_cache()
+        self.tiers = [t for t in TIERS if t != "disk-cold" or self.cold_note is None]
+        self.redis = None
+        self.cells: list[dict] = []
+
+    def length(self, workdir: Path, n: int, ids: list[int]) -> None:
+        """Every tier's cell at one prompt length: a writer populates every tier, then each cell
+        runs ``--runs`` times on a fresh engine (and a fresh store but for memory)."""
+        from kvfuse.config import EngineSettings
+        from kvfuse.engine import Engine
+        from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+
+        disk_dir = workdir / f"kv-{n}"
+        lower = [DiskTier(disk_dir, 1 << 34)] + (
+            [RedisTier(self.redis.url, timeout_s=5.0)] if self.redis else []
+        )
+        warm = TieredStore(MemoryTier(1 << 32), lower)
+        # Prefix chunks only (history=False): this measures chunk hits; whole-history reuse
+        # (a repeated prompt reuses all but its last token) is bench/multiturn.py's subject.
+        writer = Engine(self.model, warm, EngineSettings.of(history=False, async_save=False))
+        reference = writer.generate(ids, self.one).token_ids  # populates every tier
+        warm.flush()
+
+        def fresh(kind: str):
+            if kind == "memory":
+                return warm
+            tier = (
+                DiskTier(disk_dir, 1 << 34)
+                if kind.startswith("disk")
+                else RedisTier(self.redis.url, timeout_s=5.0)
+            )
+            return TieredStore(MemoryTier(1 << 32), [tier])
+
+        for kind in self.tiers:
+            runs = [self.run(n, ids, kind, fresh, warm) for _ in range(self.args.runs)]
+            self.cells.append(cell(n, kind, runs, reference))
+            c = self.cells[-1]
+            print(
+                f"  {n:>5} tokens  {kind:<9}  TTFT {c['median_ttft_s'] * 1000:8.1f} ms  "
+                f"(prefilled {c['prefilled_tokens']})",
+                flush=True,
+            )
+        warm.close()
+
+    def run(self, n: int, ids: list[int], kind: str, fresh, warm):
+        from kvfuse.config import EngineSettings
+        from kvfuse.engine import CacheOptions, Engine
+
+        store = None if kind == "none" else fresh(kind)
+        if kind == "disk-cold":
+            drop_page_cache()
+        opts = CacheOptions(enabled=kind != "none", store_generated=False)
+        r = Engine(
+            self.model,
+            store,
+            EngineSettings.of(history=False, async_save=False, prefetch=False),
+        ).generate(ids, self.one, cache=opts)
+        if store is not None and store is not warm:
+            store.close()
+        expected_tier = "disk" if kind == "disk-cold" else kind
+        if kind != "none" and set(r.hit_tiers) != {expected_tier}:
+            raise RuntimeError(f"{kind} cell of {n} tokens hit {r.hit_tiers}, not {expected_tier}")
+        return r
+
+
+def cell(n: int, kind: str, runs: list, reference: list[int]) -> dict:
+    t = [r.timings for r in runs]
+    return {
+        "prompt_tokens": n,
+        "tier": kind,
+        "ttft_s": [x.ttft_s for x in t],
+        "median_ttft_s": statistics.median(x.ttft_s for x in t),
+        "median_load_s": statistics.median(x.load_s for x in t),
+        "median_prefill_s": statistics.median(x.prefill_s for x in t),
+        "cached_tokens": runs[0].cached_tokens,
+        "prefilled_tokens": n - runs[0].cached_tokens,
+        "same_first_token": all(r.token_ids == reference for r in runs),
+    }
+
+
 def measure(args) -> dict:
     import torch
 
-    from kvfuse.config import EngineSettings, default_home
-    from kvfuse.engine import CacheOptions, Engine
-    from kvfuse.generation import SamplingParams
-    from kvfuse.models import load_model
-    from kvfuse.runtime import tune_allocator
-    from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+    from kvfuse.engine import Engine
 
-    tuned = False if args.no_tune_malloc else tune_allocator()  # as open_engine does for a server
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    home = Path(args.home) if args.home else default_home()
-    model = load_model("smollm2", home=home, device=args.device, dtype="auto")
-    chunk = 256
-    one = SamplingParams(max_tokens=1, ignore_eos=True)
-    prompts = dev_prompts(model.tokenizer, Path(args.data), args.lengths)
-    print(
-        f"data: {args.data}, split: dev (examples {DEV.start}-{DEV.stop - 1}); "
-        f"lengths {args.lengths}, {args.runs} run(s) per cell, chunk {chunk}, torch threads {torch.get_num_threads()}"
-    )
-
-    cold_note = "skipped (--no-drop-caches)" if args.no_drop_caches else drop_page_cache()
-    tiers = [t for t in TIERS if t != "disk-cold" or cold_note is None]
-    redis = None
+    m = Cells(args)
     try:
-        redis = LocalRedis().start()
+        m.redis = LocalRedis().start()
     except (FileNotFoundError, RuntimeError) as e:
         print(f"redis cells skipped: {e}")
-        tiers.remove("redis")
-
+        m.tiers.remove("redis")
     workdir = Path(tempfile.mkdtemp(prefix="kvfuse-ttft-"))
-    cells = []
     try:
-        Engine(model, None).generate(prompts[args.lengths[0]][:300], one)  # warm-up
-        for n, ids in prompts.items():
-            disk_dir = workdir / f"kv-{n}"
-            lower = [DiskTier(disk_dir, 1 << 34)] + (
-                [RedisTier(redis.url, timeout_s=5.0)] if redis else []
-            )
-            warm = TieredStore(MemoryTier(1 << 32), lower)
-            # Prefix chunks only (history=False): this measures chunk hits; whole-history reuse
-            # (a repeated prompt reuses all but its last token) is bench/multiturn.py's subject.
-            writer = Engine(model, warm, EngineSettings.of(history=False, async_save=False))
-            first = writer.generate(ids, one)  # populates every tier
-            warm.flush()
-            reference = first.token_ids
-
-            def fresh(kind: str) -> TieredStore:
-                if kind == "memory":
-                    return warm
-                tier = (
-                    DiskTier(disk_dir, 1 << 34)
-                    if kind.startswith("disk")
-                    else RedisTier(redis.url, timeout_s=5.0)
-                )
-                return TieredStore(MemoryTier(1 << 32), [tier])
-
-            for kind in tiers:
-                runs = []
-                for _ in range(args.runs):
-                    store = None if kind == "none" else fresh(kind)
-                    if kind == "disk-cold":
-                        drop_page_cache()
-                    opts = CacheOptions(enabled=kind != "none", store_generated=False)
-                    r = Engine(
-                        model,
-                        store,
-                        EngineSettings.of(history=False, async_save=False, prefetch=False),
-                    ).generate(ids, one, cache=opts)
-                    if store is not None and store is not warm:
-                        store.close()
-                    expected_tier = "disk" if kind == "disk-cold" else kind
-                    if kind != "none" and set(r.hit_tiers) != {expected_tier}:
-                        raise RuntimeError(
-                            f"{kind} cell of {n} tokens hit {r.hit_tiers}, not {expected_tier}"
-                        )
-                    runs.append(r)
-                t = [r.timings for r in runs]
-                cells.append(
-                    {
-                        "prompt_tokens": n,
-                        "tier": kind,
-                        "ttft_s": [x.ttft_s for x in t],
-                        "median_ttft_s": statistics.median(x.ttft_s for x in t),
-                        "median_load_s": statistics.median(x.load_s for x in t),
-                        "median_prefill_s": statistics.median(x.prefill_s for x in t),
-                        "cached_tokens": runs[0].cached_tokens,
-                        "prefilled_tokens": n - runs[0].cached_tokens,
-                        "same_first_token": all(r.token_ids == reference for r in runs),
-                    }
-                )
-                c = cells[-1]
-                print(
-                    f"  {n:>5} tokens  {kind:<9}  TTFT {c['median_ttft_s'] * 1000:8.1f} ms  "
-                    f"(prefilled {c['prefilled_tokens']})",
-                    flush=True,
-                )
-            warm.close()
+        Engine(m.model, None).generate(m.prompts[args.lengths[0]][:300], m.one)  # warm-up
+        for n, ids in m.prompts.items():
+            m.length(workdir, n, ids)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        if redis is not None:
-            redis.stop()
-
-    for c in cells:
+        if m.redis is not None:
+            m.redis.stop()
+    for c in m.cells:
         base = next(
-            b for b in cells if b["prompt_tokens"] == c["prompt_tokens"] and b["tier"] == "none"
+            b for b in m.cells if b["prompt_tokens"] == c["prompt_tokens"] and b["tier"] == "none"
         )
         c["ratio"] = base["median_ttft_s"] / c["median_ttft_s"]
     return {
@@ -229,13 +253,13 @@ def measure(args) -> dict:
         "quick": args.quick,
         "model": "smollm2",
         "device": args.device,
-        "chunk_size": chunk,
+        "chunk_size": m.chunk,
         "runs": args.runs,
         "torch_threads": torch.get_num_threads(),
-        "tune_malloc": tuned,
+        "tune_malloc": m.tuned,
         "data": {"file": "musique_s.json", "split": "dev", "examples": [DEV.start, DEV.stop - 1]},
-        "drop_caches": cold_note or "permitted",
-        "cells": cells,
+        "drop_caches": m.cold_note or "permitted",
+        "cells": m.cells,
     }
 
 
@@ -322,10 +346,9 @@ def main(argv=None) -> int:
     result["verdict"] = verdict(result)
     print_table(result)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    path = write_json(out, result)
+    plot(result, plot_path(out))
+    print(f"wrote {path} and {plot_path(out)}")
     return 0
 
 

@@ -34,19 +34,22 @@ Results: ``docs/bench/vllm_connector.json`` and ``.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
 import signal
-import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import DATA, OUT, drop_page_cache, environment, print_table
-from vllm_server import (
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.lib.cli import add_common
+from bench.lib.data import drop_page_cache
+from bench.lib.paths import DATA, OUT
+from bench.lib.results import environment, plot_path, print_table, write_json
+from bench.lib.rounds import interleaved, order, spread
+from bench.lib.vllm import (
     DEFAULT_PYTHON,
     VLLMServer,
     connector_config,
@@ -55,7 +58,6 @@ from vllm_server import (
     metric_total,
     scrape_metrics,
 )
-
 from kvfuse_testkit import LocalRedis
 
 CONFIGS = ("vllm", "kvfuse-disk", "kvfuse-redis")
@@ -75,9 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--lengths", default="2048,4000", help="prompt lengths in tokens (default 2048,4000)"
     )
     p.add_argument("--prompts", type=int, default=2, help="distinct prompts per length (default 2)")
-    p.add_argument(
-        "--rounds", type=int, default=3, help="vLLM restarts per configuration (default 3)"
-    )
+    add_common(p, ("rounds", {"default": 3, "help": "vLLM restarts per configuration (default 3)"}))
     p.add_argument(
         "--configs",
         default=",".join(CONFIGS),
@@ -85,8 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quick", action="store_true", help="one 2048-token prompt, one round")
-    p.add_argument("--home", help="kvfuse home holding the converted model (default $KVFUSE_HOME)")
+    add_common(p, ("quick", {"help": "one 2048-token prompt, one round"}))
+    add_common(
+        p, ("home", {"help": "kvfuse home holding the converted model (default $KVFUSE_HOME)"})
+    )
     p.add_argument("--python", default=DEFAULT_PYTHON, help="vLLM's interpreter")
     p.add_argument("--data", default=str(DATA / "musique_s.json"))
     p.add_argument(
@@ -100,7 +102,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="drop the whole page cache (root) instead of evicting only the KV files (which also "
         "evicts vLLM's own libraries: the next request pays for reading them back)",
     )
-    p.add_argument("--out", default=str(OUT / "vllm_connector"), help="output path without suffix")
+    add_common(p, ("out", {"default": str(OUT / "vllm_connector")}))
     p.add_argument("--keep", help="keep the servers' logs and the disk tier in this folder")
     args = p.parse_args(argv)
     if args.quick:
@@ -118,8 +120,7 @@ def make_prompts(
     folder: Path, data: Path, lengths: list[int], per_length: int
 ) -> dict[int, list[list[int]]]:
     """Non-overlapping slices of MuSiQue dev documents' token ids: ``per_length`` prompts per length."""
-    from common import musique
-
+    from bench.lib.data import musique
     from kvfuse.models.tokenizer import Tokenizer
 
     if not data.is_file():
@@ -179,158 +180,145 @@ def evict_files(folder: Path) -> str | None:
 
 
 def stats(xs: list[float]) -> dict:
-    return {
-        "median": statistics.median(xs),
-        "min": min(xs),
-        "max": max(xs),
-        "n": len(xs),
-        "samples": xs,
-    }
+    return {**spread(xs), "n": len(xs), "samples": xs}
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    signal.signal(
-        signal.SIGTERM, lambda *_: sys.exit(143)
-    )  # stop the servers and redis-server on SIGTERM too
-    home = Path(args.home) if args.home else None
-    folder = default_model_path(home)
-    prompts = make_prompts(folder, Path(args.data), args.lengths, args.prompts)
-    flat = [(n, i, p) for n in args.lengths for i, p in enumerate(prompts[n])]
-    expected_chunks = sum(len(p) // CHUNK for _, _, p in flat)
-    work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kvfuse-vllm-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
-    redis = LocalRedis(shutil.which("redis-server") or "redis-server").start()
-    redis_url = f"redis://127.0.0.1:{redis.port}/0"
-    results: dict[str, dict[int, list[float]]] = {
-        c: {n: [] for n in args.lengths} for c in [*CONFIGS, *EXTRA_CONFIGS, "vllm-warm"]
-    }
-    mismatches: dict[str, int] = {}
-    engines: list[dict] = []
-    requests: list[dict] = []  # every timed request, with the 1-minute load average before it
-    reference: dict[tuple[int, int], str] = {}
-    warmup = [int(x) for x in prompts[args.lengths[0]][0][-64:]][
-        ::-1
-    ]  # a short prompt no test prompt starts with
-    try:
-        # -- populate both tiers ----------------------------------------------------------------------
-        with server_for("populate", args, folder, work, redis_url, work / "populate.log") as s:
+class Bench:
+    """One invocation: the prompts, a redis-server, the work folder, and what the rounds record."""
+
+    def __init__(self, args):
+        self.args = args
+        home = Path(args.home) if args.home else None
+        self.folder = default_model_path(home)
+        self.prompts = make_prompts(self.folder, Path(args.data), args.lengths, args.prompts)
+        self.flat = [(n, i, p) for n in args.lengths for i, p in enumerate(self.prompts[n])]
+        self.expected_chunks = sum(len(p) // CHUNK for _, _, p in self.flat)
+        self.work = (
+            Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="kvfuse-vllm-bench-"))
+        )
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.results: dict[str, dict[int, list[float]]] = {
+            c: {n: [] for n in args.lengths} for c in [*CONFIGS, *EXTRA_CONFIGS, "vllm-warm"]
+        }
+        self.mismatches: dict[str, int] = {}
+        self.engines: list[dict] = []
+        self.requests: list[dict] = []  # every timed request, with the load average before it
+        self.reference: dict[tuple[int, int], str] = {}
+        # a short prompt no test prompt starts with
+        self.warmup = [int(x) for x in self.prompts[args.lengths[0]][0][-64:]][::-1]
+        self.redis_url = ""
+
+    def server(self, config: str, log: Path) -> VLLMServer:
+        return server_for(config, self.args, self.folder, self.work, self.redis_url, log)
+
+    def populate(self) -> None:
+        """One vLLM with the connector computes every prompt (the reference answers) and saves
+        its chunks to the disk and Redis tiers."""
+        with self.server("populate", self.work / "populate.log") as s:
             print(f"populate: vLLM up after {s.startup_s:.0f} s", file=sys.stderr)
-            for n, i, p in flat:
-                ttft, text, _ = first_token(s.base_url, p, args.max_tokens)
-                reference[(n, i)] = text
+            for n, i, p in self.flat:
+                ttft, text, _ = first_token(s.base_url, p, self.args.max_tokens)
+                self.reference[(n, i)] = text
                 print(f"  computed {n}-token prompt {i}: TTFT {ttft:.2f} s", file=sys.stderr)
             deadline = time.monotonic() + 300
-            while (
-                metric_total(scrape_metrics(s.url), "vllm:kvfuse_saved_chunks_total")
-                < expected_chunks
-            ):
+            while saved_chunks(s.url) < self.expected_chunks:
                 if time.monotonic() > deadline:
                     raise SystemExit("the populate server did not save every chunk")
                 time.sleep(1)
             time.sleep(3)  # the lower tiers are written by a background thread
-            saved = metric_total(scrape_metrics(s.url), "vllm:kvfuse_saved_chunks_total")
+            saved = saved_chunks(s.url)
         import redis as redis_lib
 
-        keys = redis_lib.Redis.from_url(redis_url).dbsize()
-        files = len(list((work / "kv").glob("*/*.kvf")))
+        keys = redis_lib.Redis.from_url(self.redis_url).dbsize()
+        files = len(list((self.work / "kv").glob("*/*.kvf")))
         print(
             f"populate: {saved:.0f} chunks saved; {files} files on disk, {keys} Redis keys",
             file=sys.stderr,
         )
-        if files < expected_chunks or keys < expected_chunks:
-            raise SystemExit(f"expected {expected_chunks} chunks in each tier")
-        # -- rounds -------------------------------------------------------------------------------------
-        for r in range(args.rounds):
-            order = args.configs[r % len(args.configs) :] + args.configs[: r % len(args.configs)]
-            for config in order:
-                log = work / f"round{r}-{config}.log"
-                with server_for(config, args, folder, work, redis_url, log) as s:
-                    first_token(s.base_url, warmup, 4)
-                    dropped = None
-                    if config.startswith("kvfuse-disk") and not args.no_drop_caches:
-                        dropped = (
-                            drop_page_cache() if args.drop_all_caches else evict_files(work / "kv")
-                        )
-                        if dropped is not None:
-                            print(f"  page cache not dropped: {dropped}", file=sys.stderr)
-                    cells = flat[r % len(flat) :] + flat[: r % len(flat)]
-                    for n, i, p in cells:
-                        load_before = os.getloadavg()[0]
-                        ttft, text, usage = first_token(s.base_url, p, args.max_tokens)
-                        results[config][n].append(ttft)
-                        requests.append(
-                            {
-                                "round": r,
-                                "config": config,
-                                "tokens": n,
-                                "prompt": i,
-                                "ttft_s": ttft,
-                                "same_answer": text == reference[(n, i)],
-                                "loadavg_1m": load_before,
-                                **({} if text == reference[(n, i)] else {"answer": text}),
-                            }
-                        )
-                        if text != reference[(n, i)]:
-                            mismatches[config] = mismatches.get(config, 0) + 1
-                        print(
-                            f"round {r} {config:12s} {n}-token prompt {i}: TTFT {ttft:.3f} s"
-                            f"{'' if text == reference[(n, i)] else '  (answer differs!)'}",
-                            file=sys.stderr,
-                        )
-                    if config == "vllm":
-                        for n, i, p in cells:
-                            load_before = os.getloadavg()[0]
-                            ttft, text, _ = first_token(s.base_url, p, args.max_tokens)
-                            results["vllm-warm"][n].append(ttft)
-                            requests.append(
-                                {
-                                    "round": r,
-                                    "config": "vllm-warm",
-                                    "tokens": n,
-                                    "prompt": i,
-                                    "ttft_s": ttft,
-                                    "same_answer": text == reference[(n, i)],
-                                    "loadavg_1m": load_before,
-                                }
-                            )
-                            if text != reference[(n, i)]:
-                                mismatches["vllm-warm"] = mismatches.get("vllm-warm", 0) + 1
-                    time.sleep(6)  # vLLM publishes the connector's counters every few seconds
-                    m = scrape_metrics(s.url)
-                    mode = re.search(r"layerwise loads (\w+)", s.log_tail(2_000_000))
-                    engines.append(
-                        {
-                            "round": r,
-                            "config": config,
-                            "startup_s": s.startup_s,
-                            "layerwise_loads": mode.group(1) if mode else None,
-                            "page_cache_dropped": dropped is None
-                            if config.startswith("kvfuse-disk") and not args.no_drop_caches
-                            else None,
-                            "loaded_chunks": {
-                                t: metric_total(
-                                    m, "vllm:kvfuse_loaded_chunks_by_tier_total", tier=t
-                                )
-                                for t in ("memory", "disk", "redis")
-                            },
-                            "load_failed_chunks": metric_total(
-                                m, "vllm:kvfuse_load_failed_chunks_total"
-                            ),
-                            "external_prefix_cache_hits": metric_total(
-                                m, "vllm:external_prefix_cache_hits_total"
-                            ),
-                            "prefix_cache_hits": metric_total(m, "vllm:prefix_cache_hits_total"),
-                        }
-                    )
-    finally:
-        redis.stop()
-        if not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
-    summary = summarize(results, args.lengths)
+        if files < self.expected_chunks or keys < self.expected_chunks:
+            raise SystemExit(f"expected {self.expected_chunks} chunks in each tier")
+
+    def one_config(self, r: int, config: str) -> None:
+        """A new vLLM for ``config``: warm-up, the page cache dropped where asked, every prompt
+        once (the order rotating with the round); in ``vllm``, every prompt again (vllm-warm)."""
+        a = self.args
+        with self.server(config, self.work / f"round{r}-{config}.log") as s:
+            first_token(s.base_url, self.warmup, 4)
+            drops = config.startswith("kvfuse-disk") and not a.no_drop_caches
+            dropped = None
+            if drops:
+                dropped = drop_page_cache() if a.drop_all_caches else evict_files(self.work / "kv")
+                if dropped is not None:
+                    print(f"  page cache not dropped: {dropped}", file=sys.stderr)
+            cells = order(self.flat, r, rotate=True)
+            for n, i, p in cells:
+                self.timed(s, config, r, n, i, p, verbose=True)
+            if config == "vllm":
+                for n, i, p in cells:
+                    self.timed(s, "vllm-warm", r, n, i, p, verbose=False)
+            time.sleep(6)  # vLLM publishes the connector's counters every few seconds
+            self.engines.append(engine_record(s, r, config, dropped is None if drops else None))
+
+    def timed(self, s, config: str, r: int, n: int, i: int, p, verbose: bool) -> None:
+        load_before = os.getloadavg()[0]
+        ttft, text, _ = first_token(s.base_url, p, self.args.max_tokens)
+        same = text == self.reference[(n, i)]
+        self.results[config][n].append(ttft)
+        self.requests.append(
+            {"round": r, "config": config, "tokens": n, "prompt": i, "ttft_s": ttft}
+            | {"same_answer": same, "loadavg_1m": load_before}
+            | ({} if same or not verbose else {"answer": text})
+        )
+        if not same:
+            self.mismatches[config] = self.mismatches.get(config, 0) + 1
+        if verbose:
+            print(
+                f"round {r} {config:12s} {n}-token prompt {i}: TTFT {ttft:.3f} s"
+                f"{'' if same else '  (answer differs!)'}",
+                file=sys.stderr,
+            )
+
+    def run(self) -> None:
+        redis = LocalRedis(shutil.which("redis-server") or "redis-server").start()
+        self.redis_url = f"redis://127.0.0.1:{redis.port}/0"
+        try:
+            self.populate()
+            configs = {c: (lambda r, c=c: self.one_config(r, c)) for c in self.args.configs}
+            interleaved(configs, self.args.rounds, rotate=True)
+        finally:
+            redis.stop()
+            if not self.args.keep:
+                shutil.rmtree(self.work, ignore_errors=True)
+
+
+def saved_chunks(url: str) -> float:
+    return metric_total(scrape_metrics(url), "vllm:kvfuse_saved_chunks_total")
+
+
+def engine_record(s: VLLMServer, r: int, config: str, page_cache_dropped: bool | None) -> dict:
+    """What the server's metrics and log say about one configuration's run."""
+    m = scrape_metrics(s.url)
+    mode = re.search(r"layerwise loads (\w+)", s.log_tail(2_000_000))
+    return {
+        "round": r,
+        "config": config,
+        "startup_s": s.startup_s,
+        "layerwise_loads": mode.group(1) if mode else None,
+        "page_cache_dropped": page_cache_dropped,
+        "loaded_chunks": {
+            t: metric_total(m, "vllm:kvfuse_loaded_chunks_by_tier_total", tier=t)
+            for t in ("memory", "disk", "redis")
+        },
+        "load_failed_chunks": metric_total(m, "vllm:kvfuse_load_failed_chunks_total"),
+        "external_prefix_cache_hits": metric_total(m, "vllm:external_prefix_cache_hits_total"),
+        "prefix_cache_hits": metric_total(m, "vllm:prefix_cache_hits_total"),
+    }
+
+
+def print_summary(summary: dict, lengths: list[int], mismatches: dict) -> None:
     rows = []
     shown = [c for c in [*CONFIGS, *EXTRA_CONFIGS, "vllm-warm"] if c in summary]
-    for n in args.lengths:
+    for n in lengths:
         base = summary["vllm"][n]["median"] if summary.get("vllm", {}).get(n) else None
         row = [n]
         for c in shown:
@@ -341,12 +329,16 @@ def main(argv=None) -> int:
         rows.append(row)
     print_table(["tokens"] + [h for c in shown for h in ([c] if c == "vllm" else [c, "x"])], rows)
     print(f"answers differing from the reference: {mismatches or 'none'}")
+
+
+def payload(b: Bench, summary: dict) -> dict:
     import subprocess
 
+    args = b.args
     probe = subprocess.run(
         [args.python, "-c", "import kvfuse; print(kvfuse.__file__)"], capture_output=True, text=True
     )
-    payload = {
+    return {
         "environment": environment(),
         "server_kvfuse": probe.stdout.strip(),  # the kvfuse the vLLM servers import (their cwd's, else the venv's)
         "args": {k: v for k, v in vars(args).items()},
@@ -357,17 +349,27 @@ def main(argv=None) -> int:
             for c, cells in summary.items()
             if c != "vllm" and "vllm" in summary
         },
-        "answers_differing": mismatches,
-        "engines": engines,
-        "requests": requests,
-        "prompts": {str(n): [len(p) for p in ps] for n, ps in prompts.items()},
-        "reference_answers": {f"{n}/{i}": t for (n, i), t in reference.items()},
+        "answers_differing": b.mismatches,
+        "engines": b.engines,
+        "requests": b.requests,
+        "prompts": {str(n): [len(p) for p in ps] for n, ps in b.prompts.items()},
+        "reference_answers": {f"{n}/{i}": t for (n, i), t in b.reference.items()},
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(payload, indent=2))
-    plot(summary, args.lengths, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # stop the servers and redis-server on SIGTERM too
+    b = Bench(args)
+    b.run()
+    summary = summarize(b.results, args.lengths)
+    print_summary(summary, args.lengths, b.mismatches)
+    path = write_json(Path(args.out), payload(b, summary))
+    png = plot_path(Path(args.out))
+    plot(summary, args.lengths, png)
+    print(f"wrote {path} and {png}")
     return 0
 
 

@@ -16,7 +16,7 @@ tenant and every salt (the engine's, the request's, the blend settings'); a conv
 after dropped turns gets a namespace derived from what it was derived from.
 
 A request's blend is resolved here too: ``recompute_ratio: auto`` becomes the model's calibrated
-blend (``kvfuse.calibration.profile``), and a prompt whose blend is ``prefix`` (no blending: what
+blend (``kvfuse.config.profiles``), and a prompt whose blend is ``prefix`` (no blending: what
 ``auto`` picks for a model where blending does not pay) is keyed as a plain prompt, its documents
 reused only as part of an exact prefix. With automatic reuse (``auto_reuse``), a plain prompt's
 content-defined chunks are keyed too, in the request's plain namespace.

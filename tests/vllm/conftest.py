@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO))
 
-from vllm_server import DEFAULT_PYTHON, default_model_path  # noqa: E402
+from bench.lib.vllm import DEFAULT_PYTHON, default_model_path  # noqa: E402
 
 
 def pytest_collection_modifyitems(items):

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import torch
-from vllm_server import VLLMServer, connector_config, first_token, metric_total, scrape_metrics
 
+from bench.lib.vllm import VLLMServer, connector_config, first_token, metric_total, scrape_metrics
 from kvfuse.kv.format import open_entry, parse_header
 from kvfuse.tiers.disk import DiskTier
 from kvfuse.tiers.disk_files import key_to_filename
