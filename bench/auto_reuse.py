@@ -341,9 +341,9 @@ def request_path_cost(model: str, home: Path, text: str, chat: bool, repeats: in
     tier (medians of ``repeats``)."""
     from kvfuse.blend import BlendOptions
     from kvfuse.config import EngineSettings
-    from kvfuse.engine import Engine, Prompt, Request
-    from kvfuse.generation import SamplingParams
+    from kvfuse.engine import CacheOptions, Engine, Prompt
     from kvfuse.models import load_model
+    from kvfuse.prompts import PromptBuilder
     from kvfuse.tiers import MemoryTier, TieredStore
 
     loaded = load_model(model, home=home, device="cpu", dtype="auto")
@@ -354,23 +354,24 @@ def request_path_cost(model: str, home: Path, text: str, chat: bool, repeats: in
             TieredStore(MemoryTier(1 << 30)),
             EngineSettings.of(history=False, blend=BlendOptions(auto=auto, recompute_ratio=0.3)),
         )
+        prompts = PromptBuilder.for_model(loaded)
         ids = (
-            engine.prompts.encode_chat([{"role": "user", "content": text}])[0]
+            prompts.encode_chat([{"role": "user", "content": text}])[0]
             if chat
-            else engine.prompts.encode_prompt(text)
+            else prompts.encode_prompt(text)
         )
         keying, lookup = [], []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            seq = engine.keying.sequence(Request(Prompt.plain(ids), SamplingParams(max_tokens=1)))
+            reuse = engine.cache.key(Prompt.plain(ids), CacheOptions(), None, 1)
             t1 = time.perf_counter()
-            engine.prefiller.lookup(seq)
+            engine.cache.prefiller.lookup(reuse)
             keying.append(t1 - t0)
             lookup.append(time.perf_counter() - t1)
         out[auto] = {
             "keying_ms": 1000 * statistics.median(keying),
             "lookup_ms": 1000 * statistics.median(lookup),
-            "content_chunks": len(seq.keys.content),
+            "content_chunks": len(reuse.keys.content),
             "prompt_tokens": len(ids),
         }
         engine.close()

@@ -52,6 +52,7 @@ from kvfuse.calibration.measure import correct, kl, normalize
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine, Prompt
 from kvfuse.generation import SamplingParams
+from kvfuse.prompts import PromptBuilder
 
 MODELS = ("smollm2", "gemma3-270m", "qwen2.5-0.5b")
 CHAT_MODELS = ("smollm2", "qwen2.5-0.5b", "qwen2.5-1.5b")  # instruct models: asked in a chat turn
@@ -167,13 +168,18 @@ def open_engine(
     )
 
 
+def prompts_of(engine: Engine) -> PromptBuilder:
+    """A prompt builder for the engine's model (documents need no context window)."""
+    return PromptBuilder.for_model(engine.model, engine.context_window)
+
+
 def qa_prompt(engine: Engine, model: str, it: fictional_qa.Item) -> Prompt:
     if model in CHAT_MODELS:  # an instruct model: a chat turn, documents before the question
         text = f"Answer the question using the passages above, in a few words.\nQuestion: {it.question}"
-        return engine.prompts.document_prompt(
+        return prompts_of(engine).document_prompt(
             list(it.documents), messages=[{"role": "user", "content": text}]
         )
-    return engine.prompts.document_prompt(
+    return prompts_of(engine).document_prompt(
         list(it.documents), prompt=f"Question: {it.question}\nAnswer:"
     )
 
@@ -309,8 +315,10 @@ def musique_prompt(engine: Engine, model: str, example: dict, words: int) -> Pro
     q = example["question"]
     if model in CHAT_MODELS:
         text = f"Answer the question using the passages above, within 5 words.\nQuestion: {q}"
-        return engine.prompts.document_prompt(docs, messages=[{"role": "user", "content": text}])
-    return engine.prompts.document_prompt(docs, prompt=f"Question: {q}\nAnswer:")
+        return prompts_of(engine).document_prompt(
+            docs, messages=[{"role": "user", "content": text}]
+        )
+    return prompts_of(engine).document_prompt(docs, prompt=f"Question: {q}\nAnswer:")
 
 
 def _ratio_name(base: BlendOptions, ratio) -> str:
@@ -351,7 +359,7 @@ class SpeedRounds:
         engine = self.engine
         if tier == "disk":
             engine.flush()  # no save still queued lands in memory after the clear
-            engine.store.memory.clear()
+            engine.cache.store.memory.clear()
             if self.cold[0] is None:
                 self.cold[0] = drop_page_cache()
                 if self.cold[0] is None:
@@ -397,7 +405,7 @@ def speed(args, model: str, home: Path) -> dict:
     cells = []
     with tempfile.TemporaryDirectory(prefix="kvfuse-blend-") as d:
         engine = open_engine(model, home, Path(d), args.device)
-        if not engine.keying.resolve(base.with_ratio("auto")).blends:
+        if not engine.cache.resolve(base.with_ratio("auto")).blends:
             blends = [(n, o) for n, o in blends if o.recompute_ratio != "auto"]  # prefix reuse only
         for ex in examples:
             prompt = musique_prompt(engine, model, rows[ex], args.words)

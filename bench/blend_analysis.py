@@ -49,7 +49,7 @@ def kv_caches(engine, prompt, context_mode: str = "bos"):
     from kvfuse.blend import BlendOptions
 
     blend = BlendOptions(recompute_ratio=0.15, document_context=context_mode)
-    context = list(engine.keying.document_context(blend, prompt.prefix))
+    context = list(engine.cache.document_context(blend, prompt.prefix))
     spans = []
     for start, ids in prompt.documents:
         alone = r.new_cache(dtype=dtype)

@@ -72,7 +72,7 @@ def run_model(model: str, args, home: Path) -> dict:
         TieredStore(MemoryTier(4 << 30), []),
         EngineSettings.of(chunk_size=256, blend=BlendOptions(store_blended=False)),
     )
-    auto = engine.blend  # the shipped profile's blend (or the conservative default)
+    auto = engine.cache.blend  # the shipped profile's blend (or the conservative default)
     context = auto.document_context
     base = BlendOptions(recompute_ratio=0.15, document_context=context)
     configs = configurations(

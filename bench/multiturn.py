@@ -57,7 +57,8 @@ from bench.lib.results import print_table, pyplot, save_figure, stem, write_json
 from bench.lib.rounds import interleaved
 from kvfuse.config import load_config
 from kvfuse.generation import SamplingParams
-from kvfuse.runtime import open_engine, open_model
+from kvfuse.prompts import PromptBuilder
+from kvfuse.runtime import open_engine, open_model, open_serving
 
 SETUPS = {
     "no-reuse": {"cache.enabled": False},
@@ -129,9 +130,10 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
         "server.max_queue": 256,
         **SETUPS[setup],
     }
-    engine = open_engine(
+    serving = open_serving(
         load_config(overrides={k: v for k, v in overrides.items() if v is not None}), model=model
     )
+    engine, prompts = serving.engine, serving.prompts
     engine.start()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     turns: list[dict] = []
@@ -144,7 +146,7 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
         prev = None
         for ti, user in enumerate(users):
             msgs.append({"role": "user", "content": user})
-            ids, dropped = engine.prompts.encode_chat(msgs, reserve=args.max_tokens)
+            ids, dropped = prompts.encode_chat(msgs, reserve=args.max_tokens)
             r = engine.generate(ids, params)
             with lock:
                 turns.append(turn_row(ci, ti, r, prev, dropped))
@@ -190,7 +192,7 @@ def engine_report(engine) -> dict:
     """The engine's counters after its saves are flushed; the engine closed."""
     engine.flush(60)
     stats, cache = engine.stats_snapshot(), engine.cache_stats()
-    saver = engine.saver.stats.snapshot() if engine.saver is not None else {}
+    saver = stats.get("saver", {})
     engine.close()
     return {
         "engine": stats,
@@ -443,9 +445,10 @@ def truncation_items(args, tok) -> list[tuple]:
 def truncated_turn(args, engine, tok, params, before, after, answer) -> dict:
     """One mode: the history that fit cached, then the truncated one answered and scored."""
     engine.clear_cache("")
-    prime = engine.prompts.encode_chat(before, reserve=args.max_tokens)[0]
+    prompts = PromptBuilder.for_model(engine.model, engine.context_window)
+    prime = prompts.encode_chat(before, reserve=args.max_tokens)[0]
     engine.generate(prime, SamplingParams(max_tokens=1))
-    ids, dropped = engine.prompts.encode_chat(after, reserve=args.max_tokens)
+    ids, dropped = prompts.encode_chat(after, reserve=args.max_tokens)
     cont = tok.encode(answer, add_special_tokens=False)[: args.score_tokens]
     s0 = engine.stats_snapshot()
     r = engine.generate(ids, params)

@@ -166,8 +166,9 @@ class Prompt:
         engine = Engine(
             self.model, store, EngineSettings.of(history=False, async_save=False, prefetch=False)
         )
+        estimates = engine.cache.parts.estimates
         if policy == "adaptive" and "estimates" in shared:
-            engine.estimates = shared["estimates"]  # what earlier requests measured
+            carry_estimates(shared["estimates"], estimates)  # what earlier requests measured
         cache = CacheOptions(kv_slo_ms=self.kv_slo_ms) if policy == "adaptive" else CacheOptions()
         slow.reset()  # the trace starts with the request
         result = engine.generate(self.ids, self.greedy, cache=cache)
@@ -178,7 +179,7 @@ class Prompt:
             slow.reset()
             logits = engine.score(self.ids, [self.ref.token_ids], cache=cache)[0][:-1]
         if policy == "adaptive":
-            shared["estimates"] = engine.estimates
+            shared["estimates"] = estimates
             extra["chunks"] = dict(result.kv_stream.chunks) if result.kv_stream else {}
             extra["kv_load_ms"] = result.kv_stream.load_s * 1000 if result.kv_stream else None
         engine.close()
@@ -351,3 +352,13 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def carry_estimates(src, dst) -> None:
+    """What ``src`` (a ``LoadEstimates``) measured, into ``dst``: each run's engine starts from
+    the rates the runs before it measured, as one long-running engine would."""
+    dst.bandwidth.update(src.bandwidth)
+    dst.bandwidth_avg.update(src.bandwidth_avg)
+    dst.bytes_per_value.update(src.bytes_per_value)
+    dst.decode_s_per_value.update(src.decode_s_per_value)
+    dst.compute_s_per_token = src.compute_s_per_token

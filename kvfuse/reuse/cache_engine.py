@@ -190,8 +190,15 @@ class CacheEngine:
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         return self.parts.keying.namespace(tenant, salt, blend)
 
-    def document_context(self, blend: BlendOptions | None = None) -> tuple[int, ...]:
-        return self.parts.keying.document_context(blend)
+    def document_context(
+        self, blend: BlendOptions | None = None, prefix: Seq[int] | None = None
+    ) -> tuple[int, ...]:
+        """What documents are computed behind when cached alone (``Keying.document_context``)."""
+        return self.parts.keying.document_context(blend, prefix)
+
+    def resolve(self, blend: BlendOptions | None) -> BlendOptions:
+        """``blend`` (None: the engine's) with ``recompute_ratio: auto`` resolved by the profile."""
+        return self.parts.keying.resolve(blend)
 
     def precompute_documents(
         self,
@@ -295,8 +302,13 @@ class NoCache:
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         return self.keying.namespace(tenant, salt, blend)
 
-    def document_context(self, blend: BlendOptions | None = None) -> tuple[int, ...]:
-        return self.keying.document_context(blend)
+    def document_context(
+        self, blend: BlendOptions | None = None, prefix: Seq[int] | None = None
+    ) -> tuple[int, ...]:
+        return self.keying.document_context(blend, prefix)
+
+    def resolve(self, blend: BlendOptions | None) -> BlendOptions:
+        return self.keying.resolve(blend)
 
     def precompute_documents(self, *args, **kwargs) -> dict[str, int]:
         raise ValueError("precompute needs the KV cache, and it is disabled in this configuration")
