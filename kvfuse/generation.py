@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -24,6 +25,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # A compiled grammar that constrains the output (``Structure``: its ``matcher()`` gives each
+    # sequence its own ``TokenConstraint``); None: free decoding.
+    structure: Structure | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +82,27 @@ def _real(x) -> bool:
 def _check(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ValueError(f"{name} {message}")
+
+
+class TokenConstraint(Protocol):
+    """One sequence's constrained decoding: which tokens may come next, given those so far."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` with every token that may not come next at ``-inf``."""
+
+    def accept(self, token: int) -> None:
+        """``token`` was generated (one ``mask`` allowed)."""
+
+    @property
+    def done(self) -> bool:
+        """The output is complete: the sequence ends (finish reason ``stop``)."""
+
+
+class Structure(Protocol):
+    """A compiled constraint (a JSON schema, a tool call's shape), shared by the requests that
+    use it; each sequence decodes with a ``matcher()`` of its own."""
+
+    def matcher(self) -> TokenConstraint: ...
 
 
 @dataclass

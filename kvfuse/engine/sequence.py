@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfuse.generation import Sampler, StopMatcher
+from kvfuse.generation import Sampler, StopMatcher, TokenConstraint
 from kvfuse.models.cache import KVCache
 from kvfuse.models.tokenizer import IncrementalDecoder
 from kvfuse.reuse import Filled, Reuse
@@ -74,6 +74,7 @@ class DecodeState:
     """Sampling and text: the tokens generated, the pending one, and when to stop."""
 
     sampler: Sampler | None = None
+    constraint: TokenConstraint | None = None  # structured output: which tokens may come next
     decoder: IncrementalDecoder | None = None
     stops: StopMatcher | None = None
     eos: frozenset[int] = frozenset()
@@ -88,7 +89,10 @@ class DecodeState:
         return "".join(self.pieces)
 
     def sample(self, logits: torch.Tensor) -> None:
-        """The next token, pending until post-processing accepts it."""
+        """The next token (within the constraint, if any), pending until post-processing
+        accepts it."""
+        if self.constraint is not None:
+            logits = self.constraint.mask(logits)
         self.pending = self.sampler(logits)
 
 
@@ -144,7 +148,8 @@ class Sequence:
         t.lookup_s = r.lookup_s
         t.load_s, t.prefill_s = r.load_s + pre.load_s, pre.compute_s
         d.sampler, self.logits = Sampler(p), pre.logits
-        d.pending = d.sampler(pre.logits)
+        d.constraint = p.structure.matcher() if p.structure is not None else None
+        d.sample(pre.logits)
         t.ttft_s = time.perf_counter() - self.t_start
         d.eos = frozenset(p.stop_token_ids) | (
             frozenset() if p.ignore_eos else frozenset(eos_token_ids)
@@ -183,8 +188,10 @@ class Sequence:
             self._finish("stop")
             return
         d.token_ids.append(token)
+        if d.constraint is not None:
+            d.constraint.accept(token)
         self.emit(d.stops.feed(d.decoder.push(token)))
-        if d.stops.stopped:
+        if d.stops.stopped or (d.constraint is not None and d.constraint.done):
             self._finish("stop")
         elif len(d.token_ids) >= self.request.params.max_tokens:
             self._finish("length")
