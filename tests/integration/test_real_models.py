@@ -450,7 +450,10 @@ def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, bot
     assert got.recomputed_tokens == sum(len(ids) for _, ids in prompt.documents)
     (ref,) = engine.score(prompt.ids, [expected.token_ids], cache=off)
     (blended,) = engine.score(prompt, [expected.token_ids])
-    tol = 1e-3 if kv_dtype == "float32" else 1e-2
+    # fp16 KV: one fp16 step of Gemma 3's K/V moves its logits by up to ~1e-2 (measured 0.0104
+    # on this project's Xeon, with and without the layout change of issue 37); ratio 0 below
+    # is > 0.1 off, so the bound still tells a full recompute from reuse.
+    tol = 1e-3 if kv_dtype == "float32" else 2e-2
     assert_close(blended, ref, tol, f"{name} ratio 1, {kv_dtype} KV")
     (reuse,) = engine.score(
         prompt, [expected.token_ids], blend=BlendOptions(recompute_ratio=0.0, store_blended=False)

@@ -233,7 +233,7 @@ def test_entries_of_another_model_configuration_are_never_used(
     )
     other.generate(p, SamplingParams(max_tokens=1))
     other.flush()
-    theirs = [bytes(other.store.memory.get(k).join()) for k in keys_of(other, p)]
+    theirs = [bytes(other.cache.store.memory.get(k).join()) for k in keys_of(other, p)]
     ours = keys_of(rig.engine, p)
     # another namespace: another key for the same tokens
     assert set(keys_of(other, p)).isdisjoint(ours)
@@ -259,7 +259,7 @@ def test_an_entry_of_another_model_architecture_is_never_used(
     )
     other.generate(ids + [1], SamplingParams(max_tokens=1))
     other.flush()
-    theirs = bytes(other.store.memory.get(keys_of(other, ids)[0]).join())
+    theirs = bytes(other.cache.store.memory.get(keys_of(other, ids)[0]).join())
     other.close()
     ours = keys_of(rig.engine, p)[0]
     rig.plant("redis", ours, relabel(theirs, ours))
@@ -300,7 +300,7 @@ def encodings(smollm2, prompts, CH):
         e.generate(p, SamplingParams(max_tokens=1))
         e.flush()
         keys.add(keys_of(e, p)[0])
-        out[codec] = bytes(e.store.memory.get(keys_of(e, p)[0]).join())
+        out[codec] = bytes(e.cache.store.memory.get(keys_of(e, p)[0]).join())
         e.close()
     assert len(keys) == 1
     assert (
