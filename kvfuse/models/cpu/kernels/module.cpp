@@ -1,17 +1,24 @@
 // The Python module of kvfuse's CPU kernels (kvfuse.models.cpu.kernels.get()).
+//
+// The calls that run long (a layer's products, attention, a whole decode step) release the GIL
+// while they compute (RELEASE): the engine's other threads (plans and loads from the tiers, the
+// saver, the server's event loop) run meanwhile instead of waiting for the step. The per-row
+// ops are microseconds long: they keep it, since handing it over and back would cost more.
 #include "kernels.h"
 
+#define RELEASE py::call_guard<py::gil_scoped_release>()
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("attend", &attend,
+  m.def("attend", &attend, RELEASE,
         "batched attention of a few queries per sequence over each sequence's own KV");
-  m.def("write_kv", &write_kv,
+  m.def("write_kv", &write_kv, RELEASE,
         "write a batched step's fresh K/V rows into each sequence's KV buffer");
   m.def("pack_linear", &pack_linear, "a (out, in) float32 weight as (ceil(out/16), in, 16) blocks");
   m.def("pack_linear_int8", &pack_linear_int8,
         "a weight as int8 blocks and per-channel float32 scales");
-  m.def("blocked_linear", &blocked_linear, "x @ W^T (+ bias) for blocked float32 or int8 weights",
-        py::arg("x"), py::arg("blocks"), py::arg("out"), py::arg("scales") = py::none(),
-        py::arg("bias") = py::none());
+  m.def("blocked_linear", &blocked_linear, RELEASE,
+        "x @ W^T (+ bias) for blocked float32 or int8 weights", py::arg("x"), py::arg("blocks"),
+        py::arg("out"), py::arg("scales") = py::none(), py::arg("bias") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm of every row");
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta))");
   m.def("gated_act", &gated_act, "act(gate) * up, act silu (0) or gelu-tanh (1)");
@@ -19,8 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<BlockedArg>(m, "Blocked", py::module_local(),
                          "a blocked weight: blocks, output channels, int8 scales or None")
       .def(py::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>>());
-  m.def("project_qkv", &project_qkv, "norm, q/k/v product, q/k norms and RoPE of one layer");
-  m.def("post_attention", &post_attention,
+  m.def("project_qkv", &project_qkv, RELEASE,
+        "norm, q/k/v product, q/k norms and RoPE of one layer");
+  m.def("post_attention", &post_attention, RELEASE,
         "output product, residual, norm, gated MLP, residual of one layer");
   py::class_<Stack>(m, "Stack", py::module_local(),
                     "a model's layers, described once for run_stack")
@@ -32,6 +40,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("eps"), py::arg("scale"), py::arg("softcap"))
       .def("add_layer", &Stack::add_layer)
       .def("__len__", [](const Stack& s) { return s.layers.size(); });
-  m.def("run_stack", &run_stack,
+  m.def("run_stack", &run_stack, RELEASE,
         "every layer of a decode step: project, write K/V, attend, post-attention");
 }
