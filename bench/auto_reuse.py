@@ -329,7 +329,8 @@ def request_path_cost(model: str, home: Path, text: str, chat: bool, repeats: in
     from kvfuse.engine import Engine, Prompt, Request
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     loaded = load_model(model, home=home, device="cpu", dtype="auto")
     out = {}

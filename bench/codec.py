@@ -451,7 +451,8 @@ def normalise(s: str) -> str:
 def reencoded_store(raw_tier, encoding: str, layer_types=()):
     """The raw entries re-encoded as ``encoding`` ("int8", "cachegen.2": as the engine writes it for
     this model, with its per-layer bins; "cachegen.2-uniform": every layer by the level's table)."""
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     name, _, level = encoding.partition(".")
     level, _, variant = level.partition("-")
@@ -470,7 +471,8 @@ def run_quality(args, checkpoint=None) -> dict:
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     rows = longchat(args.split)
     if args.limit:
@@ -561,7 +563,8 @@ def run_fictional(args) -> dict:
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     data = fictional_qa.items(args.split, args.limit or 40, args.documents)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, stop=("\n",))
@@ -673,7 +676,8 @@ def run_allocation(args) -> dict:
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     rows = longchat("dev")[: args.limit or 3]
     out = {"split": "dev", "prompts": len(rows), "models": {}}

@@ -32,7 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, print_table, write_json
 
 from kvfuse.kv.keys import ChunkKey, ChunkKind
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 from kvfuse.tiers.key_index import KeyIndex
 
 NS = "0123456789abcdef01234567"

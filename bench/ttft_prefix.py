@@ -121,7 +121,8 @@ def measure(args) -> dict:
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
     from kvfuse.runtime import tune_allocator
-    from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
 
     tuned = False if args.no_tune_malloc else tune_allocator()  # as open_engine does for a server
     if args.threads:

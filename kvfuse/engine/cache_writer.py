@@ -30,7 +30,7 @@ from kvfuse.codecs.base import Codec
 from kvfuse.history import HistoryIndex, Record
 from kvfuse.kv.format import Entry
 from kvfuse.kv.keys import ChunkKey, ChunkKind
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .planner import Load, Save, breakpoint_saves, generated_saves, history_entries
 from .request import CacheOptions

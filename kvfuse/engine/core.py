@@ -32,8 +32,8 @@ from kvfuse.generation import SamplingParams
 from kvfuse.history import HistoryIndex
 from kvfuse.kv.keys import tenant_tag
 from kvfuse.models import LoadedModel
-from kvfuse.tiers.prefetch import Prefetcher
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.store.prefetch import Prefetcher
 
 from . import offline
 from .cache_writer import CacheWriter

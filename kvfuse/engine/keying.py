@@ -39,7 +39,7 @@ from kvfuse.history import Alignment, HistoryIndex, Record, Run, align
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, layout_of
 from kvfuse.models import LoadedModel
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .auto_reuse import AutoReuse
 from .planner import prompt_keys, tail_probe

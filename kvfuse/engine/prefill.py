@@ -33,7 +33,7 @@ from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import Entry, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models import LoadedModel
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .cache_writer import CacheWriter
 from .fetch import FetchedEntries, fetch_entries, streamed

@@ -15,7 +15,8 @@ from kvfuse.calibration.measure import configurations, correct, measure
 from kvfuse.config import BlendOptions, EngineSettings
 from kvfuse.engine import Engine, Prompt
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 

@@ -13,7 +13,8 @@ from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Outcome, Prompt, QueueClosed, Request, RequestCancelled, prefill
 from kvfuse.generation import SamplingParams
 from kvfuse.server.events import RequestEvents
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 

@@ -25,8 +25,9 @@ from kvfuse.generation import SamplingParams
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import Entry, encode_entry, open_entry, read_header
 from kvfuse.kv.keys import ChunkKey, ChunkKind, prefix_keys
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk_files import key_to_filename
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
+from kvfuse.tiers.disk.files import key_to_filename
 from kvfuse_testkit.throttled import ThrottledTier, load_trace
 
 CH = 32

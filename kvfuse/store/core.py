@@ -36,7 +36,7 @@ Semantics in brief:
   treated as a miss.
 - ``upcoming()`` is what the engine's queue will ask for next (``set_lookahead``), in order.
   ``protect_upcoming`` makes the memory tier evict those entries last (queue-aware eviction), and
-  a ``Prefetcher`` (``tiers/prefetch.py``) reads them into memory before their requests run;
+  a ``Prefetcher`` (``prefetch.py``) reads them into memory before their requests run;
   ``fetch(..., prefetch=True)`` counts its reads, and later request reads are counted as
   ``prefetch_hits`` / ``prefetch_misses``.
 - Expiry (retention; the tiers' rules are in ``tiers/base.py``): ``put(..., expires_at=t)`` gives
@@ -62,13 +62,13 @@ from kvfuse.config import CacheConfig
 from kvfuse.kv.format import Entry, EntrySpec
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.kv.signing import EntrySigner
+from kvfuse.store.checked_reads import CheckedReads
+from kvfuse.store.prefetch_tally import PrefetchTally
+from kvfuse.store.results import Encoded, Fetched, LayerRange, LookupResult, StoreCounters
+from kvfuse.store.transcode import Transcoder
+from kvfuse.store.write_behind import WriteBehind
 from kvfuse.tiers.base import Blob, Clock, Tier, guarded, put_many_expiring
-from kvfuse.tiers.checked_reads import CheckedReads
 from kvfuse.tiers.memory import MemoryTier
-from kvfuse.tiers.prefetch_tally import PrefetchTally
-from kvfuse.tiers.results import Encoded, Fetched, LayerRange, LookupResult, StoreCounters
-from kvfuse.tiers.transcode import Transcoder
-from kvfuse.tiers.write_behind import WriteBehind
 
 __all__ = ["Encoded", "Fetched", "LayerRange", "LookupResult", "StoreCounters", "TieredStore"]
 

@@ -1,8 +1,8 @@
 """The disk tier: one file per entry, atomic writes, LRU by bytes, shareable between processes.
 
-Its pieces: ``disk_files.py`` (where an entry's file lives, staged writes renamed into place,
-reads, stale temp files, listings), ``disk_scan.py`` (the start-up scan that rebuilds the LRU
-index), ``disk_expiry.py`` with ``disk_journal.py`` (per-entry expiries and their journal,
+Its pieces: ``files.py`` (where an entry's file lives, staged writes renamed into place,
+reads, stale temp files, listings), ``scan.py`` (the start-up scan that rebuilds the LRU
+index), ``expiry.py`` with ``journal.py`` (per-entry expiries and their journal,
 ``<root>/expiry.log``). This module is the tier itself: its index, capacity and eviction, and the
 ``Tier`` operations over those pieces.
 
@@ -18,7 +18,7 @@ Several processes may share one directory. Each keeps its own index (for LRU and
 file system is the truth: ``contains``/``get`` consult it directly, a file another process wrote
 is found, a file another process evicted is a plain miss. The capacity is enforced by each process
 over the files it knows, so a shared directory can briefly exceed it. Expiries follow the rules of
-``disk_expiry.py`` (each process enforces the expiries it knows).
+``expiry.py`` (each process enforces the expiries it knows).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Callable
 import numpy as np
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers import disk_files as files
 from kvfuse.tiers.base import Blob, Clock, Entry, T, Tier, nbytes
-from kvfuse.tiers.disk_expiry import DiskExpiries
-from kvfuse.tiers.disk_scan import Scan, scan
+from kvfuse.tiers.disk import files
+from kvfuse.tiers.disk.expiry import DiskExpiries
+from kvfuse.tiers.disk.scan import Scan, scan
 from kvfuse.tiers.key_index import KeyIndex
 from kvfuse.tiers.tenant_quota import TenantQuotas, capacity_owner, over_quota
 
@@ -49,7 +49,7 @@ class DiskTier(Tier):
 
     ``fsync=True`` makes each put durable before it returns (slower). Temp files left by dead
     processes, or older than ``stale_temp_s``, are removed at start-up, and so are the entries
-    whose expiry passed on ``clock`` (the journal, see ``disk_expiry.py``; ``clock`` defaults to
+    whose expiry passed on ``clock`` (the journal, see ``expiry.py``; ``clock`` defaults to
     ``time.time`` and can be replaced later, as ``TieredStore`` does, but the start-up sweep has
     run by then). ``io_threads``: how many files of one ``put_many`` (the store's background
     writes) are written at once (default: one per core, at most 4; 1: one by one). ``quotas``:
