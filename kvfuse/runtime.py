@@ -20,12 +20,12 @@ from .entropy.pool import set_shared_pool, shared_pool
 from .kv.keys import tenant_tag
 from .models import LoadedModel, load_model
 from .store import TieredStore
+from .store.tenant_quota import TenantQuotas
 from .tiers.base import Tier
 from .tiers.disk import DiskTier
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
 from .tiers.redis.connection import Security
-from .tiers.tenant_quota import TenantQuotas
 
 log = logging.getLogger(__name__)
 

@@ -10,6 +10,8 @@ Layout, in the order a read and a write go through it:
 - ``transcode``      per-tier codecs and CacheGen variants, re-encoded on the way down
 - ``prefetch``       queued requests' KV read into memory before they run; ``prefetch_tally``
                      what it achieved
+- ``tenant_quota``   per-tenant byte quotas, given to the memory and disk tiers (whose eviction
+                     policy applies them: ``kvfuse/tiers/eviction.py``)
 
 The tiers themselves (memory, disk, Redis, S3) are backends in ``kvfuse.tiers``: this package
 imports them, never the reverse.
@@ -18,6 +20,7 @@ imports them, never the reverse.
 from kvfuse.store.core import TieredStore
 from kvfuse.store.prefetch import Prefetcher
 from kvfuse.store.results import Encoded, Fetched, LayerRange, LookupResult, StoreCounters
+from kvfuse.store.tenant_quota import TenantQuotas
 
 __all__ = [
     "Encoded",
@@ -26,5 +29,6 @@ __all__ = [
     "LookupResult",
     "Prefetcher",
     "StoreCounters",
+    "TenantQuotas",
     "TieredStore",
 ]

@@ -5,6 +5,8 @@ Layout, fastest tier first:
 
 - ``base``       the tier interface (``Tier``), its counters, expiry bookkeeping
 - ``memory``     the memory tier: LRU by bytes, queue-aware, per-tenant quotas
+- ``eviction``   which entry the memory and disk tiers evict next: LRU, queued requests' entries
+                 last, per-tenant quotas (the one eviction policy)
 - ``key_index``  the compact LRU index of the memory and disk tiers
 - ``disk``       the disk tier: one file per entry, shareable between processes
 - ``redis``      the Redis / Valkey tier

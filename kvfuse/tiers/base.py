@@ -278,7 +278,7 @@ class Tier(ABC):
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         """Per tenant tag with a byte quota in this tier: ``used_bytes``, ``entries``,
-        ``quota_bytes``, ``quota_evictions`` (``tiers/tenant_quota.py``); {} where the tier has no
+        ``quota_bytes``, ``quota_evictions`` (``store/tenant_quota.py``); {} where the tier has no
         quotas (the default; only the memory and disk tiers account bytes per tenant)."""
         return {}
 

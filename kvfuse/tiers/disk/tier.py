@@ -3,8 +3,9 @@
 Its pieces: ``files.py`` (where an entry's file lives, staged writes renamed into place,
 reads, stale temp files, listings), ``scan.py`` (the start-up scan that rebuilds the LRU
 index), ``expiry.py`` with ``journal.py`` (per-entry expiries and their journal,
-``<root>/expiry.log``). This module is the tier itself: its index, capacity and eviction, and the
-``Tier`` operations over those pieces.
+``<root>/expiry.log``). This module is the tier itself: its index, capacity and evictions (which
+entries go is the eviction policy's, ``tiers/eviction.py``), and the ``Tier`` operations over those
+pieces.
 
 A file's mtime is its recency (set on every put and hit), so a restart rebuilds the LRU order by
 scanning. The tier does not check what it reads: the tiered store validates every entry and
@@ -38,8 +39,8 @@ from kvfuse.tiers.base import Blob, Clock, Entry, T, Tier, nbytes
 from kvfuse.tiers.disk import files
 from kvfuse.tiers.disk.expiry import DiskExpiries
 from kvfuse.tiers.disk.scan import Scan, scan
+from kvfuse.tiers.eviction import Eviction, Quotas
 from kvfuse.tiers.key_index import KeyIndex
-from kvfuse.tiers.tenant_quota import TenantQuotas, capacity_owner, over_quota
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +54,8 @@ class DiskTier(Tier):
     ``time.time`` and can be replaced later, as ``TieredStore`` does, but the start-up sweep has
     run by then). ``io_threads``: how many files of one ``put_many`` (the store's background
     writes) are written at once (default: one per core, at most 4; 1: one by one). ``quotas``:
-    per-tenant byte quotas (``tiers/tenant_quota.py``), enforced by each process over the files it
-    knows, like the capacity.
+    per-tenant byte quotas (``kvfuse.store.tenant_quota``), enforced by each process over the files
+    it knows, like the capacity.
     """
 
     streams_reads = True  # read_with reads the file as the store's check asks for it
@@ -68,7 +69,7 @@ class DiskTier(Tier):
         stale_temp_s: float = 600.0,
         clock: Clock | None = None,
         io_threads: int | None = None,
-        quotas: TenantQuotas | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         super().__init__()
         if clock is not None:
@@ -81,9 +82,10 @@ class DiskTier(Tier):
         self.root = Path(path)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self._quotas = quotas  # per-tenant byte quotas (tiers/tenant_quota.py); None: plain LRU
+        self._quotas = quotas  # per-tenant byte quotas (store/tenant_quota.py); None: none
+        self._eviction = Eviction(quotas)  # which entries go, in what order (tiers/eviction.py)
         # key -> size, least recent first, and per owner with quotas (compact: ~70 bytes an entry)
-        self._index = KeyIndex(owner_of=quotas.owner_of if quotas is not None else None)
+        self._index = KeyIndex(owner_of=self._eviction.owner_of)
         self._used = 0
         self._lock = threading.Lock()
         self._last_ns = 0
@@ -153,33 +155,24 @@ class DiskTier(Tier):
         self._used += size - (old or 0)
 
     def _evict_locked(self, key: ChunkKey | None = None) -> int:
-        """Remove least-recent files: with quotas, a tenant's own over its quota (``key``'s tenant,
-        or every tenant after the start-up scan), then until within capacity (by
-        ``tenant_quota.capacity_owner``; plain LRU without quotas). Never the most recent entry
-        (``key``, just written or used)."""
+        """Remove the entries the eviction policy names, least recent first, each with its file:
+        after ``key`` was written or used (never it), or after the start-up scan (``key`` None:
+        every tenant over its quota, then the capacity). The count removed."""
         evicted, lines = 0, []
-        quotas, putter = self._quotas, None
-        if quotas is not None:
-            putter = self._index.owner_of(key) if key is not None else None
-            for owner in [putter] if key is not None else self._index.owners():
-                keep = 1 if owner == putter else 0
-                while (
-                    over_quota(quotas.use(self._index, owner))
-                    and self._index.owner_entries(owner) > keep
-                ):
-                    self._evict_one_locked(owner, lines)
-                    quotas.counted_eviction(owner)
-                    evicted += 1
-        while self._used > self.capacity_bytes and len(self._index) > 1:
-            owner = capacity_owner(quotas.uses(self._index), putter) if quotas is not None else None
-            self._evict_one_locked(owner, lines)
+        policy, index = self._eviction, self._index
+        while True:
+            victim = policy.next_victim(index, key, self._used, self.capacity_bytes)
+            if victim is None:
+                break
+            self._evict_one_locked(victim.key, lines)
+            policy.evicted(victim)
             evicted += 1
         self._expiry.settle_locked(lines)
         return evicted
 
-    def _evict_one_locked(self, owner: int | None, lines: list) -> None:
-        """Remove the least recent entry (of ``owner``; None: of anyone) and its file."""
-        key, size, _ = self._index.pop_oldest(owner)
+    def _evict_one_locked(self, key: ChunkKey, lines: list) -> None:
+        """Remove ``key``'s entry and its file."""
+        size, _ = self._index.pop(key)
         self._used -= size
         line = self._expiry.drop_locked(key)
         if line is not None:
@@ -194,11 +187,8 @@ class DiskTier(Tier):
 
     def _room(self, key: ChunkKey) -> int:
         """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
-        if self._quotas is None:
-            return self.capacity_bytes
         with self._lock:
-            limit = self._quotas.limit(self._index.owner_of(key))
-        return self.capacity_bytes if limit is None else min(limit, self.capacity_bytes)
+            return self._eviction.room(self._index, key, self.capacity_bytes)
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         """Per tenant tag with a quota here: bytes and entries this process knows, the quota, its
@@ -206,7 +196,7 @@ class DiskTier(Tier):
         if self._quotas is None:
             return {}
         with self._lock:
-            return self._quotas.usage(self._index)
+            return self._eviction.usage(self._index)
 
     def _touch(self, path: str, key: ChunkKey, size: int) -> None:
         """Make ``key`` the most recent entry, in the index and in the file's mtime."""

@@ -26,7 +26,7 @@ down with churn.
 numpy and finishes with scalar probes the few keys whose home slot held another key. Scalar paths
 read the arrays through memoryviews (a few times faster than numpy scalar indexing).
 
-**Owners** (``owner_of``, given by tiers with per-tenant quotas, ``tiers/tenant_quota.py``): each
+**Owners** (``owner_of``, given by tiers with per-tenant quotas, ``tiers/eviction.py``): each
 group belongs to an owner (a small int, computed once per group from its namespace), and every
 row is also on its owner's own LRU list (``oprev``/``onext``, 8 more bytes per row), with each
 owner's bytes and entries kept: an owner's oldest entry is found without walking the others'.
