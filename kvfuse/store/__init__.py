@@ -3,6 +3,8 @@
 Layout, in the order a read and a write go through it:
 
 - ``core``           ``TieredStore``: the tiers by role; lookup, fetch, promote, put, extend, delete
+- ``lookups``        the walks down the tiers, fastest first: where keys are, their first usable
+                     copies, their expiries below memory
 - ``checked_reads``  the one validation path for everything read back from a tier
 - ``results``        what the store answers with: ``LookupResult``, ``Fetched``, ``Encoded``,
                      ``LayerRange``, and its counters (``StoreCounters``)
