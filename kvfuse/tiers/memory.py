@@ -8,16 +8,14 @@ pointer, instead of ~265 in an ``OrderedDict`` of key objects)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Collection, Iterable
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Expiries, Tier, check_key, nbytes
-from kvfuse.tiers.eviction import Eviction, Quotas
-from kvfuse.tiers.key_index import KeyIndex
+from kvfuse.tiers.base import Blob, Expiries, IndexedTier, check_key, nbytes
+from kvfuse.tiers.eviction import Quotas
 
 
-class MemoryTier(Tier):
+class MemoryTier(IndexedTier):
     """LRU by bytes (only the values' lengths are counted, not Python's per-object overhead).
 
     ``get`` and ``put`` make an entry most recent; ``contains`` does not (lookups are
@@ -34,19 +32,8 @@ class MemoryTier(Tier):
     def __init__(
         self, capacity_bytes: int, name: str = "memory", quotas: Quotas | None = None
     ) -> None:
-        super().__init__()
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(
-                f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}"
-            )
+        super().__init__(capacity_bytes, quotas, with_values=True)  # the index, within capacity
         self.name = name
-        self.capacity_bytes = capacity_bytes
-        self._quotas = quotas  # per-tenant byte quotas (store/tenant_quota.py); None: none
-        self._eviction = Eviction(quotas)  # which entries go, in what order (tiers/eviction.py)
-        # key -> (size, value), least recent first (and per owner, with quotas)
-        self._index = KeyIndex(with_values=True, owner_of=self._eviction.owner_of)
-        self._used = 0
-        self._lock = threading.Lock()
         self._protect: Callable[[], Collection[ChunkKey]] | None = None
         self._expiry = Expiries()  # key -> expires_at of the entries that have one
 
@@ -114,7 +101,7 @@ class MemoryTier(Tier):
         )
         with self._lock:
             self._remove(key)
-            if size > self._eviction.room(self._index, key, self.capacity_bytes):
+            if size > self._room_locked(key):
                 self.stats.add(dropped_writes=1)
                 return
             self._index.put(key, size, value)
@@ -138,21 +125,10 @@ class MemoryTier(Tier):
         requests' entries, ``protected``, last). The counts (evicted, protected ones among
         them)."""
         evicted = forced = 0
-        policy, index = self._eviction, self._index
-        while True:
-            victim = policy.next_victim(index, key, self._used, self.capacity_bytes, protected)
-            if victim is None:
-                return evicted, forced
+        for victim in self._victims_locked(key, protected):
             self._remove(victim.key)
-            policy.evicted(victim)
             evicted, forced = evicted + 1, forced + victim.protected
-
-    def tenant_usage(self) -> dict[str, dict[str, int]]:
-        """Per tenant tag with a quota here: bytes and entries held, the quota, its evictions."""
-        if self._quotas is None:
-            return {}
-        with self._lock:
-            return self._eviction.usage(self._index)
+        return evicted, forced
 
     def bytes_of(self, keys: Collection[ChunkKey]) -> int:
         """The bytes the entries of ``keys`` take here (those held)."""
@@ -203,20 +179,3 @@ class MemoryTier(Tier):
             for k in doomed:
                 self._remove(k)
         return len(doomed)
-
-    def keys_lru(self) -> list[ChunkKey]:
-        """Keys from least to most recently used (the eviction order)."""
-        with self._lock:
-            return self._index.keys()
-
-    def keys(self, limit: int | None = None) -> list[ChunkKey]:
-        """Up to ``limit`` keys (None: all), most recently used first."""
-        return self.keys_lru()[::-1][:limit]
-
-    def entries(self) -> int:
-        with self._lock:
-            return len(self._index)
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,17 +34,16 @@ from typing import Callable
 import numpy as np
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Clock, Entry, T, Tier, nbytes
+from kvfuse.tiers.base import Blob, Clock, Entry, IndexedTier, T, nbytes
 from kvfuse.tiers.disk import files
 from kvfuse.tiers.disk.expiry import DiskExpiries
 from kvfuse.tiers.disk.scan import Scan, scan
-from kvfuse.tiers.eviction import Eviction, Quotas
-from kvfuse.tiers.key_index import KeyIndex
+from kvfuse.tiers.eviction import Quotas
 
 log = logging.getLogger(__name__)
 
 
-class DiskTier(Tier):
+class DiskTier(IndexedTier):
     """Entries as files under ``path``; see the module docstring for layout and sharing rules.
 
     ``fsync=True`` makes each put durable before it returns (slower). Temp files left by dead
@@ -71,23 +69,12 @@ class DiskTier(Tier):
         io_threads: int | None = None,
         quotas: Quotas | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(capacity_bytes, quotas)  # the index of what it holds, within capacity
         if clock is not None:
             self.clock = clock  # given here, it is the start-up sweep's time too
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(
-                f"DiskTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}"
-            )
         self.name = name
         self.root = Path(path)
-        self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self._quotas = quotas  # per-tenant byte quotas (store/tenant_quota.py); None: none
-        self._eviction = Eviction(quotas)  # which entries go, in what order (tiers/eviction.py)
-        # key -> size, least recent first, and per owner with quotas (compact: ~70 bytes an entry)
-        self._index = KeyIndex(owner_of=self._eviction.owner_of)
-        self._used = 0
-        self._lock = threading.Lock()
         self._last_ns = 0
         self._expiry = DiskExpiries(
             self.root,
@@ -159,13 +146,8 @@ class DiskTier(Tier):
         after ``key`` was written or used (never it), or after the start-up scan (``key`` None:
         every tenant over its quota, then the capacity). The count removed."""
         evicted, lines = 0, []
-        policy, index = self._eviction, self._index
-        while True:
-            victim = policy.next_victim(index, key, self._used, self.capacity_bytes)
-            if victim is None:
-                break
+        for victim in self._victims_locked(key):
             self._evict_one_locked(victim.key, lines)
-            policy.evicted(victim)
             evicted += 1
         self._expiry.settle_locked(lines)
         return evicted
@@ -184,19 +166,6 @@ class DiskTier(Tier):
         except OSError as e:
             log.warning("disk tier %s: cannot evict %s: %s", self.root, key, e)
             self.stats.add(errors=1)
-
-    def _room(self, key: ChunkKey) -> int:
-        """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
-        with self._lock:
-            return self._eviction.room(self._index, key, self.capacity_bytes)
-
-    def tenant_usage(self) -> dict[str, dict[str, int]]:
-        """Per tenant tag with a quota here: bytes and entries this process knows, the quota, its
-        evictions."""
-        if self._quotas is None:
-            return {}
-        with self._lock:
-            return self._eviction.usage(self._index)
 
     def _touch(self, path: str, key: ChunkKey, size: int) -> None:
         """Make ``key`` the most recent entry, in the index and in the file's mtime."""
@@ -335,7 +304,9 @@ class DiskTier(Tier):
             self.delete(key)  # stores nothing, and no older value stays behind
             return None
         size = nbytes(value)
-        if size > self._room(key):  # larger than the tier, or than its tenant's quota
+        with self._lock:
+            room = self._room_locked(key)
+        if size > room:  # larger than the tier, or than its tenant's quota
             self.delete(key)  # never leave an older value behind a dropped write
             self.stats.add(dropped_writes=1)
             return None
@@ -431,25 +402,6 @@ class DiskTier(Tier):
 
     def expire(self) -> int:
         return self._expiry.expire()
-
-    # -- what the tier holds --------------------------------------------------------------------
-
-    def keys_lru(self) -> list[ChunkKey]:
-        """Keys this process knows, from least to most recently used (the eviction order)."""
-        with self._lock:
-            return self._index.keys()
-
-    def keys(self, limit: int | None = None) -> list[ChunkKey]:
-        """Up to ``limit`` keys this process knows (None: all), most recently used first."""
-        return self.keys_lru()[::-1][:limit]
-
-    def entries(self) -> int:
-        with self._lock:
-            return len(self._index)
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
 
     def close(self) -> None:
         with self._lock:
