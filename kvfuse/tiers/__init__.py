@@ -1,9 +1,10 @@
 """Storage tiers: byte stores keyed by ``ChunkKey`` behind one interface (the tiered store over
 them is ``kvfuse.store``).
 
-Layout, fastest tier first:
+Layout: the interface, then the tiers, fastest first, each with what it is made of:
 
-- ``base``       the tier interface (``Tier``), its counters, expiry bookkeeping
+- ``base``       the tier interface (``Tier``), its counters, expiry bookkeeping; ``IndexedTier``,
+                 what the memory and disk tiers share
 - ``memory``     the memory tier: LRU by bytes, queue-aware, per-tenant quotas
 - ``eviction``   which entry the memory and disk tiers evict next: LRU, queued requests' entries
                  last, per-tenant quotas (the one eviction policy)
