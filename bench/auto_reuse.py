@@ -344,7 +344,8 @@ def request_path_cost(model: str, home: Path, text: str, chat: bool, repeats: in
     from kvfuse.engine import CacheOptions, Engine, Prompt
     from kvfuse.models import load_model
     from kvfuse.prompts import PromptBuilder
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     loaded = load_model(model, home=home, device="cpu", dtype="auto")
     out = {}

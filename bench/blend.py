@@ -156,7 +156,8 @@ def open_engine(
 ) -> Engine:
     from kvfuse.models import load_model
     from kvfuse.runtime import tune_allocator
-    from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import DiskTier, MemoryTier
 
     tune_allocator()
     model = load_model(name, home=home, device=device, dtype="auto")

@@ -64,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_model(model: str, args, home: Path) -> dict:
     from kvfuse.engine import Engine
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     loaded = load_model(model, home=home, device="cpu", dtype="auto")
     engine = Engine(

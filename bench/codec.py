@@ -447,7 +447,8 @@ def normalise(s: str) -> str:
 def reencoded_store(raw_tier, encoding: str, layer_types=()):
     """The raw entries re-encoded as ``encoding`` ("int8", "cachegen.2": as the engine writes it for
     this model, with its per-layer bins; "cachegen.2-uniform": every layer by the level's table)."""
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     name, _, level = encoding.partition(".")
     level, _, variant = level.partition("-")
@@ -475,7 +476,8 @@ def quality_prompt(m, r: dict, budget, encodings: list[str], greedy, per: dict) 
     """One LongChat prompt: lossless entries answered and scored, then each encoding's entries
     (re-encoded from them) against them; ``per`` collects. Returns (lossless text, truncated)."""
     from kvfuse.engine import Engine
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
     truncated = budget is not None and head_len + (len(ids) - head_len) >= budget
@@ -565,7 +567,8 @@ def run_fictional(args) -> dict:
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     data = fictional_qa.items(args.split, args.limit or 40, args.documents)
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, stop=("\n",))
@@ -676,7 +679,8 @@ def allocation_prompt(m, r: dict, budget, acc: dict) -> None:
     """One prompt: the lossless entries scored, then each bin allocation's simulated entries."""
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     ids, head_len = prompt_ids(m.tokenizer, r["prompt"], budget)
     raw = TieredStore(MemoryTier(1 << 34))

@@ -31,7 +31,8 @@ from bench.lib.cli import parser
 from bench.lib.results import environment, print_table, write_json
 from bench.lib.rounds import spread
 from kvfuse.kv.keys import ChunkKey, ChunkKind
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 from kvfuse.tiers.key_index import KeyIndex
 
 NS = "0123456789abcdef01234567"

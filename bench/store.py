@@ -79,7 +79,8 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry, read_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.kv.signing import EntrySigner
-from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
 from kvfuse_testkit import LocalRedis
 
 ROWS = ("memory", "memory (TieredStore)", "disk", "redis")

@@ -49,7 +49,8 @@ from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 from kvfuse_testkit.throttled import ThrottledTier, load_trace
 
 LEVELS = (1, 2, 3, 4)

@@ -152,7 +152,8 @@ class Cells:
         runs ``--runs`` times on a fresh engine (and a fresh store but for memory)."""
         from kvfuse.config import EngineSettings
         from kvfuse.engine import Engine
-        from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+        from kvfuse.store import TieredStore
+        from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
 
         disk_dir = workdir / f"kv-{n}"
         lower = [DiskTier(disk_dir, 1 << 34)] + (

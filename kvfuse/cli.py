@@ -662,7 +662,8 @@ def _calibrate_blend(args, config: Config, model, grid):
     """The blend part of ``kvfuse calibrate``: a profile (its ``codec`` not set), the table printed."""
     from .calibration import calibrate
     from .runtime import open_engine
-    from .tiers import MemoryTier, TieredStore
+    from .store import TieredStore
+    from .tiers import MemoryTier
 
     methods, ratios, contexts = grid
     # In memory only: calibration must not fill the configured disk or Redis tiers.

@@ -24,13 +24,13 @@ from .entropy.pool import set_shared_pool, shared_pool
 from .kv.keys import tenant_tag
 from .models import LoadedModel, load_model
 from .prompts import PromptBuilder
+from .store import TieredStore
+from .store.tenant_quota import TenantQuotas
 from .tiers.base import Tier
 from .tiers.disk import DiskTier
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
-from .tiers.redis_connection import Security
-from .tiers.store import TieredStore
-from .tiers.tenant_quota import TenantQuotas
+from .tiers.redis.connection import Security
 
 log = logging.getLogger(__name__)
 

@@ -142,7 +142,8 @@ def _worker(argv: list[str] | None = None) -> None:
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
     from kvfuse.models import load_model
-    from kvfuse.tiers import MemoryTier, RedisTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier, RedisTier
 
     p = argparse.ArgumentParser()
     p.add_argument("--home", required=True)

@@ -25,7 +25,7 @@ from kvfuse.kv.format import Entry, EntrySpec, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.models.transformer import Transformer
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 log = logging.getLogger(__name__)
 

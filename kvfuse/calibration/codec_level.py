@@ -37,7 +37,8 @@ from kvfuse.config import BlendOptions, EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import encode_entry
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 from . import fictional_qa
 from .measure import kl, nll

@@ -12,7 +12,7 @@ A tenant is the name an API key gives (``server.api_keys``: ``KEY:TENANT``). Its
         quota: {memory_bytes: 128MiB, requests_per_minute: 60}
 
 or ``KVFUSE_TENANTS='{alice: {quota: {memory_bytes: 512MiB}}}'`` (YAML). A byte quota is a cap and a
-reserved share of the tier (``kvfuse.tiers.tenant_quota``); only the memory and disk tiers account
+reserved share of the tier (``kvfuse.store.tenant_quota``); only the memory and disk tiers account
 bytes per tenant (Redis and S3 are bounded by their own server: ``maxmemory``, lifecycle rules). A
 rate limit answers 429 with ``Retry-After`` (``kvfuse.server.rate_limit``).
 """

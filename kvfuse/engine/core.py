@@ -33,7 +33,7 @@ from kvfuse.generation import SamplingParams
 from kvfuse.models import LoadedModel
 from kvfuse.prompts import Prompt, PromptBuilder
 from kvfuse.reuse import CacheOptions, Loaded, open_cache
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .kv_memory import KVMemory, initial_slots
 from .loop import EngineLoop

@@ -149,7 +149,7 @@ class HistoryIndex:
         """The records of the folder, oldest first (the newest ``capacity`` are kept); the temp
         files of dead writers are removed (they would pile up, one per write cut short). A folder
         that cannot be read is logged and skipped: records are hints."""
-        from kvfuse.tiers.disk_files import stale_temp
+        from kvfuse.tiers.disk.files import stale_temp
 
         try:
             self.path.mkdir(parents=True, exist_ok=True)

@@ -159,7 +159,7 @@ class ChunkKey:
 
     ``group`` is what many keys share, ``<namespace_id>:<kind>:<variant>``, as one interned string
     (one object per group, so a key pays only its pointer): the tiers' compact index
-    (``tiers/key_index.py``) keeps each group once and finds it by this string in one dict lookup."""
+    (``tiers/key_index``) keeps each group once and finds it by this string in one dict lookup."""
 
     namespace_id: str
     digest: bytes

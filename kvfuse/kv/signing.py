@@ -20,7 +20,7 @@ new key is added to every process's list first (accepted everywhere), then moved
 (signing), and the old one removed once its entries have aged out (docs/deploy.md).
 
 Pure functions over bytes; no configuration, files or tiers here (``config/signing.py`` reads the
-keys, ``tiers/store.py`` hands the signer to its read and write seams).
+keys, ``store/core.py`` hands the signer to its read and write seams).
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ from kvfuse.kv.keys import ChunkKey, tenant_tag
 from kvfuse.models import LoadedModel
 from kvfuse.models.cache import KVCache
 from kvfuse.prompts.prompt import Prompt
-from kvfuse.tiers.prefetch import Prefetcher
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.store.prefetch import Prefetcher
 
 from . import offline
 from .cache_writer import CacheWriter

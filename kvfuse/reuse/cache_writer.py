@@ -31,7 +31,7 @@ from kvfuse.history import HistoryIndex, Record
 from kvfuse.kv.format import Entry
 from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.models.cache import KVCache
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .options import CacheOptions
 from .planner import Load, Save, breakpoint_saves, generated_saves, history_entries

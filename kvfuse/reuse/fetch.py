@@ -18,7 +18,7 @@ import torch
 from kvfuse.kv.format import Entry, EntrySpec, FormatError
 from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.models.transformer import Transformer
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .planner import Load, Plan
 

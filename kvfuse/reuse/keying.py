@@ -42,7 +42,7 @@ from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, layout_of
 from kvfuse.models import LoadedModel
 from kvfuse.prompts.prompt import Prompt
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .auto_reuse import AutoReuse
 from .options import CacheOptions

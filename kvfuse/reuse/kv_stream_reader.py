@@ -32,7 +32,7 @@ from kvfuse.kv.format import Entry, FormatError
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.models.transformer import Transformer
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .fetch import entry_spec, span_fits, streamed
 from .kv_stream import RECOMPUTE, SAFETY, KVStreamReport, LoadEstimates, choose

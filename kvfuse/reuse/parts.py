@@ -10,7 +10,7 @@ import torch
 
 from kvfuse.codecs.base import Codec
 from kvfuse.models.transformer import Transformer
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .cache_writer import CacheWriter
 from .keying import Keying

@@ -32,7 +32,7 @@ from kvfuse.counters import Counters
 from kvfuse.kv.format import Entry, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 from .planner import Save
 

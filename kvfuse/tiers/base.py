@@ -1,4 +1,6 @@
-"""The tier interface: a byte store keyed by ``ChunkKey``, with per-tier counters.
+"""The tier interface: a byte store keyed by ``ChunkKey``, with per-tier counters; and
+``IndexedTier``, what the memory and disk tiers share: an index of what they hold, kept within
+their capacity by the eviction policy.
 
 A tier stores and returns bytes; it does not judge them. Whether what comes back is an intact
 entry, the one asked for, is checked in one place above the tiers (``TieredStore`` through
@@ -23,14 +25,18 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, TypeVar
 
 from kvfuse.counters import Counters
 from kvfuse.kv.format import Blob, Entry  # noqa: F401  (re-exported for the tiers)
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.tiers.eviction import Eviction, Quotas, Victim
+from kvfuse.tiers.key_index import KeyIndex
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +284,7 @@ class Tier(ABC):
 
     def tenant_usage(self) -> dict[str, dict[str, int]]:
         """Per tenant tag with a byte quota in this tier: ``used_bytes``, ``entries``,
-        ``quota_bytes``, ``quota_evictions`` (``tiers/tenant_quota.py``); {} where the tier has no
+        ``quota_bytes``, ``quota_evictions`` (``store/tenant_quota.py``); {} where the tier has no
         quotas (the default; only the memory and disk tiers account bytes per tenant)."""
         return {}
 
@@ -287,3 +293,73 @@ class Tier(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+class IndexedTier(Tier):
+    """A tier that knows what it holds, the memory and disk tiers (the disk tier: what this
+    process knows): its keys and their sizes in a ``KeyIndex``, least recent first (~70 bytes an
+    entry), and their bytes (``_used``), kept within ``capacity_bytes`` and the tenants'
+    ``quotas`` (``kvfuse.store.tenant_quota``; None: none) by the eviction policy
+    (``tiers/eviction.py``). ``_lock`` guards them all. ``with_values``: the index keeps each
+    entry's value too (the memory tier's)."""
+
+    def __init__(
+        self, capacity_bytes: int, quotas: Quotas | None = None, with_values: bool = False
+    ) -> None:
+        super().__init__()
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise ValueError(
+                f"{type(self).__name__} capacity_bytes must be a non-negative int, "
+                f"got {capacity_bytes!r}"
+            )
+        self.capacity_bytes = capacity_bytes
+        self._quotas = quotas
+        self._eviction = Eviction(quotas)
+        # key -> (size, value), least recent first, and per owner with quotas
+        self._index = KeyIndex(with_values=with_values, owner_of=self._eviction.owner_of)
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def _victims_locked(
+        self, key: ChunkKey | None, protected: Collection[ChunkKey] = ()
+    ) -> Iterator[Victim]:
+        """The entries to evict after ``key`` was put or used (None: after a start-up scan), as
+        the eviction policy names them, one at a time: the tier removes each before it asks for
+        the next (the policy reads the index and ``_used`` again)."""
+        policy = self._eviction
+        while True:
+            victim = policy.next_victim(
+                self._index, key, self._used, self.capacity_bytes, protected
+            )
+            if victim is None:
+                return
+            yield victim
+            policy.evicted(victim)
+
+    def _room_locked(self, key: ChunkKey) -> int:
+        """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
+        return self._eviction.room(self._index, key, self.capacity_bytes)
+
+    def tenant_usage(self) -> dict[str, dict[str, int]]:
+        """Per tenant tag with a quota here: bytes and entries held, the quota, its evictions."""
+        if self._quotas is None:
+            return {}
+        with self._lock:
+            return self._eviction.usage(self._index)
+
+    def keys_lru(self) -> list[ChunkKey]:
+        """Keys from least to most recently used (the eviction order)."""
+        with self._lock:
+            return self._index.keys()
+
+    def keys(self, limit: int | None = None) -> list[ChunkKey]:
+        """Up to ``limit`` keys (None: all), most recently used first."""
+        return self.keys_lru()[::-1][:limit]
+
+    def entries(self) -> int:
+        with self._lock:
+            return len(self._index)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return self._used

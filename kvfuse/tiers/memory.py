@@ -1,22 +1,21 @@
-"""The memory tier: an LRU dictionary bounded by the bytes of its values, optionally queue-aware
-(``set_protect``: the entries queued requests will load are evicted last), with per-entry
-expiry beside the LRU (see ``tiers/base.py``) and optional per-tenant byte quotas
-(``tiers/tenant_quota.py``: a tenant over its quota loses its own oldest entries). The keys,
+"""The memory tier: an LRU dictionary bounded by the bytes of its values, with per-entry expiry
+beside the LRU (see ``tiers/base.py``). Which entry it evicts is the eviction policy's
+(``tiers/eviction.py``): least recently used first, optionally queue-aware (``set_protect``: the
+entries queued requests will load are evicted last) and with per-tenant byte quotas (``quotas``,
+``kvfuse.store.tenant_quota``: a tenant over its quota loses its own oldest entries). The keys,
 sizes and LRU order live in a compact ``KeyIndex`` (about 70 bytes per entry with the value's
 pointer, instead of ~265 in an ``OrderedDict`` of key objects)."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Collection, Iterable
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Expiries, Tier, check_key, nbytes
-from kvfuse.tiers.key_index import KeyIndex
-from kvfuse.tiers.tenant_quota import TenantQuotas, capacity_owner, over_quota
+from kvfuse.tiers.base import Blob, Expiries, IndexedTier, check_key, nbytes
+from kvfuse.tiers.eviction import Quotas
 
 
-class MemoryTier(Tier):
+class MemoryTier(IndexedTier):
     """LRU by bytes (only the values' lengths are counted, not Python's per-object overhead).
 
     ``get`` and ``put`` make an entry most recent; ``contains`` does not (lookups are
@@ -31,22 +30,10 @@ class MemoryTier(Tier):
     holds_entries = True
 
     def __init__(
-        self, capacity_bytes: int, name: str = "memory", quotas: TenantQuotas | None = None
+        self, capacity_bytes: int, name: str = "memory", quotas: Quotas | None = None
     ) -> None:
-        super().__init__()
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(
-                f"MemoryTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}"
-            )
+        super().__init__(capacity_bytes, quotas, with_values=True)  # the index, within capacity
         self.name = name
-        self.capacity_bytes = capacity_bytes
-        self._quotas = quotas  # per-tenant byte quotas (tiers/tenant_quota.py); None: plain LRU
-        # key -> (size, value), least recent first (and per owner, with quotas)
-        self._index = KeyIndex(
-            with_values=True, owner_of=quotas.owner_of if quotas is not None else None
-        )
-        self._used = 0
-        self._lock = threading.Lock()
         self._protect: Callable[[], Collection[ChunkKey]] | None = None
         self._expiry = Expiries()  # key -> expires_at of the entries that have one
 
@@ -127,67 +114,21 @@ class MemoryTier(Tier):
     def _must_evict(self, key: ChunkKey, size: int) -> bool:
         """Whether putting ``size`` bytes under ``key`` is to evict something (over the capacity,
         or over the quota of ``key``'s tenant)."""
-        if self._quotas is None:
-            return self._used + size > self.capacity_bytes
         with self._lock:
-            use = self._quotas.use(self._index, self._index.owner_of(key))
-            return self._used + size > self.capacity_bytes or (
-                use.limit is not None and use.bytes + size > use.limit
+            return self._eviction.must_evict(
+                self._index, key, size, self._used, self.capacity_bytes
             )
 
-    def _room_locked(self, key: ChunkKey) -> int:
-        """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
-        if self._quotas is None:
-            return self.capacity_bytes
-        limit = self._quotas.limit(self._index.owner_of(key))
-        return self.capacity_bytes if limit is None else min(limit, self.capacity_bytes)
-
     def _evict_locked(self, key: ChunkKey, protected: Collection[ChunkKey]) -> tuple[int, int]:
-        """Evict for the entry just put under ``key`` (never it): its tenant's own oldest entries
-        while the tenant is over its quota, then while the tier is over capacity, by
-        ``tenant_quota.capacity_owner`` (plain LRU without quotas); within each, queued requests'
-        entries (``protected``) last. The counts (evicted, protected ones among them)."""
+        """Evict what the eviction policy names after ``key`` was put (never it: a tenant over its
+        quota loses its own oldest entries, then the tier goes within its capacity; queued
+        requests' entries, ``protected``, last). The counts (evicted, protected ones among
+        them)."""
         evicted = forced = 0
-        quotas, owner = self._quotas, None
-        if quotas is not None:
-            owner = self._index.owner_of(key)
-            while over_quota(quotas.use(self._index, owner)):
-                victim, was_protected = self._victim_locked(owner, key, protected)
-                if victim is None:
-                    break
-                self._remove(victim)
-                quotas.counted_eviction(owner)
-                evicted, forced = evicted + 1, forced + was_protected
-        while self._used > self.capacity_bytes:
-            group = capacity_owner(quotas.uses(self._index), owner) if quotas is not None else None
-            victim, was_protected = self._victim_locked(group, key, protected)
-            if victim is None:
-                break
-            self._remove(victim)
-            evicted, forced = evicted + 1, forced + was_protected
+        for victim in self._victims_locked(key, protected):
+            self._remove(victim.key)
+            evicted, forced = evicted + 1, forced + victim.protected
         return evicted, forced
-
-    def _victim_locked(
-        self, owner: int | None, key: ChunkKey, protected: Collection[ChunkKey]
-    ) -> tuple[ChunkKey | None, bool]:
-        """The least recently used entry (of ``owner``; None: of anyone) other than ``key``, one
-        not in ``protected`` if there is one; and whether it is protected."""
-        fallback = None
-        for k, _, _ in self._index.items(owner):
-            if k == key:
-                continue
-            if k not in protected:
-                return k, False
-            if fallback is None:
-                fallback = k
-        return fallback, fallback is not None
-
-    def tenant_usage(self) -> dict[str, dict[str, int]]:
-        """Per tenant tag with a quota here: bytes and entries held, the quota, its evictions."""
-        if self._quotas is None:
-            return {}
-        with self._lock:
-            return self._quotas.usage(self._index)
 
     def bytes_of(self, keys: Collection[ChunkKey]) -> int:
         """The bytes the entries of ``keys`` take here (those held)."""
@@ -238,20 +179,3 @@ class MemoryTier(Tier):
             for k in doomed:
                 self._remove(k)
         return len(doomed)
-
-    def keys_lru(self) -> list[ChunkKey]:
-        """Keys from least to most recently used (the eviction order)."""
-        with self._lock:
-            return self._index.keys()
-
-    def keys(self, limit: int | None = None) -> list[ChunkKey]:
-        """Up to ``limit`` keys (None: all), most recently used first."""
-        return self.keys_lru()[::-1][:limit]
-
-    def entries(self) -> int:
-        with self._lock:
-            return len(self._index)
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used

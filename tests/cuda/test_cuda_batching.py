@@ -21,7 +21,8 @@ from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.models.transformer import BatchItem
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 
 def batched_and_alone(runner, prompts, kv_dtype):

@@ -27,7 +27,8 @@ from kvfuse.blend import select as sel
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 
 METHODS = ["hkvd", "hkvd-head", "sinks+hkvd", "attn", "hkvd-attn"]
 TINY_PREFIX, TINY_DOCS, TINY_SUFFIX = (

@@ -17,7 +17,8 @@ from kvfuse.entropy import layer as coded_layer
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import encode_entry, open_entry
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 
 CH = 256
 

@@ -14,7 +14,8 @@ from kvfuse_helpers import long_text, model_home
 from kvfuse.config import EngineSettings, load_config
 from kvfuse.engine import CacheOptions, Engine
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 
 CH = 256
 PARAMS = SamplingParams(max_tokens=24, ignore_eos=True)

@@ -18,7 +18,8 @@ from kvfuse_helpers import greedy_reference, load_builtin, long_text, model_home
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 from kvfuse_testkit import ServerProcess
 
 pytestmark = pytest.mark.integration

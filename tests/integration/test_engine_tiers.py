@@ -8,7 +8,8 @@ from kvfuse_helpers import load_builtin, long_text
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
 
 pytestmark = pytest.mark.integration
 

@@ -423,7 +423,8 @@ def test_blend_ratio_one_is_a_full_prefill_with_real_weights(name, kv_dtype, bot
     from kvfuse.config import EngineSettings
     from kvfuse.engine import CacheOptions, Engine
     from kvfuse.generation import SamplingParams
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     model = both[name]
     sentences = TEXT.split(". ")
@@ -469,7 +470,8 @@ def test_qwen_is_pulled_joined_checked_and_answers(tmp_path):
     from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     folder = pull("qwen2.5-0.5b", tmp_path)
     assert verify_folder(folder)["source"]["builtin"] == "qwen2.5-0.5b"

@@ -307,7 +307,8 @@ def test_a_store_carries_expiries_to_redis_promotes_extends_and_deletes(redis_se
     from kvfuse.codecs import get_codec
     from kvfuse.kv.chunk import KVChunk
     from kvfuse.kv.format import encode_chunk
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     def blob(key):
         return encode_chunk(

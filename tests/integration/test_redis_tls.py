@@ -20,7 +20,7 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_entry
 from kvfuse.runtime import open_store
 from kvfuse.tiers import RedisTier
-from kvfuse.tiers.redis_connection import Security
+from kvfuse.tiers.redis.connection import Security
 
 pytestmark = pytest.mark.integration
 

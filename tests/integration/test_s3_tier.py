@@ -229,7 +229,8 @@ def test_an_engine_serves_chunks_from_s3(s3, tmp_path):
     from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     model = load_builtin("smollm2")
     tier = make_tier(s3, "engine/")

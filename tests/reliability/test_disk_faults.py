@@ -61,7 +61,7 @@ from kvfuse_helpers import load_builtin, model_home
 
 from kvfuse.history.records import HistoryIndex
 from kvfuse.tiers.disk import DiskTier
-from kvfuse.tiers.disk_files import stale_temp
+from kvfuse.tiers.disk.files import stale_temp
 from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
@@ -166,7 +166,7 @@ def dead_pid() -> int:
 
 
 def test_stale_temp_names():
-    """The rule both start-up sweeps use (tiers/disk_files.py ``stale_temp``)."""
+    """The rule both start-up sweeps use (tiers/disk/files.py ``stale_temp``)."""
     dead, alive, now = dead_pid(), os.getpid(), time.time()
     assert stale_temp(f".{dead}.ab12.tmp", now, now, 600)  # its writer was killed
     assert not stale_temp(f".{alive}.ab12.tmp", now, now, 600)  # being written right now
@@ -237,7 +237,8 @@ def test_a_damaged_chunk_under_a_stored_history_of_another_prompt_is_planned_aro
     from kvfuse.config import EngineSettings
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
-    from kvfuse.tiers import MemoryTier, TieredStore
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
 
     p_job, q_job = jobs(3, 1, 1, max_tokens=4)[0], jobs(3, 1, 1, max_tokens=4)[2]
     ids = {j: chat_engine(model).prompts.encode_chat(j.body())[0] for j in (p_job, q_job)}

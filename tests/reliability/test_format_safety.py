@@ -26,7 +26,8 @@ from kvfuse.engine import Engine, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import FORMAT_VERSION, Entry, EntrySpec, FormatError, open_entry, read_header
 from kvfuse.kv.keys import Namespace, document_key, prefix_keys
-from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
 
 # Documents blend at a fixed budget: smollm2's calibrated ``auto`` reuses them only as a prefix.
 BLEND = BlendOptions(recompute_ratio=0.15)

@@ -147,7 +147,7 @@ def assert_bounded(outcomes, windows, bound: float, what: str) -> int:
 
 # ------------------------------------------------------------------------------ unit level
 def test_a_trickling_reply_is_a_bounded_time_out_and_a_slow_link_still_serves(redis_server):
-    """The fix in tiers/redis_connection.py: a socket time-out bounds each read, not a reply, so a link
+    """The fix in tiers/redis/connection.py: a socket time-out bounds each read, not a reply, so a link
     delivering a little within every time-out held a call for as long as the value took (3.5 s for
     3 MB at 1 MB/s with a 0.2 s time-out, measured before the fix). Now a call ends at
     ``timeout_s`` plus its bytes at ``min_rate``."""

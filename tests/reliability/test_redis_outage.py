@@ -14,7 +14,8 @@ from kvfuse_helpers import load_builtin, long_text, model_home
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import MemoryTier, RedisTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier, RedisTier
 
 pytestmark = pytest.mark.integration
 

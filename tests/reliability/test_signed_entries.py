@@ -32,7 +32,8 @@ from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import Entry, open_entry, read_header
 from kvfuse.kv.keys import prefix_keys
 from kvfuse.kv.signing import EntrySigner
-from kvfuse.tiers import DiskTier, MemoryTier, RedisTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
 from kvfuse_testkit import S3_ENV, LocalS3
 
 pytestmark = pytest.mark.integration

@@ -56,7 +56,8 @@ from openai import OpenAI
 from kvfuse.config import load_config
 from kvfuse.generation import SamplingParams
 from kvfuse.runtime import open_engine
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,8 @@ from kvfuse.engine import CacheOptions, Engine, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import ChunkKind, prefix_keys
 from kvfuse.reuse.auto_reuse import AutoReuse
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 
 CH = 16
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

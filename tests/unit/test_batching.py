@@ -18,7 +18,8 @@ from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.models.cache import KVBudget, OutOfKVMemory, slot_bytes
 from kvfuse.models.transformer import BatchItem
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 FAMILIES = ["llama", "qwen3", "gemma3"]
 

@@ -13,8 +13,9 @@ from kvfuse.config import EngineSettings
 from kvfuse.engine import CacheOptions, Engine, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import document_key, prefix_keys
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk_files import key_to_filename
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
+from kvfuse.tiers.disk.files import key_to_filename
 
 CH = 16
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -16,7 +16,8 @@ from kvfuse.config import BlendOptions, EngineSettings
 from kvfuse.config import profiles as profile
 from kvfuse.engine import Engine, Prompt
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 

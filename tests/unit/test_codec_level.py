@@ -16,9 +16,10 @@ from kvfuse.codecs.cachegen import DEFAULT_LEVEL, CacheGenCodec
 from kvfuse.config import EngineSettings
 from kvfuse.config import profiles as profile
 from kvfuse.engine import Engine
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.results import StoreCounters
-from kvfuse.tiers.transcode import Transcoder
+from kvfuse.store import TieredStore
+from kvfuse.store.results import StoreCounters
+from kvfuse.store.transcode import Transcoder
+from kvfuse.tiers import DiskTier, MemoryTier
 
 GEMMA_LIKE = ("sliding", "sliding", "full", "sliding", "sliding", "full")
 

@@ -21,8 +21,9 @@ from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import Entry, FormatError, decode_chunk, encode_chunk
 from kvfuse.kv.keys import ChunkKind
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk_files import filename_to_key, key_to_filename
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
+from kvfuse.tiers.disk.files import filename_to_key, key_to_filename
 
 CAP = 10**9
 

@@ -20,8 +20,9 @@ from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import decode_chunk, encode_chunk, verify
 from kvfuse.kv.keys import prefix_keys
 from kvfuse.models import LoadedModel
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk_files import key_to_filename
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
+from kvfuse.tiers.disk.files import key_to_filename
 
 CH = 32  # chunk size of every engine here
 

@@ -14,7 +14,8 @@ from kvfuse.engine import Engine, Outcome, Prompt, QueueClosed, Request, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.reuse import prefill
 from kvfuse.server.events import RequestEvents
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 

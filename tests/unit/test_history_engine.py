@@ -15,8 +15,9 @@ from kvfuse.engine import CacheOptions, Engine
 from kvfuse.engine.request import Request
 from kvfuse.generation import SamplingParams
 from kvfuse.prompts.prompt import Prompt
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.prefetch import Prefetcher
+from kvfuse.store import TieredStore
+from kvfuse.store.prefetch import Prefetcher
+from kvfuse.tiers import DiskTier, MemoryTier
 
 CH = 16
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

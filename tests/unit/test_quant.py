@@ -26,7 +26,8 @@ from kvfuse.models.quant import (
     quantize_weights,
     weight_bytes,
 )
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 
 def _w(out: int = 96, inp: int = 160, seed: int = 0) -> torch.Tensor:

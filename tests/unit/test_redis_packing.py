@@ -10,7 +10,7 @@ from redis.connection import Encoder, PythonRespSerializer
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import Entry, encode_entry
-from kvfuse.tiers.redis_connection import _BUFFER_CUTOFF, _EntryPacker, pack_command
+from kvfuse.tiers.redis.connection import _BUFFER_CUTOFF, _EntryPacker, pack_command
 
 ENCODE = Encoder("utf-8", "strict", False).encode
 REDIS_PY = PythonRespSerializer(_BUFFER_CUTOFF, ENCODE)

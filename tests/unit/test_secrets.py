@@ -7,7 +7,7 @@ import redis
 
 from kvfuse.config import ConfigError
 from kvfuse.config.secrets import read_secret, redact_url
-from kvfuse.tiers.redis import failure_hint
+from kvfuse.tiers.redis.tier import failure_hint
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,8 @@ from kvfuse.kv.format import (
 )
 from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.kv.signing import MIN_KEY_BYTES, TAG_SIZE, EntrySigner, parse_key_lines
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 
 OLD, NEW, STRANGER = b"o" * 32, b"n" * 40, b"s" * 32
 NS = Namespace("m", "float16", "L3xH2xD8")

@@ -12,7 +12,8 @@ from keyed import K, ns_prefix
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import decode_chunk, encode_chunk
-from kvfuse.tiers import DiskTier, LookupResult, MemoryTier, TieredStore
+from kvfuse.store import LookupResult, TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
 
 KEYS = [K(f"{i:02d}") for i in range(6)]
 
@@ -249,7 +250,7 @@ def test_the_store_takes_its_tiers_by_role(tmp_path):
 
 
 def test_entries_are_trusted_blobs_verified_and_promotions_become_entries(tmp_path, monkeypatch):
-    import kvfuse.tiers.checked_reads as checked_reads
+    import kvfuse.store.checked_reads as checked_reads
     from kvfuse.kv.format import Entry, encode_entry, open_entry, read_entry
 
     checked: list = []

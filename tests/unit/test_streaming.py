@@ -25,8 +25,9 @@ from kvfuse.reuse.kv_stream import (
     choose,
     quality,
 )
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk_files import key_to_filename
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
+from kvfuse.tiers.disk.files import key_to_filename
 from kvfuse_testkit.throttled import ThrottledTier, load_trace
 
 CH = 32

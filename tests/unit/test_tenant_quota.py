@@ -9,10 +9,11 @@ from collections import OrderedDict
 import pytest
 
 from kvfuse.kv.keys import ChunkKey, ChunkKind, tenant_tag
+from kvfuse.store.tenant_quota import TenantQuotas
 from kvfuse.tiers.disk import DiskTier
+from kvfuse.tiers.eviction import OTHERS, OwnerUse, capacity_owner, over_quota
 from kvfuse.tiers.key_index import KeyIndex
 from kvfuse.tiers.memory import MemoryTier
-from kvfuse.tiers.tenant_quota import OTHERS, OwnerUse, TenantQuotas, capacity_owner, over_quota
 
 TAGS = {name: tenant_tag(name) for name in ("alice", "bob", "carol", "dave")}
 

@@ -21,9 +21,10 @@ from keyed import K, Ks
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import encode_chunk, encode_entry, read_header
-from kvfuse.tiers import DiskTier, MemoryTier, TieredStore
-from kvfuse.tiers.disk_files import key_to_filename
-from kvfuse.tiers.disk_journal import JOURNAL, journal_line, parse_journal
+from kvfuse.store import TieredStore
+from kvfuse.tiers import DiskTier, MemoryTier
+from kvfuse.tiers.disk.files import key_to_filename
+from kvfuse.tiers.disk.journal import JOURNAL, journal_line, parse_journal
 from kvfuse_testkit.throttled import ThrottledTier
 
 T0 = 1_000_000.0  # the fake clock's start

@@ -36,9 +36,9 @@ from kvfuse.integrations.vllm.settings import (
 from kvfuse.integrations.vllm.worker import CacheLayers, KVWorker
 from kvfuse.kv.format import open_entry
 from kvfuse.kv.keys import ChunkKey, prefix_keys
+from kvfuse.store import TieredStore
 from kvfuse.tiers.disk import DiskTier
 from kvfuse.tiers.memory import MemoryTier
-from kvfuse.tiers.store import TieredStore
 
 # --------------------------------------------------------------------------------------------------
 # chunks vs blocks

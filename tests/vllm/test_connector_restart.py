@@ -21,7 +21,7 @@ import torch
 from bench.lib.vllm import VLLMServer, connector_config, first_token, metric_total, scrape_metrics
 from kvfuse.kv.format import open_entry, parse_header
 from kvfuse.tiers.disk import DiskTier
-from kvfuse.tiers.disk_files import key_to_filename
+from kvfuse.tiers.disk.files import key_to_filename
 
 CHUNK = 256
 LEN_A, LEN_B = 2300, 1200  # 8 and 4 full chunks; a lookup loads 8 and 4 (the last token is vLLM's)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 
 from kvfuse.config import Config
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 _lock = threading.Lock()
 _stores: dict[Config, list] = {}  # config -> [store, users]

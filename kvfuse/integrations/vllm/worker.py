@@ -37,7 +37,7 @@ from kvfuse.integrations.vllm.plan import LoadChunk, LoadJob, SaveChunk
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import EntrySpec, encode_entry
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store import TieredStore
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import threading
 from typing import Sequence
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.results import StoreCounters
+from kvfuse.store.results import StoreCounters
 
 _FORGET_AFTER = (
     65536  # prefetched keys remembered at most (the rest: never asked for, e.g. cancelled)

@@ -31,8 +31,8 @@ from kvfuse.codecs.base import Codec
 from kvfuse.kv.format import FormatError, encode_entry, open_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.kv.signing import EntrySigner
+from kvfuse.store.results import StoreCounters
 from kvfuse.tiers.base import Blob, Tier
-from kvfuse.tiers.results import StoreCounters
 
 log = logging.getLogger(__name__)
 

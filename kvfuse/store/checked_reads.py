@@ -40,8 +40,8 @@ from kvfuse.kv.format import (
 )
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.kv.signing import EntrySigner
+from kvfuse.store.results import Encoded, LayerRange, StoreCounters
 from kvfuse.tiers.base import Blob, Tier, guarded, nbytes
-from kvfuse.tiers.results import Encoded, LayerRange, StoreCounters
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from kvfuse.tiers.store import TieredStore
+from kvfuse.store.core import TieredStore
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,9 @@ from the fastest tier that has a chunk.
 The store takes its tiers by role: ``memory`` (a ``MemoryTier``: read first, promoted into, the
 tier queue-aware eviction and prefetching act on) and ``lower``, the tiers below it, fastest
 first. It does lookup, fetch, promotion, put, extension, expiry and deletion over them; the rest
-is in pieces of their own: ``checked_reads.py`` (the one validation path), ``write_behind.py``
-(background writes), ``transcode.py`` (per-tier codecs, CacheGen variants), ``prefetch.py``.
+is in pieces of their own: ``lookups.py`` (the walks down the tiers that lookup, fetch and
+promotion make), ``checked_reads.py`` (the one validation path), ``write_behind.py`` (background
+writes), ``transcode.py`` (per-tier codecs, CacheGen variants), ``prefetch.py``.
 
 Semantics in brief:
 
@@ -36,7 +37,7 @@ Semantics in brief:
   treated as a miss.
 - ``upcoming()`` is what the engine's queue will ask for next (``set_lookahead``), in order.
   ``protect_upcoming`` makes the memory tier evict those entries last (queue-aware eviction), and
-  a ``Prefetcher`` (``tiers/prefetch.py``) reads them into memory before their requests run;
+  a ``Prefetcher`` (``prefetch.py``) reads them into memory before their requests run;
   ``fetch(..., prefetch=True)`` counts its reads, and later request reads are counted as
   ``prefetch_hits`` / ``prefetch_misses``.
 - Expiry (retention; the tiers' rules are in ``tiers/base.py``): ``put(..., expires_at=t)`` gives
@@ -62,13 +63,14 @@ from kvfuse.config import CacheConfig
 from kvfuse.kv.format import Entry, EntrySpec
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.kv.signing import EntrySigner
+from kvfuse.store.checked_reads import CheckedReads
+from kvfuse.store.lookups import Promotion, expiries_below, first_copies, holders
+from kvfuse.store.prefetch_tally import PrefetchTally
+from kvfuse.store.results import Encoded, Fetched, LayerRange, LookupResult, StoreCounters
+from kvfuse.store.transcode import Transcoder
+from kvfuse.store.write_behind import WriteBehind
 from kvfuse.tiers.base import Blob, Clock, Tier, guarded, put_many_expiring
-from kvfuse.tiers.checked_reads import CheckedReads
 from kvfuse.tiers.memory import MemoryTier
-from kvfuse.tiers.prefetch_tally import PrefetchTally
-from kvfuse.tiers.results import Encoded, Fetched, LayerRange, LookupResult, StoreCounters
-from kvfuse.tiers.transcode import Transcoder
-from kvfuse.tiers.write_behind import WriteBehind
 
 __all__ = ["Encoded", "Fetched", "LayerRange", "LookupResult", "StoreCounters", "TieredStore"]
 
@@ -211,28 +213,7 @@ class TieredStore:
         look of the store's own (prefetch, saving), kept out of the lookup statistics. Expired
         entries are misses (and every tier is swept now and then, see ``expire``)."""
         self._maybe_sweep()
-        holder: list[str | None] = [None] * len(keys)
-        pending = list(range(len(keys)))
-        for tier in self._tiers:
-            if not pending:
-                break
-            asked = [keys[i] for i in pending]
-            found = guarded(
-                tier, "contains_many", tier.contains_many, [False] * len(pending), asked
-            )
-            if all(found):  # the usual answer of the memory tier to a prompt it holds
-                for i in pending:
-                    holder[i] = tier.name
-                pending = []
-                break
-            still = []
-            for i, ok in zip(pending, found):
-                if ok:
-                    holder[i] = tier.name
-                else:
-                    still.append(i)
-            pending = still
-        result = LookupResult(tuple(holder))
+        result = LookupResult(tuple(holders(self._tiers, keys)))
         if count:
             self._counters.add(lookups=1, lookup_keys=len(keys), lookup_hits=result.hits)
         return result
@@ -253,38 +234,11 @@ class TieredStore:
         specs = [None] * len(keys) if specs is None else list(specs)
         if len(specs) != len(keys):
             raise ValueError(f"{len(keys)} keys but {len(specs)} specs")
-        entries: list[Entry | None] = [None] * len(keys)
-        served: list[str | None] = [None] * len(keys)
-        rejected = [0] * len(keys)
-        pending = list(range(len(keys)))
-        promote: list[tuple[ChunkKey, Entry, float | None]] = []
-        for tier in self._tiers:
-            if not pending:
-                break
-            below = tier is not self._memory
-            asked = [keys[i] for i in pending]
-            # A promoted copy keeps the expiry it has here, asked before the read: an entry that
-            # expires in between is then promoted with a time passed, i.e. not at all.
-            expiries = (
-                guarded(tier, "expiries", tier.expiries, [None] * len(pending), asked)
-                if below
-                else None
-            )
-            opened = self._reads.batch(tier, asked, [specs[i] for i in pending], below)
-            still = []
-            for j, (i, (entry, bad)) in enumerate(zip(pending, opened)):
-                if entry is None:
-                    rejected[i] += bad
-                    still.append(i)
-                    continue
-                if below:
-                    promote.append((keys[i], entry, expiries[j]))
-                entries[i], served[i] = entry, tier.name
-            pending = still
+        fetched, promote = first_copies(self._tiers, self._memory, self._reads, keys, specs)
         if promote:
             self._promote(promote)
-        self._prefetch.count(keys, served, prefetch)
-        return [Fetched(e, t, r) for e, t, r in zip(entries, served, rejected)]
+        self._prefetch.count(keys, [f.tier for f in fetched], prefetch)
+        return fetched
 
     def fetch_encoded(
         self, key: ChunkKey, tier: str, variant: str = "", spec: EntrySpec | None = None
@@ -353,10 +307,12 @@ class TieredStore:
         if not self._lower:
             self._promote([(k, e, None) for k, e in items])
             return
-        expiries, held = self._lower_expiries([k for k, _ in items])
+        expiries, held = expiries_below(
+            self._lower, [k for k, _ in items], self._transcoder.variants
+        )
         self._promote([(k, e, x) for (k, e), x, h in zip(items, expiries, held) if h])
 
-    def _promote(self, items: list[tuple[ChunkKey, Entry, float | None]]) -> None:
+    def _promote(self, items: list[Promotion]) -> None:
         """Put ``(key, entry, expires_at)`` into the memory tier, one ``put_many`` per expiry."""
         groups: dict[float | None, list[tuple[ChunkKey, Entry]]] = {}
         for key, entry, expires_at in items:
@@ -366,38 +322,6 @@ class TieredStore:
             guarded(memory, "put_many", put_many_expiring, None, memory, group, expires_at)
         if items:
             self._counters.add(promotions=len(items))
-
-    def _lower_expiries(self, keys: Sequence[ChunkKey]) -> tuple[list[float | None], list[bool]]:
-        """Per key: its expiry in the first lower tier holding it, and whether one does. A key
-        held by none is looked for again as its variants."""
-        expiries: list[float | None] = [None] * len(keys)
-        held = [False] * len(keys)
-        for stage in (lambda k: [k], self._transcoder.variants):
-            pending = [(i, c) for i in range(len(keys)) if not held[i] for c in stage(keys[i])]
-            for tier in self._lower:
-                if not pending:
-                    break
-                asked = [c for _, c in pending]
-                times = guarded(tier, "expiries", tier.expiries, [None] * len(asked), asked)
-                for (i, _), t in zip(pending, times):
-                    if t is not None and not held[i]:  # an expiry: held (when asked)
-                        expiries[i], held[i] = t, True
-                rest = [(i, c) for i, c in pending if not held[i]]
-                found = (
-                    guarded(
-                        tier,
-                        "contains_many",
-                        tier.contains_many,
-                        [False] * len(rest),
-                        [c for _, c in rest],
-                    )
-                    if rest
-                    else []
-                )
-                for (i, _), ok in zip(rest, found):
-                    held[i] = held[i] or bool(ok)
-                pending = [(i, c) for i, c in pending if not held[i]]
-        return expiries, held
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued lower-tier write is done; False if ``timeout`` passed first."""

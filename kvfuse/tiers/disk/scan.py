@@ -7,7 +7,7 @@ columns (no key object per file) and the index is filled from them at once (``Ke
 A folder or file that cannot be read (EACCES, EIO) is skipped and counted (``unreadable``): a tier
 never fails its process for an operational failure (an unreadable fan-out folder used to stop
 the server from starting); its entries are misses until its permissions are fixed. Temp files
-whose writer is gone (``disk_files.stale_temp``) are removed on the way.
+whose writer is gone (``files.stale_temp``) are removed on the way.
 
 A seam of its own because it is the one bulk, columnar pass over the folder, unlike the tier's
 per-key work, and the only part of start-up that does not need the tier's index or lock.
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfuse.kv.keys import ChunkKey, ChunkKind
-from kvfuse.tiers.disk_files import NAME_RE, fan_out, stale_temp
+from kvfuse.tiers.disk.files import NAME_RE, fan_out, stale_temp
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The disk tier's expiries: what one process knows of them, and the rules that tie them to files.
 
 Each process keeps a map key -> (expires_at, inode) and records it in the expiry journal
-(``disk_journal.py``), so that expiries survive a restart. An expiry applies to the file of that
+(``journal.py``), so that expiries survive a restart. An expiry applies to the file of that
 inode only: a later put of the key (a new file) sheds it, whichever process made that put. A put
 whose expiry cannot be recorded is dropped (an entry is never kept with a retention it cannot
 enforce). At start-up the journal is read, entries already expired are deleted (counted in
@@ -33,7 +33,7 @@ from typing import Callable
 
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Clock, Expiries, TierStats
-from kvfuse.tiers.disk_journal import ExpiryJournal, journal_line, parse_journal
+from kvfuse.tiers.disk.journal import ExpiryJournal, journal_line, parse_journal
 
 log = logging.getLogger(__name__)
 

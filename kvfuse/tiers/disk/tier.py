@@ -1,10 +1,11 @@
 """The disk tier: one file per entry, atomic writes, LRU by bytes, shareable between processes.
 
-Its pieces: ``disk_files.py`` (where an entry's file lives, staged writes renamed into place,
-reads, stale temp files, listings), ``disk_scan.py`` (the start-up scan that rebuilds the LRU
-index), ``disk_expiry.py`` with ``disk_journal.py`` (per-entry expiries and their journal,
-``<root>/expiry.log``). This module is the tier itself: its index, capacity and eviction, and the
-``Tier`` operations over those pieces.
+Its pieces: ``files.py`` (where an entry's file lives, staged writes renamed into place,
+reads, stale temp files, listings), ``scan.py`` (the start-up scan that rebuilds the LRU
+index), ``expiry.py`` with ``journal.py`` (per-entry expiries and their journal,
+``<root>/expiry.log``). This module is the tier itself: its index, capacity and evictions (which
+entries go is the eviction policy's, ``tiers/eviction.py``), and the ``Tier`` operations over those
+pieces.
 
 A file's mtime is its recency (set on every put and hit), so a restart rebuilds the LRU order by
 scanning. The tier does not check what it reads: the tiered store validates every entry and
@@ -18,14 +19,13 @@ Several processes may share one directory. Each keeps its own index (for LRU and
 file system is the truth: ``contains``/``get`` consult it directly, a file another process wrote
 is found, a file another process evicted is a plain miss. The capacity is enforced by each process
 over the files it knows, so a shared directory can briefly exceed it. Expiries follow the rules of
-``disk_expiry.py`` (each process enforces the expiries it knows).
+``expiry.py`` (each process enforces the expiries it knows).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -34,27 +34,26 @@ from typing import Callable
 import numpy as np
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers import disk_files as files
-from kvfuse.tiers.base import Blob, Clock, Entry, T, Tier, nbytes
-from kvfuse.tiers.disk_expiry import DiskExpiries
-from kvfuse.tiers.disk_scan import Scan, scan
-from kvfuse.tiers.key_index import KeyIndex
-from kvfuse.tiers.tenant_quota import TenantQuotas, capacity_owner, over_quota
+from kvfuse.tiers.base import Blob, Clock, Entry, IndexedTier, T, nbytes
+from kvfuse.tiers.disk import files
+from kvfuse.tiers.disk.expiry import DiskExpiries
+from kvfuse.tiers.disk.scan import Scan, scan
+from kvfuse.tiers.eviction import Quotas
 
 log = logging.getLogger(__name__)
 
 
-class DiskTier(Tier):
+class DiskTier(IndexedTier):
     """Entries as files under ``path``; see the module docstring for layout and sharing rules.
 
     ``fsync=True`` makes each put durable before it returns (slower). Temp files left by dead
     processes, or older than ``stale_temp_s``, are removed at start-up, and so are the entries
-    whose expiry passed on ``clock`` (the journal, see ``disk_expiry.py``; ``clock`` defaults to
+    whose expiry passed on ``clock`` (the journal, see ``expiry.py``; ``clock`` defaults to
     ``time.time`` and can be replaced later, as ``TieredStore`` does, but the start-up sweep has
     run by then). ``io_threads``: how many files of one ``put_many`` (the store's background
     writes) are written at once (default: one per core, at most 4; 1: one by one). ``quotas``:
-    per-tenant byte quotas (``tiers/tenant_quota.py``), enforced by each process over the files it
-    knows, like the capacity.
+    per-tenant byte quotas (``kvfuse.store.tenant_quota``), enforced by each process over the files
+    it knows, like the capacity.
     """
 
     streams_reads = True  # read_with reads the file as the store's check asks for it
@@ -68,24 +67,14 @@ class DiskTier(Tier):
         stale_temp_s: float = 600.0,
         clock: Clock | None = None,
         io_threads: int | None = None,
-        quotas: TenantQuotas | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(capacity_bytes, quotas)  # the index of what it holds, within capacity
         if clock is not None:
             self.clock = clock  # given here, it is the start-up sweep's time too
-        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
-            raise ValueError(
-                f"DiskTier capacity_bytes must be a non-negative int, got {capacity_bytes!r}"
-            )
         self.name = name
         self.root = Path(path)
-        self.capacity_bytes = capacity_bytes
         self.fsync = fsync
-        self._quotas = quotas  # per-tenant byte quotas (tiers/tenant_quota.py); None: plain LRU
-        # key -> size, least recent first, and per owner with quotas (compact: ~70 bytes an entry)
-        self._index = KeyIndex(owner_of=quotas.owner_of if quotas is not None else None)
-        self._used = 0
-        self._lock = threading.Lock()
         self._last_ns = 0
         self._expiry = DiskExpiries(
             self.root,
@@ -153,33 +142,19 @@ class DiskTier(Tier):
         self._used += size - (old or 0)
 
     def _evict_locked(self, key: ChunkKey | None = None) -> int:
-        """Remove least-recent files: with quotas, a tenant's own over its quota (``key``'s tenant,
-        or every tenant after the start-up scan), then until within capacity (by
-        ``tenant_quota.capacity_owner``; plain LRU without quotas). Never the most recent entry
-        (``key``, just written or used)."""
+        """Remove the entries the eviction policy names, least recent first, each with its file:
+        after ``key`` was written or used (never it), or after the start-up scan (``key`` None:
+        every tenant over its quota, then the capacity). The count removed."""
         evicted, lines = 0, []
-        quotas, putter = self._quotas, None
-        if quotas is not None:
-            putter = self._index.owner_of(key) if key is not None else None
-            for owner in [putter] if key is not None else self._index.owners():
-                keep = 1 if owner == putter else 0
-                while (
-                    over_quota(quotas.use(self._index, owner))
-                    and self._index.owner_entries(owner) > keep
-                ):
-                    self._evict_one_locked(owner, lines)
-                    quotas.counted_eviction(owner)
-                    evicted += 1
-        while self._used > self.capacity_bytes and len(self._index) > 1:
-            owner = capacity_owner(quotas.uses(self._index), putter) if quotas is not None else None
-            self._evict_one_locked(owner, lines)
+        for victim in self._victims_locked(key):
+            self._evict_one_locked(victim.key, lines)
             evicted += 1
         self._expiry.settle_locked(lines)
         return evicted
 
-    def _evict_one_locked(self, owner: int | None, lines: list) -> None:
-        """Remove the least recent entry (of ``owner``; None: of anyone) and its file."""
-        key, size, _ = self._index.pop_oldest(owner)
+    def _evict_one_locked(self, key: ChunkKey, lines: list) -> None:
+        """Remove ``key``'s entry and its file."""
+        size, _ = self._index.pop(key)
         self._used -= size
         line = self._expiry.drop_locked(key)
         if line is not None:
@@ -191,22 +166,6 @@ class DiskTier(Tier):
         except OSError as e:
             log.warning("disk tier %s: cannot evict %s: %s", self.root, key, e)
             self.stats.add(errors=1)
-
-    def _room(self, key: ChunkKey) -> int:
-        """The largest entry ``key`` may have: the capacity, or less, its tenant's quota."""
-        if self._quotas is None:
-            return self.capacity_bytes
-        with self._lock:
-            limit = self._quotas.limit(self._index.owner_of(key))
-        return self.capacity_bytes if limit is None else min(limit, self.capacity_bytes)
-
-    def tenant_usage(self) -> dict[str, dict[str, int]]:
-        """Per tenant tag with a quota here: bytes and entries this process knows, the quota, its
-        evictions."""
-        if self._quotas is None:
-            return {}
-        with self._lock:
-            return self._quotas.usage(self._index)
 
     def _touch(self, path: str, key: ChunkKey, size: int) -> None:
         """Make ``key`` the most recent entry, in the index and in the file's mtime."""
@@ -345,7 +304,9 @@ class DiskTier(Tier):
             self.delete(key)  # stores nothing, and no older value stays behind
             return None
         size = nbytes(value)
-        if size > self._room(key):  # larger than the tier, or than its tenant's quota
+        with self._lock:
+            room = self._room_locked(key)
+        if size > room:  # larger than the tier, or than its tenant's quota
             self.delete(key)  # never leave an older value behind a dropped write
             self.stats.add(dropped_writes=1)
             return None
@@ -441,25 +402,6 @@ class DiskTier(Tier):
 
     def expire(self) -> int:
         return self._expiry.expire()
-
-    # -- what the tier holds --------------------------------------------------------------------
-
-    def keys_lru(self) -> list[ChunkKey]:
-        """Keys this process knows, from least to most recently used (the eviction order)."""
-        with self._lock:
-            return self._index.keys()
-
-    def keys(self, limit: int | None = None) -> list[ChunkKey]:
-        """Up to ``limit`` keys this process knows (None: all), most recently used first."""
-        return self.keys_lru()[::-1][:limit]
-
-    def entries(self) -> int:
-        with self._lock:
-            return len(self._index)
-
-    def used_bytes(self) -> int:
-        with self._lock:
-            return self._used
 
     def close(self) -> None:
         with self._lock:

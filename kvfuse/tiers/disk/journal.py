@@ -16,7 +16,7 @@ line of each (key, inode) wins (``parse_journal``). A compaction rewrites it (te
 lock file are only created once some entry has an expiry.
 
 This module is the file and its format only; what the lines mean for the tier's entries (which
-expiries apply, what a compaction keeps) is ``disk_expiry.py``'s.
+expiries apply, what a compaction keeps) is ``expiry.py``'s.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.disk_files import write_all
+from kvfuse.tiers.disk.files import write_all
 
 JOURNAL = "expiry.log"
 _JOURNAL_LOCK = "expiry.lock"

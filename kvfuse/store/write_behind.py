@@ -25,9 +25,9 @@ import threading
 from typing import Sequence
 
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.store.results import StoreCounters
+from kvfuse.store.transcode import Transcoder
 from kvfuse.tiers.base import Blob, Tier, guarded, put_many_expiring
-from kvfuse.tiers.results import StoreCounters
-from kvfuse.tiers.transcode import Transcoder
 
 _STOP = object()
 

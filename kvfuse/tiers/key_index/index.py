@@ -13,22 +13,16 @@ Layout (row r = one entry; the row arrays grow by a quarter when full)::
     digest     uint64[cap * 4]  the SHA-256 digest, little-endian words (row r: words 4r..4r+3)
     group      uint32[cap]      id of (namespace_id, kind, variant); FREE for an unused row
     size       int64[cap]       the entry's bytes
-    prev, next int32[cap]       the LRU list, least recent first; free rows chain through next
-    slots      int32[2**k]      open addressing, linear probing, load <= 1/2; -1 = empty
+    prev, next int32[cap]       the LRU list, least recent first (``lists.py``); free rows chain
+                                through next
+    slots      int32[2**k]      open addressing, linear probing, load <= 1/2 (``table.py``)
     values     list | None      the memory tier's values (one pointer per row)
 
-A key's home slot is its first digest word XOR ``group * golden ratio``, masked: digests are
-SHA-256 outputs, uniform already; the group is mixed in because a chunk's variants share its
-digest. Removal shifts the rest of the probe run back (no tombstones), so lookups do not slow
-down with churn.
+Scalar paths read the arrays through memoryviews (a few times faster than numpy scalar indexing).
 
-``contains_many`` (the tiers' batched lookups: a prompt's chain) probes the whole batch at once in
-numpy and finishes with scalar probes the few keys whose home slot held another key. Scalar paths
-read the arrays through memoryviews (a few times faster than numpy scalar indexing).
-
-**Owners** (``owner_of``, given by tiers with per-tenant quotas, ``tiers/tenant_quota.py``): each
+**Owners** (``owner_of``, given by tiers with per-tenant quotas, ``tiers/eviction.py``): each
 group belongs to an owner (a small int, computed once per group from its namespace), and every
-row is also on its owner's own LRU list (``oprev``/``onext``, 8 more bytes per row), with each
+row is also on its owner's own LRU list (a second ``RowLists``, 8 more bytes per row), with each
 owner's bytes and entries kept: an owner's oldest entry is found without walking the others'.
 Without ``owner_of`` none of this is kept.
 
@@ -44,12 +38,12 @@ from typing import Any
 import numpy as np
 
 from kvfuse.kv.keys import ChunkKey, ChunkKind
+from kvfuse.tiers.key_index import table
+from kvfuse.tiers.key_index.lists import NIL, RowLists
 
-_GOLDEN = 0x9E3779B97F4A7C15
-_M64 = (1 << 64) - 1
 FREE = 0xFFFFFFFF  # the group of an unused row (never a real group id)
-_NIL = -1
 _VECTOR_MIN = 8  # below this many keys, scalar probes are faster than numpy's per-call overhead
+_GOLDEN = table.GOLDEN
 _group_of = attrgetter("group")  # "<namespace_id>:<kind>:<variant>", interned (see ChunkKey)
 
 
@@ -66,27 +60,23 @@ class KeyIndex:
         self._groups: dict[str, int] = {}  # ChunkKey.group -> group id
         self._group_keys: list[tuple[str, ChunkKind, str]] = []
         # Owners (see the module docstring): namespace id -> owner, per group its owner, per owner
-        # the head and tail of its LRU list, its bytes and its entries.
+        # its LRU list (one of ``_olists``), its bytes and its entries.
         self._owner_of = owner_of
         self._group_owner: list[int] = []
-        self._ohead: list[int] = []
-        self._otail: list[int] = []
+        self._olists = RowLists() if owner_of is not None else None
         self._obytes: list[int] = []
         self._ocount: list[int] = []
-        self._oprev = np.zeros(0, dtype=np.int32)
-        self._onext = np.zeros(0, dtype=np.int32)
         self._values: list[Any] | None = [] if with_values else None
         self._len = 0
-        self._head = self._tail = _NIL  # least / most recent row
-        self._free = _NIL
+        self._lru = RowLists()  # one list: every entry, least recent first
+        self._lru.ensure(1)
+        self._free = NIL  # the first unused row; the others chain through the LRU's next links
         self._cap = 0
         self._dig = np.zeros(0, dtype="<u8")
         self._grp = np.zeros(0, dtype=np.uint32)
         self._size = np.zeros(0, dtype=np.int64)
-        self._prev = np.zeros(0, dtype=np.int32)
-        self._next = np.zeros(0, dtype=np.int32)
         self._grow_rows(max(4, rows))
-        self._set_slots(np.full(_table_size(max(4, rows)), -1, dtype=np.int32))
+        self._set_slots(np.full(table.size_for(max(4, rows)), table.EMPTY, dtype=np.int32))
 
     # -- storage --------------------------------------------------------------------------------
 
@@ -94,15 +84,16 @@ class KeyIndex:
         # Scalar reads and writes go through memoryviews (Python ints, no numpy scalar objects).
         self._dig_v = memoryview(self._dig)
         self._dig_b = memoryview(self._dig).cast("B")
-        self._dig_rows = self._dig.view(
-            "V32"
-        )  # one 32-byte item per row: one comparison per digest
+        # one 32-byte item per row: one comparison per digest
+        self._dig_rows = self._dig.view("V32")
         self._grp_v = memoryview(self._grp)
         self._size_v = memoryview(self._size)
-        self._prev_v = memoryview(self._prev)
-        self._next_v = memoryview(self._next)
-        self._oprev_v = memoryview(self._oprev)
-        self._onext_v = memoryview(self._onext)
+
+    def _release_views(self) -> None:
+        for name in ("_dig_v", "_dig_b", "_grp_v", "_size_v"):
+            view = self.__dict__.pop(name, None)
+            if view is not None:
+                view.release()
 
     def _grow_rows(self, cap: int) -> None:
         old = self._cap
@@ -116,36 +107,17 @@ class KeyIndex:
         self._dig = grown(self._dig, cap * 4, 0)
         self._grp = grown(self._grp, cap, FREE)
         self._size = grown(self._size, cap, 0)
-        self._prev = grown(self._prev, cap, _NIL)
-        nxt = grown(self._next, cap, _NIL)
-        nxt[old : cap - 1] = np.arange(
-            old + 1, cap, dtype=np.int32
-        )  # new rows chain into the free list
-        nxt[cap - 1] = self._free
-        self._next = nxt
+        self._lru.grow(cap)
+        # the new rows chain into the free list
+        self._lru.next[old : cap - 1] = np.arange(old + 1, cap, dtype=np.int32)
+        self._lru.next[cap - 1] = self._free
         self._free = old
-        if self._owner_of is not None:
-            self._oprev = grown(self._oprev, cap, _NIL)
-            self._onext = grown(self._onext, cap, _NIL)
+        if self._olists is not None:
+            self._olists.grow(cap)
         if self._values is not None:
             self._values.extend([None] * (cap - old))
         self._cap = cap
         self._views()
-
-    def _release_views(self) -> None:
-        for name in (
-            "_dig_v",
-            "_dig_b",
-            "_grp_v",
-            "_size_v",
-            "_prev_v",
-            "_next_v",
-            "_oprev_v",
-            "_onext_v",
-        ):
-            view = self.__dict__.pop(name, None)
-            if view is not None:
-                view.release()
 
     def _set_slots(self, slots: np.ndarray) -> None:
         view = self.__dict__.pop("_slots_v", None)
@@ -156,29 +128,13 @@ class KeyIndex:
         self._slots_v = memoryview(slots)
 
     def _home(self, row: int) -> int:
+        """Row ``row``'s home slot (``table.home``, inlined: it is on every put and removal)."""
         return (self._dig_v[4 * row] ^ (self._grp_v[row] * _GOLDEN)) & self._mask
 
     def _rehash(self, size: int) -> None:
-        """A new slot table of ``size`` slots holding every live row (vectorised insertion in
-        rounds: each round places, per free target slot, the first row aiming at it; the others
-        move one slot on. A row only passes occupied slots, so every key stays reachable)."""
-        mask = size - 1
-        slots = np.full(size, -1, dtype=np.int32)
-        pending = np.flatnonzero(self._grp[: self._cap] != FREE).astype(np.int32)
-        words = self._dig.reshape(-1, 4)[:, 0]
-        pos = (
-            (words[pending] ^ (self._grp[pending].astype(np.uint64) * np.uint64(_GOLDEN)))
-            & np.uint64(mask)
-        ).astype(np.int64)
-        while pending.size:
-            free = np.flatnonzero(slots[pos] < 0)
-            _, first = np.unique(pos[free], return_index=True)
-            won = free[first]
-            slots[pos[won]] = pending[won]
-            keep = np.ones(pending.size, dtype=bool)
-            keep[won] = False
-            pending, pos = pending[keep], (pos[keep] + 1) & mask
-        self._set_slots(slots)
+        """A new slot table of ``size`` slots holding every live row."""
+        live = np.flatnonzero(self._grp[: self._cap] != FREE)
+        self._set_slots(table.rebuild(live, self._dig.reshape(-1, 4)[:, 0], self._grp, size))
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -187,27 +143,9 @@ class KeyIndex:
         gid = self._groups.get(_group_of(key))
         if gid is None:
             return -1
-        digest = key.digest
-        d0 = int.from_bytes(digest[:8], "little")
-        mask, slots, dig, grp, dig_b = (
-            self._mask,
-            self._slots_v,
-            self._dig_v,
-            self._grp_v,
-            self._dig_b,
+        return table.find(
+            self._slots_v, self._mask, self._dig_v, self._grp_v, self._dig_b, gid, key.digest
         )
-        s = (d0 ^ (gid * _GOLDEN)) & mask
-        while True:
-            r = slots[s]
-            if r < 0:
-                return -1
-            if (
-                dig[4 * r] == d0
-                and grp[r] == gid
-                and dig_b[32 * r : 32 * r + 32].tobytes() == digest
-            ):
-                return r
-            s = (s + 1) & mask
 
     def __len__(self) -> int:
         return self._len
@@ -216,42 +154,22 @@ class KeyIndex:
         return self._find(key) >= 0
 
     def contains_many(self, keys: Sequence[ChunkKey]) -> list[bool]:
-        """Whether each key is held, for a batch (one vectorised probe, see the module docstring)."""
+        """Whether each key is held, for a batch: one vectorised probe (``table.probe_many``),
+        then scalar probes for the few keys it left undecided."""
         n = len(keys)
         if n < _VECTOR_MIN or not self._len:
             return [self._find(k) >= 0 for k in keys]
-        mask = self._mask
         groups = list(map(_group_of, keys))
         if groups.count(groups[0]) == n:  # one namespace, kind and variant: a prompt's chain
-            gid = self._groups.get(groups[0])
-            if gid is None:
+            gids = self._groups.get(groups[0])
+            if gids is None:
                 return [False] * n
-            g, mix = gid, (gid * _GOLDEN) & mask
         else:
-            ids = [FREE if x is None else x for x in map(self._groups.get, groups)]
-            g = np.array(ids, dtype=np.uint32)
-            mix = np.array([(x * _GOLDEN) & mask for x in ids], dtype=np.uint32)
+            gids = [FREE if x is None else x for x in map(self._groups.get, groups)]
         raw = b"".join([k.digest for k in keys])
-        q = np.frombuffer(raw, dtype="V32")
-        # The home slot from the low 32 bits of the first digest word (the mask is below 2**31).
-        s = (np.frombuffer(raw, dtype="<u4")[::8] ^ mix) & mask
-        slots, rows, grp = self._slots, self._dig_rows, self._grp
-        r = slots[s]
-        held = r >= 0
-        rr = np.maximum(r, 0)
-        hit = (rows[rr] == q) & (grp[rr] == g) & held
-        on = np.flatnonzero(held ^ hit)  # the home slot held another key: it may sit further on
-        if not on.size:
-            return hit.tolist()
-        if on.size > 4:  # one more vectorised step (most displaced keys sit one slot on)
-            r = slots[(s[on] + 1) & mask]
-            held = r >= 0
-            rr = np.maximum(r, 0)
-            found = (rows[rr] == q[on]) & (grp[rr] == (g if isinstance(g, int) else g[on])) & held
-            hit[on[found]] = True
-            on = on[held ^ found]
+        hit, undecided = table.probe_many(self._slots, self._dig_rows, self._grp, raw, gids)
         out = hit.tolist()
-        for i in on.tolist():
+        for i in undecided.tolist():
             out[i] = self._find(keys[i]) >= 0
         return out
 
@@ -268,59 +186,20 @@ class KeyIndex:
     # -- recency --------------------------------------------------------------------------------
 
     def _unlink(self, r: int) -> None:
-        prev, nxt = self._prev_v, self._next_v
-        p, n = prev[r], nxt[r]
-        if p == _NIL:
-            self._head = n
-        else:
-            nxt[p] = n
-        if n == _NIL:
-            self._tail = p
-        else:
-            prev[n] = p
-        if self._owner_of is not None:
-            self._owner_unlink(r)
+        self._lru.unlink(r)
+        if self._olists is not None:
+            self._olists.unlink(r, self._group_owner[self._grp_v[r]])
 
     def _append(self, r: int) -> None:
-        prev, nxt = self._prev_v, self._next_v
-        prev[r], nxt[r] = self._tail, _NIL
-        if self._tail == _NIL:
-            self._head = r
-        else:
-            nxt[self._tail] = r
-        self._tail = r
-        if self._owner_of is not None:
-            self._owner_append(r)
-
-    def _owner_unlink(self, r: int) -> None:
-        o = self._group_owner[self._grp_v[r]]
-        prev, nxt = self._oprev_v, self._onext_v
-        p, n = prev[r], nxt[r]
-        if p == _NIL:
-            self._ohead[o] = n
-        else:
-            nxt[p] = n
-        if n == _NIL:
-            self._otail[o] = p
-        else:
-            prev[n] = p
-
-    def _owner_append(self, r: int) -> None:
-        o = self._group_owner[self._grp_v[r]]
-        prev, nxt = self._oprev_v, self._onext_v
-        tail = self._otail[o]
-        prev[r], nxt[r] = tail, _NIL
-        if tail == _NIL:
-            self._ohead[o] = r
-        else:
-            nxt[tail] = r
-        self._otail[o] = r
+        self._lru.append(r)
+        if self._olists is not None:
+            self._olists.append(r, self._group_owner[self._grp_v[r]])
 
     def _to_end(self, r: int) -> None:
-        """Make row ``r`` the most recent."""
-        if r != self._tail:
-            self._unlink(r)
-            self._append(r)
+        """Make row ``r`` the most recent (of all, and of its owner)."""
+        self._lru.move_to_end(r)
+        if self._olists is not None:
+            self._olists.move_to_end(r, self._group_owner[self._grp_v[r]])
 
     def use(self, key: ChunkKey) -> tuple[int, Any] | None:
         """``key``'s (size, value), made the most recent entry; None when it is not held."""
@@ -349,9 +228,8 @@ class KeyIndex:
     def _owner(self, namespace_id: str) -> int:
         """The owner of a namespace, with its list and counts made room for."""
         o = self._owner_of(namespace_id)
-        while len(self._ohead) <= o:
-            self._ohead.append(_NIL)
-            self._otail.append(_NIL)
+        self._olists.ensure(o + 1)
+        while len(self._obytes) <= o:
             self._obytes.append(0)
             self._ocount.append(0)
         return o
@@ -377,11 +255,11 @@ class KeyIndex:
             return old
         if 2 * (self._len + 1) > self._slots.size:
             self._rehash(2 * self._slots.size)
-        if self._free == _NIL:
+        if self._free == NIL:
             self._grow_rows(self._cap + max(64, self._cap // 4))
         gid = self._group_id(key)
         r = self._free
-        self._free = self._next_v[r]
+        self._free = self._lru.next_v[r]
         self._dig_b[32 * r : 32 * r + 32] = key.digest
         self._grp_v[r] = gid
         self._size_v[r] = size
@@ -389,34 +267,13 @@ class KeyIndex:
             self._values[r] = value
         self._append(r)
         self._owned(r, size, 1)
-        mask, slots = self._mask, self._slots_v
-        s = self._home(r)
-        while slots[s] >= 0:
-            s = (s + 1) & mask
-        slots[s] = r
+        table.place(self._slots_v, self._mask, self._home(r), r)
         self._len += 1
         return None
 
     def _remove_row(self, r: int) -> tuple[int, Any]:
-        """Drop row ``r`` from the slots, the LRU list and the rows; returns (size, value)."""
-        mask, slots = self._mask, self._slots_v
-        s = self._home(r)
-        while slots[s] != r:
-            s = (s + 1) & mask
-        # Backward-shift deletion: move later keys of the run into the hole unless their home lies
-        # cyclically in (hole, their slot].
-        hole, j = s, s
-        while True:
-            j = (j + 1) & mask
-            rj = slots[j]
-            if rj < 0:
-                break
-            k = self._home(rj)
-            if (hole < j and hole < k <= j) or (hole > j and (k > hole or k <= j)):
-                continue
-            slots[hole] = rj
-            hole = j
-        slots[hole] = -1
+        """Drop row ``r`` from the slots, the LRU lists and the rows; returns (size, value)."""
+        table.remove(self._slots_v, self._mask, r, self._home)
         self._unlink(r)
         size = self._size_v[r]
         self._owned(r, -size, -1)
@@ -424,7 +281,7 @@ class KeyIndex:
         if self._values is not None:
             value, self._values[r] = self._values[r], None
         self._grp_v[r] = FREE
-        self._next_v[r] = self._free
+        self._lru.next_v[r] = self._free
         self._free = r
         self._len -= 1
         return size, value
@@ -437,8 +294,8 @@ class KeyIndex:
     def pop_oldest(self, owner: int | None = None) -> tuple[ChunkKey, int, Any]:
         """Remove and return the least recent entry (of ``owner``, if given) as (key, size, value);
         KeyError when there is none."""
-        r = self._head if owner is None else self._owner_head(owner)
-        if r == _NIL:
+        r = self._lru.head() if owner is None else self._owner_lists().head(owner)
+        if r == NIL:
             raise KeyError(
                 "pop_oldest from an empty KeyIndex"
                 if owner is None
@@ -450,10 +307,10 @@ class KeyIndex:
 
     # -- owners ---------------------------------------------------------------------------------
 
-    def _owner_head(self, owner: int) -> int:
-        if self._owner_of is None:
+    def _owner_lists(self) -> RowLists:
+        if self._olists is None:
             raise ValueError("this KeyIndex keeps no owners (give owner_of)")
-        return self._ohead[owner] if owner < len(self._ohead) else _NIL
+        return self._olists
 
     def owner_of(self, key: ChunkKey) -> int:
         """The owner of ``key``'s entries (held or not)."""
@@ -477,14 +334,7 @@ class KeyIndex:
         return ChunkKey(ns, bytes(self._dig_b[32 * r : 32 * r + 32]), kind, variant)
 
     def _rows(self, owner: int | None = None) -> Iterator[int]:
-        if owner is None:
-            r, nxt = self._head, self._next_v
-        else:
-            r, nxt = self._owner_head(owner), self._onext_v
-        while r != _NIL:
-            following = nxt[r]  # read first: the caller may remove r
-            yield r
-            r = following
+        return self._lru.rows() if owner is None else self._owner_lists().rows(owner)
 
     def keys(self) -> list[ChunkKey]:
         """Every key, least recent first (the eviction order)."""
@@ -522,18 +372,10 @@ class KeyIndex:
 
     def nbytes(self) -> int:
         """Bytes this index holds in its arrays and group table (not the values themselves)."""
-        arrays = (
-            self._dig,
-            self._grp,
-            self._size,
-            self._prev,
-            self._next,
-            self._slots,
-            self._oprev,
-            self._onext,
-        )
+        arrays = sum(a.nbytes for a in (self._dig, self._grp, self._size, self._slots))
+        lists = self._lru.nbytes + (self._olists.nbytes if self._olists is not None else 0)
         values = 8 * len(self._values) + 56 if self._values is not None else 0
-        return sum(a.nbytes for a in arrays) + values + 200 * len(self._group_keys)
+        return arrays + lists + values + 200 * len(self._group_keys)
 
     # -- bulk -----------------------------------------------------------------------------------
 
@@ -570,39 +412,24 @@ class KeyIndex:
         self._grp[:n] = ids[np.asarray(group_of_row, dtype=np.intp)] if n else ids[:0]
         self._size = np.zeros(cap, dtype=np.int64)
         self._size[:n] = sizes
-        self._prev = np.arange(-1, cap - 1, dtype=np.int32)
-        self._next = np.arange(1, cap + 1, dtype=np.int32)
-        if n:
-            self._next[n - 1] = _NIL
-        self._next[cap - 1] = _NIL
-        self._prev[n:] = _NIL
-        self._head, self._tail = (0, n - 1) if n else (_NIL, _NIL)
-        self._free = n if n < cap else _NIL
+        self._lru.reset(cap)
+        self._lru.link(np.arange(n, dtype=np.int32))
+        self._lru.next[n : cap - 1] = np.arange(n + 1, cap, dtype=np.int32)  # the free rows
+        self._free = n if n < cap else NIL
         self._cap, self._len = cap, n
-        if self._owner_of is not None:
+        if self._olists is not None:
             self._load_owners(cap, n)
         self._views()
-        self._rehash(_table_size(n))
+        self._rehash(table.size_for(n))
 
     def _load_owners(self, cap: int, n: int) -> None:
         """The owners' lists of freshly loaded rows 0..n-1 (in LRU order, so each owner's rows in
         row order are its LRU order)."""
-        self._oprev = np.full(cap, _NIL, dtype=np.int32)
-        self._onext = np.full(cap, _NIL, dtype=np.int32)
+        self._olists.reset(cap)
         owner_of_group = np.array(self._group_owner, dtype=np.int64)
         row_owner = owner_of_group[self._grp[:n]] if n else np.zeros(0, dtype=np.int64)
         for o in np.unique(row_owner).tolist():
             rows = np.flatnonzero(row_owner == o).astype(np.int32)
-            self._onext[rows[:-1]] = rows[1:]
-            self._oprev[rows[1:]] = rows[:-1]
-            self._ohead[o], self._otail[o] = int(rows[0]), int(rows[-1])
+            self._olists.link(rows, o)
             self._obytes[o] = int(self._size[rows].sum())
             self._ocount[o] = int(rows.size)
-
-
-def _table_size(entries: int) -> int:
-    """The smallest power of two holding ``entries`` at load <= 1/2."""
-    size = 8
-    while size < 2 * entries:
-        size *= 2
-    return size

@@ -2,11 +2,11 @@
 
 Every call is bounded (no client-side retries): connecting takes at most ``timeout_s``, and the
 exchange that follows (sending the commands, reading every reply) at most ``timeout_s`` plus the
-time its bytes take at ``min_rate`` bytes per second; how, is ``redis_connection.py``'s part (the
+time its bytes take at ``min_rate`` bytes per second; how, is ``connection.py``'s part (the
 tier's sockets end every read and write at the calling thread's deadline for the current call).
 A failure (refused, reset, timed out) is logged once, counted, answered as a miss (writes are
 dropped and counted), and starts a back-off of ``backoff_s`` during which calls return misses at
-once without touching the network (``backoff.py``). The first call after the back-off tries the
+once without touching the network (``tiers/backoff.py``). The first call after the back-off tries the
 server again; redis-py reconnects by itself, so the tier recovers when the server comes back.
 
 Expiry is Redis's own: a put with ``expires_at`` is ``SET ... PX ms`` with ``ms`` the time left on
@@ -38,7 +38,7 @@ from kvfuse.config.secrets import redact_url
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.backoff import Backoff
 from kvfuse.tiers.base import Blob, Tier, check_key, nbytes
-from kvfuse.tiers.redis_connection import MIN_RATE, Security, bounded_call, make_client
+from kvfuse.tiers.redis.connection import MIN_RATE, Security, bounded_call, make_client
 
 _GLOB_SPECIAL = re.compile(r"([*?\[\]\\])")
 
@@ -72,7 +72,7 @@ class RedisTier(Tier):
     ``url`` is a redis-py URL (``redis://host:port/db``, ``rediss://`` for TLS, ``unix://``); with
     ``cluster``, the URL of any node of a Redis Cluster (database 0). ``min_rate``: the slowest
     transfer, in bytes per second, a call waits for beyond ``timeout_s`` (see the module docstring).
-    ``security``: the ACL user and password and the TLS files (``redis_connection.Security``). A
+    ``security``: the ACL user and password and the TLS files (``connection.Security``). A
     wrong password, an untrusted certificate or a refused handshake is a failure like an outage:
     logged once with what to check (``failure_hint``), counted, misses and back-off.
     """
@@ -135,7 +135,7 @@ class RedisTier(Tier):
         return self.key_prefix + str(check_key(key))
 
     def _call(self):
-        """One bounded exchange with the server (see ``redis_connection.bounded_call``)."""
+        """One bounded exchange with the server (see ``connection.bounded_call``)."""
         return bounded_call(self.timeout_s, self.min_rate)
 
     # -- the Tier interface ---------------------------------------------------------------------
