@@ -126,11 +126,26 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``kvfuse`` parser: one subcommand per command, each declared by its own function below
+    (in the order ``kvfuse --help`` lists them)."""
     parser = argparse.ArgumentParser(prog="kvfuse", description="KV-cache engine for LLM serving.")
     parser.add_argument("--version", action="version", version=f"kvfuse {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _models_parser(sub)
+    _generate_parser(sub)
+    _chat_parser(sub)
+    _precompute_parser(sub)
+    _calibrate_parser(sub)
+    _serve_parser(sub)
+    _cache_parser(sub)
+    _responses_parser(sub)
+    _keys_parser(sub)
+    return parser
 
+
+def _models_parser(sub) -> None:
+    """``kvfuse models list | pull``: the built-in models."""
     models = sub.add_parser("models", help="list or pull the built-in models")
     msub = models.add_subparsers(dest="action", metavar="ACTION")
     msub.required = True
@@ -147,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p, model=False)
 
+
+def _generate_parser(sub) -> None:
+    """``kvfuse generate``: one prompt, its sampling and its documents."""
     p = sub.add_parser("generate", help="generate an answer to a prompt (reusing cached KV)")
     p.add_argument("prompt", help="the prompt text ('-' reads stdin)")
     p.add_argument(
@@ -177,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p)
 
+
+def _chat_parser(sub) -> None:
+    """``kvfuse chat``: a conversation on stdin, and what happens beyond the context window."""
     p = sub.add_parser(
         "chat",
         help="a multi-turn conversation: one user turn per line of stdin, the whole history "
@@ -200,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="neither read nor write the KV cache")
     _common(p)
 
+
+def _precompute_parser(sub) -> None:
+    """``kvfuse precompute``: documents whose KV is cached ahead of requests."""
     p = sub.add_parser(
         "precompute", help="compute and cache documents' KV ahead of requests that use them"
     )
@@ -215,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-salt", default="", help="the cache_salt the requests will send")
     _common(p)
 
+
+def _calibrate_parser(sub) -> None:
+    """``kvfuse calibrate``: the blend grid and the CacheGen levels measured for a profile."""
     p = sub.add_parser(
         "calibrate",
         help="measure how much recomputation keeps a model's answers when blending "
@@ -265,6 +292,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p)
 
+
+def _serve_parser(sub) -> None:
+    """``kvfuse serve``: the HTTP server's address, API keys and batching limits."""
     p = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
@@ -286,6 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p)
 
+
+def _cache_parser(sub) -> None:
+    """``kvfuse cache stats | clear | inspect``: the KV cache tiers."""
     cache = sub.add_parser("cache", help="inspect or clear the KV cache tiers")
     csub = cache.add_subparsers(dest="action", metavar="ACTION")
     csub.required = True
@@ -318,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the list as JSON")
     _common(p, model=False)
 
+
+def _responses_parser(sub) -> None:
+    """``kvfuse responses list | show | delete | purge``: the stored responses."""
     responses = sub.add_parser(
         "responses", help="list, show, delete or purge the Responses API's stored responses"
     )
@@ -341,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _common(p, model=False)
 
+
+def _keys_parser(sub) -> None:
+    """``kvfuse keys digest``: the digest of an API key, to configure in its place."""
     keys = sub.add_parser("keys", help="API keys: print the digest to configure instead of a key")
     ksub = keys.add_subparsers(dest="action", metavar="ACTION")
     ksub.required = True
@@ -355,7 +394,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenant", metavar="NAME", help="print the whole server.api_keys entry, sha256:<hex>:NAME"
     )
     p.set_defaults(verbose=False)
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -454,23 +492,9 @@ def cmd_generate(args, config: Config) -> int:
     if documents and args.no_cache:
         raise UserError("--document needs the KV cache: remove --no-cache")
     serving = open_serving(config)
-    engine, prompts = serving.engine, serving.prompts
+    engine = serving.engine
     try:
-        messages = None
-        if args.chat:
-            messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
-                {"role": "user", "content": prompt}
-            ]
-        if documents:
-            ids = prompts.document_prompt(
-                documents, prompt=None if args.chat else prompt, messages=messages
-            )
-        else:
-            ids = (
-                prompts.encode_prompt(messages=messages)
-                if args.chat
-                else prompts.encode_prompt(prompt)
-            )
+        ids = _generate_prompt(args, serving.prompts, prompt, documents)
 
         def write(piece: str) -> None:
             sys.stdout.write(piece)
@@ -479,28 +503,50 @@ def cmd_generate(args, config: Config) -> int:
         result = engine.generate(ids, params, on_text=write, recompute_ratio=args.recompute_ratio)
         sys.stdout.write("\n")
         if args.verbose:
-            t = result.timings
-            print(
-                f"[kvfuse] prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached"
-                f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}"
-                f"{f', {result.recomputed_tokens} document tokens recomputed' if documents else ''}), "
-                f"{_blend_text(result.blend) if result.blend is not None else ''}"
-                f"{result.completion_tokens} generated, finish={result.finish_reason}\n"
-                f"[kvfuse] time to first token {t.ttft_s * 1000:.0f} ms (load {t.load_s * 1000:.0f} ms, "
-                f"prefill {t.prefill_s * 1000:.0f} ms), decode {t.decode_tokens_per_s(result.completion_tokens):.1f} tokens/s",
-                file=sys.stderr,
-            )
-            if result.kv_stream is not None:
-                r = result.kv_stream
-                chunks = ", ".join(f"{n} {enc}" for enc, n in sorted(r.chunks.items()))
-                print(
-                    f"[kvfuse] streamed from slow tiers: {chunks}; {r.load_s * 1000:.0f} ms of a "
-                    f"{r.slo_s * 1000:.0f} ms budget ({r.bytes_read / 2**20:.1f} MiB read)",
-                    file=sys.stderr,
-                )
+            _report_generation(result, bool(documents))
     finally:
         engine.close()  # flushes the background writes to disk / Redis
     return 0
+
+
+def _generate_prompt(args, prompts, prompt: str, documents: list[str]):
+    """What ``kvfuse generate`` runs: the prompt as given or (``--chat``) as a user turn in the chat
+    template; after the documents, when there are some, as a ``Prompt`` that marks their spans (each
+    document's KV is cached on its own and blended), else as token ids."""
+    messages = None
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+    if documents:
+        return prompts.document_prompt(
+            documents, prompt=None if args.chat else prompt, messages=messages
+        )
+    return prompts.encode_prompt(messages=messages) if args.chat else prompts.encode_prompt(prompt)
+
+
+def _report_generation(result, documents: bool) -> None:
+    """``kvfuse generate -v``: where the prompt's KV came from and the timings, on stderr (stdout
+    holds only the answer, so that it can be piped)."""
+    t = result.timings
+    print(
+        f"[kvfuse] prompt {result.prompt_tokens} tokens ({result.cached_tokens} cached"
+        f"{' from ' + ','.join(sorted(set(result.hit_tiers))) if result.hit_tiers else ''}"
+        f"{f', {result.recomputed_tokens} document tokens recomputed' if documents else ''}), "
+        f"{_blend_text(result.blend) if result.blend is not None else ''}"
+        f"{result.completion_tokens} generated, finish={result.finish_reason}\n"
+        f"[kvfuse] time to first token {t.ttft_s * 1000:.0f} ms (load {t.load_s * 1000:.0f} ms, "
+        f"prefill {t.prefill_s * 1000:.0f} ms), decode {t.decode_tokens_per_s(result.completion_tokens):.1f} tokens/s",
+        file=sys.stderr,
+    )
+    if result.kv_stream is not None:
+        r = result.kv_stream
+        chunks = ", ".join(f"{n} {enc}" for enc, n in sorted(r.chunks.items()))
+        print(
+            f"[kvfuse] streamed from slow tiers: {chunks}; {r.load_s * 1000:.0f} ms of a "
+            f"{r.slo_s * 1000:.0f} ms budget ({r.bytes_read / 2**20:.1f} MiB read)",
+            file=sys.stderr,
+        )
 
 
 def cmd_chat(args, config: Config) -> int:
@@ -874,10 +920,24 @@ def _signature_note(signature: str, signing: bool) -> str:
 def _inspect_all(store, limit: int, as_json: bool) -> int:
     """Each entry of the disk and Redis tiers (up to ``limit`` per tier): codec, level, tokens,
     size and compression ratio against the raw KV; then totals per tier and encoding."""
-    from .kv.format import FormatError, read_header
-
     if limit < 1:
         raise UserError("--limit must be at least 1")
+    rows, summary = _inspected_entries(store, limit)
+    if as_json:
+        print(json.dumps({"entries": rows, "summary": summary}, indent=2))
+        return 0
+    if not rows:
+        print("no entries in the disk or Redis tier")
+        return 0
+    _print_inspection(rows, summary, store.signer is not None)
+    return 0
+
+
+def _inspected_entries(store, limit: int) -> tuple[list[dict], list[dict]]:
+    """The rows of ``kvfuse cache inspect`` (one per entry read, an ``error`` for a header that
+    does not parse) and the totals per tier and encoding, read from the entries' headers only."""
+    from .kv.format import FormatError, read_header
+
     rows, totals = [], {}
     for tier in store.lower:
         for key in tier.keys(limit):  # most recently used first where the tier knows recency
@@ -916,12 +976,11 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
         }
         for (tier, enc), (n, b, r) in sorted(totals.items())
     ]
-    if as_json:
-        print(json.dumps({"entries": rows, "summary": summary}, indent=2))
-        return 0
-    if not rows:
-        print("no entries in the disk or Redis tier")
-        return 0
+    return rows, summary
+
+
+def _print_inspection(rows: list[dict], summary: list[dict], signing: bool) -> None:
+    """The listing of ``kvfuse cache inspect`` as a table: the entries, then the totals."""
     print(f"{'tier':<6} {'codec':<9} {'level':>5} {'tokens':>6} {'bytes':>10} {'ratio':>6}  key")
     for r in rows:
         if "error" in r:
@@ -930,7 +989,7 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
             )
         else:
             notes = ("" if r["intact"] else "  (damaged payload)") + _signature_note(
-                r["signature"], store.signer is not None
+                r["signature"], signing
             )
             print(
                 f"{r['tier']:<6} {r['codec']:<9} {r['level']:>5} {r['tokens']:>6} {r['bytes']:>10} "
@@ -942,7 +1001,6 @@ def _inspect_all(store, limit: int, as_json: bool) -> int:
             f"{t['tier']:<6} {t['encoding']:<12} {t['entries']:>6} entries  {t['bytes'] / 2**20:9.1f} MiB  "
             f"{t['ratio']}x smaller than raw"
         )
-    return 0
 
 
 def cmd_responses(args, config: Config) -> int:
@@ -956,32 +1014,7 @@ def cmd_responses(args, config: Config) -> int:
     responses = ResponseStore(config.responses_path, config.responses.ttl_s)
     try:
         if args.action == "list":
-            rows = responses.list(args.tenant, args.limit)
-            if args.json:
-                print(
-                    json.dumps(
-                        [
-                            {
-                                "id": r.id,
-                                "tenant": r.tenant,
-                                "created_at": r.created_at,
-                                "expires_at": r.expires_at,
-                                "previous_response_id": r.previous_id,
-                                "turns": sum(m["role"] == "user" for m in r.history),
-                            }
-                            for r in rows
-                        ],
-                        indent=2,
-                    )
-                )
-            for r in rows if not args.json else ():
-                text = next(
-                    (m["content"] for m in reversed(r.history) if m["role"] == "assistant"), ""
-                )
-                print(
-                    f"{r.id}  tenant={r.tenant or '-'}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.created_at))}"
-                    f"  turns={sum(m['role'] == 'user' for m in r.history)}  {text[:60]!r}"
-                )
+            _list_responses(responses.list(args.tenant, args.limit), args.json)
             return 0
         if args.action == "show":
             try:
@@ -1007,6 +1040,35 @@ def cmd_responses(args, config: Config) -> int:
         return 0
     finally:
         responses.close()
+
+
+def _list_responses(rows, as_json: bool) -> None:
+    """``kvfuse responses list``: each stored response's id, tenant, age and turns, as JSON or one
+    line each (with the start of its last answer, to tell them apart)."""
+    if as_json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "id": r.id,
+                        "tenant": r.tenant,
+                        "created_at": r.created_at,
+                        "expires_at": r.expires_at,
+                        "previous_response_id": r.previous_id,
+                        "turns": sum(m["role"] == "user" for m in r.history),
+                    }
+                    for r in rows
+                ],
+                indent=2,
+            )
+        )
+        return
+    for r in rows:
+        text = next((m["content"] for m in reversed(r.history) if m["role"] == "assistant"), "")
+        print(
+            f"{r.id}  tenant={r.tenant or '-'}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(r.created_at))}"
+            f"  turns={sum(m['role'] == 'user' for m in r.history)}  {text[:60]!r}"
+        )
 
 
 def cmd_keys(args, config: Config) -> int:

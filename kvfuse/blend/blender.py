@@ -100,11 +100,29 @@ def blend_prefill(
     slots before ``start`` hold the exact KV of the prefix, the document slots their cached KV
     (or receive it through ``ready``)."""
     n = len(ids)
-    c = runner.config
     if n - suffix_start < 1 or suffix_start < start or kv.length < n:
         raise ValueError(
             f"blend needs a suffix and a cache of {n} slots (documents [{start}, {suffix_start}))"
         )
+    run, h, stats = _start_run(runner, kv, ids, start, suffix_start, spans, options, fresh)
+    h = _run_layers(run, h, stats, ready)
+    return runner.logits(h[-1:])[0], stats
+
+
+def _start_run(
+    runner: Transformer,
+    kv: KVCache,
+    ids: Sequence[int],
+    start: int,
+    suffix_start: int,
+    spans: Sequence[tuple[int, int]],
+    options: BlendOptions,
+    fresh: Sequence[tuple[int, int]],
+) -> tuple[_BlendRun, torch.Tensor, BlendStats]:
+    """The blend's first rows: every slot of ``[start, n)`` (at full reuse only those without
+    cached KV), which of them hold cached KV, their embeddings and rotary tables; and the stats,
+    which count the document tokens the budget is a fraction of."""
+    n = len(ids)
     cached = _cached_rows(start, suffix_start, n, spans, fresh).to(kv.device)
     stats = BlendStats(doc_tokens=int(cached.sum()))
     rel_spans = [
@@ -114,16 +132,29 @@ def blend_prefill(
     ]
     run = _BlendRun(runner, kv, n, start, suffix_start, options, rel_spans)
     slots = torch.arange(start, n, device=kv.device)
+    # full reuse: only the fresh rows run
     run.slots, run.is_doc = (
         (slots[~cached], cached[~cached]) if options.full_reuse else (slots, cached)
-    )  # full
-    # reuse: only the fresh rows run
+    )
     h = runner.embed(
         torch.as_tensor(list(ids[start:n]), dtype=torch.int64, device=runner.device)[
             run.slots - start
         ]
     )
     run.tables = runner.rope_tables(kv.positions[run.slots], h.dtype)
+    return run, h, stats
+
+
+def _run_layers(
+    run: _BlendRun, h: torch.Tensor, stats: BlendStats, ready: Callable[[int], None] | None
+) -> torch.Tensor:
+    """Run every layer over the run's rows (see the module docstring): the layers of the
+    schedule's steps (from the check layer on) select document tokens and keep only those and the
+    suffix for the layers after; every other layer runs all the rows left. The hidden states
+    after the last layer (which computes only the last row), for the logits. ``stats`` records
+    each layer's active document tokens and the tokens chosen at the check layer."""
+    runner, kv, n, options = run.runner, run.kv, run.n, run.options
+    c = runner.config
     check = min(options.check_layer, c.num_layers - 1)
     schedule = (
         sel.gradual_ratios(options.recompute_ratio)
@@ -150,7 +181,7 @@ def blend_prefill(
         )
         if not last:
             run.keep_rows(rows)
-    return runner.logits(h[-1:])[0], stats
+    return h
 
 
 def _cached_rows(

@@ -12,9 +12,9 @@ import dataclasses
 import math
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 
@@ -168,13 +168,6 @@ def _build(values: dict[str, tuple[Any, str]]) -> Config:
 
 def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
     """Turn a YAML/env/flag value into the field's type, or raise a ConfigError naming the fix."""
-
-    def fail(expected: str, example: str):
-        got = "a value not shown (a secret)" if name in SECRET_SETTINGS else repr(value)
-        raise ConfigError(
-            f"{name}: expected {expected}, got {got} (from {source}); for example {example}"
-        )
-
     if name == "cache.tiers":
         return _tiers(value, source)
     if name == "tenants":
@@ -183,7 +176,8 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
         return "on" if value else "off"
     if name == "kernels":
         return _kernels(value)
-    is_size = name.endswith("_bytes")
+    fail = _failure(name, value, source)
+    leaf = name.split(".")[-1]
     base = typ.replace(" | None", "")
     if value is None or (
         isinstance(value, str) and value.strip().lower() in ("", "none", "null") and "None" in typ
@@ -192,51 +186,85 @@ def _coerce(name: str, typ: str, value: Any, source: str) -> Any:
             return None
         fail(f"a value for {base}", "remove the empty setting")
     if base == "bool":
-        if isinstance(value, bool):
-            return value
-        s = str(value).strip().lower()
-        if s in ("1", "true", "yes", "on"):
-            return True
-        if s in ("0", "false", "no", "off"):
-            return False
-        fail("true or false", f"{name.split('.')[-1]}: true")
+        return _to_bool(value, leaf, fail)
     if base == "int":
-        if is_size:
-            return _size(name, value, source)
-        if isinstance(value, bool):
-            fail("an integer", f"{name.split('.')[-1]}: 256")
-        try:
-            return int(str(value).strip()) if not isinstance(value, int) else value
-        except ValueError:
-            fail("an integer", f"{name.split('.')[-1]}: 256")
-    if base == "float | str" and isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"  # e.g. blend.recompute_ratio: a number, or auto
+        return _size(name, value, source) if name.endswith("_bytes") else _to_int(value, leaf, fail)
     if base in ("float", "float | str"):
-        try:
-            f = float(value)
-        except (TypeError, ValueError):
-            f = math.nan
-        if isinstance(value, bool) or not math.isfinite(f):
-            fail(
-                "a number" if base == "float" else "a number or auto", f"{name.split('.')[-1]}: 0.5"
-            )
-        return f
+        return _to_number(value, base, leaf, fail)
     if base.startswith("tuple"):
-        items = value.split(",") if isinstance(value, str) else value
-        if isinstance(items, int) and not isinstance(items, bool):
-            items = [items]
-        if not isinstance(items, (list, tuple)):
-            fail("a list", f"{name.split('.')[-1]}: [a, b]")
-        strings = tuple(str(i).strip() for i in items if str(i).strip())
-        if base == "tuple[int, ...]":
-            try:
-                return tuple(int(i) for i in strings)
-            except ValueError:
-                fail("a list of integers", f"{name.split('.')[-1]}: [1, 3]")
-        return strings
+        return _to_tuple(value, base, leaf, fail)
     if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-        fail("a string", f"{name.split('.')[-1]}: text")
+        fail("a string", f"{leaf}: text")
     return str(value)
+
+
+def _failure(name: str, value: Any, source: str) -> Callable[[str, str], NoReturn]:
+    """``fail(expected, example)`` for the setting ``name``: a ConfigError saying what was expected,
+    what was given (unless it is a secret) and where, with an example of the fix."""
+
+    def fail(expected: str, example: str) -> NoReturn:
+        got = "a value not shown (a secret)" if name in SECRET_SETTINGS else repr(value)
+        raise ConfigError(
+            f"{name}: expected {expected}, got {got} (from {source}); for example {example}"
+        )
+
+    return fail
+
+
+def _to_bool(value: Any, leaf: str, fail: Callable[[str, str], NoReturn]) -> bool:
+    """A boolean, or its spellings in a variable or a flag (``1``, ``yes``, ``off``, ...)."""
+    if isinstance(value, bool):
+        return value
+    s = str(value).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off"):
+        return False
+    fail("true or false", f"{leaf}: true")
+
+
+def _to_int(value: Any, leaf: str, fail: Callable[[str, str], NoReturn]) -> int:
+    """An integer, or its text; not a boolean (YAML's ``yes`` is not a count)."""
+    if isinstance(value, bool):
+        fail("an integer", f"{leaf}: 256")
+    try:
+        return int(str(value).strip()) if not isinstance(value, int) else value
+    except ValueError:
+        fail("an integer", f"{leaf}: 256")
+
+
+def _to_number(
+    value: Any, base: str, leaf: str, fail: Callable[[str, str], NoReturn]
+) -> float | str:
+    """A finite number; for a ``float | str`` field (``blend.recompute_ratio``) also ``auto``."""
+    if base == "float | str" and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        f = math.nan
+    if isinstance(value, bool) or not math.isfinite(f):
+        fail("a number" if base == "float" else "a number or auto", f"{leaf}: 0.5")
+    return f
+
+
+def _to_tuple(
+    value: Any, base: str, leaf: str, fail: Callable[[str, str], NoReturn]
+) -> tuple[str, ...] | tuple[int, ...]:
+    """A list (or comma-separated text, or one integer) as a tuple of its non-empty items, of
+    integers for a ``tuple[int, ...]`` field."""
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, int) and not isinstance(items, bool):
+        items = [items]
+    if not isinstance(items, (list, tuple)):
+        fail("a list", f"{leaf}: [a, b]")
+    strings = tuple(str(i).strip() for i in items if str(i).strip())
+    if base == "tuple[int, ...]":
+        try:
+            return tuple(int(i) for i in strings)
+        except ValueError:
+            fail("a list of integers", f"{leaf}: [1, 3]")
+    return strings
 
 
 def _kernels(value: Any) -> Any:

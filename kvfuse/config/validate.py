@@ -22,6 +22,7 @@ from .sections import (
     CacheConfig,
     Config,
     ConfigError,
+    EngineConfig,
     ServerConfig,
     TierConfig,
 )
@@ -65,7 +66,8 @@ _URL_SCHEMES = {"redis": ("redis://", "rediss://", "unix://"), "s3": ("s3://",)}
 
 
 def validate(c: Config, sources: Mapping[str, str]) -> None:
-    """Range and consistency checks; ``sources`` says where each non-default value came from."""
+    """Range and consistency checks; ``sources`` says where each non-default value came from.
+    One function per section checks it; the first value found wrong is the error raised."""
 
     def need(ok: bool, name: str, message: str):
         if not ok:
@@ -79,131 +81,23 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
             raise ConfigError(f"{name}: {message}{where}")
 
     _check_top_level(c, need)
-    k = c.cache
-    e = c.engine
-    need(
-        e.max_running >= 1,
-        "engine.max_running",
-        f"must be >= 1 sequences per step, got {e.max_running}",
-    )
-    need(
-        e.max_step_tokens >= 1,
-        "engine.max_step_tokens",
-        f"must be >= 1 token per step, got {e.max_step_tokens}",
-    )
-    need(
-        e.kv_memory_bytes is None or e.kv_memory_bytes > 0,
-        "engine.kv_memory_bytes",
-        "must be a size > 0 (e.g. 1GiB), or none for no limit",
-    )
-    need(
-        16 <= k.chunk_size <= 65536,
-        "cache.chunk_size",
-        f"must be between 16 and 65536 tokens, got {k.chunk_size} (256 is the default)",
-    )
-    need(
-        k.kv_dtype in dtypes.KV_DTYPES,
-        "cache.kv_dtype",
-        f"must be one of {', '.join(dtypes.KV_DTYPES)}, got {k.kv_dtype!r}",
-    )
-    need(k.codec_level >= 0, "cache.codec_level", "must be >= 0")
-    need(k.write_queue >= 1, "cache.write_queue", "must be >= 1")
-    need(k.redis_timeout_s > 0, "cache.redis_timeout_s", "must be > 0 seconds")
-    need(
-        k.history_records >= 0,
-        "cache.history_records",
-        "must be >= 0 (0: remember no histories' ids)",
-    )
-    need(
-        k.truncation in ("reuse", "recompute", "off"),
-        "cache.truncation",
-        f"must be reuse, recompute or off, got {k.truncation!r}",
-    )
-    need(
-        k.eviction in ("queue", "lru"),
-        "cache.eviction",
-        f"must be queue or lru, got {k.eviction!r}",
-    )
-    need(
-        c.context_tokens == 0 or c.context_tokens >= 16,
-        "context_tokens",
-        f"must be 0 (the model's context window) or at least 16 tokens, got {c.context_tokens}",
-    )
-    need(
-        k.redis_url is None or k.redis_url.startswith(("redis://", "rediss://", "unix://")),
-        "cache.redis_url",
-        f"must start with redis://, rediss:// or unix://, got {redact_url(k.redis_url)!r}",
-    )
-    if k.tiers is None:
-        _check_flat_redis_security(c, need)
-    s = c.server
-    need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
-    need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
-    need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
-    need(
-        1 <= s.default_max_tokens <= s.max_tokens_limit,
-        "server.default_max_tokens",
-        "must be between 1 and server.max_tokens_limit",
-    )
-    for entry in s.api_keys:
-        problem = entry_problem(entry)
-        need(problem is None, "server.api_keys", problem or "")
-    _check_metrics_token(s, need)
-    need(
-        k.codec in codec_names(),
-        "cache.codec",
-        f"unknown codec {k.codec!r}; known codecs: {', '.join(codec_names())}",
-    )
-    need(
-        k.s3_url is None or (k.s3_url.startswith("s3://") and len(k.s3_url) > 5),
-        "cache.s3_url",
-        f"must look like s3://BUCKET or s3://BUCKET/PREFIX, got {k.s3_url!r}",
-    )
-    need(k.s3_timeout_s > 0, "cache.s3_timeout_s", "must be > 0 seconds")
-    if k.tiers is None:
-        need(
-            k.s3_url is not None or (k.s3_sse is None and k.s3_sse_kms_key_id is None),
-            "cache.s3_sse",
-            "is set but there is no S3 tier; set cache.s3_url (s3://BUCKET/PREFIX) or remove it",
-        )
-        _check_sse(k.s3_sse, k.s3_sse_kms_key_id, lambda f: f"cache.s3_{f}", need)
-    for tier in ("", "disk_", "redis_", "s3_"):
-        _check_codec(
-            need, f"cache.{tier}codec", getattr(k, f"{tier}codec"), getattr(k, f"{tier}codec_level")
-        )
-    _check_tiers(k, sources, need)
+    _check_engine(c.engine, need)
+    _check_cache(c.cache, need)
+    _check_flat_redis(c, need)
+    _check_server(c.server, need)
+    _check_codecs(c.cache, need)
+    _check_flat_s3(c.cache, need)
+    _check_tiers(c.cache, sources, need)
     _check_tenants(c, need)
-    need(
-        all(level in LEVELS for level in k.stream_levels),
-        "cache.stream_levels",
-        f"must be CacheGen levels ({', '.join(map(str, LEVELS))}), got {list(k.stream_levels)}",
-    )
-    need(
-        k.kv_slo_ms is None or k.kv_slo_ms > 0,
-        "cache.kv_slo_ms",
-        f"must be > 0 milliseconds, got {k.kv_slo_ms}",
-    )
-    need(
-        k.codec_workers is None or k.codec_workers >= 0,
-        "cache.codec_workers",
-        "must be >= 0 (0: code in the calling process)",
-    )
-    if (
-        k.retention is not None and k.retention != "in_memory"
-    ):  # reuse.retention.Retention.parse's forms
-        try:
-            parse_duration(k.retention)
-        except ValueError as e:
-            need(False, "cache.retention", f"{e}; or 'in_memory' (or none: the tiers' policy)")
-    try:
-        parse_duration(c.responses.ttl)
-    except ValueError as e:
-        need(False, "responses.ttl", str(e))
-    signer_of(k, sources)  # the signing keys: one way, long enough, a key file that holds some
+    _check_streaming(c.cache, need)
+    _check_retention(c, need)
+    # the signing keys: one way, long enough, a key file that holds some
+    signer_of(c.cache, sources)
 
 
 def _check_top_level(c: Config, need: Callable) -> None:
-    """The top-level fields: the model, where and how it runs, the threads and the log level."""
+    """The top-level fields: the model, where and how it runs, the threads, the log level and the
+    context window."""
     need(
         c.device in ("auto", "cpu", "cuda") or c.device.startswith("cuda:"),
         "device",
@@ -244,6 +138,153 @@ def _check_top_level(c: Config, need: Callable) -> None:
         "must be debug, info, warning or error",
     )
     need(bool(c.model), "model", "must name a built-in model, a model folder or a .gguf file")
+    need(
+        c.context_tokens == 0 or c.context_tokens >= 16,
+        "context_tokens",
+        f"must be 0 (the model's context window) or at least 16 tokens, got {c.context_tokens}",
+    )
+
+
+def _check_engine(e: EngineConfig, need: Callable) -> None:
+    """``engine``: the continuous batching limits (sequences and tokens per step, live KV)."""
+    need(
+        e.max_running >= 1,
+        "engine.max_running",
+        f"must be >= 1 sequences per step, got {e.max_running}",
+    )
+    need(
+        e.max_step_tokens >= 1,
+        "engine.max_step_tokens",
+        f"must be >= 1 token per step, got {e.max_step_tokens}",
+    )
+    need(
+        e.kv_memory_bytes is None or e.kv_memory_bytes > 0,
+        "engine.kv_memory_bytes",
+        "must be a size > 0 (e.g. 1GiB), or none for no limit",
+    )
+
+
+def _check_cache(k: CacheConfig, need: Callable) -> None:
+    """``cache``'s own settings (not its tiers'): chunking, KV dtype, the write queue, the history
+    records, truncation and eviction."""
+    need(
+        16 <= k.chunk_size <= 65536,
+        "cache.chunk_size",
+        f"must be between 16 and 65536 tokens, got {k.chunk_size} (256 is the default)",
+    )
+    need(
+        k.kv_dtype in dtypes.KV_DTYPES,
+        "cache.kv_dtype",
+        f"must be one of {', '.join(dtypes.KV_DTYPES)}, got {k.kv_dtype!r}",
+    )
+    need(k.codec_level >= 0, "cache.codec_level", "must be >= 0")
+    need(k.write_queue >= 1, "cache.write_queue", "must be >= 1")
+    need(k.redis_timeout_s > 0, "cache.redis_timeout_s", "must be > 0 seconds")
+    need(
+        k.history_records >= 0,
+        "cache.history_records",
+        "must be >= 0 (0: remember no histories' ids)",
+    )
+    need(
+        k.truncation in ("reuse", "recompute", "off"),
+        "cache.truncation",
+        f"must be reuse, recompute or off, got {k.truncation!r}",
+    )
+    need(
+        k.eviction in ("queue", "lru"),
+        "cache.eviction",
+        f"must be queue or lru, got {k.eviction!r}",
+    )
+
+
+def _check_flat_redis(c: Config, need: Callable) -> None:
+    """The flat ``cache.redis_url`` and, without ``cache.tiers``, its ACL and TLS keys."""
+    k = c.cache
+    need(
+        k.redis_url is None or k.redis_url.startswith(("redis://", "rediss://", "unix://")),
+        "cache.redis_url",
+        f"must start with redis://, rediss:// or unix://, got {redact_url(k.redis_url)!r}",
+    )
+    if k.tiers is None:
+        _check_flat_redis_security(c, need)
+
+
+def _check_server(s: ServerConfig, need: Callable) -> None:
+    """``server``: the port, the queue and body limits, the token limits, the API keys and the
+    ``/metrics`` token."""
+    need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
+    need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
+    need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    need(
+        1 <= s.default_max_tokens <= s.max_tokens_limit,
+        "server.default_max_tokens",
+        "must be between 1 and server.max_tokens_limit",
+    )
+    for entry in s.api_keys:
+        problem = entry_problem(entry)
+        need(problem is None, "server.api_keys", problem or "")
+    _check_metrics_token(s, need)
+
+
+def _check_codecs(k: CacheConfig, need: Callable) -> None:
+    """The write codecs, each a known one at a level it has: ``cache.codec`` and the flat tiers'
+    own (``cache.disk_codec``, ...)."""
+    for tier in ("", "disk_", "redis_", "s3_"):
+        _check_codec(
+            need, f"cache.{tier}codec", getattr(k, f"{tier}codec"), getattr(k, f"{tier}codec_level")
+        )
+
+
+def _check_flat_s3(k: CacheConfig, need: Callable) -> None:
+    """The flat ``cache.s3_*`` keys: the bucket URL, the time-out and, without ``cache.tiers``,
+    the server-side encryption (only with an S3 tier)."""
+    need(
+        k.s3_url is None or (k.s3_url.startswith("s3://") and len(k.s3_url) > 5),
+        "cache.s3_url",
+        f"must look like s3://BUCKET or s3://BUCKET/PREFIX, got {k.s3_url!r}",
+    )
+    need(k.s3_timeout_s > 0, "cache.s3_timeout_s", "must be > 0 seconds")
+    if k.tiers is None:
+        need(
+            k.s3_url is not None or (k.s3_sse is None and k.s3_sse_kms_key_id is None),
+            "cache.s3_sse",
+            "is set but there is no S3 tier; set cache.s3_url (s3://BUCKET/PREFIX) or remove it",
+        )
+        _check_sse(k.s3_sse, k.s3_sse_kms_key_id, lambda f: f"cache.s3_{f}", need)
+
+
+def _check_streaming(k: CacheConfig, need: Callable) -> None:
+    """CacheGen streaming (the levels a load may pick, the load budget) and the coding workers."""
+    need(
+        all(level in LEVELS for level in k.stream_levels),
+        "cache.stream_levels",
+        f"must be CacheGen levels ({', '.join(map(str, LEVELS))}), got {list(k.stream_levels)}",
+    )
+    need(
+        k.kv_slo_ms is None or k.kv_slo_ms > 0,
+        "cache.kv_slo_ms",
+        f"must be > 0 milliseconds, got {k.kv_slo_ms}",
+    )
+    need(
+        k.codec_workers is None or k.codec_workers >= 0,
+        "cache.codec_workers",
+        "must be >= 0 (0: code in the calling process)",
+    )
+
+
+def _check_retention(c: Config, need: Callable) -> None:
+    """How long things are kept: ``cache.retention`` (the forms ``reuse.retention.Retention.parse``
+    reads) and ``responses.ttl``."""
+    k = c.cache
+    if k.retention is not None and k.retention != "in_memory":
+        try:
+            parse_duration(k.retention)
+        except ValueError as e:
+            need(False, "cache.retention", f"{e}; or 'in_memory' (or none: the tiers' policy)")
+    try:
+        parse_duration(c.responses.ttl)
+    except ValueError as e:
+        need(False, "responses.ttl", str(e))
 
 
 def _check_metrics_token(s: ServerConfig, need: Callable) -> None:

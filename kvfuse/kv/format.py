@@ -789,7 +789,33 @@ def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
         key = bytes(mv[off : off + f.key_len]).decode("utf-8")
     except UnicodeDecodeError:
         raise FormatError("storage key is not valid UTF-8") from None
-    off += f.key_len
+    positions, token_ids = _positions_and_tokens(mv, f)
+    sizes, checksums, digests = _layer_table(mv, f)
+    codec = _payload_codec(f, dtype, sizes)
+    return Header(
+        key,
+        codec,
+        dtype,
+        shape,
+        positions,
+        f.flags & _FLAG_CONTIGUOUS != 0,
+        f.header_len,
+        sizes,
+        checksums,
+        bytes(mv[: f.header_len]),
+        token_ids,
+        digests,
+        verified,
+        algorithm,
+        bool(f.flags & _FLAG_DIGEST_ID),
+    )
+
+
+def _positions_and_tokens(mv: memoryview, f: _Frame) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The entry's positions (stored whole, or as the first of a contiguous run) and its token ids
+    (None in an entry written without them), as int64 tensors."""
+    n_pos = f.n_pos
+    off = _FIXED.size + f.key_len
     if f.flags & _FLAG_CONTIGUOUS:
         (start,) = struct.unpack_from("<q", mv, off)
         if start > 2**63 - 1 - n_pos:
@@ -805,13 +831,22 @@ def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
         token_ids = torch.from_numpy(
             np.frombuffer(mv, dtype="<u4", count=n_pos, offset=off).astype(np.int64)
         )
-    table = struct.unpack_from(f"<{2 * shape[0]}Q", mv, f.table)  # (size, checksum) per layer
-    off = f.table + _LAYER.size * shape[0]
+    return positions, token_ids
+
+
+def _layer_table(
+    mv: memoryview, f: _Frame
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[bytes, ...] | None]:
+    """The layers' sizes and xxh3 checksums, and a signed header's layer digests; the padding up
+    to the checksum must be zeros and the sizes must add up to the payload's length."""
+    layers = f.shape[0]
+    table = struct.unpack_from(f"<{2 * layers}Q", mv, f.table)  # (size, checksum) per layer
+    off = f.table + _LAYER.size * layers
     digests = None
     if f.flags & _FLAG_SIGNED:
         at = f.digests_at
         digests = tuple(
-            bytes(mv[at + DIGEST_SIZE * i : at + DIGEST_SIZE * (i + 1)]) for i in range(shape[0])
+            bytes(mv[at + DIGEST_SIZE * i : at + DIGEST_SIZE * (i + 1)]) for i in range(layers)
         )
         off = f.tag_at + TAG_SIZE
     if any(mv[off : f.header_len - _CHECKSUM.size]):
@@ -821,29 +856,19 @@ def _fields(mv: memoryview, f: _Frame, verified: bool) -> Header:
         raise FormatError(
             f"layer sizes add up to {sum(sizes)}, payload length says {f.payload_len}"
         )
+    return sizes, table[1::2], digests
+
+
+def _payload_codec(f: _Frame, dtype: torch.dtype, sizes: tuple[int, ...]) -> Codec:
+    """The payload's codec, known at its level, whose layer size (for a codec with a fixed one)
+    every layer has."""
     codec = _codec_of(f.codec_id, f.level)
-    expected = codec.layer_size(shape[1:], dtype)
+    expected = codec.layer_size(f.shape[1:], dtype)
     if expected is not None and sizes.count(expected) != len(sizes):
         raise FormatError(
-            f"payload length {f.payload_len} does not match {codec.name} {shape} ({expected} per layer)"
+            f"payload length {f.payload_len} does not match {codec.name} {f.shape} ({expected} per layer)"
         )
-    return Header(
-        key,
-        codec,
-        dtype,
-        shape,
-        positions,
-        f.flags & _FLAG_CONTIGUOUS != 0,
-        f.header_len,
-        sizes,
-        table[1::2],
-        bytes(mv[: f.header_len]),
-        token_ids,
-        digests,
-        verified,
-        algorithm,
-        bool(f.flags & _FLAG_DIGEST_ID),
-    )
+    return codec
 
 
 def _digest_algorithm(mv: memoryview, f: _Frame, verified: bool) -> int:
@@ -955,8 +980,17 @@ def read_entry(
         raise FormatError(
             f"{kind} payload ({size - header_len} bytes, header says {h.payload_len})"
         )
+    _read_layers(h, buf, fill, have)
+    return h.entry(buf[header_len:])
+
+
+def _read_layers(h: Header, buf: memoryview, fill: Callable[[int, int], None], have: int) -> None:
+    """Read the payload of ``h``'s entry into ``buf`` (its first ``have`` bytes read already) by
+    ``fill(start, stop)``, a piece at a time, checking each piece's layers while they are still in
+    the CPU's caches: by xxh3 here, or by digest on the pool (started once read, compared at the
+    end)."""
+    header_len = h.header_len
     views = h.layer_views(buf[header_len:], 0, len(h.layer_sizes))
-    # checked by digest on the pool: each piece's layers, started once read
     pending: list[Pending] = []
     piece_bytes = DIGEST_PIECE_BYTES if h.by_digest else PIECE_BYTES
     for first, last, stop in _pieces(h.layer_sizes, header_len, have, piece_bytes):
@@ -970,7 +1004,6 @@ def read_entry(
                 h.check_layer(i, views[i])
     for i, digest in enumerate(gather(pending)):
         h.check_digest(i, digest)
-    return h.entry(buf[header_len:])
 
 
 def _pieces(

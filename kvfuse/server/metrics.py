@@ -148,92 +148,116 @@ class CacheCollector(Collector):
         if engine is None:
             return
         s = engine.stats_snapshot()
-        tokens = CounterMetricFamily(
-            "kvfuse_prompt_tokens",
-            "Prompt tokens, by whether their KV was reused from the cache or prefilled.",
-            labels=["source"],
-        )
-        tokens.add_metric(["cached"], s["tokens_reused"])
-        tokens.add_metric(["prefilled"], s["tokens_prefilled"])
-        yield tokens
-        yield CounterMetricFamily(
-            "kvfuse_generation_tokens", "Tokens generated.", value=s["tokens_generated"]
-        )
-        yield CounterMetricFamily(
-            "kvfuse_engine_requests", "Requests the engine finished.", value=s["requests"]
-        )
-        yield CounterMetricFamily(
-            "kvfuse_engine_requests_skipped",
-            "Requests cancelled while they waited (never run).",
-            value=s["requests_skipped"],
-        )
-        yield CounterMetricFamily(
-            "kvfuse_chunks_stored", "KV chunks written to the store.", value=s["chunks_stored"]
-        )
-        yield CounterMetricFamily(
-            "kvfuse_chunk_load_failures",
-            "Cached chunks that could not be used.",
-            value=s["chunk_load_failures"],
-        )
+        yield from _engine_metrics(s)
         yield from _blend_metrics(s)
         yield from _backend_metrics(engine)
-        reused = CounterMetricFamily(
-            "kvfuse_reused_chunks",
-            "Chunks reused by requests, by the tier they came from.",
-            labels=["tier"],
-        )
-        for tier, n in sorted(s["hits_by_tier"].items()):
-            reused.add_metric([tier], n)
-        yield reused
-        for key, (name, help_) in _HISTORY_COUNTERS.items():
-            yield CounterMetricFamily(name, help_, value=s.get(key, 0))
-        if "history_records" in s:
-            yield GaugeMetricFamily(
-                "kvfuse_history_records",
-                "Conversation histories whose token ids are remembered.",
-                value=s["history_records"],
-            )
-        yield CounterMetricFamily(
-            "kvfuse_stream_requests",
-            "Prompts whose slow-tier KV was streamed within kv_slo_ms (CacheGen).",
-            value=s.get("streamed_requests", 0),
-        )
-        yield CounterMetricFamily(
-            "kvfuse_stream_slo_violations",
-            "Streamed loads that took longer than kv_slo_ms.",
-            value=s.get("stream_slo_violations", 0),
-        )
-        yield CounterMetricFamily(
-            "kvfuse_stream_read_bytes",
-            "Bytes read by streamed loads.",
-            value=s.get("stream_bytes", 0),
-        )
-        streamed = CounterMetricFamily(
-            "kvfuse_stream_chunks",
-            "Streamed chunks, by the encoding read (raw, "
-            "cachegen.N) or recompute (no encoding fit the budget).",
-            labels=["encoding"],
-        )
-        for encoding, n in sorted(s.get("stream_chunks", {}).items()):
-            streamed.add_metric([encoding], n)
-        yield streamed
+        yield from _reuse_metrics(s)
+        yield from _stream_metrics(s)
         yield from _batch_metrics(s)
-        saver = s.get("saver")
-        if saver is not None:
-            for key, (name, help_) in _SAVER_COUNTERS.items():
-                yield CounterMetricFamily(name, help_, value=saver.get(key, 0))
-            yield GaugeMetricFamily(
-                "kvfuse_save_max_seconds",
-                "The longest save job so far.",
-                value=saver.get("save_max_s", 0.0),
-            )
-            yield GaugeMetricFamily(
-                "kvfuse_saves_pending",
-                "Entries handed to the saver and not saved yet.",
-                value=saver.get("pending", 0),
-            )
+        yield from _saver_metrics(s.get("saver"))
         if engine.cache_enabled:
             yield from _store_metrics(engine.cache_stats())
+
+
+def _engine_metrics(s: dict) -> Iterator[Metric]:
+    """The engine's totals: prompt tokens by where their KV came from, tokens generated, requests
+    finished and skipped, chunks stored and cached chunks that could not be used."""
+    tokens = CounterMetricFamily(
+        "kvfuse_prompt_tokens",
+        "Prompt tokens, by whether their KV was reused from the cache or prefilled.",
+        labels=["source"],
+    )
+    tokens.add_metric(["cached"], s["tokens_reused"])
+    tokens.add_metric(["prefilled"], s["tokens_prefilled"])
+    yield tokens
+    yield CounterMetricFamily(
+        "kvfuse_generation_tokens", "Tokens generated.", value=s["tokens_generated"]
+    )
+    yield CounterMetricFamily(
+        "kvfuse_engine_requests", "Requests the engine finished.", value=s["requests"]
+    )
+    yield CounterMetricFamily(
+        "kvfuse_engine_requests_skipped",
+        "Requests cancelled while they waited (never run).",
+        value=s["requests_skipped"],
+    )
+    yield CounterMetricFamily(
+        "kvfuse_chunks_stored", "KV chunks written to the store.", value=s["chunks_stored"]
+    )
+    yield CounterMetricFamily(
+        "kvfuse_chunk_load_failures",
+        "Cached chunks that could not be used.",
+        value=s["chunk_load_failures"],
+    )
+
+
+def _reuse_metrics(s: dict) -> Iterator[Metric]:
+    """Where reused KV came from: chunks by tier, and conversations lined up with a stored history
+    (tokens reused, moved after truncation, truncations; the histories remembered)."""
+    reused = CounterMetricFamily(
+        "kvfuse_reused_chunks",
+        "Chunks reused by requests, by the tier they came from.",
+        labels=["tier"],
+    )
+    for tier, n in sorted(s["hits_by_tier"].items()):
+        reused.add_metric([tier], n)
+    yield reused
+    for key, (name, help_) in _HISTORY_COUNTERS.items():
+        yield CounterMetricFamily(name, help_, value=s.get(key, 0))
+    if "history_records" in s:
+        yield GaugeMetricFamily(
+            "kvfuse_history_records",
+            "Conversation histories whose token ids are remembered.",
+            value=s["history_records"],
+        )
+
+
+def _stream_metrics(s: dict) -> Iterator[Metric]:
+    """CacheGen streaming (``kv_slo_ms``): prompts streamed, budgets missed, bytes read, and the
+    chunks by the encoding each load picked."""
+    yield CounterMetricFamily(
+        "kvfuse_stream_requests",
+        "Prompts whose slow-tier KV was streamed within kv_slo_ms (CacheGen).",
+        value=s.get("streamed_requests", 0),
+    )
+    yield CounterMetricFamily(
+        "kvfuse_stream_slo_violations",
+        "Streamed loads that took longer than kv_slo_ms.",
+        value=s.get("stream_slo_violations", 0),
+    )
+    yield CounterMetricFamily(
+        "kvfuse_stream_read_bytes",
+        "Bytes read by streamed loads.",
+        value=s.get("stream_bytes", 0),
+    )
+    streamed = CounterMetricFamily(
+        "kvfuse_stream_chunks",
+        "Streamed chunks, by the encoding read (raw, "
+        "cachegen.N) or recompute (no encoding fit the budget).",
+        labels=["encoding"],
+    )
+    for encoding, n in sorted(s.get("stream_chunks", {}).items()):
+        streamed.add_metric([encoding], n)
+    yield streamed
+
+
+def _saver_metrics(saver: dict | None) -> Iterator[Metric]:
+    """The background saver (none in an engine without one): what it saved, the time it took off
+    and on the request path, the waits it caused, the entries still pending."""
+    if saver is None:
+        return
+    for key, (name, help_) in _SAVER_COUNTERS.items():
+        yield CounterMetricFamily(name, help_, value=saver.get(key, 0))
+    yield GaugeMetricFamily(
+        "kvfuse_save_max_seconds",
+        "The longest save job so far.",
+        value=saver.get("save_max_s", 0.0),
+    )
+    yield GaugeMetricFamily(
+        "kvfuse_saves_pending",
+        "Entries handed to the saver and not saved yet.",
+        value=saver.get("pending", 0),
+    )
 
 
 def _backend_metrics(engine) -> Iterator[Metric]:
@@ -431,6 +455,28 @@ _TENANT_SERIES = {
 }
 
 
+def _declare_queue_gauges(r: CollectorRegistry, queue: Callable[[], dict[str, int]]) -> None:
+    """The queue and the live KV memory, read from ``queue()`` at scrape time (so they are never
+    stale): requests waiting and running, KV bytes held, their peak and their budget."""
+    Gauge("kvfuse_queue_depth", "Requests waiting in the queue.", registry=r).set_function(
+        lambda: queue().get("waiting", 0)
+    )
+    Gauge("kvfuse_requests_running", "Requests being generated.", registry=r).set_function(
+        lambda: queue().get("running", 0)
+    )
+    Gauge(
+        "kvfuse_kv_memory_bytes",
+        "Live KV memory held by running sequences (engine.kv_memory_bytes bounds it).",
+        registry=r,
+    ).set_function(lambda: queue().get("kv_bytes_used", 0))
+    Gauge(
+        "kvfuse_kv_memory_peak_bytes", "The most live KV memory held at once.", registry=r
+    ).set_function(lambda: queue().get("kv_bytes_peak", 0))
+    Gauge(
+        "kvfuse_kv_memory_limit_bytes", "The live KV memory budget (0: unbounded).", registry=r
+    ).set_function(lambda: queue().get("kv_bytes_limit", 0))
+
+
 class ServerMetrics:
     """The metrics of one app. ``render()`` gives the Prometheus text exposition. ``tenant_names``:
     tenant tag -> name, for the per-tenant series (``TenantCollector``)."""
@@ -442,6 +488,15 @@ class ServerMetrics:
         tenant_names: Mapping[str, str] | None = None,
     ):
         r = self.registry = CollectorRegistry()
+        self._declare_request_metrics(r)
+        _declare_queue_gauges(r, queue)
+        self._declare_api_metrics(r)
+        r.register(CacheCollector(engine_getter))
+        r.register(TenantCollector(engine_getter, tenant_names or {}))
+
+    def _declare_request_metrics(self, r: CollectorRegistry) -> None:
+        """The metrics observed as requests finish: requests by endpoint and status, latencies
+        (time to first token, per output token, saving, queueing), cancellations, refusals."""
         self.requests = Counter(
             "kvfuse_http_requests",
             "HTTP requests by endpoint and status.",
@@ -483,23 +538,9 @@ class ServerMetrics:
         self.rejected = Counter(
             "kvfuse_requests_rejected", "Requests refused because the queue was full.", registry=r
         )
-        Gauge("kvfuse_queue_depth", "Requests waiting in the queue.", registry=r).set_function(
-            lambda: queue().get("waiting", 0)
-        )
-        Gauge("kvfuse_requests_running", "Requests being generated.", registry=r).set_function(
-            lambda: queue().get("running", 0)
-        )
-        Gauge(
-            "kvfuse_kv_memory_bytes",
-            "Live KV memory held by running sequences (engine.kv_memory_bytes bounds it).",
-            registry=r,
-        ).set_function(lambda: queue().get("kv_bytes_used", 0))
-        Gauge(
-            "kvfuse_kv_memory_peak_bytes", "The most live KV memory held at once.", registry=r
-        ).set_function(lambda: queue().get("kv_bytes_peak", 0))
-        Gauge(
-            "kvfuse_kv_memory_limit_bytes", "The live KV memory budget (0: unbounded).", registry=r
-        ).set_function(lambda: queue().get("kv_bytes_limit", 0))
+
+    def _declare_api_metrics(self, r: CollectorRegistry) -> None:
+        """The API's own counters: the Responses API's stored responses, tenants' refused requests."""
         self.responses = Counter(
             "kvfuse_responses",
             "Responses API: responses by event (created, stored, continued "
@@ -517,8 +558,6 @@ class ServerMetrics:
             ["tenant", "limit"],
             registry=r,
         )
-        r.register(CacheCollector(engine_getter))
-        r.register(TenantCollector(engine_getter, tenant_names or {}))
 
     def observe_outcome(self, outcome: Outcome) -> None:
         """Count one finished request (called on the engine thread; prometheus_client is thread-safe)."""

@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from kvfuse.codecs import get_codec
 from kvfuse.counters import Counters
 from kvfuse.integrations.vllm.blocks import check_alignment
-from kvfuse.integrations.vllm.layout import LayoutError, probe_layout
+from kvfuse.integrations.vllm.layout import BlockLayout, LayoutError, probe_layout
 from kvfuse.integrations.vllm.plan import Bookkeeper, CachedRequest, NewRequest, StepPlan
 from kvfuse.integrations.vllm.settings import (
     kv_namespace,
@@ -224,6 +224,19 @@ def _model_identity(vllm_config: VllmConfig) -> str:
     )
 
 
+def _check_parallelism(pc) -> None:
+    """vLLM's parallelism the connector supports: tensor parallelism only (each rank keeps its own
+    heads' KV, under its own keys); pipeline stages and context parallelism split a request's KV
+    over workers in ways the connector's chunks do not follow."""
+    for name in (
+        "pipeline_parallel_size",
+        "decode_context_parallel_size",
+        "prefill_context_parallel_size",
+    ):
+        if getattr(pc, name, 1) != 1:
+            raise ValueError(f"KvfuseConnector supports {name} = 1 only (got {getattr(pc, name)})")
+
+
 class KvfuseConnector(KVConnectorBase_V1):
     """vLLM V1 KV connector backed by kvfuse's tiers; see the module docstring and docs/vllm.md."""
 
@@ -233,15 +246,7 @@ class KvfuseConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = read_settings(self._kv_transfer_config.kv_connector_extra_config)
         pc = vllm_config.parallel_config
-        for name in (
-            "pipeline_parallel_size",
-            "decode_context_parallel_size",
-            "prefill_context_parallel_size",
-        ):
-            if getattr(pc, name, 1) != 1:
-                raise ValueError(
-                    f"KvfuseConnector supports {name} = 1 only (got {getattr(pc, name)})"
-                )
+        _check_parallelism(pc)
         self.spec = self._attention_spec(kv_cache_config)
         self.layer_names = list(kv_cache_config.kv_cache_groups[0].layer_names)
         self.block_size = vllm_config.cache_config.block_size
@@ -256,50 +261,55 @@ class KvfuseConnector(KVConnectorBase_V1):
         # req_id -> cache_salt (eligible requests)
         self._requests: OrderedDict[str, str | None] = OrderedDict()
         self._closed = False
-        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
-        disk = self.settings.config.disk_path
-        where = str(disk) if disk is not None else "off"
-        redis = any(t.kind == "redis" for t in self.settings.config.lower_tiers())
         # kv_role: kv_both loads and saves, kv_consumer only loads, kv_producer only saves
         self.load_enabled = self.settings.load and self._kv_transfer_config.is_kv_consumer
         self.save_enabled = self.settings.save and self._kv_transfer_config.is_kv_producer
         if role == KVConnectorRole.SCHEDULER:
-            self.fingerprint = self.settings.model_fingerprint or _model_identity(vllm_config)
-            self._namespaces: OrderedDict[str | None, list[Namespace]] = OrderedDict()
-            self.bookkeeper = Bookkeeper(
-                self.settings.chunk_size,
-                self.block_size,
-                self._keys_for,
-                self._lookup,
-                load=self.load_enabled,
-                save=self.save_enabled,
-            )
-            self._deltas = _Deltas(self.bookkeeper.counters)
-            log.info(
-                "kvfuse connector (scheduler): chunks of %d tokens (%d blocks), KV %s %s, tiers %s (disk %s, "
-                "redis %s), codec %s, model fingerprint %s, load %s, save %s, signed entries %s",
-                self.settings.chunk_size,
-                self.settings.chunk_size // self.block_size,
-                self.kv_dtype,
-                self._layout_name(0),
-                [t.name for t in self.store.tiers],
-                where,
-                "on" if redis else "off",
-                self.codec.name,
-                self.fingerprint,
-                self.load_enabled,
-                self.save_enabled,
-                "on" if self.store.signer is not None else "off",
-            )
-            if policy != "recompute" and self.load_enabled:
-                log.warning(
-                    "kvfuse connector: kv_load_failure_policy is %r: a chunk that fails to load (evicted, "
-                    'damaged, Redis down) fails its request. Set "kv_load_failure_policy": "recompute" '
-                    "in --kv-transfer-config to have vLLM recompute it instead.",
-                    policy,
-                )
+            self._start_scheduler(vllm_config)
         else:
             self._deltas = None  # set when the worker exists (register_kv_caches)
+
+    def _start_scheduler(self, vllm_config: VllmConfig) -> None:
+        """The scheduler side: the model's fingerprint (the namespace of its keys), the bookkeeper
+        that plans loads and saves, and the setup logged once (with a warning where a failed load
+        would fail its request)."""
+        self.fingerprint = self.settings.model_fingerprint or _model_identity(vllm_config)
+        self._namespaces: OrderedDict[str | None, list[Namespace]] = OrderedDict()
+        self.bookkeeper = Bookkeeper(
+            self.settings.chunk_size,
+            self.block_size,
+            self._keys_for,
+            self._lookup,
+            load=self.load_enabled,
+            save=self.save_enabled,
+        )
+        self._deltas = _Deltas(self.bookkeeper.counters)
+        disk = self.settings.config.disk_path
+        redis = any(t.kind == "redis" for t in self.settings.config.lower_tiers())
+        log.info(
+            "kvfuse connector (scheduler): chunks of %d tokens (%d blocks), KV %s %s, tiers %s (disk %s, "
+            "redis %s), codec %s, model fingerprint %s, load %s, save %s, signed entries %s",
+            self.settings.chunk_size,
+            self.settings.chunk_size // self.block_size,
+            self.kv_dtype,
+            self._layout_name(0),
+            [t.name for t in self.store.tiers],
+            str(disk) if disk is not None else "off",
+            "on" if redis else "off",
+            self.codec.name,
+            self.fingerprint,
+            self.load_enabled,
+            self.save_enabled,
+            "on" if self.store.signer is not None else "off",
+        )
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
+        if policy != "recompute" and self.load_enabled:
+            log.warning(
+                "kvfuse connector: kv_load_failure_policy is %r: a chunk that fails to load (evicted, "
+                'damaged, Redis down) fails its request. Set "kv_load_failure_policy": "recompute" '
+                "in --kv-transfer-config to have vLLM recompute it instead.",
+                policy,
+            )
 
     # -- shared ------------------------------------------------------------------------------------
 
@@ -523,25 +533,8 @@ class KvfuseConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-        missing = [n for n in self.layer_names if n not in kv_caches]
-        if missing:
-            raise ValueError(f"KvfuseConnector: no KV cache for layers {missing[:3]}")
-        views = {n: kv_caches[n] for n in self.layer_names}
+        views, layer, sig = self._layer_views(kv_caches)
         first = views[self.layer_names[0]]
-        ptrs = {v.data_ptr() for v in views.values()}
-        if len(ptrs) != len(views):
-            raise ValueError(
-                "KvfuseConnector does not support layers sharing one KV cache (cross-layer KV sharing)"
-            )
-        context = self._vllm_config.compilation_config.static_forward_context
-        layer = context.get(self.layer_names[0])
-        sig = self._signature(first, layer)
-        for n in self.layer_names[1:]:
-            if self._signature(views[n], context.get(n)) != sig:
-                raise LayoutError(
-                    f"KvfuseConnector needs every layer's KV cache in one layout; {n} differs from "
-                    f"{self.layer_names[0]}: {self._signature(views[n], context.get(n))} vs {sig}"
-                )
         layout = probe_layout(
             first, self._writer(layer, first), self.spec.num_kv_heads, self.spec.head_size
         )
@@ -566,6 +559,38 @@ class KvfuseConnector(KVConnectorBase_V1):
             save_queue=self.settings.save_queue,
         )
         self._deltas = _Deltas(self.worker.counters)
+        self._log_worker(rank, first, sig, layout, layerwise)
+
+    def _layer_views(self, kv_caches: dict[str, torch.Tensor]) -> tuple[dict, Any, tuple]:
+        """Each attention layer's KV cache, checked: every layer has one of its own (no cross-layer
+        KV sharing), all in one layout, so that the layout ``probe_layout`` learns on the first
+        layer holds for every layer. Also the first attention layer and that layout's
+        ``_signature``."""
+        missing = [n for n in self.layer_names if n not in kv_caches]
+        if missing:
+            raise ValueError(f"KvfuseConnector: no KV cache for layers {missing[:3]}")
+        views = {n: kv_caches[n] for n in self.layer_names}
+        first = views[self.layer_names[0]]
+        ptrs = {v.data_ptr() for v in views.values()}
+        if len(ptrs) != len(views):
+            raise ValueError(
+                "KvfuseConnector does not support layers sharing one KV cache (cross-layer KV sharing)"
+            )
+        context = self._vllm_config.compilation_config.static_forward_context
+        layer = context.get(self.layer_names[0])
+        sig = self._signature(first, layer)
+        for n in self.layer_names[1:]:
+            if self._signature(views[n], context.get(n)) != sig:
+                raise LayoutError(
+                    f"KvfuseConnector needs every layer's KV cache in one layout; {n} differs from "
+                    f"{self.layer_names[0]}: {self._signature(views[n], context.get(n))} vs {sig}"
+                )
+        return views, layer, sig
+
+    def _log_worker(
+        self, rank: int, first: torch.Tensor, sig: tuple, layout: BlockLayout, layerwise: bool
+    ) -> None:
+        """The worker side's setup, logged once: the layout learned, the tiers, the codec."""
         cc = self._vllm_config.cache_config
         log.info(
             "kvfuse connector (worker rank %d): %d layers, vLLM layout %s, backend %s%s, per-layer view %s %s "

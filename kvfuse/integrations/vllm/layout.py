@@ -209,18 +209,10 @@ def probe_layout(
 
     Block ``block`` is restored afterwards; call it before the cache is in use. LayoutError when
     the writer does not place every value exactly once, or changes the values."""
-    if view.dim() != 4:
-        raise LayoutError(
-            f"expected a 4-D [blocks, heads, block_size, content] view, got shape {tuple(view.shape)}"
-        )
-    if not view.dtype.is_floating_point or view.element_size() < 2:
-        raise LayoutError(
-            f"the KV cache holds {view.dtype}; kvfuse reads float16, bfloat16 and float32 caches only "
-            "(start vLLM with --kv-cache-dtype auto)"
-        )
+    _check_probed_view(view)
     _, hp, n, cp = view.shape
     coords = {"token": n, "head": kv_heads, "dim": head_dim}
-    device, dtype = view.device, view.dtype
+    device = view.device
     saved = view[block].clone()
     slots = torch.arange(block * n, (block + 1) * n, dtype=torch.int64, device=device)
     grids = {
@@ -236,20 +228,7 @@ def probe_layout(
             digits = 1 if size <= _BASE else 2
             for digit in range(digits):
                 part = (grids[name] // (_BASE**digit)) % _BASE + 1
-                view[block].zero_()
-                try:
-                    write(part.to(dtype), (-part).to(dtype), slots)
-                except Exception as e:
-                    raise LayoutError(
-                        f"the attention backend's KV writer failed on a probe of {n} tokens x "
-                        f"{kv_heads} heads x {head_dim} dims: {e}"
-                    ) from e
-                read = view[block].reshape(-1).to(torch.float64)
-                if not torch.equal(read, read.round()) or read.abs().max() > _BASE:
-                    raise LayoutError(
-                        "the backend changed the values it wrote (a quantized or transformed KV cache); "
-                        "kvfuse needs a plain float16/bfloat16/float32 cache"
-                    )
+                read = _probe_write(view[block], write, part, slots)
                 sign = torch.sign(read).to(torch.int8)
                 if kind is None:
                     kind = sign
@@ -263,6 +242,44 @@ def probe_layout(
         view[block].copy_(saved)
     assert kind is not None
     return _index_from_probe(kind, found, (hp, n, cp), kv_heads, head_dim)
+
+
+def _check_probed_view(view: torch.Tensor) -> None:
+    """A view ``probe_layout`` can learn from: 4-D, of a float dtype of at least 16 bits (the
+    probe's values are small integers, which such a dtype holds exactly)."""
+    if view.dim() != 4:
+        raise LayoutError(
+            f"expected a 4-D [blocks, heads, block_size, content] view, got shape {tuple(view.shape)}"
+        )
+    if not view.dtype.is_floating_point or view.element_size() < 2:
+        raise LayoutError(
+            f"the KV cache holds {view.dtype}; kvfuse reads float16, bfloat16 and float32 caches only "
+            "(start vLLM with --kv-cache-dtype auto)"
+        )
+
+
+def _probe_write(
+    block: torch.Tensor, write: Writer, part: torch.Tensor, slots: torch.Tensor
+) -> torch.Tensor:
+    """One probe: ``write`` K = ``part`` and V = ``-part`` (``(tokens, heads, dims)``, values 1 to
+    ``_BASE``) into the zeroed ``block`` at ``slots``; the block's contents read back, flat, as
+    float64. LayoutError when the writer fails or the values do not come back as written."""
+    n, kv_heads, head_dim = part.shape
+    block.zero_()
+    try:
+        write(part.to(block.dtype), (-part).to(block.dtype), slots)
+    except Exception as e:
+        raise LayoutError(
+            f"the attention backend's KV writer failed on a probe of {n} tokens x "
+            f"{kv_heads} heads x {head_dim} dims: {e}"
+        ) from e
+    read = block.reshape(-1).to(torch.float64)
+    if not torch.equal(read, read.round()) or read.abs().max() > _BASE:
+        raise LayoutError(
+            "the backend changed the values it wrote (a quantized or transformed KV cache); "
+            "kvfuse needs a plain float16/bfloat16/float32 cache"
+        )
+    return read
 
 
 def _index_from_probe(

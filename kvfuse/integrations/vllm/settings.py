@@ -77,7 +77,22 @@ def read_settings(
     named by ``config`` or ``$KVFUSE_CONFIG``, then ``KVFUSE_*`` variables of ``env``, default
     this process's environment, read by ``kvfuse.config``); ConfigError naming the setting on
     anything unknown or invalid."""
-    extra = dict(extra or {})
+    options, overrides = _split_extra(dict(extra or {}))
+    try:
+        config = load_from_environment(options.get("config"), overrides, env)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("(from command line)", f"(from {_SOURCE})")) from None
+    if not config.cache.enabled:
+        raise ConfigError(
+            "cache.enabled is false: remove the kvfuse connector from --kv-transfer-config instead"
+        )
+    return _connector_settings(config, options)
+
+
+def _split_extra(extra: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``kv_connector_extra_config`` split into the connector's own switches (booleans read) and
+    kvfuse settings as ``load_from_environment`` overrides (``cache.`` added where it is left
+    out); ConfigError listing the valid names on an unknown one."""
     options: dict[str, Any] = {}
     overrides: dict[str, Any] = {}
     for key, value in extra.items():
@@ -100,14 +115,12 @@ def read_settings(
             raise ConfigError(
                 f"unknown setting {key!r} in {_SOURCE}; valid settings: {', '.join(valid)}"
             )
-    try:
-        config = load_from_environment(options.get("config"), overrides, env)
-    except ConfigError as e:
-        raise ConfigError(str(e).replace("(from command line)", f"(from {_SOURCE})")) from None
-    if not config.cache.enabled:
-        raise ConfigError(
-            "cache.enabled is false: remove the kvfuse connector from --kv-transfer-config instead"
-        )
+    return options, overrides
+
+
+def _connector_settings(config: Config, options: dict[str, Any]) -> ConnectorSettings:
+    """The connector's own switches checked (``model_fingerprint`` a non-empty string,
+    ``layerwise`` a boolean or auto, ``save_queue`` a positive integer), with ``config``."""
     fingerprint = options.get("model_fingerprint")
     if fingerprint is not None and (not isinstance(fingerprint, str) or not fingerprint.strip()):
         raise ConfigError(
