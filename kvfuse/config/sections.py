@@ -32,7 +32,8 @@ METHODS = (
     "hkvd-attn",
     "prefix",
 )  # blend token selection
-BUDGET_SOURCES = ("config", "request", "profile", "default")  # what decided a blend's budget
+# what decided a blend's budget (``guard``: the online guard turned blending off for now)
+BUDGET_SOURCES = ("config", "request", "profile", "default", "guard")
 QUERY_AWARE = ("attn", "hkvd-attn")  # selections that look at the suffix: their blend depends on it
 DEVIATIONS = ("k", "v")
 CONTEXTS = ("bos", "none", "prefix", "eos")
@@ -267,6 +268,11 @@ class BlendOptions:
       it. Not part of the identity: it changes which prompts blend, not how.
     - ``auto_min_tokens``: prompts at least this long store their content chunks (shorter ones
       only look them up): what bounds the extra storage.
+    - ``verify_rate`` (0: off): the online guard (``kvfuse.reuse.guard``): the share of blended
+      requests checked, when the engine is idle, against a full prefill of the same prompt;
+      ``verify_tokens`` answer tokens compared; over the last ``verify_window`` checks (at least
+      ``verify_min``), an agreement below ``verify_target`` turns blending off (exact prefix
+      reuse) until it recovers. Not part of the identity.
     """
 
     recompute_ratio: float | str = "auto"
@@ -279,6 +285,11 @@ class BlendOptions:
     store_blended: bool = True
     auto: str = "off"  # automatic reuse of passages found in plain prompts (AUTO_MODES)
     auto_min_tokens: int = 1024  # prompts at least this long store their content chunks
+    verify_rate: float = 0.0  # share of blended requests the online guard checks (0: off)
+    verify_tokens: int = 8  # answer tokens a check compares
+    verify_target: float = 0.9  # agreement with full prefill below which blending turns off
+    verify_window: int = 50  # the last checks the agreement is taken over
+    verify_min: int = 10  # checks needed before the guard decides anything
     source: str = "config"  # what decided the budget (BUDGET_SOURCES); not part of the identity
 
     def __post_init__(self) -> None:
@@ -309,6 +320,22 @@ class BlendOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        self._check_guard()
+
+    def _check_guard(self) -> None:
+        for name in ("verify_rate", "verify_target"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"blend.{name} must be a number in [0, 1], got {v!r}")
+        for name in ("verify_tokens", "verify_window", "verify_min"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"blend.{name} must be an integer >= 1, got {v!r}")
+        if self.verify_min > self.verify_window:
+            raise ValueError(
+                f"blend.verify_min ({self.verify_min}) must be at most blend.verify_window "
+                f"({self.verify_window})"
+            )
 
     def with_ratio(self, ratio: float | str | None) -> BlendOptions:
         """These options with a request's recompute ratio (None: unchanged; ``auto``: to be

@@ -370,12 +370,17 @@ class Engine:
             self._end(seq, Outcome(error=e))
             return False
 
+    def idle_work(self) -> bool:
+        """Background work for when nothing waits or runs (the loop calls it): one check of the
+        online blend guard; whether there was any."""
+        return self.cache.verify_one(self.score)
+
     # ------------------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         """Run steps on a loop thread of the engine's own (what a server does)."""
         if self._loop is None or not self._loop.is_alive():
-            self._loop = EngineLoop(self.step, self.scheduler)
+            self._loop = EngineLoop(self.step, self.scheduler, self.idle_work)
             self._loop.start()
 
     def stop(self, timeout: float = 30.0) -> None:

@@ -172,6 +172,12 @@ class CacheEngine:
             self.parts.writer.after_turn(r, kv, generated)
         self.computing.done(r)
         self.parts.stats.add(**r.counters())
+        self.parts.keying.guard.sample(r, generated)
+
+    def verify_one(self, score) -> bool:
+        """Idle work: check one sampled blended request against a full prefill (the online
+        guard, ``guard.BlendGuard``) with ``score`` (``Engine.score``); False when none waits."""
+        return self.parts.keying.guard.verify_one(score)
 
     def release(self, r: Reuse) -> None:
         """``r``'s live KV is about to be freed (preempted): wait until the saver copied out the
@@ -213,8 +219,9 @@ class CacheEngine:
         )
 
     def counters(self) -> dict:
-        """Reuse counters, the histories remembered, the saver's figures."""
-        return {**self.parts.stats.snapshot(), **self.parts.writer.counters()}
+        """Reuse counters, the histories remembered, the saver's figures, the online guard's."""
+        p = self.parts
+        return {**p.stats.snapshot(), **p.writer.counters(), **p.keying.guard.counters()}
 
     def tier_stats(self) -> dict[str, dict]:
         return self.store.stats()
@@ -298,6 +305,9 @@ class NoCache:
 
     def settle(self, timeout: float = 0.5) -> None:
         pass
+
+    def verify_one(self, score) -> bool:
+        return False
 
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         return self.keying.namespace(tenant, salt, blend)

@@ -45,6 +45,7 @@ from kvfuse.prompts.prompt import Prompt
 from kvfuse.store import TieredStore
 
 from .auto_reuse import AutoReuse
+from .guard import BlendGuard
 from .options import CacheOptions
 from .planner import prompt_keys, tail_probe
 from .saver import Saver
@@ -81,6 +82,7 @@ class Keying:
         self.auto = AutoReuse.of(settings.blend)
         c = model.config
         self.layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
+        self.guard = BlendGuard(settings.blend, model.name)  # the online guard (verify_rate)
         # The bytes each token id spells (None: unknown, ids must then match exactly); read once, lazily.
         self.token_bytes: list[bytes] | tuple | None = None
 
@@ -145,10 +147,13 @@ class Keying:
         """A request's ``Reuse``: its blend resolved, its prompt as it will run, its keys
         (hashing only; no store is asked)."""
         documents = bool(prompt.documents)
-        blend = self.resolve(blend)
+        wanted = self.resolve(blend)
+        blend = self.guard.apply(wanted)
         if documents and not blend.blends:  # no blending: the documents are prompt text
             prompt = Prompt.plain(prompt.ids)
         r = Reuse(request_id, prompt, cache, blend, documents=documents)
+        if blend is not wanted:
+            r.shadow = wanted
         if cancel is not None:
             r.cancel = cancel
         r.auto = self.auto.status(

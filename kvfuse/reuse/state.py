@@ -69,6 +69,8 @@ class Reuse:
     usage: Usage = field(default_factory=Usage)
     lookup_s: float = 0.0
     load_s: float = 0.0
+    # the blend it would have used had the online guard not turned blending off (None: it did not)
+    shadow: BlendOptions | None = None
     # the saver's epoch when a stored history's tail was looked for on submit (None: not yet)
     probed: int | None = None
 

@@ -155,6 +155,7 @@ class CacheCollector(Collector):
         yield from _stream_metrics(s)
         yield from _batch_metrics(s)
         yield from _saver_metrics(s.get("saver"))
+        yield from _guard_metrics(s)
         if engine.cache_enabled:
             yield from _store_metrics(engine.cache_stats())
 
@@ -297,6 +298,53 @@ def _blend_metrics(s: dict) -> Iterator[Metric]:
         blends.add_metric(label.split(":"), n)
     yield blends
     yield from _auto_reuse_metrics(s)
+
+
+_GUARD_COUNTERS = {
+    "blend_verify_sampled": (
+        "kvfuse_blend_verify_sampled",
+        "Blended requests sampled for the online guard's check (blend.verify_rate).",
+    ),
+    "blend_verify_dropped": (
+        "kvfuse_blend_verify_dropped",
+        "Sampled requests dropped because too many checks were waiting for idle time.",
+    ),
+    "blend_verified": (
+        "kvfuse_blend_verified",
+        "Blended requests checked against a full prefill of the same prompt.",
+    ),
+    "blend_verify_agreed": (
+        "kvfuse_blend_verify_agreed",
+        "Checked requests whose first answer tokens a full prefill predicts alike.",
+    ),
+    "blend_fallbacks": (
+        "kvfuse_blend_fallbacks",
+        "Times the online guard turned blending off (agreement below blend.verify_target).",
+    ),
+}
+
+
+def _guard_metrics(s: dict) -> Iterator[Metric]:
+    """The online blend guard (only when ``blend.verify_rate`` > 0)."""
+    if "blend_verify_agreement" not in s:
+        return
+    for key, (name, help_) in _GUARD_COUNTERS.items():
+        yield CounterMetricFamily(name, help_, value=s.get(key, 0))
+    yield GaugeMetricFamily(
+        "kvfuse_blend_verify_agreement",
+        "Agreement of blended answers with full prefill over the guard's window (-1: none yet).",
+        value=s["blend_verify_agreement"],
+    )
+    yield GaugeMetricFamily(
+        "kvfuse_blend_verify_kl",
+        "KL divergence of the first token's distribution, last check (-1: none yet).",
+        value=s["blend_verify_last_kl"],
+    )
+    yield GaugeMetricFamily(
+        "kvfuse_blend_fallback",
+        "1 while the online guard has blending off (exact prefix reuse), else 0.",
+        value=s["blend_fallback"],
+    )
 
 
 def _auto_reuse_metrics(s: dict) -> Iterator[Metric]:
