@@ -176,6 +176,25 @@ def test_engine_ratio_one_answers_as_a_full_prefill(family, tiny_loaded):
     assert again.hit_tiers == ("memory",) * 4
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_ratio_one_through_the_blend_path_has_a_full_prefills_logits(family, tiny_loaded):
+    """Issue 41: the blend path at recompute_ratio 1.0 is exact: teacher-forced logits over the
+    answer equal a full prefill's of the identical token ids within float rounding (documents
+    precomputed alone, loaded at new positions, every token recomputed), and the documents
+    prompt is exactly those ids."""
+    model = tiny_loaded(family)
+    engine = engine_with(model, TieredStore(MemoryTier(1 << 26)), recompute_ratio=1.0)
+    prompt = Prompt.of(PREFIX, DOCS, SUFFIX)
+    assert prompt.ids == PREFIX + sum(DOCS, []) + SUFFIX
+    answer = baseline(model, prompt.ids)
+    (full,) = engine.score(prompt.ids, [answer], cache=CacheOptions(enabled=False))
+    engine.generate(prompt, GREEDY)  # the documents cached alone
+    (blended,) = engine.score(prompt, [answer])
+    scale = float(full.abs().max())
+    assert (blended - full).abs().max() <= 1e-4 + 32 * torch.finfo(torch.float32).eps * scale
+    assert torch.equal(blended.argmax(-1), full.argmax(-1))
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_one_document_behind_its_context_is_an_exact_prefix(family, tiny_loaded):
     model = tiny_loaded(family)
