@@ -1,27 +1,58 @@
-"""Token selection and stopping: sampling parameters, the sampler, stop-string matching.
+"""Token selection and stopping: sampling parameters, the constraint protocols, stop strings.
 
-Pure logic, no model: the engine's decode loop calls ``Sampler`` on each logits vector and feeds
-decoded text through ``StopMatcher``.
+Pure logic, no model: the engine's decode loop adjusts each logits vector (``kvfuse.sampling``:
+bias, penalties), masks it by the sequence's ``TokenConstraint``, picks a token with its
+``Sampler`` and feeds the decoded text through ``StopMatcher``. ``Sampler`` and ``top_p_filter``
+live in ``kvfuse.sampling`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from kvfuse.sampling.checks import check_params
+from kvfuse.sampling.processors import top_p_filter
+from kvfuse.sampling.sampler import Sampler
+
+__all__ = [
+    "Sampler",
+    "SamplingParams",
+    "StopMatcher",
+    "Structure",
+    "TokenConstraint",
+    "top_p_filter",
+]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy decoding."""
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy decoding.
+
+    The fields follow OpenAI's API (``n``, ``frequency_penalty``, ``presence_penalty``,
+    ``logit_bias``, ``seed``, ``logprobs``) and vLLM's extensions (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``, ``prompt_logprobs``); the order
+    they apply in is ``kvfuse.sampling``'s. Checked on construction (``sampling.checks``)."""
 
     max_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
-    seed: int | None = None
+    min_p: float = 0.0  # 0 = off
+    seed: int | None = None  # of choice 0; choice i's is derived from it (``sampling.seeds``)
+    n: int = 1  # choices sampled from one prompt (its KV computed once, then forked)
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    # (token id, bias in [-100, 100]) pairs, added to the raw logits; a dict is accepted
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # alternatives per generated token to report with its logprob (None: no logprobs)
+    logprobs: int | None = None
+    # the same for every prompt token (None: none; the first token has no logprob)
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -34,54 +65,33 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        _check(
-            isinstance(self.max_tokens, int)
-            and not isinstance(self.max_tokens, bool)
-            and self.max_tokens >= 1,
-            "max_tokens",
-            f"must be an integer >= 1, got {self.max_tokens!r}",
-        )
-        _check(
-            _real(self.temperature) and 0.0 <= self.temperature <= 100.0,
-            "temperature",
-            f"must be a number in [0, 100] (0 = greedy), got {self.temperature!r}",
-        )
-        _check(
-            _real(self.top_p) and 0.0 < self.top_p <= 1.0,
-            "top_p",
-            f"must be in (0, 1], got {self.top_p!r}",
-        )
-        _check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
-            "top_k",
-            f"must be an integer >= 0, got {self.top_k!r}",
-        )
-        _check(
-            self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**63),
-            "seed",
-            f"must be a non-negative integer, got {self.seed!r}",
-        )
-        _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
-        )
-        _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        bias = self.logit_bias
+        pairs = tuple((k, v) for k, v in (bias.items() if isinstance(bias, Mapping) else bias))
+        try:
+            pairs = tuple(sorted(pairs))
+        except TypeError:  # a key of the wrong type: check_params names it
+            pass
+        object.__setattr__(self, "logit_bias", pairs)
+        check_params(self)
 
     @property
     def greedy(self) -> bool:
         # Below 1e-5, logits / temperature overflows float32; the limit is greedy decoding anyway.
         return self.temperature < _MIN_TEMPERATURE
 
+    @property
+    def adjusts_logits(self) -> bool:
+        """A logit bias or a penalty applies (``sampling.history``): without one, the raw logits
+        are sampled as they are (greedy decoding is then exactly their argmax)."""
+        return bool(
+            self.logit_bias
+            or self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+        )
+
 
 _MIN_TEMPERATURE = 1e-5
-
-
-def _real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def _check(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} {message}")
 
 
 class TokenConstraint(Protocol):
@@ -103,47 +113,6 @@ class Structure(Protocol):
     use it; each sequence decodes with a ``matcher()`` of its own."""
 
     def matcher(self) -> TokenConstraint: ...
-
-
-@dataclass
-class Sampler:
-    """Picks the next token from a logits vector: argmax, or seeded temperature / top-k / top-p."""
-
-    params: SamplingParams
-    generator: torch.Generator = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.generator = torch.Generator()
-        if self.params.seed is not None:
-            self.generator.manual_seed(self.params.seed)
-        else:
-            self.generator.seed()
-
-    def __call__(self, logits: torch.Tensor) -> int:
-        p = self.params
-        if p.greedy:
-            return int(torch.argmax(logits))
-        logits = logits.float().cpu() / p.temperature
-        if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if p.top_p < 1.0:
-            probs = top_p_filter(probs, p.top_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
-
-
-def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches ``top_p``; renormalise."""
-    sorted_probs, order = torch.sort(probs, descending=True)
-    # mass of strictly more likely tokens
-    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-    drop = before >= top_p
-    # the most likely token always stays (a top_p that rounds to 0 keeps just it)
-    drop[..., 0] = False
-    sorted_probs[drop] = 0.0
-    out = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return out / out.sum()
 
 
 class StopMatcher:

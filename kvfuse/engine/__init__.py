@@ -21,6 +21,8 @@ from kvfuse.reuse import Breakpoint, CacheOptions, Retention
 
 from .core import Engine
 from .request import (
+    Choice,
+    Delta,
     GenerationResult,
     Outcome,
     QueueClosed,
@@ -36,6 +38,8 @@ from .stats import EngineStats
 __all__ = [
     "Breakpoint",
     "CacheOptions",
+    "Choice",
+    "Delta",
     "Engine",
     "EngineStats",
     "GenerationResult",

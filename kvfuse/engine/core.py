@@ -35,9 +35,11 @@ from kvfuse.prompts import Prompt, PromptBuilder
 from kvfuse.reuse import CacheOptions, Loaded, open_cache
 from kvfuse.store import TieredStore
 
+from . import choices
 from .kv_memory import KVMemory, initial_slots
 from .loop import EngineLoop
-from .request import GenerationResult, Outcome, Request, RequestCancelled
+from .prompt_logprobs import prompt_logprobs
+from .request import Delta, GenerationResult, Outcome, Request, RequestCancelled
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stats import EngineStats
@@ -84,6 +86,7 @@ class Engine:
         self.cache.watch(self.scheduler.upcoming_keys, self.scheduler.wake)
         self._loop: EngineLoop | None = None
         self._closed = False
+        self._forked: list[Sequence] = []  # choices forked in this step that run now
 
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         """The cache namespace of ``tenant`` and ``salt`` (``Keying.namespace``)."""
@@ -121,8 +124,7 @@ class Engine:
     def withdraw(self, request: Request) -> None:
         """The client of ``request`` left: drop it if it waits, stop it at its next step if it runs."""
         request.cancel.set()
-        seq = self.scheduler.remove(request)
-        if seq is not None:
+        for seq in self.scheduler.remove(request):
             self._skip(seq, LEFT_WHILE_QUEUED)
         self.scheduler.wake()
 
@@ -243,7 +245,8 @@ class Engine:
             if ran:
                 self._run(batch)
             batch = None  # nothing of this step may hold a finished sequence's KV
-            finished += self._post_process(running)
+            forked, self._forked = self._forked, []
+            finished += self._post_process(running + forked)
         if not ran and not finished and self.cache.loading():
             self.scheduler.pause(LOAD_WAIT_S)  # only loads in flight: wait for one (or a submit)
         return [s.request for s in finished]
@@ -317,16 +320,45 @@ class Engine:
         return finished
 
     def _first_token(self, seq: Sequence) -> None:
-        """The prompt's KV is complete and its last token's logits are in: sample the first token,
-        count what was reused, write the new chunks. A preempted sequence admitted again only
+        """The prompt's KV is complete and its last token's logits are in: the prompt's logprobs
+        if asked, sample the first token, count what was reused, write the new chunks, fork the
+        other choices (``n > 1``). A preempted sequence (or a forked choice) admitted again only
         samples its next token (all of that happened the first time)."""
         if seq.started:
             return seq.decode.sample(seq.prefill.logits)
+        top = seq.request.params.prompt_logprobs
+        if top is not None:
+            ids = seq.reuse.prompt.ids
+            seq.prompt_logprobs = prompt_logprobs(self.model.runner, seq.kv, ids, top)
+            if seq.request.on_delta is not None:
+                seq.request.on_delta(Delta(0, prompt_logprobs=tuple(seq.prompt_logprobs)))
         seq.start_decoding(self.model.tokenizer, self.model.eos_token_ids)  # the first token
         t0 = time.perf_counter()
         self.cache.prefilled(seq.reuse, seq.kv, seq.reuse.prompt.ids + seq.token_ids)
         seq.timings.store_s = time.perf_counter() - t0
         seq.decode.started_at = time.perf_counter()
+        if seq.request.params.n > 1:
+            self._fork(seq)
+
+    def _fork(self, parent: Sequence) -> None:
+        """The other choices of ``parent``'s request (``choices``): each runs on a copy of the
+        prompt's KV and samples its first token from the prompt's logits now, or, when the copy
+        or a running place is not to be had, waits in the queue (and recomputes the prompt)."""
+        children = choices.fork(parent, self.model.tokenizer, self.model.eos_token_ids)
+        queued = []
+        for child in children:
+            if queued or not self.scheduler.memory.fork(parent, child):
+                queued.append(child)
+            elif not self.scheduler.adopt(child):
+                child.kv.release()
+                child.kv = None
+                queued.append(child)
+            else:
+                child.decode.sample(parent.prefill.logits)
+                self._forked.append(child)
+        self.stats.add(choices_forked=len(children) - len(queued), choices_queued=len(queued))
+        if queued:
+            self.scheduler.requeue(queued)
 
     def _complete(self, seq: Sequence) -> None:
         """``seq`` finished: its KV handed back to the cache engine, counted, its result out."""
@@ -334,14 +366,16 @@ class Engine:
         t0 = time.perf_counter()
         if seq.started:
             t.decode_s = t0 - seq.decode.started_at
-        self.cache.finish(seq.reuse, seq.kv if seq.started else None, seq.token_ids)
+        if seq.choice == 0:  # the prompt's reuse, history and counters are the parent's
+            self.cache.finish(seq.reuse, seq.kv if seq.started else None, seq.token_ids)
         t.store_s += time.perf_counter() - t0
         t.total_s = time.perf_counter() - seq.t_start
         self.stats.add(**seq.counters())
         self._end(seq, Outcome(result=seq.result()))
 
     def _skip(self, seq: Sequence, why: str) -> Sequence:
-        self.stats.add(requests=1, requests_skipped=1)
+        first = int(seq.choice == 0)  # a request counts once, whatever its choices
+        self.stats.add(requests=first, requests_skipped=first)
         self._end(seq, Outcome(error=RequestCancelled(why)))
         return seq
 
@@ -354,7 +388,13 @@ class Engine:
         seq.kv = (
             None  # the live KV is freed as soon as the request is done (once the saver copied it)
         )
-        seq.request.finish(outcome)
+        family = seq.family
+        if family is None or outcome.error is not None:
+            seq.request.finish(outcome)
+            if family is not None:  # the first error ends the request: its other choices stop
+                seq.request.cancel.set()
+        elif (result := family.done(seq)) is not None:
+            seq.request.finish(Outcome(result=result))
 
     def _guard(self, seq: Sequence, fn: Callable[[Sequence], None]) -> bool:
         """Run one part of a step for ``seq``; an exception ends that request, not the engine."""

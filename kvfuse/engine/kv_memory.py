@@ -1,9 +1,9 @@
 """The live KV of running sequences, within one budget (``engine.kv_memory_bytes``).
 
 ``KVMemory`` gives an admitted sequence its cache (its prompt, the tokens it generated before a
-preemption, and room to decode a while), grows it as the sequence computes, and frees it when the
-sequence is preempted. Side effects, stated: ``allocate`` and ``grow`` take bytes from the budget
-(or say no); ``release`` first waits until the saver has copied out the chunks the sequence's
+preemption, and room to decode a while), a forked choice its copy of the prompt's KV, grows a
+cache as the sequence computes, and frees it when the sequence is preempted. Side effects,
+stated: ``allocate``, ``fork`` and ``grow`` take bytes from the budget (or say no); ``release`` first waits until the saver has copied out the chunks the sequence's
 plan stores (their bytes live in that cache), then gives the cache's bytes back. A cache's bytes
 also go back by themselves when its buffer is freed (``models.cache``): a finished sequence's,
 once the saver is done with it.
@@ -57,6 +57,16 @@ class KVMemory:
                 seq.kv = self.runner.new_cache(slots, dtype=self.kv_dtype, budget=self.budget)
             except OutOfKVMemory:
                 return False
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """Give forked choice ``child`` a copy of ``parent``'s prompt KV (``KVCache.fork``) with
+        room to decode, from the budget; False (no copy) if it does not fit."""
+        p = child.request.params
+        try:
+            child.kv = parent.kv.fork(initial_slots(child.prompt_len, 0, p.max_tokens))
+        except OutOfKVMemory:
+            return False
         return True
 
     def grow(self, seq: Sequence, total: int) -> bool:

@@ -14,6 +14,7 @@ from kvfuse.generation import SamplingParams
 from kvfuse.history.records import Record
 from kvfuse.prompts.prompt import Prompt
 from kvfuse.reuse import CacheOptions, KVStreamReport
+from kvfuse.sampling.logprobs import TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,30 @@ class Timings:
     def decode_tokens_per_s(self, completion_tokens: int) -> float:
         steps = completion_tokens - 1  # the first token comes from the prefill
         return steps / self.decode_s if steps > 0 and self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Choice:
+    """One of a request's ``n`` choices: what it generated and why it stopped; ``logprobs``: one
+    entry per generated token when they were asked for (``SamplingParams.logprobs``)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one choice produced in one step, for streaming (``Request.on_delta``): its new text
+    (may be empty, e.g. held back by a stop string) and the logprobs of the token accepted; or,
+    once and before any token, the prompt's logprobs (``prompt_logprobs``, choice 0)."""
+
+    index: int
+    text: str = ""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(kw_only=True)
@@ -58,6 +83,12 @@ class GenerationResult:
     prefix_reused_tokens: int = 0
     span_reused_tokens: int = 0  # of cached_tokens, those of documents and found spans (blended)
     auto_reuse: str = "off"  # automatic reuse: off | skipped | prefix | none_found | blended
+    # Every choice, by index (``text``, ``token_ids`` and ``finish_reason`` above are choice 0's);
+    # empty in a result that never ran.
+    choices: list[Choice] = field(default_factory=list)
+    # the prompt's logprobs when asked for (``SamplingParams.prompt_logprobs``): None for its
+    # first token, then one entry per token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @classmethod
     def cancelled(cls, prompt_tokens: int) -> GenerationResult:
@@ -66,6 +97,9 @@ class GenerationResult:
 
     @property
     def completion_tokens(self) -> int:
+        """Tokens generated, over every choice (what OpenAI's usage counts)."""
+        if self.choices:
+            return sum(len(c.token_ids) for c in self.choices)
         return len(self.token_ids)
 
 
@@ -93,8 +127,9 @@ class Outcome:
 class Request:
     """One generation request as the engine takes it.
 
-    ``on_text`` receives text pieces as they are decoded and ``on_done`` the ``Outcome``, exactly
-    once; both are called on the engine's thread. Setting ``cancel`` stops the request: a waiting
+    ``on_text`` receives text pieces as they are decoded (choice 0's), ``on_delta`` every
+    choice's pieces with their logprobs (``Delta``), and ``on_done`` the ``Outcome``, exactly
+    once; all are called on the engine's thread. Setting ``cancel`` stops the request: a waiting
     one is skipped, a running one stops at its next step (finish reason "cancelled").
     """
 
@@ -106,6 +141,7 @@ class Request:
     recompute_ratio: float | str | None = None
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     on_text: Callable[[str], None] | None = None
+    on_delta: Callable[[Delta], None] | None = None
     on_done: Callable[[Outcome], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)

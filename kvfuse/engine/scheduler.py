@@ -155,15 +155,15 @@ class Scheduler:
             self._waiting.append(seq)
             self._cond.notify_all()
 
-    def remove(self, request: Request) -> Sequence | None:
-        """Take ``request``'s sequence out of the queue if it still waits (its client left), and
-        return it; None if it does not wait (it runs, or is done)."""
+    def remove(self, request: Request) -> list[Sequence]:
+        """Take ``request``'s sequences (its choices) out of the queue if they still wait (its
+        client left), and return them; none if none waits (they run, or are done)."""
         with self._cond:
-            seq = next((s for s in self._waiting if s.request is request), None)
-            if seq is not None:
+            out = [s for s in self._waiting if s.request is request]
+            for seq in out:
                 self._waiting.remove(seq)
-                self.skipped += 1
-            return seq
+            self.skipped += sum(1 for s in out if s.choice == 0)
+            return out
 
     def close(self) -> list[Sequence]:
         """Refuse new sequences; remove and return the waiting ones."""
@@ -191,7 +191,7 @@ class Scheduler:
             self._waiting = deque(s for s in self._waiting if not s.request.cancel.is_set())
             self.skipped += len(step.skipped)
             for seq in list(self._waiting):
-                if len(self._running) >= self.max_running:
+                if self._running and self._places() + seq.width > self.max_running:
                     break
                 if self.computing.blocks(seq.reuse):
                     continue  # keeps its place; later ones may be admitted
@@ -204,6 +204,30 @@ class Scheduler:
         if starved and self.memory is not None:
             self.memory.wait_for_release()
         return step
+
+    def _places(self) -> int:
+        """Running places taken (under the lock): a request's ``n`` choices count from its
+        admission, so that they can fork into running places once its prompt is computed."""
+        return sum(s.width for s in self._running)
+
+    def adopt(self, seq: Sequence) -> bool:
+        """A forked choice (its KV copied) runs from now on, if a running place is free (its
+        request's admission reserved one); False if none is: the caller queues it instead."""
+        with self._cond:
+            if self._places() >= self.max_running:
+                return False
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)
+            return True
+
+    def requeue(self, seqs: list[Sequence]) -> None:
+        """Forked choices that could not run now wait at the front of the queue, in order (they
+        were accepted already: never refused for a full queue)."""
+        with self._cond:
+            for seq in reversed(seqs):
+                seq.status = SequenceStatus.WAITING
+                self._waiting.appendleft(seq)
+            self._cond.notify_all()
 
     def _start(self, seq: Sequence) -> None:
         """``seq`` leaves the queue and runs (under the lock)."""

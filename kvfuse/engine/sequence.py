@@ -24,12 +24,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvfuse.generation import Sampler, StopMatcher, TokenConstraint
+from kvfuse.generation import Sampler, SamplingParams, StopMatcher, TokenConstraint
 from kvfuse.models.cache import KVCache
 from kvfuse.models.tokenizer import IncrementalDecoder
 from kvfuse.reuse import Filled, Reuse
+from kvfuse.sampling import TokenLogprob, choice_seed, token_logprob
+from kvfuse.sampling.history import TokenHistory
 
-from .request import GenerationResult, Request, Timings
+from .request import Choice, Delta, GenerationResult, Request, Timings
 
 
 class SequenceStatus(enum.Enum):
@@ -71,29 +73,89 @@ class PrefillState:
 
 @dataclass(eq=False)
 class DecodeState:
-    """Sampling and text: the tokens generated, the pending one, and when to stop."""
+    """Sampling and text: the tokens generated, the pending one, and when to stop.
+
+    ``history`` (when a bias or penalty applies) adjusts the raw logits first, then the
+    ``constraint`` masks them, then the ``sampler`` picks; ``top`` (None: no logprobs) is how many
+    alternatives each token's logprob entry carries, read from the raw logits."""
 
     sampler: Sampler | None = None
     constraint: TokenConstraint | None = None  # structured output: which tokens may come next
+    history: TokenHistory | None = None  # what the bias and penalties read
+    top: int | None = None
     decoder: IncrementalDecoder | None = None
     stops: StopMatcher | None = None
     eos: frozenset[int] = frozenset()
     pending: int | None = None  # sampled, not yet accepted
+    pending_logprob: TokenLogprob | None = None
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
     pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     started_at: float = 0.0  # when decoding started (perf_counter)
+
+    @classmethod
+    def new(
+        cls,
+        p: SamplingParams,
+        prompt: list[int],
+        tokenizer,
+        eos_token_ids,
+        index: int = 0,
+        history: TokenHistory | None = None,
+    ) -> DecodeState:
+        """The decode state of choice ``index`` of a request with ``p``: its own sampler (seed
+        derived for the choice), constraint matcher, stop strings and text decoder. ``history``:
+        another choice's penalty state to fork (the prompt's part is shared)."""
+        if history is not None:
+            history = history.fork()
+        elif p.adjusts_logits:
+            history = TokenHistory(p, prompt)
+        return cls(
+            sampler=Sampler(p, choice_seed(p.seed, index)),
+            constraint=p.structure.matcher() if p.structure is not None else None,
+            history=history,
+            top=p.logprobs,
+            decoder=IncrementalDecoder(tokenizer),
+            stops=StopMatcher(p.stop),
+            eos=frozenset(p.stop_token_ids)
+            | (frozenset() if p.ignore_eos else frozenset(eos_token_ids)),
+        )
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
 
     def sample(self, logits: torch.Tensor) -> None:
-        """The next token (within the constraint, if any), pending until post-processing
-        accepts it."""
+        """The next token (bias and penalties applied, within the constraint if any), pending
+        until post-processing accepts it; its logprob is the raw distribution's."""
+        raw = logits
+        if self.history is not None:
+            logits = self.history.adjust(logits)
         if self.constraint is not None:
             logits = self.constraint.mask(logits)
         self.pending = self.sampler(logits)
+        if self.top is not None:
+            self.pending_logprob = token_logprob(raw, self.pending, self.top)
+
+    def take_pending(self) -> tuple[int, TokenLogprob | None]:
+        token, entry = self.pending, self.pending_logprob
+        self.pending, self.pending_logprob = None, None
+        return token, entry
+
+    def accepted(self, token: int, entry: TokenLogprob | None) -> None:
+        """``token`` (not an end-of-sequence one) joins the output."""
+        self.token_ids.append(token)
+        if entry is not None:
+            self.logprobs.append(entry)
+        if self.history is not None:
+            self.history.accept(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+
+    def choice(self, index: int) -> Choice:
+        lp = list(self.logprobs) if self.top is not None else None
+        return Choice(index, self.text, self.token_ids, self.finish_reason, lp)
 
 
 @dataclass(eq=False)
@@ -110,6 +172,16 @@ class Sequence:
     logits: torch.Tensor | None = None  # the prompt's last logits (kept for Engine.score)
     timings: Timings = field(default_factory=Timings)
     t_start: float = 0.0
+    choice: int = 0  # which of the request's n choices this sequence generates
+    family: object | None = None  # the request's ``Choices`` once it forked (n > 1)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked (choice 0)
+
+    @property
+    def width(self) -> int:
+        """Running places this sequence takes: a request's ``n`` until it forks, else one."""
+        if self.choice == 0 and not self.started:
+            return self.request.params.n
+        return 1
 
     @property
     def decoding(self) -> bool:
@@ -143,25 +215,24 @@ class Sequence:
 
     def start_decoding(self, tokenizer, eos_token_ids) -> None:
         """The prompt's last logits are in: sample the first token (pending), note the time to it,
-        and set up the text decoder, stop strings and end-of-sequence tokens."""
-        pre, d, t, p, r = self.prefill, self.decode, self.timings, self.request.params, self.reuse
+        and set up the sampler, text decoder, stop strings and end-of-sequence tokens."""
+        pre, t, r = self.prefill, self.timings, self.reuse
         t.lookup_s = r.lookup_s
         t.load_s, t.prefill_s = r.load_s + pre.load_s, pre.compute_s
-        d.sampler, self.logits = Sampler(p), pre.logits
-        d.constraint = p.structure.matcher() if p.structure is not None else None
-        d.sample(pre.logits)
+        self.logits = pre.logits
+        self.decode = DecodeState.new(self.request.params, r.prompt.ids, tokenizer, eos_token_ids)
+        self.decode.sample(pre.logits)
         t.ttft_s = time.perf_counter() - self.t_start
-        d.eos = frozenset(p.stop_token_ids) | (
-            frozenset() if p.ignore_eos else frozenset(eos_token_ids)
-        )
-        d.decoder, d.stops = IncrementalDecoder(tokenizer), StopMatcher(p.stop)
         self.started = True
 
     def counters(self) -> dict:
-        """What this finished request adds to the serving loop's counters (``EngineStats``)."""
-        out = {"requests": 1, "tokens_generated": len(self.token_ids)}
-        if self.started:
-            out["prompt_tokens"] = self.prompt_len
+        """What this finished sequence adds to the serving loop's counters (``EngineStats``): a
+        forked choice only its tokens (its request and prompt count once, with choice 0)."""
+        out = {"tokens_generated": len(self.token_ids)}
+        if self.choice == 0:
+            out["requests"] = 1
+            if self.started:
+                out["prompt_tokens"] = self.prompt_len
         return out
 
     def preempted(self) -> None:
@@ -170,27 +241,30 @@ class Sequence:
         recomputes that token's context and samples it anew."""
         self.kv = None
         self.prefill = PrefillState()
-        self.decode.pending = None
+        self.decode.take_pending()
         self.preemptions += 1
 
-    def emit(self, piece: str) -> None:
+    def emit(self, piece: str, entry: TokenLogprob | None = None) -> None:
+        """Hand new text (choice 0's to ``on_text``) and the accepted token's logprob entry (to
+        ``on_delta``) to the request."""
+        req = self.request
         if piece:
             self.decode.pieces.append(piece)
-            if self.request.on_text is not None:
-                self.request.on_text(piece)
+            if req.on_text is not None and self.choice == 0:
+                req.on_text(piece)
+        if req.on_delta is not None and (piece or entry is not None):
+            req.on_delta(Delta(self.choice, piece, (entry,) if entry is not None else ()))
 
     def accept_pending(self) -> None:
         """Take the pending token: finish on end-of-sequence, a stop string, the length limit or
         cancellation; otherwise the sequence stays running for another decode step."""
         d = self.decode
-        token, d.pending = d.pending, None
+        token, entry = d.take_pending()
         if token in d.eos:
             self._finish("stop")
             return
-        d.token_ids.append(token)
-        if d.constraint is not None:
-            d.constraint.accept(token)
-        self.emit(d.stops.feed(d.decoder.push(token)))
+        d.accepted(token, entry)
+        self.emit(d.stops.feed(d.decoder.push(token)), entry)
         if d.stops.stopped or (d.constraint is not None and d.constraint.done):
             self._finish("stop")
         elif len(d.token_ids) >= self.request.params.max_tokens:
@@ -213,6 +287,8 @@ class Sequence:
         """The request's result, from what it generated and what its prompt reused."""
         u, r = self.reuse.usage, self.reuse
         return GenerationResult(
+            choices=[self.decode.choice(self.choice)],
+            prompt_logprobs=self.prompt_logprobs,
             text=self.decode.text,
             token_ids=self.decode.token_ids,
             finish_reason=self.decode.finish_reason,

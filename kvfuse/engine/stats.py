@@ -33,3 +33,6 @@ class EngineStats(Counters):
     # steps per tokens-per-step bucket
     step_token_counts: dict[str, int] = field(default_factory=dict)
     preemptions: int = 0  # running sequences whose KV was freed to make room (they ran again later)
+    # requests with n > 1: choices forked onto a copy of the prompt's KV, and those queued instead
+    choices_forked: int = 0
+    choices_queued: int = 0

@@ -159,6 +159,16 @@ class KVCache:
     def capacity(self) -> int:
         return self.kv.shape[3]
 
+    def fork(self, capacity: int = 0) -> KVCache:
+        """A new cache holding a copy of this one's valid slots, with room for at least
+        ``capacity`` slots, its bytes taken from the same budget (OutOfKVMemory if they do not
+        fit): a request's ``n`` choices each continue the prompt's KV in a copy of their own."""
+        out = KVCache(self.config, max(capacity, self.length), self.dtype, self.device, self.budget)
+        out.kv[:, :, :, : self.length] = self.kv[:, :, :, : self.length]
+        out.positions[: self.length] = self.positions[: self.length]
+        out.length = self.length
+        return out
+
     def reserve(self, total: int) -> None:
         """Make room for ``total`` slots, keeping the valid ones. Grows by at least a quarter (a
         few reallocations over a long answer), or exactly to ``total`` when the budget cannot hold

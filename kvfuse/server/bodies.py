@@ -3,16 +3,20 @@
 Streaming follows what the official OpenAI clients parse: one ``data: {json}\\n\\n`` event per chunk
 (``text_completion`` or ``chat.completion.chunk`` objects), a chunk carrying ``finish_reason``,
 with ``stream_options.include_usage`` a last chunk whose ``choices`` is empty and ``usage`` set,
-then ``data: [DONE]\\n\\n``. An error after the stream started is sent as ``data: {"error": ...}``
-(the clients raise it) and the stream ends without [DONE].
+then ``data: [DONE]\\n\\n``. With ``n`` choices each chunk carries one choice (its ``index``), and
+the finish reasons come last, a chunk per choice. An error after the stream started is sent as
+``data: {"error": ...}`` (the clients raise it) and the stream ends without [DONE].
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
-from kvfuse.engine import GenerationResult
+from kvfuse.engine import Choice, Delta, GenerationResult
+
+from .logprobs import TokenTexts, chat_content, chat_logprobs, legacy_end, legacy_logprobs
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -21,7 +25,7 @@ def sse_event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def finish_reason(result: GenerationResult) -> str:
+def finish_reason(result: GenerationResult | Choice) -> str:
     """OpenAI's finish reason (the caller handles "cancelled" as an error before getting here)."""
     return "length" if result.finish_reason == "length" else "stop"
 
@@ -63,11 +67,30 @@ def usage(result: GenerationResult) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class Rendering:
+    """What one request's bodies carry beyond the text: ``n`` choices, per-token ``logprobs``
+    (``texts`` renders their tokens), and for completions with ``echo`` the prompt's text (and
+    ids, whose logprobs come first when asked)."""
+
+    n: int = 1
+    logprobs: bool = False
+    echo: str | None = None
+    prompt_ids: tuple[int, ...] = ()
+    texts: TokenTexts | None = None
+
+
 class ResponseBuilder:
     """Builds the bodies and chunks of one request (``chat`` selects the chat shapes)."""
 
     def __init__(
-        self, request_id: str, model: str, created: int, chat: bool, include_usage: bool = False
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        chat: bool,
+        include_usage: bool = False,
+        rendering: Rendering = Rendering(),
     ):
         suffix = request_id.removeprefix("req_")
         self.id = f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}"
@@ -75,6 +98,9 @@ class ResponseBuilder:
         self.created = created
         self.chat = chat
         self.include_usage = include_usage
+        self.r = rendering
+        # completions with logprobs: where each choice's next text offset is (streaming)
+        self._offsets = [0] * rendering.n
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -83,49 +109,91 @@ class ResponseBuilder:
 
     def body(self, result: GenerationResult) -> dict[str, Any]:
         if self.chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": finish_reason(result),
-                "logprobs": None,
-            }
-            return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result)}
-        choice = {
-            "index": 0,
-            "text": result.text,
-            "finish_reason": finish_reason(result),
-            "logprobs": None,
+            choices = [self._chat_choice(c) for c in result.choices]
+            return {**self._head("chat.completion"), "choices": choices, "usage": usage(result)}
+        choices = [self._completion_choice(c, result) for c in result.choices]
+        return {**self._head("text_completion"), "choices": choices, "usage": usage(result)}
+
+    def _chat_choice(self, c: Choice) -> dict[str, Any]:
+        lp = chat_logprobs(self.r.texts, c.logprobs or []) if self.r.logprobs else None
+        return {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "finish_reason": finish_reason(c),
+            "logprobs": lp,
         }
-        return {**self._head("text_completion"), "choices": [choice], "usage": usage(result)}
+
+    def _completion_choice(self, c: Choice, result: GenerationResult) -> dict[str, Any]:
+        r, lp = self.r, None
+        if r.logprobs:
+            tokens, entries = list(c.token_ids), list(c.logprobs or [])
+            if r.echo is not None:
+                tokens = list(r.prompt_ids) + tokens
+                entries = list(result.prompt_logprobs or [None] * len(r.prompt_ids)) + entries
+            lp = legacy_logprobs(r.texts, entries, tokens, 0)
+        return {
+            "index": c.index,
+            "text": (r.echo or "") + c.text,
+            "finish_reason": finish_reason(c),
+            "logprobs": lp,
+        }
 
     # -- stream chunks --------------------------------------------------------------------------
 
-    def _chunk(self, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+    def _chunk(
+        self, index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}
+            choice = {"index": index, "text": text or "", "finish_reason": reason}
+            choice["logprobs"] = logprobs
             out = {**self._head("text_completion"), "choices": [choice]}
         if self.include_usage:
             out["usage"] = None  # as OpenAI: every chunk has the key, only the last one a value
         return out
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role (and empty content); completions have none."""
-        return self._chunk("", None, role=True) if self.chat else None
+    def first_chunks(self) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant role (and empty content) of each choice;
+        completions with ``echo`` (without logprobs: those wait for the prompt's) with the prompt
+        echoed in each choice."""
+        if self.chat:
+            return [self._chunk(i, "", None, role=True) for i in range(self.r.n)]
+        if self.r.echo is not None and not self.r.logprobs:
+            return [self._chunk(i, self.r.echo, None) for i in range(self.r.n)]
+        return []
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk(text, None)
+    def delta_chunks(self, d: Delta) -> list[dict[str, Any]]:
+        """The chunks of one engine ``Delta``: a choice's text (and its token's logprobs), or the
+        prompt's logprobs, echoed in every choice."""
+        if d.prompt_logprobs is not None:
+            if self.chat or self.r.echo is None or not self.r.logprobs:
+                return []
+            ids = list(self.r.prompt_ids)
+            lp = legacy_logprobs(self.r.texts, d.prompt_logprobs, ids, 0)
+            self._offsets = [legacy_end(lp, 0)] * self.r.n
+            return [self._chunk(i, self.r.echo, None, logprobs=lp) for i in range(self.r.n)]
+        lp = None
+        if self.r.logprobs and self.chat:
+            lp = {"content": chat_content(self.r.texts, d.logprobs), "refusal": None}
+        elif self.r.logprobs:
+            start = self._offsets[d.index]
+            lp = legacy_logprobs(self.r.texts, d.logprobs, [e.token for e in d.logprobs], start)
+            self._offsets[d.index] = legacy_end(lp, start)
+        return [self._chunk(d.index, d.text, None, logprobs=lp)]
 
     def final_chunks(self, result: GenerationResult) -> list[dict[str, Any]]:
-        """The chunk with the finish reason and, with include_usage, the usage chunk."""
-        chunks = [self._chunk(None if self.chat else "", finish_reason(result))]
+        """A chunk with each choice's finish reason and, with include_usage, the usage chunk."""
+        chunks = [
+            self._chunk(c.index, None if self.chat else "", finish_reason(c))
+            for c in result.choices
+        ]
         if self.include_usage:
             head = self._head("chat.completion.chunk" if self.chat else "text_completion")
             chunks.append({**head, "choices": [], "usage": usage(result)})

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from kvfuse.engine import (
+    Delta,
     Outcome,
     QueueClosed,
     QueueFull,
@@ -25,7 +26,7 @@ from kvfuse.engine import (
     Request as EngineRequest,
 )
 
-from .bodies import SSE_DONE, ResponseBuilder, sse_event
+from .bodies import SSE_DONE, Rendering, ResponseBuilder, sse_event
 from .deps import get_state, limited_tenant
 from .errors import APIError, internal_error
 from .events import RequestEvents
@@ -38,7 +39,7 @@ from .schemas import (
     ErrorResponse,
 )
 from .state import ServerState
-from .translate import check_model, plan_chat, plan_completion
+from .translate import EngineCall, check_model, completion_prompt, plan_chat, plan_completion
 
 router = APIRouter(tags=["generation"])
 
@@ -128,14 +129,19 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
         events.on_done(outcome)
 
     job = call.request(
-        record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done
+        record.request_id, on_delta=events.on_delta if body.stream else None, on_done=on_done
     )
     await submit(state, job)
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
 
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     builder = ResponseBuilder(
-        record.request_id, state.model_name, int(time.time()), chat, include_usage
+        record.request_id,
+        state.model_name,
+        int(time.time()),
+        chat,
+        include_usage,
+        rendering(state, body, call),
     )
     if body.stream:
         return StreamingResponse(
@@ -151,6 +157,26 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
     finally:
         watcher.cancel()
     return JSONResponse(builder.body(outcome_result(outcome, record)))
+
+
+def rendering(state: ServerState, body, call: EngineCall) -> Rendering:
+    """What the response bodies carry besides the text: the choices, logprobs, and a
+    completion's echoed prompt (the prompt string as sent; else the prompt's ids decoded)."""
+    p = call.params
+    echo = None
+    if getattr(body, "echo", False):
+        prompt = completion_prompt(body)
+        if isinstance(prompt, str) and body.documents is None:
+            echo = prompt
+        else:
+            echo = state.token_texts.tokenizer.decode(call.prompt_ids, skip_special_tokens=False)
+    return Rendering(
+        n=p.n,
+        logprobs=p.logprobs is not None,
+        echo=echo,
+        prompt_ids=tuple(call.prompt_ids) if echo is not None else (),
+        texts=state.token_texts if p.logprobs is not None else None,
+    )
 
 
 async def submit(state: ServerState, job: EngineRequest) -> None:
@@ -183,10 +209,11 @@ async def _stream(
 ) -> AsyncIterator[str]:
     finished = False
     try:
-        if (first := builder.first_chunk()) is not None:
-            yield sse_event(first)
-        while isinstance(item := await events.next(), str):
-            yield sse_event(builder.text_chunk(item))
+        for chunk in builder.first_chunks():
+            yield sse_event(chunk)
+        while isinstance(item := await events.next(), Delta):
+            for chunk in builder.delta_chunks(item):
+                yield sse_event(chunk)
         finished = True
         try:
             result = outcome_result(item, record)

@@ -33,7 +33,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from kvfuse.engine import GenerationResult, Outcome
+from kvfuse.engine import Delta, GenerationResult, Outcome
 from kvfuse.history.records import decode_record, encode_record
 from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
 
@@ -42,6 +42,7 @@ from .completions import ERRORS, outcome_result, submit, watch_disconnect
 from .deps import current_tenant, get_state, limited_tenant
 from .errors import APIError, bad_request
 from .events import RequestEvents
+from .logprobs import TokenTexts, chat_content
 from .request_log import RECORD_KEY, RequestRecord
 from .schemas import ChatCompletionRequest, ResponseCreateRequest
 from .state import ServerState
@@ -149,6 +150,20 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+LOGPROBS = "message.output_text.logprobs"
+
+
+def wants_logprobs(body: ResponseCreateRequest) -> bool:
+    """Whether output logprobs are asked: ``include`` names them, or ``top_logprobs`` is set
+    (never dropped). A 400 naming ``include`` for anything else it lists."""
+    for item in body.include or []:
+        if item != LOGPROBS:
+            raise bad_request(
+                f"include: {item!r} is not supported; only {LOGPROBS!r} is", param="include"
+            )
+    return LOGPROBS in (body.include or []) or body.top_logprobs is not None
+
+
 def chat_request(
     body: ResponseCreateRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]
 ) -> ChatCompletionRequest:
@@ -178,6 +193,8 @@ def chat_request(
         cache=body.cache,
         kv_slo_ms=body.kv_slo_ms,
         blend_auto=body.blend_auto,
+        logprobs=wants_logprobs(body),
+        top_logprobs=body.top_logprobs if wants_logprobs(body) else None,
     )
     try:
         return ChatCompletionRequest.model_validate(
@@ -207,8 +224,14 @@ class ResponseObject:
     """The response object of one request, as it changes: in progress, then completed/incomplete."""
 
     def __init__(
-        self, body: ResponseCreateRequest, model: str, previous_id: str | None, clock=time.time
+        self,
+        body: ResponseCreateRequest,
+        model: str,
+        previous_id: str | None,
+        clock=time.time,
+        texts: TokenTexts | None = None,
     ):
+        self.texts = texts  # renders output logprobs (None: not asked)
         self.id = _new_id("resp")
         self.message_id = _new_id("msg")
         self.clock = clock
@@ -223,7 +246,11 @@ class ResponseObject:
         output = []
         if result is not None:
             output = [
-                self.message(result.text, "incomplete" if status == "incomplete" else "completed")
+                self.message(
+                    result.text,
+                    "incomplete" if status == "incomplete" else "completed",
+                    self.logprobs(result.choices[0].logprobs if result.choices else None),
+                )
             ]
         return {
             "id": self.id,
@@ -244,6 +271,7 @@ class ResponseObject:
             "store": b.store,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "top_p": 1.0 if b.top_p is None else b.top_p,
+            "top_logprobs": b.top_logprobs,
             "tool_choice": "auto",
             "tools": [],
             "text": {"format": {"type": "text"}},
@@ -255,12 +283,12 @@ class ResponseObject:
             "usage": usage(result) if result is not None else None,
         }
 
-    def message(self, text: str, status: str) -> dict[str, Any]:
-        content = (
-            [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
-            if status != "in_progress"
-            else []
-        )
+    def logprobs(self, entries) -> list[dict[str, Any]]:
+        """Output logprobs in the Responses API's shape ([] when not asked)."""
+        return chat_content(self.texts, entries or []) if self.texts is not None else []
+
+    def message(self, text: str, status: str, logprobs=()) -> dict[str, Any]:
+        content = [self.part(text, logprobs)] if status != "in_progress" else []
         return {
             "id": self.message_id,
             "type": "message",
@@ -274,8 +302,8 @@ class ResponseObject:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    def part(self, text: str) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(self, text: str, logprobs=()) -> dict[str, Any]:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
 # ------------------------------------------------------------------------------------- handlers
@@ -364,7 +392,8 @@ async def create_response(
         except ValueError:  # a damaged record is no hint: the history is still found by content
             pass
     record.prompt_tokens = len(call.prompt)
-    obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock)
+    texts = state.token_texts if call.params.logprobs is not None else None
+    obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock, texts)
     events = RequestEvents()
 
     def on_done(outcome: Outcome) -> None:
@@ -372,7 +401,7 @@ async def create_response(
         events.on_done(outcome)
 
     job = call.request(
-        record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done
+        record.request_id, on_delta=events.on_delta if body.stream else None, on_done=on_done
     )
     await submit(state, job)
     state.metrics.responses.labels(event="created").inc()
@@ -475,17 +504,20 @@ async def _stream(
             content_index=0,
             part=obj.part(""),
         )
-        pieces = []
-        while isinstance(item := await events.next(), str):
-            pieces.append(item)
+        held = []  # logprobs of tokens whose text is held back (a possible stop string)
+        while isinstance(item := await events.next(), Delta):
+            held += item.logprobs
+            if not item.text:
+                continue
             yield obj.event(
                 "response.output_text.delta",
                 output_index=0,
                 item_id=obj.message_id,
                 content_index=0,
-                delta=item,
-                logprobs=[],
+                delta=item.text,
+                logprobs=obj.logprobs(held),
             )
+            held = []
         finished = True
         try:
             result = outcome_result(item, record)
@@ -496,20 +528,21 @@ async def _stream(
             yield obj.event("response.failed", response=failed)
             return
         status = _status(result)
+        logprobs = obj.logprobs(result.choices[0].logprobs if result.choices else None)
         yield obj.event(
             "response.output_text.done",
             output_index=0,
             item_id=obj.message_id,
             content_index=0,
             text=result.text,
-            logprobs=[],
+            logprobs=logprobs,
         )
         yield obj.event(
             "response.content_part.done",
             output_index=0,
             item_id=obj.message_id,
             content_index=0,
-            part=obj.part(result.text),
+            part=obj.part(result.text, logprobs),
         )
         done = obj.object(status, result)
         yield obj.event("response.output_item.done", output_index=0, item=done["output"][0])

@@ -168,7 +168,63 @@ class SamplingRequest(KVFuseOptions):
         description="Keep generating past the end-of-sequence token until max_tokens or a stop string "
         "(vLLM's extension; for benchmarks).",
     )
-    n: int | None = Field(1, description="Number of choices; only 1 is supported.")
+    n: int | None = Field(
+        1,
+        ge=1,
+        le=128,
+        description="Number of choices to generate from the prompt (1..128). The prompt's KV is "
+        "computed (or loaded) once and copied to each choice; usage counts the prompt once and "
+        "every choice's tokens. With a seed, choice i samples with a seed derived from it.",
+    )
+    frequency_penalty: float | None = Field(
+        None,
+        ge=-2.0,
+        le=2.0,
+        allow_inf_nan=False,
+        description="OpenAI's: count * frequency_penalty is subtracted from the logit of every "
+        "token generated count times so far. Default 0.",
+    )
+    presence_penalty: float | None = Field(
+        None,
+        ge=-2.0,
+        le=2.0,
+        allow_inf_nan=False,
+        description="OpenAI's: presence_penalty is subtracted from the logit of every token "
+        "generated at least once so far. Default 0.",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None,
+        description="Token id (as a string key) -> a bias in [-100, 100] added to that token's "
+        "logit before sampling.",
+        examples=[{"50256": -100}],
+    )
+    top_k: int | None = Field(
+        None,
+        ge=-1,
+        description="vLLM's extension: sample from the k most likely tokens only (-1 or 0: all).",
+    )
+    min_p: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        description="vLLM's extension: drop tokens less likely than min_p times the most likely "
+        "one (after temperature). Default 0.",
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        gt=0.0,
+        le=100.0,
+        allow_inf_nan=False,
+        description="vLLM's extension: the logits of tokens in the prompt or generated so far are "
+        "divided by it when positive, multiplied when negative (> 1 discourages repeats). Default 1.",
+    )
+    stop_token_ids: list[int] | None = Field(
+        None,
+        max_length=64,
+        description="vLLM's extension: token ids that end the choice (not returned), "
+        "like the end-of-sequence token.",
+    )
     user: str | None = Field(None, description="An end-user id (accepted and ignored).")
     prompt_cache_key: str | None = Field(
         None,
@@ -196,6 +252,28 @@ class SamplingRequest(KVFuseOptions):
 
 class CompletionRequest(SamplingRequest):
     """POST /v1/completions."""
+
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=5,
+        description="Return the logprob of each generated token and of the `logprobs` most likely "
+        "tokens at each position (0..5), in the legacy shape (tokens, token_logprobs, "
+        "top_logprobs, text_offset). Logprobs are the model's raw distribution's (before "
+        "penalties, bias and temperature).",
+    )
+    echo: bool | None = Field(
+        False,
+        description="Return the prompt before each choice's text; with logprobs, the prompt "
+        "tokens' logprobs come first (the first token's is null). Costs one more pass over the "
+        "prompt when logprobs are asked (cached or not).",
+    )
+    best_of: int | None = Field(
+        None,
+        ge=1,
+        description="Only best_of equal to n (or 1 with n = 1) is accepted: every candidate "
+        "is returned. Ranking more candidates than n is not supported (a 400).",
+    )
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ...,
@@ -240,6 +318,17 @@ class ChatCompletionRequest(SamplingRequest):
     )
     max_completion_tokens: int | None = Field(
         None, ge=1, description="Most tokens to generate; takes precedence over max_tokens."
+    )
+    logprobs: bool | None = Field(
+        False,
+        description="Return the logprob of each generated token (choices[].logprobs.content), "
+        "under the model's raw distribution (before penalties, bias and temperature).",
+    )
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="With logprobs: the most likely alternatives (0..20) to list at each position.",
     )
 
 
@@ -312,6 +401,19 @@ class ResponseCreateRequest(KVFuseOptions):
         False, description="kvfuse extension: generate past the end-of-sequence token."
     )
     tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
+    top_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description='With include: ["message.output_text.logprobs"]: the most likely '
+        "alternatives (0..20) listed with each output token's logprob.",
+    )
+    include: list[str] | None = Field(
+        None,
+        max_length=16,
+        description='Extra output to include; only "message.output_text.logprobs" (each output '
+        "token's logprob under the model's raw distribution) is supported.",
+    )
 
 
 # ----------------------------------------------------------------------------------- responses
@@ -382,7 +484,11 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(
+        None,
+        description="With logprobs: tokens, token_logprobs, top_logprobs (token text -> "
+        "logprob) and text_offset, one entry per token (prompt tokens first with echo).",
+    )
 
 
 class CompletionResponse(BaseModel):
@@ -403,7 +509,11 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = Field(
+        None,
+        description='With logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs"}, '
+        '...], "refusal": null}.',
+    )
 
 
 class ChatCompletionResponse(BaseModel):

@@ -20,6 +20,7 @@ from kvfuse.kv.keys import tenant_tag
 from kvfuse.runtime import Serving
 
 from .auth import ANONYMOUS, Authenticator, MetricsToken
+from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .rate_limit import RateLimiter, rate_limited
 from .translate import Limits, Prompting
@@ -58,6 +59,7 @@ class ServerState:
         )
         self.limiter = RateLimiter(self._requests_per_minute)
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
+        self._token_texts: TokenTexts | None = None
         self.metrics.stored_responses.set_function(
             lambda: len(self.responses) if self.responses is not None else 0
         )
@@ -114,4 +116,16 @@ class ServerState:
     @property
     def limits(self) -> Limits:
         s = self.config.server
-        return Limits(s.max_tokens_limit, s.default_max_tokens, self.engine.context_window)
+        return Limits(
+            s.max_tokens_limit,
+            s.default_max_tokens,
+            self.engine.context_window,
+            self.engine.model.config.vocab_size,
+        )
+
+    @property
+    def token_texts(self) -> TokenTexts:
+        """Each token's text and bytes, as logprobs report them (built once)."""
+        if self._token_texts is None:
+            self._token_texts = TokenTexts(self.engine.model.tokenizer)
+        return self._token_texts

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvfuse.durations import parse_duration
-from kvfuse.engine import Breakpoint, CacheOptions, Outcome, Prompt, Request, Retention
+from kvfuse.engine import Breakpoint, CacheOptions, Delta, Outcome, Prompt, Request, Retention
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
 from kvfuse.prompts import PromptBuilder
@@ -40,6 +40,7 @@ class EngineCall:
         request_id: str,
         on_text: Callable[[str], None] | None = None,
         on_done: Callable[[Outcome], None] | None = None,
+        on_delta: Callable[[Delta], None] | None = None,
     ) -> Request:
         """The engine request (its callbacks run on the engine thread)."""
         return Request(
@@ -49,6 +50,7 @@ class EngineCall:
             recompute_ratio=self.recompute_ratio,
             request_id=request_id,
             on_text=on_text,
+            on_delta=on_delta,
             on_done=on_done,
         )
 
@@ -70,6 +72,7 @@ class Limits:
     max_tokens_limit: int
     default_max_tokens: int
     context_window: int
+    vocab_size: int | None = None  # token ids in logit_bias / stop_token_ids are below it
 
 
 def cache_options(opts: SamplingRequest, tenant: str) -> CacheOptions:
@@ -188,15 +191,23 @@ def requested_max_tokens(req: SamplingRequest) -> int | None:
 
 def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) -> SamplingParams:
     """``SamplingParams`` for a prompt of ``prompt_tokens`` tokens, enforcing the server's limits."""
+    max_tokens = max_tokens_for(req, prompt_tokens, limits)
+    fields = sampling_fields(req, limits)
+    try:
+        return SamplingParams(max_tokens=max_tokens, **fields)
+    except ValueError as e:  # SamplingParams names the field first: "stop must be ..."
+        field_name = str(e).split(" ", 1)[0]
+        raise bad_request(f"{e}", param=field_name) from None
+
+
+def max_tokens_for(req: SamplingRequest, prompt_tokens: int, limits: Limits) -> int:
+    """The request's max_tokens (or max_completion_tokens), or the default that fits; a 400 when
+    it exceeds the server's limit or, with the prompt, the context window."""
     name = (
         "max_completion_tokens"
         if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None
         else "max_tokens"
     )
-    if req.n not in (None, 1):
-        raise bad_request(
-            f"n: only n=1 is supported, got {req.n}; send several requests instead", param="n"
-        )
     room = limits.context_window - prompt_tokens
     prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
     if room < 1:
@@ -208,35 +219,101 @@ def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) ->
         )
     max_tokens = requested_max_tokens(req)
     if max_tokens is None:
-        max_tokens = min(limits.default_max_tokens, room)
-    elif max_tokens < 1 or max_tokens > limits.max_tokens_limit:
+        return min(limits.default_max_tokens, room)
+    if max_tokens < 1 or max_tokens > limits.max_tokens_limit:
         raise bad_request(
             f"{name} must be between 1 and {limits.max_tokens_limit} (server.max_tokens_limit), "
             f"got {max_tokens}",
             param=name,
         )
-    elif max_tokens > room:
+    if max_tokens > room:
         raise bad_request(
             f"{prompt_param}: the prompt has {prompt_tokens} tokens and {name} is {max_tokens}: together more than the "
             f"model's context window of {limits.context_window} tokens; shorten the prompt or lower {name}",
             param=prompt_param,
             code="context_length_exceeded",
         )
+    return max_tokens
+
+
+def sampling_fields(req: SamplingRequest, limits: Limits) -> dict:
+    """The request's sampling fields as ``SamplingParams`` takes them (their defaults filled in:
+    OpenAI's temperature 1; top_k -1 is vLLM's "off", as 0)."""
     stop = req.stop if req.stop is not None else ()
-    temperature = 1.0 if req.temperature is None else float(req.temperature)
-    top_p = 1.0 if req.top_p is None else float(req.top_p)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=req.seed,
-            stop=(stop,) if isinstance(stop, str) else tuple(stop),
-            ignore_eos=bool(req.ignore_eos),
+    return dict(
+        temperature=1.0 if req.temperature is None else float(req.temperature),
+        top_p=1.0 if req.top_p is None else float(req.top_p),
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        n=choices(req),
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=logit_bias(req.logit_bias, limits.vocab_size),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=known_ids(req.stop_token_ids or [], limits.vocab_size, "stop_token_ids"),
+        ignore_eos=bool(req.ignore_eos),
+        **logprob_fields(req),
+    )
+
+
+def choices(req: SamplingRequest) -> int:
+    """``n``; on completions, ``best_of`` must equal it (every candidate is returned: ranking
+    more candidates than are returned is not supported)."""
+    n = req.n or 1
+    best_of = getattr(req, "best_of", None)
+    if best_of is not None and best_of != n:
+        raise bad_request(
+            f"best_of: only best_of equal to n ({n}) is supported, got {best_of}; "
+            "ask for n choices instead",
+            param="best_of",
         )
-    except ValueError as e:  # SamplingParams names the field first: "stop must be ..."
-        field_name = str(e).split(" ", 1)[0]
-        raise bad_request(f"{e}", param=field_name) from None
+    return n
+
+
+def logprob_fields(req: SamplingRequest) -> dict:
+    """``logprobs`` / ``prompt_logprobs`` (alternatives per token, None: off) from chat's
+    ``logprobs`` + ``top_logprobs``, or completions' ``logprobs`` (+ ``echo``: the prompt's)."""
+    if isinstance(req, ChatCompletionRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs: needs logprobs: true", param="top_logprobs")
+        return {"logprobs": (req.top_logprobs or 0) if req.logprobs else None}
+    if isinstance(req, CompletionRequest):
+        echo = bool(req.echo) and req.logprobs is not None
+        return {"logprobs": req.logprobs, "prompt_logprobs": req.logprobs if echo else None}
+    return {}
+
+
+def logit_bias(bias: dict[str, float] | None, vocab: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token ids as string keys) as ``(id, bias)`` pairs; a 400 for a
+    key that is not a token id of the model, or a bias outside [-100, 100]."""
+    out = []
+    for key, value in (bias or {}).items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        known_ids([token], vocab, "logit_bias")
+        if not -100.0 <= value <= 100.0:
+            raise bad_request(
+                f"logit_bias: values must be in [-100, 100], got {value} for token {token}",
+                param="logit_bias",
+            )
+        out.append((token, float(value)))
+    return tuple(out)
+
+
+def known_ids(ids: list[int], vocab: int | None, param: str) -> tuple[int, ...]:
+    """``ids``, each checked to be a token id of the model's vocabulary (a 400 naming
+    ``param`` otherwise)."""
+    for t in ids:
+        if t < 0 or (vocab is not None and t >= vocab):
+            limit = f" (the vocabulary has {vocab} tokens)" if vocab is not None else ""
+            raise bad_request(f"{param}: {t} is not a token id{limit}", param=param)
+    return tuple(ids)
 
 
 def recompute_ratio(p: Prompting, opts: KVFuseOptions) -> float | str | None:

@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from kvfuse.engine import (
     CacheOptions,
+    Choice,
+    Delta,
     EngineStats,
     GenerationResult,
     Outcome,
@@ -129,7 +131,7 @@ def test_sampling_params_defaults_and_fields():
     "fields,prompt_tokens,param,code",
     [
         ({"max_tokens": 101}, 10, "max_tokens", "invalid_value"),
-        ({"n": 2}, 10, "n", "invalid_value"),
+        ({"n": 2, "best_of": 3}, 10, "best_of", "invalid_value"),
         ({"stop": [""]}, 10, "stop", "invalid_value"),
         ({}, 1000, "prompt", "context_length_exceeded"),
         ({"max_tokens": 50}, 960, "prompt", "context_length_exceeded"),
@@ -221,6 +223,7 @@ def test_error_body_shape():
 
 def result(text="ab", ids=(1, 2), reason="length", prompt=5, cached=0) -> GenerationResult:
     return GenerationResult(
+        choices=[Choice(0, text, list(ids), reason)],
         text=text,
         token_ids=list(ids),
         finish_reason=reason,
@@ -253,8 +256,8 @@ def test_usage_reports_cached_tokens_where_they_came_from_and_the_save_time():
 
 def test_completion_stream_chunks():
     b = ResponseBuilder("req_abc", "m", 123, chat=False, include_usage=True)
-    assert b.first_chunk() is None
-    c = b.text_chunk("x")
+    assert b.first_chunks() == []
+    (c,) = b.delta_chunks(Delta(0, "x"))
     assert (
         c["object"] == "text_completion"
         and c["id"] == "cmpl-abc"
@@ -268,8 +271,9 @@ def test_completion_stream_chunks():
 
 def test_chat_stream_chunks_and_body():
     b = ResponseBuilder("req_abc", "m", 123, chat=True)
-    assert b.first_chunk()["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert b.text_chunk("hi")["choices"][0]["delta"] == {"content": "hi"}
+    (first,) = b.first_chunks()
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert b.delta_chunks(Delta(0, "hi"))[0]["choices"][0]["delta"] == {"content": "hi"}
     (final,) = b.final_chunks(result())
     assert final["object"] == "chat.completion.chunk" and final["choices"][0] == {
         "index": 0,
