@@ -45,13 +45,18 @@ from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
 from .schemas import ChatCompletionRequest, ResponseCreateRequest
 from .state import ServerState
+from .structured import OutputFormat, as_response_format, responses_format
 from .translate import check_model, plan_chat
 
 router = APIRouter(tags=["responses"])
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+_PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
 
 
 def _new_id(prefix: str) -> str:
@@ -150,9 +155,13 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 
 
 def chat_request(
-    body: ResponseCreateRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]
+    body: ResponseCreateRequest,
+    history: list[dict[str, Any]],
+    messages: list[dict[str, Any]],
+    fmt: OutputFormat | None = None,
 ) -> ChatCompletionRequest:
-    """The chat completion request a Responses request stands for."""
+    """The chat completion request a Responses request stands for (``fmt``: its ``text.format``,
+    as ``response_format``)."""
     conversation = (
         (
             [{"role": "system", "content": body.instructions}]
@@ -178,6 +187,7 @@ def chat_request(
         cache=body.cache,
         kv_slo_ms=body.kv_slo_ms,
         blend_auto=body.blend_auto,
+        response_format=as_response_format(fmt),
     )
     try:
         return ChatCompletionRequest.model_validate(
@@ -207,9 +217,15 @@ class ResponseObject:
     """The response object of one request, as it changes: in progress, then completed/incomplete."""
 
     def __init__(
-        self, body: ResponseCreateRequest, model: str, previous_id: str | None, clock=time.time
+        self,
+        body: ResponseCreateRequest,
+        model: str,
+        previous_id: str | None,
+        clock=time.time,
+        fmt: OutputFormat | None = None,
     ):
         self.id = _new_id("resp")
+        self.text_format = fmt.echo() if fmt is not None else {"type": "text"}
         self.message_id = _new_id("msg")
         self.clock = clock
         self.created_at = int(clock())
@@ -246,7 +262,7 @@ class ResponseObject:
             "top_p": 1.0 if b.top_p is None else b.top_p,
             "tool_choice": "auto",
             "tools": [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.text_format},
             "truncation": "disabled",
             "metadata": b.metadata or {},
             "prompt_cache_key": b.prompt_cache_key,
@@ -351,7 +367,8 @@ async def create_response(
     if body.previous_response_id is not None:
         previous = await asyncio.to_thread(_stored, state, tenant, body.previous_response_id)
     messages, items = input_messages(body.input)
-    chat = chat_request(body, previous.history if previous is not None else [], messages)
+    fmt = responses_format(body.text)
+    chat = chat_request(body, previous.history if previous is not None else [], messages, fmt)
     try:
         call = await asyncio.to_thread(plan_chat, state.prompting, chat, tenant, state.limits)
     except APIError as e:
@@ -364,7 +381,7 @@ async def create_response(
         except ValueError:  # a damaged record is no hint: the history is still found by content
             pass
     record.prompt_tokens = len(call.prompt)
-    obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock)
+    obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock, fmt)
     events = RequestEvents()
 
     def on_done(outcome: Outcome) -> None:
