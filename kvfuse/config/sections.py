@@ -420,6 +420,8 @@ class ServerConfig:
     max_body_bytes: int = 4 * 1024**2
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
+    # compiled structured-output grammars kept (JSON schemas, per the served model; 0: none)
+    grammar_cache_size: int = 128
     # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the
     # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
     metrics_token: str | None = field(default=None, repr=False)

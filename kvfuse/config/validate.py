@@ -215,6 +215,7 @@ def _check_server(s: ServerConfig, need: Callable) -> None:
     need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
     need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    need(s.grammar_cache_size >= 0, "server.grammar_cache_size", "must be >= 0 (0: no cache)")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,
         "server.default_max_tokens",

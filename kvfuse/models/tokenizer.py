@@ -57,6 +57,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The underlying ``tokenizers.Tokenizer``: what a grammar engine builds its vocabulary
+        from (``kvfuse.structured``). Not to be changed."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

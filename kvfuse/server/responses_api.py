@@ -46,13 +46,18 @@ from .logprobs import TokenTexts, chat_content
 from .request_log import RECORD_KEY, RequestRecord
 from .schemas import ChatCompletionRequest, ResponseCreateRequest
 from .state import ServerState
+from .structured import OutputFormat, as_response_format, responses_format
 from .translate import check_model, plan_chat
 
 router = APIRouter(tags=["responses"])
 
 _ROLES = ("user", "system", "developer", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens"}
+_PARAMS = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+}
 
 
 def _new_id(prefix: str) -> str:
@@ -165,9 +170,13 @@ def wants_logprobs(body: ResponseCreateRequest) -> bool:
 
 
 def chat_request(
-    body: ResponseCreateRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]
+    body: ResponseCreateRequest,
+    history: list[dict[str, Any]],
+    messages: list[dict[str, Any]],
+    fmt: OutputFormat | None = None,
 ) -> ChatCompletionRequest:
-    """The chat completion request a Responses request stands for."""
+    """The chat completion request a Responses request stands for (``fmt``: its ``text.format``,
+    as ``response_format``)."""
     conversation = (
         (
             [{"role": "system", "content": body.instructions}]
@@ -195,6 +204,7 @@ def chat_request(
         blend_auto=body.blend_auto,
         logprobs=wants_logprobs(body),
         top_logprobs=body.top_logprobs if wants_logprobs(body) else None,
+        response_format=as_response_format(fmt),
     )
     try:
         return ChatCompletionRequest.model_validate(
@@ -230,9 +240,11 @@ class ResponseObject:
         previous_id: str | None,
         clock=time.time,
         texts: TokenTexts | None = None,
+        fmt: OutputFormat | None = None,
     ):
         self.texts = texts  # renders output logprobs (None: not asked)
         self.id = _new_id("resp")
+        self.text_format = fmt.echo() if fmt is not None else {"type": "text"}
         self.message_id = _new_id("msg")
         self.clock = clock
         self.created_at = int(clock())
@@ -274,7 +286,7 @@ class ResponseObject:
             "top_logprobs": b.top_logprobs,
             "tool_choice": "auto",
             "tools": [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.text_format},
             "truncation": "disabled",
             "metadata": b.metadata or {},
             "prompt_cache_key": b.prompt_cache_key,
@@ -379,7 +391,8 @@ async def create_response(
     if body.previous_response_id is not None:
         previous = await asyncio.to_thread(_stored, state, tenant, body.previous_response_id)
     messages, items = input_messages(body.input)
-    chat = chat_request(body, previous.history if previous is not None else [], messages)
+    fmt = responses_format(body.text)
+    chat = chat_request(body, previous.history if previous is not None else [], messages, fmt)
     try:
         call = await asyncio.to_thread(plan_chat, state.prompting, chat, tenant, state.limits)
     except APIError as e:
@@ -393,7 +406,7 @@ async def create_response(
             pass
     record.prompt_tokens = len(call.prompt)
     texts = state.token_texts if call.params.logprobs is not None else None
-    obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock, texts)
+    obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock, texts, fmt)
     events = RequestEvents()
 
     def on_done(outcome: Outcome) -> None:

@@ -248,6 +248,50 @@ class SamplingRequest(KVFuseOptions):
         None,
         description="OpenAI's prompt-caching options; ttl is the default minimum lifetime of breakpoints.",
     )
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='Structured outputs, as OpenAI: {"type": "text"}, {"type": "json_object"} (a JSON '
+        'object; the messages must mention JSON), or {"type": "json_schema", "json_schema": {"name", '
+        '"schema", "strict", "description"}}: the output is constrained token by token to JSON valid '
+        "against the schema (grammar engine: llguidance). strict: true refuses schema keywords that "
+        "cannot be enforced (400); false ignores them.",
+        examples=[
+            {
+                "type": "json_schema",
+                "json_schema": {
+                    "name": "city",
+                    "strict": True,
+                    "schema": {
+                        "type": "object",
+                        "properties": {"name": {"type": "string"}},
+                        "required": ["name"],
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        ],
+    )
+    guided_json: dict[str, Any] | str | None = Field(
+        None,
+        description="vLLM's extension: a JSON Schema (or its JSON text) the output must match.",
+    )
+    guided_regex: str | None = Field(
+        None, description="vLLM's extension: a regular expression the whole output must match."
+    )
+    guided_choice: list[str] | None = Field(
+        None, description="vLLM's extension: the output is exactly one of these strings."
+    )
+    structured_outputs: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's extension: one of json (a schema), regex, choice or json_object: true.",
+    )
+    guided_decoding_backend: str | None = Field(
+        None, description="vLLM's extension: auto, guidance or llguidance (the one backend)."
+    )
+    guided_grammar: Any = Field(None, description="vLLM's extension: not supported (400).")
+    guided_whitespace_pattern: Any = Field(
+        None, description="vLLM's extension: not supported (400): the JSON layout is fixed."
+    )
 
 
 class CompletionRequest(SamplingRequest):
@@ -413,6 +457,13 @@ class ResponseCreateRequest(KVFuseOptions):
         max_length=16,
         description='Extra output to include; only "message.output_text.logprobs" (each output '
         "token's logprob under the model's raw distribution) is supported.",
+    )
+    text: dict[str, Any] | None = Field(
+        None,
+        description='The output\'s format, as OpenAI: {"format": {"type": "text"}}, {"format": {"type": '
+        '"json_object"}} (the input must mention JSON) or {"format": {"type": "json_schema", "name", '
+        '"schema", "strict", "description"}}: the output is constrained to JSON valid against the '
+        "schema.",
     )
 
 

@@ -23,6 +23,7 @@ from .auth import ANONYMOUS, Authenticator, MetricsToken
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .rate_limit import RateLimiter, rate_limited
+from .structured import Grammars
 from .translate import Limits, Prompting
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,7 @@ class ServerState:
         self.config = config
         self.owns_engine = serving is None
         self.engine = serving.engine if serving is not None else None
-        self.prompting = (
-            Prompting(serving.prompts, config.blend.auto_reuse) if serving is not None else None
-        )
+        self.prompting = self._prompting(serving) if serving is not None else None
         self.clock = clock or time.time  # stored responses expire by it (tests inject one)
         self.auth = Authenticator(config.api_key_map())
         s = config.server
@@ -63,6 +62,11 @@ class ServerState:
         self.metrics.stored_responses.set_function(
             lambda: len(self.responses) if self.responses is not None else 0
         )
+
+    def _prompting(self, serving: Serving) -> Prompting:
+        c = self.config
+        grammars = Grammars(serving.engine.model, c.server.grammar_cache_size)
+        return Prompting(serving.prompts, c.blend.auto_reuse, grammars)
 
     def _requests_per_minute(self, tenant: str) -> int | None:
         quota = quota_of(self.config.tenants, tenant)
@@ -88,7 +92,7 @@ class ServerState:
 
             serving = open_serving(self.config, clock=self.clock)
             self.engine = serving.engine
-            self.prompting = Prompting(serving.prompts, self.config.blend.auto_reuse)
+            self.prompting = self._prompting(serving)
         r = self.config.responses
         if r.store:
             self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)

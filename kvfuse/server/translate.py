@@ -19,6 +19,7 @@ from kvfuse.prompts import PromptBuilder
 
 from .errors import APIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest, KVFuseOptions, SamplingRequest
+from .structured import Grammars, compile_format, request_format, require_json_word
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,8 @@ class Prompting:
 
     prompts: PromptBuilder
     auto_reuse: bool = False
+    # compiles structured-output grammars for the served model (None: one with the default cache)
+    grammars: Grammars | None = None
 
 
 @dataclass(frozen=True)
@@ -189,12 +192,15 @@ def requested_max_tokens(req: SamplingRequest) -> int | None:
     return req.max_tokens
 
 
-def sampling_params(req: SamplingRequest, prompt_tokens: int, limits: Limits) -> SamplingParams:
-    """``SamplingParams`` for a prompt of ``prompt_tokens`` tokens, enforcing the server's limits."""
+def sampling_params(
+    req: SamplingRequest, prompt_tokens: int, limits: Limits, structure=None
+) -> SamplingParams:
+    """``SamplingParams`` for a prompt of ``prompt_tokens`` tokens, enforcing the server's limits;
+    ``structure``: the compiled grammar of its structured-output field, if any."""
     max_tokens = max_tokens_for(req, prompt_tokens, limits)
     fields = sampling_fields(req, limits)
     try:
-        return SamplingParams(max_tokens=max_tokens, **fields)
+        return SamplingParams(max_tokens=max_tokens, structure=structure, **fields)
     except ValueError as e:  # SamplingParams names the field first: "stop must be ..."
         field_name = str(e).split(" ", 1)[0]
         raise bad_request(f"{e}", param=field_name) from None
@@ -340,10 +346,21 @@ def _engine_call(
 ) -> EngineCall:
     return EngineCall(
         prompt,
-        sampling_params(req, len(prompt), limits),
+        sampling_params(req, len(prompt), limits, structure(p, req)),
         cache_options(req, tenant),
         recompute_ratio(p, req),
     )
+
+
+def structure(p: Prompting, req: SamplingRequest):
+    """The compiled grammar of the request's structured-output field (``response_format`` or
+    vLLM's ``guided_*``), or None; compiles (cached): call it off the event loop."""
+    fmt = request_format(req)
+    if fmt is None:
+        return None
+    if isinstance(req, ChatCompletionRequest):
+        require_json_word(fmt, [m["content"] for m in chat_messages(req)], "messages")
+    return compile_format(fmt, p.grammars or Grammars.default(p.prompts.model))
 
 
 def _document_prompt(p: Prompting, req: SamplingRequest, **prompt) -> Prompt:
