@@ -20,7 +20,8 @@ from kvfuse.generation import SamplingParams
 from kvfuse.models.cache import slot_bytes
 from kvfuse.sampling import choice_seed
 from kvfuse.sampling import processors as P
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 CH = 32
 

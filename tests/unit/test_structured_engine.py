@@ -22,7 +22,8 @@ from kvfuse import structured as st
 from kvfuse.config import EngineSettings
 from kvfuse.engine import Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
-from kvfuse.tiers import MemoryTier, TieredStore
+from kvfuse.store import TieredStore
+from kvfuse.tiers import MemoryTier
 
 
 @pytest.fixture(scope="module")
