@@ -58,6 +58,7 @@ class GenerationResult:
     prefix_reused_tokens: int = 0
     span_reused_tokens: int = 0  # of cached_tokens, those of documents and found spans (blended)
     auto_reuse: str = "off"  # automatic reuse: off | skipped | prefix | none_found | blended
+    stop_sequence: str | None = None  # the stop string that ended the text (finish "stop")
 
     @classmethod
     def cancelled(cls, prompt_tokens: int) -> GenerationResult:
@@ -94,7 +95,9 @@ class Request:
     """One generation request as the engine takes it.
 
     ``on_text`` receives text pieces as they are decoded and ``on_done`` the ``Outcome``, exactly
-    once; both are called on the engine's thread. Setting ``cancel`` stops the request: a waiting
+    once; ``on_start``, at most once, the result so far when the prompt is prefilled, before any
+    text (what it reused and wrote: Anthropic's stream reports that usage first); all are called
+    on the engine's thread. Setting ``cancel`` stops the request: a waiting
     one is skipped, a running one stops at its next step (finish reason "cancelled").
     """
 
@@ -107,6 +110,7 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     on_text: Callable[[str], None] | None = None
     on_done: Callable[[Outcome], None] | None = None
+    on_start: Callable[[GenerationResult], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
@@ -127,6 +131,15 @@ class Request:
                 log.debug(
                     "request %s: could not deliver its outcome", self.request_id, exc_info=True
                 )
+
+    def started(self, result: GenerationResult) -> None:
+        """The prompt is prefilled: ``on_start`` gets the result so far."""
+        if self.on_start is None or self._done:
+            return
+        try:
+            self.on_start(result)
+        except Exception:  # e.g. the event loop is already closed at shutdown
+            log.debug("request %s: could not deliver its start", self.request_id, exc_info=True)
 
     @property
     def done(self) -> bool:
