@@ -119,14 +119,17 @@ class StopMatcher:
     """Finds stop strings in streamed text, holding back any tail that could start one.
 
     ``feed(piece)`` returns the text that is safe to emit; once a stop string appears, the text
-    before it is emitted and ``stopped`` becomes True. ``flush()`` releases the held-back tail
-    when generation ends for another reason.
+    before it is emitted, ``stopped`` becomes True and ``matched`` is that stop string (the one
+    that starts first; the earlier-listed one on a tie: APIs such as Anthropic's report which one
+    ended the text). ``flush()`` releases the held-back tail when generation ends for another
+    reason.
     """
 
     def __init__(self, stops: tuple[str, ...]):
         self.stops = tuple(stops)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None
 
     def feed(self, piece: str) -> str:
         if self.stopped:
@@ -136,9 +139,10 @@ class StopMatcher:
         text = self._held + piece
         hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self.stopped = True
             self._held = ""
-            return text[: min(i for i, _ in hits)]
+            return text[:at]
         keep = max((_partial_suffix(text, s) for s in self.stops), default=0)
         self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 import torch
 
@@ -337,6 +338,11 @@ class Engine:
         self.cache.prefilled(seq.reuse, seq.kv, seq.reuse.prompt.ids + seq.token_ids)
         seq.timings.store_s = time.perf_counter() - t0
         seq.decode.started_at = time.perf_counter()
+        if seq.request.on_start is not None:  # what the prompt reused and wrote, before any text
+            now = seq.result()  # a snapshot: the sequence keeps updating its tokens and timings
+            seq.request.started(
+                replace(now, token_ids=list(now.token_ids), timings=replace(now.timings))
+            )
         if seq.request.params.n > 1:
             self._fork(seq)
 

@@ -89,6 +89,7 @@ class GenerationResult:
     # the prompt's logprobs when asked for (``SamplingParams.prompt_logprobs``): None for its
     # first token, then one entry per token
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_sequence: str | None = None  # the stop string that ended the text (finish "stop")
 
     @classmethod
     def cancelled(cls, prompt_tokens: int) -> GenerationResult:
@@ -129,7 +130,9 @@ class Request:
 
     ``on_text`` receives text pieces as they are decoded (choice 0's), ``on_delta`` every
     choice's pieces with their logprobs (``Delta``), and ``on_done`` the ``Outcome``, exactly
-    once; all are called on the engine's thread. Setting ``cancel`` stops the request: a waiting
+    once; ``on_start``, at most once, the result so far when the prompt is prefilled, before any
+    text (what it reused and wrote: Anthropic's stream reports that usage first); all are called
+    on the engine's thread. Setting ``cancel`` stops the request: a waiting
     one is skipped, a running one stops at its next step (finish reason "cancelled").
     """
 
@@ -143,6 +146,7 @@ class Request:
     on_text: Callable[[str], None] | None = None
     on_delta: Callable[[Delta], None] | None = None
     on_done: Callable[[Outcome], None] | None = None
+    on_start: Callable[[GenerationResult], None] | None = None
     cancel: threading.Event = field(default_factory=threading.Event)
     enqueued_at: float = field(default_factory=time.monotonic)
     started_at: float | None = None
@@ -163,6 +167,15 @@ class Request:
                 log.debug(
                     "request %s: could not deliver its outcome", self.request_id, exc_info=True
                 )
+
+    def started(self, result: GenerationResult) -> None:
+        """The prompt is prefilled: ``on_start`` gets the result so far."""
+        if self.on_start is None or self._done:
+            return
+        try:
+            self.on_start(result)
+        except Exception:  # e.g. the event loop is already closed at shutdown
+            log.debug("request %s: could not deliver its start", self.request_id, exc_info=True)
 
     @property
     def done(self) -> bool:

@@ -305,4 +305,5 @@ class Sequence:
             prefix_reused_tokens=u.reused - u.span_reused,
             span_reused_tokens=u.span_reused,
             auto_reuse=r.auto,
+            stop_sequence=self.decode.stops.matched if self.decode.stops is not None else None,
         )

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from kvfuse import __version__
 from kvfuse.config import Config
 
-from . import admin, completions, responses_api
+from . import admin, completions, messages_api, responses_api
 from .errors import install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
 from .state import ServerState
@@ -44,6 +44,8 @@ prefixes across memory, disk and Redis tiers.
 * With API keys configured (`--api-key KEY:TENANT`), each key's tenant has its own cache namespace.
 * Errors have OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`; every response carries
   an `x-request-id` header, also found in the server's JSON request log.
+* Anthropic's Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`) takes `x-api-key` (or a
+  bearer token) and answers errors in Anthropic's shape: `{"type": "error", "error": {"type", "message"}}`.
 """
 
 
@@ -69,6 +71,7 @@ def create_app(config: Config, serving=None, clock: Callable[[], float] | None =
     install_error_handlers(app)
     app.include_router(completions.router)
     app.include_router(responses_api.router)
+    app.include_router(messages_api.router)
     app.include_router(admin.router)
     # Added last = outermost: the request context sees every response, the 413s included.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
@@ -90,6 +93,7 @@ def _publish_limits(app: FastAPI, config: Config) -> None:
                 "CompletionRequest",
                 "ChatCompletionRequest",
                 "ResponseCreateRequest",
+                "MessagesRequest",
             ):
                 props = (
                     schema.get("components", {})
@@ -98,7 +102,8 @@ def _publish_limits(app: FastAPI, config: Config) -> None:
                     .get("properties", {})
                 )
                 for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-                    for variant in props.get(field, {}).get("anyOf", []):
+                    prop = props.get(field, {})
+                    for variant in prop.get("anyOf", [prop]):
                         if variant.get("type") == "integer":
                             variant["maximum"] = config.server.max_tokens_limit
             app.openapi_schema = schema

@@ -6,7 +6,8 @@ Every error the server sends has the shape the official clients parse::
 
 Bad input is a 4xx naming the field and the fix; an unexpected failure is a logged 500. FastAPI's
 422 validation errors become 400s (OpenAI never answers 422), starlette's 404/405 keep their
-status but get the same body.
+status but get the same body. The Messages API routes (``/v1/messages*``) answer the same errors
+in Anthropic's shape instead (``anthropic_errors``): ``error_response`` picks by path.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from . import anthropic_errors
 from .request_log import record_of
 
 log = logging.getLogger(__name__)
@@ -66,6 +68,18 @@ class APIError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_response(err: APIError, path: str, request_id: str | None = None) -> JSONResponse:
+    """``err`` answered to a request for ``path``: in Anthropic's shape on the Messages API
+    routes (with its ``request-id`` header), in OpenAI's elsewhere."""
+    if not anthropic_errors.is_messages_route(path):
+        return err.response()
+    return JSONResponse(
+        anthropic_errors.error_body(err.status, err.message, request_id),
+        status_code=err.status,
+        headers=anthropic_errors.error_headers(err.headers, request_id),
+    )
 
 
 def error_body(
@@ -155,9 +169,12 @@ def install_error_handlers(app: FastAPI) -> None:
     """Route APIError, validation errors and HTTP exceptions to OpenAI-style responses."""
 
     def answer(request: Request, err: APIError) -> JSONResponse:
-        if (record := record_of(request)) is not None:
+        record = record_of(request)
+        if record is not None:
             record.error = err.code or err.type
-        return err.response()
+        return error_response(
+            err, request.url.path, record.request_id if record is not None else None
+        )
 
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
         return answer(request, exc)

@@ -13,11 +13,10 @@ import uuid
 from dataclasses import asdict
 
 from fastapi import HTTPException
-from fastapi.responses import JSONResponse
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import error_body, internal_error
+from .errors import APIError, error_response, internal_error
 from .metrics import ServerMetrics
 from .request_log import RECORD_KEY, RequestRecord
 
@@ -28,6 +27,8 @@ request_log = logging.getLogger("kvfuse.server.requests")
 ENDPOINTS = (
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/v1/models",
     "/v1/kv",
     "/v1/kv/stats",
@@ -81,7 +82,8 @@ class RequestContextMiddleware:
             if started:
                 record.status = 500  # the response was cut short
             else:
-                await internal_error().response()(scope, receive, send_with_id)
+                response = error_response(internal_error(), record.path, record.request_id)
+                await response(scope, receive, send_with_id)
         finally:
             record.duration_ms = round((time.perf_counter() - t0) * 1000, 1)
             self.metrics.requests.labels(
@@ -152,9 +154,7 @@ class BodyLimitMiddleware:
 async def _reply(
     scope: Scope, receive: Receive, send: Send, status: int, message: str, code: str
 ) -> None:
-    response = JSONResponse(
-        error_body(message, "invalid_request_error", None, code),
-        status_code=status,
-        headers={"connection": "close"},
-    )
+    err = APIError(status, message, code=code, headers={"connection": "close"})
+    record = scope.get(RECORD_KEY)
+    response = error_response(err, scope["path"], record.request_id if record else None)
     await response(scope, receive, send)

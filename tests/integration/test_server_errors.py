@@ -380,7 +380,12 @@ def test_fuzz_the_published_openapi_schema(small_server):
         == 4
     )
     # Name the served model in the positive cases, so that they reach the engine (a random name is a 404).
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
+    for name in (
+        "CompletionRequest",
+        "ChatCompletionRequest",
+        "MessagesRequest",
+        "CountTokensRequest",
+    ):
         spec["components"]["schemas"][name]["properties"]["model"] = {
             "type": "string",
             "enum": [MODEL],

@@ -54,7 +54,9 @@ RECIPE = _obj(
             "type": "array",
             "minItems": 1,
             "maxItems": 4,
-            "items": _obj({"name": _str(30), "grams": {"type": "integer", "minimum": 1, "maximum": 2000}}),
+            "items": _obj(
+                {"name": _str(30), "grams": {"type": "integer", "minimum": 1, "maximum": 2000}}
+            ),
         },
     }
 )
@@ -128,7 +130,9 @@ def chat(client, server, prompt: str, **kw):
     )
 
 
-@pytest.mark.parametrize("case", range(len(CASES)), ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "case", range(len(CASES)), ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
 def test_json_schema_strict_outputs_parse_and_validate(client, server, case):
     name, schema, prompt = CASES[case]
     for kw in ({"temperature": 0}, {"temperature": 0.8, "seed": case}):

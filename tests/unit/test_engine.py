@@ -15,7 +15,7 @@ import torch
 
 from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
-from kvfuse.engine import CacheOptions, Engine
+from kvfuse.engine import CacheOptions, Engine, Prompt, Request
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.format import decode_chunk, encode_chunk, verify
 from kvfuse.kv.keys import prefix_keys
@@ -460,10 +460,38 @@ def test_stop_strings_and_stop_tokens(model):
         ids, SamplingParams(max_tokens=8, ignore_eos=True, stop=(" " + words[3],))
     )
     assert result.finish_reason == "stop" and result.text == " ".join(words[:3])
+    assert result.stop_sequence == " " + words[3] and full.stop_sequence is None
     result = engine.generate(
         ids, SamplingParams(max_tokens=8, ignore_eos=True, stop_token_ids=(full.token_ids[2],))
     )
     assert result.finish_reason == "stop" and result.token_ids == full.token_ids[:2]
+    assert result.stop_sequence is None
+
+
+def test_on_start_gets_the_prompt_usage_before_any_text(model, stores):
+    """A request's ``on_start`` runs once, when its prompt is prefilled and before its first
+    text, with what the prompt reused and wrote (a warm prompt: its cached chunks)."""
+    engine = prefix_engine(model, stores.fresh(), chunk_size=CH)
+    ids = ids_of(2 * CH + 5, seed=21)
+    engine.generate(ids, GREEDY)
+    seen: list = []
+    done = threading.Event()
+    request = Request(
+        Prompt.plain(ids),
+        GREEDY,
+        on_start=lambda r: seen.append(("start", r)),
+        on_text=lambda piece: seen.append(("text", piece)),
+        on_done=lambda o: (seen.append(("done", o.result)), done.set()),
+    )
+    engine.submit(request)
+    while not done.is_set():
+        engine.step()
+    kinds = [k for k, _ in seen]
+    assert kinds[0] == "start" and kinds.count("start") == 1 and kinds[-1] == "done"
+    assert "text" in kinds
+    started, final = seen[0][1], seen[-1][1]
+    assert started.cached_tokens == final.cached_tokens == 2 * CH
+    assert started.prompt_tokens == len(ids) and started.token_ids == [] and started.text == ""
 
 
 def test_prompt_and_max_tokens_must_fit_the_context_window(model):

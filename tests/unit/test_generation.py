@@ -161,8 +161,15 @@ def test_stop_matcher(stops, pieces, fed, flushed, stopped):
     if stopped:  # exactly the text before the first stop occurrence, nothing after
         first = min(i for s in stops if (i := text.find(s)) >= 0)
         assert emitted == text[:first]
+        # the stop string that ended it: the first one listed among those starting there
+        assert m.matched == next(s for s in stops if text.find(s) == first)
     else:
-        assert emitted == text
+        assert emitted == text and m.matched is None
+
+
+def test_stop_matcher_names_the_earliest_stop_then_the_first_listed():
+    m = StopMatcher(("b", "ab", "a"))
+    assert m.feed("xab") == "x" and m.matched == "ab"
 
 
 def test_stop_matcher_ignores_everything_once_stopped():

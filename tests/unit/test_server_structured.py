@@ -35,11 +35,17 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
         ({"type": "text"}, None),
         ({"type": "json_object"}, OutputFormat("json_object", "response_format")),
         (
-            {"type": "json_schema", "json_schema": {"name": "n-1", "schema": SCHEMA, "strict": True}},
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "n-1", "schema": SCHEMA, "strict": True},
+            },
             OutputFormat("json_schema", "response_format", SCHEMA, True, "n-1"),
         ),
         (  # strict absent or null: false; a description kept; no schema: any JSON value
-            {"type": "json_schema", "json_schema": {"name": "n", "description": "d", "strict": None}},
+            {
+                "type": "json_schema",
+                "json_schema": {"name": "n", "description": "d", "strict": None},
+            },
             OutputFormat("json_schema", "response_format", {}, False, "n", "d"),
         ),
     ],

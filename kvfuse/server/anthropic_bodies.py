@@ -1,0 +1,192 @@
+"""Messages API response bodies and stream events, built from an engine ``GenerationResult``.
+
+**Usage.** Anthropic splits the prompt's tokens three ways, which add up to the whole prompt::
+
+    cache_read_input_tokens      read from the cache
+    cache_creation_input_tokens  written to the cache, up to the last cache breakpoint
+    input_tokens                 the rest: after the last breakpoint, and not read
+
+``cache_usage`` maps kvfuse's numbers onto that (pure; table-tested): *read* is the result's
+``cached_tokens`` (every reused token: a prefix, a stored conversation, a found passage), and
+*written* is the part of the prompt between what was read and the last breakpoint, which this
+request hands to the cache (bounded by its ``written_tokens``: nothing when the cache is off).
+Tokens up to the last ``1h`` breakpoint are 1-hour writes and the rest 5-minute writes, since a
+token is kept as long as the longest breakpoint after it. Where kvfuse differs: it also caches
+whole 256-token chunks without any ``cache_control`` and reuses them in later requests; those
+reads are reported in ``cache_read_input_tokens`` (they were not prefilled), while those writes
+count as ``input_tokens`` (Anthropic writes nothing without a breakpoint), and a prefix of any
+length is cached (Anthropic has a minimum of 1024 or more tokens).
+
+**Stream.** Anthropic's event sequence, each as ``event: <type>`` + ``data: <json>``:
+``message_start`` (the usage of the prompt, sent once it is prefilled), then for text
+``content_block_start``, ``ping``, ``content_block_delta`` (``text_delta``)...,
+``content_block_stop``, then ``message_delta`` (stop reason, stop sequence and the final usage,
+cumulative) and ``message_stop``. An error after the stream started is an ``error`` event in
+Anthropic's shape, and the stream ends.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from kvfuse.engine import Breakpoint, GenerationResult
+
+from . import anthropic_errors
+
+ONE_HOUR = 3600.0
+
+
+@dataclass(frozen=True)
+class CacheUsage:
+    """A prompt's tokens as Anthropic counts them (they add up to the prompt's length)."""
+
+    input_tokens: int
+    creation_5m: int
+    creation_1h: int
+    read: int
+
+    @property
+    def creation(self) -> int:
+        return self.creation_5m + self.creation_1h
+
+
+def cache_usage(
+    prompt_tokens: int, cached: int, written: int, breakpoints: tuple[Breakpoint, ...]
+) -> CacheUsage:
+    """How ``prompt_tokens`` split into read, written (5m / 1h) and other input tokens, for a
+    request that reused ``cached`` tokens, handed ``written`` prompt tokens to the cache and
+    set ``breakpoints``."""
+    read = max(0, min(cached, prompt_tokens))
+    last = min(max((b.position for b in breakpoints), default=0), prompt_tokens)
+    last_1h = min(
+        max((b.position for b in breakpoints if (b.ttl_s or 0) >= ONE_HOUR), default=0), last
+    )
+    budget = max(0, written)
+    creation_1h = min(max(0, last_1h - read), budget)
+    creation_5m = min(max(0, last - max(read, last_1h)), budget - creation_1h)
+    rest = prompt_tokens - read - creation_1h - creation_5m
+    return CacheUsage(rest, creation_5m, creation_1h, read)
+
+
+def usage(
+    result: GenerationResult, breakpoints: tuple[Breakpoint, ...], output_tokens: int
+) -> dict[str, Any]:
+    """The ``usage`` object of a response (or of ``message_start`` / ``message_delta``)."""
+    u = cache_usage(result.prompt_tokens, result.cached_tokens, result.written_tokens, breakpoints)
+    return {
+        "input_tokens": u.input_tokens,
+        "cache_creation_input_tokens": u.creation,
+        "cache_read_input_tokens": u.read,
+        "cache_creation": {
+            "ephemeral_5m_input_tokens": u.creation_5m,
+            "ephemeral_1h_input_tokens": u.creation_1h,
+        },
+        "output_tokens": output_tokens,
+        "service_tier": "standard",
+    }
+
+
+def stop_reason(result: GenerationResult, max_tokens: int) -> tuple[str, str | None]:
+    """Anthropic's ``(stop_reason, stop_sequence)`` of a finished result; ``max_tokens``: what
+    the request asked for (the engine's own limit can be lower: the context window's room)."""
+    if result.finish_reason == "length":
+        if result.completion_tokens >= max_tokens:
+            return "max_tokens", None
+        return "model_context_window_exceeded", None
+    if result.stop_sequence is not None:
+        return "stop_sequence", result.stop_sequence
+    return "end_turn", None
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    """One server-sent event as Anthropic sends it: its type, then its JSON."""
+    return (
+        f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    )
+
+
+class MessageBuilder:
+    """The body (or the stream events) of one Messages response."""
+
+    def __init__(self, message_id: str, model: str, max_tokens: int, breakpoints=()):
+        self.id, self.model, self.max_tokens = message_id, model, max_tokens
+        self.breakpoints = tuple(breakpoints)
+        self.started = False  # message_start sent
+        self.block_open = False  # a text block started and not stopped
+
+    def _message(self, content: list, reason, sequence, usage_: dict) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "content": content,
+            "model": self.model,
+            "stop_reason": reason,
+            "stop_sequence": sequence,
+            "usage": usage_,
+        }
+
+    def body(self, result: GenerationResult) -> dict[str, Any]:
+        """The whole message. ``max_tokens`` 0 (pre-warming) returns no content and counts no
+        output token: the one the engine generated is not returned."""
+        reason, sequence = stop_reason(result, self.max_tokens)
+        prewarm = self.max_tokens == 0
+        text = "" if prewarm else result.text
+        content = [{"type": "text", "text": text}] if text else []
+        output = 0 if prewarm else result.completion_tokens
+        return self._message(content, reason, sequence, usage(result, self.breakpoints, output))
+
+    # -- stream events --------------------------------------------------------------------------
+
+    def start(self, prefilled: GenerationResult) -> list[str]:
+        """``message_start``, with the usage of the prompt as prefilled (no output yet)."""
+        self.started = True
+        message = self._message([], None, None, usage(prefilled, self.breakpoints, 0))
+        return [sse("message_start", {"type": "message_start", "message": message})]
+
+    def text(self, piece: str) -> list[str]:
+        """A text delta; the first one opens the text block (then a ``ping``, as Anthropic)."""
+        out = []
+        if not self.block_open:
+            self.block_open = True
+            block = {"type": "text", "text": ""}
+            out.append(
+                sse(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": 0, "content_block": block},
+                )
+            )
+            out.append(sse("ping", {"type": "ping"}))
+        delta = {"type": "text_delta", "text": piece}
+        out.append(
+            sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+        )
+        return out
+
+    def finish(self, result: GenerationResult) -> list[str]:
+        """The events after the last text: the block's stop, ``message_delta`` (the stop reason
+        and the cumulative usage), ``message_stop``."""
+        out = [] if self.started else self.start(result)
+        if self.block_open:
+            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
+        else:
+            out.append(sse("ping", {"type": "ping"}))
+        reason, sequence = stop_reason(result, self.max_tokens)
+        final = usage(result, self.breakpoints, result.completion_tokens)
+        for key in ("cache_creation", "service_tier"):  # not in Anthropic's message_delta usage
+            del final[key]
+        delta = {
+            "type": "message_delta",
+            "delta": {"stop_reason": reason, "stop_sequence": sequence},
+            "usage": final,
+        }
+        out.append(sse("message_delta", delta))
+        out.append(sse("message_stop", {"type": "message_stop"}))
+        return out
+
+    @staticmethod
+    def error(status: int, message: str, request_id: str | None = None) -> str:
+        """An ``error`` event (after the stream started), in Anthropic's shape."""
+        return sse("error", anthropic_errors.error_body(status, message, request_id))
