@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .logprobs import MAX_TOP_LOGPROBS
 
-if TYPE_CHECKING:
-    from kvfuse.generation import SamplingParams
+# ``kvfuse.generation.SamplingParams``, by duck type: generation builds on this package, so this
+# package does not import it (not even for type checking: the layout test forbids the cycle).
+SamplingParams = Any
 
 MAX_CHOICES = 128  # OpenAI's limit on ``n``
 MAX_STOPS = 16

@@ -5,14 +5,15 @@ sequence; the arithmetic itself is ``processors``' pure functions."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from . import processors
 
-if TYPE_CHECKING:
-    from kvfuse.generation import SamplingParams
+# ``kvfuse.generation.SamplingParams``, by duck type: generation builds on this package, so this
+# package does not import it (not even for type checking: the layout test forbids the cycle).
+SamplingParams = Any
 
 
 class TokenHistory:

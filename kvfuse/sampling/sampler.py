@@ -5,14 +5,15 @@ top-p and a draw from the sequence's own seeded generator."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from . import processors
 
-if TYPE_CHECKING:
-    from kvfuse.generation import SamplingParams
+# ``kvfuse.generation.SamplingParams``, by duck type: generation builds on this package, so this
+# package does not import it (not even for type checking: the layout test forbids the cycle).
+SamplingParams = Any
 
 
 @dataclass

@@ -471,7 +471,7 @@ def app_client(prompting, tmp_path_factory):
     )
     config = load_config(path)
     engine = SimpleNamespace(
-        model=SimpleNamespace(name="m"),
+        model=SimpleNamespace(name="m", config=SimpleNamespace(vocab_size=50)),
         context_window=1000,
         start=lambda: None,
         stop=lambda: None,
