@@ -123,6 +123,8 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
         )
     param = str(loc[0])
     path = _path(loc)
+    if first.get("type") == "extra_forbidden":
+        return unsupported_field(path, param)
     # Several errors on the same field come from the members of a union: say so in one line.
     same_field = [e for e in errors if _field(e) == param]
     if len(same_field) > 1 and first.get("type") != "missing":
@@ -131,6 +133,18 @@ def validation_error(errors: Sequence[dict[str, Any]]) -> APIError:
         message = f"{path}: {_msg(first)}"
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_type"
     return bad_request(message, param=param, code=code)
+
+
+def unsupported_field(path: str, param: str) -> APIError:
+    """A 400 for a field kvfuse does not implement: never accepted and silently dropped, since
+    the answer would then differ from what the client asked for (docs/api.md lists each
+    endpoint's fields)."""
+    return bad_request(
+        f"{path}: this field is not supported by kvfuse; remove it "
+        "(docs/api.md lists the supported fields of each endpoint)",
+        param=param,
+        code="unsupported_parameter",
+    )
 
 
 def _field(error: dict[str, Any]) -> str | None:

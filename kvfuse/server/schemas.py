@@ -25,7 +25,10 @@ Ratio = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """Request models: types checked strictly, and a field kvfuse does not implement is refused
+    with a 400 naming it (``errors.unsupported_field``), never dropped."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 # ------------------------------------------------------------------------------------ requests

@@ -88,6 +88,7 @@ def chat_format(value: Any, param: str = "response_format") -> OutputFormat | No
     if value is None:
         return None
     kind = _type_of(value, param)
+    _only(value, ("type", "json_schema") if kind == "json_schema" else ("type",), param, param)
     if kind != "json_schema":
         return None if kind == "text" else OutputFormat("json_object", param)
     spec = value.get("json_schema")
@@ -106,6 +107,7 @@ def responses_format(text: Any) -> OutputFormat | None:
         return None
     if not isinstance(text, dict):
         raise bad_request("text: must be an object with a format", param="text")
+    _only(text, ("format", "verbosity"), "text", "text")
     verbosity = text.get("verbosity")
     if verbosity not in (None, "medium"):
         raise bad_request(
@@ -116,9 +118,29 @@ def responses_format(text: Any) -> OutputFormat | None:
     if value is None:
         return None
     kind = _type_of(value, "text.format")
+    _only(
+        value,
+        ("type", *_SCHEMA_KEYS) if kind == "json_schema" else ("type",),
+        "text.format",
+        "text.format",
+    )
     if kind != "json_schema":
         return None if kind == "text" else OutputFormat("json_object", "text.format")
     return _schema_format(value, "text.format", "text.format")
+
+
+_SCHEMA_KEYS = ("name", "description", "schema", "strict")
+
+
+def _only(value: dict, allowed: tuple[str, ...], where: str, param: str) -> None:
+    """A 400 naming the first key of ``value`` not in ``allowed`` (never ignored: the output
+    would not be what the client asked for)."""
+    for key in value:
+        if key not in allowed:
+            raise bad_request(
+                f"{where}.{key}: not supported by kvfuse; the keys taken are {', '.join(allowed)}",
+                param=param,
+            )
 
 
 def _type_of(value: Any, param: str) -> str:
@@ -134,6 +156,8 @@ def _type_of(value: Any, param: str) -> str:
 
 def _schema_format(spec: dict, param: str, where: str) -> OutputFormat:
     """The ``json_schema`` fields (nested in chat, flattened in the Responses API), checked."""
+    if where.endswith("json_schema"):
+        _only(spec, _SCHEMA_KEYS, where, param)
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         raise bad_request(

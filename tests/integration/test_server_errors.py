@@ -241,12 +241,19 @@ def test_limits_are_named_in_the_message(server):
     assert "8192" in r.json()["error"]["message"]
 
 
-def test_unknown_fields_are_ignored(server):
-    r = httpx.post(
-        server.url + C,
-        json=ok_completion(logit_bias={"1": 2}, frobnicate=True, user="u1", stop=None),
-    )
-    assert r.status_code == 200, r.text
+@pytest.mark.parametrize("path", [C, CH, "/v1/responses"])
+def test_unknown_fields_are_refused_by_name(server, path):
+    body = {
+        C: ok_completion(logit_bias={"1": 2}, user="u1", stop=None),
+        CH: {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "/v1/responses": {"model": MODEL, "input": "hi", "max_output_tokens": 2},
+    }[path]
+    assert httpx.post(server.url + path, json=body).status_code == 200
+    r = httpx.post(server.url + path, json={**body, "frobnicate": True})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "frobnicate" and error["code"] == "unsupported_parameter"
+    assert error["message"].startswith("frobnicate: this field is not supported")
 
 
 def test_unknown_routes_and_methods(server):

@@ -26,7 +26,11 @@ from kvfuse.server.auth import Authenticator
 from kvfuse.server.bodies import SSE_DONE, ResponseBuilder, sse_event, usage
 from kvfuse.server.errors import APIError, error_body, validation_error
 from kvfuse.server.metrics import ServerMetrics
-from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvfuse.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseCreateRequest,
+)
 from kvfuse.server.translate import (
     Limits,
     cache_options,
@@ -191,9 +195,36 @@ def test_wrong_types_are_rejected_and_named(fields, param):
     assert err.status == 400 and err.param == param and err.message.startswith(param)
 
 
-def test_unknown_fields_are_ignored():
-    req = completion(logit_bias={"1": 1}, whatever=[1, 2])
-    assert not hasattr(req, "whatever")
+@pytest.mark.parametrize(
+    "model, fields, path",
+    [
+        (CompletionRequest, {"prompt": "hi", "whatever": [1, 2]}, "whatever"),
+        (CompletionRequest, {"prompt": "hi", "suffix": "x"}, "suffix"),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "audio": {}},
+            "audio",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x", "refusal": None}]},
+            "messages[0].refusal",
+        ),
+        (
+            ChatCompletionRequest,
+            {"messages": [{"role": "user", "content": "x"}], "stream_options": {"x": True}},
+            "stream_options.x",
+        ),
+        (ResponseCreateRequest, {"input": "hi", "reasoning": {"effort": "low"}}, "reasoning"),
+    ],
+)
+def test_fields_kvfuse_does_not_implement_are_refused_by_name(model, fields, path):
+    with pytest.raises(ValidationError) as exc:
+        model.model_validate({"model": "m", **fields})
+    err = validation_error(exc.value.errors())
+    assert err.status == 400 and err.code == "unsupported_parameter"
+    assert err.message.startswith(f"{path}: this field is not supported by kvfuse")
+    assert err.param == path.split(".")[0].split("[")[0]
 
 
 def test_validation_error_of_invalid_json():
