@@ -5,6 +5,12 @@ Streaming follows what the official OpenAI clients parse: one ``data: {json}\\n\
 with ``stream_options.include_usage`` a last chunk whose ``choices`` is empty and ``usage`` set,
 then ``data: [DONE]\\n\\n``. An error after the stream started is sent as ``data: {"error": ...}``
 (the clients raise it) and the stream ends without [DONE].
+
+With tools (``kvfuse.tools``), the output is parsed: the message gets ``tool_calls`` (and
+``content`` null when it was only calls), the finish reason is ``tool_calls``; a stream sends the
+text before a call as ``content`` deltas and each call, once complete, as OpenAI does: a delta
+``tool_calls[0] = {index, id, type: "function", function: {name, arguments: ""}}``, then one with
+``function.arguments``.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import json
 from typing import Any
 
 from kvfuse.engine import GenerationResult
+from kvfuse.tools import Call, Parsed, ToolCalling
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -21,9 +28,20 @@ def sse_event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def finish_reason(result: GenerationResult) -> str:
-    """OpenAI's finish reason (the caller handles "cancelled" as an error before getting here)."""
-    return "length" if result.finish_reason == "length" else "stop"
+def finish_reason(result: GenerationResult, called: bool = False) -> str:
+    """OpenAI's finish reason (the caller handles "cancelled" as an error before getting here):
+    ``length`` when cut short, else ``tool_calls`` when the output made calls."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def assistant_message(parsed: Parsed) -> dict[str, Any]:
+    """The chat message of a parsed output (``content`` null when it was only calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [c.openai() for c in parsed.calls]
+    return message
 
 
 def usage(result: GenerationResult) -> dict[str, Any]:
@@ -67,7 +85,13 @@ class ResponseBuilder:
     """Builds the bodies and chunks of one request (``chat`` selects the chat shapes)."""
 
     def __init__(
-        self, request_id: str, model: str, created: int, chat: bool, include_usage: bool = False
+        self,
+        request_id: str,
+        model: str,
+        created: int,
+        chat: bool,
+        include_usage: bool = False,
+        tools: ToolCalling | None = None,
     ):
         suffix = request_id.removeprefix("req_")
         self.id = f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}"
@@ -75,6 +99,8 @@ class ResponseBuilder:
         self.created = created
         self.chat = chat
         self.include_usage = include_usage
+        self.tools = tools if tools is not None and tools.parses else None
+        self._calls = self.tools.parser() if self.tools is not None else None
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -83,10 +109,11 @@ class ResponseBuilder:
 
     def body(self, result: GenerationResult) -> dict[str, Any]:
         if self.chat:
+            parsed = self.tools.parse(result.text) if self.tools else Parsed(result.text, ())
             choice = {
                 "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": finish_reason(result),
+                "message": assistant_message(parsed),
+                "finish_reason": finish_reason(result, bool(parsed.calls)),
                 "logprobs": None,
             }
             return {**self._head("chat.completion"), "choices": [choice], "usage": usage(result)}
@@ -100,13 +127,16 @@ class ResponseBuilder:
 
     # -- stream chunks --------------------------------------------------------------------------
 
-    def _chunk(self, text: str | None, reason: str | None, role: bool = False) -> dict[str, Any]:
+    def _chunk(
+        self, text: str | None, reason: str | None, role: bool = False, **fields
+    ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            delta.update(fields)  # tool_calls
             choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -123,9 +153,33 @@ class ResponseBuilder:
     def text_chunk(self, text: str) -> dict[str, Any]:
         return self._chunk(text, None)
 
+    def stream_chunks(self, text: str) -> list[dict[str, Any]]:
+        """The chunks of a generated text piece: itself, or with tools what the call parser lets
+        through (text, complete calls)."""
+        if self._calls is None:
+            return [self.text_chunk(text)]
+        return self._event_chunks(self._calls.feed(text))
+
+    def _event_chunks(self, events) -> list[dict[str, Any]]:
+        chunks = []
+        for e in events:
+            if not isinstance(e, Call):
+                chunks.append(self.text_chunk(e.text))
+                continue
+            c = e.call
+            head = {"index": e.index, "id": c.id, "type": "function"}
+            head["function"] = {"name": c.name, "arguments": ""}
+            args = {"index": e.index, "function": {"arguments": c.arguments}}
+            chunks.append(self._chunk(None, None, tool_calls=[head]))
+            chunks.append(self._chunk(None, None, tool_calls=[args]))
+        return chunks
+
     def final_chunks(self, result: GenerationResult) -> list[dict[str, Any]]:
-        """The chunk with the finish reason and, with include_usage, the usage chunk."""
-        chunks = [self._chunk(None if self.chat else "", finish_reason(result))]
+        """The chunk with the finish reason and, with include_usage, the usage chunk (with tools,
+        first what the call parser held back)."""
+        chunks = self._event_chunks(self._calls.finish()) if self._calls is not None else []
+        called = self._calls is not None and bool(self._calls.calls)
+        chunks.append(self._chunk(None if self.chat else "", finish_reason(result, called)))
         if self.include_usage:
             head = self._head("chat.completion.chunk" if self.chat else "text_completion")
             chunks.append({**head, "choices": [], "usage": usage(result)})

@@ -135,7 +135,7 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
 
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
     builder = ResponseBuilder(
-        record.request_id, state.model_name, int(time.time()), chat, include_usage
+        record.request_id, state.model_name, int(time.time()), chat, include_usage, call.tools
     )
     if body.stream:
         return StreamingResponse(
@@ -186,7 +186,8 @@ async def _stream(
         if (first := builder.first_chunk()) is not None:
             yield sse_event(first)
         while isinstance(item := await events.next(), str):
-            yield sse_event(builder.text_chunk(item))
+            for chunk in builder.stream_chunks(item):
+                yield sse_event(chunk)
         finished = True
         try:
             result = outcome_result(item, record)
