@@ -147,8 +147,13 @@ class ResponseBuilder:
         return out
 
     def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role (and empty content); completions have none."""
-        return self._chunk("", None, role=True) if self.chat else None
+        """Chat streams open with the assistant role (and empty content; with tools null content,
+        as OpenAI's, since the answer may be only calls); completions have none."""
+        if not self.chat:
+            return None
+        if self.tools is not None:
+            return self._chunk(None, None, role=True, content=None)
+        return self._chunk("", None, role=True)
 
     def text_chunk(self, text: str) -> dict[str, Any]:
         return self._chunk(text, None)

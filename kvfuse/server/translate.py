@@ -227,13 +227,13 @@ def request_tools(p: Prompting, req: ChatCompletionRequest) -> ToolCalling | Non
             if getattr(req, name) is not None:
                 raise bad_request(f"{name}: only allowed when tools are specified", param=name)
         return None
-    tok = p.prompts.model.tokenizer
-    raw = req.tool_choice
+    model, raw = p.prompts.model, req.tool_choice
     try:
         tools = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools])
         choice = choice_from_openai(raw.model_dump() if isinstance(raw, BaseModel) else raw, tools)
         parallel = req.parallel_tool_calls is not False
-        return tool_calling(detect(tok.chat_template), tools, choice, parallel, tok)
+        fmt = detect(model.tokenizer.chat_template)
+        return tool_calling(fmt, tools, choice, parallel, model)
     except ToolsError as e:
         raise bad_request(str(e), param=e.param) from None
 

@@ -12,7 +12,8 @@ is read.
   prompted format, nothing for Llama 3.x), and decoding is constrained by a grammar
   (``kvfuse.structured.json_schema``) to the call object ``{"name": <fn>, "arguments": <its
   parameters schema>}`` (``"parameters"`` for Llama 3.x); for ``required`` with several tools the
-  schema is the ``anyOf`` of each tool's. The request ends when the object is complete.
+  schema is the ``anyOf`` of each tool's, integers without bounds bounded (``bounds``). The
+  request ends when the object is complete.
 
 ``parallel_tool_calls: false`` keeps only the first call (and, in ``auto``, stops generating at
 the first ``</tool_call>``).
@@ -26,6 +27,7 @@ from typing import Any
 
 from kvfuse.generation import Structure
 
+from .bounds import bounded
 from .formats import ToolFormat
 from .parse import CallParser, Parsed, parse
 from .spec import Tool, ToolChoice, ToolsError, new_call_id
@@ -80,9 +82,9 @@ class ToolCalling:
 
 def call_schema(fmt: ToolFormat, tools: Sequence[Tool], choice: ToolChoice) -> dict[str, Any]:
     """The JSON schema of the call a forced choice allows: one tool's call object, or for
-    ``required`` with several tools the ``anyOf`` of theirs."""
+    ``required`` with several tools the ``anyOf`` of theirs (integers bounded: ``bounds``)."""
     chosen = [t for t in tools if choice.mode == "required" or t.name == choice.name]
-    schemas = [fmt.call_object_schema(t.name, t.schema) for t in chosen]
+    schemas = [fmt.call_object_schema(t.name, bounded(t.schema)) for t in chosen]
     return schemas[0] if len(schemas) == 1 else {"anyOf": schemas}
 
 
@@ -91,18 +93,20 @@ def tool_calling(
     tools: tuple[Tool, ...],
     choice: ToolChoice,
     parallel: bool,
-    tokenizer: Any,
+    model: Any,
     compile: Compile | None = None,
 ) -> ToolCalling:
-    """The request's ``ToolCalling``, its grammar compiled for a forced choice (``compile``:
-    ``kvfuse.structured.json_schema`` unless given). ``strict`` is asked of the grammar when every
-    tool it covers says ``strict``."""
+    """The request's ``ToolCalling``, its grammar compiled for a forced choice, for ``model`` (a
+    ``LoadedModel``: its tokenizer and end-of-sequence ids) with ``compile``
+    (``kvfuse.structured.json_schema`` unless given). ``strict`` is asked of the grammar (every
+    keyword enforced, a schema it cannot enforce refused) when every tool it covers says
+    ``strict``; otherwise keywords the grammar cannot enforce are left out of it."""
     if not choice.forced:
         return ToolCalling(fmt, tools, choice, parallel)
     schema = call_schema(fmt, tools, choice)
     strict = all(t.strict for t in tools if choice.mode == "required" or t.name == choice.name)
     try:
-        structure = (compile or structured_json_schema)(schema, tokenizer, strict)
+        structure = (compile or structured_json_schema)(schema, model, strict)
     except ToolsError:
         raise
     except ValueError as e:  # a parameters schema the grammar compiler does not take
@@ -110,8 +114,8 @@ def tool_calling(
     return ToolCalling(fmt, tools, choice, parallel, structure)
 
 
-def structured_json_schema(schema: dict[str, Any], tokenizer: Any, strict: bool) -> Structure:
-    """``kvfuse.structured.json_schema``: the grammar of a JSON schema for ``tokenizer``."""
+def structured_json_schema(schema: dict[str, Any], model: Any, strict: bool) -> Structure:
+    """``kvfuse.structured.json_schema``: the grammar of a JSON schema for ``model``."""
     try:
         from kvfuse.structured import json_schema
     except ImportError:
@@ -120,4 +124,4 @@ def structured_json_schema(schema: dict[str, Any], tokenizer: Any, strict: bool)
             '(kvfuse.structured), which this build of kvfuse lacks; use "auto"',
             "tool_choice",
         ) from None
-    return json_schema(schema, tokenizer, strict)
+    return json_schema(schema, model, strict)

@@ -259,7 +259,7 @@ def test_stream_chunks_assemble_to_the_body(text):
     got = assembled(chunks)
     want = builder().body(result(text))["choices"][0]
     assert got.finish_reason == want["finish_reason"]
-    assert (got.message.content or None) == want["message"]["content"]
+    assert got.message.content == want["message"]["content"]
     calls = [(c.function.name, c.function.arguments) for c in got.message.tool_calls or []]
     assert calls == [
         (c["function"]["name"], c["function"]["arguments"])

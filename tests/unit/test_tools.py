@@ -251,7 +251,7 @@ def test_call_schema_for_a_named_function_and_for_required():
         "type": "object",
         "properties": {
             "name": {"const": "get_weather"},
-            "arguments": WEATHER["function"]["parameters"],
+            "arguments": {**WEATHER["function"]["parameters"], "additionalProperties": False},
         },
         "required": ["name", "arguments"],
         "additionalProperties": False,
@@ -319,3 +319,73 @@ def test_a_schema_the_grammar_refuses_is_a_tools_error():
     with pytest.raises(ToolsError, match="pattern") as e:
         tool_calling(HERMES, TOOLS, ToolChoice("required"), True, None, refuse)
     assert e.value.param == "tools"
+
+
+# ----------------------------------------------------------------------- a forced call's schema
+
+SAFE = 2**53 - 1
+INT = {"type": "integer", "minimum": -SAFE, "maximum": SAFE}
+
+
+@pytest.mark.parametrize(
+    "schema,expected",
+    [
+        ({"type": "integer"}, INT),
+        ({"type": "integer", "minimum": 0}, {"type": "integer", "minimum": 0, "maximum": SAFE}),
+        (
+            {"type": "integer", "exclusiveMaximum": 5},
+            {"type": "integer", "exclusiveMaximum": 5, "minimum": -SAFE},
+        ),
+        ({"type": ["integer", "null"]}, {**INT, "type": ["integer", "null"]}),
+        ({"type": "number"}, {"type": "number"}),
+        ({"type": "string"}, {"type": "string"}),
+        (True, True),
+        ({"type": "object"}, {"type": "object"}),  # free-form: left open
+        (
+            {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}},
+            {
+                "type": "object",
+                "properties": {"n": INT, "s": {"type": "string"}},
+                "additionalProperties": False,
+            },
+        ),
+        (
+            {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}},
+            {"type": "object", "properties": {}, "additionalProperties": INT},
+        ),
+        (
+            {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+            {"type": "object", "properties": {"a": {}}, "patternProperties": {"^x": {}}},
+        ),
+        (  # allOf branches stay open: they may declare one object's keys between them
+            {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+            {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+        ),
+        (
+            {
+                "type": "array",
+                "items": {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/x"}]},
+                "$defs": {"x": {"type": "integer", "maximum": 3}},
+            },
+            {
+                "type": "array",
+                "items": {"anyOf": [INT, {"$ref": "#/$defs/x"}]},
+                "$defs": {"x": {"type": "integer", "maximum": 3, "minimum": -SAFE}},
+            },
+        ),
+    ],
+)
+def test_a_forced_call_is_narrowed_to_end(schema, expected):
+    from kvfuse.tools.bounds import bounded
+
+    assert bounded(schema) == expected
+
+
+def test_a_forced_calls_schema_is_narrowed_not_the_tool():
+    params = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    tools = tools_from_openai(
+        [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    )
+    schema = call_schema(HERMES, tools, ToolChoice("required"))["properties"]["arguments"]
+    assert schema == {"type": "object", "properties": {"n": INT}, "additionalProperties": False}
+    assert tools[0].schema == {"type": "object", "properties": {"n": {"type": "integer"}}}
