@@ -100,8 +100,16 @@ class Tokenizer:
             self._bytes = table
         return self._bytes
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
-        """The prompt text for ``messages`` (``[{"role": ..., "content": str}, ...]``)."""
+    def render_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        **extra,
+    ) -> str:
+        """The prompt text for ``messages`` (``[{"role": ..., "content": str}, ...]``); ``tools``
+        (function definitions) go to the template's ``tools`` argument, for templates that
+        support tools (``kvfuse.tools``); None passes none."""
         if not self.chat_template:
             raise ChatTemplateError(
                 "this model has no chat template; send a plain completion prompt instead"
@@ -114,6 +122,8 @@ class Tokenizer:
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(self.chat_template)
+        if tools is not None:
+            extra["tools"] = tools
         try:
             return self._template.render(
                 messages=messages,
@@ -127,10 +137,15 @@ class Tokenizer:
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         # The template writes any BOS itself, so no special tokens are added on top.
         return self.encode(
-            self.render_chat(messages, add_generation_prompt), add_special_tokens=False
+            self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False
         )
 
 

@@ -62,19 +62,22 @@ class PromptBuilder:
             raise ValueError(f"token ids must be in [0, {vocab})")
         return ids
 
-    def encode_chat(self, messages: list[dict], reserve: int = 0) -> tuple[list[int], int]:
+    def encode_chat(
+        self, messages: list[dict], reserve: int = 0, tools: list[dict] | None = None
+    ) -> tuple[list[int], int]:
         """The ids of chat ``messages`` and how many messages were dropped to make them fit: when
         they and ``reserve`` more tokens (the answer) exceed the context window, the oldest turns
         go (unless truncation is off), keeping the system prompt and the last message. The ids
-        are the full conversation's when nothing fits (``check`` then reports it)."""
+        are the full conversation's when nothing fits (``check`` then reports it). ``tools``:
+        the chat template's tools argument (``kvfuse.tools.render``)."""
         tok = self.model.tokenizer
-        ids = tok.encode_chat(messages)
+        ids = tok.encode_chat(messages, tools=tools)
         if not self.truncate or len(ids) + reserve <= self.context_window:
             return ids, 0
         lengths: dict[int, list[int]] = {}
 
         def fits(msgs: list[dict]) -> bool:
-            lengths[len(msgs)] = tok.encode_chat(msgs)
+            lengths[len(msgs)] = tok.encode_chat(msgs, tools=tools)
             return len(lengths[len(msgs)]) + reserve <= self.context_window
 
         kept = drop_oldest_turns(messages, fits)
@@ -88,12 +91,17 @@ class PromptBuilder:
         return encode.encode_document(self.model.tokenizer, text)
 
     def document_prompt(
-        self, documents: Seq[str], prompt: str | None = None, messages: list[dict] | None = None
+        self,
+        documents: Seq[str],
+        prompt: str | None = None,
+        messages: list[dict] | None = None,
+        tools: list[dict] | None = None,
     ) -> Prompt:
         """A prompt with ``documents``: before a completion ``prompt``, or at the start of the last
-        user message of chat ``messages``. ValueError (naming the document) for bad input."""
+        user message of chat ``messages`` (with the template's ``tools``). ValueError (naming the
+        document) for bad input."""
         if messages is not None:
-            return encode.chat_prompt(self.model.tokenizer, documents, messages)
+            return encode.chat_prompt(self.model.tokenizer, documents, messages, tools)
         if not isinstance(prompt, str):
             raise ValueError("documents need a text prompt, not token ids")
         return encode.completion_prompt(self.model.tokenizer, documents, prompt)
@@ -107,11 +115,15 @@ class PromptBuilder:
         return list(encode.chat_prompt(tok, ["."], [{"role": "user", "content": ""}]).prefix)
 
     def breakpoint_positions(
-        self, messages: list[dict], marks: Seq[tuple[int, int]], ids: Seq[int]
+        self,
+        messages: list[dict],
+        marks: Seq[tuple[int, int]],
+        ids: Seq[int],
+        tools: list[dict] | None = None,
     ) -> list[int | None]:
         """Prompt positions of cache breakpoints at ``marks`` (message index, character offset in its
         content) of chat ``messages`` rendered as ``ids`` (``encode.breakpoint_positions``)."""
-        return encode.breakpoint_positions(self.model.tokenizer, messages, marks, ids)
+        return encode.breakpoint_positions(self.model.tokenizer, messages, marks, ids, tools)
 
     def check(self, prompt: Prompt, max_tokens: int) -> None:
         """ValueError when the prompt and ``max_tokens`` exceed the context window."""

@@ -48,14 +48,20 @@ def completion_prompt(tokenizer: Tokenizer, documents: Sequence[str], text: str)
     )
 
 
-def chat_prompt(tokenizer: Tokenizer, documents: Sequence[str], messages: list[dict]) -> Prompt:
-    """The chat ``messages`` with ``documents`` at the start of the last user message."""
+def chat_prompt(
+    tokenizer: Tokenizer,
+    documents: Sequence[str],
+    messages: list[dict],
+    tools: list[dict] | None = None,
+) -> Prompt:
+    """The chat ``messages`` with ``documents`` at the start of the last user message (``tools``:
+    the template's tools argument)."""
     last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
     if last is None:
         raise ValueError("documents go into the last user message, and there is none")
     marked = [dict(m) for m in messages]
     marked[last]["content"] = _MARKER + (marked[last].get("content") or "")
-    rendered = tokenizer.render_chat(marked)
+    rendered = tokenizer.render_chat(marked, tools=tools)
     if rendered.count(_MARKER) != 1:
         raise ValueError(
             "this chat template does not keep message text as it is; send the documents to "
@@ -70,7 +76,11 @@ def chat_prompt(tokenizer: Tokenizer, documents: Sequence[str], messages: list[d
 
 
 def breakpoint_positions(
-    tokenizer: Tokenizer, messages: list[dict], marks: Sequence[tuple[int, int]], ids: Sequence[int]
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    marks: Sequence[tuple[int, int]],
+    ids: Sequence[int],
+    tools: list[dict] | None = None,
 ) -> list[int | None]:
     """For each mark ``(message index, character offset in its content)``, how many leading tokens
     of ``ids`` (the rendered ``messages``' ids) lie wholly before it: the prompt prefix a cache
@@ -84,8 +94,8 @@ def breakpoint_positions(
         m, c = marks[i]
         content = marked[m].get("content") or ""
         marked[m]["content"] = content[:c] + _mark(i) + content[c:]
-    rendered = tokenizer.render_chat(marked)
-    clean = tokenizer.render_chat(messages)
+    rendered = tokenizer.render_chat(marked, tools=tools)
+    clean = tokenizer.render_chat(messages, tools=tools)
     found = sorted((rendered.find(_mark(i)), i) for i in range(len(marks)))
     chars: dict[int, int] = {}
     removed = 0

@@ -6,6 +6,12 @@ with ``stream_options.include_usage`` a last chunk whose ``choices`` is empty an
 then ``data: [DONE]\\n\\n``. With ``n`` choices each chunk carries one choice (its ``index``), and
 the finish reasons come last, a chunk per choice. An error after the stream started is sent as
 ``data: {"error": ...}`` (the clients raise it) and the stream ends without [DONE].
+
+With tools (``kvfuse.tools``), each choice's output is parsed: the message gets ``tool_calls``
+(and ``content`` null when it was only calls), the finish reason is ``tool_calls``; a stream sends
+the text before a call as ``content`` deltas and each call, once complete, as OpenAI does: a delta
+``tool_calls[0] = {index, id, type: "function", function: {name, arguments: ""}}``, then one with
+``function.arguments``. A token's logprobs go with the next chunk of its choice.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.engine import Choice, Delta, GenerationResult
+from kvfuse.tools import Call, Parsed, ToolCalling
 
 from .logprobs import TokenTexts, chat_content, chat_logprobs, legacy_end, legacy_logprobs
 
@@ -25,9 +32,20 @@ def sse_event(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def finish_reason(result: GenerationResult | Choice) -> str:
-    """OpenAI's finish reason (the caller handles "cancelled" as an error before getting here)."""
-    return "length" if result.finish_reason == "length" else "stop"
+def finish_reason(result: GenerationResult | Choice, called: bool = False) -> str:
+    """OpenAI's finish reason (the caller handles "cancelled" as an error before getting here):
+    ``length`` when cut short, else ``tool_calls`` when the output made calls."""
+    if result.finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def assistant_message(parsed: Parsed) -> dict[str, Any]:
+    """The chat message of a parsed output (``content`` null when it was only calls)."""
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = [c.openai() for c in parsed.calls]
+    return message
 
 
 def usage(result: GenerationResult) -> dict[str, Any]:
@@ -91,6 +109,7 @@ class ResponseBuilder:
         chat: bool,
         include_usage: bool = False,
         rendering: Rendering = Rendering(),
+        tools: ToolCalling | None = None,
     ):
         suffix = request_id.removeprefix("req_")
         self.id = f"chatcmpl-{suffix}" if chat else f"cmpl-{suffix}"
@@ -101,6 +120,9 @@ class ResponseBuilder:
         self.r = rendering
         # completions with logprobs: where each choice's next text offset is (streaming)
         self._offsets = [0] * rendering.n
+        self.tools = tools if tools is not None and tools.parses else None
+        # each choice's call parser (streaming with tools)
+        self._calls = [self.tools.parser() for _ in range(rendering.n)] if self.tools else None
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -116,10 +138,11 @@ class ResponseBuilder:
 
     def _chat_choice(self, c: Choice) -> dict[str, Any]:
         lp = chat_logprobs(self.r.texts, c.logprobs or []) if self.r.logprobs else None
+        parsed = self.tools.parse(c.text) if self.tools else Parsed(c.text, ())
         return {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "finish_reason": finish_reason(c),
+            "message": assistant_message(parsed),
+            "finish_reason": finish_reason(c, bool(parsed.calls)),
             "logprobs": lp,
         }
 
@@ -141,7 +164,13 @@ class ResponseBuilder:
     # -- stream chunks --------------------------------------------------------------------------
 
     def _chunk(
-        self, index: int, text: str | None, reason: str | None, role: bool = False, logprobs=None
+        self,
+        index: int,
+        text: str | None,
+        reason: str | None,
+        role: bool = False,
+        logprobs=None,
+        **fields,
     ) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
@@ -149,6 +178,7 @@ class ResponseBuilder:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
+            delta.update(fields)  # tool_calls, or content null
             choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
@@ -160,9 +190,12 @@ class ResponseBuilder:
         return out
 
     def first_chunks(self) -> list[dict[str, Any]]:
-        """Chat streams open with the assistant role (and empty content) of each choice;
-        completions with ``echo`` (without logprobs: those wait for the prompt's) with the prompt
-        echoed in each choice."""
+        """Chat streams open with the assistant role of each choice (and empty content; with
+        tools null content, as OpenAI's, since the answer may be only calls); completions with
+        ``echo`` (without logprobs: those wait for the prompt's) with the prompt echoed in each
+        choice."""
+        if self.chat and self.tools is not None:
+            return [self._chunk(i, None, None, role=True, content=None) for i in range(self.r.n)]
         if self.chat:
             return [self._chunk(i, "", None, role=True) for i in range(self.r.n)]
         if self.r.echo is not None and not self.r.logprobs:
@@ -186,14 +219,40 @@ class ResponseBuilder:
             start = self._offsets[d.index]
             lp = legacy_logprobs(self.r.texts, d.logprobs, [e.token for e in d.logprobs], start)
             self._offsets[d.index] = legacy_end(lp, start)
-        return [self._chunk(d.index, d.text, None, logprobs=lp)]
+        if self._calls is None:
+            return [self._chunk(d.index, d.text, None, logprobs=lp)]
+        chunks = self._event_chunks(d.index, self._calls[d.index].feed(d.text))
+        if lp is not None and chunks:
+            chunks[0]["choices"][0]["logprobs"] = lp
+        elif lp is not None:  # the tokens' text is held by the call parser: their logprobs now
+            chunks = [self._chunk(d.index, None, None, logprobs=lp)]
+        return chunks
+
+    def _event_chunks(self, index: int, events) -> list[dict[str, Any]]:
+        """Choice ``index``'s chunks of what its call parser let through: text, complete calls."""
+        chunks = []
+        for e in events:
+            if not isinstance(e, Call):
+                chunks.append(self._chunk(index, e.text, None))
+                continue
+            c = e.call
+            head = {"index": e.index, "id": c.id, "type": "function"}
+            head["function"] = {"name": c.name, "arguments": ""}
+            args = {"index": e.index, "function": {"arguments": c.arguments}}
+            chunks.append(self._chunk(index, None, None, tool_calls=[head]))
+            chunks.append(self._chunk(index, None, None, tool_calls=[args]))
+        return chunks
 
     def final_chunks(self, result: GenerationResult) -> list[dict[str, Any]]:
-        """A chunk with each choice's finish reason and, with include_usage, the usage chunk."""
-        chunks = [
-            self._chunk(c.index, None if self.chat else "", finish_reason(c))
-            for c in result.choices
-        ]
+        """A chunk with each choice's finish reason (with tools, after what its call parser held
+        back) and, with include_usage, the usage chunk."""
+        chunks = []
+        for c in result.choices:
+            called = False
+            if self._calls is not None:
+                chunks += self._event_chunks(c.index, self._calls[c.index].finish())
+                called = bool(self._calls[c.index].calls)
+            chunks.append(self._chunk(c.index, None if self.chat else "", finish_reason(c, called)))
         if self.include_usage:
             head = self._head("chat.completion.chunk" if self.chat else "text_completion")
             chunks.append({**head, "choices": [], "usage": usage(result)})

@@ -142,6 +142,7 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
         chat,
         include_usage,
         rendering(state, body, call),
+        call.tools,
     )
     if body.stream:
         return StreamingResponse(

@@ -36,6 +36,7 @@ from pydantic import ValidationError
 from kvfuse.engine import Delta, GenerationResult, Outcome
 from kvfuse.history.records import decode_record, encode_record
 from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
+from kvfuse.tools import ToolCalling
 
 from .bodies import usage as chat_usage
 from .completions import ERRORS, outcome_result, submit, watch_disconnect
@@ -44,6 +45,7 @@ from .errors import APIError, bad_request
 from .events import RequestEvents
 from .logprobs import TokenTexts, chat_content
 from .request_log import RECORD_KEY, RequestRecord
+from .responses_tools import OutputItems, call_item, call_output_item, tool_fields
 from .schemas import ChatCompletionRequest, ResponseCreateRequest
 from .state import ServerState
 from .structured import OutputFormat, as_response_format, responses_format
@@ -71,8 +73,9 @@ def input_messages(
     value: str | list[dict[str, Any]],
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The chat messages of a Responses ``input`` (content parts as chat ``text`` parts, with their
-    cache breakpoints) and the input items as they are stored and listed (each with an id).
-    A 400 naming the item for anything that is not a text message."""
+    cache breakpoints; ``function_call`` items as an assistant's ``tool_calls``,
+    ``function_call_output`` items as ``tool`` messages) and the input items as they are stored
+    and listed (each with an id). A 400 naming the item for anything else."""
     if isinstance(value, str):
         if not value:
             raise bad_request("input: the input is empty", param="input")
@@ -83,75 +86,88 @@ def input_messages(
     for i, item in enumerate(value):
         where = f"input[{i}]"
         kind = item.get("type", "message")
-        if kind != "message":
-            raise bad_request(
-                f"{where}: items of type {kind!r} are not supported; send messages "
-                '({"role": ..., "content": ...})',
-                param="input",
-            )
-        role = item.get("role")
-        if role not in _ROLES:
-            raise bad_request(
-                f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}", param="input"
-            )
-        content = item.get("content")
-        parts: list[dict[str, Any]] = []
-        if isinstance(content, str):
-            parts = [{"type": "text", "text": content}]
-        elif isinstance(content, list) and content:
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") not in _TEXT_PARTS
-                    or not isinstance(part.get("text"), str)
-                ):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise bad_request(
-                        f"{where}.content[{j}]: only text parts (input_text, output_text) are "
-                        f"supported, got {kind!r}",
-                        param="input",
-                    )
-                parts.append(
-                    {
-                        "type": "text",
-                        "text": part["text"],
-                        **{
-                            k: part[k]
-                            for k in ("cache_control", "prompt_cache_breakpoint")
-                            if part.get(k)
-                        },
-                    }
-                )
+        if kind == "function_call":
+            call, stored = call_item(item, where)
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant":  # one turn: its text and calls
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            message, stored = call_output_item(item, where)
+            messages.append(message)
+        elif kind == "message":
+            message, stored = _message(item, where)
+            messages.append(message)
         else:
             raise bad_request(
-                f"{where}.content: must be a string or a non-empty list of text parts",
+                f"{where}: items of type {kind!r} are not supported; send messages "
+                '({"role": ..., "content": ...}), function_call or function_call_output items',
                 param="input",
             )
-        message: dict[str, Any] = {"role": role, "content": parts}
-        if item.get("cache_control"):
-            message["cache_control"] = item["cache_control"]
-        messages.append(message)
-        part_type = "output_text" if role == "assistant" else "input_text"
-        items.append(
-            {
-                "id": _new_id("msg"),
-                "type": "message",
-                "role": role,
-                "status": "completed",
-                "content": [{"type": part_type, "text": p["text"]} for p in parts],
-            }
-        )
+        items.append(stored)
     return messages, items
 
 
-def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+def _message(item: dict[str, Any], where: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A message input item: the chat message and the stored item."""
+    role = item.get("role")
+    if role not in _ROLES:
+        raise bad_request(
+            f"{where}.role: must be one of {', '.join(_ROLES)}, got {role!r}", param="input"
+        )
+    content = item.get("content")
+    parts: list[dict[str, Any]] = []
+    if isinstance(content, str):
+        parts = [{"type": "text", "text": content}]
+    elif isinstance(content, list) and content:
+        parts = [_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)]
+    else:
+        raise bad_request(
+            f"{where}.content: must be a string or a non-empty list of text parts",
+            param="input",
+        )
+    message: dict[str, Any] = {"role": role, "content": parts}
+    if item.get("cache_control"):
+        message["cache_control"] = item["cache_control"]
+    part_type = "output_text" if role == "assistant" else "input_text"
+    stored = {
+        "id": _new_id("msg"),
+        "type": "message",
+        "role": role,
+        "status": "completed",
+        "content": [{"type": part_type, "text": p["text"]} for p in parts],
+    }
+    return message, stored
+
+
+def _part(part: Any, where: str) -> dict[str, Any]:
+    """A text content part as a chat ``text`` part (with its cache breakpoint)."""
+    if (
+        not isinstance(part, dict)
+        or part.get("type") not in _TEXT_PARTS
+        or not isinstance(part.get("text"), str)
+    ):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise bad_request(
+            f"{where}: only text parts (input_text, output_text) are supported, got {kind!r}",
+            param="input",
+        )
+    marks = {k: part[k] for k in ("cache_control", "prompt_cache_breakpoint") if part.get(k)}
+    return {"type": "text", "text": part["text"], **marks}
+
+
+def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages as a stored history keeps them: role and content text (parts joined as a chat
-    request joins them), no breakpoints (they belong to the request that set them)."""
+    request joins them), an assistant's calls and a result's call id; no breakpoints (they
+    belong to the request that set them)."""
     out = []
     for m in messages:
-        content = m["content"]
+        content = m["content"] or ""
         text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
-        out.append({"role": m["role"], "content": text})
+        plain = {"role": m["role"], "content": text}
+        plain.update({k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k)})
+        out.append(plain)
     return out
 
 
@@ -205,6 +221,7 @@ def chat_request(
         logprobs=wants_logprobs(body),
         top_logprobs=body.top_logprobs if wants_logprobs(body) else None,
         response_format=as_response_format(fmt),
+        **tool_fields(body.tools, body.tool_choice, body.parallel_tool_calls),
     )
     try:
         return ChatCompletionRequest.model_validate(
@@ -214,7 +231,8 @@ def chat_request(
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         loc = loc.replace("messages", "input", 1)
-        raise bad_request(f"{loc}: {err['msg']}", param="input") from None
+        param = loc.split(".")[0] if loc.startswith(("tools", "tool_choice")) else "input"
+        raise bad_request(f"{loc}: {err['msg']}", param=param) from None
 
 
 def usage(result: GenerationResult) -> dict[str, Any]:
@@ -252,18 +270,13 @@ class ResponseObject:
         self.sequence = 0
 
     def object(
-        self, status: str, result: GenerationResult | None = None, text: str = ""
+        self,
+        status: str,
+        result: GenerationResult | None = None,
+        output: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
+        """The response object; ``output``: its items (``OutputItems``), once it has them."""
         b = self.body
-        output = []
-        if result is not None:
-            output = [
-                self.message(
-                    result.text,
-                    "incomplete" if status == "incomplete" else "completed",
-                    self.logprobs(result.choices[0].logprobs if result.choices else None),
-                )
-            ]
         return {
             "id": self.id,
             "object": "response",
@@ -277,15 +290,15 @@ class ResponseObject:
             "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens,
             "model": self.model,
-            "output": output,
-            "parallel_tool_calls": False,
+            "output": output or [],
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": self.previous_id,
             "store": b.store,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "top_p": 1.0 if b.top_p is None else b.top_p,
             "top_logprobs": b.top_logprobs,
-            "tool_choice": "auto",
-            "tools": [],
+            "tool_choice": b.tool_choice if b.tool_choice is not None else "auto",
+            "tools": b.tools or [],
             "text": {"format": self.text_format},
             "truncation": "disabled",
             "metadata": b.metadata or {},
@@ -299,23 +312,17 @@ class ResponseObject:
         """Output logprobs in the Responses API's shape ([] when not asked)."""
         return chat_content(self.texts, entries or []) if self.texts is not None else []
 
-    def message(self, text: str, status: str, logprobs=()) -> dict[str, Any]:
-        content = [self.part(text, logprobs)] if status != "in_progress" else []
-        return {
-            "id": self.message_id,
-            "type": "message",
-            "status": status,
-            "role": "assistant",
-            "content": content,
-        }
-
     def event(self, kind: str, **fields) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    def part(self, text: str, logprobs=()) -> dict[str, Any]:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
+    def items(self, tools: ToolCalling | None) -> OutputItems:
+        """The builder of this response's output items (calls parsed with ``tools``; logprobs
+        rendered when asked)."""
+        parser = tools.parser() if tools is not None else None
+        lp = self.logprobs if self.texts is not None else None
+        return OutputItems(self.event, parser, self.message_id, lp)
 
 
 # ------------------------------------------------------------------------------------- handlers
@@ -377,10 +384,6 @@ async def create_response(
     record: RequestRecord = request.scope[RECORD_KEY]
     record.model, record.stream = body.model, bool(body.stream)
     check_model(body.model, state.model_name)
-    if body.tools:
-        raise bad_request(
-            "tools: tools are not supported by this server; remove them", param="tools"
-        )
     if body.documents is not None or body.recompute_ratio is not None:
         raise bad_request(
             "documents: not supported on /v1/responses; send documents to /v1/chat/completions",
@@ -422,9 +425,10 @@ async def create_response(
         state.metrics.responses.labels(event="continued").inc()
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
     keep = _Keeper(state, tenant, obj, previous, messages, items)
+    output = obj.items(call.tools)
     if body.stream:
         return StreamingResponse(
-            _stream(state, record, job, events, watcher, obj, keep),
+            _stream(state, record, job, events, watcher, obj, keep, output),
             media_type="text/event-stream",
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
@@ -435,10 +439,20 @@ async def create_response(
         raise
     finally:
         watcher.cancel()
-    result = outcome_result(outcome, record)
-    done = obj.object(_status(result), result)
-    await asyncio.to_thread(keep, done, result)
-    return JSONResponse(done)
+    return JSONResponse(await _whole(outcome_result(outcome, record), obj, output, keep))
+
+
+async def _whole(
+    result: GenerationResult, obj: ResponseObject, output: OutputItems, keep: _Keeper
+) -> dict[str, Any]:
+    """The finished response object of a request answered whole (stored when asked to)."""
+    status = _status(result)
+    output.start()
+    output.feed(result.text, result.choices[0].logprobs or [] if result.choices else [])
+    output.finish(status)
+    done = obj.object(status, result, output.items)
+    await asyncio.to_thread(keep, done, result, output)
+    return done
 
 
 def _status(result: GenerationResult) -> str:
@@ -469,13 +483,16 @@ class _Keeper:
         self.state, self.tenant, self.obj, self.previous = state, tenant, obj, previous
         self.messages, self.items = messages, items
 
-    def __call__(self, body: dict[str, Any], result: GenerationResult) -> None:
+    def __call__(self, body: dict[str, Any], result: GenerationResult, output: OutputItems) -> None:
         if not self.obj.body.store or self.state.responses is None:
             return
+        answer: dict[str, Any] = {"role": "assistant", "content": output.text}
+        if output.calls:
+            answer["tool_calls"] = output.calls
         history = (
             (self.previous.history if self.previous is not None else [])
             + plain_messages(self.messages)
-            + [{"role": "assistant", "content": result.text}]
+            + [answer]
         )
         rec = result.history
         self.state.responses.put(
@@ -502,35 +519,17 @@ async def _stream(
     watcher: asyncio.Task,
     obj: ResponseObject,
     keep: _Keeper,
+    output: OutputItems,
 ) -> AsyncIterator[str]:
     finished = False
     try:
         yield obj.event("response.created", response=obj.object("in_progress"))
         yield obj.event("response.in_progress", response=obj.object("in_progress"))
-        yield obj.event(
-            "response.output_item.added", output_index=0, item=obj.message("", "in_progress")
-        )
-        yield obj.event(
-            "response.content_part.added",
-            output_index=0,
-            item_id=obj.message_id,
-            content_index=0,
-            part=obj.part(""),
-        )
-        held = []  # logprobs of tokens whose text is held back (a possible stop string)
+        for event in output.start():
+            yield event
         while isinstance(item := await events.next(), Delta):
-            held += item.logprobs
-            if not item.text:
-                continue
-            yield obj.event(
-                "response.output_text.delta",
-                output_index=0,
-                item_id=obj.message_id,
-                content_index=0,
-                delta=item.text,
-                logprobs=obj.logprobs(held),
-            )
-            held = []
+            for event in output.feed(item.text, item.logprobs):
+                yield event
         finished = True
         try:
             result = outcome_result(item, record)
@@ -541,25 +540,10 @@ async def _stream(
             yield obj.event("response.failed", response=failed)
             return
         status = _status(result)
-        logprobs = obj.logprobs(result.choices[0].logprobs if result.choices else None)
-        yield obj.event(
-            "response.output_text.done",
-            output_index=0,
-            item_id=obj.message_id,
-            content_index=0,
-            text=result.text,
-            logprobs=logprobs,
-        )
-        yield obj.event(
-            "response.content_part.done",
-            output_index=0,
-            item_id=obj.message_id,
-            content_index=0,
-            part=obj.part(result.text, logprobs),
-        )
-        done = obj.object(status, result)
-        yield obj.event("response.output_item.done", output_index=0, item=done["output"][0])
-        await asyncio.to_thread(keep, done, result)
+        for event in output.finish(status):
+            yield event
+        done = obj.object(status, result, output.items)
+        await asyncio.to_thread(keep, done, result, output)
         yield obj.event(
             "response.completed" if status == "completed" else "response.incomplete", response=done
         )

@@ -343,6 +343,75 @@ class TextPart(_Strict):
     )
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(..., description="The arguments, a JSON object as a string.")
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (OpenAI's ``tool_calls[i]``)."""
+
+    id: str = Field(..., max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(
+        ..., description="1 to 64 letters, digits, underscores or dashes; unique per request."
+    )
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        None,
+        description='The arguments\' JSON schema ("type": "object"); none: no arguments.',
+    )
+    strict: bool | None = Field(
+        None,
+        description="With tool_choice required or this function, kvfuse always constrains the "
+        "arguments to the schema; strict is passed on to the grammar compiler.",
+    )
+
+
+class ChatTool(_Strict):
+    type: Literal["function"] = Field(..., description="Only function tools.")
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class ToolFields(_Strict):
+    """OpenAI's function-calling fields of a chat completion request (``kvfuse.tools``)."""
+
+    tools: list[ChatTool] | None = Field(
+        None,
+        max_length=128,
+        description="Functions the model may call. Rendered with the model's chat template when it "
+        "supports tools (Qwen2.5, Llama 3.x), else in kvfuse's prompted format (docs/api.md).",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description='"auto" (default): the output is parsed for calls; "none": never; "required" or '
+        '{"type": "function", "function": {"name": ...}}: exactly one call, decoding '
+        "constrained to the call's JSON schema.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one call per answer. Default true."
+    )
+    functions: list[dict[str, Any]] | None = Field(
+        None, description="Deprecated by OpenAI; refused: use tools."
+    )
+    function_call: str | dict[str, Any] | None = Field(
+        None, description="Deprecated by OpenAI; refused: use tool_choice."
+    )
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = Field(
@@ -353,9 +422,15 @@ class ChatMessage(_Strict):
     cache_control: CacheControl | None = Field(
         None, description="A cache breakpoint at the end of this message's content (as on a part)."
     )
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="The calls an assistant message made."
+    )
+    tool_call_id: str | None = Field(
+        None, description="For a tool message: the id of the call it answers."
+    )
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(ToolFields, SamplingRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(
@@ -447,7 +522,20 @@ class ResponseCreateRequest(KVFuseOptions):
     ignore_eos: bool | None = Field(
         False, description="kvfuse extension: generate past the end-of-sequence token."
     )
-    tools: list[dict[str, Any]] | None = Field(None, description="Not supported: must be empty.")
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=128,
+        description='Function tools: {"type": "function", "name", "description", "parameters", '
+        '"strict"} (other tool types are refused). As on chat completions (docs/api.md).',
+    )
+    tool_choice: str | dict[str, Any] | None = Field(
+        None,
+        description='"none", "auto" (default), "required" or {"type": "function", "name": ...}: '
+        "as on chat completions.",
+    )
+    parallel_tool_calls: bool | None = Field(
+        None, description="false: at most one function call. Default true."
+    )
     top_logprobs: int | None = Field(
         None,
         ge=0,
@@ -556,13 +644,16 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(..., description="The text; null when the answer is only calls.")
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="The calls the model made (requests with tools); absent when none."
+    )
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: dict[str, Any] | None = Field(
         None,
         description='With logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs"}, '

@@ -10,12 +10,27 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
+
+from pydantic import BaseModel
 
 from kvfuse.durations import parse_duration
 from kvfuse.engine import Breakpoint, CacheOptions, Delta, Outcome, Prompt, Request, Retention
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
 from kvfuse.prompts import PromptBuilder
+from kvfuse.prompts.prompt import Segment, SegmentKind
+from kvfuse.tools import (
+    Rendered,
+    ToolCalling,
+    ToolsError,
+    choice_from_openai,
+    detect,
+    render,
+    tool_calling,
+    tools_from_openai,
+    uses_tools,
+)
 
 from .errors import APIError, bad_request
 from .schemas import ChatCompletionRequest, CompletionRequest, KVFuseOptions, SamplingRequest
@@ -31,6 +46,8 @@ class EngineCall:
     cache: CacheOptions
     # the request's recompute budget over the engine's blend options (None: the engine's)
     recompute_ratio: float | str | None = None
+    # the request's tools: how its output becomes calls (None: no tools, plain text)
+    tools: ToolCalling | None = None
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -170,20 +187,99 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
     return p
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as the chat template expects them: role and content strings."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as the chat template expects them: role and content strings, an assistant's
+    ``tool_calls`` and a tool message's ``tool_call_id`` (``kvfuse.tools.render`` renders them)."""
     out = []
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             content = "\n".join(part.text for part in m.content)
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for system
-        msg = {"role": role, "content": content}
+        msg: dict[str, Any] = {"role": role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls:
+            if role != "assistant":
+                raise bad_request(
+                    f"messages[{i}].tool_calls: only assistant messages carry tool calls",
+                    param="messages",
+                )
+            msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        if role == "tool":
+            if m.tool_call_id is None:
+                raise bad_request(
+                    f"messages[{i}].tool_call_id: a tool message names the call it answers",
+                    param="messages",
+                )
+            msg["tool_call_id"] = m.tool_call_id
         out.append(msg)
     return out
+
+
+def request_tools(p: Prompting, req: ChatCompletionRequest) -> ToolCalling | None:
+    """The request's tools, choice and parallel_tool_calls, checked (None: no tools); a forced
+    choice's grammar is compiled here."""
+    for name in ("functions", "function_call"):
+        if getattr(req, name) is not None:
+            raise bad_request(
+                f"{name}: deprecated by OpenAI and not supported; use "
+                f"{'tools' if name == 'functions' else 'tool_choice'}",
+                param=name,
+            )
+    if req.tools is None:
+        for name in ("tool_choice", "parallel_tool_calls"):
+            if getattr(req, name) is not None:
+                raise bad_request(f"{name}: only allowed when tools are specified", param=name)
+        return None
+    model, raw = p.prompts.model, req.tool_choice
+    try:
+        tools = tools_from_openai([t.model_dump(exclude_none=True) for t in req.tools])
+        choice = choice_from_openai(raw.model_dump() if isinstance(raw, BaseModel) else raw, tools)
+        parallel = req.parallel_tool_calls is not False
+        fmt = detect(model.tokenizer.chat_template)
+        return tool_calling(fmt, tools, choice, parallel, model)
+    except ToolsError as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
+def rendered_messages(
+    p: Prompting, req: ChatCompletionRequest, tools: ToolCalling | None
+) -> Rendered:
+    """The request's messages (and tools) as the model's chat template gets them (as they are
+    when nothing in the request is about tools)."""
+    messages = chat_messages(req)
+    if tools is None and not uses_tools(messages):
+        return Rendered.plain(messages)
+    fmt = tools.fmt if tools is not None else detect(p.prompts.model.tokenizer.chat_template)
+    try:
+        return render(messages, fmt, tools.tools if tools is not None else ())
+    except ToolsError as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
+def with_tools(call: EngineCall, tools: ToolCalling | None) -> EngineCall:
+    """``call`` with its tools: their stop strings and, for a forced call, its grammar."""
+    if tools is None:
+        return call
+    stop = call.params.stop
+    if len(stop) + len(tools.stops) <= 16:  # else the parser alone keeps the first call
+        stop += tools.stops
+    params = replace(call.params, stop=stop, structure=tools.structure or call.params.structure)
+    return replace(call, params=params, tools=tools)
+
+
+def forced_prompt(p: Prompting, prompt: Prompt, tools: ToolCalling | None) -> Prompt:
+    """``prompt`` ending with the forced call's opening (its last segment extended)."""
+    text = tools.forced_text if tools is not None else ""
+    if not text:
+        return prompt
+    ids = tuple(p.prompts.model.tokenizer.encode(text, add_special_tokens=False))
+    last = prompt.segments[-1]
+    if last.kind is SegmentKind.DOCUMENT:
+        return replace(prompt, segments=prompt.segments + (Segment(SegmentKind.SUFFIX, ids),))
+    return replace(prompt, segments=prompt.segments[:-1] + (Segment(last.kind, last.ids + ids),))
 
 
 def requested_max_tokens(req: SamplingRequest) -> int | None:
@@ -402,15 +498,17 @@ def plan_completion(
 
 def plan_chat(p: Prompting, req: ChatCompletionRequest, tenant: str, limits: Limits) -> EngineCall:
     """Render, tokenize and check a chat request (call it off the event loop)."""
+    tools = request_tools(p, req)
+    chat = rendered_messages(p, req, tools)
     if req.documents is not None:
-        return _engine_call(
-            req, _document_prompt(p, req, messages=chat_messages(req)), tenant, limits, p
-        )
+        prompt = _document_prompt(p, req, messages=chat.messages, tools=chat.tools)
+        call = _engine_call(req, forced_prompt(p, prompt, tools), tenant, limits, p)
+        return with_tools(call, tools)
     try:
         # A conversation beyond the context window loses its oldest turns (cache.truncation).
         reserve = requested_max_tokens(req) or limits.default_max_tokens
         ids, dropped = p.prompts.encode_chat(
-            chat_messages(req), reserve=min(reserve, limits.context_window - 1)
+            chat.messages, reserve=min(reserve, limits.context_window - 1), tools=chat.tools
         )
     except ChatTemplateError as e:
         raise bad_request(
@@ -418,11 +516,12 @@ def plan_chat(p: Prompting, req: ChatCompletionRequest, tenant: str, limits: Lim
         ) from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
-    call = _engine_call(req, Prompt.plain(ids), tenant, limits, p)
+    prompt = forced_prompt(p, Prompt.plain(ids), tools)
+    call = with_tools(_engine_call(req, prompt, tenant, limits, p), tools)
     marks = chat_marks(req)
     if marks and dropped == 0 and call.cache.enabled:
         positions = p.prompts.breakpoint_positions(
-            chat_messages(req), [(m, c) for m, c, _ in marks], ids
+            chat.messages, [chat.mark(m, c) for m, c, _ in marks], ids, chat.tools
         )
         points = tuple(
             sorted({Breakpoint(p, ttl) for p, (_, _, ttl) in zip(positions, marks) if p})

@@ -156,7 +156,7 @@ def test_context_error_names_the_limit():
 
 def test_chat_template_failure_is_a_400():
     class TemplateFails:  # stands in for the engine's prompt builder: only its encode_chat is involved
-        def encode_chat(self, messages, reserve=0):
+        def encode_chat(self, messages, reserve=0, tools=None):
             raise ChatTemplateError("Conversation roles must alternate user/assistant")
 
     class Engine:

@@ -1,0 +1,186 @@
+"""Model output -> text and tool calls (``kvfuse.tools.parse``): a table per family (Qwen2.5 /
+Hermes, Llama 3.x, kvfuse's prompted format for SmolLM2 and Gemma 3, and what small models drift
+into), the invalid cases that must stay text, and the streaming parser fed in any pieces (token by
+token included) agreeing with the whole parse."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfuse.tools import Call, CallParser, Text, parse
+
+NAMES = frozenset({"get_weather", "multiply", "now"})
+PARIS = ("get_weather", '{"city": "Paris"}')
+MUL = ("multiply", '{"a": 12, "b": 34}')
+
+
+def ids():
+    counter = itertools.count()
+    return lambda: f"call_{next(counter)}"
+
+
+def whole(text: str, parallel: bool = True):
+    p = parse(text, NAMES, parallel, ids())
+    return p.content, [(c.name, c.arguments) for c in p.calls]
+
+
+# (output, content, calls)
+QWEN = [
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        None,
+        [PARIS],
+    ),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "multiply", "arguments": {"a": 12, "b": 34}}\n</tool_call>',
+        None,
+        [PARIS, MUL],
+    ),
+    (
+        'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        "Let me look that up.",
+        [PARIS],
+    ),
+    # the end tag cut off by a stop string (parallel_tool_calls: false stops there)
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}', None, [PARIS]),
+    # arguments as a string holding the object, and no arguments at all
+    (
+        '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}</tool_call>',
+        None,
+        [PARIS],
+    ),
+    ('<tool_call>{"name": "now"}</tool_call>', None, [("now", "{}")]),
+    # key order does not matter; non-ASCII is kept
+    (
+        '<tool_call>{"arguments": {"city": "Zürich"}, "name": "get_weather"}</tool_call>',
+        None,
+        [("get_weather", '{"city": "Zürich"}')],
+    ),
+]
+LLAMA3 = [
+    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [PARIS]),
+    ('Sure. {"name": "get_weather", "parameters": {"city": "Paris"}}', "Sure.", [PARIS]),
+    ('{ "name": "multiply", "parameters": {"a": 12, "b": 34} }', None, [MUL]),
+]
+# kvfuse's prompted format (SmolLM2, Gemma 3): the Hermes envelope, with or without newlines
+PROMPTED = [
+    (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+        None,
+        [PARIS],
+    ),
+    ('<tool_call>\n{"name":"multiply","arguments":{"a":12,"b":34}}\n</tool_call>\n', None, [MUL]),
+]
+# what Qwen2.5-Coder-0.5B writes for the same prompt at temperature 0
+DRIFT = [
+    (
+        '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+        None,
+        [PARIS],
+    ),
+    ('```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```', None, [PARIS]),
+    (
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '{"name": "multiply", "arguments": {"a": 12, "b": 34}}',
+        None,
+        [PARIS, MUL],
+    ),
+]
+# nothing here is a valid call: the text comes back verbatim
+TEXT = [
+    "Hello! I'm Qwen, how can I help?",
+    "",
+    'a {b} c ``` d <tool e {"x": 1}',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',  # cut short
+    '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>',  # not a tool
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>',  # invalid JSON
+    '<tool_call>\n{"name": "get_weather", "arguments": [1, 2]}\n</tool_call>',  # not an object
+    '<tool_call>\n{"name": "multiply", "arguments": {"a": NaN}}\n</tool_call>',  # not JSON
+    "<tool_call>no object here</tool_call>",
+    '{"name": "Paris", "country": "France"}',  # JSON with a name that is no tool
+    "```python\nprint('hi')\n```",
+    "<tool_call>",
+]
+
+
+@pytest.mark.parametrize("output,content,calls", QWEN + LLAMA3 + PROMPTED + DRIFT)
+def test_calls_per_family(output, content, calls):
+    assert whole(output) == (content, calls)
+
+
+@pytest.mark.parametrize("output", TEXT)
+def test_invalid_calls_stay_text(output):
+    assert whole(output) == (output, [])
+
+
+def test_text_around_an_invalid_block_and_a_valid_one():
+    bad = '<tool_call>{"name": "nope"}</tool_call>'
+    good = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    assert whole(f"A {bad} B {good} C") == (f"A {bad} BC", [("now", "{}")])
+
+
+def test_parallel_false_keeps_only_the_first_call():
+    two = QWEN[1][0]
+    assert whole(two, parallel=False) == (None, [PARIS])
+
+
+def test_call_ids_are_fresh_and_openai_shaped():
+    p = parse(QWEN[1][0], NAMES)
+    a, b = (c.id for c in p.calls)
+    assert a != b and a.startswith("call_") and len(a) == 29
+    assert p.calls[0].openai() == {
+        "id": a,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+
+
+def streamed(pieces: list[str], parallel: bool = True):
+    """The streaming parser's events for ``pieces``, checked as a client sees them."""
+    parser = CallParser(NAMES, parallel, ids())
+    events = [e for p in pieces for e in parser.feed(p)] + parser.finish()
+    text = "".join(e.text for e in events if isinstance(e, Text))
+    calls = [e for e in events if isinstance(e, Call)]
+    assert [c.index for c in calls] == list(range(len(calls)))
+    assert all(e.text for e in events if isinstance(e, Text))  # no empty deltas
+    calls = [(c.call.name, c.call.arguments) for c in calls]
+    return (text if text or not calls else None), calls
+
+
+ALL = [o for o, _, _ in QWEN + LLAMA3 + PROMPTED + DRIFT] + TEXT
+
+
+@pytest.mark.parametrize("output", ALL)
+def test_streaming_character_by_character_agrees(output):
+    assert streamed(list(output)) == whole(output)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(ALL), st.lists(st.integers(0, 200), max_size=12))
+def test_streaming_in_any_pieces_agrees(output, cuts):
+    cuts = sorted({c % (len(output) + 1) for c in cuts})
+    pieces = [output[a:b] for a, b in zip([0] + cuts, cuts + [len(output)])]
+    assert streamed(pieces) == whole(output)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet='<>{}"`:, \nabtoolcal_name', max_size=60))
+def test_any_text_parses_without_crashing_and_streams_the_same(text):
+    assert streamed(list(text)) == whole(text)
+
+
+def test_text_before_a_call_streams_before_the_call_completes():
+    parser = CallParser(NAMES, True, ids())
+    assert parser.feed("Checking") == [Text("Checking")]
+    assert parser.feed(" now.\n<tool") == [Text(" now.")]  # the whitespace and "<tool" wait
+    assert parser.feed('_call>\n{"name": "now", "arguments": {}') == []
+    assert parser.feed("}\n</tool_call>") == [Call(0, parser.calls[0])]
+    assert parser.finish() == []
+    assert json.loads(parser.calls[0].arguments) == {}
