@@ -23,6 +23,14 @@ length is cached (Anthropic has a minimum of 1024 or more tokens).
 ``content_block_stop``, then ``message_delta`` (stop reason, stop sequence and the final usage,
 cumulative) and ``message_stop``. An error after the stream started is an ``error`` event in
 Anthropic's shape, and the stream ends.
+
+**Tool use.** With tools (and a ``tool_choice`` other than ``none``) the output is read by
+``kvfuse.tools``' call parser: the message's content is its text (when any) and a ``tool_use``
+block per call, and ``stop_reason`` is ``"tool_use"`` when it made a call. Streamed, each block
+has its own index: text as above, and each call, once its JSON is complete and valid, as
+``content_block_start`` (a ``tool_use`` block with an empty ``input``), one
+``content_block_delta`` of type ``input_json_delta`` whose ``partial_json`` is the whole input,
+and ``content_block_stop`` (Anthropic sends the input in several pieces; clients join them).
 """
 
 from __future__ import annotations
@@ -32,8 +40,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.engine import Breakpoint, GenerationResult
+from kvfuse.tools import Call, CallParser, Parsed, ToolCalling
 
 from . import anthropic_errors
+from .anthropic_tools import content_blocks, tool_use_block
 
 ONE_HOUR = 3600.0
 
@@ -88,15 +98,25 @@ def usage(
     }
 
 
-def stop_reason(result: GenerationResult, max_tokens: int) -> tuple[str, str | None]:
+def stop_reason(
+    result: GenerationResult,
+    max_tokens: int,
+    called: bool = False,
+    stop_sequences: tuple[str, ...] | None = None,
+) -> tuple[str, str | None]:
     """Anthropic's ``(stop_reason, stop_sequence)`` of a finished result; ``max_tokens``: what
-    the request asked for (the engine's own limit can be lower: the context window's room)."""
+    the request asked for (the engine's own limit can be lower: the context window's room);
+    ``called``: the output made a tool call; ``stop_sequences``: the request's (a stop string
+    the tools added, the end of a single call, is no stop sequence; None: any)."""
+    if called:
+        return "tool_use", None
     if result.finish_reason == "length":
         if result.completion_tokens >= max_tokens:
             return "max_tokens", None
         return "model_context_window_exceeded", None
-    if result.stop_sequence is not None:
-        return "stop_sequence", result.stop_sequence
+    seq = result.stop_sequence
+    if seq is not None and (stop_sequences is None or seq in stop_sequences):
+        return "stop_sequence", seq
     return "end_turn", None
 
 
@@ -108,13 +128,27 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 
 class MessageBuilder:
-    """The body (or the stream events) of one Messages response."""
+    """The body (or the stream events) of one Messages response; ``tools``: the request's (its
+    output is parsed into calls), ``stop_sequences``: the request's own."""
 
-    def __init__(self, message_id: str, model: str, max_tokens: int, breakpoints=()):
+    def __init__(
+        self,
+        message_id: str,
+        model: str,
+        max_tokens: int,
+        breakpoints=(),
+        tools: ToolCalling | None = None,
+        stop_sequences: tuple[str, ...] | None = None,
+    ):
         self.id, self.model, self.max_tokens = message_id, model, max_tokens
         self.breakpoints = tuple(breakpoints)
+        self.tools = tools if tools is not None and tools.parses else None
+        self.stop_sequences = stop_sequences
+        self.parser: CallParser | None = self.tools.parser() if self.tools else None
         self.started = False  # message_start sent
+        self.index = 0  # the index of the next content block
         self.block_open = False  # a text block started and not stopped
+        self.pinged = False
 
     def _message(self, content: list, reason, sequence, usage_: dict) -> dict[str, Any]:
         return {
@@ -128,14 +162,18 @@ class MessageBuilder:
             "usage": usage_,
         }
 
+    def _reason(self, result: GenerationResult, called: bool) -> tuple[str, str | None]:
+        return stop_reason(result, self.max_tokens, called, self.stop_sequences)
+
     def body(self, result: GenerationResult) -> dict[str, Any]:
         """The whole message. ``max_tokens`` 0 (pre-warming) returns no content and counts no
         output token: the one the engine generated is not returned."""
-        reason, sequence = stop_reason(result, self.max_tokens)
         prewarm = self.max_tokens == 0
         text = "" if prewarm else result.text
-        content = [{"type": "text", "text": text}] if text else []
+        parsed = self.tools.parse(text) if self.tools and text else Parsed(text, ())
+        reason, sequence = self._reason(result, bool(parsed.calls))
         output = 0 if prewarm else result.completion_tokens
+        content = content_blocks(parsed)
         return self._message(content, reason, sequence, usage(result, self.breakpoints, output))
 
     # -- stream events --------------------------------------------------------------------------
@@ -147,33 +185,71 @@ class MessageBuilder:
         return [sse("message_start", {"type": "message_start", "message": message})]
 
     def text(self, piece: str) -> list[str]:
-        """A text delta; the first one opens the text block (then a ``ping``, as Anthropic)."""
+        """The events of a piece of output: text deltas, or with tools what the call parser lets
+        through (text, complete calls)."""
+        if self.parser is None:
+            return self._text(piece)
+        return self._events(self.parser.feed(piece))
+
+    def _events(self, events) -> list[str]:
+        out: list[str] = []
+        for e in events:
+            out += self._call(e) if isinstance(e, Call) else self._text(e.text)
+        return out
+
+    def _open(self, block: dict[str, Any]) -> list[str]:
+        """``content_block_start`` of the next block (the first one followed by a ``ping``)."""
+        start = {"type": "content_block_start", "index": self.index, "content_block": block}
+        out = [sse("content_block_start", start)]
+        if not self.pinged:
+            self.pinged = True
+            out.append(sse("ping", {"type": "ping"}))
+        return out
+
+    def _close(self) -> list[str]:
+        """``content_block_stop`` of the open text block (if any)."""
+        if not self.block_open:
+            return []
+        self.block_open = False
+        self.index += 1
+        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
+
+    def _text(self, piece: str) -> list[str]:
+        """A text delta; the first one of a text block opens it."""
         out = []
         if not self.block_open:
+            out += self._open({"type": "text", "text": ""})
             self.block_open = True
-            block = {"type": "text", "text": ""}
-            out.append(
-                sse(
-                    "content_block_start",
-                    {"type": "content_block_start", "index": 0, "content_block": block},
-                )
-            )
-            out.append(sse("ping", {"type": "ping"}))
         delta = {"type": "text_delta", "text": piece}
+        event = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return out + [sse("content_block_delta", event)]
+
+    def _call(self, e: Call) -> list[str]:
+        """A complete call as a ``tool_use`` block: start, its input as one ``input_json_delta``,
+        stop."""
+        c = e.call
+        out = self._close() + self._open(tool_use_block(c.id, c.name, c.arguments, streamed=True))
+        delta = {"type": "input_json_delta", "partial_json": c.arguments}
         out.append(
-            sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": delta})
+            sse(
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self.index, "delta": delta},
+            )
         )
+        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.index += 1
         return out
 
     def finish(self, result: GenerationResult) -> list[str]:
-        """The events after the last text: the block's stop, ``message_delta`` (the stop reason
-        and the cumulative usage), ``message_stop``."""
+        """The events after the last text: what the call parser held back, the open block's stop,
+        ``message_delta`` (the stop reason and the cumulative usage), ``message_stop``."""
         out = [] if self.started else self.start(result)
-        if self.block_open:
-            out.append(sse("content_block_stop", {"type": "content_block_stop", "index": 0}))
-        else:
+        if self.parser is not None:
+            out += self._events(self.parser.finish())
+        out += self._close()
+        if not self.pinged:
             out.append(sse("ping", {"type": "ping"}))
-        reason, sequence = stop_reason(result, self.max_tokens)
+        reason, sequence = self._reason(result, bool(self.parser and self.parser.calls))
         final = usage(result, self.breakpoints, result.completion_tokens)
         for key in ("cache_creation", "service_tier"):  # not in Anthropic's message_delta usage
             del final[key]

@@ -2,16 +2,16 @@
 
 Validated as Anthropic validates them: strictly typed, and an unknown field is a 400 naming it
 (Anthropic answers "Extra inputs are not permitted"), never ignored. Fields Anthropic documents
-that kvfuse does not implement (``thinking``, ``tools`` until tool use lands, ...) are declared
-here so that the schema lists them, and refused with a 400 naming them by
-``anthropic_translate.refuse_unsupported``. Message content blocks are kept as objects here and
-parsed by ``anthropic_translate``, which names the block (``messages[0].content[1]``) and its
-type (``image``, ``document``, ...) in its 400s.
+that kvfuse does not implement (``thinking``, server tools, ...) are declared here so that the
+schema lists them, and refused with a 400 naming them by ``anthropic_translate.refuse_unsupported``.
+Message content blocks are kept as objects here and parsed by ``anthropic_translate`` (into
+``TextBlock``, ``ToolUseBlock``, ``ToolResultBlock``), which names the block
+(``messages[0].content[1]``) and its type (``image``, ``document``, ...) in its 400s.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,19 +68,114 @@ class TextBlock(_Strict):
     citations: Any = _refused("Not supported: must be absent or null.")
 
 
+_ID = r"^[a-zA-Z0-9_-]+$"
+
+
+class ToolUseBlock(_Strict):
+    """A call the assistant made earlier in the conversation."""
+
+    type: Literal["tool_use"]
+    id: str = Field(..., pattern=_ID, description="The call's id, answered by a tool_result.")
+    name: str = Field(..., min_length=1, max_length=200, description="The tool called.")
+    input: dict[str, Any] = Field(..., description="The call's arguments (an object).")
+    cache_control: CacheControlEphemeral | None = Field(
+        None,
+        description="A cache breakpoint; kvfuse sets it at the end of the message's text before "
+        "its calls.",
+    )
+
+
+class ToolResultBlock(_Strict):
+    """The result of a call, in a user message."""
+
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(..., pattern=_ID, description="The id of the call it answers.")
+    content: str | list[TextBlock] | None = Field(
+        None, description="The result: a string or text blocks (other block types: a 400)."
+    )
+    is_error: bool | None = Field(
+        None, description='The call failed: the model sees the content after "Error: ".'
+    )
+    cache_control: CacheControlEphemeral | None = Field(
+        None, description="A cache breakpoint at the end of the result."
+    )
+
+
+class ToolDefinition(_Strict):
+    """A custom tool (client tool): the model may call it with an input matching its schema."""
+
+    type: Literal["custom"] | None = Field(
+        None, description='Only custom tools ("custom" or absent); server tools are refused.'
+    )
+    name: str = Field(..., description="^[a-zA-Z0-9_-]{1,64}$, unique within the request.")
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(
+        ..., description='The input\'s JSON schema, of "type": "object".'
+    )
+    cache_control: CacheControlEphemeral | None = Field(
+        None,
+        description="A cache breakpoint after the tools (kvfuse renders them in the system turn: "
+        "the breakpoint is at the end of the system turn).",
+    )
+    strict: bool | None = Field(
+        None,
+        description="With a forced call (tool_choice any / tool), every keyword of the schema is "
+        "enforced, and a schema the grammar cannot enforce is a 400.",
+    )
+
+
+class ToolChoiceAuto(_Strict):
+    type: Literal["auto"]
+    disable_parallel_tool_use: bool | None = Field(None, description="At most one call.")
+
+
+class ToolChoiceAny(_Strict):
+    type: Literal["any"]
+    disable_parallel_tool_use: bool | None = Field(
+        None, description="Accepted: a forced call is always exactly one call here."
+    )
+
+
+class ToolChoiceTool(_Strict):
+    type: Literal["tool"]
+    name: str = Field(..., description="The tool that must be called (one of tools).")
+    disable_parallel_tool_use: bool | None = Field(
+        None, description="Accepted: a forced call is always exactly one call here."
+    )
+
+
+class ToolChoiceNone(_Strict):
+    type: Literal["none"]
+
+
+ToolChoiceParam = Annotated[
+    ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone, Field(discriminator="type")
+]
+
+
 class InputMessage(_Strict):
     role: Literal["user", "assistant", "system"]
     # Blocks are parsed by anthropic_translate (its 400s name the block and its type); the
     # published schema says what is accepted: a non-empty string or non-empty text blocks.
     content: str | list[dict[str, Any]] = Field(
         ...,
-        description="A string, or a list of content blocks: only text blocks "
-        '({"type": "text", "text": ..., "cache_control": ...}) are supported; any other type '
-        "(image, document, tool_use, tool_result, ...) is a 400 naming it.",
+        description="A string, or a list of content blocks: text, tool_use (assistant "
+        "messages) and tool_result (user messages) blocks are supported; any other type (image, "
+        "document, ...) is a 400 naming it.",
         json_schema_extra={
             "anyOf": [
                 {"type": "string", "minLength": 1},
-                {"type": "array", "minItems": 1, "items": _inlined(TextBlock)},
+                {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "anyOf": [
+                            _inlined(TextBlock),
+                            _inlined(ToolUseBlock),
+                            _inlined(ToolResultBlock),
+                        ]
+                    },
+                },
             ]
         },
     )
@@ -114,11 +209,19 @@ class MessagesInput(_Strict):
         description="Automatic caching: a cache breakpoint at the end of the last block of the "
         "last message.",
     )
-    # Anthropic's fields kvfuse refuses (a 400 naming the field when present and not null).
-    tools: Any = _refused(
-        "Not supported yet: refused with a 400.", {"type": "array", "maxItems": 0}
+    tools: list[ToolDefinition] | None = Field(
+        None,
+        max_length=128,
+        description="Custom tools the model may call (rendered by the chat template's tools "
+        "argument, or kvfuse's prompted format); server tools are refused.",
     )
-    tool_choice: Any = _refused("Not supported yet: refused with a 400.")
+    tool_choice: ToolChoiceParam | None = Field(
+        None,
+        description="auto (the default with tools), any (one call to any tool), tool (one call "
+        "to the named tool) or none; disable_parallel_tool_use: at most one call. A forced call "
+        "(any / tool) is constrained by a grammar: its input always matches input_schema.",
+    )
+    # Anthropic's fields kvfuse refuses (a 400 naming the field when present and not null).
     thinking: Any = _refused(
         'Only {"type": "disabled"}; extended thinking is refused with a 400.',
         {
@@ -205,13 +308,22 @@ class TextContent(BaseModel):
     text: str
 
 
+class ToolUseContent(BaseModel):
+    type: Literal["tool_use"] = "tool_use"
+    id: str = Field(..., description="toolu_ and 24 letters or digits.")
+    name: str
+    input: dict[str, Any]
+
+
 class MessageResponse(BaseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
-    content: list[TextContent]
+    content: list[TextContent | ToolUseContent]
     model: str
-    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "model_context_window_exceeded"]
+    stop_reason: Literal[
+        "end_turn", "max_tokens", "stop_sequence", "tool_use", "model_context_window_exceeded"
+    ]
     stop_sequence: str | None = None
     usage: MessageUsage
 

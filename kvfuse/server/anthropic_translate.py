@@ -13,15 +13,19 @@ Every failure is an ``APIError`` found before anything is queued (a 400 naming t
 Anthropic's shape on these routes). Everything except ``plan_messages`` and ``count_tokens``
 (which run the tokenizer) is pure and table-tested in ``tests/unit/test_anthropic_api.py``.
 
-Tool use slots in at ``_BLOCKS``: a ``tool_use`` block becomes a tool call of its assistant chat
-message and a ``tool_result`` block a ``tool`` chat message; until ``kvfuse.tools`` lands they,
-``tools`` and ``tool_choice`` are refused.
+Tool use (``anthropic_tools``): a ``tool_use`` block becomes a tool call of its assistant chat
+message and a ``tool_result`` block a ``tool`` chat message; ``kvfuse.tools.render`` then renders
+them, and the tools, as the chat template takes them (its ``tools`` argument, or kvfuse's prompted
+format), and a forced ``tool_choice`` (``any`` / ``tool``) ends the prompt with the call's opening
+and constrains decoding with the call's grammar, as on the OpenAI chat route. A ``cache_control``
+on a tool definition marks the start of the first non-system message (the tools are rendered in
+the system turn), one on a ``tool_use`` block the end of its message's text before the calls.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,10 +33,19 @@ from pydantic import ValidationError
 from kvfuse.engine import Breakpoint, CacheOptions, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
+from kvfuse.tools import Rendered, ToolCalling, ToolsError, detect, render, tool_calling
 
-from .anthropic_schemas import CacheControlEphemeral, MessagesInput, MessagesRequest, TextBlock
+from .anthropic_schemas import (
+    CacheControlEphemeral,
+    MessagesInput,
+    MessagesRequest,
+    TextBlock,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from .anthropic_tools import ToolUse, call_of, new_tool_use_id, result_text, tool_use
 from .errors import bad_request
-from .translate import EngineCall, Limits, Prompting
+from .translate import EngineCall, Limits, Prompting, forced_prompt, with_tools
 
 MAX_BREAKPOINTS = 4  # Anthropic's limit on blocks with cache_control
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
@@ -50,28 +63,44 @@ class Mark:
 
 @dataclass
 class Turn:
-    """One chat message being built: its role, text pieces and the marks at their ends."""
+    """One chat message being built: its role, text pieces and the marks at their ends (after
+    how many pieces), an assistant's calls, the call a ``tool`` message answers."""
 
     role: str
     texts: list[str] = field(default_factory=list)
-    marks: list[tuple[int, float]] = field(default_factory=list)  # (piece index, ttl_s)
+    marks: list[tuple[int, float]] = field(default_factory=list)  # (pieces before it, ttl_s)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    call_id: str | None = None
 
     def add(self, text: str, cache_control: CacheControlEphemeral | None) -> None:
         self.texts.append(text)
+        self.mark(cache_control)
+
+    def mark(self, cache_control: CacheControlEphemeral | None) -> None:
+        """A breakpoint at the end of the text so far (None: none)."""
         if cache_control is not None:
-            self.marks.append((len(self.texts) - 1, TTL_SECONDS[cache_control.ttl]))
+            self.marks.append((len(self.texts), TTL_SECONDS[cache_control.ttl]))
 
     @property
     def content(self) -> str:
         return "\n".join(self.texts)
 
     def offsets(self) -> list[tuple[int, float]]:
-        """``(character offset of the end of the marked piece in content, ttl_s)`` per mark."""
-        ends, end = [], -1
+        """``(character offset of the end of the marked pieces in content, ttl_s)`` per mark."""
+        ends, end = [0], -1
         for text in self.texts:
             end += len(text) + 1
             ends.append(end)
-        return [(ends[i], ttl) for i, ttl in self.marks]
+        return [(ends[n], ttl) for n, ttl in self.marks]
+
+    def message(self) -> dict[str, Any]:
+        """The chat message (OpenAI's shape, as ``kvfuse.tools.render`` takes it)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.calls:
+            out["tool_calls"] = self.calls
+        if self.call_id is not None:
+            out["tool_call_id"] = self.call_id
+        return out
 
 
 @dataclass(frozen=True)
@@ -80,6 +109,7 @@ class Conversation:
 
     messages: list[dict[str, Any]]
     marks: list[Mark]
+    tools: ToolUse | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +120,7 @@ class MessagesCall:
     call: EngineCall
     max_tokens: int
     stream: bool = False
+    stop_sequences: tuple[str, ...] = ()  # the request's own (not the tools' stop strings)
 
     @property
     def breakpoints(self) -> tuple[Breakpoint, ...]:
@@ -101,8 +132,6 @@ class MessagesCall:
 # Anthropic's fields kvfuse does not implement: (field, value allowed, why). Present and not
 # allowed -> a 400 naming the field.
 _REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-    ("tools", lambda v: v is None or v == [], "tool use is not supported by this server yet"),
-    ("tool_choice", lambda v: v is None, "tool use is not supported by this server yet"),
     (
         "thinking",
         lambda v: v is None or v == {"type": "disabled"},
@@ -131,39 +160,36 @@ def refuse_unsupported(req: MessagesInput) -> None:
 # ------------------------------------------------------------------------------ content blocks
 
 
-def _text_block(where: str, block: dict[str, Any]) -> TextBlock:
+Block = TextBlock | ToolUseBlock | ToolResultBlock
+
+
+def _block(model: type[Block], where: str, block: dict[str, Any]) -> Block:
     try:
-        parsed = TextBlock.model_validate(block)
+        parsed = model.model_validate(block)
     except ValidationError as e:
         err = e.errors()[0]
         path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])
         raise bad_request(f"{where}{path}: {err['msg']}", param="messages") from None
-    if parsed.citations is not None:
+    texts = [parsed] if isinstance(parsed, TextBlock) else []
+    if isinstance(parsed, ToolResultBlock) and isinstance(parsed.content, list):
+        texts = parsed.content
+    if any(t.citations is not None for t in texts):
         raise bad_request(
             f"{where}.citations: citations are not supported by this server", param="messages"
         )
     return parsed
 
 
-def _tool_block(where: str, block: dict[str, Any]) -> TextBlock:
-    raise bad_request(
-        f"{where}: {block['type']} blocks need tools, which this server does not support yet",
-        param="messages",
-        code="unsupported_content",
-    )
-
-
-# Content block parsers by type. Tool use lands here: tool_use -> the assistant message's tool
-# calls, tool_result -> a "tool" chat message (kvfuse.tools renders them through the template).
-_BLOCKS: dict[str, Callable[[str, dict[str, Any]], TextBlock]] = {
-    "text": _text_block,
-    "tool_use": _tool_block,
-    "tool_result": _tool_block,
+# Content block parsers by type.
+_BLOCKS: dict[str, type[Block]] = {
+    "text": TextBlock,
+    "tool_use": ToolUseBlock,
+    "tool_result": ToolResultBlock,
 }
 
 
-def content_blocks(where: str, content: str | list[dict[str, Any]]) -> list[TextBlock]:
-    """A message's content as text blocks; a 400 naming the block for any other type, for empty
+def content_blocks(where: str, content: str | list[dict[str, Any]]) -> list[Block]:
+    """A message's content as blocks; a 400 naming the block for an unsupported type, for empty
     content and for malformed blocks."""
     if isinstance(content, str):
         if not content:
@@ -179,42 +205,68 @@ def content_blocks(where: str, content: str | list[dict[str, Any]]) -> list[Text
     for j, block in enumerate(content):
         at = f"{where}.content[{j}]"
         kind = block.get("type")
-        parse = _BLOCKS.get(kind) if isinstance(kind, str) else None
-        if parse is None:
+        model = _BLOCKS.get(kind) if isinstance(kind, str) else None
+        if model is None:
             raise bad_request(
                 f"{at}: content blocks of type {kind!r} are not supported by this server; "
-                "send text blocks",
+                "send text, tool_use or tool_result blocks",
                 param="messages",
                 code="unsupported_content",
             )
-        blocks.append(parse(at, block))
+        blocks.append(_block(model, at, block))
     return blocks
 
 
 # -------------------------------------------------------------------------------- conversation
 
 
+def _system(req: MessagesInput) -> list[Turn]:
+    """``system`` as a turn (none when absent or empty)."""
+    if isinstance(req.system, str):
+        return [Turn("system", [req.system])] if req.system else []
+    if not req.system:
+        return []
+    turn = Turn("system")
+    for block in req.system:
+        if block.citations is not None:
+            raise bad_request("system: citations are not supported", param="system")
+        turn.add(block.text, block.cache_control)
+    return [turn]
+
+
+def _add_block(turns: list[Turn], where: str, role: str, block: Block) -> None:
+    """One content block of a ``role`` message onto the turns: text joins the last turn of its
+    role (consecutive turns combine), a call joins the assistant's turn, a result is a turn."""
+    if isinstance(block, ToolResultBlock):
+        if role != "user":
+            raise bad_request(f"{where}: tool_result blocks go in user messages", param="messages")
+        turn = Turn("tool", call_id=block.tool_use_id)
+        turn.add(result_text(block), None)
+        for piece in block.content if isinstance(block.content, list) else ():
+            turn.mark(piece.cache_control)  # a mark within a result: at its end
+        turn.mark(block.cache_control)
+        turns.append(turn)
+        return
+    if isinstance(block, ToolUseBlock) and role != "assistant":
+        raise bad_request(f"{where}: tool_use blocks go in assistant messages", param="messages")
+    if not turns or turns[-1].role != role:
+        turns.append(Turn(role))
+    if isinstance(block, ToolUseBlock):
+        turns[-1].calls.append(call_of(block))
+        turns[-1].mark(block.cache_control)
+    else:
+        turns[-1].add(block.text, block.cache_control)
+
+
 def _turns(req: MessagesInput) -> list[Turn]:
     """``system`` and the messages as chat turns, consecutive same-role messages combined."""
-    turns: list[Turn] = []
-    if isinstance(req.system, str):
-        if req.system:
-            turns.append(Turn("system", [req.system]))
-    elif req.system:
-        turn = Turn("system")
-        for block in req.system:
-            if block.citations is not None:
-                raise bad_request("system: citations are not supported", param="system")
-            turn.add(block.text, block.cache_control)
-        turns.append(turn)
+    turns = _system(req)
     if not req.messages:
         raise bad_request("messages: at least one message is required", param="messages")
     for i, m in enumerate(req.messages):
-        if not turns or turns[-1].role != m.role:
-            turns.append(Turn(m.role))
-        for block in content_blocks(f"messages[{i}]", m.content):
-            turns[-1].add(block.text, block.cache_control)
-    if turns[-1].role != "user":
+        for j, block in enumerate(content_blocks(f"messages[{i}]", m.content)):
+            _add_block(turns, f"messages[{i}].content[{j}]", m.role, block)
+    if turns[-1].role not in ("user", "tool"):
         raise bad_request(
             f"messages: the last message must be a user message (got {turns[-1].role!r}); "
             "this server does not continue a partial assistant message (prefill)",
@@ -243,17 +295,30 @@ def check_marks(marks: list[Mark]) -> None:
 
 
 def conversation(req: MessagesInput) -> Conversation:
-    """The chat messages and cache marks of a request (pure; 400s for what cannot be rendered)."""
+    """The chat messages, cache marks and tools of a request (pure; 400s for what cannot be
+    rendered)."""
     refuse_unsupported(req)
     turns = _turns(req)
-    messages = [{"role": t.role, "content": t.content} for t in turns]
+    messages = [t.message() for t in turns]
+    try:
+        tools = tool_use(
+            req.tools, req.tool_choice, any(t.calls or t.role == "tool" for t in turns)
+        )
+    except ToolsError as e:
+        raise bad_request(str(e), param=e.param) from None
     marks = [Mark(i, offset, ttl) for i, t in enumerate(turns) for offset, ttl in t.offsets()]
+    first = next((i for i, t in enumerate(turns) if t.role != "system"), 0)
+    tool_marks = [  # the tools are rendered in the system turn: before the first other message
+        Mark(first, 0, TTL_SECONDS[d.cache_control.ttl])
+        for d in req.tools or ()
+        if d.cache_control is not None
+    ]
     if req.cache_control is not None:  # automatic caching: the end of the last block
         marks.append(
             Mark(len(turns) - 1, len(messages[-1]["content"]), TTL_SECONDS[req.cache_control.ttl])
         )
-    check_marks(marks)
-    return Conversation(messages, marks)
+    check_marks(tool_marks + marks)
+    return Conversation(messages, tool_marks + marks, tools)
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -302,11 +367,36 @@ def sampling(req: MessagesRequest, prompt_tokens: int, limits: Limits) -> Sampli
 # ------------------------------------------------------------------------ prompts (tokenizer)
 
 
-def _encode(p: Prompting, messages: list[dict[str, Any]]) -> list[int]:
+def calling(p: Prompting, conv: Conversation, grammar: bool = True) -> ToolCalling | None:
+    """The request's ``ToolCalling`` for the served model (None without tools); ``grammar``:
+    compile a forced call's grammar (not needed to count tokens)."""
+    if conv.tools is None:
+        return None
+    t, model = conv.tools, p.prompts.model
+    fmt = detect(model.tokenizer.chat_template)
+    skip = None if grammar else (lambda *_: None)
+    try:
+        tools = tool_calling(fmt, t.tools, t.choice, t.parallel, model, skip)
+    except ToolsError as e:
+        raise bad_request(str(e), param=e.param) from None
+    return replace(tools, new_id=new_tool_use_id)
+
+
+def rendered(p: Prompting, conv: Conversation, tools: ToolCalling | None) -> Rendered:
+    """The messages (and tools) as the chat template takes them."""
+    if tools is None:
+        return Rendered.plain(conv.messages)
+    try:
+        return render(conv.messages, tools.fmt, tools.tools)
+    except ToolsError as e:
+        raise bad_request(str(e), param=e.param) from None
+
+
+def _encode(p: Prompting, chat: Rendered) -> list[int]:
     """The rendered conversation's ids: never truncated (Anthropic answers a prompt too long
     with a 400 rather than dropping turns)."""
     try:
-        ids = p.prompts.encode_prompt(messages=messages)
+        ids = p.prompts.model.tokenizer.encode_chat(chat.messages, tools=chat.tools)
     except ChatTemplateError as e:
         raise bad_request(
             f"messages: {e}", param="messages", code="invalid_chat_template"
@@ -316,13 +406,15 @@ def _encode(p: Prompting, messages: list[dict[str, Any]]) -> list[int]:
     return ids
 
 
-def breakpoints(p: Prompting, conv: Conversation, ids: list[int]) -> tuple[Breakpoint, ...]:
+def breakpoints(
+    p: Prompting, conv: Conversation, chat: Rendered, ids: list[int]
+) -> tuple[Breakpoint, ...]:
     """The engine's breakpoints at the marks' prompt positions (a mark the template does not
     keep verbatim has none)."""
     if not conv.marks:
         return ()
     positions = p.prompts.breakpoint_positions(
-        conv.messages, [(m.message, m.offset) for m in conv.marks], ids
+        chat.messages, [chat.mark(m.message, m.offset) for m in conv.marks], ids, chat.tools
     )
     return tuple(sorted({Breakpoint(at, m.ttl_s) for at, m in zip(positions, conv.marks) if at}))
 
@@ -330,12 +422,20 @@ def breakpoints(p: Prompting, conv: Conversation, ids: list[int]) -> tuple[Break
 def plan_messages(p: Prompting, req: MessagesRequest, tenant: str, limits: Limits) -> MessagesCall:
     """Render, tokenize and check a Messages request (call it off the event loop)."""
     conv = conversation(req)
-    ids = _encode(p, conv.messages)
-    params = sampling(req, len(ids), limits)
-    cache = CacheOptions(tenant=tenant, breakpoints=breakpoints(p, conv, ids))
-    return MessagesCall(EngineCall(Prompt.plain(ids), params, cache), req.max_tokens, req.stream)
+    tools = calling(p, conv)
+    chat = rendered(p, conv, tools)
+    ids = _encode(p, chat)
+    prompt = forced_prompt(p, Prompt.plain(ids), tools)
+    params = sampling(req, len(prompt), limits)
+    cache = CacheOptions(tenant=tenant, breakpoints=breakpoints(p, conv, chat, ids))
+    call = with_tools(EngineCall(prompt, params, cache), tools)
+    return MessagesCall(call, req.max_tokens, req.stream, tuple(req.stop_sequences or ()))
 
 
 def count_tokens(p: Prompting, req: MessagesInput) -> int:
-    """The prompt tokens of a request, as /v1/messages would render them."""
-    return len(_encode(p, conversation(req).messages))
+    """The prompt tokens of a request, as /v1/messages would render them (with a forced call's
+    opening)."""
+    conv = conversation(req)
+    tools = calling(p, conv, grammar=False)
+    ids = _encode(p, rendered(p, conv, tools))
+    return len(forced_prompt(p, Prompt.plain(ids), tools))

@@ -47,7 +47,8 @@ ERRORS = {
     400: {
         "model": AnthropicErrorResponse,
         "description": "invalid_request_error: malformed JSON, an unknown or unsupported field "
-        "(named), a content block other than text, a prompt too long for the context window.",
+        "(named), an unsupported content block (image, document, ...), a prompt too long for "
+        "the context window.",
     },
     401: {
         "model": AnthropicErrorResponse,
@@ -93,7 +94,8 @@ def _message_id(request_id: str) -> str:
         **ERRORS,
     },
     description="Anthropic's Messages API. Text content blocks, system prompts, stop "
-    "sequences, sampling and cache_control breakpoints (5m / 1h) are supported; usage splits "
+    "sequences, sampling, tool use (custom tools, tool_choice, tool_use / tool_result blocks) "
+    "and cache_control breakpoints (5m / 1h) are supported; usage splits "
     "the prompt into cache_read_input_tokens, cache_creation_input_tokens and input_tokens.",
 )
 async def create_message(
@@ -123,7 +125,12 @@ async def create_message(
     await _submit(state, job)
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
     builder = MessageBuilder(
-        _message_id(record.request_id), state.model_name, plan.max_tokens, plan.breakpoints
+        _message_id(record.request_id),
+        state.model_name,
+        plan.max_tokens,
+        plan.breakpoints,
+        plan.call.tools,
+        plan.stop_sequences,
     )
     headers = {"request-id": record.request_id}
     if body.stream:

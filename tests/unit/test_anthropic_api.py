@@ -99,7 +99,7 @@ def test_system_and_messages_become_chat_messages():
         (
             {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
             "messages",
-            ["tool_result", "tools"],
+            ["messages[0].content[0].tool_use_id", "required"],
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
@@ -119,8 +119,8 @@ def test_system_and_messages_become_chat_messages():
             "messages",
             ["prefill"],
         ),
-        ({"tools": [{"name": "f", "input_schema": {}}]}, "tools", ["tools"]),
-        ({"tool_choice": {"type": "auto"}}, "tool_choice", ["tool_choice"]),
+        ({"tools": [{"name": "f", "input_schema": {}}]}, "tools", ["tools[0].input_schema"]),
+        ({"tool_choice": {"type": "auto"}}, "tool_choice", ["tool_choice", "tools"]),
         ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, "thinking", ["thinking"]),
         ({"speed": "fast"}, "speed", ["speed"]),
         ({"container": "c1"}, "container", ["container"]),
