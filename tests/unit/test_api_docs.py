@@ -18,8 +18,6 @@ API_MD = Path(__file__).resolve().parents[2] / "docs" / "api.md"
 # docs list them under "Refused" or in the text after the table.
 GUIDED = {"guided_grammar", "guided_whitespace_pattern"}
 ANTHROPIC_REFUSED = {
-    "tools",
-    "tool_choice",
     "mcp_servers",
     "output_config",
     "output_format",
