@@ -106,9 +106,10 @@ def stop_reason(
 ) -> tuple[str, str | None]:
     """Anthropic's ``(stop_reason, stop_sequence)`` of a finished result; ``max_tokens``: what
     the request asked for (the engine's own limit can be lower: the context window's room);
-    ``called``: the output made a tool call; ``stop_sequences``: the request's (a stop string
+    ``called``: the output made a tool call (``tool_use``, unless the output was cut at
+    ``max_tokens``, as Anthropic reports it); ``stop_sequences``: the request's (a stop string
     the tools added, the end of a single call, is no stop sequence; None: any)."""
-    if called:
+    if called and result.finish_reason != "length":
         return "tool_use", None
     if result.finish_reason == "length":
         if result.completion_tokens >= max_tokens:

@@ -377,6 +377,7 @@ def test_tool_choice_none_is_never_parsed():
         ({"stop_sequence": "END"}, False, None, ("stop_sequence", "END")),
         ({"stop_sequence": "</tool_call>"}, True, (), ("tool_use", None)),
         ({}, True, (), ("tool_use", None)),
+        ({"finish_reason": "length", "token_ids": list(range(10))}, True, (), ("max_tokens", None)),
     ],
 )
 def test_stop_reason_with_tools(fields, called, stops, expected):
