@@ -397,6 +397,9 @@ class ServerConfig:
     # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
     metrics_token: str | None = field(default=None, repr=False)
     metrics_token_file: str | None = None
+    # What GET /v1/models answers in owned_by: "vllm" lets routers that detect a worker's runtime
+    # from it (SMG, llm-d) treat kvfuse as a vLLM-type worker (docs/routers.md).
+    owned_by: str = "vllm"
 
 
 @dataclass(frozen=True)

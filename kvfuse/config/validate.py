@@ -224,6 +224,7 @@ def _check_server(s: ServerConfig, need: Callable) -> None:
         problem = entry_problem(entry)
         need(problem is None, "server.api_keys", problem or "")
     _check_metrics_token(s, need)
+    need(bool(s.owned_by.strip()), "server.owned_by", "must not be empty (the default is vllm)")
 
 
 def _check_codecs(k: CacheConfig, need: Callable) -> None:

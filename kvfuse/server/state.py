@@ -39,6 +39,9 @@ class ServerState:
         clock: Callable[[], float] | None = None,
     ):
         self.config = config
+        # What /health answers: starting (503) until start() has run, serving (200), draining
+        # (503) from a stop signal or stop() on, so routers stop sending before requests fail.
+        self.phase = "starting"
         self.owns_engine = serving is None
         self.engine = serving.engine if serving is not None else None
         self.prompting = (
@@ -93,8 +96,15 @@ class ServerState:
             _, keys = self.responses.purge()  # what expired while the server was down
             self.engine.free_entries(keys)
         self.engine.start()
+        if self.phase == "starting":
+            self.phase = "serving"
+
+    def drain(self) -> None:
+        """A stop is coming (SIGTERM): /health turns 503 while the requests in flight finish."""
+        self.phase = "draining"
 
     def stop(self) -> None:
+        self.drain()
         if self.responses is not None:
             self.responses.close()
             self.responses = None
