@@ -495,7 +495,7 @@ class ServerMetrics:
         self._declare_api_metrics(r)
         r.register(CacheCollector(engine_getter))
         r.register(TenantCollector(engine_getter, tenant_names or {}))
-        r.register(VLLMCollector(engine_getter))  # vLLM's names, for routers
+        r.register(VLLMCollector(engine_getter, queue))  # vLLM's names, for routers
 
     def _declare_request_metrics(self, r: CollectorRegistry) -> None:
         """The metrics observed as requests finish: requests by endpoint and status, latencies

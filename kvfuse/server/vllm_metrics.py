@@ -44,17 +44,21 @@ def prefix_cache(stats: dict) -> tuple[int, int]:
 
 
 class VLLMCollector(Collector):
-    """vLLM's series, read from the engine at scrape time (nothing before it has started)."""
+    """vLLM's series, read at scrape time from the engine's counters and ``queue()`` (the same
+    figures as kvfuse's queue gauges); nothing before the engine exists."""
 
-    def __init__(self, engine_getter: Callable[[], object | None]):
-        self._engine = engine_getter
+    def __init__(
+        self, engine_getter: Callable[[], object | None], queue: Callable[[], dict[str, int]]
+    ):
+        self._engine, self._queue = engine_getter, queue
 
     def collect(self) -> Iterator[Metric]:
         engine = self._engine()
         if engine is None:
             return
-        labels = [engine.model.name, "0"]
-        queue = engine.queue_state()
+        model = getattr(engine, "model", None)
+        labels = [getattr(model, "name", ""), "0"]
+        queue = self._queue()
         queries, hits = prefix_cache(engine.stats_snapshot())
         gauges = (
             ("vllm:num_requests_running", "Number of requests in model execution batches.",
@@ -80,3 +84,4 @@ class VLLMCollector(Collector):
             c = CounterMetricFamily(name, help_, labels=LABELS)
             c.add_metric(labels, value)
             yield c
+

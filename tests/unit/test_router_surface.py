@@ -51,7 +51,7 @@ class _Engine:
 
 def _samples(engine) -> dict:
     r = CollectorRegistry()
-    r.register(VLLMCollector(lambda: engine))
+    r.register(VLLMCollector(lambda: engine, lambda: engine.queue_state() if engine else {}))
     text = generate_latest(r).decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
