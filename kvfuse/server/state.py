@@ -23,6 +23,7 @@ from .auth import ANONYMOUS, Authenticator, MetricsToken
 from .metrics import ServerMetrics
 from .rate_limit import RateLimiter, rate_limited
 from .translate import Limits, Prompting
+from .vllm_metrics import EventsCollector
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class ServerState:
             queue=lambda: self.engine.queue_state() if self.engine else {},
         )
         self.limiter = RateLimiter(self._requests_per_minute)
+        self.events = None  # the KV event publisher (server.kv_events), once started
+        self.metrics.registry.register(EventsCollector(lambda: self.events))
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
         self.metrics.stored_responses.set_function(
             lambda: len(self.responses) if self.responses is not None else 0
@@ -95,6 +98,10 @@ class ServerState:
             self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)
             _, keys = self.responses.purge()  # what expired while the server was down
             self.engine.free_entries(keys)
+        if self.config.server.kv_events is not None:
+            from kvfuse.events.hub import open_kv_events
+
+            self.events = open_kv_events(self.config.server, self.engine)
         self.engine.start()
         if self.phase == "starting":
             self.phase = "serving"
@@ -112,10 +119,20 @@ class ServerState:
             return
         if self.owns_engine:
             self.engine.close()  # stops the loop, flushes the queued writes, closes the store
-            return
-        self.engine.stop()
-        if not self.engine.flush(timeout=60):
-            log.warning("the store's pending writes did not finish within 60 s")
+        else:
+            self.engine.stop()
+            if not self.engine.flush(timeout=60):
+                log.warning("the store's pending writes did not finish within 60 s")
+        self._close_events()
+
+    def _close_events(self) -> None:
+        """After the last writes: unhook the publisher, send what it holds, close its sockets."""
+        if self.events is not None:
+            from kvfuse.events.hub import detach
+
+            detach(self.events, self.engine)
+            self.events.close()
+            self.events = None
 
     @property
     def model_name(self) -> str:

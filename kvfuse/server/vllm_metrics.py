@@ -85,3 +85,37 @@ class VLLMCollector(Collector):
             c.add_metric(labels, value)
             yield c
 
+
+# The KV event publisher's counters (``server.kv_events``) -> help; the rest are gauges.
+_EVENT_COUNTERS = {
+    "batches": "KV event batches published.",
+    "events": "KV events published (BlockStored, BlockRemoved, AllBlocksCleared).",
+    "queue_drops": "KV event notifications dropped at the publisher's full queue "
+    "(server.kv_events_queue): a router then misses those blocks.",
+    "send_drops": "KV event batches a slow subscriber refused (kept for replay).",
+    "replays": "KV event replay requests answered.",
+    "errors": "KV event notifications that failed (logged, skipped).",
+    "forgotten": "Chunks the publisher stopped tracking for room (server.kv_events_chunks); "
+    "their BlockRemoved events were sent.",
+}
+_EVENT_GAUGES = {
+    "queued": "KV event notifications waiting for the publisher thread.",
+    "chunks": "Chunks announced to routers and tracked for their removal.",
+}
+
+
+class EventsCollector(Collector):
+    """``kvfuse_kv_events_*``: what the KV event publisher sent and dropped (when it runs)."""
+
+    def __init__(self, events_getter: Callable[[], object | None]):
+        self._events = events_getter
+
+    def collect(self) -> Iterator[Metric]:
+        events = self._events()
+        if events is None:
+            return
+        c = events.counters()
+        for name, help_ in _EVENT_COUNTERS.items():
+            yield CounterMetricFamily(f"kvfuse_kv_events_{name}", help_, value=c.get(name, 0))
+        for name, help_ in _EVENT_GAUGES.items():
+            yield GaugeMetricFamily(f"kvfuse_kv_events_{name}", help_, value=c.get(name, 0))
