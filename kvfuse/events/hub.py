@@ -24,7 +24,7 @@ error naming the extra when missing.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from kvfuse.kv.keys import ChunkKey, Namespace
 
@@ -154,9 +154,3 @@ def detach(events: KVEvents, engine) -> None:
     for tier in cache.store.tiers:
         tier.observer = None
     cache.parts.writer.events = None
-
-
-def metric_values(events: KVEvents | None) -> Iterator[tuple[str, int]]:
-    """``(counter name, value)`` pairs for /metrics (nothing when events are off)."""
-    if events is not None:
-        yield from events.counters().items()
