@@ -199,8 +199,8 @@ class Publisher:
         for seq, payload in list(self._buffer):
             if seq >= first:
                 self._replay.send_multipart((client, b"", self.topic, seq_bytes(seq), payload))
+        self.stats.add(replays=1)  # before the end frame: counted once the client has it all
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
-        self.stats.add(replays=1)
 
     # -- the other threads' side ----------------------------------------------------------------
 
