@@ -10,19 +10,23 @@ completion (``prompt``; special tokens added unless ``add_special_tokens`` is fa
 open). The fields vLLM has and kvfuse does not implement (a request-supplied ``chat_template``,
 its kwargs, ``tools``, multimodal options) are refused with a 400 naming them. ``/detokenize``
 decodes ids as vLLM does, special tokens kept.
+
+Neither needs an API key, as in vLLM (whose ``--api-key`` guards ``/v1`` only): vllm-router's
+``kv_aware`` policy tokenizes each request on every worker (after a ``/v1/chat/completions/render``
+kvfuse answers 404) without the client's key. They read no tenant's data: only the tokenizer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvfuse import __version__
 from kvfuse.models.tokenizer import ChatTemplateError, Tokenizer
 
-from .deps import current_tenant, get_state
+from .deps import get_state
 from .errors import bad_request
 from .schemas import ChatMessage, ErrorResponse
 from .translate import chat_messages, check_model
@@ -31,7 +35,6 @@ router = APIRouter(tags=["workers"])
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "A bad body (the field named)."},
-    401: {"model": ErrorResponse, "description": "Missing or wrong API key (with API keys)."},
     404: {"model": ErrorResponse, "description": "`model` is not the served model."},
 }
 # vLLM request fields kvfuse refuses when given (not None): what each would need.
@@ -140,9 +143,7 @@ async def version() -> Version:
     "/tokenize", response_model=TokenizeResponse, response_model_exclude_none=False,
     responses=_ERRORS, summary="Token ids of a prompt or a chat (vLLM's endpoint)",
 )  # fmt: skip
-async def tokenize(
-    body: TokenizeRequest, request: Request, tenant: str = Depends(current_tenant)
-) -> TokenizeResponse:
+async def tokenize(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     state = get_state(request)
     if body.model is not None:
         check_model(body.model, state.model_name)
@@ -158,9 +159,7 @@ async def tokenize(
     "/detokenize", response_model=DetokenizeResponse, responses=_ERRORS,
     summary="The text of token ids (vLLM's endpoint)",
 )  # fmt: skip
-async def detokenize(
-    body: DetokenizeRequest, request: Request, tenant: str = Depends(current_tenant)
-) -> DetokenizeResponse:
+async def detokenize(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     state = get_state(request)
     if body.model is not None:
         check_model(body.model, state.model_name)

@@ -79,6 +79,7 @@ def _server(home, tmp_path, name) -> ServerProcess:
         home,
         config={"model": MODEL, "cache": {"disk_path": str(tmp_path / name)}},
         args=["--kv-events", f"tcp://127.0.0.1:{port}"],
+        log_path=tmp_path / f"{name}.log",  # kept with the test's files, for a failure's story
     )
     srv.events_url = f"tcp://127.0.0.1:{port}"
     return srv

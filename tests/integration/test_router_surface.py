@@ -115,3 +115,19 @@ def test_vllm_gauges_and_prefix_cache_counters_move(server):
     assert hits == sum(u.prompt_tokens_details.cached_tokens for u in usages) > 0
     rate = after["vllm:prefix_cache_hits_total"] / after["vllm:prefix_cache_queries_total"]
     assert after["vllm:gpu_prefix_cache_hit_rate"] == pytest.approx(rate)
+
+
+def test_tokenize_needs_no_key_where_v1_does(kvfuse_home, tmp_path):
+    """As in vLLM: routers tokenize on every worker without the client's key."""
+    disk = str(tmp_path / "kv")
+    with ServerProcess(
+        kvfuse_home,
+        config={"model": MODEL, "cache": {"disk_path": disk}},
+        args=["--api-key", "sk-a:alice"],
+    ) as srv:
+        assert httpx.get(srv.url + "/v1/models").status_code == 401
+        r = httpx.post(srv.url + "/tokenize", json={"prompt": "Hello world"})
+        assert r.status_code == 200 and r.json()["count"] == 2
+        r = httpx.post(srv.url + "/detokenize", json={"tokens": r.json()["tokens"]})
+        assert r.json() == {"prompt": "Hello world"}
+        assert httpx.get(srv.url + "/version").status_code == 200
