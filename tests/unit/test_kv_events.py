@@ -285,3 +285,13 @@ def test_config_accepts_an_endpoint(tmp_path):
     path.write_text(yaml.safe_dump({"server": {"kv_events": "tcp://*:5557"}}))
     c = load_config(str(path))
     assert c.server.kv_events == "tcp://*:5557" and c.server.kv_events_block_size == 16
+
+
+def test_missing_extra_is_named(monkeypatch):
+    from kvfuse.events import hub
+
+    monkeypatch.setitem(__import__("sys").modules, "zmq", None)  # as if pyzmq were not installed
+    with pytest.raises(
+        RuntimeError, match=r"server.kv_events needs zmq: pip install 'kvfuse\[events\]'"
+    ):
+        hub._import_wire()
