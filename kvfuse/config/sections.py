@@ -426,6 +426,21 @@ class ServerConfig:
     # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
     metrics_token: str | None = field(default=None, repr=False)
     metrics_token_file: str | None = None
+    # What GET /v1/models answers in owned_by: "vllm" lets routers that detect a worker's runtime
+    # from it (SMG, llm-d) treat kvfuse as a vLLM-type worker (docs/routers.md).
+    owned_by: str = "vllm"
+    # KV events in vLLM's format for cache-aware routers (kvfuse/events/): the ZMQ endpoint bound
+    # for them (``tcp://HOST:PORT``, ``ipc://PATH``; None: off), an optional replay endpoint, the
+    # topic, the tokens per announced block (must divide cache.chunk_size; the router's
+    # --kv-event-block-size), the bounded hand-off queue (full: events dropped and counted), the
+    # batches kept for replay and the most chunks remembered for their removal events.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
+    kv_events_block_size: int = 16
+    kv_events_queue: int = 10_000
+    kv_events_buffer: int = 10_000
+    kv_events_chunks: int = 16_384
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ to write instead. Sections that check themselves (``BlendOptions``) were checked
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
@@ -63,6 +64,8 @@ SSE_MODES = (
     "aws:kms",
 )  # S3 server-side encryption (what the S3 API's ServerSideEncryption takes)
 _URL_SCHEMES = {"redis": ("redis://", "rediss://", "unix://"), "s3": ("s3://",)}
+# server.kv_events: a ZMQ endpoint kvfuse binds (tcp://HOST:PORT, HOST may be * or [v6]; ipc://PATH)
+_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):([0-9]{1,5})|ipc://\S+")
 
 
 def validate(c: Config, sources: Mapping[str, str]) -> None:
@@ -85,6 +88,7 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     _check_cache(c.cache, need)
     _check_flat_redis(c, need)
     _check_server(c.server, need)
+    _check_kv_event_blocks(c, need)
     _check_codecs(c.cache, need)
     _check_flat_s3(c.cache, need)
     _check_tiers(c.cache, sources, need)
@@ -225,6 +229,51 @@ def _check_server(s: ServerConfig, need: Callable) -> None:
         problem = entry_problem(entry)
         need(problem is None, "server.api_keys", problem or "")
     _check_metrics_token(s, need)
+    need(bool(s.owned_by.strip()), "server.owned_by", "must not be empty (the default is vllm)")
+    _check_kv_events(s, need)
+
+
+def _check_kv_events(s: ServerConfig, need: Callable) -> None:
+    """``server.kv_events*``: the endpoints' form and the positive bounds (the block size against
+    ``cache.chunk_size`` is checked in ``_check_kv_event_blocks``, which sees both sections)."""
+    for name in ("kv_events", "kv_events_replay"):
+        value = getattr(s, name)
+        need(
+            value is None or _ENDPOINT.fullmatch(value) is not None,
+            f"server.{name}",
+            f"must be a ZMQ endpoint tcp://HOST:PORT (HOST may be *) or ipc://PATH, got {value!r}",
+        )
+    need(
+        s.kv_events_replay is None or s.kv_events is not None,
+        "server.kv_events_replay",
+        "needs server.kv_events (the live stream it replays)",
+    )
+    need(
+        s.kv_events_replay is None or s.kv_events_replay != s.kv_events,
+        "server.kv_events_replay",
+        "must differ from server.kv_events",
+    )
+    for name in ("kv_events_block_size", "kv_events_queue", "kv_events_buffer", "kv_events_chunks"):
+        need(getattr(s, name) >= 1, f"server.{name}", f"must be >= 1, got {getattr(s, name)}")
+
+
+def _check_kv_event_blocks(c: Config, need: Callable) -> None:
+    """An announced block must tile the chunks: ``server.kv_events_block_size`` divides
+    ``cache.chunk_size`` (each chunk is announced as whole blocks), and the port is a port."""
+    s = c.server
+    if s.kv_events is None:
+        return
+    bs, ch = s.kv_events_block_size, c.cache.chunk_size
+    need(
+        ch % bs == 0,
+        "server.kv_events_block_size",
+        f"must divide cache.chunk_size ({ch}), got {bs}; the router's --kv-event-block-size must "
+        "be the same number (16, vLLM's default block size, divides the default chunk of 256)",
+    )
+    for name in ("kv_events", "kv_events_replay"):
+        m = _ENDPOINT.fullmatch(getattr(s, name) or "")
+        if m is not None and m.group(2) is not None:
+            need(1 <= int(m.group(2)) <= 65535, f"server.{name}", "the port must be in 1..65535")
 
 
 def _check_codecs(k: CacheConfig, need: Callable) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from .deps import current_tenant, get_state, metrics_access
 from .errors import APIError
@@ -27,12 +27,23 @@ _AUTH_ERRORS = {
     response_model=Health,
     tags=["operations"],
     summary="Liveness and queue state",
-    description="No API key needed. 200 while the server accepts requests.",
+    response_class=JSONResponse,
+    responses={503: {"model": Health, "description": "Starting or draining."}},
+    description="No API key needed. 200 while the server serves; 503 while it starts (the engine "
+    "not running yet) or drains (a SIGTERM received, or shutting down), so that routers' health "
+    "checks take it out of rotation.",
 )
-async def health(request: Request) -> Health:
+async def health(request: Request) -> JSONResponse:
     state = get_state(request)
-    q = state.engine.queue_state()
-    return Health(model=state.model_name, waiting=q["waiting"], running=q["running"])
+    phase = state.phase
+    q = state.engine.queue_state() if state.engine is not None else {}
+    body = Health(
+        status="ok" if phase == "serving" else phase,
+        model=state.model_name if state.engine is not None else state.config.model,
+        waiting=q.get("waiting", 0),
+        running=q.get("running", 0),
+    )
+    return JSONResponse(body.model_dump(), status_code=200 if phase == "serving" else 503)
 
 
 @router.get(
@@ -69,7 +80,7 @@ async def metrics(request: Request, _: None = Depends(metrics_access)) -> Respon
     description="The one model this server serves; requests must name it in their `model` field.",
 )
 async def list_models(request: Request, tenant: str = Depends(current_tenant)) -> ModelList:
-    return ModelList(data=[ModelCard(id=get_state(request).model_name)])
+    return ModelList(data=[_card(get_state(request))])
 
 
 @router.get(
@@ -94,7 +105,18 @@ async def get_model(
             param="model",
             code="model_not_found",
         )
-    return ModelCard(id=name)
+    return _card(get_state(request))
+
+
+def _card(state) -> ModelCard:
+    """The served model's card: ``owned_by`` from ``server.owned_by`` (docs/routers.md)."""
+    name = state.model_name
+    return ModelCard(
+        id=name,
+        owned_by=state.config.server.owned_by,
+        root=name,
+        max_model_len=state.engine.context_window,
+    )
 
 
 @router.get(

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from kvfuse import __version__
 from kvfuse.config import Config
 
-from . import admin, completions, messages_api, responses_api
+from . import admin, completions, messages_api, responses_api, workers
 from .errors import install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
 from .state import ServerState
@@ -73,6 +73,7 @@ def create_app(config: Config, serving=None, clock: Callable[[], float] | None =
     app.include_router(responses_api.router)
     app.include_router(messages_api.router)
     app.include_router(admin.router)
+    app.include_router(workers.router)
     # Added last = outermost: the request context sees every response, the 413s included.
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
@@ -124,6 +125,13 @@ class _Server(uvicorn.Server):
         if self.started and self.on_ready is not None:
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self.on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
+
+    def handle_exit(self, sig, frame) -> None:
+        # /health answers 503 from the signal on, while uvicorn lets the requests in flight end.
+        state = getattr(getattr(self.config.app, "state", None), "kvfuse", None)
+        if state is not None:
+            state.drain()
+        super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -674,7 +674,9 @@ class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = 0
-    owned_by: str = "kvfuse"
+    owned_by: str = "vllm"  # server.owned_by: what routers detect a vLLM-type worker by
+    root: str | None = None  # vLLM's: the model the served name stands for
+    max_model_len: int | None = None  # vLLM's: the context window
 
 
 class ModelList(BaseModel):
@@ -696,7 +698,9 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "starting", "draining"] = Field(
+        "ok", description="ok (200); starting or draining (503: routers take the server out)."
+    )
     model: str
     waiting: int = Field(..., description="Requests waiting in the queue.")
     running: int = Field(..., description="Requests being generated (0 or 1).")
