@@ -391,6 +391,10 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024**2
+    # a chat's messages and characters (every string in them), refused beyond (a 400) before
+    # anything is rendered: rendering and tokenizing cost grows with them
+    max_chat_messages: int = 4096
+    max_chat_chars: int = 4 * 1024**2
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
     # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the

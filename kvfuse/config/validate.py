@@ -140,6 +140,8 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
     need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    need(s.max_chat_messages >= 1, "server.max_chat_messages", "must be >= 1")
+    need(s.max_chat_chars >= 1, "server.max_chat_chars", "must be >= 1 character")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,
         "server.default_max_tokens",

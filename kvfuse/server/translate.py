@@ -322,6 +322,8 @@ def plan_chat(p: Prompting, req: ChatCompletionRequest, tenant: str, limits: Lim
         raise bad_request(
             f"messages: {e}", param="messages", code="invalid_chat_template"
         ) from None
+    except ValueError as e:  # over server.max_chat_messages / max_chat_chars
+        raise bad_request(f"messages: {e}", param="messages") from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
     call = _engine_call(req, Prompt.plain(ids), tenant, limits, p)
