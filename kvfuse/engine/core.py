@@ -115,6 +115,8 @@ class Engine:
             request.request_id,
             request.cancel,
         )
+        if r.prompt is not request.prompt:  # lined up with a history: it may be longer now
+            self.scheduler.memory.check(len(r.prompt), request.params.max_tokens)
         request.prompt, request.blend = r.prompt, r.blend  # as it runs
         self.scheduler.add(Sequence(request, r))
 
@@ -234,6 +236,7 @@ class Engine:
         with self.step_lock:
             scheduled = self.scheduler.schedule()
             finished = [self._skip(s, LEFT_WHILE_QUEUED) for s in scheduled.skipped]
+            finished += [self._refuse(s, why) for s, why in scheduled.refused]
             self._begin(scheduled.admitted, scheduled.running)
             finished += self._take_loaded()
             running = [s for s in scheduled.running if s.status is SequenceStatus.RUNNING]
@@ -343,6 +346,14 @@ class Engine:
     def _skip(self, seq: Sequence, why: str) -> Sequence:
         self.stats.add(requests=1, requests_skipped=1)
         self._end(seq, Outcome(error=RequestCancelled(why)))
+        return seq
+
+    def _refuse(self, seq: Sequence, why: str) -> Sequence:
+        """``seq`` can never fit the KV budget: it fails (a 400 at the server) instead of
+        blocking admission for everything behind it."""
+        log.warning("request %s refused at admission: %s", seq.request.request_id, why)
+        self.stats.add(requests=1)
+        self._end(seq, Outcome(error=ValueError(why)))
         return seq
 
     def _end(self, seq: Sequence, outcome: Outcome) -> None:

@@ -6,7 +6,8 @@ Two calls make a step's work, and neither calls back into the engine:
   ones to admit, and the running ones (every running sequence takes part in every step:
   continuous batching). Waiting sequences are admitted first come, first served, up to
   ``max_running`` at a time and while ``KVMemory`` can give them their cache; admission stops at
-  the first one that does not fit, so a large request is never overtaken forever by small ones.
+  the first one that does not fit, so a large request is never overtaken forever by small ones;
+  one that could not fit even an empty budget is refused instead (``refused``), never waited for.
   A waiting prompt whose leading chunks a running sequence is computing is passed over, keeping
   its place (``ComputingChunks``), and loads them once they are stored.
 - ``batch(running)``, once the admitted sequences are planned and loaded: this step's forward
@@ -56,13 +57,15 @@ class ScheduledStep:
     """Which sequences one engine step ends, admits and runs."""
 
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
+    # at the head of the queue but larger than the whole KV budget: fail them, with why
+    refused: list[tuple[Sequence, str]] = field(default_factory=list)
     # admitted now: plan, load, start their prefill
     admitted: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)  # every running sequence, oldest first
 
     @property
     def empty(self) -> bool:
-        return not self.skipped and not self.running
+        return not self.skipped and not self.refused and not self.running
 
 
 @dataclass
@@ -196,11 +199,16 @@ class Scheduler:
                 if self.computing.blocks(seq.reuse):
                     continue  # keeps its place; later ones may be admitted
                 if self.memory is not None and not self.memory.allocate(seq):
-                    break
+                    why = self.memory.never_fits(seq)
+                    if why is None:
+                        break  # it fits once memory comes back: nothing overtakes it
+                    self._waiting.remove(seq)  # it never would: it must not block the queue
+                    step.refused.append((seq, why))
+                    continue
                 self._start(seq)
                 step.admitted.append(seq)
             step.running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
-            starved = not step.running and not step.skipped and bool(self._waiting)
+            starved = not step.running and step.empty and bool(self._waiting)
         if starved and self.memory is not None:
             self.memory.wait_for_release()
         return step

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfuse import dtypes
 from kvfuse.blend.options import BlendOptions
 from kvfuse.config import EngineSettings
 from kvfuse.config import profiles as profile
@@ -41,6 +42,7 @@ from kvfuse.history import Alignment, HistoryIndex, Record, Run, align
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, layout_of
 from kvfuse.models import LoadedModel
+from kvfuse.models.cache import slot_bytes
 from kvfuse.prompts.prompt import Prompt
 from kvfuse.store import TieredStore
 
@@ -78,6 +80,14 @@ class Keying:
             settings.blend, self.profile, model.name, warn=store is not None
         )
         self.context_window = context_window
+        # The live KV the engine's budget can ever hold, in slots (None: unbounded): an aligned
+        # prompt is adopted only if it still fits, since it can be longer than the one sent.
+        limit = settings.engine.kv_memory_bytes
+        self.max_live_tokens = (
+            None
+            if limit is None
+            else limit // slot_bytes(model.config, dtypes.torch_dtype(self.kv_dtype))
+        )
         self.auto = AutoReuse.of(settings.blend)
         c = model.config
         self.layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
@@ -200,7 +210,7 @@ class Keying:
         r.scope = r.namespace.key_prefix()
         best = self._best_record(r)
         entries, runs = (), ()
-        if best is not None and len(best[1].ids) + max_tokens <= self.context_window:
+        if best is not None and self._fits(len(best[1].ids) + max_tokens):
             r.record, al = best
             r.prompt = Prompt.plain(al.ids)
             r.namespace = derived_namespace(r.record, al) if al.moved else r.record.namespace
@@ -210,6 +220,14 @@ class Keying:
             # prefetch it; probed again when planned only if a save landed in between
             r.probed = self.saver.epoch
             self.probe_tail(r, self.store.lookup(r.keys.all(), count=False).where, wait=False)
+
+    def _fits(self, tokens: int) -> bool:
+        """Whether a prompt and answer of ``tokens`` fit the context window and the whole KV
+        budget: an alignment runs the stored ids, which can be more tokens than the prompt sent
+        (a history tokenized otherwise), and must not turn a request that fits into one that can
+        never be admitted."""
+        live = self.max_live_tokens
+        return tokens <= self.context_window and (live is None or tokens <= live)
 
     def probe_tail(self, r: Reuse, where: tuple, wait: bool = True) -> tuple:
         """No record of a stored history lines up with this prompt (e.g. after a restart): look
