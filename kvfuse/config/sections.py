@@ -397,6 +397,11 @@ class ServerConfig:
     max_chat_chars: int = 4 * 1024**2
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
+    # a non-streaming request not answered within this many seconds of its arrival is withdrawn
+    # and answered 504 (0: no deadline); a stream's client decides when to leave
+    request_timeout_s: float = 600.0
+    # /health answers 503 (wedged) when work waits and no engine step did anything for this long
+    stall_after_s: float = 60.0
     # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the
     # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
     metrics_token: str | None = field(default=None, repr=False)

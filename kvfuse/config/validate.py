@@ -141,6 +141,8 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
     need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
     need(s.max_chat_messages >= 1, "server.max_chat_messages", "must be >= 1")
+    need(s.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0 seconds (0: none)")
+    need(s.stall_after_s > 0, "server.stall_after_s", "must be > 0 seconds")
     need(s.max_chat_chars >= 1, "server.max_chat_chars", "must be >= 1 character")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from .deps import current_tenant, get_state, metrics_access
 from .errors import APIError
@@ -27,12 +27,24 @@ _AUTH_ERRORS = {
     response_model=Health,
     tags=["operations"],
     summary="Liveness and queue state",
-    description="No API key needed. 200 while the server accepts requests.",
+    description="No API key needed. 200 while the engine makes progress; 503 (status wedged) "
+    "when requests wait or run and no engine step did anything for server.stall_after_s.",
+    responses={503: {"model": Health, "description": "The engine loop is wedged."}},
 )
-async def health(request: Request) -> Health:
+async def health(request: Request) -> Health | JSONResponse:
     state = get_state(request)
     q = state.engine.queue_state()
-    return Health(model=state.model_name, waiting=q["waiting"], running=q["running"])
+    engine = state.engine.health(state.config.server.stall_after_s)
+    body = Health(
+        status="wedged" if engine["wedged"] else "ok",
+        model=state.model_name,
+        waiting=q["waiting"],
+        running=q["running"],
+        engine=engine,
+    )
+    if engine["wedged"]:
+        return JSONResponse(body.model_dump(), status_code=503)
+    return body
 
 
 @router.get(

@@ -144,13 +144,30 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     try:
-        outcome = await events.outcome()
-    except BaseException:  # this task was cancelled (e.g. at shutdown): stop the work too
+        outcome = await awaited(events, state.config.server.request_timeout_s)
+    except BaseException:  # timed out, or this task was cancelled (at shutdown): stop the work
         state.engine.withdraw(job)
         raise
     finally:
         watcher.cancel()
     return JSONResponse(builder.body(outcome_result(outcome, record)))
+
+
+async def awaited(events: RequestEvents, timeout_s: float) -> Outcome:
+    """A non-streaming request's outcome, or a 504 once ``timeout_s`` (server.request_timeout_s;
+    0: none) have passed: a request the engine cannot finish (a wedge, a queue that never moves)
+    must not hold its client and connection for ever. The caller withdraws the work."""
+    if timeout_s <= 0:
+        return await events.outcome()
+    try:
+        return await asyncio.wait_for(events.outcome(), timeout_s)
+    except TimeoutError:
+        raise APIError(
+            504,
+            f"the request was not answered within server.request_timeout_s ({timeout_s:g} s); "
+            "it was withdrawn",
+            code="request_timeout",
+        ) from None
 
 
 async def submit(state: ServerState, job: EngineRequest) -> None:

@@ -38,7 +38,7 @@ from kvfuse.history.records import decode_record, encode_record
 from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
 
 from .bodies import usage as chat_usage
-from .completions import ERRORS, outcome_result, submit, watch_disconnect
+from .completions import ERRORS, awaited, outcome_result, submit, watch_disconnect
 from .deps import current_tenant, get_state, limited_tenant
 from .errors import APIError, bad_request
 from .events import RequestEvents
@@ -387,7 +387,7 @@ async def create_response(
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     try:
-        outcome = await events.outcome()
+        outcome = await awaited(events, state.config.server.request_timeout_s)
     except BaseException:
         state.engine.withdraw(job)
         raise

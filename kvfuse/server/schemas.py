@@ -441,10 +441,15 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "wedged"] = "ok"
     model: str
     waiting: int = Field(..., description="Requests waiting in the queue.")
-    running: int = Field(..., description="Requests being generated (0 or 1).")
+    running: int = Field(..., description="Requests being generated.")
+    engine: dict[str, int | float | bool] = Field(
+        default_factory=dict,
+        description="The engine loop's progress: progress_steps, seconds_since_progress (while "
+        "there is work), failing_steps (in a row), failed_steps, wedged.",
+    )
 
 
 class KVStats(BaseModel):

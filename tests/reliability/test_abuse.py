@@ -9,10 +9,13 @@ meanwhile. The times measured are printed (``-s``) and quoted in docs/reliabilit
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from openai import OpenAI
 from tokenizers import Tokenizer
@@ -128,5 +131,111 @@ def test_an_alignment_longer_than_the_kv_budget_never_wedges_admission(home, tmp
         assert not isinstance(r, Exception), f"the request failed: {r!r}"
         # served as sent (the alignment would not fit), in bounded time
         assert r.usage.prompt_tokens == canonical and dt < BOUND_S
+    finally:
+        srv.close()
+
+
+# ------------------------------------------------------------------------------ item 4
+
+# Faults a real server cannot be made to produce on demand (a device out of memory, a step that
+# raises), injected into the server process at start-up: a sitecustomize module on its path.
+FAULTS = """
+import os
+
+import kvfuse.engine.scheduler as _scheduler
+import kvfuse.models.cache as _cache
+
+_SLOTS = int(os.environ.get("KVFUSE_TEST_ALLOC_FAIL_SLOTS", "0"))
+_STEP_FILE = os.environ.get("KVFUSE_TEST_STEP_FAULT_FILE", "")
+_alloc, _schedule = _cache.KVCache._alloc, _scheduler.Scheduler.schedule
+
+
+def _failing_alloc(self, capacity):
+    if _SLOTS and capacity >= _SLOTS:
+        raise RuntimeError(f"CUDA out of memory: {capacity} KV slots (injected by the test)")
+    return _alloc(self, capacity)
+
+
+def _failing_schedule(self):
+    if _STEP_FILE and os.path.exists(_STEP_FILE):
+        raise RuntimeError("a step fault (injected by the test)")
+    return _schedule(self)
+
+
+_cache.KVCache._alloc = _failing_alloc
+_scheduler.Scheduler.schedule = _failing_schedule
+"""
+FAIL_SLOTS = 120  # above a short request's first cache (its prompt + 64), below its first growth
+
+
+def faulty_server(home: Path, tmp: Path, config: dict) -> tuple[ServerProcess, Path]:
+    """A server whose KV caches of FAIL_SLOTS slots or more fail to allocate, and whose steps
+    raise while the returned file exists."""
+    site = tmp / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(FAULTS)
+    step_fault = tmp / "step-fault"
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]),
+        "KVFUSE_TEST_ALLOC_FAIL_SLOTS": str(FAIL_SLOTS),
+        "KVFUSE_TEST_STEP_FAULT_FILE": str(step_fault),
+    }
+    return start(home, tmp, config, env=env), step_fault
+
+
+def health(srv: ServerProcess) -> httpx.Response:
+    return httpx.get(srv.url + "/health", timeout=10)
+
+
+def test_an_allocation_fault_fails_its_request_and_a_wedged_loop_shows_in_health(home, tmp_path):
+    """A cache that cannot be allocated or grown (not the KV budget: the device) used to raise out
+    of every step, retried at once for ever, FIFO admission holding everyone behind it and
+    /health still 200. Now: that request fails (500) and the others run; a loop whose steps keep
+    failing is reported (/health 503) and a non-streaming request gets its 504 at the deadline."""
+    srv, step_fault = faulty_server(
+        home, tmp_path, {"server": {"request_timeout_s": 8, "stall_after_s": 2}}
+    )
+    try:
+        c = client(srv)
+        long_prompt = "The old lighthouse keeper wrote in his log every night. " * 40
+        # the prompt's cache cannot be allocated at admission
+        r, dt_alloc = timed(c.completions.create, model=MODEL, prompt=long_prompt, max_tokens=4)
+        assert isinstance(r, openai.InternalServerError) and r.status_code == 500, r
+        # the answer's cache cannot grow past FAIL_SLOTS as it decodes
+        r, dt_grow = timed(
+            c.completions.create,
+            model=MODEL,
+            prompt="Count to a thousand:",
+            max_tokens=FAIL_SLOTS + 64,
+            extra_body={"ignore_eos": True},
+        )
+        assert isinstance(r, openai.InternalServerError) and r.status_code == 500, r
+        dt_other = bystander(srv)
+        print(f"  allocation fault {dt_alloc:.2f} s, growth fault {dt_grow:.2f} s")
+        assert dt_alloc < BOUND_S and dt_grow < BOUND_S
+        h = health(srv)
+        assert h.status_code == 200 and h.json()["engine"]["wedged"] is False
+
+        step_fault.write_text("on")  # every step raises from now on
+        with ThreadPoolExecutor(1) as pool:
+            stuck = pool.submit(timed, bystander, srv, salt="stuck")
+            wedged, t0 = None, time.perf_counter()
+            while time.perf_counter() - t0 < 20 and wedged is None:
+                if (h := health(srv)).status_code == 503:
+                    wedged = (time.perf_counter() - t0, h.json())
+                time.sleep(0.2)
+            r, dt_stuck = stuck.result()
+        assert wedged is not None, "/health never reported the wedge"
+        print(f"  /health 503 after {wedged[0]:.1f} s; stuck request answered in {dt_stuck:.1f} s")
+        assert wedged[1]["status"] == "wedged" and wedged[1]["engine"]["failing_steps"] > 0
+        assert isinstance(r, AssertionError) and "504" in str(r), r  # the deadline's answer
+        assert 8 <= dt_stuck < 8 + 5
+        # the loop backs off instead of spinning: a few dozen tries over those seconds
+        assert health(srv).json()["engine"]["failed_steps"] < 200
+
+        step_fault.unlink()  # the fault clears: the loop recovers by itself
+        dt_after = bystander(srv)
+        assert health(srv).status_code == 200
+        print(f"  bystander {dt_other:.2f} s before the wedge, {dt_after:.2f} s after it cleared")
     finally:
         srv.close()
