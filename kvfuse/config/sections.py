@@ -402,6 +402,12 @@ class ServerConfig:
     request_timeout_s: float = 600.0
     # /health answers 503 (wedged) when work waits and no engine step did anything for this long
     stall_after_s: float = 60.0
+    # wrong or missing API keys allowed per client address and minute (then 429; 0: no limit)
+    auth_failures_per_minute: int = 60
+    # connections and requests handled at once (uvicorn's limit_concurrency; beyond: 503; 0: none)
+    limit_concurrency: int = 1024
+    # a request body not received this long after its first read: 408 (0: no limit)
+    body_timeout_s: float = 30.0
     # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the
     # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
     metrics_token: str | None = field(default=None, repr=False)

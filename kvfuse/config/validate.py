@@ -143,6 +143,13 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     need(s.max_chat_messages >= 1, "server.max_chat_messages", "must be >= 1")
     need(s.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0 seconds (0: none)")
     need(s.stall_after_s > 0, "server.stall_after_s", "must be > 0 seconds")
+    need(
+        s.auth_failures_per_minute >= 0,
+        "server.auth_failures_per_minute",
+        "must be >= 0 (0: no limit)",
+    )
+    need(s.limit_concurrency >= 0, "server.limit_concurrency", "must be >= 0 (0: no limit)")
+    need(s.body_timeout_s >= 0, "server.body_timeout_s", "must be >= 0 seconds (0: no limit)")
     need(s.max_chat_chars >= 1, "server.max_chat_chars", "must be >= 1 character")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -237,5 +238,103 @@ def test_an_allocation_fault_fails_its_request_and_a_wedged_loop_shows_in_health
         dt_after = bystander(srv)
         assert health(srv).status_code == 200
         print(f"  bystander {dt_other:.2f} s before the wedge, {dt_after:.2f} s after it cleared")
+    finally:
+        srv.close()
+
+
+# ------------------------------------------------------------------------------ item 8
+
+ALICE = "sk-alice-7f3e"
+
+
+def raw_request(
+    srv: ServerProcess, key: str, length: int, sent: bytes = b'{"model": '
+) -> socket.socket:
+    """A connection that sent a POST's headers (``Content-Length: length``) and the first bytes
+    of its body, and nothing more."""
+    s = socket.create_connection(("127.0.0.1", srv.port), timeout=BOUND_S)
+    s.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        + f"authorization: Bearer {key}\r\ncontent-type: application/json\r\n".encode()
+        + f"content-length: {length}\r\n\r\n".encode()
+        + sent
+    )
+    return s
+
+
+def status_of(s: socket.socket, timeout: float) -> tuple[int | None, float]:
+    """The status of the response on ``s`` and how long it took (None: none within ``timeout``)."""
+    s.settimeout(timeout)
+    t0 = time.perf_counter()
+    try:
+        head = s.recv(64)
+    except TimeoutError:
+        return None, time.perf_counter() - t0
+    finally:
+        s.close()
+    return (int(head.split()[1]) if head else None), time.perf_counter() - t0
+
+
+def test_a_wrong_key_is_refused_before_its_body_is_read_and_failures_are_limited(home, tmp_path):
+    """A 4 MiB body with a wrong key used to be read and parsed before its 401; a client could
+    also hold connections open by trickling a body, and flood wrong keys without a limit."""
+    limit = 5
+    srv = start(
+        home,
+        tmp_path,
+        {
+            "server": {
+                "api_keys": [f"{ALICE}:alice"],
+                "auth_failures_per_minute": limit,
+                "limit_concurrency": 6,
+                "body_timeout_s": 3,
+            }
+        },
+    )
+    try:
+        # the 401 comes from the headers alone: the (announced) 4 MiB body is never sent
+        status, dt_401 = status_of(raw_request(srv, "sk-wrong", 4 * 2**20 - 1024), 10)
+        print(f"  401 before the body: {status} in {dt_401:.3f} s")
+        assert status == 401 and dt_401 < 5
+        # the whole 4 MiB sent: answered without being parsed
+        big = {"model": MODEL, "messages": [{"role": "user", "content": "x" * (4 * 2**20 - 4096)}]}
+        r, dt_big = timed(
+            httpx.post,
+            srv.base_url + "/chat/completions",
+            json=big,
+            headers={"authorization": "Bearer sk-wrong"},
+            timeout=BOUND_S,
+        )
+        print(f"  4 MiB body with a wrong key: {r.status_code} in {dt_big:.3f} s")
+        assert r.status_code == 401
+        # wrong keys beyond the limit per address: 429 with Retry-After, still before any body
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+        got = [
+            httpx.post(
+                srv.base_url + "/chat/completions",
+                json=body,
+                headers={"authorization": "Bearer sk-guess-%d" % i},
+                timeout=10,
+            )
+            for i in range(limit + 2)
+        ]
+        codes = [r.status_code for r in got]
+        print(f"  wrong keys answered {codes}")
+        assert codes == [401] * (limit - 2) + [429] * 4 and "retry-after" in got[-1].headers
+        # a valid key from the same address is not refused for the failures
+        bystander(srv, ALICE)
+        # a body trickled too slowly: its connection is answered 408, not held for ever
+        status, dt_408 = status_of(raw_request(srv, ALICE, 1000), 20)
+        print(f"  trickled body: {status} after {dt_408:.1f} s")
+        assert status == 408 and dt_408 < 3 + 5
+        # beyond limit_concurrency connections at once, a 503 at once rather than a queue of them
+        held = [raw_request(srv, ALICE, 1000) for _ in range(6)]
+        status, dt_503 = status_of(raw_request(srv, ALICE, 1000), 10)
+        print(f"  over limit_concurrency: {status} in {dt_503:.3f} s")
+        assert status == 503 and dt_503 < 5
+        for s in held:
+            s.close()
+        time.sleep(0.5)
+        bystander(srv, ALICE)
     finally:
         srv.close()
