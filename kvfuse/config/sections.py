@@ -375,6 +375,11 @@ class ResponsesConfig:
     store: bool = True  # keep responses whose request says store: true (false: keep none)
     path: str | None = None  # the SQLite file; default: <home>/responses.sqlite3
     ttl: str = "30d"  # a stored response expires this long after it was created
+    # what one stored response may take (body, history, input items, record; None: no limit),
+    # and what each tenant may keep: responses and bytes (beyond any of them: a 413)
+    max_response_bytes: int | None = 8 * 1024**2
+    tenant_max_responses: int | None = 100_000
+    tenant_max_bytes: int | None = 1024**3
 
     @property
     def ttl_s(self) -> float:

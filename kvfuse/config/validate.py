@@ -206,6 +206,10 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
             parse_duration(k.retention)
         except ValueError as e:
             need(False, "cache.retention", f"{e}; or 'in_memory' (or none: the tiers' policy)")
+    r = c.responses
+    for key in ("max_response_bytes", "tenant_max_responses", "tenant_max_bytes"):
+        value = getattr(r, key)
+        need(value is None or value >= 1, f"responses.{key}", "must be >= 1, or none for no limit")
     try:
         parse_duration(c.responses.ttl)
     except ValueError as e:

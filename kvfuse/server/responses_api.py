@@ -35,7 +35,15 @@ from pydantic import ValidationError
 
 from kvfuse.engine import GenerationResult, Outcome
 from kvfuse.history.records import decode_record, encode_record
-from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
+from kvfuse.history.response_store import (
+    ResponseExpired,
+    ResponseNotFound,
+    ResponseRefused,
+    StoredResponse,
+    over_limits,
+    stored_size,
+)
+from kvfuse.prompts.truncate import without_oldest
 
 from .bodies import usage as chat_usage
 from .completions import ERRORS, awaited, outcome_result, submit, watch_disconnect
@@ -147,6 +155,21 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
         text = content if isinstance(content, str) else "\n".join(p["text"] for p in content)
         out.append({"role": m["role"], "content": text})
     return out
+
+
+def kept_history(
+    instructions: str | None,
+    history: list[dict[str, Any]],
+    messages: list[dict[str, Any]],
+    dropped: int,
+) -> list[dict[str, Any]]:
+    """The conversation a stored response keeps (before its answer): what its prompt kept. The
+    turns dropped to fit the context window (``dropped``, of ``[instructions] + history +
+    messages``) are not stored again, so chaining responses with large throw-away inputs does
+    not store them once per later turn; ``instructions`` are not carried over (as OpenAI)."""
+    head = [{"role": "system", "content": instructions}] if instructions is not None else []
+    kept = without_oldest(head + history + plain_messages(messages), dropped)
+    return kept[len(head) :]
 
 
 def chat_request(
@@ -365,6 +388,14 @@ async def create_response(
             pass
     record.prompt_tokens = len(call.prompt)
     obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock)
+    history = kept_history(
+        body.instructions,
+        previous.history if previous is not None else [],
+        messages,
+        call.dropped_messages,
+    )
+    keep = _Keeper(state, tenant, obj, history, items)
+    await asyncio.to_thread(keep.check)  # a 413 before anything is generated
     events = RequestEvents()
 
     def on_done(outcome: Outcome) -> None:
@@ -379,7 +410,6 @@ async def create_response(
     if previous is not None:
         state.metrics.responses.labels(event="continued").inc()
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
-    keep = _Keeper(state, tenant, obj, previous, messages, items)
     if body.stream:
         return StreamingResponse(
             _stream(state, record, job, events, watcher, obj, keep),
@@ -413,43 +443,68 @@ def _renamed(e: APIError) -> APIError:
 
 
 class _Keeper:
-    """Stores a finished response (when asked to) with its history and KV record."""
+    """Stores a finished response (when asked to) with the history its prompt kept and its KV
+    record, within the store's limits (``StoreLimits``: a 413 beyond them)."""
 
     def __init__(
         self,
         state: ServerState,
         tenant: str,
         obj: ResponseObject,
-        previous: StoredResponse | None,
-        messages: list[dict[str, Any]],
+        history: list[dict[str, Any]],
         items: list[dict[str, Any]],
     ):
-        self.state, self.tenant, self.obj, self.previous = state, tenant, obj, previous
-        self.messages, self.items = messages, items
+        self.state, self.tenant, self.obj = state, tenant, obj
+        self.history, self.items = history, items
+
+    @property
+    def storing(self) -> bool:
+        return bool(self.obj.body.store) and self.state.responses is not None
+
+    def check(self) -> None:
+        """The 413 for a response that could not be stored, known before it is generated: its
+        history and input items alone are too large, or its tenant is at its limits."""
+        if not self.storing:
+            return
+        size = stored_size(StoredResponse("", self.tenant, 0, {}, self.history, self.items))
+        why = over_limits(
+            size, *self.state.responses.usage(self.tenant), self.state.response_limits
+        )
+        if why is not None:
+            raise _too_large(why)
 
     def __call__(self, body: dict[str, Any], result: GenerationResult) -> None:
-        if not self.obj.body.store or self.state.responses is None:
+        """Store it; the 413 (APIError) when the store refuses it."""
+        if not self.storing:
             return
-        history = (
-            (self.previous.history if self.previous is not None else [])
-            + plain_messages(self.messages)
-            + [{"role": "assistant", "content": result.text}]
-        )
         rec = result.history
-        self.state.responses.put(
-            StoredResponse(
-                self.obj.id,
-                self.tenant,
-                self.state.clock(),
-                body,
-                history,
-                self.items,
-                self.obj.previous_id,
-                encode_record(rec) if rec is not None else None,
-                [str(e.key) for e in rec.entries] if rec is not None else [],
+        try:
+            self.state.responses.put(
+                StoredResponse(
+                    self.obj.id,
+                    self.tenant,
+                    self.state.clock(),
+                    body,
+                    self.history + [{"role": "assistant", "content": result.text}],
+                    self.items,
+                    self.obj.previous_id,
+                    encode_record(rec) if rec is not None else None,
+                    [str(e.key) for e in rec.entries] if rec is not None else [],
+                ),
+                self.state.response_limits,
             )
-        )
+        except ResponseRefused as e:
+            raise _too_large(str(e)) from None
         self.state.metrics.responses.labels(event="stored").inc()
+
+
+def _too_large(why: str) -> APIError:
+    return APIError(
+        413,
+        f"store: {why}; send store: false to get a response without storing it",
+        param="store",
+        code="response_store_limit",
+    )
 
 
 async def _stream(
@@ -513,7 +568,14 @@ async def _stream(
         )
         done = obj.object(status, result)
         yield obj.event("response.output_item.done", output_index=0, item=done["output"][0])
-        await asyncio.to_thread(keep, done, result)
+        try:
+            await asyncio.to_thread(keep, done, result)
+        except APIError as e:
+            yield obj.event("error", code=e.code, message=e.message, param=e.param)
+            failed = obj.object("failed")
+            failed["error"] = {"code": e.code, "message": e.message}
+            yield obj.event("response.failed", response=failed)
+            return
         yield obj.event(
             "response.completed" if status == "completed" else "response.incomplete", response=done
         )

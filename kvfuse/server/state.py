@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kvfuse.config import Config
 from kvfuse.config.secrets import read_secret
 from kvfuse.config.tenants import EVERY, quota_of
-from kvfuse.history.response_store import ResponseStore
+from kvfuse.history.response_store import ResponseStore, StoreLimits
 from kvfuse.kv.keys import tenant_tag
 from kvfuse.runtime import Serving
 
@@ -58,6 +58,7 @@ class ServerState:
         )
         self.limiter = RateLimiter(self._requests_per_minute)
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
+        self.response_limits = StoreLimits()
         self.metrics.stored_responses.set_function(
             lambda: len(self.responses) if self.responses is not None else 0
         )
@@ -90,6 +91,9 @@ class ServerState:
         r = self.config.responses
         if r.store:
             self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)
+            self.response_limits = StoreLimits(
+                r.max_response_bytes, r.tenant_max_responses, r.tenant_max_bytes
+            )
             _, keys = self.responses.purge()  # what expired while the server was down
             self.engine.free_entries(keys)
         self.engine.start()

@@ -30,6 +30,8 @@ class EngineCall:
     cache: CacheOptions
     # the request's recompute budget over the engine's blend options (None: the engine's)
     recompute_ratio: float | str | None = None
+    # a chat's oldest messages dropped to fit the context window (``truncate.without_oldest``)
+    dropped_messages: int = 0
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -326,7 +328,9 @@ def plan_chat(p: Prompting, req: ChatCompletionRequest, tenant: str, limits: Lim
         raise bad_request(f"messages: {e}", param="messages") from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
-    call = _engine_call(req, Prompt.plain(ids), tenant, limits, p)
+    call = replace(
+        _engine_call(req, Prompt.plain(ids), tenant, limits, p), dropped_messages=dropped
+    )
     marks = chat_marks(req)
     if marks and dropped == 0 and call.cache.enabled:
         positions = p.prompts.breakpoint_positions(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -336,5 +337,92 @@ def test_a_wrong_key_is_refused_before_its_body_is_read_and_failures_are_limited
             s.close()
         time.sleep(0.5)
         bystander(srv, ALICE)
+    finally:
+        srv.close()
+
+
+# ------------------------------------------------------------------------------ item 3
+
+BOB = "sk-bob-51c0"
+
+
+def stored_rows(path: Path) -> list[tuple[str, int, int]]:
+    """Each stored response's tenant, history bytes and input-items bytes, oldest first."""
+    with sqlite3.connect(path) as db:
+        return db.execute(
+            "SELECT tenant, length(CAST(history AS BLOB)), length(CAST(input_items AS BLOB)) "
+            "FROM responses ORDER BY created_at"
+        ).fetchall()
+
+
+def test_chained_responses_with_throwaway_inputs_store_a_bounded_amount(home, tmp_path):
+    """Each turn sends a large message the context window drops, chained by
+    previous_response_id: the store used to keep the whole untruncated history again at every
+    turn (turn k: k large messages), with no limit per tenant."""
+    db = tmp_path / "responses.sqlite3"
+    config = {
+        "context_tokens": 512,
+        "server": {"api_keys": [f"{ALICE}:alice", f"{BOB}:bob"]},
+        "responses": {
+            "path": str(db),
+            "max_response_bytes": 600 * 1024,
+            "tenant_max_bytes": 2 * 2**20,
+        },
+    }
+    srv = start(home, tmp_path, config)
+    try:
+        alice, bob = client(srv, ALICE), client(srv, BOB)
+        big = "Ignore this filler line, it is only here to take room. " * 5000  # 275 kB
+        first, previous, refused, times = None, None, None, []
+        for turn in range(12):
+            r, dt = timed(
+                alice.responses.create,
+                model=MODEL,
+                input=[
+                    {"role": "user", "content": f"{turn} {big}"},
+                    {"role": "assistant", "content": "Noted."},
+                    {"role": "user", "content": "Say hi."},
+                ],
+                previous_response_id=previous,
+                max_output_tokens=4,
+            )
+            if isinstance(r, Exception):
+                refused = (turn, r, dt)
+                break
+            times.append(dt)
+            first, previous = first or r.id, r.id
+        rows = stored_rows(db)
+        print(f"  stored per turn (history, input items bytes): {[(h, i) for _, h, i in rows]}")
+        print(
+            f"  turn times {[round(t, 2) for t in times]}; refused at turn {refused and refused[0]}"
+        )
+        # what the prompt kept: the large messages are not stored again turn after turn
+        assert all(h < 20_000 for _, h, _ in rows)
+        # the tenant's bytes are bounded: a 413 (before generating) once they are spent
+        assert refused is not None and isinstance(refused[1], openai.APIStatusError)
+        assert refused[1].status_code == 413 and "tenant_max_bytes" in str(refused[1])
+        assert refused[2] < BOUND_S and sum(h + i for _, h, i in rows) <= 2 * 2**20
+        # one response larger than max_response_bytes: 413 at once
+        huge = [
+            {"role": "user", "content": big * 3},
+            {"role": "assistant", "content": "Noted."},
+            {"role": "user", "content": "Say hi."},
+        ]
+        r = timed(bob.responses.create, model=MODEL, input=huge, max_output_tokens=1)[0]
+        assert isinstance(r, openai.APIStatusError) and r.status_code == 413, r
+        # another tenant still stores and continues; nothing of alice's is lost
+        b1 = bob.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4)
+        bob.responses.create(
+            model=MODEL, input="Again.", previous_response_id=b1.id, max_output_tokens=4
+        )
+        assert alice.responses.retrieve(first).id == first
+        again = alice.responses.create(
+            model=MODEL,
+            input="Say hi.",
+            previous_response_id=first,
+            store=False,
+            max_output_tokens=4,
+        )
+        assert again.output_text is not None
     finally:
         srv.close()
