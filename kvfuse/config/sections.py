@@ -413,6 +413,9 @@ class ServerConfig:
     limit_concurrency: int = 1024
     # a request body not received this long after its first read: 408 (0: no limit)
     body_timeout_s: float = 30.0
+    # usage's cached_tokens: "chunk" (rounded down to whole chunks unless the request names its
+    # conversation: prompt_cache_key, previous_response_id, user) or "exact" (server.disclosure)
+    cached_tokens: str = "chunk"
     # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the
     # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
     metrics_token: str | None = field(default=None, repr=False)

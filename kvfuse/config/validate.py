@@ -150,6 +150,11 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     )
     need(s.limit_concurrency >= 0, "server.limit_concurrency", "must be >= 0 (0: no limit)")
     need(s.body_timeout_s >= 0, "server.body_timeout_s", "must be >= 0 seconds (0: no limit)")
+    need(
+        s.cached_tokens in ("chunk", "exact"),
+        "server.cached_tokens",
+        f"must be chunk or exact, got {s.cached_tokens!r}",
+    )
     need(s.max_chat_chars >= 1, "server.max_chat_chars", "must be >= 1 character")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,

@@ -190,8 +190,13 @@ class Keying:
         if self.token_bytes is None:
             self.token_bytes = self.model.tokenizer.token_bytes() or ()
         table = self.token_bytes or None
-        candidates = self.history.candidates(r.scope, r.prompt.ids, r.cache.history_key)
         hint = r.cache.history_hint
+        # A request that names its conversation is lined up with that only (and is told its
+        # reuse exactly: server.disclosure); others are found by content within the scope.
+        named = r.cache.history_key is not None or hint is not None
+        candidates = self.history.candidates(
+            r.scope, r.prompt.ids, r.cache.history_key, by_content=not named
+        )
         # e.g. a previous_response_id's history: tried first
         if hint is not None and hint.scope == r.scope:
             candidates.insert(0, hint)
@@ -207,7 +212,7 @@ class Keying:
         runs with the stored ids where they spell the same text, its keys name that history's
         entries for the slots they fill. With no record, the planning looks for a stored history
         by content (``probe_tail``), once, after the pending saves."""
-        r.scope = r.namespace.key_prefix()
+        r.scope = history_scope(r.namespace, r.cache.user)
         best = self._best_record(r)
         entries, runs = (), ()
         if best is not None and self._fits(len(best[1].ids) + max_tokens):
@@ -249,6 +254,18 @@ class Keying:
                 r.keys = keys.with_history([entry], [Run(entry.source, end, entry.source)])
                 return tuple(where) + (tier,)
         return where
+
+
+def history_scope(namespace: Namespace, user: str | None) -> str:
+    """Where a request's history records go and are looked for: its namespace's key prefix, and
+    within it its end user's own (OpenAI's ``user``, hashed): one user's conversations are never
+    lined up with another's. Clearing a tenant or namespace (a key-prefix delete) covers them."""
+    scope = namespace.key_prefix()
+    if not user:
+        return scope
+    return (
+        scope + "\x00user:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    )
 
 
 def derived_namespace(record: Record, al: Alignment) -> Namespace:

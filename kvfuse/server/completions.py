@@ -27,6 +27,7 @@ from kvfuse.engine import (
 
 from .bodies import SSE_DONE, ResponseBuilder, sse_event
 from .deps import get_state, limited_tenant
+from .disclosure import exact_for, reported
 from .errors import APIError, internal_error
 from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
@@ -122,10 +123,11 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
     record.prompt_tokens = len(call.prompt)
 
     events = RequestEvents()
+    exact = exact_for(body, state.config.server.cached_tokens)
 
     def on_done(outcome: Outcome) -> None:  # engine thread (or the loop, for a withdrawn request)
         state.metrics.observe_outcome(outcome)
-        events.on_done(outcome)
+        events.on_done(reported(outcome, exact, state.config.cache.chunk_size))
 
     job = call.request(
         record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done

@@ -48,6 +48,7 @@ from kvfuse.prompts.truncate import without_oldest
 from .bodies import usage as chat_usage
 from .completions import ERRORS, awaited, outcome_result, submit, watch_disconnect
 from .deps import current_tenant, get_state, limited_tenant
+from .disclosure import exact_for, reported
 from .errors import APIError, bad_request
 from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
@@ -201,6 +202,7 @@ def chat_request(
         cache=body.cache,
         kv_slo_ms=body.kv_slo_ms,
         blend_auto=body.blend_auto,
+        user=body.user,
     )
     try:
         return ChatCompletionRequest.model_validate(
@@ -397,10 +399,11 @@ async def create_response(
     keep = _Keeper(state, tenant, obj, history, items)
     await asyncio.to_thread(keep.check)  # a 413 before anything is generated
     events = RequestEvents()
+    exact = exact_for(body, state.config.server.cached_tokens)
 
     def on_done(outcome: Outcome) -> None:
         state.metrics.observe_outcome(outcome)
-        events.on_done(outcome)
+        events.on_done(reported(outcome, exact, state.config.cache.chunk_size))
 
     job = call.request(
         record.request_id, on_text=events.on_text if body.stream else None, on_done=on_done

@@ -169,7 +169,12 @@ class SamplingRequest(KVFuseOptions):
         "(vLLM's extension; for benchmarks).",
     )
     n: int | None = Field(1, description="Number of choices; only 1 is supported.")
-    user: str | None = Field(None, description="An end-user id (accepted and ignored).")
+    user: str | None = Field(
+        None,
+        max_length=256,
+        description="An end-user id: its conversations are lined up only with its own, and it "
+        "names the conversation (usage reports cached_tokens exactly, not in whole chunks).",
+    )
     prompt_cache_key: str | None = Field(
         None,
         min_length=1,

@@ -82,6 +82,15 @@ class ServerState:
         raise rate_limited(tenant, setting, decision, limit)
 
     def start(self) -> None:
+        if not self.auth.enabled:
+            log.warning(
+                "serving without API keys (server.api_keys): every client is one tenant and "
+                "shares its cache namespace; usage reports cached tokens in whole chunks unless a "
+                "request names its conversation (prompt_cache_key, previous_response_id, user)"
+                if self.config.server.cached_tokens == "chunk"
+                else "serving without API keys (server.api_keys) and with exact cached_tokens: "
+                "any client can learn what others' prompts share with its own, token by token"
+            )
         if self.engine is None:
             from kvfuse.runtime import open_serving
 

@@ -82,6 +82,7 @@ def cache_options(opts: SamplingRequest, tenant: str) -> CacheOptions:
         tenant=tenant,
         salt=opts.cache_salt or "",
         history_key=opts.prompt_cache_key,
+        user=opts.user,
         kv_slo_ms=opts.kv_slo_ms,
         retention=retention(opts.prompt_cache_retention),
         auto_reuse=None if opts.blend_auto is None else opts.blend_auto == "on",

@@ -426,3 +426,51 @@ def test_chained_responses_with_throwaway_inputs_store_a_bounded_amount(home, tm
         assert again.output_text is not None
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------------------------ item 10
+
+DESK = "You are the front desk assistant of a research building. Answer briefly. " * 3
+
+
+def cached(c: OpenAI, content: str, **kw) -> int:
+    r = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": DESK}, {"role": "user", "content": content}],
+        max_tokens=2,
+        temperature=0,
+        **kw,
+    )
+    return r.usage.prompt_tokens_details.cached_tokens
+
+
+def test_cached_tokens_do_not_reveal_another_users_conversation_token_by_token(home, tmp_path):
+    """Without API keys every client shares one namespace: reading cached_tokens for each guess of
+    the next token of another user's stored conversation used to tell, token by token, which guess
+    was right. Now a request that names no conversation is told whole chunks only; one that names
+    its own (user, prompt_cache_key) is told exactly, and is lined up with its own only."""
+    chunk = 64
+    srv = start(
+        home,
+        tmp_path,
+        {"cache": {"chunk_size": chunk}},
+        env={"KVFUSE_SERVER_CACHED_TOKENS": "chunk"},  # the default, whatever the suite sets
+    )
+    try:
+        assert "serving without API keys" in srv.log_tail(20_000)
+        c = client(srv)
+        secret = "The door code of the lab is 4 8 2 1 7. Keep it to yourself."
+        cached(c, secret)  # the victim's conversation, stored
+        probes = {d: cached(c, f"The door code of the lab is 4 8 2 1 {d}") for d in "7369"}
+        print(f"  cached_tokens per guess of the last digit: {probes}")
+        assert len(set(probes.values())) == 1 and probes["7"] % chunk == 0
+        # a user's own conversation is reported exactly, and lined up with its own only
+        mine = "My own note: the plants on floor 3 need water on Fridays. Thank you."
+        cached(c, mine, user="dana")
+        own = cached(c, mine[:-7], user="dana")
+        other = cached(c, mine[:-7], user="mallory")
+        print(f"  named: dana's own {own}, another user's {other}")
+        assert own > other and own % chunk != 0 and other % chunk == 0
+        bystander(srv)
+    finally:
+        srv.close()
