@@ -12,6 +12,9 @@ from typing import Protocol
 
 import torch
 
+# The longest stop string accepted: StopMatcher's work per token grows with its square.
+MAX_STOP_CHARS = 256
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -65,6 +68,11 @@ class SamplingParams:
             all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"
         )
         _check(len(self.stop) <= 16, "stop", "at most 16 stop strings")
+        _check(  # matching holds back up to a stop's length and compares O(length^2) per token
+            all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            "stop",
+            f"must each be at most {MAX_STOP_CHARS} characters",
+        )
 
     @property
     def greedy(self) -> bool:

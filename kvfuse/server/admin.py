@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from .deps import current_tenant, get_state, metrics_access
 from .errors import APIError
 from .metrics import CONTENT_TYPE
-from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
+from .schemas import NO_NUL, ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
 
 router = APIRouter()
 
@@ -144,7 +144,10 @@ async def clear_kv(
     request: Request,
     tenant: str = Depends(current_tenant),
     cache_salt: str | None = Query(
-        None, max_length=256, description="Clear only this namespace of the tenant."
+        None,
+        max_length=256,
+        pattern=NO_NUL,
+        description="Clear only this namespace of the tenant.",
     ),
 ) -> KVDeleted:
     deleted = await asyncio.to_thread(get_state(request).engine.clear_cache, tenant, cache_salt)

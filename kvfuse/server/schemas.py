@@ -31,13 +31,20 @@ class _Strict(BaseModel):
 # ------------------------------------------------------------------------------------ requests
 
 
+# A cache_salt may not hold NUL: the namespace joins its salts with it (a salt holding one could
+# spell another namespace's).
+NO_NUL = r"^[^\x00]*$"
+
+
 class KVFuseOptions(_Strict):
     """kvfuse extension fields (with the ``openai`` client: ``extra_body={...}``)."""
 
     cache_salt: str | None = Field(
         None,
         max_length=256,
-        description="kvfuse extension: an extra cache namespace inside the caller's tenant. Requests share "
+        pattern=NO_NUL,
+        description="kvfuse extension: an extra cache namespace inside the caller's tenant (no NUL "
+        "character: it separates a namespace's salts). Requests share "
         "cached KV only when they have the same tenant and the same cache_salt.",
         examples=["project-42"],
     )

@@ -474,3 +474,29 @@ def test_cached_tokens_do_not_reveal_another_users_conversation_token_by_token(h
         bystander(srv)
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------------------------ low findings
+
+
+def test_a_nul_in_cache_salt_and_an_overlong_stop_string_are_refused(home, tmp_path):
+    """A NUL in cache_salt could spell another namespace's salts (they are joined with NUL);
+    a stop string of any length made matching cost O(length^2) per generated token."""
+    srv = start(home, tmp_path)
+    try:
+        c = client(srv)
+        for extra in ({"cache_salt": "a\x00blend:x"}, {"stop": ["ab" * 20_000]}):
+            r, dt = timed(
+                c.chat.completions.create,
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hi"}],
+                max_tokens=2,
+                extra_body=extra,
+            )
+            print(f"  {list(extra)[0]}: {r!r:.80} in {dt:.2f} s")
+            assert isinstance(r, openai.BadRequestError) and dt < 5, r
+        r = httpx.delete(srv.base_url + "/kv", params={"cache_salt": "a\x00b"}, timeout=10)
+        assert r.status_code == 400 and "cache_salt" in r.text
+        bystander(srv)
+    finally:
+        srv.close()
