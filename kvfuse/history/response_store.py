@@ -111,6 +111,11 @@ def stored_size(r: StoredResponse) -> int:
     )
 
 
+# Expired responses removed per statement and transaction: SQLite bounds a statement's variables
+# (250000 in Python's build), and one purge must not hold the store for long.
+PURGE_BATCH = 500
+
+
 class ResponseNotFound(KeyError):
     """No response with this id for this tenant (unknown, deleted, or another tenant's)."""
 
@@ -241,15 +246,21 @@ class ResponseStore:
         if not force and now - self._last_purge < self.purge_every_s:
             return 0, []
         self._last_purge = now
-        with self._lock, self._tx():
-            ids = [
-                r[0]
-                for r in self._db.execute(
-                    "SELECT id FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ?",
-                    (now,),
-                )
-            ]
-            return len(ids), self._remove(ids) if ids else []
+        removed, free = 0, []
+        while True:  # in batches: one statement's variables are bounded, and so is each lock hold
+            with self._lock, self._tx():
+                ids = [
+                    r[0]
+                    for r in self._db.execute(
+                        "SELECT id FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ? "
+                        "LIMIT ?",
+                        (now, PURGE_BATCH),
+                    )
+                ]
+                if not ids:
+                    return removed, free
+                removed += len(ids)
+                free += self._remove(ids)
 
     def _remove(self, ids: list[str]) -> list[str]:
         """Delete rows ``ids`` (inside a transaction); the keys only they referred to."""

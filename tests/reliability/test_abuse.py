@@ -500,3 +500,37 @@ def test_a_nul_in_cache_salt_and_an_overlong_stop_string_are_refused(home, tmp_p
         bystander(srv)
     finally:
         srv.close()
+
+
+def test_a_store_with_more_expired_responses_than_one_statement_holds_still_starts(home, tmp_path):
+    """The expiry purge removed every expired response in one ``IN (...)``: past SQLite's bound on
+    a statement's variables (250000 in Python's build), the purge at start-up failed, and with it
+    the server's start."""
+    db = tmp_path / "responses.sqlite3"
+    n = 260_000
+    with sqlite3.connect(db) as conn:  # a store as the previous release wrote it, all expired
+        conn.execute(
+            "CREATE TABLE responses (id TEXT PRIMARY KEY, tenant TEXT NOT NULL, created_at REAL "
+            "NOT NULL, expires_at REAL, previous_id TEXT, body TEXT NOT NULL, input_items TEXT "
+            "NOT NULL, history TEXT NOT NULL, record BLOB)"
+        )
+        conn.executemany(
+            "INSERT INTO responses VALUES (?, '', 0, 1, NULL, '{}', '[]', '[]', NULL)",
+            ((f"resp_{i}",) for i in range(n)),
+        )
+    t0 = time.perf_counter()
+    srv, started = None, None
+    try:
+        srv = start(home, tmp_path, {"responses": {"path": str(db)}})
+        started = time.perf_counter() - t0
+    except RuntimeError as e:
+        print(f"  the server did not start: {str(e)[-300:]}")
+    print(f"  start-up with {n} expired responses: {started}")
+    try:
+        assert started is not None and started < 180
+        with sqlite3.connect(db) as conn:
+            assert conn.execute("SELECT COUNT(*) FROM responses").fetchone()[0] == 0
+        bystander(srv)
+    finally:
+        if srv is not None:
+            srv.close()

@@ -89,3 +89,23 @@ def test_kept_history_is_what_the_prompt_kept_without_the_instructions():
     assert kept_history("be brief", history, new, 4) == [{"role": "user", "content": "hi"}]
     sys = [{"role": "system", "content": "s"}]
     assert kept_history(None, sys + history, new, 2) == sys + everything[2:]
+
+
+def test_a_purge_of_more_expired_responses_than_one_statement_holds(tmp_path, monkeypatch):
+    from kvfuse.history import response_store
+
+    monkeypatch.setattr(response_store, "PURGE_BATCH", 7)
+    now = [1000.0]
+    store = ResponseStore(tmp_path / "r.sqlite3", ttl_s=10, clock=lambda: now[0])
+    for i in range(31):
+        r = response(f"r{i}", "alice", "x")
+        r.created_at, r.keys = now[0], [f"k{i % 30}", "shared"]
+        store.put(r)
+    now[0] += 5
+    later = response("later", "alice", "z")
+    later.created_at, later.keys = now[0], ["shared"]
+    store.put(later)
+    now[0] += 6  # the first 31 expired, "later" not: "shared" stays, it refers to it
+    n, free = store.purge()
+    assert n == 31 and sorted(free) == sorted(f"k{i}" for i in range(30))
+    assert len(store) == 1 and store.get("alice", "later").id == "later"
