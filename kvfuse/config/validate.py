@@ -141,20 +141,7 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
     need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
     need(s.max_chat_messages >= 1, "server.max_chat_messages", "must be >= 1")
-    need(s.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0 seconds (0: none)")
-    need(s.stall_after_s > 0, "server.stall_after_s", "must be > 0 seconds")
-    need(
-        s.auth_failures_per_minute >= 0,
-        "server.auth_failures_per_minute",
-        "must be >= 0 (0: no limit)",
-    )
-    need(s.limit_concurrency >= 0, "server.limit_concurrency", "must be >= 0 (0: no limit)")
-    need(s.body_timeout_s >= 0, "server.body_timeout_s", "must be >= 0 seconds (0: no limit)")
-    need(
-        s.cached_tokens in ("chunk", "exact"),
-        "server.cached_tokens",
-        f"must be chunk or exact, got {s.cached_tokens!r}",
-    )
+    _check_abuse_limits(c, need)
     need(s.max_chat_chars >= 1, "server.max_chat_chars", "must be >= 1 character")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,
@@ -211,15 +198,35 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
             parse_duration(k.retention)
         except ValueError as e:
             need(False, "cache.retention", f"{e}; or 'in_memory' (or none: the tiers' policy)")
-    r = c.responses
-    for key in ("max_response_bytes", "tenant_max_responses", "tenant_max_bytes"):
-        value = getattr(r, key)
-        need(value is None or value >= 1, f"responses.{key}", "must be >= 1, or none for no limit")
     try:
         parse_duration(c.responses.ttl)
     except ValueError as e:
         need(False, "responses.ttl", str(e))
     signer_of(k, sources)  # the signing keys: one way, long enough, a key file that holds some
+
+
+def _check_abuse_limits(c: Config, need: Callable) -> None:
+    """The bounds on what one request, client or tenant may cost (issue 39): deadlines, the
+    wedge report, authentication failures, connections, bodies, reported reuse, stored responses."""
+    s = c.server
+    need(s.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0 seconds (0: none)")
+    need(s.stall_after_s > 0, "server.stall_after_s", "must be > 0 seconds")
+    need(
+        s.auth_failures_per_minute >= 0,
+        "server.auth_failures_per_minute",
+        "must be >= 0 (0: no limit)",
+    )
+    need(s.limit_concurrency >= 0, "server.limit_concurrency", "must be >= 0 (0: no limit)")
+    need(s.body_timeout_s >= 0, "server.body_timeout_s", "must be >= 0 seconds (0: no limit)")
+    need(
+        s.cached_tokens in ("chunk", "exact"),
+        "server.cached_tokens",
+        f"must be chunk or exact, got {s.cached_tokens!r}",
+    )
+    r = c.responses
+    for key in ("max_response_bytes", "tenant_max_responses", "tenant_max_bytes"):
+        value = getattr(r, key)
+        need(value is None or value >= 1, f"responses.{key}", "must be >= 1, or none for no limit")
 
 
 def _check_top_level(c: Config, need: Callable) -> None:

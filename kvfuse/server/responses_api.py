@@ -158,7 +158,14 @@ def plain_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
-def kept_history(
+def kept_history(body, previous, messages: list[dict[str, Any]], call) -> list[dict[str, Any]]:
+    """``conversation_kept`` of a request (``body``), the stored response it continues (or
+    None), its input ``messages`` and its planned ``call`` (the messages it dropped)."""
+    history = previous.history if previous is not None else []
+    return conversation_kept(body.instructions, history, messages, call.dropped_messages)
+
+
+def conversation_kept(
     instructions: str | None,
     history: list[dict[str, Any]],
     messages: list[dict[str, Any]],
@@ -390,13 +397,7 @@ async def create_response(
             pass
     record.prompt_tokens = len(call.prompt)
     obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock)
-    history = kept_history(
-        body.instructions,
-        previous.history if previous is not None else [],
-        messages,
-        call.dropped_messages,
-    )
-    keep = _Keeper(state, tenant, obj, history, items)
+    keep = _Keeper(state, tenant, obj, kept_history(body, previous, messages, call), items)
     await asyncio.to_thread(keep.check)  # a 413 before anything is generated
     events = RequestEvents()
     exact = exact_for(body, state.config.server.cached_tokens)
@@ -510,6 +511,16 @@ def _too_large(why: str) -> APIError:
     )
 
 
+def _failure(obj: ResponseObject, e: APIError) -> list[str]:
+    """The events of a stream that failed once it had started: an error, then response.failed."""
+    failed = obj.object("failed")
+    failed["error"] = {"code": e.code or "server_error", "message": e.message}
+    return [
+        obj.event("error", code=e.code, message=e.message, param=e.param),
+        obj.event("response.failed", response=failed),
+    ]
+
+
 async def _stream(
     state: ServerState,
     record: RequestRecord,
@@ -548,10 +559,8 @@ async def _stream(
         try:
             result = outcome_result(item, record)
         except APIError as e:
-            yield obj.event("error", code=e.code, message=e.message, param=e.param)
-            failed = obj.object("failed")
-            failed["error"] = {"code": e.code or "server_error", "message": e.message}
-            yield obj.event("response.failed", response=failed)
+            for event in _failure(obj, e):
+                yield event
             return
         status = _status(result)
         yield obj.event(
@@ -574,10 +583,8 @@ async def _stream(
         try:
             await asyncio.to_thread(keep, done, result)
         except APIError as e:
-            yield obj.event("error", code=e.code, message=e.message, param=e.param)
-            failed = obj.object("failed")
-            failed["error"] = {"code": e.code, "message": e.message}
-            yield obj.event("response.failed", response=failed)
+            for event in _failure(obj, e):
+                yield event
             return
         yield obj.event(
             "response.completed" if status == "completed" else "response.incomplete", response=done

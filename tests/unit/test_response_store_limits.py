@@ -74,7 +74,7 @@ def test_a_store_made_before_sizes_gets_them(tmp_path):
 
 
 def test_kept_history_is_what_the_prompt_kept_without_the_instructions():
-    from kvfuse.server.responses_api import kept_history
+    from kvfuse.server.responses_api import conversation_kept as kept_history
 
     history = [{"role": "user", "content": "old"}, {"role": "assistant", "content": "a"}]
     new = [{"role": "user", "content": [{"type": "text", "text": "big"}]}]
