@@ -88,6 +88,7 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     _check_cache(c.cache, need)
     _check_flat_redis(c, need)
     _check_server(c.server, need)
+    _check_abuse_limits(c, need)
     _check_kv_event_blocks(c, need)
     _check_codecs(c.cache, need)
     _check_flat_s3(c.cache, need)
@@ -97,6 +98,30 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     _check_retention(c, need)
     # the signing keys: one way, long enough, a key file that holds some
     signer_of(c.cache, sources)
+
+
+def _check_abuse_limits(c: Config, need: Callable) -> None:
+    """The bounds on what one request, client or tenant may cost (issue 39): deadlines, the
+    wedge report, authentication failures, connections, bodies, reported reuse, stored responses."""
+    s = c.server
+    need(s.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0 seconds (0: none)")
+    need(s.stall_after_s > 0, "server.stall_after_s", "must be > 0 seconds")
+    need(
+        s.auth_failures_per_minute >= 0,
+        "server.auth_failures_per_minute",
+        "must be >= 0 (0: no limit)",
+    )
+    need(s.limit_concurrency >= 0, "server.limit_concurrency", "must be >= 0 (0: no limit)")
+    need(s.body_timeout_s >= 0, "server.body_timeout_s", "must be >= 0 seconds (0: no limit)")
+    need(
+        s.cached_tokens in ("chunk", "exact"),
+        "server.cached_tokens",
+        f"must be chunk or exact, got {s.cached_tokens!r}",
+    )
+    r = c.responses
+    for key in ("max_response_bytes", "tenant_max_responses", "tenant_max_bytes"):
+        value = getattr(r, key)
+        need(value is None or value >= 1, f"responses.{key}", "must be >= 1, or none for no limit")
 
 
 def _check_top_level(c: Config, need: Callable) -> None:
@@ -219,6 +244,8 @@ def _check_server(s: ServerConfig, need: Callable) -> None:
     need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
     need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    need(s.max_chat_messages >= 1, "server.max_chat_messages", "must be >= 1")
+    need(s.max_chat_chars >= 1, "server.max_chat_chars", "must be >= 1 character")
     need(s.grammar_cache_size >= 0, "server.grammar_cache_size", "must be >= 0 (0: no cache)")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,

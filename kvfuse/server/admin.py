@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 from .deps import current_tenant, get_state, metrics_access
 from .errors import APIError
 from .metrics import CONTENT_TYPE
-from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
+from .schemas import NO_NUL, ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
 
 router = APIRouter()
 
@@ -28,22 +28,30 @@ _AUTH_ERRORS = {
     tags=["operations"],
     summary="Liveness and queue state",
     response_class=JSONResponse,
-    responses={503: {"model": Health, "description": "Starting or draining."}},
-    description="No API key needed. 200 while the server serves; 503 while it starts (the engine "
-    "not running yet) or drains (a SIGTERM received, or shutting down), so that routers' health "
-    "checks take it out of rotation.",
+    responses={503: {"model": Health, "description": "Starting, draining, or wedged."}},
+    description="No API key needed. 200 while the server serves and its engine makes progress; "
+    "503 while it starts (the engine not running yet) or drains (a SIGTERM received, or shutting "
+    "down), so that routers' health checks take it out of rotation, and 503 (status wedged) when "
+    "requests wait or run and no engine step did anything for server.stall_after_s.",
 )
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     phase = state.phase
-    q = state.engine.queue_state() if state.engine is not None else {}
+    q, engine = {}, None
+    if state.engine is not None:
+        q = state.engine.queue_state()
+        engine = state.engine.health(state.config.server.stall_after_s)
+    status = phase if phase != "serving" else "ok"
+    if status == "ok" and engine is not None and engine["wedged"]:
+        status = "wedged"
     body = Health(
-        status="ok" if phase == "serving" else phase,
+        status=status,
         model=state.model_name if state.engine is not None else state.config.model,
         waiting=q.get("waiting", 0),
         running=q.get("running", 0),
+        engine=engine,
     )
-    return JSONResponse(body.model_dump(), status_code=200 if phase == "serving" else 503)
+    return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
 
 
 @router.get(
@@ -154,7 +162,10 @@ async def clear_kv(
     request: Request,
     tenant: str = Depends(current_tenant),
     cache_salt: str | None = Query(
-        None, max_length=256, description="Clear only this namespace of the tenant."
+        None,
+        max_length=256,
+        pattern=NO_NUL,
+        description="Clear only this namespace of the tenant.",
     ),
 ) -> KVDeleted:
     deleted = await asyncio.to_thread(get_state(request).engine.clear_cache, tenant, cache_salt)

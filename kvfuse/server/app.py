@@ -24,6 +24,7 @@ from kvfuse import __version__
 from kvfuse.config import Config
 
 from . import admin, completions, messages_api, responses_api, workers
+from .auth_middleware import AuthMiddleware
 from .errors import install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
 from .state import ServerState
@@ -74,8 +75,18 @@ def create_app(config: Config, serving=None, clock: Callable[[], float] | None =
     app.include_router(messages_api.router)
     app.include_router(admin.router)
     app.include_router(workers.router)
-    # Added last = outermost: the request context sees every response, the 413s included.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
+    # Added last = outermost: the request context sees every response, the 413s included; the
+    # key is checked before anything reads the body.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=config.server.max_body_bytes,
+        body_timeout_s=config.server.body_timeout_s,
+    )
+    app.add_middleware(
+        AuthMiddleware,
+        auth=state.auth,
+        failures_per_minute=config.server.auth_failures_per_minute,
+    )
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
     _publish_limits(app, config)
     return app
@@ -180,6 +191,8 @@ def serve(config: Config, on_ready: Callable[[str, object], None] | None = None)
             lifespan="on",
             log_level=config.log_level.lower(),
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            # connections and requests at once; beyond it uvicorn answers 503 without reading them
+            limit_concurrency=config.server.limit_concurrency or None,
             log_config=None,
         )
         _Server(uv_config, ready).run()

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kvfuse.config import Config
 from kvfuse.config.secrets import read_secret
 from kvfuse.config.tenants import EVERY, quota_of
-from kvfuse.history.response_store import ResponseStore
+from kvfuse.history.response_store import ResponseStore, StoreLimits
 from kvfuse.kv.keys import tenant_tag
 from kvfuse.runtime import Serving
 
@@ -65,6 +65,7 @@ class ServerState:
         self.metrics.registry.register(EventsCollector(lambda: self.events))
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
         self._token_texts: TokenTexts | None = None
+        self.response_limits = StoreLimits()
         self.metrics.stored_responses.set_function(
             lambda: len(self.responses) if self.responses is not None else 0
         )
@@ -93,6 +94,15 @@ class ServerState:
         raise rate_limited(tenant, setting, decision, limit)
 
     def start(self) -> None:
+        if not self.auth.enabled:
+            log.warning(
+                "serving without API keys (server.api_keys): every client is one tenant and "
+                "shares its cache namespace; usage reports cached tokens in whole chunks unless a "
+                "request names its conversation (prompt_cache_key, previous_response_id, user)"
+                if self.config.server.cached_tokens == "chunk"
+                else "serving without API keys (server.api_keys) and with exact cached_tokens: "
+                "any client can learn what others' prompts share with its own, token by token"
+            )
         if self.engine is None:
             from kvfuse.runtime import open_serving
 
@@ -102,6 +112,9 @@ class ServerState:
         r = self.config.responses
         if r.store:
             self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)
+            self.response_limits = StoreLimits(
+                r.max_response_bytes, r.tenant_max_responses, r.tenant_max_bytes
+            )
             _, keys = self.responses.purge()  # what expired while the server was down
             self.engine.free_entries(keys)
         if self.config.server.kv_events is not None:
