@@ -37,12 +37,12 @@ _AUTH_ERRORS = {
 async def health(request: Request) -> JSONResponse:
     state = get_state(request)
     phase = state.phase
-    q, engine = {}, None
+    q, engine = {}, {}
     if state.engine is not None:
         q = state.engine.queue_state()
         engine = state.engine.health(state.config.server.stall_after_s)
     status = phase if phase != "serving" else "ok"
-    if status == "ok" and engine is not None and engine["wedged"]:
+    if status == "ok" and engine.get("wedged"):
         status = "wedged"
     body = Health(
         status=status,
