@@ -43,9 +43,9 @@ class Counting:
     def __init__(self, tok: Tokenizer):
         self.tok, self.renders = tok, 0
 
-    def encode_chat(self, messages, add_generation_prompt=True):
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
         self.renders += 1
-        return self.tok.encode_chat(messages, add_generation_prompt)
+        return self.tok.encode_chat(messages, add_generation_prompt, tools=tools)
 
     def __getattr__(self, name):
         return getattr(self.tok, name)
