@@ -314,6 +314,12 @@ def _serve_parser(sub) -> None:
         help="live KV of all running sequences together, e.g. 2GiB (engine.kv_memory_bytes; "
         "default 4GiB)",
     )
+    p.add_argument(
+        "--kv-events",
+        metavar="ENDPOINT",
+        help="publish KV events in vLLM's format for cache-aware routers on this ZMQ endpoint, "
+        "e.g. tcp://*:5557 (server.kv_events; off by default; docs/routers.md)",
+    )
     _common(p)
 
 
@@ -418,6 +424,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         "cache.retention": getattr(args, "retention", None),
         "engine.max_running": getattr(args, "max_running", None),
         "engine.kv_memory_bytes": getattr(args, "kv_memory", None),
+        "server.kv_events": getattr(args, "kv_events", None),
     }
     return load_from_environment(getattr(args, "config", None), overrides)
 

@@ -14,11 +14,12 @@ from typing import Protocol
 
 import torch
 
-from kvfuse.sampling.checks import check_params
+from kvfuse.sampling.checks import MAX_STOP_CHARS, check_params
 from kvfuse.sampling.processors import top_p_filter
 from kvfuse.sampling.sampler import Sampler
 
 __all__ = [
+    "MAX_STOP_CHARS",
     "Sampler",
     "SamplingParams",
     "StopMatcher",

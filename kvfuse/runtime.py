@@ -178,7 +178,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def open_prompts(config: Config, model: LoadedModel) -> PromptBuilder:
     """The prompt builder of ``model`` within the configured context window."""
     truncate = config.cache.truncation != "off"
-    return PromptBuilder.for_model(model, config.context_tokens, truncate)
+    s = config.server
+    return PromptBuilder.for_model(
+        model, config.context_tokens, truncate, s.max_chat_messages, s.max_chat_chars
+    )
 
 
 def open_engine(

@@ -11,6 +11,11 @@ from fixtures_redis import redis_server  # noqa: F401  (a real redis-server per 
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
 
+# The servers the tests start report reuse exactly (their assertions count reused tokens); the
+# default, whole chunks unless a request names its conversation, is tested on its own
+# (tests/reliability/test_abuse.py, tests/unit/test_disclosure.py).
+os.environ.setdefault("KVFUSE_SERVER_CACHED_TOKENS", "exact")
+
 CUDA_TESTS = Path(__file__).parent / "cuda"
 
 

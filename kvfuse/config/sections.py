@@ -402,6 +402,11 @@ class ResponsesConfig:
     store: bool = True  # keep responses whose request says store: true (false: keep none)
     path: str | None = None  # the SQLite file; default: <home>/responses.sqlite3
     ttl: str = "30d"  # a stored response expires this long after it was created
+    # what one stored response may take (body, history, input items, record; None: no limit),
+    # and what each tenant may keep: responses and bytes (beyond any of them: a 413)
+    max_response_bytes: int | None = 8 * 1024**2
+    tenant_max_responses: int | None = 100_000
+    tenant_max_bytes: int | None = 1024**3
 
     @property
     def ttl_s(self) -> float:
@@ -418,14 +423,47 @@ class ServerConfig:
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024**2
+    # a chat's messages and characters (every string in them), refused beyond (a 400) before
+    # anything is rendered: rendering and tokenizing cost grows with them
+    max_chat_messages: int = 4096
+    max_chat_chars: int = 4 * 1024**2
     max_tokens_limit: int = 4096
     default_max_tokens: int = 256
     # compiled structured-output grammars kept (JSON schemas, per the served model; 0: none)
     grammar_cache_size: int = 128
+    # a non-streaming request not answered within this many seconds of its arrival is withdrawn
+    # and answered 504 (0: no deadline); a stream's client decides when to leave
+    request_timeout_s: float = 600.0
+    # /health answers 503 (wedged) when work waits and no engine step did anything for this long
+    stall_after_s: float = 60.0
+    # wrong or missing API keys allowed per client address and minute (then 429; 0: no limit)
+    auth_failures_per_minute: int = 60
+    # connections and requests handled at once (uvicorn's limit_concurrency; beyond: 503; 0: none)
+    limit_concurrency: int = 1024
+    # a request body not received this long after its first read: 408 (0: no limit)
+    body_timeout_s: float = 30.0
+    # usage's cached_tokens: "chunk" (rounded down to whole chunks unless the request names its
+    # conversation: prompt_cache_key, previous_response_id, user) or "exact" (server.disclosure)
+    cached_tokens: str = "chunk"
     # /metrics behind a bearer token (TOKEN or sha256:<hex>; KVFUSE_SERVER_METRICS_TOKEN), or the
     # token read from a file (e.g. a mounted secret); neither: /metrics is open, like /health.
     metrics_token: str | None = field(default=None, repr=False)
     metrics_token_file: str | None = None
+    # What GET /v1/models answers in owned_by: "vllm" lets routers that detect a worker's runtime
+    # from it (SMG, llm-d) treat kvfuse as a vLLM-type worker (docs/routers.md).
+    owned_by: str = "vllm"
+    # KV events in vLLM's format for cache-aware routers (kvfuse/events/): the ZMQ endpoint bound
+    # for them (``tcp://HOST:PORT``, ``ipc://PATH``; None: off), an optional replay endpoint, the
+    # topic, the tokens per announced block (must divide cache.chunk_size; the router's
+    # --kv-event-block-size), the bounded hand-off queue (full: events dropped and counted), the
+    # batches kept for replay and the most chunks remembered for their removal events.
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
+    kv_events_block_size: int = 16
+    kv_events_queue: int = 10_000
+    kv_events_buffer: int = 10_000
+    kv_events_chunks: int = 16_384
 
 
 @dataclass(frozen=True)

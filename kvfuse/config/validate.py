@@ -6,6 +6,7 @@ to write instead. Sections that check themselves (``BlendOptions``) were checked
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from urllib.parse import urlsplit
 
@@ -63,6 +64,8 @@ SSE_MODES = (
     "aws:kms",
 )  # S3 server-side encryption (what the S3 API's ServerSideEncryption takes)
 _URL_SCHEMES = {"redis": ("redis://", "rediss://", "unix://"), "s3": ("s3://",)}
+# server.kv_events: a ZMQ endpoint kvfuse binds (tcp://HOST:PORT, HOST may be * or [v6]; ipc://PATH)
+_ENDPOINT = re.compile(r"tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.\-]+):([0-9]{1,5})|ipc://\S+")
 
 
 def validate(c: Config, sources: Mapping[str, str]) -> None:
@@ -85,6 +88,8 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     _check_cache(c.cache, need)
     _check_flat_redis(c, need)
     _check_server(c.server, need)
+    _check_abuse_limits(c, need)
+    _check_kv_event_blocks(c, need)
     _check_codecs(c.cache, need)
     _check_flat_s3(c.cache, need)
     _check_tiers(c.cache, sources, need)
@@ -93,6 +98,30 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     _check_retention(c, need)
     # the signing keys: one way, long enough, a key file that holds some
     signer_of(c.cache, sources)
+
+
+def _check_abuse_limits(c: Config, need: Callable) -> None:
+    """The bounds on what one request, client or tenant may cost (issue 39): deadlines, the
+    wedge report, authentication failures, connections, bodies, reported reuse, stored responses."""
+    s = c.server
+    need(s.request_timeout_s >= 0, "server.request_timeout_s", "must be >= 0 seconds (0: none)")
+    need(s.stall_after_s > 0, "server.stall_after_s", "must be > 0 seconds")
+    need(
+        s.auth_failures_per_minute >= 0,
+        "server.auth_failures_per_minute",
+        "must be >= 0 (0: no limit)",
+    )
+    need(s.limit_concurrency >= 0, "server.limit_concurrency", "must be >= 0 (0: no limit)")
+    need(s.body_timeout_s >= 0, "server.body_timeout_s", "must be >= 0 seconds (0: no limit)")
+    need(
+        s.cached_tokens in ("chunk", "exact"),
+        "server.cached_tokens",
+        f"must be chunk or exact, got {s.cached_tokens!r}",
+    )
+    r = c.responses
+    for key in ("max_response_bytes", "tenant_max_responses", "tenant_max_bytes"):
+        value = getattr(r, key)
+        need(value is None or value >= 1, f"responses.{key}", "must be >= 1, or none for no limit")
 
 
 def _check_top_level(c: Config, need: Callable) -> None:
@@ -215,6 +244,8 @@ def _check_server(s: ServerConfig, need: Callable) -> None:
     need(1 <= s.port <= 65535, "server.port", f"must be in 1..65535, got {s.port}")
     need(s.max_queue >= 1, "server.max_queue", "must be >= 1")
     need(s.max_body_bytes >= 1024, "server.max_body_bytes", "must be at least 1KiB")
+    need(s.max_chat_messages >= 1, "server.max_chat_messages", "must be >= 1")
+    need(s.max_chat_chars >= 1, "server.max_chat_chars", "must be >= 1 character")
     need(s.grammar_cache_size >= 0, "server.grammar_cache_size", "must be >= 0 (0: no cache)")
     need(
         1 <= s.default_max_tokens <= s.max_tokens_limit,
@@ -225,6 +256,51 @@ def _check_server(s: ServerConfig, need: Callable) -> None:
         problem = entry_problem(entry)
         need(problem is None, "server.api_keys", problem or "")
     _check_metrics_token(s, need)
+    need(bool(s.owned_by.strip()), "server.owned_by", "must not be empty (the default is vllm)")
+    _check_kv_events(s, need)
+
+
+def _check_kv_events(s: ServerConfig, need: Callable) -> None:
+    """``server.kv_events*``: the endpoints' form and the positive bounds (the block size against
+    ``cache.chunk_size`` is checked in ``_check_kv_event_blocks``, which sees both sections)."""
+    for name in ("kv_events", "kv_events_replay"):
+        value = getattr(s, name)
+        need(
+            value is None or _ENDPOINT.fullmatch(value) is not None,
+            f"server.{name}",
+            f"must be a ZMQ endpoint tcp://HOST:PORT (HOST may be *) or ipc://PATH, got {value!r}",
+        )
+    need(
+        s.kv_events_replay is None or s.kv_events is not None,
+        "server.kv_events_replay",
+        "needs server.kv_events (the live stream it replays)",
+    )
+    need(
+        s.kv_events_replay is None or s.kv_events_replay != s.kv_events,
+        "server.kv_events_replay",
+        "must differ from server.kv_events",
+    )
+    for name in ("kv_events_block_size", "kv_events_queue", "kv_events_buffer", "kv_events_chunks"):
+        need(getattr(s, name) >= 1, f"server.{name}", f"must be >= 1, got {getattr(s, name)}")
+
+
+def _check_kv_event_blocks(c: Config, need: Callable) -> None:
+    """An announced block must tile the chunks: ``server.kv_events_block_size`` divides
+    ``cache.chunk_size`` (each chunk is announced as whole blocks), and the port is a port."""
+    s = c.server
+    if s.kv_events is None:
+        return
+    bs, ch = s.kv_events_block_size, c.cache.chunk_size
+    need(
+        ch % bs == 0,
+        "server.kv_events_block_size",
+        f"must divide cache.chunk_size ({ch}), got {bs}; the router's --kv-event-block-size must "
+        "be the same number (16, vLLM's default block size, divides the default chunk of 256)",
+    )
+    for name in ("kv_events", "kv_events_replay"):
+        m = _ENDPOINT.fullmatch(getattr(s, name) or "")
+        if m is not None and m.group(2) is not None:
+            need(1 <= int(m.group(2)) <= 65535, f"server.{name}", "the port must be in 1..65535")
 
 
 def _check_codecs(k: CacheConfig, need: Callable) -> None:

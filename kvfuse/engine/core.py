@@ -38,7 +38,7 @@ from kvfuse.store import TieredStore
 
 from . import choices
 from .kv_memory import KVMemory, initial_slots
-from .loop import EngineLoop
+from .loop import EngineLoop, Progress
 from .prompt_logprobs import prompt_logprobs
 from .request import Delta, GenerationResult, Outcome, Request, RequestCancelled
 from .scheduler import Batch, Scheduler
@@ -88,6 +88,7 @@ class Engine:
         self._loop: EngineLoop | None = None
         self._closed = False
         self._forked: list[Sequence] = []  # choices forked in this step that run now
+        self.progress = Progress()
 
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         """The cache namespace of ``tenant`` and ``salt`` (``Keying.namespace``)."""
@@ -119,6 +120,8 @@ class Engine:
             request.request_id,
             request.cancel,
         )
+        if r.prompt is not request.prompt:  # lined up with a history: it may be longer now
+            self.scheduler.memory.check(len(r.prompt), request.params.max_tokens)
         request.prompt, request.blend = r.prompt, r.blend  # as it runs
         self.scheduler.add(Sequence(request, r))
 
@@ -237,10 +240,12 @@ class Engine:
         with self.step_lock:
             scheduled = self.scheduler.schedule()
             finished = [self._skip(s, LEFT_WHILE_QUEUED) for s in scheduled.skipped]
+            finished += [self._fail(s, e) for s, e in scheduled.refused]
             self._begin(scheduled.admitted, scheduled.running)
             finished += self._take_loaded()
             running = [s for s in scheduled.running if s.status is SequenceStatus.RUNNING]
             batch = self.scheduler.batch([s for s in running if s.finish_reason is None])
+            finished += [self._fail(s, e) for s, e in batch.failed]
             self.stats.add(preemptions=len(batch.preempted))
             ran = bool(batch.items)
             if ran:
@@ -248,6 +253,8 @@ class Engine:
             batch = None  # nothing of this step may hold a finished sequence's KV
             forked, self._forked = self._forked, []
             finished += self._post_process(running + forked)
+            if ran or finished or scheduled.admitted:
+                self.progress.advanced()
         if not ran and not finished and self.cache.loading():
             self.scheduler.pause(LOAD_WAIT_S)  # only loads in flight: wait for one (or a submit)
         return [s.request for s in finished]
@@ -385,6 +392,16 @@ class Engine:
         self._end(seq, Outcome(error=RequestCancelled(why)))
         return seq
 
+    def _fail(self, seq: Sequence, error: Exception) -> Sequence:
+        """``seq`` failed before it could run, at admission or as its cache grew: it can never
+        fit the KV budget (a ValueError, a 400 at the server), or its cache could not be
+        allocated (e.g. the device is out of memory). It ends with that error instead of blocking
+        admission, or every step, for everything behind it."""
+        log.warning("request %s failed: %s", seq.request.request_id, error)
+        self.stats.add(requests=1)
+        self._end(seq, Outcome(error=error))
+        return seq
+
     def _end(self, seq: Sequence, outcome: Outcome) -> None:
         self.scheduler.finish(seq)
         if outcome.error is not None and seq.kv is not None:
@@ -426,7 +443,7 @@ class Engine:
     def start(self) -> None:
         """Run steps on a loop thread of the engine's own (what a server does)."""
         if self._loop is None or not self._loop.is_alive():
-            self._loop = EngineLoop(self.step, self.scheduler, self.idle_work)
+            self._loop = EngineLoop(self.step, self.scheduler, self.idle_work, self.progress)
             self._loop.start()
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -473,6 +490,12 @@ class Engine:
 
     def queue_state(self) -> dict[str, int]:
         return self.scheduler.state()
+
+    def health(self, stall_after_s: float) -> dict:
+        """The loop's progress (``Progress.report``): ``wedged`` when work waits and no step
+        did anything for ``stall_after_s``, or the loop thread died while the engine runs."""
+        loop_dead = self._loop is not None and not self._loop.is_alive() and not self._closed
+        return self.progress.report(self.has_work(), stall_after_s, loop_dead)
 
     def clear_cache(self, tenant: str, salt: str | None = None) -> dict[str, int]:
         """Delete ``tenant``'s entries (and history records) from every tier: all of them, or only

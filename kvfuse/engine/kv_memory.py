@@ -48,6 +48,21 @@ class KVMemory:
                 f"engine.kv_memory_bytes): shorten the prompt, lower max_tokens or raise the budget"
             )
 
+    def never_fits(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never be given its cache, even with the whole budget free (None: it
+        can, once enough is released). ``check`` refused such requests at submit, but what runs
+        can be longer than what was checked (a prompt lined up with a stored history, a
+        preempted sequence's generated tokens)."""
+        limit = self.budget.limit
+        slots = initial_slots(seq.prompt_len, len(seq.token_ids), seq.request.params.max_tokens)
+        if limit is None or slots * self.slot_bytes <= limit:
+            return None
+        return (
+            f"the request needs {slots} slots of live KV ({slots * self.slot_bytes / 2**20:.1f} "
+            f"MiB), more than the engine's whole KV memory budget ({limit / 2**20:.1f} MiB, "
+            f"engine.kv_memory_bytes)"
+        )
+
     def allocate(self, seq: Sequence) -> bool:
         """Give ``seq`` its cache from the budget (if it has none yet); False if it does not fit."""
         if seq.kv is None:

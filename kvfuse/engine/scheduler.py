@@ -6,7 +6,8 @@ Two calls make a step's work, and neither calls back into the engine:
   ones to admit, and the running ones (every running sequence takes part in every step:
   continuous batching). Waiting sequences are admitted first come, first served, up to
   ``max_running`` at a time and while ``KVMemory`` can give them their cache; admission stops at
-  the first one that does not fit, so a large request is never overtaken forever by small ones.
+  the first one that does not fit, so a large request is never overtaken forever by small ones;
+  one that could not fit even an empty budget is refused instead (``refused``), never waited for.
   A waiting prompt whose leading chunks a running sequence is computing is passed over, keeping
   its place (``ComputingChunks``), and loads them once they are stored.
 - ``batch(running)``, once the admitted sequences are planned and loaded: this step's forward
@@ -49,6 +50,9 @@ log = logging.getLogger(__name__)
 # Prompt tokens the oldest prompt being computed gets in every step, even when decodes use up
 # engine.max_step_tokens: no prompt waits for the decodes to end.
 MIN_PREFILL_CHUNK = 16
+# Admission pauses after a cache allocation failure (``AdmissionBackoff``).
+BACKOFF_FIRST_S = 0.05
+BACKOFF_MAX_S = 2.0
 
 
 @dataclass
@@ -56,13 +60,16 @@ class ScheduledStep:
     """Which sequences one engine step ends, admits and runs."""
 
     skipped: list[Sequence] = field(default_factory=list)  # cancelled while waiting: finish them
+    # failed at admission, with the error to end them with: larger than the whole KV budget, or
+    # their cache could not be allocated (e.g. the device is out of memory)
+    refused: list[tuple[Sequence, Exception]] = field(default_factory=list)
     # admitted now: plan, load, start their prefill
     admitted: list[Sequence] = field(default_factory=list)
     running: list[Sequence] = field(default_factory=list)  # every running sequence, oldest first
 
     @property
     def empty(self) -> bool:
-        return not self.skipped and not self.running
+        return not self.skipped and not self.refused and not self.running
 
 
 @dataclass
@@ -72,6 +79,8 @@ class Batch:
 
     items: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # sequences whose cache failed to grow for another reason than the budget: end them
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -110,6 +119,25 @@ class Batch:
         }
 
 
+class AdmissionBackoff:
+    """After a cache allocation failed (not the budget's refusal: a device out of memory), no
+    sequence is admitted for a while, doubling with each failure in a row (``BACKOFF_FIRST_S``
+    up to ``BACKOFF_MAX_S``): a persistent fault fails one waiting request per pause, not the
+    whole queue at once, and the running ones go on meanwhile. A success resets it."""
+
+    def __init__(self) -> None:
+        self.failures = 0  # in a row
+        self.until = 0.0  # time.monotonic() before which nothing is admitted
+
+    def failed(self) -> None:
+        self.failures += 1
+        pause = min(BACKOFF_FIRST_S * 2 ** (self.failures - 1), BACKOFF_MAX_S)
+        self.until = time.monotonic() + pause
+
+    def reset(self) -> None:
+        self.failures, self.until = 0, 0.0
+
+
 class Scheduler:
     """FIFO admission with a bounded queue, within a KV budget; see the module docstring.
 
@@ -137,6 +165,7 @@ class Scheduler:
         self._running: list[Sequence] = []
         self._cond = threading.Condition()
         self._closed = False
+        self._backoff = AdmissionBackoff()
         self.skipped = 0  # sequences dropped because they were cancelled while waiting
         self.preempted = 0  # running sequences put back in the queue
 
@@ -190,17 +219,26 @@ class Scheduler:
             step.skipped = [s for s in self._waiting if s.request.cancel.is_set()]
             self._waiting = deque(s for s in self._waiting if not s.request.cancel.is_set())
             self.skipped += len(step.skipped)
-            for seq in list(self._waiting):
+            for seq in list(self._waiting) if time.monotonic() >= self._backoff.until else ():
                 if self._running and self._places() + seq.width > self.max_running:
                     break
                 if self.computing.blocks(seq.reuse):
                     continue  # keeps its place; later ones may be admitted
-                if self.memory is not None and not self.memory.allocate(seq):
-                    break
+                if self.memory is not None:
+                    fits = self._allocate(seq, step)
+                    if fits is None:
+                        break  # its cache could not be allocated: it failed; back off a while
+                    if not fits:
+                        why = self.memory.never_fits(seq)
+                        if why is None:
+                            break  # it fits once memory comes back: nothing overtakes it
+                        self._waiting.remove(seq)  # it never would: it must not block the queue
+                        step.refused.append((seq, ValueError(why)))
+                        continue
                 self._start(seq)
                 step.admitted.append(seq)
             step.running = [s for s in self._running if s.status is SequenceStatus.RUNNING]
-            starved = not step.running and not step.skipped and bool(self._waiting)
+            starved = not step.running and step.empty and bool(self._waiting)
         if starved and self.memory is not None:
             self.memory.wait_for_release()
         return step
@@ -229,6 +267,26 @@ class Scheduler:
                 self._waiting.appendleft(seq)
             self._cond.notify_all()
 
+    def _allocate(self, seq: Sequence, step: ScheduledStep) -> bool | None:
+        """``KVMemory.allocate`` (under the lock); None when it raised something other than the
+        budget's refusal (a device out of memory, an allocator failure): ``seq`` then fails with
+        that error, out of the queue, rather than raise out of every step while everything waits
+        behind it, and admission backs off (``AdmissionBackoff``) in case the fault persists."""
+        try:
+            fits = self.memory.allocate(seq)
+        except Exception as e:
+            log.error(
+                "request %s: its KV cache could not be allocated: %r", seq.request.request_id, e
+            )
+            e.__traceback__ = None  # its frames would hold the sequence
+            self._waiting.remove(seq)
+            step.refused.append((seq, e))
+            self._backoff.failed()
+            return None
+        if fits:
+            self._backoff.reset()
+        return fits
+
     def _start(self, seq: Sequence) -> None:
         """``seq`` leaves the queue and runs (under the lock)."""
         self._waiting.remove(seq)
@@ -256,9 +314,8 @@ class Scheduler:
             n = 1 if not fill else min(len(fill), max(budget, floor))
             if n <= 0:
                 continue
-            if not self._make_room(
-                seq, (seq.prefill.fill_start if fill else seq.kv.length) + n, out.preempted
-            ):
+            end = (seq.prefill.fill_start if fill else seq.kv.length) + n
+            if not self._make_room(seq, end, out.preempted, out.failed):
                 continue
             out.items.append((seq, n))
             budget -= n
@@ -266,13 +323,37 @@ class Scheduler:
         out.items = [(seq, n) for seq, n in out.items if seq.status is SequenceStatus.RUNNING]
         return out
 
-    def _make_room(self, seq: Sequence, total: int, preempted: list[Sequence]) -> bool:
+    def _grow(self, seq: Sequence, total: int, failed: list[tuple[Sequence, Exception]]) -> bool:
+        """``KVMemory.grow``; an error other than the budget's refusal fails ``seq`` (it goes
+        into ``failed`` for the engine to end) instead of raising out of the step."""
+        try:
+            return self.memory.grow(seq, total)
+        except Exception as e:
+            log.error("request %s: its KV cache could not grow: %r", seq.request.request_id, e)
+            e.__traceback__ = None
+            failed.append((seq, e))
+            self._backoff.failed()
+            return False
+
+    def _make_room(
+        self,
+        seq: Sequence,
+        total: int,
+        preempted: list[Sequence],
+        failed: list[tuple[Sequence, Exception]],
+    ) -> bool:
         """Grow ``seq``'s KV to ``total`` slots, preempting the most recently admitted running
-        sequences (``seq`` itself last) until it fits. False if ``seq`` was preempted."""
-        while self.memory is not None and not self.memory.grow(seq, total):
-            # a sequence being loaded off the step is not a victim: its cache is in use
+        sequences (``seq`` itself last) until it fits. False if ``seq`` was preempted, or failed."""
+        while self.memory is not None and not self._grow(seq, total, failed):
+            broken = [s for s, _ in failed]
+            if seq in broken:
+                return False
+            # a sequence being loaded off the step is not a victim: its cache is in use; nor one
+            # that failed: the engine ends it
             victims = [
-                s for s in self.running() if s.status is SequenceStatus.RUNNING and not s.loading
+                s
+                for s in self.running()
+                if s.status is SequenceStatus.RUNNING and not s.loading and s not in broken
             ]
             victim = next((s for s in reversed(victims) if s is not seq), seq)
             self.preempt(victim)

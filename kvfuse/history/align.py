@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
+
 MIN_GAP_RUN = 16  # tokens: a shorter match after a gap is too likely to be chance
 GAP_END_SLACK = 16  # tokens: a run after a gap must reach (about) the end of the stored ids
-_WINDOW = 8
 
 
 @dataclass(frozen=True)
@@ -56,9 +57,12 @@ class Alignment:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """The number of leading ids ``a`` and ``b`` share."""
+    """The number of leading ids ``a`` and ``b`` share (compared in numpy: one pass in C)."""
     n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0]) if differ.size else n
 
 
 def _common_bytes(a: bytes, b: bytes) -> int:
@@ -147,16 +151,51 @@ def _find(
     stored: Sequence[int], new: Sequence[int], k: int, m: int, min_run: int
 ) -> tuple[int, int]:
     """``(p, r)``: the position after ``k`` in ``stored`` where the longest exact run of
-    ``new[m:]`` starts, and its length (0 when no run of ``min_run`` tokens exists)."""
-    w = min(_WINDOW, min_run)
-    if len(new) - m < min_run:
+    ``new[m:]`` starts (the first such position), and its length (0 when no run of ``min_run``
+    tokens exists).
+
+    The longest run is the longest prefix of ``new[m:]`` that occurs in ``stored[k + 1:]`` (an
+    occurrence of a longer prefix contains one of every shorter one), so it is found by halving
+    its length, each try one substring search in C over the ids as bytes (``_id_bytes``) that
+    gives the first occurrence: O((len(stored) + len(new)) log len(new)) byte compares in all,
+    whatever the ids. The per-position scan this replaces compared a common prefix at every
+    position matching the first ids: O(n^2) in Python on repetitive ids (32k of one token took
+    tens of seconds). The work per request is bounded by the histories it is lined up against
+    (at most ``HistoryIndex.candidates``' limit, plus a hint) times this, each history and
+    prompt at most a context window long."""
+    if min_run < 1 or len(new) - m < min_run or len(stored) - (k + 1) < min_run:
         return 0, 0
-    probe = tuple(new[m : m + w])
-    best_p, best_r = 0, 0
-    for p in range(k + 1, len(stored) - min_run + 1):
-        if stored[p] != probe[0] or tuple(stored[p : p + w]) != probe:
-            continue
-        r = common_prefix(stored[p:], new[m:])
-        if r > best_r:
-            best_p, best_r = p, r
-    return (best_p, best_r) if best_r >= min_run else (0, 0)
+    hay = _id_bytes(stored[k + 1 :])
+    needle = _id_bytes(new[m:])
+
+    def first(length: int) -> int:  # the first position holding new[m:m + length], or -1
+        at = hay.find(needle[: _ID_BYTES * length])
+        return at // _ID_BYTES if at >= 0 else -1
+
+    if first(min_run) < 0:
+        return 0, 0
+    lo, hi = min_run, min(len(new) - m, len(stored) - (k + 1))
+    while lo < hi:  # the longest prefix that occurs: lo occurs, longer than hi does not
+        mid = (lo + hi + 1) // 2
+        if first(mid) >= 0:
+            lo = mid
+        else:
+            hi = mid - 1
+    return k + 1 + first(lo), lo
+
+
+_ID_BYTES = 5
+
+
+def _id_bytes(ids: Sequence[int]) -> bytes:
+    """``ids`` (each in [0, 2**32)) as 5 bytes each, 7 bits per byte with the high bit set only
+    on an id's first byte: a byte string found in another such string, starting with a first
+    byte, starts on an id boundary there, so a substring search matches whole ids only."""
+    a = np.asarray(ids, dtype=np.int64)
+    if a.size and (int(a.min()) < 0 or int(a.max()) >= 1 << 32):
+        raise ValueError("token ids must be in [0, 2**32)")
+    out = np.empty((a.size, _ID_BYTES), dtype=np.uint8)
+    out[:, 0] = 0x80 | (a >> 28)
+    for j in range(1, _ID_BYTES):
+        out[:, j] = (a >> (7 * (_ID_BYTES - 1 - j))) & 0x7F
+    return out.tobytes()

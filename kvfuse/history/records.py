@@ -272,10 +272,15 @@ class HistoryIndex:
                     del self._by_anchor[(rec.scope, a)]
 
     def candidates(
-        self, scope: str, ids: Sequence[int], cache_key: str | None = None, limit: int = 4
+        self,
+        scope: str,
+        ids: Sequence[int],
+        cache_key: str | None = None,
+        limit: int = 4,
+        by_content: bool = True,
     ) -> list[Record]:
-        """Records that may line up with ``ids``: the ``cache_key`` record first, then by shared
-        anchors (ties: the most recent first), at most ``limit``."""
+        """Records that may line up with ``ids``: the ``cache_key`` record first, then (with
+        ``by_content``) by shared anchors (ties: the most recent first), at most ``limit``."""
         out: list[Record] = []
         with self._lock:
             if cache_key is not None:
@@ -283,7 +288,7 @@ class HistoryIndex:
                 if serial is not None and serial in self._records:
                     out.append(self._records[serial])
             votes: dict[int, int] = {}
-            for a in anchors(ids):
+            for a in anchors(ids) if by_content else ():
                 for serial in self._by_anchor.get((scope, a), ()):
                     votes[serial] = votes.get(serial, 0) + 1
             ranked = sorted(votes, key=lambda s: (votes[s], s), reverse=True)

@@ -16,6 +16,10 @@ periodic purge. The entries a response owns are the keys of its record; deleting
 response returns the keys no other stored response refers to, for the caller to free in the
 tiers (a child response shares its parent's leading chunks, so those stay while either lives).
 The clock is injectable (tests drive expiry without sleeping).
+
+What a store holds is bounded: each row records its size, and ``put`` refuses (``StoreLimits``)
+a response larger than ``max_response_bytes`` or one that would take its tenant past its count
+or bytes; the server answers those with a 413.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ CREATE TABLE IF NOT EXISTS responses (
     body TEXT NOT NULL,
     input_items TEXT NOT NULL,
     history TEXT NOT NULL,
-    record BLOB
+    record BLOB,
+    size INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS responses_expiry ON responses(expires_at);
 CREATE INDEX IF NOT EXISTS responses_tenant ON responses(tenant, created_at);
@@ -50,6 +55,65 @@ CREATE TABLE IF NOT EXISTS response_entries (
 );
 CREATE INDEX IF NOT EXISTS response_entries_key ON response_entries(key);
 """
+
+
+# A store made before sizes were counted gets the column, filled from what its rows hold.
+_ADD_SIZE = """
+ALTER TABLE responses ADD COLUMN size INTEGER NOT NULL DEFAULT 0;
+UPDATE responses SET size = length(CAST(body AS BLOB)) + length(CAST(input_items AS BLOB))
+    + length(CAST(history AS BLOB)) + coalesce(length(record), 0);
+"""
+_SIZE_INDEX = "CREATE INDEX IF NOT EXISTS responses_tenant_size ON responses(tenant, size)"
+
+
+@dataclass(frozen=True)
+class StoreLimits:
+    """What one response may take (``max_response_bytes``: its body, history, input items and
+    record together) and what one tenant may keep (responses, bytes); None: no limit."""
+
+    max_response_bytes: int | None = None
+    tenant_responses: int | None = None
+    tenant_bytes: int | None = None
+
+
+class ResponseRefused(ValueError):
+    """A response too large to store, or beyond its tenant's responses or bytes (a 413)."""
+
+
+def over_limits(size: int, used_responses: int, used_bytes: int, limits: StoreLimits) -> str | None:
+    """Why a response of ``size`` bytes may not join a tenant holding ``used_responses`` of
+    ``used_bytes``, or None. Pure: the rule ``ResponseStore.put`` and the server's check share."""
+    if limits.max_response_bytes is not None and size > limits.max_response_bytes:
+        return (
+            f"the response would be stored as {size} bytes, more than "
+            f"responses.max_response_bytes ({limits.max_response_bytes})"
+        )
+    if limits.tenant_responses is not None and used_responses + 1 > limits.tenant_responses:
+        return (
+            f"the tenant already stores {used_responses} responses "
+            f"(responses.tenant_max_responses = {limits.tenant_responses}): delete some"
+        )
+    if limits.tenant_bytes is not None and used_bytes + size > limits.tenant_bytes:
+        return (
+            f"the tenant's stored responses take {used_bytes} bytes; {size} more would pass "
+            f"responses.tenant_max_bytes ({limits.tenant_bytes}): delete some"
+        )
+    return None
+
+
+def stored_size(r: StoredResponse) -> int:
+    """The bytes ``r`` takes in the store (its JSON columns and record)."""
+    return (
+        len(json.dumps(r.body).encode())
+        + len(json.dumps(r.input_items).encode())
+        + len(json.dumps(r.history).encode())
+        + len(r.record or b"")
+    )
+
+
+# Expired responses removed per statement and transaction: SQLite bounds a statement's variables
+# (250000 in Python's build), and one purge must not hold the store for long.
+PURGE_BATCH = 500
 
 
 class ResponseNotFound(KeyError):
@@ -111,16 +175,28 @@ class ResponseStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA busy_timeout=10000")
             self._db.executescript(_SCHEMA)
+            columns = {row[1] for row in self._db.execute("PRAGMA table_info(responses)")}
+            if "size" not in columns:
+                self._db.executescript(_ADD_SIZE)
+            self._db.execute(_SIZE_INDEX)
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def put(self, r: StoredResponse) -> None:
-        """Save ``r`` (its ``expires_at`` set from ``ttl_s`` when not given)."""
+    def put(self, r: StoredResponse, limits: StoreLimits = StoreLimits()) -> None:
+        """Save ``r`` (its ``expires_at`` set from ``ttl_s`` when not given). ResponseRefused
+        (nothing saved) when it is larger than ``limits`` allow, or its tenant's responses would
+        pass theirs."""
         if r.expires_at is None and self.ttl_s is not None:
             r.expires_at = r.created_at + self.ttl_s
+        size = stored_size(r)
         with self._lock, self._tx():
+            count, used = self._usage(r.tenant, r.id)
+            if (why := over_limits(size, count, used, limits)) is not None:
+                raise ResponseRefused(why)
             self._db.execute(
-                "INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO responses (id, tenant, created_at, expires_at, "
+                "previous_id, body, input_items, history, record, size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     r.id,
                     r.tenant,
@@ -131,6 +207,7 @@ class ResponseStore:
                     json.dumps(r.input_items),
                     json.dumps(r.history),
                     r.record,
+                    size,
                 ),
             )
             self._db.execute("DELETE FROM response_entries WHERE response_id = ?", (r.id,))
@@ -138,6 +215,18 @@ class ResponseStore:
                 "INSERT OR IGNORE INTO response_entries VALUES (?, ?)",
                 [(r.id, k) for k in dict.fromkeys(r.keys)],
             )
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """The tenant's stored responses and their bytes (expired ones not yet purged count)."""
+        with self._lock:
+            return self._usage(tenant)
+
+    def _usage(self, tenant: str, but: str | None = None) -> tuple[int, int]:
+        count, used = self._db.execute(
+            "SELECT COUNT(*), COALESCE(SUM(size), 0) FROM responses WHERE tenant = ? AND id != ?",
+            (tenant, but or ""),
+        ).fetchone()
+        return count, used
 
     def delete(self, tenant: str, response_id: str) -> list[str]:
         """Remove the tenant's response; the keys of its entries that no other response refers to
@@ -157,15 +246,21 @@ class ResponseStore:
         if not force and now - self._last_purge < self.purge_every_s:
             return 0, []
         self._last_purge = now
-        with self._lock, self._tx():
-            ids = [
-                r[0]
-                for r in self._db.execute(
-                    "SELECT id FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ?",
-                    (now,),
-                )
-            ]
-            return len(ids), self._remove(ids) if ids else []
+        removed, free = 0, []
+        while True:  # in batches: one statement's variables are bounded, and so is each lock hold
+            with self._lock, self._tx():
+                ids = [
+                    r[0]
+                    for r in self._db.execute(
+                        "SELECT id FROM responses WHERE expires_at IS NOT NULL AND expires_at <= ? "
+                        "LIMIT ?",
+                        (now, PURGE_BATCH),
+                    )
+                ]
+                if not ids:
+                    return removed, free
+                removed += len(ids)
+                free += self._remove(ids)
 
     def _remove(self, ids: list[str]) -> list[str]:
         """Delete rows ``ids`` (inside a transaction); the keys only they referred to."""
@@ -230,7 +325,7 @@ class ResponseStore:
 
     @staticmethod
     def _row(row) -> StoredResponse:
-        rid, tenant, created, expires, previous, body, items, history, record = row
+        rid, tenant, created, expires, previous, body, items, history, record = row[:9]
         return StoredResponse(
             rid,
             tenant,

@@ -79,6 +79,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary entry of ``token_id`` (the raw piece, e.g. ``Ġthe``), as HF's
+        ``convert_ids_to_tokens`` gives it; None outside the vocabulary."""
+        return self._tok.id_to_token(token_id)
+
     def token_bytes(self) -> list[bytes] | None:
         """The exact bytes each token id stands for (special tokens: their text), so that two
         tokenizations of one text can be told equal without decoding; None for a tokenizer whose

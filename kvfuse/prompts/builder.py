@@ -2,7 +2,7 @@
 
 ``PromptBuilder`` knows the model's tokenizer and chat template and the engine's context window:
 it renders chat messages, drops the oldest turns of a conversation that no longer fits
-(``history.drop_oldest_turns``, keeping system messages and the last message; ``cache.truncation``
+(``truncate.first_fitting``, keeping system messages and the last message; ``cache.truncation``
 off disables it), places documents (``prompts.encode``: each tokenized on its own), finds cache
 breakpoints' positions, and says when a prompt and its answer cannot fit the context window.
 The server, the CLI and benchmarks build prompts here; the engine takes them as they are.
@@ -13,12 +13,16 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from kvfuse.config.sections import ServerConfig
 from kvfuse.counters import Counters
 from kvfuse.models import LoadedModel
 
 from . import encode
 from .prompt import Prompt
-from .truncate import drop_oldest_turns
+from .truncate import first_fitting, turn_starts
+
+MAX_CHAT_MESSAGES = ServerConfig.max_chat_messages
+MAX_CHAT_CHARS = ServerConfig.max_chat_chars
 
 
 @dataclass
@@ -32,18 +36,33 @@ class PromptStats(Counters):
 class PromptBuilder:
     """Prompts for one model within one context window; see the module docstring."""
 
-    def __init__(self, model: LoadedModel, context_window: int, truncate: bool = True):
+    def __init__(
+        self,
+        model: LoadedModel,
+        context_window: int,
+        truncate: bool = True,
+        max_messages: int = MAX_CHAT_MESSAGES,
+        max_chars: int = MAX_CHAT_CHARS,
+    ):
         self.model, self.context_window, self.truncate = model, context_window, truncate
+        self.max_messages, self.max_chars = max_messages, max_chars
         self.stats = PromptStats()
 
     @classmethod
     def for_model(
-        cls, model: LoadedModel, context_tokens: int | None = None, truncate: bool = True
+        cls,
+        model: LoadedModel,
+        context_tokens: int | None = None,
+        truncate: bool = True,
+        max_messages: int = MAX_CHAT_MESSAGES,
+        max_chars: int = MAX_CHAT_CHARS,
     ):
         """The builder of ``model`` within its context window, or ``context_tokens`` if smaller
-        (``context_tokens`` in the configuration; ``cache.truncation: off`` turns truncation off)."""
+        (``context_tokens`` in the configuration; ``cache.truncation: off`` turns truncation off);
+        chats of at most ``max_messages`` messages and ``max_chars`` characters
+        (``server.max_chat_messages``, ``server.max_chat_chars``)."""
         window = min(model.config.max_position_embeddings, context_tokens or 1 << 62)
-        return cls(model, window, truncate)
+        return cls(model, window, truncate, max_messages, max_chars)
 
     def encode_prompt(
         self, prompt: str | Seq[int] | None = None, messages: list[dict] | None = None
@@ -51,6 +70,7 @@ class PromptBuilder:
         """Token ids for a text prompt, a list of ids, or chat ``messages`` (rendered by the chat template)."""
         tok = self.model.tokenizer
         if messages is not None:
+            encode.check_chat_size(messages, self.max_messages, self.max_chars)
             return tok.encode_chat(messages)
         if isinstance(prompt, str):
             return tok.encode(prompt)
@@ -69,22 +89,35 @@ class PromptBuilder:
         they and ``reserve`` more tokens (the answer) exceed the context window, the oldest turns
         go (unless truncation is off), keeping the system prompt and the last message. The ids
         are the full conversation's when nothing fits (``check`` then reports it). ``tools``:
-        the chat template's tools argument (``kvfuse.tools.render``)."""
+        the chat template's tools argument (``kvfuse.tools.render``).
+
+        Bounded work: the size limits are checked before anything is rendered
+        (``encode.check_chat_size``), and the cut is found with O(log turns) renders of kept
+        tails (``truncate.first_fitting``), keeping only the ids of the best one so far."""
+        encode.check_chat_size(messages, self.max_messages, self.max_chars)
         tok = self.model.tokenizer
         ids = tok.encode_chat(messages, tools=tools)
-        if not self.truncate or len(ids) + reserve <= self.context_window:
+        budget = self.context_window - reserve
+        if not self.truncate or len(ids) <= budget:
             return ids, 0
-        lengths: dict[int, list[int]] = {}
+        head, starts = turn_starts(messages)
+        best: dict[int, list[int]] = {}  # the kept tail that fits with the fewest turns dropped
 
-        def fits(msgs: list[dict]) -> bool:
-            lengths[len(msgs)] = tok.encode_chat(msgs, tools=tools)
-            return len(lengths[len(msgs)]) + reserve <= self.context_window
+        def fits(i: int) -> bool:
+            tail = tok.encode_chat(messages[:head] + messages[starts[i] :], tools=tools)
+            if len(tail) > budget:
+                return False
+            if not best or i < next(iter(best)):
+                best.clear()
+                best[i] = tail
+            return True
 
-        kept = drop_oldest_turns(messages, fits)
-        if kept is None:
+        cut = first_fitting(len(starts), fits)
+        if cut is None:
             return ids, 0
-        self.stats.add(truncated_requests=1, truncated_messages=len(messages) - len(kept))
-        return lengths[len(kept)], len(messages) - len(kept)
+        dropped = starts[cut] - head
+        self.stats.add(truncated_requests=1, truncated_messages=dropped)
+        return best[cut], dropped
 
     def encode_document(self, text: str) -> list[int]:
         """A document's token ids, the same wherever it is used (``prompts.encode``)."""
@@ -101,6 +134,7 @@ class PromptBuilder:
         user message of chat ``messages`` (with the template's ``tools``). ValueError (naming the
         document) for bad input."""
         if messages is not None:
+            encode.check_chat_size(messages, self.max_messages, self.max_chars)
             return encode.chat_prompt(self.model.tokenizer, documents, messages, tools)
         if not isinstance(prompt, str):
             raise ValueError("documents need a text prompt, not token ids")

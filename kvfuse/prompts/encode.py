@@ -20,6 +20,32 @@ from .prompt import Prompt
 _MARKER = "\x00kvfuse-documents\x00"
 
 
+def check_chat_size(messages: Sequence[dict], max_messages: int, max_chars: int) -> None:
+    """ValueError naming the limit when chat ``messages`` are more than ``max_messages`` or their
+    text (every string in them: contents, parts, tool calls) more than ``max_chars`` characters.
+    Checked before anything is rendered: a template renders whatever it is given, and the cost of
+    rendering and tokenizing grows with it (``server.max_chat_messages``, ``max_chat_chars``)."""
+    if len(messages) > max_messages:
+        raise ValueError(
+            f"the conversation has {len(messages)} messages; at most {max_messages} are accepted "
+            "(server.max_chat_messages)"
+        )
+    chars, stack = 0, list(messages)
+    while stack:  # no recursion: a deeply nested body must not exhaust the stack
+        value = stack.pop()
+        if isinstance(value, str):
+            chars += len(value)
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        if chars > max_chars:
+            raise ValueError(
+                f"the conversation's text is over {max_chars} characters; at most {max_chars} "
+                "are accepted (server.max_chat_chars)"
+            )
+
+
 def encode_document(tokenizer: Tokenizer, text: str) -> list[int]:
     """The ids of one document; ValueError if it is empty."""
     text = text.strip()

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -59,6 +59,9 @@ class CacheWriter:
         self.retention = retention  # of requests that do not say (prompt_cache_retention)
         self.store_generated = store_generated
         self.history = history
+        # KV events for routers (``kvfuse.events.hub.KVEvents``), when the server publishes them:
+        # told of the chunks written and found (their tokens) and of deletions.
+        self.events = None
 
     def policy(self, cache: CacheOptions, end: int) -> tuple[float | None, bool]:
         """``(expires_at, memory_only)`` of an entry of a request's KV ending at token ``end``."""
@@ -76,6 +79,8 @@ class CacheWriter:
         chunks its breakpoints mark), and keep what it reused as long as it asks. ``ids``: the
         token id of every slot of ``kv``."""
         plan, filled, prompt = r.plan, r.filled, r.prompt
+        if self.events is not None:  # before the promotions' memory puts announce them
+            self.events.describe(r.namespace, prompt.ids, exact_loads(plan.loads))
         self.store.promote(filled.promotions.entries(self.codec))  # after the first token
         saves = [s for s in plan.saves if s.key.kind is not ChunkKind.CONTENT]
         planned = len(saves)
@@ -144,6 +149,8 @@ class CacheWriter:
         slots), each group of spans with its write policy, through the saver. Returns how many
         entries. ``written``: count the prompt tokens in the request's ``written`` tokens."""
         n = r.prompt_len
+        if self.events is not None:  # before the saver's tier puts announce them
+            self.events.describe(r.namespace, ids, spans)
         if written:
             r.usage.written += sum(min(s.end, n) - s.start for s in spans if s.start < n)
         groups: dict[tuple[float | None, bool], list[Save]] = {}
@@ -207,7 +214,10 @@ class CacheWriter:
             except ValueError:
                 log.warning("not a chunk key, not freed: %r", k)
         self.saver.wait(parsed)
-        return self.store.delete(parsed)
+        removed = self.store.delete(parsed)
+        if self.events is not None:
+            self.events.freed(parsed)
+        return removed
 
     def clear(self, prefix: str) -> dict[str, int]:
         """Delete every entry and history record whose key starts with ``prefix`` (a tenant tag or
@@ -215,4 +225,15 @@ class CacheWriter:
         self.flush()
         if self.history is not None:
             self.history.delete_prefix(prefix)
-        return self.store.delete_prefix(prefix)
+        removed = self.store.delete_prefix(prefix)
+        if self.events is not None:
+            self.events.cleared(prefix)
+        return removed
+
+
+def exact_loads(loads: Sequence[Load]) -> list[Load]:
+    """The loads whose entry is exactly their span at the position it was stored at (no moved or
+    partly used history entries): the chunks a router can be told this server holds as they are."""
+    return [
+        x for x in loads if not x.moved and x.offset == 0 and x.stored_tokens == x.end - x.start
+    ]

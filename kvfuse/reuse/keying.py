@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfuse import dtypes
 from kvfuse.blend.options import BlendOptions
 from kvfuse.config import EngineSettings
 from kvfuse.config import profiles as profile
@@ -41,6 +42,7 @@ from kvfuse.history import Alignment, HistoryIndex, Record, Run, align
 from kvfuse.kv import content
 from kvfuse.kv.keys import Namespace, layout_of
 from kvfuse.models import LoadedModel
+from kvfuse.models.cache import slot_bytes
 from kvfuse.prompts.prompt import Prompt
 from kvfuse.store import TieredStore
 
@@ -79,6 +81,14 @@ class Keying:
             settings.blend, self.profile, model.name, warn=store is not None
         )
         self.context_window = context_window
+        # The live KV the engine's budget can ever hold, in slots (None: unbounded): an aligned
+        # prompt is adopted only if it still fits, since it can be longer than the one sent.
+        limit = settings.engine.kv_memory_bytes
+        self.max_live_tokens = (
+            None
+            if limit is None
+            else limit // slot_bytes(model.config, dtypes.torch_dtype(self.kv_dtype))
+        )
         self.auto = AutoReuse.of(settings.blend)
         c = model.config
         self.layout = layout_of(c.num_layers, c.num_kv_heads, c.head_dim)
@@ -185,8 +195,13 @@ class Keying:
         if self.token_bytes is None:
             self.token_bytes = self.model.tokenizer.token_bytes() or ()
         table = self.token_bytes or None
-        candidates = self.history.candidates(r.scope, r.prompt.ids, r.cache.history_key)
         hint = r.cache.history_hint
+        # A request that names its conversation is lined up with that only (and is told its
+        # reuse exactly: server.disclosure); others are found by content within the scope.
+        named = r.cache.history_key is not None or hint is not None
+        candidates = self.history.candidates(
+            r.scope, r.prompt.ids, r.cache.history_key, by_content=not named
+        )
         # e.g. a previous_response_id's history: tried first
         if hint is not None and hint.scope == r.scope:
             candidates.insert(0, hint)
@@ -202,10 +217,10 @@ class Keying:
         runs with the stored ids where they spell the same text, its keys name that history's
         entries for the slots they fill. With no record, the planning looks for a stored history
         by content (``probe_tail``), once, after the pending saves."""
-        r.scope = r.namespace.key_prefix()
+        r.scope = history_scope(r.namespace, r.cache.user)
         best = self._best_record(r)
         entries, runs = (), ()
-        if best is not None and len(best[1].ids) + max_tokens <= self.context_window:
+        if best is not None and self._fits(len(best[1].ids) + max_tokens):
             r.record, al = best
             r.prompt = Prompt.plain(al.ids)
             r.namespace = derived_namespace(r.record, al) if al.moved else r.record.namespace
@@ -215,6 +230,14 @@ class Keying:
             # prefetch it; probed again when planned only if a save landed in between
             r.probed = self.saver.epoch
             self.probe_tail(r, self.store.lookup(r.keys.all(), count=False).where, wait=False)
+
+    def _fits(self, tokens: int) -> bool:
+        """Whether a prompt and answer of ``tokens`` fit the context window and the whole KV
+        budget: an alignment runs the stored ids, which can be more tokens than the prompt sent
+        (a history tokenized otherwise), and must not turn a request that fits into one that can
+        never be admitted."""
+        live = self.max_live_tokens
+        return tokens <= self.context_window and (live is None or tokens <= live)
 
     def probe_tail(self, r: Reuse, where: tuple, wait: bool = True) -> tuple:
         """No record of a stored history lines up with this prompt (e.g. after a restart): look
@@ -236,6 +259,18 @@ class Keying:
                 r.keys = keys.with_history([entry], [Run(entry.source, end, entry.source)])
                 return tuple(where) + (tier,)
         return where
+
+
+def history_scope(namespace: Namespace, user: str | None) -> str:
+    """Where a request's history records go and are looked for: its namespace's key prefix, and
+    within it its end user's own (OpenAI's ``user``, hashed): one user's conversations are never
+    lined up with another's. Clearing a tenant or namespace (a key-prefix delete) covers them."""
+    scope = namespace.key_prefix()
+    if not user:
+        return scope
+    return (
+        scope + "\x00user:" + hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    )
 
 
 def derived_namespace(record: Record, al: Alignment) -> Namespace:

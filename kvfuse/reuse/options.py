@@ -31,3 +31,5 @@ class CacheOptions:
     history_hint: Record | None = None
     # look for cached passages inside a plain prompt (None: blend.auto)
     auto_reuse: bool | None = None
+    # the end user (OpenAI's ``user``): its histories are lined up only with its own requests
+    user: str | None = None

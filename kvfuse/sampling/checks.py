@@ -94,9 +94,18 @@ def check_penalties(p: SamplingParams) -> None:
         )
 
 
+# The longest stop string accepted: StopMatcher's work per token grows with its square.
+MAX_STOP_CHARS = 256
+
+
 def check_stops(p: SamplingParams) -> None:
     check(all(isinstance(s, str) and s for s in p.stop), "stop", "must be non-empty strings")
     check(len(p.stop) <= MAX_STOPS, "stop", f"at most {MAX_STOPS} stop strings")
+    check(  # matching holds back up to a stop's length and compares O(length^2) per token
+        all(len(s) <= MAX_STOP_CHARS for s in p.stop),
+        "stop",
+        f"must each be at most {MAX_STOP_CHARS} characters",
+    )
     check(
         all(integer(t) and t >= 0 for t in p.stop_token_ids),
         "stop_token_ids",

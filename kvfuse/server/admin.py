@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Depends, Query, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from .deps import current_tenant, get_state, metrics_access
 from .errors import APIError
 from .metrics import CONTENT_TYPE
-from .schemas import ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
+from .schemas import NO_NUL, ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
 
 router = APIRouter()
 
@@ -27,12 +27,31 @@ _AUTH_ERRORS = {
     response_model=Health,
     tags=["operations"],
     summary="Liveness and queue state",
-    description="No API key needed. 200 while the server accepts requests.",
+    response_class=JSONResponse,
+    responses={503: {"model": Health, "description": "Starting, draining, or wedged."}},
+    description="No API key needed. 200 while the server serves and its engine makes progress; "
+    "503 while it starts (the engine not running yet) or drains (a SIGTERM received, or shutting "
+    "down), so that routers' health checks take it out of rotation, and 503 (status wedged) when "
+    "requests wait or run and no engine step did anything for server.stall_after_s.",
 )
-async def health(request: Request) -> Health:
+async def health(request: Request) -> JSONResponse:
     state = get_state(request)
-    q = state.engine.queue_state()
-    return Health(model=state.model_name, waiting=q["waiting"], running=q["running"])
+    phase = state.phase
+    q, engine = {}, {}
+    if state.engine is not None:
+        q = state.engine.queue_state()
+        engine = state.engine.health(state.config.server.stall_after_s)
+    status = phase if phase != "serving" else "ok"
+    if status == "ok" and engine.get("wedged"):
+        status = "wedged"
+    body = Health(
+        status=status,
+        model=state.model_name if state.engine is not None else state.config.model,
+        waiting=q.get("waiting", 0),
+        running=q.get("running", 0),
+        engine=engine,
+    )
+    return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
 
 
 @router.get(
@@ -69,7 +88,7 @@ async def metrics(request: Request, _: None = Depends(metrics_access)) -> Respon
     description="The one model this server serves; requests must name it in their `model` field.",
 )
 async def list_models(request: Request, tenant: str = Depends(current_tenant)) -> ModelList:
-    return ModelList(data=[ModelCard(id=get_state(request).model_name)])
+    return ModelList(data=[_card(get_state(request))])
 
 
 @router.get(
@@ -94,7 +113,18 @@ async def get_model(
             param="model",
             code="model_not_found",
         )
-    return ModelCard(id=name)
+    return _card(get_state(request))
+
+
+def _card(state) -> ModelCard:
+    """The served model's card: ``owned_by`` from ``server.owned_by`` (docs/routers.md)."""
+    name = state.model_name
+    return ModelCard(
+        id=name,
+        owned_by=state.config.server.owned_by,
+        root=name,
+        max_model_len=state.engine.context_window,
+    )
 
 
 @router.get(
@@ -132,7 +162,10 @@ async def clear_kv(
     request: Request,
     tenant: str = Depends(current_tenant),
     cache_salt: str | None = Query(
-        None, max_length=256, description="Clear only this namespace of the tenant."
+        None,
+        max_length=256,
+        pattern=NO_NUL,
+        description="Clear only this namespace of the tenant.",
     ),
 ) -> KVDeleted:
     deleted = await asyncio.to_thread(get_state(request).engine.clear_cache, tenant, cache_salt)

@@ -23,7 +23,8 @@ from fastapi import FastAPI
 from kvfuse import __version__
 from kvfuse.config import Config
 
-from . import admin, completions, messages_api, responses_api
+from . import admin, completions, messages_api, responses_api, workers
+from .auth_middleware import AuthMiddleware
 from .errors import install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
 from .state import ServerState
@@ -73,8 +74,19 @@ def create_app(config: Config, serving=None, clock: Callable[[], float] | None =
     app.include_router(responses_api.router)
     app.include_router(messages_api.router)
     app.include_router(admin.router)
-    # Added last = outermost: the request context sees every response, the 413s included.
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=config.server.max_body_bytes)
+    app.include_router(workers.router)
+    # Added last = outermost: the request context sees every response, the 413s included; the
+    # key is checked before anything reads the body.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=config.server.max_body_bytes,
+        body_timeout_s=config.server.body_timeout_s,
+    )
+    app.add_middleware(
+        AuthMiddleware,
+        auth=state.auth,
+        failures_per_minute=config.server.auth_failures_per_minute,
+    )
     app.add_middleware(RequestContextMiddleware, metrics=state.metrics)
     _publish_limits(app, config)
     return app
@@ -125,6 +137,13 @@ class _Server(uvicorn.Server):
             host, port = self.servers[0].sockets[0].getsockname()[:2]
             self.on_ready(f"http://{f'[{host}]' if ':' in host else host}:{port}")
 
+    def handle_exit(self, sig, frame) -> None:
+        # /health answers 503 from the signal on, while uvicorn lets the requests in flight end.
+        state = getattr(getattr(self.config.app, "state", None), "kvfuse", None)
+        if state is not None:
+            state.drain()
+        super().handle_exit(sig, frame)
+
     @contextlib.contextmanager
     def capture_signals(self):
         # uvicorn re-raises the signal after its graceful shutdown, so the process would die of it;
@@ -172,6 +191,8 @@ def serve(config: Config, on_ready: Callable[[str, object], None] | None = None)
             lifespan="on",
             log_level=config.log_level.lower(),
             timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+            # connections and requests at once; beyond it uvicorn answers 503 without reading them
+            limit_concurrency=config.server.limit_concurrency or None,
             log_config=None,
         )
         _Server(uv_config, ready).run()

@@ -28,6 +28,7 @@ from kvfuse.engine import (
 
 from .bodies import SSE_DONE, Rendering, ResponseBuilder, sse_event
 from .deps import get_state, limited_tenant
+from .disclosure import exact_for, reported
 from .errors import APIError, internal_error
 from .events import RequestEvents
 from .request_log import RECORD_KEY, RequestRecord
@@ -123,10 +124,11 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
     record.prompt_tokens = len(call.prompt)
 
     events = RequestEvents()
+    exact = exact_for(body, state.config.server.cached_tokens)
 
     def on_done(outcome: Outcome) -> None:  # engine thread (or the loop, for a withdrawn request)
         state.metrics.observe_outcome(outcome)
-        events.on_done(outcome)
+        events.on_done(reported(outcome, exact, state.config.cache.chunk_size))
 
     job = call.request(
         record.request_id, on_delta=events.on_delta if body.stream else None, on_done=on_done
@@ -151,8 +153,8 @@ async def _generate(request: Request, body, tenant: str, chat: bool):
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     try:
-        outcome = await events.outcome()
-    except BaseException:  # this task was cancelled (e.g. at shutdown): stop the work too
+        outcome = await awaited(events, state.config.server.request_timeout_s)
+    except BaseException:  # timed out, or this task was cancelled (at shutdown): stop the work
         state.engine.withdraw(job)
         raise
     finally:
@@ -178,6 +180,23 @@ def rendering(state: ServerState, body, call: EngineCall) -> Rendering:
         prompt_ids=tuple(call.prompt_ids) if echo is not None else (),
         texts=state.token_texts if p.logprobs is not None else None,
     )
+
+
+async def awaited(events: RequestEvents, timeout_s: float) -> Outcome:
+    """A non-streaming request's outcome, or a 504 once ``timeout_s`` (server.request_timeout_s;
+    0: none) have passed: a request the engine cannot finish (a wedge, a queue that never moves)
+    must not hold its client and connection for ever. The caller withdraws the work."""
+    if timeout_s <= 0:
+        return await events.outcome()
+    try:
+        return await asyncio.wait_for(events.outcome(), timeout_s)
+    except TimeoutError:
+        raise APIError(
+            504,
+            f"the request was not answered within server.request_timeout_s ({timeout_s:g} s); "
+            "it was withdrawn",
+            code="request_timeout",
+        ) from None
 
 
 async def submit(state: ServerState, job: EngineRequest) -> None:

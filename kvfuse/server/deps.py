@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from fastapi import Depends, Request
 from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
+from .auth_middleware import TENANT_KEY
 from .errors import APIError
 from .request_log import record_of
 
@@ -30,8 +31,11 @@ _bearer = HTTPBearer(
 async def current_tenant(
     request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
 ) -> str:
-    """The caller's tenant (also noted in the request's log record)."""
-    tenant = get_state(request).auth.tenant(credentials.credentials if credentials else None)
+    """The caller's tenant (also noted in the request's log record): the one ``AuthMiddleware``
+    found before the body was read, or (outside it) the key's."""
+    tenant = request.scope.get(TENANT_KEY)
+    if tenant is None:
+        tenant = get_state(request).auth.tenant(credentials.credentials if credentials else None)
     if (record := record_of(request)) is not None:
         record.tenant = tenant
     return tenant

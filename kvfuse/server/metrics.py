@@ -22,6 +22,8 @@ from prometheus_client.registry import Collector
 
 from kvfuse.engine import GenerationResult, Outcome, RequestCancelled
 
+from .vllm_metrics import VLLMCollector
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # CPU prefill of a few thousand tokens takes seconds; GPU TTFTs are tens of milliseconds.
@@ -541,6 +543,7 @@ class ServerMetrics:
         self._declare_api_metrics(r)
         r.register(CacheCollector(engine_getter))
         r.register(TenantCollector(engine_getter, tenant_names or {}))
+        r.register(VLLMCollector(engine_getter, queue))  # vLLM's names, for routers
 
     def _declare_request_metrics(self, r: CollectorRegistry) -> None:
         """The metrics observed as requests finish: requests by endpoint and status, latencies

@@ -6,6 +6,7 @@ disconnects pass through them untouched.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -101,13 +102,24 @@ class BodyTooLarge(HTTPException):
         )
 
 
+class BodyTimeout(HTTPException):
+    def __init__(self, timeout_s: float):
+        super().__init__(
+            408, f"the request body was not received within {timeout_s:g} s (server.body_timeout_s)"
+        )
+
+
 class BodyLimitMiddleware:
     """413 for request bodies above ``max_body_bytes``: at once from Content-Length, and while reading
-    for bodies without one (chunked), before the whole body is in memory."""
+    for bodies without one (chunked), before the whole body is in memory. 408 for a body not
+    received within ``body_timeout_s`` of its first read (0: no limit): a client trickling a body
+    would otherwise hold its connection, and a place under uvicorn's ``limit_concurrency``, for
+    ever."""
 
-    def __init__(self, app: ASGIApp, max_body_bytes: int):
+    def __init__(self, app: ASGIApp, max_body_bytes: int, body_timeout_s: float = 0.0):
         self.app = app
         self.limit = max_body_bytes
+        self.timeout_s = body_timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -136,13 +148,21 @@ class BodyLimitMiddleware:
                     "request_too_large",
                 )
                 return
-        received = 0
+        received, deadline, complete = 0, None, False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, deadline, complete
+            if complete or not self.timeout_s:  # after the body: e.g. waiting for a disconnect
+                message = await receive()
+            else:
+                deadline = deadline or time.monotonic() + self.timeout_s
+                try:
+                    message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+                except TimeoutError:
+                    raise BodyTimeout(self.timeout_s) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                complete = not message.get("more_body", False)
                 if received > self.limit:
                     # FastAPI re-raises HTTPExceptions from body reads
                     raise BodyTooLarge(self.limit)

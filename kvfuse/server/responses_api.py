@@ -35,12 +35,21 @@ from pydantic import ValidationError
 
 from kvfuse.engine import Delta, GenerationResult, Outcome
 from kvfuse.history.records import decode_record, encode_record
-from kvfuse.history.response_store import ResponseExpired, ResponseNotFound, StoredResponse
+from kvfuse.history.response_store import (
+    ResponseExpired,
+    ResponseNotFound,
+    ResponseRefused,
+    StoredResponse,
+    over_limits,
+    stored_size,
+)
+from kvfuse.prompts.truncate import without_oldest
 from kvfuse.tools import ToolCalling
 
 from .bodies import usage as chat_usage
-from .completions import ERRORS, outcome_result, submit, watch_disconnect
+from .completions import ERRORS, awaited, outcome_result, submit, watch_disconnect
 from .deps import current_tenant, get_state, limited_tenant
+from .disclosure import exact_for, reported
 from .errors import APIError, bad_request
 from .events import RequestEvents
 from .logprobs import TokenTexts, chat_content
@@ -185,6 +194,28 @@ def wants_logprobs(body: ResponseCreateRequest) -> bool:
     return LOGPROBS in (body.include or []) or body.top_logprobs is not None
 
 
+def kept_history(body, previous, messages: list[dict[str, Any]], call) -> list[dict[str, Any]]:
+    """``conversation_kept`` of a request (``body``), the stored response it continues (or
+    None), its input ``messages`` and its planned ``call`` (the messages it dropped)."""
+    history = previous.history if previous is not None else []
+    return conversation_kept(body.instructions, history, messages, call.dropped_messages)
+
+
+def conversation_kept(
+    instructions: str | None,
+    history: list[dict[str, Any]],
+    messages: list[dict[str, Any]],
+    dropped: int,
+) -> list[dict[str, Any]]:
+    """The conversation a stored response keeps (before its answer): what its prompt kept. The
+    turns dropped to fit the context window (``dropped``, of ``[instructions] + history +
+    messages``) are not stored again, so chaining responses with large throw-away inputs does
+    not store them once per later turn; ``instructions`` are not carried over (as OpenAI)."""
+    head = [{"role": "system", "content": instructions}] if instructions is not None else []
+    kept = without_oldest(head + history + plain_messages(messages), dropped)
+    return kept[len(head) :]
+
+
 def chat_request(
     body: ResponseCreateRequest,
     history: list[dict[str, Any]],
@@ -222,6 +253,7 @@ def chat_request(
         top_logprobs=body.top_logprobs if wants_logprobs(body) else None,
         response_format=as_response_format(fmt),
         **tool_fields(body.tools, body.tool_choice, body.parallel_tool_calls),
+        user=body.user,
     )
     try:
         return ChatCompletionRequest.model_validate(
@@ -410,11 +442,14 @@ async def create_response(
     record.prompt_tokens = len(call.prompt)
     texts = state.token_texts if call.params.logprobs is not None else None
     obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock, texts, fmt)
+    keep = _Keeper(state, tenant, obj, kept_history(body, previous, messages, call), items)
+    await asyncio.to_thread(keep.check)  # a 413 before anything is generated
     events = RequestEvents()
+    exact = exact_for(body, state.config.server.cached_tokens)
 
     def on_done(outcome: Outcome) -> None:
         state.metrics.observe_outcome(outcome)
-        events.on_done(outcome)
+        events.on_done(reported(outcome, exact, state.config.cache.chunk_size))
 
     job = call.request(
         record.request_id, on_delta=events.on_delta if body.stream else None, on_done=on_done
@@ -424,7 +459,6 @@ async def create_response(
     if previous is not None:
         state.metrics.responses.labels(event="continued").inc()
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
-    keep = _Keeper(state, tenant, obj, previous, messages, items)
     output = obj.items(call.tools)
     if body.stream:
         return StreamingResponse(
@@ -433,7 +467,7 @@ async def create_response(
             headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
         )
     try:
-        outcome = await events.outcome()
+        outcome = await awaited(events, state.config.server.request_timeout_s)
     except BaseException:
         state.engine.withdraw(job)
         raise
@@ -469,46 +503,81 @@ def _renamed(e: APIError) -> APIError:
 
 
 class _Keeper:
-    """Stores a finished response (when asked to) with its history and KV record."""
+    """Stores a finished response (when asked to) with the history its prompt kept and its KV
+    record, within the store's limits (``StoreLimits``: a 413 beyond them)."""
 
     def __init__(
         self,
         state: ServerState,
         tenant: str,
         obj: ResponseObject,
-        previous: StoredResponse | None,
-        messages: list[dict[str, Any]],
+        history: list[dict[str, Any]],
         items: list[dict[str, Any]],
     ):
-        self.state, self.tenant, self.obj, self.previous = state, tenant, obj, previous
-        self.messages, self.items = messages, items
+        self.state, self.tenant, self.obj = state, tenant, obj
+        self.history, self.items = history, items
+
+    @property
+    def storing(self) -> bool:
+        return bool(self.obj.body.store) and self.state.responses is not None
+
+    def check(self) -> None:
+        """The 413 for a response that could not be stored, known before it is generated: its
+        history and input items alone are too large, or its tenant is at its limits."""
+        if not self.storing:
+            return
+        size = stored_size(StoredResponse("", self.tenant, 0, {}, self.history, self.items))
+        why = over_limits(
+            size, *self.state.responses.usage(self.tenant), self.state.response_limits
+        )
+        if why is not None:
+            raise _too_large(why)
 
     def __call__(self, body: dict[str, Any], result: GenerationResult, output: OutputItems) -> None:
-        if not self.obj.body.store or self.state.responses is None:
+        """Store it; the 413 (APIError) when the store refuses it."""
+        if not self.storing:
             return
         answer: dict[str, Any] = {"role": "assistant", "content": output.text}
         if output.calls:
             answer["tool_calls"] = output.calls
-        history = (
-            (self.previous.history if self.previous is not None else [])
-            + plain_messages(self.messages)
-            + [answer]
-        )
         rec = result.history
-        self.state.responses.put(
-            StoredResponse(
-                self.obj.id,
-                self.tenant,
-                self.state.clock(),
-                body,
-                history,
-                self.items,
-                self.obj.previous_id,
-                encode_record(rec) if rec is not None else None,
-                [str(e.key) for e in rec.entries] if rec is not None else [],
+        try:
+            self.state.responses.put(
+                StoredResponse(
+                    self.obj.id,
+                    self.tenant,
+                    self.state.clock(),
+                    body,
+                    self.history + [answer],
+                    self.items,
+                    self.obj.previous_id,
+                    encode_record(rec) if rec is not None else None,
+                    [str(e.key) for e in rec.entries] if rec is not None else [],
+                ),
+                self.state.response_limits,
             )
-        )
+        except ResponseRefused as e:
+            raise _too_large(str(e)) from None
         self.state.metrics.responses.labels(event="stored").inc()
+
+
+def _too_large(why: str) -> APIError:
+    return APIError(
+        413,
+        f"store: {why}; send store: false to get a response without storing it",
+        param="store",
+        code="response_store_limit",
+    )
+
+
+def _failure(obj: ResponseObject, e: APIError) -> list[str]:
+    """The events of a stream that failed once it had started: an error, then response.failed."""
+    failed = obj.object("failed")
+    failed["error"] = {"code": e.code or "server_error", "message": e.message}
+    return [
+        obj.event("error", code=e.code, message=e.message, param=e.param),
+        obj.event("response.failed", response=failed),
+    ]
 
 
 async def _stream(
@@ -534,16 +603,19 @@ async def _stream(
         try:
             result = outcome_result(item, record)
         except APIError as e:
-            yield obj.event("error", code=e.code, message=e.message, param=e.param)
-            failed = obj.object("failed")
-            failed["error"] = {"code": e.code or "server_error", "message": e.message}
-            yield obj.event("response.failed", response=failed)
+            for event in _failure(obj, e):
+                yield event
             return
         status = _status(result)
         for event in output.finish(status):
             yield event
         done = obj.object(status, result, output.items)
-        await asyncio.to_thread(keep, done, result, output)
+        try:
+            await asyncio.to_thread(keep, done, result, output)
+        except APIError as e:
+            for event in _failure(obj, e):
+                yield event
+            return
         yield obj.event(
             "response.completed" if status == "completed" else "response.incomplete", response=done
         )

@@ -34,13 +34,20 @@ class _Strict(BaseModel):
 # ------------------------------------------------------------------------------------ requests
 
 
+# A cache_salt may not hold NUL: the namespace joins its salts with it (a salt holding one could
+# spell another namespace's).
+NO_NUL = r"^[^\x00]*$"
+
+
 class KVFuseOptions(_Strict):
     """kvfuse extension fields (with the ``openai`` client: ``extra_body={...}``)."""
 
     cache_salt: str | None = Field(
         None,
         max_length=256,
-        description="kvfuse extension: an extra cache namespace inside the caller's tenant. Requests share "
+        pattern=NO_NUL,
+        description="kvfuse extension: an extra cache namespace inside the caller's tenant (no NUL "
+        "character: it separates a namespace's salts). Requests share "
         "cached KV only when they have the same tenant and the same cache_salt.",
         examples=["project-42"],
     )
@@ -228,7 +235,12 @@ class SamplingRequest(KVFuseOptions):
         description="vLLM's extension: token ids that end the choice (not returned), "
         "like the end-of-sequence token.",
     )
-    user: str | None = Field(None, description="An end-user id (accepted and ignored).")
+    user: str | None = Field(
+        None,
+        max_length=256,
+        description="An end-user id: its conversations are lined up only with its own, and it "
+        "names the conversation (usage reports cached_tokens exactly, not in whole chunks).",
+    )
     prompt_cache_key: str | None = Field(
         None,
         min_length=1,
@@ -674,7 +686,9 @@ class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = 0
-    owned_by: str = "kvfuse"
+    owned_by: str = "vllm"  # server.owned_by: what routers detect a vLLM-type worker by
+    root: str | None = None  # vLLM's: the model the served name stands for
+    max_model_len: int | None = None  # vLLM's: the context window
 
 
 class ModelList(BaseModel):
@@ -696,10 +710,18 @@ class ErrorResponse(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "starting", "draining", "wedged"] = Field(
+        "ok",
+        description="ok (200); starting, draining or wedged (503: routers take the server out).",
+    )
     model: str
     waiting: int = Field(..., description="Requests waiting in the queue.")
-    running: int = Field(..., description="Requests being generated (0 or 1).")
+    running: int = Field(..., description="Requests being generated.")
+    engine: dict[str, int | float | bool] = Field(
+        default_factory=dict,
+        description="The engine loop's progress: progress_steps, seconds_since_progress (while "
+        "there is work), failing_steps (in a row), failed_steps, wedged.",
+    )
 
 
 class KVStats(BaseModel):

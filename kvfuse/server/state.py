@@ -15,7 +15,7 @@ from collections.abc import Callable
 from kvfuse.config import Config
 from kvfuse.config.secrets import read_secret
 from kvfuse.config.tenants import EVERY, quota_of
-from kvfuse.history.response_store import ResponseStore
+from kvfuse.history.response_store import ResponseStore, StoreLimits
 from kvfuse.kv.keys import tenant_tag
 from kvfuse.runtime import Serving
 
@@ -25,6 +25,7 @@ from .metrics import ServerMetrics
 from .rate_limit import RateLimiter, rate_limited
 from .structured import Grammars
 from .translate import Limits, Prompting
+from .vllm_metrics import EventsCollector
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,9 @@ class ServerState:
         clock: Callable[[], float] | None = None,
     ):
         self.config = config
+        # What /health answers: starting (503) until start() has run, serving (200), draining
+        # (503) from a stop signal or stop() on, so routers stop sending before requests fail.
+        self.phase = "starting"
         self.owns_engine = serving is None
         self.engine = serving.engine if serving is not None else None
         self.prompting = self._prompting(serving) if serving is not None else None
@@ -57,8 +61,11 @@ class ServerState:
             queue=lambda: self.engine.queue_state() if self.engine else {},
         )
         self.limiter = RateLimiter(self._requests_per_minute)
+        self.events = None  # the KV event publisher (server.kv_events), once started
+        self.metrics.registry.register(EventsCollector(lambda: self.events))
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
         self._token_texts: TokenTexts | None = None
+        self.response_limits = StoreLimits()
         self.metrics.stored_responses.set_function(
             lambda: len(self.responses) if self.responses is not None else 0
         )
@@ -87,6 +94,15 @@ class ServerState:
         raise rate_limited(tenant, setting, decision, limit)
 
     def start(self) -> None:
+        if not self.auth.enabled:
+            log.warning(
+                "serving without API keys (server.api_keys): every client is one tenant and "
+                "shares its cache namespace; usage reports cached tokens in whole chunks unless a "
+                "request names its conversation (prompt_cache_key, previous_response_id, user)"
+                if self.config.server.cached_tokens == "chunk"
+                else "serving without API keys (server.api_keys) and with exact cached_tokens: "
+                "any client can learn what others' prompts share with its own, token by token"
+            )
         if self.engine is None:
             from kvfuse.runtime import open_serving
 
@@ -96,11 +112,25 @@ class ServerState:
         r = self.config.responses
         if r.store:
             self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)
+            self.response_limits = StoreLimits(
+                r.max_response_bytes, r.tenant_max_responses, r.tenant_max_bytes
+            )
             _, keys = self.responses.purge()  # what expired while the server was down
             self.engine.free_entries(keys)
+        if self.config.server.kv_events is not None:
+            from kvfuse.events.hub import open_kv_events
+
+            self.events = open_kv_events(self.config.server, self.engine)
         self.engine.start()
+        if self.phase == "starting":
+            self.phase = "serving"
+
+    def drain(self) -> None:
+        """A stop is coming (SIGTERM): /health turns 503 while the requests in flight finish."""
+        self.phase = "draining"
 
     def stop(self) -> None:
+        self.drain()
         if self.responses is not None:
             self.responses.close()
             self.responses = None
@@ -108,10 +138,20 @@ class ServerState:
             return
         if self.owns_engine:
             self.engine.close()  # stops the loop, flushes the queued writes, closes the store
-            return
-        self.engine.stop()
-        if not self.engine.flush(timeout=60):
-            log.warning("the store's pending writes did not finish within 60 s")
+        else:
+            self.engine.stop()
+            if not self.engine.flush(timeout=60):
+                log.warning("the store's pending writes did not finish within 60 s")
+        self._close_events()
+
+    def _close_events(self) -> None:
+        """After the last writes: unhook the publisher, send what it holds, close its sockets."""
+        if self.events is not None:
+            from kvfuse.events.hub import detach
+
+            detach(self.events, self.engine)
+            self.events.close()
+            self.events = None
 
     @property
     def model_name(self) -> str:

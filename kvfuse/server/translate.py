@@ -48,6 +48,8 @@ class EngineCall:
     recompute_ratio: float | str | None = None
     # the request's tools: how its output becomes calls (None: no tools, plain text)
     tools: ToolCalling | None = None
+    # a chat's oldest messages dropped to fit the context window (``truncate.without_oldest``)
+    dropped_messages: int = 0
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -103,6 +105,7 @@ def cache_options(opts: SamplingRequest, tenant: str) -> CacheOptions:
         tenant=tenant,
         salt=opts.cache_salt or "",
         history_key=opts.prompt_cache_key,
+        user=opts.user,
         kv_slo_ms=opts.kv_slo_ms,
         retention=retention(opts.prompt_cache_retention),
         auto_reuse=None if opts.blend_auto is None else opts.blend_auto == "on",
@@ -514,10 +517,13 @@ def plan_chat(p: Prompting, req: ChatCompletionRequest, tenant: str, limits: Lim
         raise bad_request(
             f"messages: {e}", param="messages", code="invalid_chat_template"
         ) from None
+    except ValueError as e:  # over server.max_chat_messages / max_chat_chars
+        raise bad_request(f"messages: {e}", param="messages") from None
     if not ids:
         raise bad_request("messages: the rendered conversation is empty", param="messages")
     prompt = forced_prompt(p, Prompt.plain(ids), tools)
     call = with_tools(_engine_call(req, prompt, tenant, limits, p), tools)
+    call = replace(call, dropped_messages=dropped)
     marks = chat_marks(req)
     if marks and dropped == 0 and call.cache.enabled:
         positions = p.prompts.breakpoint_positions(

@@ -30,7 +30,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 from kvfuse.counters import Counters
 from kvfuse.kv.format import Blob, Entry  # noqa: F401  (re-exported for the tiers)
@@ -138,6 +138,19 @@ def put_many_expiring(tier: "Tier", items: list, expires_at: float | None) -> No
         tier.put_many(items)
     else:
         tier.put_many(items, expires_at=expires_at)
+    if tier.observer is not None and not tier.reports_puts:
+        for key, _ in items:
+            tier.observer.stored(key)
+
+
+class TierObserver(Protocol):
+    """Told what a tier stored and lost (``kvfuse/events``: KV events for routers). Called on
+    the tier's own threads, some under its lock: an observer only hands the key on (a deque
+    append), never blocks and never calls back into the tier."""
+
+    def stored(self, key: ChunkKey) -> None: ...
+
+    def removed(self, key: ChunkKey) -> None: ...
 
 
 class Tier(ABC):
@@ -156,10 +169,24 @@ class Tier(ABC):
     streams_reads: bool = False
     # The most bytes the tier keeps, where it has such a bound (memory, disk); None otherwise.
     capacity_bytes: int | None = None
+    # Told of every entry stored and removed (evicted, expired, deleted by key), when set; a
+    # deletion by prefix is reported by whoever asked for it (``TierObserver``). A tier that
+    # does not report its own puts (``reports_puts`` False: Redis, S3, which cannot see their
+    # evictions either) is reported by ``put_many_expiring`` after a put that did not raise.
+    observer: TierObserver | None = None
+    reports_puts: bool = False
 
     def __init__(self) -> None:
         self.stats = TierStats()
         self.clock: Clock = time.time  # the time expiries are on (the store may set its own)
+
+    def _stored(self, key: ChunkKey) -> None:
+        if self.observer is not None:
+            self.observer.stored(key)
+
+    def _gone(self, key: ChunkKey) -> None:
+        if self.observer is not None:
+            self.observer.removed(key)
 
     def _expired_at(self, expires_at: float | None) -> bool:
         """Whether an entry expiring at ``expires_at`` is expired now."""

@@ -28,6 +28,7 @@ class MemoryTier(IndexedTier):
     """
 
     holds_entries = True
+    reports_puts = True  # its put and _remove tell the observer (events)
 
     def __init__(
         self, capacity_bytes: int, name: str = "memory", quotas: Quotas | None = None
@@ -100,15 +101,17 @@ class MemoryTier(IndexedTier):
             self._protect() if self._protect is not None and self._must_evict(key, size) else ()
         )
         with self._lock:
-            self._remove(key)
             if size > self._room_locked(key):
+                self._remove(key)
                 self.stats.add(dropped_writes=1)
                 return
+            self._remove(key, gone=False)  # replaced, not lost
             self._index.put(key, size, value)
             self._used += size
             if expires_at is not None:
                 self._expiry.set(key, expires_at)
             evicted, forced = self._evict_locked(key, set(protected) if protected else ())
+        self._stored(key)
         self.stats.add(puts=1, bytes_in=size, evictions=evicted, protected_evictions=forced)
 
     def _must_evict(self, key: ChunkKey, size: int) -> bool:
@@ -135,12 +138,16 @@ class MemoryTier(IndexedTier):
         with self._lock:
             return sum(size for size in map(self._index.size, keys) if size is not None)
 
-    def _remove(self, key: ChunkKey) -> bool:
+    def _remove(self, key: ChunkKey, gone: bool = True) -> bool:
+        """Drop ``key``'s entry; ``gone``: it leaves the tier (told to the observer), rather than
+        being replaced by a put."""
         self._expiry.pop(key)
         old = self._index.pop(key)
         if old is None:
             return False
         self._used -= old[0]
+        if gone:
+            self._gone(key)
         return True
 
     def delete(self, key: ChunkKey) -> bool:

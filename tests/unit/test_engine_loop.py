@@ -182,3 +182,51 @@ def test_generate_waits_for_the_loop(engine):
     assert engine.generate(list(range(3, 40)), PARAMS).token_ids == direct.token_ids
     with pytest.raises(ValueError, match="context window"):
         engine.generate([1] * engine.model.config.max_position_embeddings, PARAMS)
+
+
+def test_progress_reports_a_wedge_only_while_work_waits_without_progress():
+    from kvfuse.engine.loop import STEP_BACKOFF_MAX_S, Progress
+
+    now = [100.0]
+    p = Progress(clock=lambda: now[0])
+    now[0] += 500
+    assert p.report(busy=False, stall_after_s=60)["wedged"] is False  # idle is never wedged
+    assert p.report(busy=True, stall_after_s=60)["wedged"] is True
+    p.advanced()
+    now[0] += 30
+    r = p.report(busy=True, stall_after_s=60)
+    assert r["wedged"] is False and r["seconds_since_progress"] == 30 and r["progress_steps"] == 1
+    pauses = [p.step_failed() for _ in range(12)]
+    assert pauses == sorted(pauses) and pauses[0] < pauses[-1] == STEP_BACKOFF_MAX_S
+    assert p.report(busy=True, stall_after_s=60, loop_dead=True)["wedged"] is True
+    p.step_ok()
+    assert p.report(busy=True, stall_after_s=60)["failing_steps"] == 0
+
+
+def test_a_cache_allocation_fault_fails_that_request_and_the_engine_goes_on(
+    tiny_loaded, monkeypatch
+):
+    """Not the KV budget's refusal: the device's (e.g. CUDA out of memory). The request whose
+    cache could not be allocated, or could not grow, fails with that error; admission backs off
+    a little; the next requests run."""
+    from kvfuse.engine import kv_memory
+    from kvfuse.engine import scheduler as sched
+    from kvfuse.models import cache
+
+    e = Engine(tiny_loaded("llama"), None, EngineSettings.of(max_queue=8, max_running=4))
+    real = cache.KVCache._alloc
+
+    def alloc(self, capacity):
+        if capacity >= 40:
+            raise RuntimeError("CUDA out of memory (injected)")
+        return real(self, capacity)
+
+    monkeypatch.setattr(cache.KVCache, "_alloc", alloc)
+    monkeypatch.setattr(sched, "BACKOFF_FIRST_S", 0.01)
+    monkeypatch.setattr(kv_memory, "DECODE_HEADROOM", 8)  # a first cache of prompt + 8 slots
+    with pytest.raises(RuntimeError, match="injected"):  # at admission: 40 prompt slots
+        e.generate(list(range(1, 41)), SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="injected"):  # as it grows: 4 + 8 slots, then 76
+        e.generate([1, 2, 3, 4], SamplingParams(max_tokens=40, ignore_eos=True))
+    out = e.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert len(out.token_ids) == 3 and not e.has_work()

@@ -194,3 +194,24 @@ def test_bad_limits():
         Scheduler(max_waiting=0)
     with pytest.raises(ValueError):
         Scheduler(max_running=0)
+
+
+def test_a_head_sequence_larger_than_the_whole_budget_is_refused_not_waited_for(tiny_loaded):
+    """What runs can be longer than what submit checked (a prompt lined up with a stored history):
+    a head sequence that could not fit even an empty budget is refused with the reason, and the
+    ones behind it are admitted in the same step; one that only waits for memory still blocks."""
+    runner = tiny_loaded("llama").runner
+    per_slot = slot_bytes(runner.config, torch.float16)
+    memory = KVMemory(runner, torch.float16, 100 * per_slot)
+    s = Scheduler(max_waiting=4, max_running=8, memory=memory)
+    huge, small = seq("huge", ids=range(200), max_tokens=1), seq("small", max_tokens=1)
+    s.add(huge)
+    s.add(small)
+    step = s.schedule()
+    assert [x for x, _ in step.refused] == [huge] and "kv_memory_bytes" in str(step.refused[0][1])
+    assert step.admitted == [small] and names(s.waiting()) == []
+    # 40 + 58 slots do not fit beside small's 4 now, but fit an empty budget: they wait
+    s.add(seq("later", ids=range(40), max_tokens=58))
+    s.add(seq("behind", max_tokens=1))
+    step = s.schedule()
+    assert step.refused == [] and step.admitted == [] and names(s.waiting()) == ["later", "behind"]

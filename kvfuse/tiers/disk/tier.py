@@ -57,6 +57,7 @@ class DiskTier(IndexedTier):
     """
 
     streams_reads = True  # read_with reads the file as the store's check asks for it
+    reports_puts = True  # _commit and _forget_locked tell the observer (events)
 
     def __init__(
         self,
@@ -136,6 +137,7 @@ class DiskTier(IndexedTier):
         old = self._index.pop(key)
         if old is not None:
             self._used -= old[0]
+            self._gone(key)
 
     def _record_locked(self, key: ChunkKey, size: int) -> None:
         old = self._index.put(key, size)
@@ -156,6 +158,7 @@ class DiskTier(IndexedTier):
         """Remove ``key``'s entry and its file."""
         size, _ = self._index.pop(key)
         self._used -= size
+        self._gone(key)
         line = self._expiry.drop_locked(key)
         if line is not None:
             lines.append(line)
@@ -337,6 +340,7 @@ class DiskTier(IndexedTier):
         except OSError as e:
             self._write_failed(key, tmp, e)
             return
+        self._stored(key)
         self.stats.add(puts=1, bytes_in=size, evictions=evicted)
 
     def _write_failed(self, key: ChunkKey, tmp: str, e: OSError) -> None:

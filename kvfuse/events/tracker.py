@@ -1,0 +1,204 @@
+"""Which chunks a router has been told of, and in which tiers: notifications in, vLLM events out.
+
+The tracker is fed, in order, by one thread (the publisher's): a request's chunks described by the
+cache engine (``describe``: their keys, tokens and parents, so that their block hashes can be
+computed), what the tiers stored and removed (``stored`` / ``removed``), and deletions by prefix
+(``cleared``). It answers each with the events to send:
+
+- ``stored(tier, key)``: a ``BlockStored`` with that tier's ``medium`` (and
+  ``ownership`` for a shared tier), once per chunk and tier, for a chunk it was described;
+- ``removed(tier, key)``: a ``BlockRemoved`` for a chunk announced in that tier;
+- ``freed(keys)``: ``BlockRemoved`` events for chunks deleted by key from every tier;
+- ``cleared(prefix)``: a ``BlockRemoved`` per tier for every announced chunk under ``prefix`` (a
+  tenant's or namespace's deletion, which the Redis and S3 tiers do by prefix without naming
+  keys), and ``AllBlocksCleared`` first when nothing announced is left (``DELETE /v1/kv`` of
+  everything; vllm-router's clear does not reach the shared tiers' blocks, hence the removals).
+
+It remembers at most ``capacity`` chunks, least recently announced first out: a chunk it forgets
+gets its ``BlockRemoved`` events then, so a router never holds a block kvfuse could no longer
+retract. Each remembered chunk costs its hashes (8 bytes a block) and a few words.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvfuse.counters import Counters
+from kvfuse.kv.keys import ChunkKey, Namespace
+
+from .blocks import (
+    Span,
+    announced,
+    block_tokens,
+    chunk_blocks,
+    pack_hashes,
+    pack_tokens,
+    parents,
+    unpack_hashes,
+    unpack_tokens,
+)
+from .wire import AllBlocksCleared, BlockRemoved, BlockStored, Event
+
+
+@dataclass(frozen=True)
+class TierMedium:
+    """How a tier's blocks are announced: ``medium`` and, for a shared tier, ``ownership``."""
+
+    medium: str
+    ownership: str | None = None
+
+
+@dataclass
+class TrackerStats(Counters):
+    """``described``: chunks whose blocks were computed; ``forgotten``: chunks dropped for room
+    (their removals sent); ``untracked``: tier notifications of chunks never described (documents,
+    content chunks, CacheGen variants, entries of another server)."""
+
+    described: int = 0
+    stored_events: int = 0
+    removed_events: int = 0
+    cleared_events: int = 0
+    forgotten: int = 0
+    untracked: int = 0
+
+
+class _Chunk:
+    """A described chunk: its block hashes (8 bytes each), parent hash, the announced blocks'
+    token ids (4 bytes each: a BlockStored carries them, and an entry written to a shared tier
+    may no longer hold them in a readable form) and the tiers it was announced in (a bit each)."""
+
+    __slots__ = ("hashes", "parent", "tokens", "tiers")
+
+    def __init__(self, hashes: bytes, parent: int | None, tokens: bytes) -> None:
+        self.hashes, self.parent, self.tokens, self.tiers = hashes, parent, tokens, 0
+
+
+class Tracker:
+    """See the module docstring. ``tiers``: each tier's medium, by its index in the store."""
+
+    def __init__(
+        self,
+        tiers: Sequence[TierMedium],
+        block_size: int,
+        chunk_size: int,
+        capacity: int,
+    ) -> None:
+        self.tiers = tuple(tiers)
+        self.block_size, self.chunk_size, self.capacity = block_size, chunk_size, capacity
+        self._chunks: OrderedDict[ChunkKey, _Chunk] = OrderedDict()
+        self.stats = TrackerStats()
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+    def knows(self, key: ChunkKey) -> bool:
+        """Whether ``key``'s blocks are computed (safe to ask from another thread: a dict probe)."""
+        return key in self._chunks
+
+    def describe(
+        self, namespace: Namespace, ids: Sequence[int], spans: Sequence[Span]
+    ) -> list[Event]:
+        """Compute the blocks of ``spans`` (of a request's token ids ``ids``) not known yet."""
+        todo = [s for s in announced(spans, self.chunk_size) if s.key not in self._chunks]
+        if not todo:
+            return []
+        events: list[Event] = []
+        for span, parent in zip(todo, parents(ids, todo, self.chunk_size, namespace)):
+            blocks = chunk_blocks(
+                span.key, parent, ids[span.start : span.end], self.block_size, self.chunk_size
+            )
+            if blocks.count:
+                toks = block_tokens(ids[span.start : span.end], blocks.count, self.block_size)
+                self._chunks[span.key] = _Chunk(
+                    pack_hashes(blocks.hashes), blocks.parent, pack_tokens(toks)
+                )
+                self.stats.add(described=1)
+                events += self._make_room()
+        return events
+
+    def stored(self, tier: int, key: ChunkKey) -> list[Event]:
+        """``key`` was written to tier ``tier``."""
+        chunk = self._chunks.get(key)
+        if chunk is None:
+            self.stats.add(untracked=1)
+            return []
+        bit = 1 << tier
+        if chunk.tiers & bit:
+            return []
+        chunk.tiers |= bit
+        self._chunks.move_to_end(key)
+        hashes = unpack_hashes(chunk.hashes)
+        m = self.tiers[tier]
+        self.stats.add(stored_events=1)
+        return [
+            BlockStored(
+                block_hashes=hashes,
+                parent_block_hash=chunk.parent,
+                token_ids=unpack_tokens(chunk.tokens),
+                block_size=self.block_size,
+                lora_id=None,
+                medium=m.medium,
+                lora_name=None,
+                extra_keys=[(key.namespace_id,)] * len(hashes),
+                ownership=m.ownership,
+            )
+        ]
+
+    def removed(self, tier: int, key: ChunkKey) -> list[Event]:
+        """``key`` left tier ``tier`` (evicted, expired, deleted)."""
+        chunk = self._chunks.get(key)
+        if chunk is None or not chunk.tiers & (1 << tier):
+            return []
+        chunk.tiers &= ~(1 << tier)
+        if not chunk.tiers:
+            del self._chunks[key]
+        return [self._removal(chunk.hashes, tier)]
+
+    def freed(self, keys: Sequence[ChunkKey]) -> list[Event]:
+        """``keys`` were deleted from every tier by key (a deleted stored response's entries):
+        their removals from every tier they were announced in, the shared ones included (which
+        do not report deletions themselves)."""
+        removals: list[Event] = []
+        for key in keys:
+            chunk = self._chunks.pop(key, None)
+            if chunk is not None:
+                removals += self._removals(chunk)
+        return removals
+
+    def cleared(self, prefix: str) -> list[Event]:
+        """Every chunk under the storage-key ``prefix`` was deleted from every tier."""
+        doomed = [k for k in self._chunks if str(k).startswith(prefix)]
+        removals: list[Event] = []
+        for key in doomed:
+            chunk = self._chunks.pop(key)
+            removals += self._removals(chunk)
+        # The memory and disk tiers report their deletions one by one before this arrives, so
+        # ``doomed`` may be empty: what counts is that nothing announced is left.
+        announced_left = any(c.tiers for c in self._chunks.values())
+        if not announced_left:
+            self.stats.add(cleared_events=1)
+            return [AllBlocksCleared(), *removals]
+        return removals
+
+    def _make_room(self) -> list[Event]:
+        """Forget the least recently announced chunks beyond ``capacity``, retracting them."""
+        events: list[Event] = []
+        while len(self._chunks) > self.capacity:
+            _, chunk = self._chunks.popitem(last=False)
+            self.stats.add(forgotten=1)
+            events += self._removals(chunk)
+        return events
+
+    def _removals(self, chunk: _Chunk) -> list[Event]:
+        return [
+            self._removal(chunk.hashes, t) for t in range(len(self.tiers)) if chunk.tiers >> t & 1
+        ]
+
+    def _removal(self, packed: bytes, tier: int) -> BlockRemoved:
+        m = self.tiers[tier]
+        self.stats.add(removed_events=1)
+        return BlockRemoved(
+            block_hashes=unpack_hashes(packed), medium=m.medium, ownership=m.ownership
+        )
