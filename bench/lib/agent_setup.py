@@ -212,9 +212,7 @@ def retrieve(passages: list[dict], query: str, k: int = 2, cut: int = 120) -> st
     """The ``k`` passages sharing most words with ``query`` (ties: earlier first), each cut to
     ``cut`` words: a deterministic stand-in for a search index."""
     q = words(query)
-    ranked = sorted(
-        range(len(passages)), key=lambda i: (-len(q & words(passages[i]["text"])), i)
-    )
+    ranked = sorted(range(len(passages)), key=lambda i: (-len(q & words(passages[i]["text"])), i))
     out = []
     for i in ranked[: max(1, min(3, k))]:
         p = passages[i]
