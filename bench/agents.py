@@ -40,6 +40,7 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -203,6 +204,9 @@ def make_agent(llm, tools: list, system, kind: str, policy: str):
         if create_agent is not None:
             return create_agent(llm, tools, system_prompt=system)
     from langgraph.prebuilt import create_react_agent
+
+    # LangGraph 1.x warns that it moved to langchain.agents, which is not installed here
+    warnings.filterwarnings("ignore", message=".*create_react_agent has been moved")
 
     if policy == "auto":
         return create_react_agent(llm.bind_tools(tools), tools, prompt=system)
