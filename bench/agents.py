@@ -92,19 +92,22 @@ def recorder_class():
             c = self.open.pop(run_id, None)
             if c is not None:
                 msg = response.generations[0][0].message
-                self.calls.append(call_record(c, time.perf_counter(), msg.usage_metadata))
+                kind = "tool" if getattr(msg, "tool_calls", None) else "text"
+                self.calls.append(call_record(c, time.perf_counter(), msg.usage_metadata, kind))
 
     return Recorder
 
 
-def call_record(c: dict, end: float, usage: dict | None) -> dict:
-    """One model call's sample: turn, user, TTFT and duration (s), token counts."""
+def call_record(c: dict, end: float, usage: dict | None, kind: str = "text") -> dict:
+    """One model call's sample: turn, user, kind (``tool``: it called tools; ``text``), TTFT and
+    duration (s), token counts."""
     usage = usage or {}
     details = usage.get("input_token_details") or {}
     first = c.get("first")
     return {
         "turn": c["turn"],
         "user": c["user"],
+        "kind": kind,
         "ttft_s": None if first is None else first - c["t0"],
         "duration_s": end - c["t0"],
         "prompt_tokens": usage.get("input_tokens"),
@@ -272,14 +275,26 @@ def cache_share(calls: list[dict], from_turn: int = 2) -> float | None:
     return sum(c["cached_tokens"] for c in cs) / total if total else None
 
 
+def later_ttft_p50(calls: list[dict], kind: str | None = None) -> float | None:
+    """TTFT p50 (ms) of the calls of turns >= 2 (of one ``kind`` only if given)."""
+    xs = [
+        c["ttft_s"] * 1e3
+        for c in calls
+        if c["turn"] >= 2 and c["ttft_s"] is not None and kind in (None, c.get("kind"))
+    ]
+    return percentile(xs, 0.5)
+
+
 def run_summary(run: dict) -> dict:
-    """One run's numbers: TTFT p50/p95 per turn and over turns >= 2, cache shares, output
-    tokens/s (completion tokens / time in model calls), tool calls valid and turns answered."""
+    """One run's numbers: TTFT p50/p95 per turn and p50 over turns >= 2 (all calls, tool-calling
+    calls, answering calls), cache shares, output tokens/s (completion tokens / time in model
+    calls), tool calls valid and turns answered."""
     calls, turns = run["calls"], run["turns"]
-    later = [c["ttft_s"] * 1e3 for c in calls if c["turn"] >= 2 and c["ttft_s"] is not None]
     busy = sum(c["duration_s"] for c in calls)
     out: dict = {
-        "ttft_p50_ms_from_turn2": percentile(later, 0.5),
+        "ttft_p50_ms_from_turn2": later_ttft_p50(calls),
+        "ttft_p50_ms_tool_calls_from_turn2": later_ttft_p50(calls, "tool"),
+        "ttft_p50_ms_answers_from_turn2": later_ttft_p50(calls, "text"),
         "cache_share_from_turn2": cache_share(calls, 2),
         "cache_share_all": cache_share(calls, 1),
         "tokens_per_s": sum(c["completion_tokens"] for c in calls) / busy if busy else None,
@@ -358,12 +373,21 @@ def table_rows(agg: dict[str, dict], turns: int) -> tuple[list[str], list[list]]
     head = ["candidate"]
     head += [f"TTFT p50 t{t}" for t in range(1, turns + 1)]
     head += [f"p95 t{t}" for t in range(1, turns + 1)]
-    head += ["cached% t>=2", "tok/s", "valid calls", "answered"]
+    head += [
+        "TTFT p50 t>=2: tool calls",
+        "answers",
+        "cached% t>=2",
+        "tok/s",
+        "valid calls",
+        "answered",
+    ]
     rows = []
     for cand, a in agg.items():
         row = [LABELS[cand]]
         row += [cell(agg, cand, f"ttft_p50_ms_turn{t}") for t in range(1, turns + 1)]
         row += [cell(agg, cand, f"ttft_p95_ms_turn{t}") for t in range(1, turns + 1)]
+        row.append(cell(agg, cand, "ttft_p50_ms_tool_calls_from_turn2"))
+        row.append(cell(agg, cand, "ttft_p50_ms_answers_from_turn2"))
         row.append(cell(agg, cand, "cache_share_from_turn2", 100.0))
         row.append(cell(agg, cand, "tokens_per_s", 1.0, 1))
         med = {k: _med(agg, cand, k) for k in ("valid_calls", "tool_calls")}

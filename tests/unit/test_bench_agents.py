@@ -25,10 +25,11 @@ def load_agents():
 agents = load_agents()
 
 
-def call(turn, ttft, prompt, cached, out=10, dur=1.0, user=0):
+def call(turn, ttft, prompt, cached, out=10, dur=1.0, user=0, kind="text"):
     return {
         "turn": turn,
         "user": user,
+        "kind": kind,
         "ttft_s": ttft,
         "duration_s": dur,
         "prompt_tokens": prompt,
@@ -40,7 +41,7 @@ def call(turn, ttft, prompt, cached, out=10, dur=1.0, user=0):
 CALLS = [
     call(1, 1.0, 3000, 0),
     call(1, 0.2, 3400, 3000),
-    call(2, 0.1, 3600, 3500),
+    call(2, 0.1, 3600, 3500, kind="tool"),
     call(2, 0.3, 4000, 3500),
     call(3, None, 4200, 4100),  # no streamed token: no TTFT sample
 ]
@@ -82,6 +83,8 @@ def test_run_summary():
     assert s["ttft_p50_ms_turn1"] in (pytest.approx(200.0), pytest.approx(1000.0))
     assert "ttft_p50_ms_turn3" not in s
     assert s["ttft_p50_ms_from_turn2"] in (pytest.approx(100.0), pytest.approx(300.0))
+    assert s["ttft_p50_ms_tool_calls_from_turn2"] == pytest.approx(100.0)
+    assert s["ttft_p50_ms_answers_from_turn2"] == pytest.approx(300.0)
 
 
 def test_run_summary_of_a_failed_run_has_no_rates():
@@ -184,7 +187,8 @@ def test_check_turn(specs, calls, valid, answered):
 
 def test_call_record_reads_langchain_usage():
     usage = {"input_tokens": 3000, "output_tokens": 12, "input_token_details": {"cache_read": 2900}}
-    r = agents.call_record({"turn": 2, "user": 1, "t0": 10.0, "first": 10.25}, 11.0, usage)
+    r = agents.call_record({"turn": 2, "user": 1, "t0": 10.0, "first": 10.25}, 11.0, usage, "tool")
+    assert r["kind"] == "tool"
     assert r["ttft_s"] == pytest.approx(0.25) and r["duration_s"] == pytest.approx(1.0)
     assert (r["prompt_tokens"], r["cached_tokens"], r["completion_tokens"]) == (3000, 2900, 12)
     assert agents.call_record({"turn": 1, "user": 0, "t0": 0.0}, 1.0, None)["ttft_s"] is None
