@@ -593,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     servers = srvs.servers(p, args)
+    if set(servers) - {"kvfuse", "vllm"}:
+        p.error("agents.py runs kvfuse and vllm only (llama-server has no tool parser set up here)")
     if args.smoke:
         args.users, args.turns, args.rounds, args.max_tokens = 1, 2, 1, min(args.max_tokens, 48)
         servers = ["kvfuse"]
