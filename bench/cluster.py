@@ -146,16 +146,30 @@ class Cluster:
         self.router = None
 
     def clear(self) -> None:
-        """Every live server's KV dropped (memory, disk, and the shared Redis): a cold start."""
+        """Every live server's KV dropped (memory, disk, and the shared Redis): a cold start,
+        once the background writes of the run before are done (else they land after it)."""
+        for s in self.live():
+            flushed(s.url)
         for s in self.live():
             httpx.delete(s.url + "/v1/kv", timeout=60).raise_for_status()
 
 
-def ask(base_url: str, user: User, messages: list[dict], max_tokens: int) -> dict:
+def flushed(url: str, timeout: float = 60.0) -> None:
+    """Wait until the server's lower-tier writes are done (stats: no queue, no pending save)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = httpx.get(url + "/v1/kv/stats", timeout=10).json()
+        store = stats["tiers"].get("store", {})
+        if not store.get("queue_depth", 0) and not stats["engine"].get("saver", {}).get("pending"):
+            return
+        time.sleep(0.2)
+
+
+def ask(base_url: str, user: User, messages: list[dict], max_tokens: int, model: str) -> dict:
     """One streamed chat completion through the router, greedy, with the user's session header;
     TTFT at the first content chunk, usage from the last chunk. Never raises: a failure is a
     sample with ``ok`` False and the error."""
-    body = {"model": "x", "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.monotonic()
     out = {"ok": False, "ttft_s": None, "prompt_tokens": 0, "cached_tokens": 0,
@@ -198,7 +212,7 @@ def sse_chunks(lines):
             yield json.loads(line[6:])
 
 
-def run_users(base_url: str, users: list[User], max_tokens: int, on_sample=None) -> tuple:
+def run_users(base_url: str, users: list[User], args, on_sample=None) -> tuple:
     """Every user in a thread of its own, its turns one after the other; (samples, wall s)."""
     samples: list[dict] = []
     lock = threading.Lock()
@@ -207,7 +221,7 @@ def run_users(base_url: str, users: list[User], max_tokens: int, on_sample=None)
         history = [{"role": "system", "content": user.system}] if user.system else []
         for t, text in enumerate(user.turns):
             msgs = history + [{"role": "user", "content": text}]
-            s = ask(base_url, user, msgs, max_tokens)
+            s = ask(base_url, user, msgs, args.max_tokens, args.model)
             s.update(user=user.uid, turn=t, key=f"{user.uid}/{t}")
             with lock:
                 samples.append(s)
@@ -225,12 +239,12 @@ def run_users(base_url: str, users: list[User], max_tokens: int, on_sample=None)
     return samples, time.monotonic() - t0
 
 
-def one_run(cluster: Cluster, policy: str, users: list[User], max_tokens: int) -> tuple:
+def one_run(cluster: Cluster, policy: str, users: list[User], args) -> tuple:
     """A cold run of one workload under one policy; (summary, outputs by request key)."""
     cluster.clear()
     url = cluster.start_router(policy)
     try:
-        samples, wall = run_users(url, users, max_tokens)
+        samples, wall = run_users(url, users, args)
     finally:
         cluster.stop_router()
     errors = [s["error"] for s in samples if not s["ok"]]
@@ -255,7 +269,7 @@ def kill_run(cluster: Cluster, args, users: list[User], reference: dict) -> dict
                 cluster.servers[0].kill()
 
     try:
-        samples, wall = run_users(url, users, args.max_tokens, on_sample)
+        samples, wall = run_users(url, users, args, on_sample)
     finally:
         cluster.stop_router()
     summary = kill_summary(samples, killed["at"], reference)
@@ -289,7 +303,7 @@ def measure(cluster: Cluster, args, loads: dict[str, list[User]]) -> tuple:
     for r in range(args.rounds):
         k = r % len(runs)
         for w, p in runs[k:] + runs[:k]:
-            summary, outputs = one_run(cluster, p, loads[w], args.max_tokens)
+            summary, outputs = one_run(cluster, p, loads[w], args)
             passes[w][p].append(summary)
             if w == "chat" and not reference:
                 reference = outputs
@@ -345,6 +359,7 @@ def main() -> None:
     print(f"split {args.split}; {args.servers} servers; policies {args.policies}", flush=True)
     workdir = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvfuse-bench-cluster-{os.getpid()}"
     workdir.mkdir(parents=True, exist_ok=True)
+    print(f"logs: {workdir}", flush=True)
     with LocalRedis() as redis:
         cluster = Cluster(args, redis, workdir)
         try:
