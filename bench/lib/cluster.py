@@ -99,7 +99,7 @@ def summarize_pass(samples: list[dict], wall_s: float) -> dict:
 
 def median_of(passes: list[dict]) -> dict:
     """The median of every figure over the rounds' passes of one candidate (None where missing)."""
-    keys = [k for k in passes[0] if any(isinstance(p.get(k), (int, float)) for p in passes)]
+    keys = [k for k in passes[0] if not isinstance(passes[0][k], (list, dict, str))]
     out = {}
     for k in keys:
         xs = [p[k] for p in passes if p.get(k) is not None]

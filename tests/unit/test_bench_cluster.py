@@ -52,6 +52,8 @@ def test_medians_over_rounds_skip_missing_figures():
     m = median_of([{"hit_share": 0.2, "ttft_p95_ms": None}, {"hit_share": 0.4, "ttft_p95_ms": 5},
                    {"hit_share": 0.3, "ttft_p95_ms": 7}])  # fmt: skip
     assert m == {"hit_share": 0.3, "ttft_p95_ms": 6.0}
+    none = median_of([{"hit_share": None, "errors": ["x"]}, {"hit_share": None, "errors": []}])
+    assert none == {"hit_share": None}  # a figure nobody measured is there, as None
 
 
 def test_the_kill_run_checks_each_users_first_history_turn_after_the_kill():
