@@ -110,11 +110,12 @@ def median_of(passes: list[dict]) -> dict:
 def kill_summary(samples: list[dict], kill_at: float, reference: dict[str, str]) -> dict:
     """The kill run: failed requests (all, and those sent after the kill), wrong answers (a
     request's text differs from the same request's text in ``reference``, a run without the
-    kill), and per user whether the first turn sent after the kill that carries history reused it
-    (``cached_tokens`` > 0): every user must, the killed server's users through the shared tier."""
+    kill), and per user whether the first answered turn sent after the kill that carries history
+    reused it (``cached_tokens`` > 0; a user with none answered did not): every user must, the
+    killed server's users through the shared tier (failures are counted apart)."""
     after = [s for s in samples if s["t_sent"] >= kill_at]
     first: dict[str, dict] = {}
-    for s in sorted(after, key=lambda s: s["t_sent"]):
+    for s in sorted(after, key=lambda s: (not s["ok"], s["t_sent"])):  # answered ones first
         if s["turn"] > 0:
             first.setdefault(s["user"], s)
     wrong = [

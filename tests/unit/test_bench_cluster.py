@@ -63,11 +63,13 @@ def test_the_kill_run_checks_each_users_first_history_turn_after_the_kill():
         sample("b", 2, t=6.0, cached=90),  # too late: b's first turn after the kill missed
         sample("c", 0, t=7.0),  # a first turn has no history to reuse: not counted
         sample("a", 2, ok=False, ttft=None, t=8.0),
+        sample("d", 1, ok=False, ttft=None, t=4.5), sample("d", 2, t=6.0, cached=70),
+        sample("e", 1, ok=False, ttft=None, t=4.5),  # nothing answered: not reused
     ]  # fmt: skip
     out = kill_summary(s, kill_at=4.0, reference={"a/1": "a", "b/1": "zzz"})
-    assert out["failed"] == 1 and out["failed_after_kill"] == 1
-    assert out["reused_by_user"] == {"a": True, "b": False}
-    assert out["users_reusing_after_kill"] == 1 and out["users_after_kill"] == 2
+    assert out["failed"] == 3 and out["failed_after_kill"] == 3
+    assert out["reused_by_user"] == {"a": True, "b": False, "d": True, "e": False}
+    assert out["users_reusing_after_kill"] == 2 and out["users_after_kill"] == 4
     assert out["compared"] == 2 and out["wrong_answers"] == 1 and out["wrong_keys"] == ["b/1"]
 
 
