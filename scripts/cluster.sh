@@ -73,7 +73,7 @@ launch() {  # launch NAME CMD...: start in the background, record PID, start tim
 
 wait_http() {  # wait_http NAME URL SECONDS
     local deadline=$((SECONDS + $3))
-    until curl -fsS -o /dev/null --max-time 2 "$2"; do
+    until curl -fsS -o /dev/null --max-time 2 "$2" 2>/dev/null; do
         alive "$1" || die "$1 exited; see $RUN_DIR/$1.log"
         [ $SECONDS -lt $deadline ] || die "$1 did not answer $2 within $3 s; see $RUN_DIR/$1.log"
         sleep 0.5
