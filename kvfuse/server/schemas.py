@@ -132,6 +132,11 @@ class StreamOptions(_Strict):
     )
 
 
+_ROUTER_DEFAULT = (
+    "SGLang's extension, as vllm-router sends it: only its default value (kvfuse's behaviour)."
+)
+
+
 class SamplingRequest(KVFuseOptions):
     """Fields shared by completions and chat completions."""
 
@@ -178,6 +183,15 @@ class SamplingRequest(KVFuseOptions):
         description="Keep generating past the end-of-sequence token until max_tokens or a stop string "
         "(vLLM's extension; for benchmarks).",
     )
+    # vllm-router re-serializes every body it forwards with SGLang's extension fields at their
+    # defaults: accepted at the value that changes nothing here, refused (400) at any other.
+    no_stop_trim: Literal[False] | None = Field(None, description=_ROUTER_DEFAULT)
+    skip_special_tokens: Literal[True] | None = Field(None, description=_ROUTER_DEFAULT)
+    continue_final_message: Literal[False] | None = Field(None, description=_ROUTER_DEFAULT)
+    separate_reasoning: Literal[True] | None = Field(None, description=_ROUTER_DEFAULT)
+    stream_reasoning: Literal[True] | None = Field(None, description=_ROUTER_DEFAULT)
+    return_hidden_states: Literal[False] | None = Field(None, description=_ROUTER_DEFAULT)
+    include_reasoning: Literal[True] | None = Field(None, description=_ROUTER_DEFAULT)
     n: int | None = Field(
         1,
         ge=1,

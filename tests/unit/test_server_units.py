@@ -356,3 +356,35 @@ def test_metrics_render_and_count_outcomes():
     # a registry per app: a second app's metrics start from zero
     other = ServerMetrics(lambda: None, queue=lambda: {})
     assert b"kvfuse_requests_cancelled_total{" not in other.render()
+
+
+# What vllm-router 0.1.17 adds to every body it forwards (SGLang's extensions at their defaults).
+ROUTER_DEFAULTS = {
+    "logprobs": False,
+    "no_stop_trim": False,
+    "ignore_eos": False,
+    "continue_final_message": False,
+    "skip_special_tokens": True,
+    "separate_reasoning": True,
+    "stream_reasoning": True,
+    "return_hidden_states": False,
+    "include_reasoning": True,
+}
+
+
+def test_the_fields_vllm_router_adds_are_accepted_at_their_defaults():
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], **ROUTER_DEFAULTS}
+    ChatCompletionRequest.model_validate(body)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("no_stop_trim", True), ("skip_special_tokens", False), ("continue_final_message", True),
+     ("separate_reasoning", False), ("return_hidden_states", True)],
+)  # fmt: skip
+def test_the_router_fields_are_refused_at_any_other_value(field, value):
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], field: value}
+    with pytest.raises(ValidationError) as exc:
+        ChatCompletionRequest.model_validate(body)
+    err = validation_error(exc.value.errors())
+    assert err.status == 400 and err.param == field

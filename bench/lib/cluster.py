@@ -1,0 +1,166 @@
+"""The pure parts of bench/cluster.py: its workloads (multi-user chat from ShareGPT, RAG over shared
+MuSiQue documents), the summary of a pass (cache-hit share, TTFT percentiles, throughput), the
+kill run's summary and the targets of issue 40, kept apart from the processes so that they are
+table-tested (tests/unit/test_bench_cluster.py)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass
+
+from .client import percentile, rounded
+from .data import musique
+from .paths import DATA
+
+
+@dataclass
+class User:
+    """One simulated end user: its turns, sent one after the other. ``history``: a chat, where each
+    turn carries the earlier turns and the answers the server gave; otherwise every turn is a
+    fresh question after the same system message (RAG over shared documents)."""
+
+    uid: str
+    system: str
+    turns: list[str]
+    history: bool
+
+
+def chat_users(n_users: int, turns: int, chars: int, split: str = "dev") -> list[User]:
+    """The first ``n_users`` ShareGPT conversations with ``turns`` user messages or more, each
+    message cut to ``chars`` characters (the recorded answers are not used: the server answers)."""
+    if split != "dev":
+        raise ValueError(
+            "the ShareGPT file here is the dev split only; the chat workload has no test"
+        )
+    users: list[User] = []
+    with open(DATA / "sharegpt_multiturn_dev.jsonl") as f:
+        for line in f:
+            conv = json.loads(line)
+            asks = [m["content"][:chars] for m in conv["messages"] if m["role"] == "user"]
+            if len(asks) >= turns and all(a.strip() for a in asks[:turns]):
+                users.append(User(f"chat-{len(users)}", "", asks[:turns], True))
+            if len(users) == n_users:
+                return users
+    raise ValueError(f"fewer than {n_users} conversations with {turns} user turns")
+
+
+def rag_system(example: dict, docs: int, chars: int) -> str:
+    """A system message holding the first ``docs`` passages of a MuSiQue example (the shared
+    documents: the same text, byte for byte, for every user who asks about them)."""
+    passages = [c["text"][:chars] for c in example["ctxs"][:docs]]
+    return "Answer from these documents.\n\n" + "\n\n".join(passages)
+
+
+def rag_users(
+    n_users: int, turns: int, doc_sets: int, docs: int, chars: int, split: str = "dev"
+) -> list[User]:
+    """Users asking about ``doc_sets`` shared document sets: user u's turn t is about set
+    (u + t) mod doc_sets, with that set's question, signed by the user (so no two prompts are
+    equal, only their documents are shared)."""
+    examples = musique(split)[:doc_sets]
+    users = []
+    for u in range(n_users):
+        sets = [examples[(u + t) % len(examples)] for t in range(turns)]
+        # one system message per user would pin the user to one set; each turn carries its own
+        users.append(
+            User(
+                f"rag-{u}",
+                "",
+                [
+                    rag_system(ex, docs, chars) + f"\n\nQuestion (user {u}): " + ex["question"]
+                    for ex in sets
+                ],  # fmt: skip
+                False,
+            )
+        )
+    return users
+
+
+def summarize_pass(samples: list[dict], wall_s: float) -> dict:
+    """A pass's figures: requests, failed, cache-hit share (sum of usage ``cached_tokens`` over
+    sum of ``prompt_tokens``, of the answered requests), TTFT p50 / p95 (ms), requests and output
+    tokens per second over the pass's wall time."""
+    ok = [s for s in samples if s["ok"]]
+    prompt = sum(s["prompt_tokens"] for s in ok)
+    ttft = [s["ttft_s"] * 1000 for s in ok if s["ttft_s"] is not None]
+    return {
+        "requests": len(samples),
+        "failed": len(samples) - len(ok),
+        "hit_share": rounded(sum(s["cached_tokens"] for s in ok) / prompt, 4) if prompt else None,
+        "ttft_p50_ms": rounded(percentile(ttft, 0.5)),
+        "ttft_p95_ms": rounded(percentile(ttft, 0.95)),
+        "req_s": rounded(len(ok) / wall_s, 3) if wall_s > 0 else None,
+        "out_tok_s": rounded(sum(s["completion_tokens"] for s in ok) / wall_s, 2)
+        if wall_s > 0
+        else None,
+    }
+
+
+def median_of(passes: list[dict]) -> dict:
+    """The median of every figure over the rounds' passes of one candidate (None where missing)."""
+    keys = [k for k in passes[0] if not isinstance(passes[0][k], (list, dict, str))]
+    out = {}
+    for k in keys:
+        xs = [p[k] for p in passes if p.get(k) is not None]
+        out[k] = statistics.median(xs) if xs else None
+    return out
+
+
+def kill_summary(samples: list[dict], kill_at: float, reference: dict[str, str]) -> dict:
+    """The kill run: failed requests (all, and those sent after the kill), wrong answers (a
+    request's text differs from the same request's text in ``reference``, a run without the
+    kill), and per user whether the first answered turn sent after the kill that carries history
+    reused it (``cached_tokens`` > 0; a user with none answered did not): every user must, the
+    killed server's users through the shared tier (failures are counted apart)."""
+    after = [s for s in samples if s["t_sent"] >= kill_at]
+    first: dict[str, dict] = {}
+    for s in sorted(after, key=lambda s: (not s["ok"], s["t_sent"])):  # answered ones first
+        if s["turn"] > 0:
+            first.setdefault(s["user"], s)
+    wrong = [
+        s["key"]
+        for s in samples
+        if s["ok"] and s["key"] in reference and reference[s["key"]] != s["text"]
+    ]
+    reused = {u: bool(s["ok"] and s["cached_tokens"] > 0) for u, s in first.items()}
+    return {
+        "failed": sum(not s["ok"] for s in samples),
+        "failed_after_kill": sum(not s["ok"] for s in after),
+        "compared": sum(1 for s in samples if s["ok"] and s["key"] in reference),
+        "wrong_answers": len(wrong),
+        "wrong_keys": wrong,
+        "users_after_kill": len(reused),
+        "users_reusing_after_kill": sum(reused.values()),
+        "reused_by_user": reused,
+    }
+
+
+def check_targets(medians: dict[str, dict[str, dict]], kill: dict | None) -> list[dict]:
+    """Issue 40's targets, each ``{target, measured, pass}`` (``pass`` None where a figure is
+    missing): on chat, kv_aware's hit share >= cache_aware's and its TTFT p95 at most half of
+    round_robin's; the kill run with 0 failed, 0 wrong answers, every user reusing history."""
+    chat = medians.get("chat", {})
+    kv, ca, rr = chat.get("kv_aware"), chat.get("cache_aware"), chat.get("round_robin")
+    out = []
+
+    def add(name: str, measured, ok) -> None:
+        out.append({"target": name, "measured": measured, "pass": ok})
+
+    if kv and ca and kv["hit_share"] is not None and ca["hit_share"] is not None:
+        add("chat: kv_aware hit share >= cache_aware", [kv["hit_share"], ca["hit_share"]],
+            kv["hit_share"] >= ca["hit_share"])  # fmt: skip
+    else:
+        add("chat: kv_aware hit share >= cache_aware", None, None)
+    if kv and rr and kv["ttft_p95_ms"] and rr["ttft_p95_ms"]:
+        ratio = round(rr["ttft_p95_ms"] / kv["ttft_p95_ms"], 2)
+        add("chat: TTFT p95 round_robin / kv_aware >= 2", ratio, ratio >= 2.0)
+    else:
+        add("chat: TTFT p95 round_robin / kv_aware >= 2", None, None)
+    if kill is not None:
+        add("kill: 0 failed requests", kill["failed"], kill["failed"] == 0)
+        add("kill: 0 wrong answers", kill["wrong_answers"], kill["wrong_answers"] == 0)
+        users = [kill["users_reusing_after_kill"], kill["users_after_kill"]]
+        add("kill: every user reuses history after the kill", users,
+            users[1] > 0 and users[0] == users[1])  # fmt: skip
+    return out

@@ -1,0 +1,125 @@
+"""The pure parts of bench/cluster.py: its workloads, a pass's summary (hit share, TTFT, rates),
+the kill run's summary and issue 40's targets."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+from bench.lib.cluster import (  # noqa: E402
+    chat_users,
+    check_targets,
+    kill_summary,
+    median_of,
+    rag_users,
+    summarize_pass,
+)
+
+
+def sample(user="u0", turn=0, ok=True, ttft=0.1, prompt=100, cached=0, out=4, t=0.0, text="a"):
+    return {"user": user, "turn": turn, "key": f"{user}/{turn}", "ok": ok, "ttft_s": ttft,
+            "prompt_tokens": prompt if ok else 0, "cached_tokens": cached if ok else 0,
+            "completion_tokens": out if ok else 0, "t_sent": t, "text": text}  # fmt: skip
+
+
+def test_a_pass_counts_hits_over_the_answered_requests_only():
+    s = [sample(prompt=100, cached=0), sample(turn=1, prompt=300, cached=200),
+         sample(turn=2, ok=False, ttft=None)]  # fmt: skip
+    out = summarize_pass(s, wall_s=2.0)
+    assert out["requests"] == 3 and out["failed"] == 1
+    assert out["hit_share"] == 0.5  # 200 / 400
+    assert out["req_s"] == 1.0 and out["out_tok_s"] == 4.0
+
+
+def test_ttft_percentiles_are_nearest_rank_in_ms():
+    s = [sample(turn=i, ttft=x) for i, x in enumerate([0.1, 0.2, 0.3, 0.4, 1.0])]
+    out = summarize_pass(s, wall_s=1.0)
+    assert out["ttft_p50_ms"] == 300.0 and out["ttft_p95_ms"] == 1000.0
+
+
+def test_a_pass_with_nothing_answered_has_no_rates_but_counts_failures():
+    out = summarize_pass([sample(ok=False, ttft=None)], wall_s=0.0)
+    assert out["failed"] == 1 and out["hit_share"] is None and out["ttft_p50_ms"] is None
+    assert out["req_s"] is None
+
+
+def test_medians_over_rounds_skip_missing_figures():
+    m = median_of([{"hit_share": 0.2, "ttft_p95_ms": None}, {"hit_share": 0.4, "ttft_p95_ms": 5},
+                   {"hit_share": 0.3, "ttft_p95_ms": 7}])  # fmt: skip
+    assert m == {"hit_share": 0.3, "ttft_p95_ms": 6.0}
+    none = median_of([{"hit_share": None, "errors": ["x"]}, {"hit_share": None, "errors": []}])
+    assert none == {"hit_share": None}  # a figure nobody measured is there, as None
+
+
+def test_the_kill_run_checks_each_users_first_history_turn_after_the_kill():
+    s = [
+        sample("a", 0, t=0.0), sample("b", 0, t=0.0),
+        sample("a", 1, t=5.0, cached=80), sample("b", 1, t=5.5, cached=0),
+        sample("b", 2, t=6.0, cached=90),  # too late: b's first turn after the kill missed
+        sample("c", 0, t=7.0),  # a first turn has no history to reuse: not counted
+        sample("a", 2, ok=False, ttft=None, t=8.0),
+        sample("d", 1, ok=False, ttft=None, t=4.5), sample("d", 2, t=6.0, cached=70),
+        sample("e", 1, ok=False, ttft=None, t=4.5),  # nothing answered: not reused
+    ]  # fmt: skip
+    out = kill_summary(s, kill_at=4.0, reference={"a/1": "a", "b/1": "zzz"})
+    assert out["failed"] == 3 and out["failed_after_kill"] == 3
+    assert out["reused_by_user"] == {"a": True, "b": False, "d": True, "e": False}
+    assert out["users_reusing_after_kill"] == 2 and out["users_after_kill"] == 4
+    assert out["compared"] == 2 and out["wrong_answers"] == 1 and out["wrong_keys"] == ["b/1"]
+
+
+def figures(hit, p95):
+    return {"hit_share": hit, "ttft_p95_ms": p95}
+
+
+@pytest.mark.parametrize(
+    "kv,ca,rr,want",
+    [
+        (figures(0.6, 100), figures(0.5, 90), figures(0.1, 250), [True, True]),
+        (figures(0.4, 100), figures(0.5, 90), figures(0.1, 150), [False, False]),
+        (figures(0.5, 100), figures(0.5, 90), figures(0.1, 200), [True, True]),  # ties pass
+        (figures(None, None), figures(0.5, 90), figures(0.1, 200), [None, None]),
+    ],
+)
+def test_routing_targets_from_the_chat_medians(kv, ca, rr, want):
+    medians = {"chat": {"kv_aware": kv, "cache_aware": ca, "round_robin": rr}}
+    assert [t["pass"] for t in check_targets(medians, None)] == want
+
+
+def test_routing_targets_are_not_judged_without_their_policies():
+    targets = check_targets({"chat": {"round_robin": figures(0.1, 100)}}, None)
+    assert [t["pass"] for t in targets] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "failed,wrong,reusing,users,want",
+    [(0, 0, 3, 3, [True, True, True]), (1, 0, 3, 3, [False, True, True]),
+     (0, 2, 2, 3, [True, False, False]), (0, 0, 0, 0, [True, True, False])],
+)  # fmt: skip
+def test_kill_targets(failed, wrong, reusing, users, want):
+    kill = {"failed": failed, "wrong_answers": wrong, "users_reusing_after_kill": reusing,
+            "users_after_kill": users}  # fmt: skip
+    assert [t["pass"] for t in check_targets({}, kill)][2:] == want
+
+
+def test_chat_users_replay_user_turns_cut_to_length():
+    users = chat_users(3, 2, 50)
+    assert [u.uid for u in users] == ["chat-0", "chat-1", "chat-2"]
+    assert all(len(u.turns) == 2 and u.history for u in users)
+    assert all(0 < len(t) <= 50 for u in users for t in u.turns)
+    with pytest.raises(ValueError, match="dev split only"):
+        chat_users(1, 2, 50, split="test")
+
+
+def test_rag_users_share_documents_but_never_a_whole_prompt():
+    users = rag_users(4, 2, doc_sets=2, docs=2, chars=100)
+    prompts = [t for u in users for t in u.turns]
+    assert len(set(prompts)) == len(prompts)
+    heads = {p.split("\n\nQuestion")[0] for p in prompts}
+    assert len(heads) == 2  # two shared document sets, each a byte-equal prefix
+    assert not any(u.history for u in users)
