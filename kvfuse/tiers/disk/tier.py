@@ -191,20 +191,27 @@ class DiskTier(IndexedTier):
 
     def contains(self, key: ChunkKey) -> bool:
         # Always ask the file system (one stat): another process may have added or evicted it.
+        st = self._stat(key)
+        if st is None:
+            return False
+        if self._expiry and self._expiry.expired(key, st.st_ino):
+            self._expiry.drop_expired(key, st.st_ino)
+            return False
+        return True
+
+    def _stat(self, key: ChunkKey) -> os.stat_result | None:
+        """The entry file's stat, or None: a missing file is forgotten from the index, another
+        failure logged and counted as an error."""
         try:
-            st = os.stat(self._path(key))
-            if self._expiry and self._expiry.expired(key, st.st_ino):
-                self._expiry.drop_expired(key, st.st_ino)
-                return False
-            return True
+            return os.stat(self._path(key))
         except FileNotFoundError:
             with self._lock:
                 self._forget_locked(key)
-            return False
+            return None
         except OSError as e:
             log.warning("disk tier %s: stat %s failed: %s", self.root, key, e)
             self.stats.add(errors=1)
-            return False
+            return None
 
     def _read_file(
         self, key: ChunkKey, read: Callable[[int, int], T], touch: bool = True
@@ -392,17 +399,8 @@ class DiskTier(IndexedTier):
         return self._expiry.expiry(key)
 
     def extend(self, key: ChunkKey, expires_at: float) -> bool:
-        try:
-            ino = os.stat(self._path(key)).st_ino
-        except FileNotFoundError:
-            with self._lock:
-                self._forget_locked(key)
-            return False
-        except OSError as e:
-            log.warning("disk tier %s: stat %s failed: %s", self.root, key, e)
-            self.stats.add(errors=1)
-            return False
-        return self._expiry.extend(key, ino, expires_at)
+        st = self._stat(key)
+        return st is not None and self._expiry.extend(key, st.st_ino, expires_at)
 
     def expire(self) -> int:
         return self._expiry.expire()
