@@ -328,3 +328,14 @@ def test_the_checks_see_what_they_look_for():
 
 def _statements(count: int, indent: int) -> str:
     return "".join(f"{' ' * indent}x = {i}\n" for i in range(count))
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports test modules by basename (no packages under tests/): two files of one name
+    in different folders stop the default run at collection."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, list[str]] = {}
+    for path in tests.rglob("test_*.py"):
+        seen.setdefault(path.name, []).append(str(path.relative_to(tests)))
+    clashes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not clashes, f"test modules sharing a name: {clashes}"
