@@ -27,10 +27,13 @@ Anthropic's shape, and the stream ends.
 **Tool use.** With tools (and a ``tool_choice`` other than ``none``) the output is read by
 ``kvfuse.tools``' call parser: the message's content is its text (when any) and a ``tool_use``
 block per call, and ``stop_reason`` is ``"tool_use"`` when it made a call. Streamed, each block
-has its own index: text as above, and each call, once its JSON is complete and valid, as
-``content_block_start`` (a ``tool_use`` block with an empty ``input``), one
-``content_block_delta`` of type ``input_json_delta`` whose ``partial_json`` is the whole input,
-and ``content_block_stop`` (Anthropic sends the input in several pieces; clients join them).
+has its own index: text as above, and each call as it is generated, as Anthropic sends one:
+``content_block_start`` (a ``tool_use`` block with an empty ``input``) once its name is read,
+a ``content_block_delta`` of type ``input_json_delta`` per piece of its input (``partial_json``;
+the pieces join into the input's JSON), and ``content_block_stop``. A call that breaks off after
+it started (invalid JSON, or cut by ``max_tokens``) stops with the pieces sent (a JSON prefix,
+which the SDK's partial parser reads); ``stop_reason`` is then ``tool_use`` (``max_tokens`` when
+cut).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.engine import Breakpoint, GenerationResult
-from kvfuse.tools import Call, CallParser, Parsed, ToolCalling
+from kvfuse.tools import CallArgs, CallParser, CallStart, Parsed, Text, ToolCalling
 
 from . import anthropic_errors
 from .anthropic_tools import content_blocks, tool_use_block
@@ -187,7 +190,7 @@ class MessageBuilder:
 
     def text(self, piece: str) -> list[str]:
         """The events of a piece of output: text deltas, or with tools what the call parser lets
-        through (text, complete calls)."""
+        through (text, calls as they are generated)."""
         if self.parser is None:
             return self._text(piece)
         return self._events(self.parser.feed(piece))
@@ -195,8 +198,26 @@ class MessageBuilder:
     def _events(self, events) -> list[str]:
         out: list[str] = []
         for e in events:
-            out += self._call(e) if isinstance(e, Call) else self._text(e.text)
+            if isinstance(e, Text):
+                out += self._text(e.text)
+            elif isinstance(e, CallStart):
+                out += self._close() + self._open(tool_use_block(e.id, e.name, "", streamed=True))
+            elif isinstance(e, CallArgs):
+                out.append(self._input_delta(e.text))
+            else:  # the call's end: its block stops
+                out.append(self._stop())
         return out
+
+    def _input_delta(self, piece: str) -> str:
+        """A piece of the open ``tool_use`` block's input JSON."""
+        delta = {"type": "input_json_delta", "partial_json": piece}
+        event = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse("content_block_delta", event)
+
+    def _stop(self) -> str:
+        """``content_block_stop`` of the current block; the next block gets the next index."""
+        self.index += 1
+        return sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})
 
     def _open(self, block: dict[str, Any]) -> list[str]:
         """``content_block_start`` of the next block (the first one followed by a ``ping``)."""
@@ -212,8 +233,7 @@ class MessageBuilder:
         if not self.block_open:
             return []
         self.block_open = False
-        self.index += 1
-        return [sse("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
+        return [self._stop()]
 
     def _text(self, piece: str) -> list[str]:
         """A text delta; the first one of a text block opens it."""
@@ -225,22 +245,6 @@ class MessageBuilder:
         event = {"type": "content_block_delta", "index": self.index, "delta": delta}
         return out + [sse("content_block_delta", event)]
 
-    def _call(self, e: Call) -> list[str]:
-        """A complete call as a ``tool_use`` block: start, its input as one ``input_json_delta``,
-        stop."""
-        c = e.call
-        out = self._close() + self._open(tool_use_block(c.id, c.name, c.arguments, streamed=True))
-        delta = {"type": "input_json_delta", "partial_json": c.arguments}
-        out.append(
-            sse(
-                "content_block_delta",
-                {"type": "content_block_delta", "index": self.index, "delta": delta},
-            )
-        )
-        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
-        self.index += 1
-        return out
-
     def finish(self, result: GenerationResult) -> list[str]:
         """The events after the last text: what the call parser held back, the open block's stop,
         ``message_delta`` (the stop reason and the cumulative usage), ``message_stop``."""
@@ -250,7 +254,7 @@ class MessageBuilder:
         out += self._close()
         if not self.pinged:
             out.append(sse("ping", {"type": "ping"}))
-        reason, sequence = self._reason(result, bool(self.parser and self.parser.calls))
+        reason, sequence = self._reason(result, bool(self.parser and self.parser.count))
         final = usage(result, self.breakpoints, result.completion_tokens)
         for key in ("cache_creation", "service_tier"):  # not in Anthropic's message_delta usage
             del final[key]

@@ -9,9 +9,12 @@ the finish reasons come last, a chunk per choice. An error after the stream star
 
 With tools (``kvfuse.tools``), each choice's output is parsed: the message gets ``tool_calls``
 (and ``content`` null when it was only calls), the finish reason is ``tool_calls``; a stream sends
-the text before a call as ``content`` deltas and each call, once complete, as OpenAI does: a delta
-``tool_calls[0] = {index, id, type: "function", function: {name, arguments: ""}}``, then one with
-``function.arguments``. A token's logprobs go with the next chunk of its choice.
+the text before a call as ``content`` deltas and each call as it is generated, as OpenAI does: a
+delta ``tool_calls[0] = {index, id, type: "function", function: {name, arguments: ""}}`` once its
+name is read, then deltas ``{index, function: {arguments: <piece>}}`` as its arguments grow
+(``kvfuse.tools.CallParser``). A call that breaks off after it started (invalid JSON, or cut by
+``max_tokens``) keeps what was sent; the finish reason is then ``tool_calls`` (``length`` when
+cut). A token's logprobs go with the next chunk of its choice.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvfuse.engine import Choice, Delta, GenerationResult
-from kvfuse.tools import Call, Parsed, ToolCalling
+from kvfuse.tools import CallArgs, CallStart, Parsed, Text, ToolCalling
 
 from .logprobs import TokenTexts, chat_content, chat_logprobs, legacy_end, legacy_logprobs
 
@@ -229,18 +232,20 @@ class ResponseBuilder:
         return chunks
 
     def _event_chunks(self, index: int, events) -> list[dict[str, Any]]:
-        """Choice ``index``'s chunks of what its call parser let through: text, complete calls."""
+        """Choice ``index``'s chunks of what its call parser let through: text, a call's head
+        (index, id, type, name, empty arguments), its arguments' pieces (a call's end has no
+        chunk of its own)."""
         chunks = []
         for e in events:
-            if not isinstance(e, Call):
+            if isinstance(e, Text):
                 chunks.append(self._chunk(index, e.text, None))
-                continue
-            c = e.call
-            head = {"index": e.index, "id": c.id, "type": "function"}
-            head["function"] = {"name": c.name, "arguments": ""}
-            args = {"index": e.index, "function": {"arguments": c.arguments}}
-            chunks.append(self._chunk(index, None, None, tool_calls=[head]))
-            chunks.append(self._chunk(index, None, None, tool_calls=[args]))
+            elif isinstance(e, CallStart):
+                head = {"index": e.index, "id": e.id, "type": "function"}
+                head["function"] = {"name": e.name, "arguments": ""}
+                chunks.append(self._chunk(index, None, None, tool_calls=[head]))
+            elif isinstance(e, CallArgs):
+                args = {"index": e.index, "function": {"arguments": e.text}}
+                chunks.append(self._chunk(index, None, None, tool_calls=[args]))
         return chunks
 
     def final_chunks(self, result: GenerationResult) -> list[dict[str, Any]]:
@@ -251,7 +256,7 @@ class ResponseBuilder:
             called = False
             if self._calls is not None:
                 chunks += self._event_chunks(c.index, self._calls[c.index].finish())
-                called = bool(self._calls[c.index].calls)
+                called = self._calls[c.index].count > 0
             chunks.append(self._chunk(c.index, None if self.chat else "", finish_reason(c, called)))
         if self.include_usage:
             head = self._head("chat.completion.chunk" if self.chat else "text_completion")

@@ -349,10 +349,10 @@ class ResponseObject:
         self.sequence += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
-    def items(self, tools: ToolCalling | None) -> OutputItems:
-        """The builder of this response's output items (calls parsed with ``tools``; logprobs
-        rendered when asked)."""
-        parser = tools.parser() if tools is not None else None
+    def items(self, tools: ToolCalling | None, stream: bool) -> OutputItems:
+        """The builder of this response's output items (calls parsed with ``tools``, as they are
+        generated when ``stream``; logprobs rendered when asked)."""
+        parser = tools.parser(stream) if tools is not None else None
         lp = self.logprobs if self.texts is not None else None
         return OutputItems(self.event, parser, self.message_id, lp)
 
@@ -459,7 +459,7 @@ async def create_response(
     if previous is not None:
         state.metrics.responses.labels(event="continued").inc()
     watcher = asyncio.create_task(watch_disconnect(request, lambda: state.engine.withdraw(job)))
-    output = obj.items(call.tools)
+    output = obj.items(call.tools, body.stream)
     if body.stream:
         return StreamingResponse(
             _stream(state, record, job, events, watcher, obj, keep, output),

@@ -11,9 +11,13 @@ message's ``tool_calls`` and its ``function_call_output`` items ``tool`` message
 ``OutputItems`` turns a response's output into its items in the order they were produced: a
 ``message`` for each run of text, a ``function_call`` for each call (``fc_...`` id, the call's
 ``call_id``). It serves both forms: streamed, it also gives OpenAI's events (output_item.added,
-content_part.added, output_text.delta..., function_call_arguments.delta/.done,
-output_item.done); whole, only the items. Without tools the output is one message, opened before
-the first token, as before.
+content_part.added, output_text.delta..., output_item.done; for a call output_item.added with
+empty arguments once its name is read, a function_call_arguments.delta per piece of its
+arguments as they are generated, function_call_arguments.done, output_item.done); whole, only the
+items. A streamed call that breaks off after it started (invalid JSON, or cut by
+``max_output_tokens``) ends with the arguments sent and status ``incomplete``, and is left out of
+the stored history's calls. Without tools the output is one message, opened before the first
+token, as before.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import secrets
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from kvfuse.tools import Call, CallParser, Text
+from kvfuse.tools import Call, CallArgs, CallParser, CallStart, Event, Text
 
 from .errors import bad_request
 
@@ -146,6 +150,7 @@ class OutputItems:
         # the message being written: id, its text pieces, its rendered logprobs
         self._open: tuple[str, list[str], list[dict[str, Any]]] | None = None
         self._held: list = []  # logprob entries of tokens whose text has not been sent yet
+        self._call_open: dict[str, Any] | None = None  # the function_call item being streamed
 
     def start(self) -> list[str]:
         """The events before the first token: without tools the message opens."""
@@ -185,13 +190,20 @@ class OutputItems:
                 "function": {"name": i["name"], "arguments": i["arguments"]},
             }
             for i in self.items
-            if i["type"] == "function_call"
+            if i["type"] == "function_call" and i["status"] == "completed"
         ]
 
-    def _events(self, events: list[Text | Call]) -> list[str]:
+    def _events(self, events: list[Event]) -> list[str]:
         out: list[str] = []
         for e in events:
-            out += self._text(e.text) if isinstance(e, Text) else self._call(e)
+            if isinstance(e, Text):
+                out += self._text(e.text)
+            elif isinstance(e, CallStart):
+                out += self._call_start(e.id, e.name)
+            elif isinstance(e, CallArgs):
+                out += self._call_args(e.text)
+            else:
+                out += self._call_end(e)
         return out
 
     def _open_message(self) -> list[str]:
@@ -244,20 +256,33 @@ class OutputItems:
             self._event("response.output_item.done", output_index=index, item=self.items[-1]),
         ]
 
-    def _call(self, e: Call) -> list[str]:
+    def _call_start(self, call_id: str, name: str) -> list[str]:
+        """A call's item opens (the message before it closes), its arguments empty."""
         out = self._close_message()
-        c, index = e.call, len(self.items)
         item = {"id": _new_id("fc"), "type": "function_call", "status": "in_progress"}
-        item.update(arguments="", call_id=c.id, name=c.name)
+        item.update(arguments="", call_id=call_id, name=name)
+        self._call_open = item
+        return out + [
+            self._event("response.output_item.added", output_index=len(self.items), item={**item})
+        ]
+
+    def _call_args(self, piece: str) -> list[str]:
+        item = self._call_open
+        item["arguments"] += piece
+        where = {"output_index": len(self.items), "item_id": item["id"]}
+        return [self._event("response.function_call_arguments.delta", **where, delta=piece)]
+
+    def _call_end(self, e: Call) -> list[str]:
+        """A call's end: its arguments done and its item (opened first when the parser gave the
+        call whole)."""
+        out: list[str] = []
+        if self._call_open is None:
+            out = self._call_start(e.call.id, e.call.name) + self._call_args(e.call.arguments)
+        item, self._call_open = self._call_open, None
+        index, args = len(self.items), item["arguments"]
         where = {"output_index": index, "item_id": item["id"]}
-        out.append(self._event("response.output_item.added", output_index=index, item=item))
-        out.append(
-            self._event("response.function_call_arguments.delta", **where, delta=c.arguments)
-        )
-        out.append(
-            self._event("response.function_call_arguments.done", **where, arguments=c.arguments)
-        )
-        self.items.append({**item, "status": "completed", "arguments": c.arguments})
+        out.append(self._event("response.function_call_arguments.done", **where, arguments=args))
+        self.items.append({**item, "status": "completed" if e.complete else "incomplete"})
         out.append(
             self._event("response.output_item.done", output_index=index, item=self.items[-1])
         )

@@ -5,6 +5,7 @@ the model's text.
 - ``formats``: each chat template's tool format (``detect``: hermes, llama3 or prompted);
 - ``render``: messages with calls and results, and the tools, as the template gets them;
 - ``parse``: model output -> text and calls, streaming (``CallParser``) or whole (``parse``);
+- ``args``: a call object's JSON read as it comes (its arguments streamed in normal form);
 - ``calling``: one request's ``ToolCalling``: ``tool_choice`` and ``parallel_tool_calls``, the
   grammar that guarantees a forced call.
 
@@ -14,7 +15,7 @@ these; everything here is pure and knows no HTTP.
 
 from .calling import ToolCalling, call_schema, tool_calling
 from .formats import HERMES, LLAMA3, PROMPTED, ToolFormat, detect
-from .parse import Call, CallParser, Parsed, Text, parse
+from .parse import Call, CallArgs, CallParser, CallStart, Event, Parsed, Text, parse
 from .render import Rendered, render, tools_section, uses_tools
 from .spec import (
     Tool,
@@ -32,7 +33,10 @@ __all__ = [
     "LLAMA3",
     "PROMPTED",
     "Call",
+    "CallArgs",
     "CallParser",
+    "CallStart",
+    "Event",
     "Parsed",
     "Rendered",
     "Text",

@@ -65,11 +65,12 @@ class ToolCalling:
         """Stop strings to add: the end of the first call when only one is wanted."""
         return ("</tool_call>",) if self.choice.mode == "auto" and not self.parallel else ()
 
-    def parser(self) -> CallParser | None:
-        """A streaming parser for the output (None when it is not parsed), past the forced text."""
+    def parser(self, stream: bool = True) -> CallParser | None:
+        """An incremental parser for the output (None when it is not parsed), past the forced
+        text; ``stream``: calls as they are generated (``CallParser``), else each once whole."""
         if not self.parses:
             return None
-        parser = CallParser(self.names, self.parallel, self.new_id)
+        parser = CallParser(self.names, self.parallel, self.new_id, stream)
         parser.feed(self.forced_text)  # an envelope's opening: nothing to show
         return parser
 

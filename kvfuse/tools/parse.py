@@ -10,18 +10,28 @@ the envelopes the supported families write:
 
 Every envelope is accepted whatever the family. ``CallParser.feed`` returns the text that is safe
 to show (it holds back a tail that may start an envelope, and whitespace that may precede one) and
-each call once its object is complete and valid: a call is never half sent, so a streamed answer
-and a whole one always agree. A block that is not a valid call (invalid JSON, an unknown function
-name, arguments that are not an object, an object cut short) stays text, verbatim. Whitespace
-between text and a valid call is dropped. With ``parallel=False`` only the first call is kept.
+the calls. A block that is not a valid call (invalid JSON, an unknown function name, arguments
+that are not an object, an object cut short) stays text, verbatim. Whitespace between text and a
+valid call is dropped. With ``parallel=False`` only the first call is kept.
+
+A whole parse (``parse``, or ``stream=False``) gives each call once its object is complete and
+valid (a ``Call``). A stream (``stream=True``, what the server's streams use) gives a call as it
+is generated, as OpenAI, Anthropic and vLLM stream one: ``CallStart`` once its name is read and is
+one of the tools, ``CallArgs`` pieces as its arguments' text grows (``args.CallReader``: only what
+no later character can change, in the normal form a whole parse gives, so the pieces add up to
+the whole answer's ``arguments`` byte for byte), then ``Call``. A stream cannot take back what it
+sent: a block whose call started and then is no valid call (its JSON turns invalid, or the output
+ends inside it: ``max_tokens``) ends as ``Call(..., complete=False)`` whose arguments are the
+pieces sent (a valid JSON prefix, cut short), and its text is not shown; the whole answer gives
+that block as text (vLLM's streaming and whole parsers differ the same way).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .args import CallReader, read_call
 from .spec import ToolCall, new_call_id
 
 
@@ -49,12 +59,49 @@ class Text:
 
 
 @dataclass(frozen=True)
-class Call:
+class CallStart:
+    """A streamed call begins: its name is known (its arguments follow as ``CallArgs``)."""
+
     index: int  # 0, 1, ... in the order the calls were made (OpenAI's ``tool_calls[i].index``)
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArgs:
+    """The next piece of a streamed call's arguments."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Call:
+    """A call's end: the whole call (in a stream, after its start and arguments). ``complete``
+    False: a streamed call that broke off; its arguments are the pieces that were sent."""
+
+    index: int
     call: ToolCall
+    complete: bool = True
 
 
-Event = Text | Call
+Event = Text | CallStart | CallArgs | Call
+
+
+@dataclass
+class _Live:
+    """The call being streamed: its reader, how much of the object it has read, and once
+    started its index, id and how much of its arguments were sent."""
+
+    reader: CallReader
+    fed: int = 0
+    index: int = -1
+    id: str = ""
+    sent: int = 0
+
+    @property
+    def started(self) -> bool:
+        return self.index >= 0
 
 
 @dataclass(frozen=True)
@@ -80,16 +127,22 @@ def parse(
 
 
 class CallParser:
-    """The streaming parser (see the module docstring): ``feed`` pieces, then ``finish``."""
+    """The incremental parser (see the module docstring): ``feed`` pieces, then ``finish``.
+    ``stream``: calls as they are generated (start, arguments, end), else each once whole.
+    ``calls``: the whole valid calls; ``count``: every call index given (broken ones too)."""
 
     def __init__(
         self,
         names: frozenset[str],
         parallel: bool = True,
         new_id: Callable[[], str] = new_call_id,
+        stream: bool = False,
     ):
         self.names, self.parallel, self.new_id = frozenset(names), parallel, new_id
+        self.stream = stream
         self.calls: list[ToolCall] = []
+        self.count = 0
+        self._live: _Live | None = None  # the call being streamed
         self._buf = ""  # unread text (outside a call) or the call's text after its opening
         self._env: Envelope | None = None  # inside a call's envelope
         self._ws = ""  # whitespace held back: it may precede a call
@@ -131,7 +184,8 @@ class CallParser:
         return True
 
     def _call_step(self, out: list[Event], final: bool) -> bool:
-        """Finish the call in _buf if it is complete (or ``final``); True when it was finished."""
+        """Finish the call in _buf if it is complete (or ``final``); True when it was finished.
+        Streaming, what is certain of it so far is sent first."""
         env, block = self._env, self._buf
         start = _skip_ws(block, 0)
         if start == len(block) and not final:
@@ -139,24 +193,72 @@ class CallParser:
         if start == len(block) or block[start] != "{":  # no object: the opening was text
             return self._not_a_call(out, env.open, block if final else "", block)
         end = object_end(block, start)
+        if self.stream:
+            self._send(out, block[start : len(block) if end is None else end])
         if end is None:
-            return False if not final else self._not_a_call(out, env.open + block, "", "")
+            return False if not final else self._no_call(out, env.open + block, "")
         stop = _close_end(block, end, env.close, final)
         if stop is None:
             return False
+        if self._live is not None and self._live.started:
+            return self._end_live(out, block[stop:])
         call = call_from(block[start:end], self.names)
         if call is None:
             return self._not_a_call(out, env.open + block[:stop], "", block[stop:])
-        self._env, self._buf, self._gap, self._after_call = None, block[stop:], "", True
-        if self.parallel or not self.calls:
+        self._ended(block[stop:])
+        if self.parallel or not self.count:
             self.calls.append(ToolCall(self.new_id(), *call))
-            out.append(Call(len(self.calls) - 1, self.calls[-1]))
+            out.append(Call(self.count, self.calls[-1]))
+            self.count += 1
         return True
+
+    def _send(self, out: list[Event], obj: str) -> None:
+        """Stream the call object read so far (``obj``): its start once its name is read and is
+        a tool's (and a call may still be made), then what is new of its arguments."""
+        live = self._live
+        if live is None:
+            if not self.parallel and self.count:
+                return
+            live = self._live = _Live(CallReader())
+        live.reader.feed(obj[live.fed :])
+        live.fed, r = len(obj), live.reader
+        if not live.started:
+            if r.failed or r.name not in self.names:
+                return
+            live.index, live.id = self.count, self.new_id()
+            self.count += 1
+            out.append(CallStart(live.index, live.id, r.name))
+        if len(r.arguments) > live.sent:
+            out.append(CallArgs(live.index, r.arguments[live.sent :]))
+            live.sent = len(r.arguments)
+
+    def _end_live(self, out: list[Event], rest: str) -> bool:
+        """The streamed call's block ended: the call, whole or broken off (then its block's text
+        is not shown); ``rest`` is read again as text."""
+        live, r = self._live, self._live.reader
+        complete = r.complete and r.name in self.names
+        call = ToolCall(live.id, r.name, r.arguments[: live.sent])
+        if complete:
+            self.calls.append(call)
+        out.append(Call(live.index, call, complete))
+        self._ended(rest)
+        return True
+
+    def _ended(self, rest: str) -> None:
+        """A call's block was read; ``rest`` is read again as text."""
+        self._env, self._buf, self._gap, self._after_call = None, rest, "", True
+        self._live = None
+
+    def _no_call(self, out: list[Event], text: str, rest: str) -> bool:
+        """The output ended inside a call's block: a streamed call broke off, else ``text``."""
+        if self._live is not None and self._live.started:
+            return self._end_live(out, rest)
+        return self._not_a_call(out, text, "", rest)
 
     def _not_a_call(self, out: list[Event], text: str, final_rest: str, rest: str) -> bool:
         """The envelope held no valid call: ``text`` is shown (with the whitespace before it),
         ``rest`` is read again as text (or, at the end, ``final_rest`` is shown as it is)."""
-        self._env, self._ws, self._gap = None, self._gap, ""
+        self._env, self._ws, self._gap, self._live = None, self._gap, "", None
         self._text(out, text, hold=False)
         if final_rest:
             self._text(out, final_rest, hold=False)
@@ -249,29 +351,11 @@ def object_end(text: str, start: int) -> int | None:
 def call_from(text: str, names: frozenset[str]) -> tuple[str, str] | None:
     """``(name, arguments JSON)`` of a call object's text, or None when it is not one: invalid
     JSON, a name not in ``names``, arguments that are not an object (a string holding one is
-    read)."""
-    obj = _json(text)
-    if not isinstance(obj, dict) or obj.get("name") not in names:
+    read). The arguments are in ``args``' normal form, as a stream sends them."""
+    reader = read_call(text)
+    if not reader.complete or reader.name not in names:
         return None
-    key = "arguments" if "arguments" in obj else "parameters"
-    args = obj.get(key, {})
-    if isinstance(args, str):
-        args = _json(args)
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-def _json(text: str):
-    """The JSON value of ``text``; None for invalid JSON (NaN and Infinity included)."""
-    try:
-        return json.loads(text, parse_constant=_reject)
-    except ValueError:
-        return None
-
-
-def _reject(token: str):
-    raise ValueError(f"{token} is not JSON")
+    return reader.name, reader.arguments
 
 
 def _skip_ws(text: str, i: int) -> int:

@@ -253,6 +253,35 @@ def test_required_and_named_calls_are_always_valid(servers, model):
         assert choice_out.message.content is None
 
 
+def test_a_forced_call_streams_its_arguments_as_they_are_generated(servers):
+    """``required``, streamed with ``n: 2``: each choice's call comes as OpenAI sends one (a head
+    with index, id, type and name, then arguments pieces), in several pieces, and assembles to
+    exactly the whole answer's call (the arguments string byte for byte)."""
+    pytest.importorskip("kvfuse.structured", reason="constrained decoding: kvfuse.structured")
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    c = client(servers("smollm2"))
+    fields = dict(tools=TOOLS, tool_choice="required", max_tokens=64)
+    (want,) = create(c, ASK_WEATHER, **fields).choices[0].message.tool_calls
+    state, deltas = ChatCompletionStreamState(), {0: [], 1: []}
+    for chunk in create(c, ASK_WEATHER, stream=True, n=2, **fields):
+        state.handle_chunk(chunk)
+        for ch in chunk.choices:
+            deltas[ch.index] += ch.delta.tool_calls or []
+    for choice in state.get_final_completion().choices:
+        (got,) = choice.message.tool_calls
+        assert (got.function.name, got.function.arguments) == (
+            want.function.name,
+            want.function.arguments,
+        )
+        head, *pieces = deltas[choice.index]
+        assert head.id == got.id and head.type == "function" and head.index == 0
+        assert head.function.name == want.function.name and head.function.arguments == ""
+        assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces)
+        assert len(pieces) > 1
+        assert "".join(p.function.arguments for p in pieces) == want.function.arguments
+
+
 def test_responses_function_call_output_items(servers):
     """Responses with a forced call: a ``function_call`` output item (streamed as OpenAI does),
     then its output sent back through ``previous_response_id``."""
@@ -297,6 +326,14 @@ def test_responses_function_call_output_items(servers):
     done = streamed_call[-1].response
     assert [i.type for i in done.output] == ["function_call"]
     jsonschema.validate(json.loads(done.output[0].arguments), SCHEMAS["multiply"])
+    # as OpenAI streams it: the item added with empty arguments, then their pieces
+    (added,) = [e for e in streamed_call if e.type == "response.output_item.added"]
+    assert added.item.type == "function_call" and added.item.arguments == ""
+    pieces = [e.delta for e in streamed_call if e.type == "response.function_call_arguments.delta"]
+    assert len(pieces) > 1 and "".join(pieces) == done.output[0].arguments
+    assert kinds.index("response.output_item.added") < kinds.index(
+        "response.function_call_arguments.delta"
+    )
 
 
 # -------------------------------------------------------------- Qwen2.5: a model that calls tools

@@ -436,3 +436,42 @@ def test_a_stream_of_only_a_call():
         "message_stop",
     ]
     assert got[1][1]["index"] == 0 and got[1][1]["content_block"]["type"] == "tool_use"
+
+
+def test_a_calls_input_streams_in_pieces_that_the_sdk_joins():
+    """Token by token, the input comes as several ``input_json_delta`` pieces; the ``anthropic``
+    SDK's own accumulator joins them into the whole answer's input."""
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    text = CALL_TEXT.replace("Paris", "Paris, in France")
+    b = MessageBuilder("msg_1", "m", 50, (), calling())
+    events = b.start(result(text="", token_ids=[]))
+    for i in range(0, len(text), 2):
+        events += b.text(text[i : i + 2])
+    got = parse(events + b.finish(result(text=text)))
+    pieces = [d["delta"]["partial_json"] for n, d in got if d.get("delta", {}).get("partial_json")]
+    assert len(pieces) > 3 and "".join(pieces) == '{"city": "Paris, in France"}'
+    message, adapter, bufs = None, TypeAdapter(RawMessageStreamEvent), {}
+    for _, data in got:
+        if data["type"] != "ping":
+            event = adapter.validate_python(data)
+            message = accumulate_event(event=event, current_snapshot=message, json_bufs=bufs)
+    (block,) = message.content
+    assert block.type == "tool_use" and block.input == {"city": "Paris, in France"}
+    whole = MessageBuilder("msg_1", "m", 50, (), calling()).body(result(text=text))
+    assert whole["content"][0]["input"] == block.input
+    assert message.stop_reason == whole["stop_reason"] == "tool_use"
+
+
+def test_a_streamed_call_cut_short_stops_with_what_was_sent():
+    text = CALL_TEXT[: CALL_TEXT.index("Paris") + 2]
+    b = MessageBuilder("msg_1", "m", 5, (), calling())
+    events = b.start(result(text="", token_ids=[]))
+    for i in range(0, len(text), 2):
+        events += b.text(text[i : i + 2])
+    got = parse(events + b.finish(result(text=text, finish_reason="length", token_ids=[1] * 5)))
+    assert [n for n, _ in got][-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    pieces = "".join(d["delta"].get("partial_json", "") for n, d in got if "delta" in d)
+    assert pieces == '{"city": "Pa' and got[-2][1]["delta"]["stop_reason"] == "max_tokens"

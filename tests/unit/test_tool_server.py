@@ -19,7 +19,7 @@ from pydantic import TypeAdapter, ValidationError
 from kvfuse.engine import Choice, Delta, GenerationResult
 from kvfuse.models import Tokenizer
 from kvfuse.prompts import PromptBuilder
-from kvfuse.server.bodies import ResponseBuilder
+from kvfuse.server.bodies import Rendering, ResponseBuilder
 from kvfuse.server.errors import APIError
 from kvfuse.server.responses_api import chat_request, input_messages, plain_messages
 from kvfuse.server.responses_tools import OutputItems, tool_fields
@@ -236,11 +236,12 @@ def test_body_with_calls():
 
 
 def assembled(chunks: list[dict]):
-    """The completion the ``openai`` client assembles from these chunks."""
+    """The completion the ``openai`` client assembles from these chunks (its snapshot: the
+    final completion refuses a ``length`` finish)."""
     state = ChatCompletionStreamState()
     for c in chunks:
         state.handle_chunk(ChatCompletionChunk.model_validate(c))
-    return state.get_final_completion().choices[0]
+    return state.current_completion_snapshot.choices[0]
 
 
 @pytest.mark.parametrize(
@@ -249,15 +250,12 @@ def assembled(chunks: list[dict]):
         "Checking.\n" + CALL_TEXT + "\n" + CALL_TEXT.replace("Paris", "Rome"),
         CALL_TEXT,
         "Just text, no call.",
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "São Paulo, \\"SP\\"",'
+        ' "days": [1, 2.50, 3e2], "units": null}}\n</tool_call>',
     ],
 )
 def test_stream_chunks_assemble_to_the_body(text):
-    b = builder(stream=True)
-    chunks = b.first_chunks()
-    for i in range(0, len(text), 3):  # three characters a token
-        chunks += b.delta_chunks(Delta(0, text[i : i + 3]))
-    chunks += b.final_chunks(result(text))
+    chunks = stream_chunks(builder(stream=True), text)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
     got = assembled(chunks)
     want = builder().body(result(text))["choices"][0]
@@ -268,6 +266,74 @@ def test_stream_chunks_assemble_to_the_body(text):
         (c["function"]["name"], c["function"]["arguments"])
         for c in want["message"].get("tool_calls", [])
     ]
+
+
+def stream_chunks(b: ResponseBuilder, text: str, reason: str = "stop") -> list[dict]:
+    """Every chunk of a stream of ``text``, three characters a token."""
+    chunks = b.first_chunks()
+    for i in range(0, len(text), 3):
+        chunks += b.delta_chunks(Delta(0, text[i : i + 3]))
+    return chunks + b.final_chunks(result(text, reason))
+
+
+def argument_deltas(chunks: list[dict]) -> list[str]:
+    return [
+        t["function"]["arguments"]
+        for c in chunks
+        if c["choices"]
+        for t in c["choices"][0]["delta"].get("tool_calls") or []
+        if "id" not in t
+    ]
+
+
+def test_arguments_stream_in_pieces_as_they_are_generated():
+    chunks = stream_chunks(builder(), CALL_TEXT.replace("Paris", "Paris, the capital of France"))
+    pieces = argument_deltas(chunks)
+    assert len(pieces) > 5 and "".join(pieces) == '{"city": "Paris, the capital of France"}'
+    heads = [t for c in chunks for t in c["choices"][0]["delta"].get("tool_calls") or []]
+    assert heads[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert {t["index"] for t in heads} == {0}
+
+
+def test_a_call_cut_short_keeps_what_was_sent():
+    """The documented difference: the stream sent the call's start and a prefix of its
+    arguments before the output ended; it keeps them (as vLLM), the whole answer is text."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    got = assembled(stream_chunks(builder(), text, "length"))
+    assert got.finish_reason == "length" and got.message.content is None
+    (call,) = got.message.tool_calls
+    assert (call.function.name, call.function.arguments) == ("get_weather", '{"city": "Pa')
+    whole = builder().body(result(text, "length"))["choices"][0]
+    assert whole["message"] == {"role": "assistant", "content": text}
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": 1 2}}</tool_call> Bye'
+    got = assembled(stream_chunks(builder(), bad))
+    assert got.finish_reason == "tool_calls" and got.message.content == "Bye"
+    assert got.message.tool_calls[0].function.arguments == '{"city": 1'
+
+
+def test_n_choices_stream_their_calls_each_from_index_0():
+    b = ResponseBuilder("req_1", "m", 1, chat=True, rendering=Rendering(n=2), tools=builder().tools)
+    two = CALL_TEXT + "\n" + CALL_TEXT.replace("Paris", "Rome")
+    chunks = b.first_chunks()
+    for i in range(0, len(two), 2):  # the choices' tokens interleaved
+        chunks += b.delta_chunks(Delta(0, two[i : i + 2]))
+        chunks += b.delta_chunks(Delta(1, CALL_TEXT[i : i + 2]))
+    choices = [Choice(0, two, [1], "stop"), Choice(1, CALL_TEXT, [1], "stop")]
+    chunks += b.final_chunks(
+        GenerationResult(
+            text=two, token_ids=[1], finish_reason="stop", prompt_tokens=3, choices=choices
+        )
+    )
+    state = ChatCompletionStreamState()
+    for c in chunks:
+        state.handle_chunk(ChatCompletionChunk.model_validate(c))
+    first, second = state.get_final_completion().choices
+    assert [json.loads(c.function.arguments)["city"] for c in first.message.tool_calls] == [
+        "Paris",
+        "Rome",
+    ]
+    assert [c.function.arguments for c in second.message.tool_calls] == ['{"city": "Paris"}']
+    assert first.finish_reason == second.finish_reason == "tool_calls"
 
 
 def test_a_call_streams_as_openai_sends_it():
@@ -366,7 +432,7 @@ def test_bad_items_are_400s(item):
     assert e.value.status == 400 and e.value.param == "input"
 
 
-def output_items(text: str, tools: bool = True, pieces: int = 4):
+def output_items(text: str, tools: bool = True, pieces: int = 4, stream: bool = True):
     """The events (validated as the ``openai`` client's types) and items of ``text``."""
     counter = iter(range(1000))
 
@@ -376,7 +442,7 @@ def output_items(text: str, tools: bool = True, pieces: int = 4):
         return data
 
     calling = tool_calling(HERMES, tools_from_openai([WEATHER]), ToolChoice("auto"), True, None)
-    out = OutputItems(event, calling.parser() if tools else None, "msg_1")
+    out = OutputItems(event, calling.parser(stream) if tools else None, "msg_1")
     events = out.start()
     for i in range(0, len(text), pieces):
         events += out.feed(text[i : i + pieces])
@@ -398,14 +464,31 @@ def test_output_items_of_text_and_a_call():
         }
     ]
     kinds = [e["type"] for e in events]
-    assert kinds[-4:] == [
+    at = kinds.index("response.output_item.added", 2)
+    deltas = [e["delta"] for e in events[at + 1 : -2]]
+    assert kinds[at:] == [
         "response.output_item.added",
-        "response.function_call_arguments.delta",
+        *["response.function_call_arguments.delta"] * len(deltas),
         "response.function_call_arguments.done",
         "response.output_item.done",
     ]
-    assert [e["output_index"] for e in events[-4:]] == [1] * 4
+    assert len(deltas) > 1 and "".join(deltas) == call["arguments"] == events[-2]["arguments"]
+    assert events[at]["item"]["arguments"] == "" and events[at]["item"]["status"] == "in_progress"
+    assert [e["output_index"] for e in events[at:]] == [1] * len(events[at:])
     assert kinds[:2] == ["response.output_item.added", "response.content_part.added"]
+
+
+def test_output_items_of_a_call_cut_short():
+    """Streamed: the call's item ends incomplete with what was sent, and stays out of the
+    stored calls; whole: the text."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    _, out = output_items(text)
+    assert [(i["type"], i["status"], i["arguments"]) for i in out.items] == [
+        ("function_call", "incomplete", '{"city": "Pa')
+    ]
+    assert out.calls == []
+    _, whole = output_items(text, stream=False)
+    assert [i["type"] for i in whole.items] == ["message"] and whole.text == text
 
 
 def test_output_items_without_tools_are_one_message_opened_first():
