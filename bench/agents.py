@@ -20,9 +20,9 @@ call starts -> its first streamed content or tool-call chunk), duration, prompt 
 completion tokens (``usage_metadata``: OpenAI's ``prompt_tokens_details.cached_tokens``,
 Anthropic's ``cache_read_input_tokens``); per turn: tool calls valid (a known tool, arguments
 valid against its JSON schema) and answered (every call has a tool result, the turn ends in a text
-answer). kvfuse streams a tool call as one delta once it is complete, so the TTFT of a
-tool-calling call is its whole duration there; TTFT p50 of turns >= 2 is also given for the
-tool-calling and the answering calls apart. Every run starts cold: the system prompt's first line names the run, so no run reuses
+answer). A tool call's first chunk carries its name (kvfuse and vLLM both stream the arguments
+in pieces after it); TTFT p50 of turns >= 2 is also given for the tool-calling and the answering
+calls apart. Every run starts cold: the system prompt's first line names the run, so no run reuses
 another's cache. Candidates run interleaved, rotated, ``--rounds`` times within one server (vLLM
 after kvfuse, never both at once); medians with min and max over rounds.
 
