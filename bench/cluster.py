@@ -45,6 +45,7 @@ from bench.lib.cluster import (  # noqa: E402
     kill_summary,
     median_of,
     rag_users,
+    router_command,
     summarize_pass,
 )
 from bench.lib.paths import default_home  # noqa: E402
@@ -113,13 +114,9 @@ class Cluster:
     def start_router(self, policy: str) -> str:
         """A fresh vllm-router with ``policy`` in front of the live servers; its base URL."""
         self.router_port = free_port()
-        cmd = [ROUTER, "--host", "127.0.0.1", "--port", str(self.router_port), "--policy", policy,
-               "--worker-urls", *[s.url for s in self.live()],
-               "--health-check-interval-secs", "2"]  # fmt: skip
-        if policy == "kv_aware":
-            cmd += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", self.args.model]
-            for s in self.live():
-                cmd += ["--kv-event-source", f"{s.url}={s.events_url}"]
+        live = self.live()
+        cmd = router_command(ROUTER, self.router_port, policy, [s.url for s in live],
+                             [s.events_url for s in live], BLOCK, self.args.model)  # fmt: skip
         log = open(self.workdir / f"router-{policy}.log", "ab")
         self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{self.router_port}"
@@ -165,40 +162,56 @@ def flushed(url: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
-def ask(base_url: str, user: User, messages: list[dict], max_tokens: int, model: str) -> dict:
-    """One streamed chat completion through the router, greedy, with the user's session header;
-    TTFT at the first content chunk, usage from the last chunk. Never raises: a failure is a
-    sample with ``ok`` False and the error."""
+def ask(base_url: str, user: User, messages: list[dict], max_tokens: int, model: str,
+        stream: bool = True) -> dict:  # fmt: skip
+    """One chat completion through the router, greedy, with the user's session header; streamed:
+    TTFT at the first content chunk, usage from the last chunk (not streamed, as the kill run
+    sends them: no TTFT). Never raises: a failure is a sample with ``ok`` False and the error."""
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream": stream}  # fmt: skip
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     t0 = time.monotonic()
     out = {"ok": False, "ttft_s": None, "prompt_tokens": 0, "cached_tokens": 0,
            "completion_tokens": 0, "text": "", "t_sent": t0, "error": None}  # fmt: skip
-    parts: list[str] = []
     try:
         with httpx.stream("POST", base_url + "/chat/completions", json=body, timeout=600,
                           headers={"X-Session-ID": user.uid}) as r:  # fmt: skip
             if r.status_code != 200:
                 r.read()
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-            for chunk in sse_chunks(r.iter_lines()):
-                delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
-                if delta:
-                    out["ttft_s"] = out["ttft_s"] or time.monotonic() - t0
-                    parts.append(delta)
-                if chunk.get("usage"):
-                    u = chunk["usage"]
-                    out["prompt_tokens"] = u["prompt_tokens"]
-                    out["completion_tokens"] = u["completion_tokens"]
-                    out["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get(
-                        "cached_tokens"
-                    ) or 0
-        out["ok"], out["text"] = bool(out["prompt_tokens"]), "".join(parts)
+            if stream:
+                read_stream(r, out, t0)
+            else:
+                r.read()
+                answer = r.json()
+                out["text"] = answer["choices"][0]["message"]["content"] or ""
+                take_usage(answer["usage"], out)
+        out["ok"] = bool(out["prompt_tokens"])
         if not out["ok"]:
-            out["error"] = "no usage chunk"
+            out["error"] = "no usage"
     except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
     return out
+
+
+def read_stream(r, out: dict, t0: float) -> None:
+    """The text, TTFT and usage of a streamed answer into ``out``."""
+    parts: list[str] = []
+    for chunk in sse_chunks(r.iter_lines()):
+        delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+        if delta:
+            out["ttft_s"] = out["ttft_s"] or time.monotonic() - t0
+            parts.append(delta)
+        if chunk.get("usage"):
+            take_usage(chunk["usage"], out)
+    out["text"] = "".join(parts)
+
+
+def take_usage(u: dict, out: dict) -> None:
+    out["prompt_tokens"] = u["prompt_tokens"]
+    out["completion_tokens"] = u["completion_tokens"]
+    out["cached_tokens"] = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
 
 
 def sse_chunks(lines):
@@ -212,7 +225,7 @@ def sse_chunks(lines):
             yield json.loads(line[6:])
 
 
-def run_users(base_url: str, users: list[User], args, on_sample=None) -> tuple:
+def run_users(base_url: str, users: list[User], args, on_sample=None, stream=True) -> tuple:
     """Every user in a thread of its own, its turns one after the other; (samples, wall s)."""
     samples: list[dict] = []
     lock = threading.Lock()
@@ -221,7 +234,7 @@ def run_users(base_url: str, users: list[User], args, on_sample=None) -> tuple:
         history = [{"role": "system", "content": user.system}] if user.system else []
         for t, text in enumerate(user.turns):
             msgs = history + [{"role": "user", "content": text}]
-            s = ask(base_url, user, msgs, args.max_tokens, args.model)
+            s = ask(base_url, user, msgs, args.max_tokens, args.model, stream)
             s.update(user=user.uid, turn=t, key=f"{user.uid}/{t}")
             with lock:
                 samples.append(s)
@@ -254,7 +267,9 @@ def one_run(cluster: Cluster, policy: str, users: list[User], args) -> tuple:
 
 def kill_run(cluster: Cluster, args, users: list[User], reference: dict) -> dict:
     """The chat workload under the kill policy; server 0 SIGKILLed once half the requests are
-    answered (the router's health check drops it; its users move to the others)."""
+    answered (the router's circuit breaker and health check drop it; its users move to the
+    others). Not streamed: vllm-router retries a request whose worker dies before it answered,
+    but cannot retry a stream it has begun relaying (docs/deploy.md, "When a server dies")."""
     cluster.clear()
     url = cluster.start_router(args.kill_policy)
     total = sum(len(u.turns) for u in users)
@@ -269,7 +284,7 @@ def kill_run(cluster: Cluster, args, users: list[User], reference: dict) -> dict
                 cluster.servers[0].kill()
 
     try:
-        samples, wall = run_users(url, users, args, on_sample)
+        samples, wall = run_users(url, users, args, on_sample, stream=False)
     finally:
         cluster.stop_router()
     summary = kill_summary(samples, killed["at"], reference)

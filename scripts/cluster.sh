@@ -12,7 +12,8 @@
 #   base-port, base-port+1, ... (KV events on base-port+100+i), each with --threads
 #   (cores / N by default: the servers split the machine) and its own disk tier under the run
 #   directory, then vllm-router on router-port with the policy (kv_aware gets every server's
-#   --kv-event-source and --kv-event-block-size 16, kvfuse's server.kv_events_block_size).
+#   --kv-event-source and --kv-event-block-size 16, kvfuse's server.kv_events_block_size) and
+#   the failover flags (FAILOVER below; docs/deploy.md "When a server dies").
 # Every process's PID goes to RUN_DIR/*.pid with its command line beside it; stop ends exactly
 # those PIDs (SIGTERM, SIGKILL after 20 s), and only while the PID has the start time recorded, so
 # a PID reused by another process is never touched. Logs: RUN_DIR/*.log.
@@ -34,6 +35,11 @@ REDIS_URL=""
 THREADS=""
 BLOCK=16
 SERVE_ARGS=()
+# vllm-router's failover flags, as bench/lib/cluster.py's ROUTER_FAILOVER (a unit test keeps the
+# two equal): a worker's first failed attempt opens its circuit, so the router's retry of that
+# request goes to another worker; health checks every second keep a dead one out.
+FAILOVER=(--cb-failure-threshold 1 --cb-timeout-duration-secs 5 --health-check-interval-secs 1
+          --health-failure-threshold 2 --health-check-timeout-secs 2 --retry-max-retries 5)
 
 die() { echo "cluster.sh: $*" >&2; exit 2; }
 
@@ -126,7 +132,7 @@ start_router() {
         extra=("${sources[@]}" --kv-event-block-size "$BLOCK" --kv-event-model "$MODEL")
     fi
     launch router "$ROUTER" --host 127.0.0.1 --port "$ROUTER_PORT" --policy "$POLICY" \
-        --worker-urls "${urls[@]}" "${extra[@]}"
+        --worker-urls "${urls[@]}" "${FAILOVER[@]}" ${extra[@]+"${extra[@]}"}
     wait_http router "http://127.0.0.1:$ROUTER_PORT/health" 60
 }
 

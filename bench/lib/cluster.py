@@ -13,6 +13,38 @@ from .client import percentile, rounded
 from .data import musique
 from .paths import DATA
 
+# vllm-router's flags for losing no request when a worker dies (scripts/cluster.sh starts it with
+# the same; docs/deploy.md "When a server dies"). vllm-router 0.1.17 does retry a failed request
+# (a connection error is its 500, which it retries, --retry-max-retries 5 by default), but each
+# attempt asks the policy again, and consistent_hash / cache_aware / kv_aware pick the same dead
+# worker until it leaves the rotation: by default after 10 failures (circuit breaker) or 3 failed
+# health checks 60 s apart. With a threshold of 1 the first failed attempt opens the worker's
+# circuit and the retry goes to another; health checks every second keep it out after
+# --cb-timeout-duration-secs.
+ROUTER_FAILOVER = (
+    "--cb-failure-threshold", "1",
+    "--cb-timeout-duration-secs", "5",
+    "--health-check-interval-secs", "1",
+    "--health-failure-threshold", "2",
+    "--health-check-timeout-secs", "2",
+    "--retry-max-retries", "5",
+)  # fmt: skip
+
+
+def router_command(
+    router: str, port: int, policy: str, workers: list[str], events: list[str], block: int,
+    model: str,
+) -> list[str]:  # fmt: skip
+    """vllm-router's command line for ``policy`` in front of ``workers`` (``events``: each one's
+    KV event endpoint, read by ``kv_aware`` with the servers' block size and model)."""
+    cmd = [router, "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+           "--worker-urls", *workers, *ROUTER_FAILOVER]  # fmt: skip
+    if policy == "kv_aware":
+        cmd += ["--kv-event-block-size", str(block), "--kv-event-model", model]
+        for w, e in zip(workers, events, strict=True):
+            cmd += ["--kv-event-source", f"{w}={e}"]
+    return cmd
+
 
 @dataclass
 class User:

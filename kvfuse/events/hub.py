@@ -10,7 +10,9 @@ the publisher thread and hooks the engine's cache:
   breakpoint tails, history and answer chunks) and, before promoting them, the chunks it found
   in a lower tier (``describe``): their token ids and parents, which a tier put cannot see;
 - deletions by key (``freed``) and by prefix (``cleared``: ``DELETE /v1/kv``) are reported by the
-  writer after the store did them.
+  writer after the store did them;
+- what the disk tier already holds at start-up is announced once, by a thread of its own
+  (``startup.py``).
 
 Every hook only offers an item to the publisher's bounded inbox (never blocking, a full inbox
 drops and counts). Which tier announces what ``medium``: memory ``CPU``, disk ``DISK``, Redis
@@ -72,6 +74,7 @@ class KVEvents:
     def __init__(self, publisher) -> None:
         self.publisher = publisher
         self._offer = publisher.offer
+        self.startup = None  # the start-up scan of the disk tier (StartupAnnouncer), if any
 
     def observer(self, tier: int) -> _Observer:
         return _Observer(self._offer, tier)
@@ -98,11 +101,14 @@ class KVEvents:
         return {
             **p.stats.snapshot(),
             **p.tracker.stats.snapshot(),
+            **(self.startup.stats.snapshot() if self.startup is not None else {}),
             "queued": len(p.inbox),
             "chunks": len(p.tracker),
         }
 
     def close(self) -> None:
+        if self.startup is not None:
+            self.startup.stop()
         self.publisher.close()
 
 
@@ -145,6 +151,14 @@ def open_kv_events(s, engine) -> KVEvents | None:
         tier.observer = events.observer(i)
     cache.parts.writer.events = events
     log.info("KV events: publishing on %s (topic %r)", publisher.endpoint, s.kv_events_topic)
+    disk = [i for i, t in enumerate(tiers) if medium_of(t)[0] == "DISK"]
+    if disk:
+        from .startup import StartupAnnouncer
+
+        i = disk[0]
+        events.startup = StartupAnnouncer(
+            events, tiers[i], i, s.kv_events_chunks, cache.store.signer
+        )
     return events
 
 

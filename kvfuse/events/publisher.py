@@ -151,6 +151,7 @@ class Publisher:
         t = self.tracker
         handlers = {
             "describe": t.describe,
+            "found": t.found,
             "stored": t.stored,
             "removed": t.removed,
             "freed": t.freed,

@@ -106,17 +106,24 @@ class Tracker:
             return []
         events: list[Event] = []
         for span, parent in zip(todo, parents(ids, todo, self.chunk_size, namespace)):
-            blocks = chunk_blocks(
-                span.key, parent, ids[span.start : span.end], self.block_size, self.chunk_size
-            )
-            if blocks.count:
-                toks = block_tokens(ids[span.start : span.end], blocks.count, self.block_size)
-                self._chunks[span.key] = _Chunk(
-                    pack_hashes(blocks.hashes), blocks.parent, pack_tokens(toks)
-                )
-                self.stats.add(described=1)
-                events += self._make_room()
+            events += self._learn(span.key, parent, ids[span.start : span.end])
         return events
+
+    def found(self, key: ChunkKey, parent: ChunkKey | None, tokens: Sequence[int]) -> list[Event]:
+        """Compute the blocks of a chunk found without its request (an entry the disk tier held
+        at start-up: ``startup.py``), given its parent prefix key and its own token ids."""
+        if key in self._chunks:
+            return []
+        return self._learn(key, parent, tokens)
+
+    def _learn(self, key: ChunkKey, parent: ChunkKey | None, tokens: Sequence[int]) -> list[Event]:
+        blocks = chunk_blocks(key, parent, tokens, self.block_size, self.chunk_size)
+        if not blocks.count:
+            return []
+        toks = block_tokens(tokens, blocks.count, self.block_size)
+        self._chunks[key] = _Chunk(pack_hashes(blocks.hashes), blocks.parent, pack_tokens(toks))
+        self.stats.add(described=1)
+        return self._make_room()
 
     def stored(self, tier: int, key: ChunkKey) -> list[Event]:
         """``key`` was written to tier ``tier``."""

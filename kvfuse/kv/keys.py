@@ -326,6 +326,23 @@ def tail_key(parent: ChunkKey | None, tokens: Tokens, namespace: Namespace) -> C
     return ChunkKey(namespace.short_id(), digest, ChunkKind.TAIL)
 
 
+def follows(parent: ChunkKey, child: ChunkKey, tokens: Tokens, chunk_size: int) -> bool:
+    """Whether ``child`` is the key of the chunk ``tokens`` right after the prefix chunk ``parent``
+    (a prefix key as ``prefix_keys`` chains it, or a tail as ``tail_key``). Lets a reader that
+    finds entries without their prompt (a disk tier at start-up) recover their chain: an entry
+    records its key and tokens, not its parent's key."""
+    if parent.kind is not ChunkKind.PREFIX or parent.namespace_id != child.namespace_id:
+        return False
+    arr = _token_bytes(tokens)
+    if child.kind is ChunkKind.PREFIX:
+        head = (_PREFIX_TAG, parent.digest, struct.pack("<I", chunk_size))
+    elif child.kind is ChunkKind.TAIL:
+        head = (_TAIL_TAG, parent.digest, struct.pack("<Q", len(arr)))
+    else:
+        return False
+    return hashlib.sha256(b"".join((*head, arr.tobytes()))).digest() == child.digest
+
+
 def content_keys(
     tokens: Tokens, spans: Sequence[tuple[int, int]], namespace: Namespace
 ) -> list[ChunkKey]:

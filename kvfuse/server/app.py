@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from kvfuse import __version__
 from kvfuse.config import Config
 
-from . import admin, completions, messages_api, responses_api, workers
+from . import admin, completions, messages_api, render, responses_api, workers
 from .auth_middleware import AuthMiddleware
 from .errors import install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
@@ -75,6 +75,7 @@ def create_app(config: Config, serving=None, clock: Callable[[], float] | None =
     app.include_router(messages_api.router)
     app.include_router(admin.router)
     app.include_router(workers.router)
+    app.include_router(render.router)
     # Added last = outermost: the request context sees every response, the 413s included; the
     # key is checked before anything reads the body.
     app.add_middleware(

@@ -97,6 +97,9 @@ _EVENT_COUNTERS = {
     "errors": "KV event notifications that failed (logged, skipped).",
     "forgotten": "Chunks the publisher stopped tracking for room (server.kv_events_chunks); "
     "their BlockRemoved events were sent.",
+    "startup_announced": "Chunks the disk tier held at start-up, announced (BlockStored, DISK).",
+    "startup_unchained": "Disk entries read at start-up but not announced: their prefix chain "
+    "back to position 0 is not on the disk.",
 }
 _EVENT_GAUGES = {
     "queued": "KV event notifications waiting for the publisher thread.",

@@ -12,8 +12,8 @@ its kwargs, ``tools``, multimodal options) are refused with a 400 naming them. `
 decodes ids as vLLM does, special tokens kept.
 
 Neither needs an API key, as in vLLM (whose ``--api-key`` guards ``/v1`` only): vllm-router's
-``kv_aware`` policy tokenizes each request on every worker (after a ``/v1/chat/completions/render``
-kvfuse answers 404) without the client's key. They read no tenant's data: only the tokenizer.
+``kv_aware`` policy tokenizes each request on every worker (when ``/v1/chat/completions/render``,
+``render.py``, fails, e.g. for want of the key) without the client's key. They read no tenant's data: only the tokenizer.
 """
 
 from __future__ import annotations

@@ -121,3 +121,42 @@ def test_replay_gives_the_stream_back(server):
         assert seqs and seqs == list(range(len(seqs)))
     finally:
         ctx.destroy(linger=0)
+
+
+@pytest.mark.slow  # two servers of its own, one after the other
+def test_a_restarted_server_announces_what_its_disk_holds(kvfuse_home, tmp_path):
+    """The entries a server wrote to its disk tier are announced again (BlockStored, DISK, the
+    same hashes) by the server started next on the same disk, before any request."""
+    ensure_model(kvfuse_home, MODEL)
+    config = {
+        "model": MODEL,
+        "cache": {"disk_path": str(tmp_path / "kv")},
+        "server": {"kv_events_topic": TOPIC},
+    }
+    ctx = zmq.Context()
+    try:
+        runs = []
+        for run in range(2):
+            port = free_port()
+            with ServerProcess(
+                kvfuse_home, config=config, args=["--kv-events", f"tcp://127.0.0.1:{port}"]
+            ) as srv:
+                s = ctx.socket(zmq.SUB)
+                s.setsockopt(zmq.SUBSCRIBE, b"")
+                s.connect(f"tcp://127.0.0.1:{port}")
+                time.sleep(0.5)
+                if run == 0:
+                    client = OpenAI(base_url=srv.base_url, api_key="x")
+                    client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=4)
+                got = collect(s, lambda ev: len(stored(ev, "DISK")) >= 2, timeout=60)
+                got += collect(s, lambda ev: False, timeout=4)  # and whatever follows
+                runs.append(stored([e for _, e in got], "DISK"))
+                s.close(linger=0)
+                if run == 0:  # the writes are done before the server stops
+                    httpx.get(srv.url + "/v1/kv/stats", timeout=30)
+                    time.sleep(1.0)
+        first, second = ({tuple(e.block_hashes) for e in r} for r in runs)
+        assert len(second) >= 2 and second == first
+        assert all(e.medium == "DISK" and e.block_size == 16 for e in runs[1])
+    finally:
+        ctx.destroy(linger=0)

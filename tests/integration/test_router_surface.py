@@ -1,5 +1,5 @@
 """The worker surface routers read, against a real ``kvfuse serve``: /version, owned_by, vLLM's
-/metrics series, /health, /tokenize and /detokenize with vLLM's shapes."""
+/metrics series, /health, /tokenize, /detokenize and the render endpoints with vLLM's shapes."""
 
 from __future__ import annotations
 
@@ -83,6 +83,14 @@ def test_tokenize_prompt_round_trips_and_gives_pieces(server):
         ("/tokenize", {"messages": MESSAGES, "tools": []}, 400, "tools"),
         ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        (
+            "/v1/chat/completions/render",
+            {"model": MODEL, "messages": MESSAGES, "bogus": 1},
+            400,
+            "bogus",
+        ),
+        ("/v1/chat/completions/render", {"model": "other", "messages": MESSAGES}, 404, "model"),
+        ("/v1/completions/render", {"model": MODEL, "prompt": ["a", "b"]}, 400, "prompt"),
     ],
 )
 def test_bad_bodies_are_clear_4xx(server, path, body, status, param):
@@ -131,3 +139,51 @@ def test_tokenize_needs_no_key_where_v1_does(kvfuse_home, tmp_path):
         r = httpx.post(srv.url + "/detokenize", json={"tokens": r.json()["tokens"]})
         assert r.json() == {"prompt": "Hello world"}
         assert httpx.get(srv.url + "/version").status_code == 200
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_chat_render_gives_the_ids_the_completion_prefills(server):
+    """Tools included: the render's ids are the prompt /v1/chat/completions counts, and the
+    sampling parameters are the ones it applies, under vLLM's names."""
+    body = {
+        "model": MODEL, "messages": MESSAGES, "tools": [WEATHER], "max_tokens": 3,
+        "temperature": 0.5, "seed": 7, "stop": ["\n\n"], "cache_salt": "s1",
+    }  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions/render", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["request_id"] == "chatcmpl-" + r.headers["x-request-id"].removeprefix("req_")
+    assert out["model"] == MODEL and out["cache_salt"] == "s1" and out["stream"] is False
+    sp = out["sampling_params"]
+    assert (sp["max_tokens"], sp["temperature"], sp["seed"], sp["n"]) == (3, 0.5, 7, 1)
+    assert sp["stop"][0] == "\n\n" and "logprobs" not in sp
+    client = OpenAI(base_url=server.base_url, api_key="x")
+    kwargs = {k: v for k, v in body.items() if k != "cache_salt"}
+    done = client.chat.completions.create(**kwargs, extra_body={"cache_salt": "s1"})
+    assert done.usage.prompt_tokens == len(out["token_ids"])
+    text = httpx.post(server.url + "/detokenize", json={"tokens": out["token_ids"]}).json()
+    assert "get_weather" in text["prompt"]
+    plain = httpx.post(
+        server.url + "/v1/chat/completions/render", json={"model": MODEL, "messages": MESSAGES}
+    ).json()
+    assert len(plain["token_ids"]) < len(out["token_ids"])
+
+
+def test_completion_render_is_a_list_of_one(server):
+    r = httpx.post(
+        server.url + "/v1/completions/render",
+        json={"model": MODEL, "prompt": "Hello world", "max_tokens": 4, "logprobs": 2},
+    )
+    assert r.status_code == 200, r.text
+    (out,) = r.json()
+    assert out["request_id"].startswith("cmpl-") and out["token_ids"] == [19556, 905]
+    assert out["sampling_params"]["logprobs"] == 2 and out["sampling_params"]["max_tokens"] == 4

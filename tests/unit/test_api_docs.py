@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfuse.server.anthropic_schemas import MessagesRequest
+from kvfuse.server.render import RenderedRequest
 from kvfuse.server.schemas import ChatCompletionRequest, CompletionRequest, ResponseCreateRequest
 
 API_MD = Path(__file__).resolve().parents[2] / "docs" / "api.md"
@@ -61,6 +62,12 @@ def listed(table: str) -> set[str]:
         ("### `POST /v1/completions`", CompletionRequest, set()),
         ("### `POST /v1/responses`", ResponseCreateRequest, set()),
         ("## Anthropic's Messages API", MessagesRequest, ANTHROPIC_REFUSED),
+        # the render answer's fields (its body is the generation routes')
+        (
+            "### `POST /v1/chat/completions/render` and `POST /v1/completions/render`",
+            RenderedRequest,
+            set(),
+        ),
     ],
 )
 def test_every_field_has_a_row_and_every_row_a_field(heading, model, refused):

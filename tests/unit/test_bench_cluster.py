@@ -1,8 +1,11 @@
 """The pure parts of bench/cluster.py: its workloads, a pass's summary (hit share, TTFT, rates),
-the kill run's summary and issue 40's targets."""
+the kill run's summary, issue 40's targets and the router's command line (with the failover
+flags scripts/cluster.sh uses too)."""
 
 from __future__ import annotations
 
+import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -12,11 +15,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.cluster import (  # noqa: E402
+    ROUTER_FAILOVER,
     chat_users,
     check_targets,
     kill_summary,
     median_of,
     rag_users,
+    router_command,
     summarize_pass,
 )
 
@@ -123,3 +128,29 @@ def test_rag_users_share_documents_but_never_a_whole_prompt():
     heads = {p.split("\n\nQuestion")[0] for p in prompts}
     assert len(heads) == 2  # two shared document sets, each a byte-equal prefix
     assert not any(u.history for u in users)
+
+
+@pytest.mark.parametrize(
+    "policy, tail",
+    [
+        ("consistent_hash", []),
+        ("kv_aware", ["--kv-event-block-size", "16", "--kv-event-model", "m",
+                      "--kv-event-source", "http://a=tcp://a:1",
+                      "--kv-event-source", "http://b=tcp://b:2"]),
+    ],
+)  # fmt: skip
+def test_router_command_has_the_failover_flags(policy, tail):
+    cmd = router_command("r", 9, policy, ["http://a", "http://b"], ["tcp://a:1", "tcp://b:2"],
+                         16, "m")  # fmt: skip
+    head = ["r", "--host", "127.0.0.1", "--port", "9", "--policy", policy, "--worker-urls",
+            "http://a", "http://b"]  # fmt: skip
+    assert cmd == head + list(ROUTER_FAILOVER) + tail
+    flags = dict(zip(ROUTER_FAILOVER[::2], ROUTER_FAILOVER[1::2], strict=True))
+    assert flags["--cb-failure-threshold"] == "1"  # the retry must leave the dead worker
+
+
+def test_cluster_sh_starts_the_router_with_the_same_failover_flags():
+    text = (REPO / "scripts" / "cluster.sh").read_text()
+    array = re.search(r"^FAILOVER=\((.*?)\)$", text, re.S | re.M)
+    assert array is not None
+    assert tuple(shlex.split(array.group(1))) == ROUTER_FAILOVER
