@@ -20,7 +20,7 @@ from kvfuse.blend import BlendOptions
 from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.history import HistoryIndex
-from kvfuse.kv.keys import ChunkKey, tenant_tag
+from kvfuse.kv.keys import ChunkKey, salt_prefix, tenant_tag
 from kvfuse.models import LoadedModel
 from kvfuse.models.cache import KVCache
 from kvfuse.prompts.prompt import Prompt
@@ -230,7 +230,7 @@ class CacheEngine:
         return self.store.tenant_usage()
 
     def clear(self, tenant: str, salt: str | None = None) -> dict[str, int]:
-        prefix = tenant_tag(tenant) if salt is None else self.namespace(tenant, salt).key_prefix()
+        prefix = tenant_tag(tenant) if salt is None else salt_prefix(tenant, salt)
         return self.parts.writer.clear(prefix)
 
     def free(self, keys: Seq[str]) -> dict[str, int]:
