@@ -12,7 +12,9 @@ import json
 import os
 import socket
 import sqlite3
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -534,3 +536,115 @@ def test_a_store_with_more_expired_responses_than_one_statement_holds_still_star
     finally:
         if srv is not None:
             srv.close()
+
+
+# ------------------------------------------------------------------------------ item 7
+
+CAROL = "sk-carol-0d4a"
+MAINTENANCE_TIMEOUT_S = 5.0
+
+
+def ttft(c: OpenAI, salt: str) -> float:
+    """Seconds to the first streamed token of a short chat (a cold prompt: its own salt)."""
+    t0 = time.perf_counter()
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_body={"cache_salt": salt},
+    )
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - t0
+    assert first is not None
+    return first
+
+
+def p95(xs: list[float]) -> float:
+    return sorted(xs)[max(0, -(-len(xs) * 95 // 100) - 1)]
+
+
+def flood(srv: ServerProcess, stop: threading.Event, seen: Counter, slowest: list[float]) -> None:
+    """Alice's maintenance requests, back to back, until ``stop``: deletes of everything, of a
+    salt, KV statistics, a stored response."""
+    calls = [
+        ("DELETE", "/kv", {}),
+        ("DELETE", "/kv", {"cache_salt": "a"}),
+        ("GET", "/kv/stats", {}),
+        ("GET", "/responses/resp_none", {}),
+    ]
+    headers = {"authorization": f"Bearer {ALICE}"}
+    with httpx.Client(base_url=srv.base_url, headers=headers, timeout=BOUND_S) as h:
+        i = 0
+        while not stop.is_set():
+            method, path, params = calls[i % len(calls)]
+            t0 = time.perf_counter()
+            r = h.request(method, path, params=params)
+            slowest[0] = max(slowest[0], time.perf_counter() - t0)
+            seen[r.status_code] += 1
+            i += 1
+
+
+def test_a_flood_of_maintenance_requests_does_not_stall_generation(home, tmp_path):
+    """``DELETE /v1/kv``, the KV statistics and the stored responses' routes ran in the executor
+    of generation's own blocking steps and were not rate-limited: one tenant sending them back to
+    back held its threads (each delete a full flush and a listing of every disk folder), and other
+    tenants' requests waited behind. Now: every authenticated route counts against the tenant's
+    rate limit, and maintenance runs on threads of its own, bounded per tenant and in time."""
+    srv = start(
+        home,
+        tmp_path,
+        {
+            "server": {
+                "api_keys": [f"{ALICE}:alice", f"{BOB}:bob", f"{CAROL}:carol"],
+                "maintenance_timeout_s": MAINTENANCE_TIMEOUT_S,
+            },
+            "tenants": {"carol": {"quota": {"requests_per_minute": 3}}},
+        },
+    )
+    try:
+        bob = client(srv, BOB)
+        base = [ttft(bob, f"before-{i}") for i in range(4)]
+        client(srv, ALICE).completions.create(
+            model=MODEL, prompt=NOTE, max_tokens=8, extra_body={"cache_salt": "a"}
+        )
+        stop, seen, slowest = threading.Event(), Counter(), [0.0]
+        with ThreadPoolExecutor(8) as pool:
+            floods = [pool.submit(flood, srv, stop, seen, slowest) for _ in range(8)]
+            time.sleep(0.5)
+            during = [ttft(bob, f"during-{i}") for i in range(8)]
+            stop.set()
+            for f in floods:
+                f.result()
+        print(
+            f"  bob's TTFT p95: alone {p95(base):.2f} s, during alice's flood {p95(during):.2f} s "
+            f"(max {max(during):.2f} s); alice's {sum(seen.values())} requests: {dict(seen)}, "
+            f"slowest {slowest[0]:.2f} s"
+        )
+        assert p95(during) < 10 * max(p95(base), 0.2) + 1.0
+        assert set(seen) <= {200, 202, 404, 429, 503} and seen[200] + seen[202] > 0
+        assert seen[429] > 0  # beyond maintenance_per_tenant, refused at once
+        assert slowest[0] < MAINTENANCE_TIMEOUT_S + 5
+        # every authenticated route counts against the tenant's rate limit (carol: 3 a minute)
+        carol = httpx.Client(
+            base_url=srv.base_url, headers={"authorization": f"Bearer {CAROL}"}, timeout=BOUND_S
+        )
+        got = [
+            carol.request(method, path).status_code
+            for method, path in [
+                ("GET", "/models"),
+                ("GET", "/kv/stats"),
+                ("DELETE", "/kv"),
+                ("GET", "/responses/resp_none"),
+                ("DELETE", "/responses/resp_none"),
+                ("GET", "/models"),
+            ]
+        ]
+        print(f"  carol (3 a minute) on six maintenance routes: {got}")
+        assert got == [200, 200, 200, 429, 429, 429]
+        bystander(srv, BOB)
+    finally:
+        srv.close()
