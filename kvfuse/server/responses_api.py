@@ -626,9 +626,18 @@ async def _stream(
             record.finish_reason, record.error = "cancelled", "client_disconnected"
 
 
+_MAINTENANCE = (
+    "Runs on the server's maintenance threads (kvfuse/server/maintenance.py), never those of "
+    "generation requests: 429 beyond server.maintenance_per_tenant at once per tenant (or the "
+    "tenant's requests_per_minute), 503 beyond server.maintenance_queue, 504 beyond "
+    "server.maintenance_timeout_s."
+)
+
+
 @router.get(
     "/v1/responses/{response_id}",
     summary="Get a stored response",
+    description=_MAINTENANCE,
     responses={
         404: ERRORS[404]
         | {"description": "No such response for this API key's tenant (or expired)."}
@@ -645,6 +654,7 @@ async def get_response(
 @router.delete(
     "/v1/responses/{response_id}",
     summary="Delete a stored response and free its KV",
+    description=_MAINTENANCE,
     responses={404: ERRORS[404] | {"description": "No such response for this API key's tenant."}},
 )
 async def delete_response(
@@ -671,7 +681,9 @@ async def delete_response(
 
 
 @router.get(
-    "/v1/responses/{response_id}/input_items", summary="List a stored response's input items"
+    "/v1/responses/{response_id}/input_items",
+    summary="List a stored response's input items",
+    description=_MAINTENANCE,
 )
 async def list_input_items(
     response_id: str,
