@@ -644,7 +644,8 @@ def test_a_flood_of_maintenance_requests_does_not_stall_generation(keyed):
         f"slowest {slowest[0]:.2f} s"
     )
     assert p95(during) < 10 * max(p95(base), 0.2) + 1.0
-    assert set(seen) <= {200, 202, 404, 429, 503} and seen[200] + seen[202] > 0
+    # 504: a job past maintenance_timeout_s (a loaded machine), answered at the bound
+    assert set(seen) <= {200, 202, 404, 429, 503, 504} and seen[200] + seen[202] > 0
     assert seen[429] > 0  # beyond maintenance_per_tenant, refused at once
     assert slowest[0] < MAINTENANCE_TIMEOUT_S + 5
     every_route_counts(srv)
