@@ -892,7 +892,7 @@ def _inspect(target: str, store) -> int:
             key = ChunkKey.parse(target)
         except ValueError:
             raise UserError(
-                f"{target!r} is neither an entry file nor a storage key ('<24 hex>:<p|d|t>:<64 hex>', as "
+                f"{target!r} is neither an entry file nor a storage key ('<48 hex>:<p|d|t|c>:<64 hex>', as "
                 f"printed in file names with ':' written as '_3A')"
             ) from None
         blob, where = None, ""

@@ -12,7 +12,7 @@ from kvfuse.kv.keys import ChunkKey, ChunkKind
 
 
 def ns_id(ns: str) -> str:
-    return hashlib.sha256(b"test-ns\0" + ns.encode()).hexdigest()[:24]
+    return hashlib.sha256(b"test-ns\0" + ns.encode()).hexdigest()[:48]
 
 
 def K(name: str, ns: str = "ns", kind: ChunkKind = ChunkKind.PREFIX) -> ChunkKey:

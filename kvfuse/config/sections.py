@@ -442,6 +442,15 @@ class ServerConfig:
     limit_concurrency: int = 1024
     # a request body not received this long after its first read: 408 (0: no limit)
     body_timeout_s: float = 30.0
+    # maintenance (DELETE /v1/kv, /v1/kv/stats, stored responses) runs on this many threads of its
+    # own, never the generation requests' (kvfuse/server/maintenance.py)
+    maintenance_workers: int = 2
+    # maintenance jobs waiting or running at once (beyond: 503), and per tenant (beyond: 429)
+    maintenance_queue: int = 8
+    maintenance_per_tenant: int = 2
+    # a maintenance request waits this long for its job (then 504; the job finishes by itself);
+    # DELETE /v1/kv waits at most half of it for the saves queued before it (then 202)
+    maintenance_timeout_s: float = 10.0
     # usage's cached_tokens: "chunk" (rounded down to whole chunks unless the request names its
     # conversation: prompt_cache_key, previous_response_id, user) or "exact" (server.disclosure)
     cached_tokens: str = "chunk"

@@ -113,6 +113,9 @@ def _check_abuse_limits(c: Config, need: Callable) -> None:
     )
     need(s.limit_concurrency >= 0, "server.limit_concurrency", "must be >= 0 (0: no limit)")
     need(s.body_timeout_s >= 0, "server.body_timeout_s", "must be >= 0 seconds (0: no limit)")
+    for name in ("maintenance_workers", "maintenance_queue", "maintenance_per_tenant"):
+        need(getattr(s, name) >= 1, f"server.{name}", "must be >= 1")
+    need(s.maintenance_timeout_s > 0, "server.maintenance_timeout_s", "must be > 0 seconds")
     need(
         s.cached_tokens in ("chunk", "exact"),
         "server.cached_tokens",

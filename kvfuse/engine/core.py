@@ -497,15 +497,17 @@ class Engine:
         loop_dead = self._loop is not None and not self._loop.is_alive() and not self._closed
         return self.progress.report(self.has_work(), stall_after_s, loop_dead)
 
-    def clear_cache(self, tenant: str, salt: str | None = None) -> dict[str, int]:
-        """Delete ``tenant``'s entries (and history records) from every tier: all of them, or only
-        namespace ``salt``; entries removed per tier."""
-        return self.cache.clear(tenant, salt)
+    def clear_cache(self, tenant: str, salt: str | None = None, timeout: float | None = None):
+        """Delete ``tenant``'s entries (and history records) from every tier: all of them, or those
+        of every namespace derived from ``salt``; a ``Cleared`` (entries removed per tier, and
+        whether the queued writes were waited for: at most ``timeout``)."""
+        return self.cache.clear(tenant, salt, timeout)
 
-    def free_entries(self, keys: Seq[str]) -> dict[str, int]:
+    def free_entries(self, keys: Seq[str], timeout: float | None = None) -> dict[str, int]:
         """Remove the entries ``keys`` (their string forms; e.g. a deleted response's) from every
-        tier, after the saves still queued for them; entries removed per tier."""
-        return self.cache.free(keys)
+        tier, after the saves still queued for them (the store's queued writes waited for at most
+        ``timeout``); entries removed per tier."""
+        return self.cache.free(keys, timeout)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the queued saves and lower-tier writes; False if ``timeout`` passed first."""

@@ -6,9 +6,10 @@ and Python versions. Builtin ``hash()`` is never used: it is salted per process.
 
 Encoding (``u32``/``u64`` little-endian, ``str`` = ``u32 byte length + UTF-8``)::
 
-    namespace  = SHA256(b"kvfuse.ns.v2\\0" str(model_fingerprint) str(kv_dtype) str(kv_layout)
-                        u32(format_version) str(tenant) str(salt))
-    tenant_tag = SHA256(b"kvfuse.tenant\\0" str(tenant)), first 8 hex chars
+    namespace  = SHA256(b"kvfuse.ns.v3\\0" str(model_fingerprint) str(kv_dtype) str(kv_layout)
+                        u32(format_version) str(tenant) str(salt) str(cache_salt))
+    tenant_tag = SHA256(b"kvfuse.tenant\\0" str(tenant)), first 16 hex chars
+    salt_tag   = SHA256(b"kvfuse.salt\\0" str(tenant) str(cache_salt)), first 16 hex chars
     h_root     = SHA256(b"kvfuse.root.v1\\0" namespace)
     h_i        = SHA256(b"kvfuse.prefix\\0" h_{i-1} u32(len_i) tokens_i as u32...)
     document   = SHA256(b"kvfuse.doc\\0" namespace u64(len ctx) ctx as u32... u64(len) tokens as u32...)
@@ -21,13 +22,21 @@ registered codec, and one chunk may be stored at several levels (CacheGen) under
 must match for KV to be valid (the model, the KV dtype and layout, the format version, the
 tenant and salt) is in the namespace, so a different model or format is a different key: a miss.
 
-Storage keys print as ``<tenant_tag 8 hex><namespace 16 hex>:<kind>:<digest 64 hex>`` with kind
+Storage keys print as ``<tenant_tag 16 hex><salt_tag 16 hex><namespace 16 hex>:<kind>:<digest 64
+hex>`` with kind
 ``p`` (prefix), ``d`` (document), ``t`` (tail) or ``c`` (content chunk), and for an extra encoding of the same chunk
 (CacheGen's streaming levels) a ``@<codec>.<level>`` suffix: the *variant*. Lookups and plans use
 the plain key (the chunk's primary copy, in whatever codec its tier writes); only the streaming
 loader asks for a variant, and falls back to the primary. Kinds: distinct domain tags make the kinds' digests
 disjoint, and every entry of one tenant (whatever its model or salt) shares the readable prefix
-``tenant_tag``, so a tenant's entries can be deleted by prefix.
+``tenant_tag``, so a tenant's entries can be deleted by prefix. Every namespace derived from a
+request's ``cache_salt`` (its plain prompts, its blended prompts, its conversations continued after
+dropped turns) carries that salt's ``salt_tag`` after the tenant's, whatever else its salt holds
+(the deployment's salt, the blend settings, the history it was derived from), so ``tenant_tag +
+salt_tag`` (``salt_prefix``) deletes all of them, for every model, and nothing of another salt.
+Both tags are 64 bits: a delete or a quota can no more meet another tenant's (or salt's) entries by
+a tag collision than a key can collide. Key version 3 (``ns.v3``, 48 hex chars of namespace): the
+keys of earlier versions (24) do not parse, so their entries are never read as this version's.
 """
 
 from __future__ import annotations
@@ -45,8 +54,9 @@ import torch
 
 from kvfuse.kv.version import FORMAT_VERSION
 
-_NS_TAG = b"kvfuse.ns.v2\x00"
+_NS_TAG = b"kvfuse.ns.v3\x00"
 _TENANT_TAG = b"kvfuse.tenant\x00"
+_SALT_TAG = b"kvfuse.salt\x00"
 _ROOT_TAG = b"kvfuse.root.v1\x00"
 _PREFIX_TAG = b"kvfuse.prefix\x00"
 _DOC_TAG = b"kvfuse.doc\x00"
@@ -54,7 +64,9 @@ _TAIL_TAG = b"kvfuse.tail\x00"
 _CONTENT_TAG = b"kvfuse.content\x00"
 
 _U32_MAX = 2**32 - 1
-_KEY_RE = re.compile(r"^([0-9a-f]{24}):([dptc]):([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?$")
+TAG_LEN = 16  # hex chars of a tenant tag, and of a salt tag after it
+NS_ID_LEN = 3 * TAG_LEN  # a namespace id: tenant tag, salt tag, the namespace's own 16
+_KEY_RE = re.compile(r"^([0-9a-f]{48}):([dptc]):([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?$")
 _VARIANT_RE = re.compile(r"[a-z0-9]+\.[0-9]+")
 
 Tokens = Sequence[int] | np.ndarray | torch.Tensor
@@ -90,7 +102,10 @@ def _str_field(value: str) -> bytes:
 class Namespace:
     """Everything that must match for a cached chunk to be valid: the model, the KV shape and dtype,
     the format version, the tenant (an API key's owner; "" = anonymous) and a salt (a namespace
-    inside the tenant: the deployment's salt and a request's ``cache_salt``)."""
+    inside the tenant: the deployment's salt and a request's ``cache_salt``, and for derived
+    namespaces the blend settings or the history they come from). ``cache_salt`` is the request's
+    own salt alone: its tag is in every key's prefix, so deleting it covers every namespace derived
+    from it (``salt_prefix``)."""
 
     model_fingerprint: str
     kv_dtype: str
@@ -98,13 +113,14 @@ class Namespace:
     format_version: int = FORMAT_VERSION
     salt: str = ""
     tenant: str = ""
+    cache_salt: str = ""
 
     def __post_init__(self) -> None:
         for name in ("model_fingerprint", "kv_dtype", "kv_layout"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ValueError(f"Namespace.{name} must be a non-empty string, got {value!r}")
-        for name in ("salt", "tenant"):
+        for name in ("salt", "tenant", "cache_salt"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(
                     f"Namespace.{name} must be a string (use '' for none), got {getattr(self, name)!r}"
@@ -124,6 +140,7 @@ class Namespace:
                 struct.pack("<I", self.format_version),
                 _str_field(self.tenant),
                 _str_field(self.salt),
+                _str_field(self.cache_salt),
             )
         )
 
@@ -132,10 +149,10 @@ class Namespace:
         return hashlib.sha256(self.encode()).digest()
 
     def short_id(self) -> str:
-        """The tenant tag + the first 16 hex chars of the digest: the prefix of every storage key
-        of this namespace."""
+        """The tenant tag, the cache salt's tag and the first 16 hex chars of the digest: the prefix
+        of every storage key of this namespace."""
         # digest() is cheap: a few dozen bytes
-        return tenant_tag(self.tenant) + self.digest().hex()[:16]
+        return salt_prefix(self.tenant, self.cache_salt) + self.digest().hex()[:TAG_LEN]
 
     def key_prefix(self) -> str:
         """The storage-key prefix shared by all keys of this namespace (for ``delete_prefix``)."""
@@ -143,8 +160,17 @@ class Namespace:
 
 
 def tenant_tag(tenant: str) -> str:
-    """8 hex chars shared by the storage keys of every namespace of ``tenant`` (``delete_prefix``)."""
-    return hashlib.sha256(_TENANT_TAG + _str_field(tenant)).hexdigest()[:8]
+    """16 hex chars shared by the storage keys of every namespace of ``tenant`` (``delete_prefix``,
+    per-tenant quotas): 64 bits, so two tenants' tags collide no more than two keys do."""
+    return hashlib.sha256(_TENANT_TAG + _str_field(tenant)).hexdigest()[:TAG_LEN]
+
+
+def salt_prefix(tenant: str, cache_salt: str) -> str:
+    """The storage-key prefix of every namespace of ``tenant`` derived from ``cache_salt`` (plain,
+    blended, history-derived; every model): the tenant tag, then 16 hex chars of the salt within
+    the tenant. ``DELETE /v1/kv?cache_salt=`` deletes by it."""
+    digest = hashlib.sha256(_SALT_TAG + _str_field(tenant) + _str_field(cache_salt)).hexdigest()
+    return tenant_tag(tenant) + digest[:TAG_LEN]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -170,10 +196,10 @@ class ChunkKey:
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace_id, str) or not re.fullmatch(
-            r"[0-9a-f]{24}", self.namespace_id
+            r"[0-9a-f]{48}", self.namespace_id
         ):
             raise ValueError(
-                f"ChunkKey.namespace_id must be 24 lowercase hex chars, got {self.namespace_id!r}"
+                f"ChunkKey.namespace_id must be 48 lowercase hex chars, got {self.namespace_id!r}"
             )
         if not isinstance(self.digest, bytes) or len(self.digest) != 32:
             raise ValueError(f"ChunkKey.digest must be 32 bytes, got {self.digest!r}")
@@ -230,7 +256,7 @@ class ChunkKey:
         m = _KEY_RE.match(s) if isinstance(s, str) else None
         if m is None:
             raise ValueError(
-                f"not a chunk key (expected '<24 hex>:<p|d|t|c>:<64 hex>[@codec.level]'): {s!r}"
+                f"not a chunk key (expected '<48 hex>:<p|d|t|c>:<64 hex>[@codec.level]'): {s!r}"
             )
         return cls(m.group(1), bytes.fromhex(m.group(3)), ChunkKind(m.group(2)), m.group(4) or "")
 

@@ -20,7 +20,7 @@ from kvfuse.blend import BlendOptions
 from kvfuse.codecs import get_codec
 from kvfuse.config import EngineSettings
 from kvfuse.history import HistoryIndex
-from kvfuse.kv.keys import ChunkKey, tenant_tag
+from kvfuse.kv.keys import ChunkKey, salt_prefix, tenant_tag
 from kvfuse.models import LoadedModel
 from kvfuse.models.cache import KVCache
 from kvfuse.prompts.prompt import Prompt
@@ -28,7 +28,7 @@ from kvfuse.store import TieredStore
 from kvfuse.store.prefetch import Prefetcher
 
 from . import offline
-from .cache_writer import CacheWriter
+from .cache_writer import CacheWriter, Cleared
 from .computing import ComputingChunks
 from .fetch import FetchedEntries
 from .keying import Keying
@@ -229,12 +229,14 @@ class CacheEngine:
     def tenant_usage(self) -> dict:
         return self.store.tenant_usage()
 
-    def clear(self, tenant: str, salt: str | None = None) -> dict[str, int]:
-        prefix = tenant_tag(tenant) if salt is None else self.namespace(tenant, salt).key_prefix()
-        return self.parts.writer.clear(prefix)
+    def clear(self, tenant: str, salt: str | None = None, timeout: float | None = None) -> Cleared:
+        """Every entry of ``tenant``, or of every namespace derived from its ``salt`` (plain,
+        blended, history-derived, any model: they share the salt's key prefix)."""
+        prefix = tenant_tag(tenant) if salt is None else salt_prefix(tenant, salt)
+        return self.parts.writer.clear(prefix, timeout)
 
-    def free(self, keys: Seq[str]) -> dict[str, int]:
-        return self.parts.writer.free(keys) if keys else {}
+    def free(self, keys: Seq[str], timeout: float | None = None) -> dict[str, int]:
+        return self.parts.writer.free(keys, timeout) if keys else {}
 
     def flush(self, timeout: float | None = None) -> bool:
         return self.parts.writer.flush(timeout)
@@ -332,10 +334,10 @@ class NoCache:
     def tenant_usage(self) -> dict:
         return {}
 
-    def clear(self, tenant: str, salt: str | None = None) -> dict[str, int]:
-        return {}
+    def clear(self, tenant: str, salt: str | None = None, timeout: float | None = None) -> Cleared:
+        return Cleared({}, True)
 
-    def free(self, keys: Seq[str]) -> dict[str, int]:
+    def free(self, keys: Seq[str], timeout: float | None = None) -> dict[str, int]:
         return {}
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -204,9 +205,10 @@ class CacheWriter:
             return False
         return self.store.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
-    def free(self, keys: Iterable[str]) -> dict[str, int]:
+    def free(self, keys: Iterable[str], timeout: float | None = None) -> dict[str, int]:
         """Remove the entries of ``keys`` (their string forms) from every tier, after the saves
-        still queued for them; entries removed per tier."""
+        still queued for them (the store's queued writes waited for at most ``timeout``); entries
+        removed per tier."""
         parsed = []
         for k in keys:
             try:
@@ -214,21 +216,39 @@ class CacheWriter:
             except ValueError:
                 log.warning("not a chunk key, not freed: %r", k)
         self.saver.wait(parsed)
-        removed = self.store.delete(parsed)
+        removed = self.store.delete(parsed, timeout)
         if self.events is not None:
             self.events.freed(parsed)
         return removed
 
-    def clear(self, prefix: str) -> dict[str, int]:
-        """Delete every entry and history record whose key starts with ``prefix`` (a tenant tag or
-        a namespace's), after the queued writes; entries removed per tier."""
-        self.flush()
+    def clear(self, prefix: str, timeout: float | None = None) -> Cleared:
+        """Delete every entry and history record whose key starts with ``prefix`` (a tenant's tag,
+        or with a salt's: ``kv.keys.salt_prefix``), after the saves queued under ``prefix`` and
+        the store's queued writes, waited for at most ``timeout`` in all (None: until done; a
+        flood of other tenants' saves cannot hold it). Not ``complete`` when the wait ran out:
+        what was stored is deleted, but a write still queued may land afterwards."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        complete = self.saver.flush_prefix(prefix, timeout)
+        complete = self.store.flush(left()) and complete
         if self.history is not None:
             self.history.delete_prefix(prefix)
-        removed = self.store.delete_prefix(prefix)
+        removed = self.store.delete_prefix(prefix, 0.0 if deadline is not None else None)
         if self.events is not None:
             self.events.cleared(prefix)
-        return removed
+        return Cleared(removed, complete)
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """What a clear did: entries removed per tier, and whether it ran after every write queued
+    under its prefix (``complete``) or gave up waiting for some (repeat it to catch them)."""
+
+    removed: dict[str, int]
+    complete: bool
 
 
 def exact_loads(loads: Sequence[Load]) -> list[Load]:

@@ -13,7 +13,10 @@ the queue can prefetch it), and again when the sequence is planned only if a sav
 
 Keys never mix: the namespace names the model, the KV dtype and layout, the format version, the
 tenant and every salt (the engine's, the request's, the blend settings'); a conversation continued
-after dropped turns gets a namespace derived from what it was derived from.
+after dropped turns gets a namespace derived from what it was derived from. Every namespace derived
+from a request's ``cache_salt`` keeps that salt (``Namespace.cache_salt``), whose tag prefixes its
+keys: deleting the salt (``DELETE /v1/kv?cache_salt=``) covers the blended and history-derived
+namespaces too.
 
 A request's blend is resolved here too: ``recompute_ratio: auto`` becomes the model's calibrated
 blend (``kvfuse.config.profiles``), and a prompt whose blend is ``prefix`` (no blending: what
@@ -112,6 +115,7 @@ class Keying:
             kv_dtype=self.kv_dtype,
             kv_layout=self.layout,
             salt=full_salt,
+            cache_salt=salt,  # its tag prefixes the blended and history-derived ones too
         )
 
     def document_context(

@@ -128,6 +128,16 @@ class Saver:
         with self._cond:
             return self._cond.wait_for(lambda: not +self._pending, timeout)
 
+    def flush_prefix(self, prefix: str, timeout: float | None = None) -> bool:
+        """Wait until no key starting with ``prefix`` is still to be saved; False if ``timeout``
+        passed first. Unlike ``flush``, other tenants' saves queued meanwhile do not make it wait:
+        a delete waits for what it deletes, not for the whole queue to run dry."""
+        with self._cond:
+            return self._cond.wait_for(
+                lambda: not any(n and str(k).startswith(prefix) for k, n in self._pending.items()),
+                timeout,
+            )
+
     def pending(self) -> int:
         with self._cond:
             return sum(self._pending.values())
@@ -245,6 +255,9 @@ class SyncSaver:
         return True
 
     def flush(self, timeout: float | None = None) -> bool:
+        return True
+
+    def flush_prefix(self, prefix: str, timeout: float | None = None) -> bool:
         return True
 
     def pending(self) -> int:

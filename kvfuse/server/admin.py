@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from .deps import current_tenant, get_state, metrics_access
+from .deps import get_state, limited_tenant, metrics_access
 from .errors import APIError
 from .metrics import CONTENT_TYPE
 from .schemas import NO_NUL, ErrorResponse, Health, KVDeleted, KVStats, ModelCard, ModelList
@@ -18,7 +18,28 @@ _AUTH_ERRORS = {
     401: {
         "model": ErrorResponse,
         "description": "Missing or wrong API key (only when the server has keys).",
-    }
+    },
+    429: {
+        "model": ErrorResponse,
+        "description": "Over the tenant's requests_per_minute (every authenticated route counts).",
+    },
+}
+_MAINTENANCE_ERRORS = {
+    **_AUTH_ERRORS,
+    429: {
+        "model": ErrorResponse,
+        "description": "Over the tenant's requests_per_minute, or the tenant already has "
+        "server.maintenance_per_tenant maintenance requests running (Retry-After).",
+    },
+    503: {
+        "model": ErrorResponse,
+        "description": "server.maintenance_queue maintenance requests already run (Retry-After).",
+    },
+    504: {
+        "model": ErrorResponse,
+        "description": "Not done within server.maintenance_timeout_s (code maintenance_timeout); "
+        "it goes on in the background and may be repeated.",
+    },
 }
 
 
@@ -87,7 +108,7 @@ async def metrics(request: Request, _: None = Depends(metrics_access)) -> Respon
     responses=_AUTH_ERRORS,
     description="The one model this server serves; requests must name it in their `model` field.",
 )
-async def list_models(request: Request, tenant: str = Depends(current_tenant)) -> ModelList:
+async def list_models(request: Request, tenant: str = Depends(limited_tenant)) -> ModelList:
     return ModelList(data=[_card(get_state(request))])
 
 
@@ -103,7 +124,7 @@ async def list_models(request: Request, tenant: str = Depends(current_tenant)) -
     description="The served model's card; any other name is a 404 with code model_not_found.",
 )
 async def get_model(
-    model: str, request: Request, tenant: str = Depends(current_tenant)
+    model: str, request: Request, tenant: str = Depends(limited_tenant)
 ) -> ModelCard:
     name = get_state(request).model_name
     if model != name:
@@ -132,12 +153,14 @@ def _card(state) -> ModelCard:
     response_model=KVStats,
     tags=["kv cache"],
     summary="KV cache statistics",
-    responses=_AUTH_ERRORS,
-    description="Counters of every cache tier and of the engine (server-wide, not per tenant).",
+    responses=_MAINTENANCE_ERRORS,
+    description="Counters of every cache tier and of the engine (server-wide, not per tenant). "
+    "Asked on the maintenance threads (the tiers may be remote: Redis), bounded like DELETE /v1/kv.",
 )
-async def kv_stats(request: Request, tenant: str = Depends(current_tenant)) -> KVStats:
-    engine = get_state(request).engine
-    tiers = await asyncio.to_thread(engine.cache_stats)  # the store's tiers may be remote (Redis)
+async def kv_stats(request: Request, tenant: str = Depends(limited_tenant)) -> KVStats:
+    state = get_state(request)
+    engine = state.engine
+    tiers = await state.maintenance.run(tenant, engine.cache_stats)
     return KVStats(
         cache_enabled=engine.cache_enabled,
         tiers=tiers,
@@ -151,22 +174,42 @@ async def kv_stats(request: Request, tenant: str = Depends(current_tenant)) -> K
     response_model=KVDeleted,
     tags=["kv cache"],
     summary="Clear the caller's cached KV",
-    responses=_AUTH_ERRORS,
+    responses={
+        **_MAINTENANCE_ERRORS,
+        202: {
+            "model": KVDeleted,
+            "description": "Deleted what was stored, but saves queued before the request were not "
+            "all written in time (complete: false): repeat it to remove what lands later.",
+        },
+    },
     description="Deletes the cache entries of the caller's tenant from every tier (memory, disk, Redis): all of "
     "them, whatever model or cache_salt they were stored under, including entries written before "
-    "the server restarted; with `cache_salt`, only that namespace. Other tenants' entries are never "
-    "touched (every storage key starts with its tenant's tag). Without API keys there is one "
-    "anonymous tenant.",
+    "the server restarted; with `cache_salt`, every entry stored under that salt: plain prompts, "
+    "blended prompts (documents), conversations continued after dropped turns, for every model "
+    "(each key carries the salt's tag after the tenant's). Other tenants' entries are never "
+    "touched (every storage key starts with its tenant's 64-bit tag). Without API keys there is "
+    "one anonymous tenant. Runs on the maintenance threads, never the generation requests': "
+    "at most server.maintenance_per_tenant at once per tenant (429 beyond) and "
+    "server.maintenance_queue in all (503 beyond), answered within server.maintenance_timeout_s "
+    "(504 beyond); it waits for the saves queued under the cleared prefix for at most half of that "
+    "(202 with complete: false when some were not written in time).",
 )
 async def clear_kv(
     request: Request,
-    tenant: str = Depends(current_tenant),
+    tenant: str = Depends(limited_tenant),
     cache_salt: str | None = Query(
         None,
         max_length=256,
         pattern=NO_NUL,
-        description="Clear only this namespace of the tenant.",
+        description="Clear only what was stored under this salt.",
     ),
-) -> KVDeleted:
-    deleted = await asyncio.to_thread(get_state(request).engine.clear_cache, tenant, cache_salt)
-    return KVDeleted(tenant=tenant, cache_salt=cache_salt, deleted=deleted)
+) -> JSONResponse:
+    state = get_state(request)
+    flush_s = state.maintenance.timeout_s / 2
+    done = await state.maintenance.run(
+        tenant, state.engine.clear_cache, tenant, cache_salt, flush_s
+    )
+    body = KVDeleted(
+        tenant=tenant, cache_salt=cache_salt, deleted=done.removed, complete=done.complete
+    )
+    return JSONResponse(body.model_dump(), status_code=200 if done.complete else 202)

@@ -34,7 +34,7 @@ from .anthropic_schemas import (
 )
 from .anthropic_translate import count_tokens, plan_messages
 from .completions import outcome_result, submit, watch_disconnect
-from .deps import anthropic_limited_tenant, anthropic_tenant, get_state
+from .deps import anthropic_limited_tenant, get_state
 from .errors import APIError
 from .events import RequestEvents, Started
 from .request_log import RECORD_KEY, RequestRecord
@@ -159,7 +159,7 @@ async def create_message(
 async def count_message_tokens(
     body: CountTokensRequest,
     request: Request,
-    tenant: str = Depends(anthropic_tenant),
+    tenant: str = Depends(anthropic_limited_tenant),
     anthropic_version: str | None = _VERSION,
 ) -> JSONResponse:
     state = get_state(request)

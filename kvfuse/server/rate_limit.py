@@ -1,7 +1,9 @@
 """Per-tenant request rates: ``tenants.<name>.quota.requests_per_minute`` (``kvfuse.config.tenants``).
 
-A sliding window, exact: a tenant's generation request (completions, chat completions, responses)
-is admitted when fewer than ``limit`` of its admitted requests started in the last 60 seconds;
+A sliding window, exact: a tenant's request, on any authenticated route (generation, and since
+issue 39 item 7 the models, KV statistics and deletes, stored responses and token counting too: a
+route left out is one a tenant can send without limit), is admitted when fewer than ``limit`` of
+its admitted requests started in the last 60 seconds;
 otherwise it is a 429 whose body is OpenAI's rate-limit error (``type: "requests"``, ``code:
 "rate_limit_exceeded"``, the message naming the limit and the setting) with ``Retry-After`` (whole
 seconds until the oldest counted request leaves the window) and OpenAI's ``x-ratelimit-*-requests``

@@ -48,7 +48,7 @@ from kvfuse.tools import ToolCalling
 
 from .bodies import usage as chat_usage
 from .completions import ERRORS, awaited, outcome_result, submit, watch_disconnect
-from .deps import current_tenant, get_state, limited_tenant
+from .deps import get_state, limited_tenant
 from .disclosure import exact_for, reported
 from .errors import APIError, bad_request
 from .events import RequestEvents
@@ -626,39 +626,50 @@ async def _stream(
             record.finish_reason, record.error = "cancelled", "client_disconnected"
 
 
+_MAINTENANCE = (
+    "Runs on the server's maintenance threads (kvfuse/server/maintenance.py), never those of "
+    "generation requests: 429 beyond server.maintenance_per_tenant at once per tenant (or the "
+    "tenant's requests_per_minute), 503 beyond server.maintenance_queue, 504 beyond "
+    "server.maintenance_timeout_s."
+)
+
+
 @router.get(
     "/v1/responses/{response_id}",
     summary="Get a stored response",
+    description=_MAINTENANCE,
     responses={
         404: ERRORS[404]
         | {"description": "No such response for this API key's tenant (or expired)."}
     },
 )
 async def get_response(
-    response_id: str, request: Request, tenant: str = Depends(current_tenant)
+    response_id: str, request: Request, tenant: str = Depends(limited_tenant)
 ) -> JSONResponse:
     state = get_state(request)
-    stored = await asyncio.to_thread(_stored, state, tenant, response_id)
+    stored = await state.maintenance.run(tenant, _stored, state, tenant, response_id)
     return JSONResponse(stored.body)
 
 
 @router.delete(
     "/v1/responses/{response_id}",
     summary="Delete a stored response and free its KV",
+    description=_MAINTENANCE,
     responses={404: ERRORS[404] | {"description": "No such response for this API key's tenant."}},
 )
 async def delete_response(
-    response_id: str, request: Request, tenant: str = Depends(current_tenant)
+    response_id: str, request: Request, tenant: str = Depends(limited_tenant)
 ) -> JSONResponse:
     state = get_state(request)
+    flush_s = state.maintenance.timeout_s / 2
 
     def delete() -> dict[str, int]:
         if state.responses is None:
             raise ResponseNotFound(response_id)
-        return state.engine.free_entries(state.responses.delete(tenant, response_id))
+        return state.engine.free_entries(state.responses.delete(tenant, response_id), flush_s)
 
     try:
-        freed = await asyncio.to_thread(delete)
+        freed = await state.maintenance.run(tenant, delete)
     except ResponseNotFound:
         raise APIError(
             404, f"response {response_id!r} not found", param="response_id", code="not_found"
@@ -670,18 +681,20 @@ async def delete_response(
 
 
 @router.get(
-    "/v1/responses/{response_id}/input_items", summary="List a stored response's input items"
+    "/v1/responses/{response_id}/input_items",
+    summary="List a stored response's input items",
+    description=_MAINTENANCE,
 )
 async def list_input_items(
     response_id: str,
     request: Request,
-    tenant: str = Depends(current_tenant),
+    tenant: str = Depends(limited_tenant),
     limit: int = Query(20, ge=1, le=100),
     order: str = Query("desc", pattern="^(asc|desc)$"),
     after: str | None = Query(None),
 ) -> JSONResponse:
     state = get_state(request)
-    stored = await asyncio.to_thread(_stored, state, tenant, response_id)
+    stored = await state.maintenance.run(tenant, _stored, state, tenant, response_id)
     items = list(stored.input_items)
     if order == "desc":
         items.reverse()

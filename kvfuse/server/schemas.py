@@ -758,6 +758,14 @@ class KVDeleted(BaseModel):
         ..., description="The caller's tenant ('' when the server has no API keys)."
     )
     cache_salt: str | None = Field(
-        None, description="The one namespace cleared, or null: all of the tenant's."
+        None,
+        description="The salt cleared (every namespace derived from it: plain prompts, blended "
+        "prompts, continued conversations, every model), or null: all of the tenant's.",
     )
     deleted: dict[str, int] = Field(..., description="Entries removed per tier.")
+    complete: bool = Field(
+        True,
+        description="False (with status 202) when the saves queued under the cleared prefix were "
+        "not all written within half of server.maintenance_timeout_s: what was stored is deleted, "
+        "but a write still queued may land afterwards; repeat the request to remove it.",
+    )

@@ -21,6 +21,7 @@ from kvfuse.runtime import Serving
 
 from .auth import ANONYMOUS, Authenticator, MetricsToken
 from .logprobs import TokenTexts
+from .maintenance import MaintenancePool
 from .metrics import ServerMetrics
 from .rate_limit import RateLimiter, rate_limited
 from .structured import Grammars
@@ -61,6 +62,13 @@ class ServerState:
             queue=lambda: self.engine.queue_state() if self.engine else {},
         )
         self.limiter = RateLimiter(self._requests_per_minute)
+        # deletes, scans, stats, stored responses: threads of their own, bounded (maintenance.py)
+        self.maintenance = MaintenancePool(
+            s.maintenance_workers,
+            s.maintenance_queue,
+            s.maintenance_per_tenant,
+            s.maintenance_timeout_s,
+        )
         self.events = None  # the KV event publisher (server.kv_events), once started
         self.metrics.registry.register(EventsCollector(lambda: self.events))
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
@@ -80,8 +88,8 @@ class ServerState:
         return quota.requests_per_minute if quota is not None else None
 
     def admit(self, tenant: str) -> None:
-        """Count a generation request of ``tenant`` against its rate limit; the 429 (counted in the
-        metrics) when it is over it."""
+        """Count a request of ``tenant`` (any authenticated route) against its rate limit; the 429
+        (counted in the metrics) when it is over it."""
         got = self.limiter.admit(tenant)
         if got is None or got[0].allowed:
             return
@@ -131,6 +139,7 @@ class ServerState:
 
     def stop(self) -> None:
         self.drain()
+        self.maintenance.close()
         if self.responses is not None:
             self.responses.close()
             self.responses = None

@@ -376,21 +376,23 @@ class TieredStore:
 
     # -- maintenance ----------------------------------------------------------------------------
 
-    def delete(self, keys: Iterable[ChunkKey]) -> dict[str, int]:
+    def delete(self, keys: Iterable[ChunkKey], timeout: float | None = None) -> dict[str, int]:
         """Remove the entries of ``keys`` and their variants from every tier (after the queued
-        writes, so none lands afterwards); the count removed per tier."""
+        writes, so none lands afterwards: waited for at most ``timeout``, None: until done); the
+        count removed per tier."""
         keys = list(keys)
-        self.flush()
+        self.flush(timeout)
         with_variants = self._transcoder.with_variants(keys)
         self._prefetch.forget(keys)
         return {
             t.name: guarded(t, "delete_many", t.delete_many, 0, with_variants) for t in self._tiers
         }
 
-    def delete_prefix(self, prefix: str) -> dict[str, int]:
+    def delete_prefix(self, prefix: str, timeout: float | None = None) -> dict[str, int]:
         """Remove every key starting with ``prefix`` from every tier (after the queued writes, so
-        none lands afterwards); the count removed per tier."""
-        self.flush()
+        none lands afterwards: waited for at most ``timeout``, None: until done); the count removed
+        per tier. How each tier finds the keys: its ``delete_prefix``."""
+        self.flush(timeout)
         return {
             t.name: guarded(t, "delete_prefix", t.delete_prefix, 0, prefix) for t in self._tiers
         }

@@ -8,8 +8,8 @@ tiers' eviction policy (``kvfuse/tiers/eviction.py``); this module is what they 
 Built from the configuration (``runtime.tenant_quotas``) and given to a tier as its ``quotas``.
 Without quotas (``TenantQuotas`` not given) a tier is plain LRU.
 
-**How it is held.** A tenant is read off every key: the first 8 hex characters of a storage key are
-its tenant's tag (``kv.keys.tenant_tag``), so the tiers need no request context. The tier's
+**How it is held.** A tenant is read off every key: the first 16 hex characters (64 bits: no two
+tenants' tags collide in practice) of a storage key are its tenant's tag (``kv.keys.tenant_tag``), so the tiers need no request context. The tier's
 ``KeyIndex`` keeps, beside its global LRU list, one LRU list per *owner* (``owner_of``): one per
 tenant with a quota, and one (``OTHERS``) shared by every tenant without one, with each list's bytes
 and entries. So a tenant's oldest entry is found in O(1) without walking other tenants' entries,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvfuse.kv.keys import TAG_LEN
 from kvfuse.tiers.eviction import OTHERS
 from kvfuse.tiers.key_index import KeyIndex
 
@@ -32,9 +33,10 @@ class TenantQuotas:
 
     def __init__(self, limits: Mapping[str, int], default: int | None = None) -> None:
         for tag, limit in limits.items():
-            if len(tag) != 8 or not isinstance(limit, int) or limit <= 0:
+            if len(tag) != TAG_LEN or not isinstance(limit, int) or limit <= 0:
                 raise ValueError(
-                    f"a quota is a tenant tag (8 hex chars) and a size > 0, got {tag!r}: {limit!r}"
+                    f"a quota is a tenant tag ({TAG_LEN} hex chars) and a size > 0, "
+                    f"got {tag!r}: {limit!r}"
                 )
         if default is not None and (not isinstance(default, int) or default <= 0):
             raise ValueError(f"the default quota must be a size > 0 or None, got {default!r}")
@@ -49,8 +51,8 @@ class TenantQuotas:
         return self._limits.get(tag, self.default)
 
     def owner_of(self, namespace_id: str) -> int:
-        """The owner of the entries of a namespace (a storage key's first 24 hex chars)."""
-        tag = namespace_id[:8]
+        """The owner of the entries of a namespace (a storage key's first 48 hex chars)."""
+        tag = namespace_id[:TAG_LEN]
         owner = self._owners.get(tag)
         if owner is None:
             limit = self.limit_of_tag(tag)

@@ -181,6 +181,8 @@ class MemoryTier(IndexedTier):
         return removed
 
     def delete_prefix(self, prefix: str) -> int:
+        """No scan of the entries: the index keeps keys by namespace group, a tenant's or a
+        salt's prefix picks whole groups (``KeyIndex.keys_with_prefix``)."""
         with self._lock:
             doomed = self._index.keys_with_prefix(prefix)
             for k in doomed:

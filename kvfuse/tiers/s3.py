@@ -371,6 +371,8 @@ class S3Tier(Tier):
         return self._delete_names([self._k(k) for k, h in zip(keys, held) if h])
 
     def delete_prefix(self, prefix: str) -> int:
+        """ListObjectsV2 with the prefix (the bucket's own index: only the prefix's objects are
+        listed, whatever else the bucket holds), then DeleteObjects in batches."""
         names = []
         if not self._backoff.available():
             return 0

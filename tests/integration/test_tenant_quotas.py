@@ -147,13 +147,22 @@ def test_requests_beyond_the_rate_limit_get_openais_429(server):
         )
     with pytest.raises(openai.RateLimitError):
         carol.responses.create(model=MODEL, input="hi", max_output_tokens=1)
-    # other tenants are not limited by carol's quota; her other endpoints stay open
+    # so do every other authenticated route (issue 39 item 7): models, KV stats and deletes
+    with pytest.raises(openai.RateLimitError):
+        carol.models.list()
+    for method, path in (("GET", "/v1/kv/stats"), ("DELETE", "/v1/kv")):
+        r = httpx.request(
+            method,
+            server.base_url.rstrip("/") + path.removeprefix("/v1"),
+            headers={"authorization": f"Bearer {KEYS['carol']}"},
+        )
+        assert r.status_code == 429 and "retry-after" in r.headers, (path, r.status_code)
+    # other tenants are not limited by carol's quota
     assert cached(client(server, "bob"), "The capital of France is") == 0
-    assert [m.id for m in carol.models.list().data] == [MODEL]
     m = metrics(server)
     assert (
         tenant_series(
             m, "kvfuse_tenant_rejected_requests_total", "carol", limit="requests_per_minute"
         )
-        == RPM + 2
+        == RPM + 5
     )

@@ -12,7 +12,9 @@ import json
 import os
 import socket
 import sqlite3
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -355,77 +357,90 @@ def stored_rows(path: Path) -> list[tuple[str, int, int]]:
         ).fetchall()
 
 
-def test_chained_responses_with_throwaway_inputs_store_a_bounded_amount(home, tmp_path):
-    """Each turn sends a large message the context window drops, chained by
-    previous_response_id: the store used to keep the whole untruncated history again at every
-    turn (turn k: k large messages), with no limit per tenant."""
-    db = tmp_path / "responses.sqlite3"
+CAROL = "sk-carol-0d4a"
+MAINTENANCE_TIMEOUT_S = 5.0
+
+
+@pytest.fixture(scope="module")
+def keyed(home, tmp_path_factory) -> ServerProcess:
+    """One server with API keys for the tests of items 3 and 7 (a server start is ~10 s): alice and
+    bob unlimited, carol at 3 requests a minute; the Responses store bounded per tenant."""
+    tmp = tmp_path_factory.mktemp("keyed")
     config = {
         "context_tokens": 512,
-        "server": {"api_keys": [f"{ALICE}:alice", f"{BOB}:bob"]},
+        "server": {
+            "api_keys": [f"{ALICE}:alice", f"{BOB}:bob", f"{CAROL}:carol"],
+            "maintenance_timeout_s": MAINTENANCE_TIMEOUT_S,
+        },
+        "tenants": {"carol": {"quota": {"requests_per_minute": 3}}},
         "responses": {
-            "path": str(db),
+            "path": str(tmp / "responses.sqlite3"),
             "max_response_bytes": 600 * 1024,
             "tenant_max_bytes": 2 * 2**20,
         },
     }
-    srv = start(home, tmp_path, config)
-    try:
-        alice, bob = client(srv, ALICE), client(srv, BOB)
-        big = "Ignore this filler line, it is only here to take room. " * 5000  # 275 kB
-        first, previous, refused, times = None, None, None, []
-        for turn in range(12):
-            r, dt = timed(
-                alice.responses.create,
-                model=MODEL,
-                input=[
-                    {"role": "user", "content": f"{turn} {big}"},
-                    {"role": "assistant", "content": "Noted."},
-                    {"role": "user", "content": "Say hi."},
-                ],
-                previous_response_id=previous,
-                max_output_tokens=4,
-            )
-            if isinstance(r, Exception):
-                refused = (turn, r, dt)
-                break
-            times.append(dt)
-            first, previous = first or r.id, r.id
-        rows = stored_rows(db)
-        print(f"  stored per turn (history, input items bytes): {[(h, i) for _, h, i in rows]}")
-        print(
-            f"  turn times {[round(t, 2) for t in times]}; refused at turn {refused and refused[0]}"
-        )
-        # what the prompt kept: the large messages are not stored again turn after turn
-        assert all(h < 20_000 for _, h, _ in rows)
-        # the tenant's bytes are bounded: a 413 (before generating) once they are spent
-        assert refused is not None and isinstance(refused[1], openai.APIStatusError)
-        assert refused[1].status_code == 413 and "tenant_max_bytes" in str(refused[1])
-        assert refused[2] < BOUND_S and sum(h + i for _, h, i in rows) <= 2 * 2**20
-        # one response larger than max_response_bytes: 413 at once
-        huge = [
-            {"role": "user", "content": big * 3},
-            {"role": "assistant", "content": "Noted."},
-            {"role": "user", "content": "Say hi."},
-        ]
-        r = timed(bob.responses.create, model=MODEL, input=huge, max_output_tokens=1)[0]
-        assert isinstance(r, openai.APIStatusError) and r.status_code == 413, r
-        # another tenant still stores and continues; nothing of alice's is lost
-        b1 = bob.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4)
-        bob.responses.create(
-            model=MODEL, input="Again.", previous_response_id=b1.id, max_output_tokens=4
-        )
-        assert alice.responses.retrieve(first).id == first
-        again = alice.responses.create(
+    srv = start(home, tmp, config)
+    srv.db = tmp / "responses.sqlite3"
+    yield srv
+    srv.close()
+
+
+def test_chained_responses_with_throwaway_inputs_store_a_bounded_amount(keyed):
+    """Each turn sends a large message the context window drops, chained by
+    previous_response_id: the store used to keep the whole untruncated history again at every
+    turn (turn k: k large messages), with no limit per tenant."""
+    srv, db = keyed, keyed.db
+    alice, bob = client(srv, ALICE), client(srv, BOB)
+    big = "Ignore this filler line, it is only here to take room. " * 5000  # 275 kB
+    first, previous, refused, times = None, None, None, []
+    for turn in range(12):
+        r, dt = timed(
+            alice.responses.create,
             model=MODEL,
-            input="Say hi.",
-            previous_response_id=first,
-            store=False,
+            input=[
+                {"role": "user", "content": f"{turn} {big}"},
+                {"role": "assistant", "content": "Noted."},
+                {"role": "user", "content": "Say hi."},
+            ],
+            previous_response_id=previous,
             max_output_tokens=4,
         )
-        assert again.output_text is not None
-    finally:
-        srv.close()
+        if isinstance(r, Exception):
+            refused = (turn, r, dt)
+            break
+        times.append(dt)
+        first, previous = first or r.id, r.id
+    rows = stored_rows(db)
+    print(f"  stored per turn (history, input items bytes): {[(h, i) for _, h, i in rows]}")
+    print(f"  turn times {[round(t, 2) for t in times]}; refused at turn {refused and refused[0]}")
+    # what the prompt kept: the large messages are not stored again turn after turn
+    assert all(h < 20_000 for _, h, _ in rows)
+    # the tenant's bytes are bounded: a 413 (before generating) once they are spent
+    assert refused is not None and isinstance(refused[1], openai.APIStatusError)
+    assert refused[1].status_code == 413 and "tenant_max_bytes" in str(refused[1])
+    assert refused[2] < BOUND_S and sum(h + i for _, h, i in rows) <= 2 * 2**20
+    # one response larger than max_response_bytes: 413 at once
+    huge = [
+        {"role": "user", "content": big * 3},
+        {"role": "assistant", "content": "Noted."},
+        {"role": "user", "content": "Say hi."},
+    ]
+    r = timed(bob.responses.create, model=MODEL, input=huge, max_output_tokens=1)[0]
+    assert isinstance(r, openai.APIStatusError) and r.status_code == 413, r
+    # another tenant still stores and continues; nothing of alice's is lost
+    b1 = bob.responses.create(model=MODEL, input="Say hi.", max_output_tokens=4)
+    bob.responses.create(
+        model=MODEL, input="Again.", previous_response_id=b1.id, max_output_tokens=4
+    )
+    assert alice.responses.retrieve(first).id == first
+    again = alice.responses.create(
+        model=MODEL,
+        input="Say hi.",
+        previous_response_id=first,
+        store=False,
+        max_output_tokens=4,
+    )
+    assert again.output_text is not None
 
 
 # ------------------------------------------------------------------------------ item 10
@@ -534,3 +549,104 @@ def test_a_store_with_more_expired_responses_than_one_statement_holds_still_star
     finally:
         if srv is not None:
             srv.close()
+
+
+# ------------------------------------------------------------------------------ item 7
+
+
+def ttft(c: OpenAI, salt: str) -> float:
+    """Seconds to the first streamed token of a short chat (a cold prompt: its own salt)."""
+    t0 = time.perf_counter()
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a color."}],
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_body={"cache_salt": salt},
+    )
+    first = None
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - t0
+    assert first is not None
+    return first
+
+
+def p95(xs: list[float]) -> float:
+    return sorted(xs)[max(0, -(-len(xs) * 95 // 100) - 1)]
+
+
+def flood(srv: ServerProcess, stop: threading.Event, seen: Counter, slowest: list[float]) -> None:
+    """Alice's maintenance requests, back to back, until ``stop``: deletes of everything, of a
+    salt, KV statistics, a stored response."""
+    calls = [
+        ("DELETE", "/kv", {}),
+        ("DELETE", "/kv", {"cache_salt": "a"}),
+        ("GET", "/kv/stats", {}),
+        ("GET", "/responses/resp_none", {}),
+    ]
+    headers = {"authorization": f"Bearer {ALICE}"}
+    with httpx.Client(base_url=srv.base_url, headers=headers, timeout=BOUND_S) as h:
+        i = 0
+        while not stop.is_set():
+            method, path, params = calls[i % len(calls)]
+            t0 = time.perf_counter()
+            r = h.request(method, path, params=params)
+            slowest[0] = max(slowest[0], time.perf_counter() - t0)
+            seen[r.status_code] += 1
+            i += 1
+
+
+def every_route_counts(srv: ServerProcess) -> None:
+    """Every authenticated route counts against the tenant's rate limit (carol: 3 a minute)."""
+    carol = httpx.Client(
+        base_url=srv.base_url, headers={"authorization": f"Bearer {CAROL}"}, timeout=BOUND_S
+    )
+    got = [
+        carol.request(method, path).status_code
+        for method, path in [
+            ("GET", "/models"),
+            ("GET", "/kv/stats"),
+            ("DELETE", "/kv"),
+            ("GET", "/responses/resp_none"),
+            ("DELETE", "/responses/resp_none"),
+            ("GET", "/models"),
+        ]
+    ]
+    print(f"  carol (3 a minute) on six maintenance routes: {got}")
+    assert got == [200, 200, 200, 429, 429, 429]
+
+
+def test_a_flood_of_maintenance_requests_does_not_stall_generation(keyed):
+    """``DELETE /v1/kv``, the KV statistics and the stored responses' routes ran in the executor
+    of generation's own blocking steps and were not rate-limited: one tenant sending them back to
+    back held its threads (each delete a full flush and a listing of every disk folder), and other
+    tenants' requests waited behind. Now: every authenticated route counts against the tenant's
+    rate limit, and maintenance runs on threads of its own, bounded per tenant and in time."""
+    srv = keyed
+    bob = client(srv, BOB)
+    base = [ttft(bob, f"before-{i}") for i in range(3)]
+    client(srv, ALICE).completions.create(
+        model=MODEL, prompt=NOTE, max_tokens=8, extra_body={"cache_salt": "a"}
+    )
+    stop, seen, slowest = threading.Event(), Counter(), [0.0]
+    with ThreadPoolExecutor(8) as pool:
+        floods = [pool.submit(flood, srv, stop, seen, slowest) for _ in range(6)]
+        time.sleep(0.5)
+        during = [ttft(bob, f"during-{i}") for i in range(6)]
+        stop.set()
+        for f in floods:
+            f.result()
+    print(
+        f"  bob's TTFT p95: alone {p95(base):.2f} s, during alice's flood {p95(during):.2f} s "
+        f"(max {max(during):.2f} s); alice's {sum(seen.values())} requests: {dict(seen)}, "
+        f"slowest {slowest[0]:.2f} s"
+    )
+    assert p95(during) < 10 * max(p95(base), 0.2) + 1.0
+    # 504: a job past maintenance_timeout_s (a loaded machine), answered at the bound
+    assert set(seen) <= {200, 202, 404, 429, 503, 504} and seen[200] + seen[202] > 0
+    assert seen[429] > 0  # beyond maintenance_per_tenant, refused at once
+    assert slowest[0] < MAINTENANCE_TIMEOUT_S + 5
+    every_route_counts(srv)
+    bystander(srv, BOB)

@@ -42,7 +42,7 @@ MODEL = "smollm2"
 TENANTS = {"alice": "sk-alice-4c1d", "bob": "sk-bob-88e0", "carol": "sk-carol-19ab"}
 CH = 64  # small chunks: short prompts still have whole chunks to share (or not)
 MAX_TOKENS = 4
-KEY_RE = re.compile(r"[0-9a-f]{24}:[pdt]:[0-9a-f]{64}")
+KEY_RE = re.compile(r"[0-9a-f]{48}:[pdt]:[0-9a-f]{64}")
 HEX64_RE = re.compile(r"(?<![0-9a-f])[0-9a-f]{64}(?![0-9a-f])")
 SIGNING_KEYS = [secrets.token_hex(32), secrets.token_hex(32)]  # the first signs (a rotation's list)
 

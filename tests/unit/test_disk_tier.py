@@ -385,3 +385,21 @@ def test_an_entry_is_written_from_its_two_parts_as_the_same_bytes(tmp_path):
     got = t.get(K("1"))
     assert got == encode_chunk(chunk, K("1"), get_codec("raw")) and t.used_bytes() == len(entry)
     assert torch.equal(decode_chunk(got, K("1")).kv, chunk.kv)
+
+
+def test_start_up_scan_removes_entries_of_key_version_2(tmp_path):
+    """Key version 2's files (a 24-hex namespace: the 32-bit tenant tag) can never be a hit under
+    version 3, and no index would count or evict them: the start-up scan removes them, and keeps
+    this version's files and whatever is not an entry."""
+    tier = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    tier.put(K("kept"), b"x" * 10)
+    tier.close()
+    old = tmp_path / "ab" / ("0" * 24 + "_3Ap_3A" + "1" * 64 + ".kvf")
+    other = tmp_path / "ab" / "notes.txt"
+    old.parent.mkdir(exist_ok=True)
+    old.write_bytes(b"old")
+    other.write_bytes(b"mine")
+    again = DiskTier(tmp_path, capacity_bytes=1 << 20)
+    assert not old.exists() and other.exists()
+    assert again.contains(K("kept")) and again.entries() == 1
+    again.close()

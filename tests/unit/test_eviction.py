@@ -18,7 +18,7 @@ TAGS = {name: tenant_tag(name) for name in ("a", "b", "c")}
 def key(name: str) -> ChunkKey:
     """``"a1"``: entry 1 of tenant a."""
     return ChunkKey(
-        TAGS[name[0]] + "0" * 16, int(name[1:]).to_bytes(4, "little") * 8, ChunkKind.PREFIX
+        TAGS[name[0]] + "0" * 32, int(name[1:]).to_bytes(4, "little") * 8, ChunkKind.PREFIX
     )
 
 

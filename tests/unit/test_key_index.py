@@ -12,8 +12,8 @@ import pytest
 from kvfuse.kv.keys import ChunkKey, ChunkKind
 from kvfuse.tiers.key_index import KeyIndex
 
-NS1 = "0123456789abcdef01234567"
-NS2 = "fedcba9876543210fedcba98"
+NS1 = "0123456789abcdef01234567" * 2
+NS2 = "fedcba9876543210fedcba98" * 2
 
 
 def key(

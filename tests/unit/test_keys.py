@@ -30,15 +30,16 @@ NS = Namespace("sha256:abc", "float16", layout_of(30, 3, 64))
 NS2 = Namespace("sha256:abc", "bfloat16", "L30xH3xD64", 1, "salt-a", tenant="tenant-a")
 
 # Computed once from the documented encoding; any change of the encoding must fail here.
-# (NS uses the current FORMAT_VERSION: recomputed when format version 3 changed every namespace.)
+# (NS uses the current FORMAT_VERSION: recomputed when format version 3 changed every namespace,
+# and again for key version 3: 64-bit tenant tags and the cache salt's tag.)
 GOLDEN = [
     (
         NS,
         list(range(8)),
         4,
         [
-            "00f27a8add9e0c25a2083ec3:p:9b22d30801e7f443c2718bfb3868ee800124a7f0768663b687b8772555fd9d99",
-            "00f27a8add9e0c25a2083ec3:p:6b814c0666ce945c131254e82b6c0f6f8e8692e04cf52700e29412658116efd4",
+            "00f27a8a6e32026508899222147a4061414f3a21887feeec:p:d69fcc4879c15b4082d1b7ced95ba03c49da407eea52af12bb2928ea49ea3627",
+            "00f27a8a6e32026508899222147a4061414f3a21887feeec:p:654584dd0b89f52b16fbad3f601033ee7ceb485ba0c8676ea7669d42251e7bb0",
         ],
     ),
     (
@@ -46,18 +47,14 @@ GOLDEN = [
         [1, 2, 3, 2**32 - 1, 0, 5, 6, 7, 9],
         3,
         [
-            "91fe914ac78e3e7b18e4a6d9:p:bdd59ae48a0cc5c827ac0e5ffcaf6bd3c7af79a123496f7e7d9e726e06c0afd6",
-            "91fe914ac78e3e7b18e4a6d9:p:f54bcc049157c7b0f28c65c210cf8601e85c7d00879db9efd35cb29232617564",
-            "91fe914ac78e3e7b18e4a6d9:p:88e5a99b8c594f352dbfac921cb644655afa6ee05b175e03ced72c56ea7f036c",
+            "91fe914a0fe0baf7d3acdadbd465c789532696a7e66e14cb:p:173ad41115a34d0bb853856deea3d701ceb5b788b5a0eccb95fd697306d83c9d",
+            "91fe914a0fe0baf7d3acdadbd465c789532696a7e66e14cb:p:31b6e4b9aefb1ff261a5e8816be9c16be1783be760b2aa713615b5f04648c40b",
+            "91fe914a0fe0baf7d3acdadbd465c789532696a7e66e14cb:p:9bbacb7c4d6e660d0b6c6fed133af921080a5edc9f49a909a9a20661f513b0ba",
         ],
     ),
 ]
-GOLDEN_DOC = (
-    "00f27a8add9e0c25a2083ec3:d:9da0bad2990a9a57e2b44c284442e7927f3acf949c0580a3ca6fe41f6ec33b11"
-)
-GOLDEN_TAIL = (
-    "00f27a8add9e0c25a2083ec3:t:1ee8644a9ccbbaf90168672008222d50115e1157693eec53efcd37eb09131b9a"
-)
+GOLDEN_DOC = "00f27a8a6e32026508899222147a4061414f3a21887feeec:d:e8a55331c147dfa2d8dc46cd477f19e2e40351e669725b39c4979fa35ad7ef60"
+GOLDEN_TAIL = "00f27a8a6e32026508899222147a4061414f3a21887feeec:t:86241041637ff0809c3f48c0b8dd9c85b7a80a6e60ba91cec86085eab4c40864"
 
 
 @pytest.mark.parametrize("ns,tokens,chunk,expected", GOLDEN)
@@ -80,16 +77,18 @@ def test_golden_matches_the_documented_encoding():
         return struct.pack("<I", len(x.encode())) + x.encode()
 
     enc = (
-        b"kvfuse.ns.v2\0"
+        b"kvfuse.ns.v3\0"
         + s("sha256:abc")
         + s("float16")
         + s("L30xH3xD64")
         + struct.pack("<I", FORMAT_VERSION)
         + s("")
         + s("")
-    )  # tenant, salt
+        + s("")
+    )  # tenant, salt, cache_salt
     ns_digest = hashlib.sha256(enc).digest()
-    tag = hashlib.sha256(b"kvfuse.tenant\0" + s("")).hexdigest()[:8]
+    tag = hashlib.sha256(b"kvfuse.tenant\0" + s("")).hexdigest()[:16]
+    tag += hashlib.sha256(b"kvfuse.salt\0" + s("") + s("")).hexdigest()[:16]
     root = hashlib.sha256(b"kvfuse.root.v1\0" + ns_digest).digest()
     h0 = hashlib.sha256(
         b"kvfuse.prefix\0" + root + struct.pack("<I", 4) + struct.pack("<4I", 0, 1, 2, 3)
@@ -303,9 +302,13 @@ def test_chunk_key_string_round_trip_and_parse_errors():
     with pytest.raises(ValueError):
         ChunkKey("short", b"\0" * 32, ChunkKind.PREFIX)
     with pytest.raises(ValueError):
-        ChunkKey("0" * 24, b"\0" * 31, ChunkKind.PREFIX)
+        ChunkKey("0" * 48, b"\0" * 31, ChunkKind.PREFIX)
     with pytest.raises(ValueError):
-        ChunkKey("0" * 24, b"\0" * 32, False)  # a kind, not a bool
+        ChunkKey("0" * 48, b"\0" * 32, False)  # a kind, not a bool
+    with pytest.raises(ValueError):  # key version 2's 24 hex chars: never read as a key now
+        ChunkKey("0" * 24, b"\0" * 32, ChunkKind.PREFIX)
+    with pytest.raises(ValueError):
+        ChunkKey.parse("0" * 24 + ":p:" + "0" * 64)
 
 
 def test_tenant_tag_prefixes_every_namespace_of_a_tenant():
@@ -315,14 +318,40 @@ def test_tenant_tag_prefixes_every_namespace_of_a_tenant():
     a2 = dataclasses.replace(NS, tenant="alice", kv_dtype="bfloat16")
     b = dataclasses.replace(NS, tenant="bob", salt="s1")
     tag = tenant_tag("alice")
-    assert len(tag) == 8 and tag != tenant_tag("bob") and tag != tenant_tag("")
+    assert len(tag) == 16 and tag != tenant_tag("bob") and tag != tenant_tag("")
     assert all(str(k).startswith(tag) for ns in (a1, a2) for k in prefix_keys(range(8), 4, ns))
     assert not any(str(k).startswith(tag) for k in prefix_keys(range(8), 4, b))
     assert a1.short_id() != a2.short_id()  # one tenant, several namespaces
 
 
+def test_salt_prefix_covers_every_namespace_derived_from_the_salt():
+    """A request salt's tag follows the tenant's in every namespace derived from it (the
+    deployment's salt, blend settings, a history: all in ``salt``), for every model: deleting by
+    ``salt_prefix`` covers them and nothing of another salt or tenant."""
+    from kvfuse.kv.keys import salt_prefix, tenant_tag
+
+    x = dataclasses.replace(NS, tenant="alice", salt="x", cache_salt="x")
+    derived = [
+        x,
+        dataclasses.replace(x, salt="x\0blend:0.15"),
+        dataclasses.replace(x, salt="x\0history:abcd"),
+        dataclasses.replace(x, salt="deploy\0x", model_fingerprint="sha256:other"),
+    ]
+    others = [
+        dataclasses.replace(x, cache_salt="y", salt="y"),
+        dataclasses.replace(x, cache_salt="", salt=""),
+        dataclasses.replace(x, tenant="bob"),
+    ]
+    prefix = salt_prefix("alice", "x")
+    assert len(prefix) == 32 and prefix.startswith(tenant_tag("alice"))
+    assert len({ns.short_id() for ns in derived}) == len(derived)  # still distinct namespaces
+    assert all(str(k).startswith(prefix) for ns in derived for k in prefix_keys(range(8), 4, ns))
+    assert not any(ns.short_id().startswith(prefix) for ns in others)
+    assert salt_prefix("alice", "x") != salt_prefix("bob", "x")  # a salt is the tenant's own
+
+
 def test_key_prefix_and_layout():
-    assert NS.key_prefix() == NS.short_id() + ":" and len(NS.short_id()) == 24
+    assert NS.key_prefix() == NS.short_id() + ":" and len(NS.short_id()) == 48
     assert all(str(k).startswith(NS.key_prefix()) for k in prefix_keys(range(8), 4, NS))
     assert layout_of(30, 3, 64) == "L30xH3xD64"
     with pytest.raises(ValueError):

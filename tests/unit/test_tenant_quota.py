@@ -18,7 +18,7 @@ from kvfuse.tiers.memory import MemoryTier
 TAGS = {name: tenant_tag(name) for name in ("alice", "bob", "carol", "dave")}
 
 
-def key(tenant: str, i: int, salt: str = "0" * 16) -> ChunkKey:
+def key(tenant: str, i: int, salt: str = "0" * 32) -> ChunkKey:
     return ChunkKey(TAGS[tenant] + salt, i.to_bytes(4, "little") * 8, ChunkKind.PREFIX)
 
 
@@ -59,11 +59,11 @@ def test_over_quota(use, over):
 
 def test_quotas_give_owner_ids_to_tenants_with_a_quota_only():
     q = TenantQuotas({TAGS["alice"]: 100}, default=None)
-    assert q.owner_of(TAGS["bob"] + "0" * 16) == OTHERS
-    a = q.owner_of(TAGS["alice"] + "0" * 16)
+    assert q.owner_of(TAGS["bob"] + "0" * 32) == OTHERS
+    a = q.owner_of(TAGS["alice"] + "0" * 32)
     assert a != OTHERS and q.owner_of(TAGS["alice"] + "f" * 16) == a and q.limit(a) == 100
     every = TenantQuotas({TAGS["alice"]: 100}, default=7)
-    ids = {every.owner_of(TAGS[t] + "0" * 16) for t in TAGS}
+    ids = {every.owner_of(TAGS[t] + "0" * 32) for t in TAGS}
     assert OTHERS not in ids and len(ids) == 4
     with pytest.raises(ValueError):
         TenantQuotas({"short": 1})
@@ -77,12 +77,12 @@ def test_quotas_give_owner_ids_to_tenants_with_a_quota_only():
 def test_owner_lists_match_a_model_under_random_operations():
     rng = random.Random(3)
     owner_of = {TAGS["alice"]: 1, TAGS["bob"]: 2}
-    index = KeyIndex(with_values=True, rows=4, owner_of=lambda ns: owner_of.get(ns[:8], OTHERS))
-    pool = [key(rng.choice(list(TAGS)), i, rng.choice(["0" * 16, "1" * 16])) for i in range(300)]
+    index = KeyIndex(with_values=True, rows=4, owner_of=lambda ns: owner_of.get(ns[:16], OTHERS))
+    pool = [key(rng.choice(list(TAGS)), i, rng.choice(["0" * 32, "1" * 32])) for i in range(300)]
     model: OrderedDict[ChunkKey, int] = OrderedDict()
 
     def owner(k):
-        return owner_of.get(k.namespace_id[:8], OTHERS)
+        return owner_of.get(k.namespace_id[:16], OTHERS)
 
     for step in range(5000):
         k, op = rng.choice(pool), rng.random()
@@ -119,12 +119,12 @@ def test_a_loaded_index_has_its_owner_lists():
 
     owners = {TAGS["alice"]: 1}
     groups = [
-        (TAGS["alice"] + "0" * 16, ChunkKind.PREFIX, ""),
-        (TAGS["bob"] + "0" * 16, ChunkKind.PREFIX, ""),
+        (TAGS["alice"] + "0" * 32, ChunkKind.PREFIX, ""),
+        (TAGS["bob"] + "0" * 32, ChunkKind.PREFIX, ""),
     ]
     group_of = np.array([0, 1, 0, 1, 0])
     digests = b"".join(bytes([i]) * 32 for i in range(5))
-    index = KeyIndex(owner_of=lambda ns: owners.get(ns[:8], OTHERS))
+    index = KeyIndex(owner_of=lambda ns: owners.get(ns[:16], OTHERS))
     index.load(groups, group_of, digests, np.array([1, 2, 3, 4, 5], dtype=np.int64))
     assert [k.digest[0] for k, _, _ in index.items(1)] == [0, 2, 4]
     assert [k.digest[0] for k, _, _ in index.items(OTHERS)] == [1, 3]

@@ -215,5 +215,9 @@ def kv_namespace(
         layout += f"/tp{tp_rank}of{tp_size}"
     full_salt = salt + ("\x00" + cache_salt if cache_salt else "")
     return Namespace(
-        model_fingerprint=fingerprint, kv_dtype=kv_dtype, kv_layout=layout, salt=full_salt
+        model_fingerprint=fingerprint,
+        kv_dtype=kv_dtype,
+        kv_layout=layout,
+        salt=full_salt,
+        cache_salt=cache_salt or "",
     )

@@ -37,7 +37,10 @@ _SEP = "_3A"  # ":" in file names
 _TMP_RE = re.compile(r"^\.(\d+)\.[0-9a-f]+\.tmp$")
 SUBDIR_RE = re.compile(r"^[0-9a-f]{2}$")
 # The names key_to_filename writes (a key's text with ":" as "_3A"): namespace, kind, digest, variant.
-NAME_RE = re.compile(r"^([0-9a-f]{24})_3A([dptc])_3A([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?\.kvf$")
+NAME_RE = re.compile(r"^([0-9a-f]{48})_3A([dptc])_3A([0-9a-f]{64})(?:@([a-z0-9]+\.[0-9]+))?\.kvf$")
+# The names of key version 2 (a 24-hex namespace: a 32-bit tenant tag), never a hit since key
+# version 3: the start-up scan removes them, since no index would ever count or evict them.
+LEGACY_NAME_RE = re.compile(r"^[0-9a-f]{24}_3A[dptc]_3A[0-9a-f]{64}(?:@[a-z0-9]+\.[0-9]+)?\.kvf$")
 
 
 def key_to_filename(key: ChunkKey) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvfuse.kv.keys import ChunkKey, ChunkKind
-from kvfuse.tiers.disk.files import NAME_RE, fan_out, stale_temp
+from kvfuse.tiers.disk.files import LEGACY_NAME_RE, NAME_RE, fan_out, stale_temp
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +104,8 @@ def scan(root, stale_temp_s: float, now: float) -> Scan:
             if m is None:
                 if entry.name.endswith(".tmp"):
                     unreadable += not _remove_if_stale(root, entry, now, stale_temp_s)
+                elif LEGACY_NAME_RE.fullmatch(entry.name):
+                    unreadable += not _remove_legacy(root, entry)
                 continue
             try:
                 if not entry.is_file():
@@ -117,6 +119,21 @@ def scan(root, stale_temp_s: float, now: float) -> Scan:
                 continue
             columns.add(m, st)
     return columns.done(unreadable)
+
+
+def _remove_legacy(root, entry: os.DirEntry) -> bool:
+    """Remove an entry file of key version 2 (``files.LEGACY_NAME_RE``): it can never be a hit,
+    and no index would count or evict it; False if it could not be removed."""
+    try:
+        os.unlink(entry.path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning(
+            "disk tier %s: cannot remove the old-version entry %s (%s)", root, entry.path, e
+        )
+        return False
+    return True
 
 
 def _remove_if_stale(root, entry: os.DirEntry, now: float, stale_temp_s: float) -> bool:

@@ -381,6 +381,9 @@ class DiskTier(IndexedTier):
         return removed
 
     def delete_prefix(self, prefix: str) -> int:
+        """Lists every fan-out folder: the folder may be shared, and another process's files of
+        the prefix are not in this process's index, yet must go too (an erasure). A scan of
+        names only, run on the server's maintenance threads (``server/maintenance.py``)."""
         # A folder that cannot be listed is skipped (counted), not the end of the whole deletion.
         removed = 0
         for entries in files.fan_out(self.root):

@@ -330,7 +330,10 @@ class RedisTier(Tier):
                 return
 
     def delete_prefix(self, prefix: str) -> int:
-        """SCAN for ``key_prefix + prefix*`` and UNLINK in batches; 0 if the server is unavailable."""
+        """SCAN for ``key_prefix + prefix*`` and UNLINK in batches; 0 if the server is unavailable.
+        Redis has no index by prefix: SCAN walks the keyspace (the server filters by the pattern,
+        1000 a call), so a delete costs in proportion to the whole database; it runs on the
+        server's maintenance threads, bounded in number and in waiting (``server/maintenance.py``)."""
         if not self._backoff.available():
             return 0
         pattern = _GLOB_SPECIAL.sub(r"\\\1", self.key_prefix + prefix) + "*"
