@@ -54,6 +54,7 @@ Semantics in brief:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Iterable, Mapping, Sequence
@@ -73,6 +74,8 @@ from kvfuse.tiers.base import Blob, Clock, Tier, guarded, put_many_expiring
 from kvfuse.tiers.memory import MemoryTier
 
 __all__ = ["Encoded", "Fetched", "LayerRange", "LookupResult", "StoreCounters", "TieredStore"]
+
+log = logging.getLogger(__name__)
 
 _STORE = "store"  # the name of the store's own counters in stats()
 
@@ -327,6 +330,15 @@ class TieredStore:
         """Wait until every queued lower-tier write is done; False if ``timeout`` passed first."""
         return self._writer.flush(timeout)
 
+    def writing(self, keys: Sequence[ChunkKey]) -> bool:
+        """Whether a lower-tier write of any of ``keys`` is still queued (or being written)."""
+        return self._writer.writing(keys)
+
+    def wait_written(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> bool:
+        """Wait until the queued lower-tier writes of ``keys`` are done, not the others' (a key
+        the memory tier could not keep is findable once they are); False on time-out."""
+        return self._writer.wait_written(keys, timeout)
+
     # -- look-ahead -----------------------------------------------------------------------------
 
     def set_lookahead(self, provider: Callable[[], list[ChunkKey]] | None) -> None:
@@ -344,18 +356,26 @@ class TieredStore:
 
     # -- expiry ---------------------------------------------------------------------------------
 
-    def extend(self, keys: Iterable[ChunkKey], expires_at: float) -> None:
+    def extend(self, keys: Iterable[ChunkKey], expires_at: float, lower: bool = True) -> None:
         """Keep the entries of ``keys`` (and their variants) at least until ``expires_at`` in every
         tier: an earlier expiry is moved to it, an entry without expiry is left alone (see
         ``Tier.extend``). A write of one of them still in the queue gets it too (when it is
-        written), so this never waits for the queue."""
+        written), so this never waits for the queue. ``lower=False``: the memory tier and the
+        queued writes only, no call to a lower tier (a network round trip for Redis and S3):
+        the caller makes it later, off its thread (``extend_below``)."""
         keys = list(keys)
         if not keys:
             return
         self._writer.note_extension(keys, expires_at)
         memory = self._memory
         guarded(memory, "extend_many", memory.extend_many, None, keys, expires_at)
-        self._writer.extend_lower(keys, expires_at)
+        if lower:
+            self.extend_below(keys, expires_at)
+
+    def extend_below(self, keys: Sequence[ChunkKey], expires_at: float) -> None:
+        """``extend``'s calls to the lower tiers (the entries they hold now, and their variants)."""
+        if keys:
+            self._writer.extend_lower(list(keys), expires_at)
 
     def expire(self) -> dict[str, int]:
         """Remove every expired entry from every tier now; the count removed per tier (Redis
@@ -427,12 +447,18 @@ class TieredStore:
                 out[t.name] = usage
         return out
 
-    def close(self) -> None:
-        """Flush the queued writes, stop the writer thread, close the tiers. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush the queued writes (at most ``timeout``: a slow tier must not hold a shutdown
+        forever; what is left is lost and logged), stop the writer thread, close the tiers.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
+        if not self._writer.close(timeout):
+            log.warning(
+                "the lower tiers' queued writes did not finish within %.0f s; the rest is lost",
+                timeout,
+            )
         for t in self._tiers:
             guarded(t, "close", t.close, None)
 
