@@ -23,8 +23,9 @@ Semantics in brief:
 - ``fetch_layers(key, first, last)`` reads and checks only the bytes of a layer range (the
   entry's layer table says where they are), for loading layer by layer.
 - ``put(items)`` writes the memory tier synchronously and queues the writes to the lower tiers for
-  a background thread (``write_behind.py``: a bounded queue that drops and counts rather than
-  block a caller, unless asked to wait). Each tier may have its own codec (``codecs``), and the
+  background threads (``write_behind.py``: a bounded queue and a thread per lower tier, which
+  drop and count rather than block a caller, unless asked to wait; ``wait_written`` waits for
+  some keys' writes only). Each tier may have its own codec (``codecs``), and the
   extra ``stream_levels`` of CacheGen are written under the chunk's variant keys for the
   streaming loader (``fetch_encoded``; see ``transcode.py``). ``flush()`` waits for the queued
   writes.
@@ -283,8 +284,9 @@ class TieredStore:
         memory_only: bool = False,
     ) -> None:
         """Save entries: the memory tier now, the lower tiers from the write queue. The queue never
-        blocks a caller: when it is full the lower-tier writes are dropped and counted, unless
-        ``block`` (a background saver, which nobody waits on, waits for room instead).
+        blocks a caller: where a tier's queue is full its writes are dropped and counted, unless
+        ``block`` (a caller that would rather wait for room; the engine's saver never does: a
+        slow tier must not throttle it).
         ``expires_at``: the entries' expiry (on ``clock``) in every tier, their variants' too (None:
         none). ``memory_only``: the memory tier only (no lower-tier writes, no variants).
 
