@@ -149,6 +149,7 @@ class CacheConfig:
     s3_sse: str | None = None
     s3_sse_kms_key_id: str | None = None
     write_queue: int = 64
+    save_queue: int = 16  # saves waiting for the saver (each holds a sequence's KV); more: skipped
     store_generated: bool = False  # without history: store the answers' whole chunks too
     salt: str = ""
     history: bool = (

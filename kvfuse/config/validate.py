@@ -211,6 +211,7 @@ def _check_cache(k: CacheConfig, need: Callable) -> None:
     )
     need(k.codec_level >= 0, "cache.codec_level", "must be >= 0")
     need(k.write_queue >= 1, "cache.write_queue", "must be >= 1")
+    need(k.save_queue >= 1, "cache.save_queue", "must be >= 1")
     need(k.redis_timeout_s > 0, "cache.redis_timeout_s", "must be > 0 seconds")
     need(
         k.history_records >= 0,

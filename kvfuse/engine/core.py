@@ -459,14 +459,15 @@ class Engine:
             if self._loop.is_alive():
                 log.warning("the engine loop did not stop within %.0f s", timeout)
 
-    def close(self) -> None:
-        """``stop()``, then the cache engine's threads stopped, its saves flushed, its store
-        closed. Idempotent."""
+    def close(self, flush_timeout: float | None = None) -> bool:
+        """``stop()``, then the cache engine's saves and lower-tier writes flushed (within
+        ``flush_timeout``; None: as long as they take), and only then its threads stopped and its
+        store closed. False when the flush did not end in time. Idempotent."""
         if self._closed:
-            return
+            return True
         self._closed = True
         self.stop()
-        self.cache.close()
+        return self.cache.close(flush_timeout)
 
     # ------------------------------------------------------------------------------ the server's view
 

@@ -65,7 +65,7 @@ class CacheEngine:
         c = settings.cache
         self.model, self.store, self.model_lock = model, store, model_lock
         history = HistoryIndex(c.history_records, settings.history_path) if c.history else None
-        saver = Saver(store) if c.async_save else SyncSaver(store)
+        saver = Saver(store, max_jobs=c.save_queue) if c.async_save else SyncSaver(store)
         keying = Keying(model, store, saver, settings, history, context_window)
         codec = get_codec(c.codec, c.codec_level).for_model(
             model.config.layer_types, keying.codec_level
@@ -184,7 +184,7 @@ class CacheEngine:
         chunks its plan stores (their bytes live in that cache)."""
         self.computing.done(r)
         if r.plan is not None and r.plan.saves:
-            self.parts.saver.wait(s.key for s in r.plan.saves)
+            self.parts.saver.wait((s.key for s in r.plan.saves), below=False)
         r.preempted()
 
     def settle(self, timeout: float = 0.5) -> None:
@@ -241,12 +241,13 @@ class CacheEngine:
     def flush(self, timeout: float | None = None) -> bool:
         return self.parts.writer.flush(timeout)
 
-    def close(self) -> None:
-        """Stop the loader and the prefetcher, save what is queued, flush and close the store."""
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop the loader and the prefetcher, save what is queued and flush the store (within
+        ``timeout``: ``CacheWriter.close``), then close the saver and the store."""
         self.loader.close()
         if self.prefetcher is not None:
             self.prefetcher.close()
-        self.parts.writer.close()
+        return self.parts.writer.close(timeout)
 
 
 class NoCache:
@@ -343,8 +344,8 @@ class NoCache:
     def flush(self, timeout: float | None = None) -> bool:
         return True
 
-    def close(self) -> None:
-        pass
+    def close(self, timeout: float | None = None) -> bool:
+        return True
 
 
 def uncached(r: Reuse) -> ReadyPlan:

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -82,7 +83,9 @@ class CacheWriter:
         plan, filled, prompt = r.plan, r.filled, r.prompt
         if self.events is not None:  # before the promotions' memory puts announce them
             self.events.describe(r.namespace, prompt.ids, exact_loads(plan.loads))
-        self.store.promote(filled.promotions.entries(self.codec))  # after the first token
+        promotions = filled.promotions.entries(self.codec)
+        if promotions:  # after the first token, off the step: it asks the lower tiers' expiries
+            self.saver.later(partial(self.store.promote, promotions), [k for k, _ in promotions])
         saves = [s for s in plan.saves if s.key.kind is not ChunkKind.CONTENT]
         planned = len(saves)
         if r.keys is not None and r.cache.breakpoints and prompt.is_prefix_only:
@@ -177,8 +180,9 @@ class CacheWriter:
             until = keep_until(x.end, retention, c.breakpoints, now)
             if until is not None and x.tier is not None:
                 groups.setdefault(until, []).append(x.key)
-        for until, keys in groups.items():
-            self.store.extend(keys, until)
+        for until, keys in groups.items():  # memory now; the lower tiers' round trips off the step
+            self.store.extend(keys, until, lower=False)
+            self.saver.later(partial(self.store.extend_below, keys, until))
 
     # -- maintenance ----------------------------------------------------------------------------
 
@@ -192,10 +196,22 @@ class CacheWriter:
             out["saver"] = {**self.saver.stats.snapshot(), "pending": self.saver.pending()}
         return out
 
-    def close(self) -> None:
-        """Save what is queued, stop the saver, then flush the store's writes and close it."""
-        self.saver.close()
-        self.store.close()
+    def close(self, timeout: float | None = None) -> bool:
+        """Save what is queued and flush the store's lower-tier writes, together within
+        ``timeout`` (None: as long as they take), and only then stop the saver and close the
+        store: their own joins get what is left of it, so a slow tier cannot hold a shutdown
+        past the deadline. False when the flush did not end in time (the rest is lost)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        flushed = self.flush(timeout)
+        if not flushed:
+            log.warning("the queued saves and writes did not finish within %.0f s", timeout)
+        self.saver.close(left())
+        self.store.close(left())
+        return flushed
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait for the saver's queued saves, then the store's queued lower-tier writes; False if

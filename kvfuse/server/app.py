@@ -27,7 +27,7 @@ from . import admin, completions, messages_api, render, responses_api, workers
 from .auth_middleware import AuthMiddleware
 from .errors import install_error_handlers
 from .middleware import BodyLimitMiddleware, RequestContextMiddleware
-from .state import ServerState
+from .state import CLOSE_GRACE_S, ServerState
 
 log = logging.getLogger(__name__)
 
@@ -198,4 +198,5 @@ def serve(config: Config, on_ready: Callable[[str, object], None] | None = None)
         )
         _Server(uv_config, ready).run()
     finally:
-        serving.engine.close()  # flushes whatever is still queued for disk / Redis
+        # the lifespan's stop flushed what was queued for disk / Redis within its deadline
+        serving.engine.close(flush_timeout=CLOSE_GRACE_S)

@@ -136,6 +136,18 @@ _SAVER_COUNTERS = {
         "kvfuse_save_errors",
         "Save jobs that failed (their entries are misses later).",
     ),
+    "skipped_jobs": (
+        "kvfuse_save_queue_full_skips",
+        "Save jobs not queued because the saver's queue (cache.save_queue) was full.",
+    ),
+    "skipped_spans": (
+        "kvfuse_save_queue_full_skipped_chunks",
+        "Chunks not stored because the saver's queue was full (later requests compute them).",
+    ),
+    "skipped_tasks": (
+        "kvfuse_save_queue_full_skipped_tasks",
+        "Promotions and lower-tier expiry extensions not made because the saver's queue was full.",
+    ),
 }
 
 

@@ -138,20 +138,33 @@ class ServerState:
         self.phase = "draining"
 
     def stop(self) -> None:
+        """Stop in dependency order: the engine's loop first (a request still running may store its
+        response), the saves and lower-tier writes flushed within ``FLUSH_DEADLINE_S``, and only
+        then the saver and the store closed (an owned engine), the events and the Responses
+        store (``shutdown_order``)."""
         self.drain()
         self.maintenance.close()
+        for step in shutdown_order(self.engine is not None, self.owns_engine):
+            getattr(self, f"_stop_{step}")()
+
+    def _stop_engine(self) -> None:
+        self.engine.stop()
+
+    def _stop_flush(self) -> None:
+        if not self.engine.flush(timeout=FLUSH_DEADLINE_S):
+            log.warning("the store's pending writes did not finish within %.0f s", FLUSH_DEADLINE_S)
+
+    def _stop_close(self) -> None:
+        # the flush deadline has been honoured: closing waits a moment more, not a deadline again
+        self.engine.close(flush_timeout=CLOSE_GRACE_S)
+
+    def _stop_events(self) -> None:
+        self._close_events()
+
+    def _stop_responses(self) -> None:
         if self.responses is not None:
             self.responses.close()
             self.responses = None
-        if self.engine is None:
-            return
-        if self.owns_engine:
-            self.engine.close()  # stops the loop, flushes the queued writes, closes the store
-        else:
-            self.engine.stop()
-            if not self.engine.flush(timeout=60):
-                log.warning("the store's pending writes did not finish within 60 s")
-        self._close_events()
 
     def _close_events(self) -> None:
         """After the last writes: unhook the publisher, send what it holds, close its sockets."""
@@ -182,3 +195,20 @@ class ServerState:
         if self._token_texts is None:
             self._token_texts = TokenTexts(self.engine.model.tokenizer)
         return self._token_texts
+
+
+# How long a stopping server waits for the saves and lower-tier writes still queued.
+FLUSH_DEADLINE_S = 60.0
+# How long closing the saver and the store may take after that (their threads' joins).
+CLOSE_GRACE_S = 5.0
+
+
+def shutdown_order(has_engine: bool, owns_engine: bool) -> list[str]:
+    """The steps of ``ServerState.stop``, in order: the engine's loop stops before anything it
+    uses is closed (requests still running write stored responses and KV), the store's flush
+    deadline is honoured before the saver and the store are closed (an engine the server
+    opened; a given one is its owner's to close), the KV events after the last writes, and the
+    Responses store last."""
+    if not has_engine:
+        return ["responses"]
+    return ["engine", "flush", *(["close"] if owns_engine else []), "events", "responses"]

@@ -23,8 +23,9 @@ Semantics in brief:
 - ``fetch_layers(key, first, last)`` reads and checks only the bytes of a layer range (the
   entry's layer table says where they are), for loading layer by layer.
 - ``put(items)`` writes the memory tier synchronously and queues the writes to the lower tiers for
-  a background thread (``write_behind.py``: a bounded queue that drops and counts rather than
-  block a caller, unless asked to wait). Each tier may have its own codec (``codecs``), and the
+  background threads (``write_behind.py``: a bounded queue and a thread per lower tier, which
+  drop and count rather than block a caller, unless asked to wait; ``wait_written`` waits for
+  some keys' writes only). Each tier may have its own codec (``codecs``), and the
   extra ``stream_levels`` of CacheGen are written under the chunk's variant keys for the
   streaming loader (``fetch_encoded``; see ``transcode.py``). ``flush()`` waits for the queued
   writes.
@@ -54,6 +55,7 @@ Semantics in brief:
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Callable, Iterable, Mapping, Sequence
@@ -73,6 +75,8 @@ from kvfuse.tiers.base import Blob, Clock, Tier, guarded, put_many_expiring
 from kvfuse.tiers.memory import MemoryTier
 
 __all__ = ["Encoded", "Fetched", "LayerRange", "LookupResult", "StoreCounters", "TieredStore"]
+
+log = logging.getLogger(__name__)
 
 _STORE = "store"  # the name of the store's own counters in stats()
 
@@ -280,8 +284,9 @@ class TieredStore:
         memory_only: bool = False,
     ) -> None:
         """Save entries: the memory tier now, the lower tiers from the write queue. The queue never
-        blocks a caller: when it is full the lower-tier writes are dropped and counted, unless
-        ``block`` (a background saver, which nobody waits on, waits for room instead).
+        blocks a caller: where a tier's queue is full its writes are dropped and counted, unless
+        ``block`` (a caller that would rather wait for room; the engine's saver never does: a
+        slow tier must not throttle it).
         ``expires_at``: the entries' expiry (on ``clock``) in every tier, their variants' too (None:
         none). ``memory_only``: the memory tier only (no lower-tier writes, no variants).
 
@@ -327,6 +332,15 @@ class TieredStore:
         """Wait until every queued lower-tier write is done; False if ``timeout`` passed first."""
         return self._writer.flush(timeout)
 
+    def writing(self, keys: Sequence[ChunkKey]) -> bool:
+        """Whether a lower-tier write of any of ``keys`` is still queued (or being written)."""
+        return self._writer.writing(keys)
+
+    def wait_written(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> bool:
+        """Wait until the queued lower-tier writes of ``keys`` are done, not the others' (a key
+        the memory tier could not keep is findable once they are); False on time-out."""
+        return self._writer.wait_written(keys, timeout)
+
     # -- look-ahead -----------------------------------------------------------------------------
 
     def set_lookahead(self, provider: Callable[[], list[ChunkKey]] | None) -> None:
@@ -344,18 +358,26 @@ class TieredStore:
 
     # -- expiry ---------------------------------------------------------------------------------
 
-    def extend(self, keys: Iterable[ChunkKey], expires_at: float) -> None:
+    def extend(self, keys: Iterable[ChunkKey], expires_at: float, lower: bool = True) -> None:
         """Keep the entries of ``keys`` (and their variants) at least until ``expires_at`` in every
         tier: an earlier expiry is moved to it, an entry without expiry is left alone (see
         ``Tier.extend``). A write of one of them still in the queue gets it too (when it is
-        written), so this never waits for the queue."""
+        written), so this never waits for the queue. ``lower=False``: the memory tier and the
+        queued writes only, no call to a lower tier (a network round trip for Redis and S3):
+        the caller makes it later, off its thread (``extend_below``)."""
         keys = list(keys)
         if not keys:
             return
         self._writer.note_extension(keys, expires_at)
         memory = self._memory
         guarded(memory, "extend_many", memory.extend_many, None, keys, expires_at)
-        self._writer.extend_lower(keys, expires_at)
+        if lower:
+            self.extend_below(keys, expires_at)
+
+    def extend_below(self, keys: Sequence[ChunkKey], expires_at: float) -> None:
+        """``extend``'s calls to the lower tiers (the entries they hold now, and their variants)."""
+        if keys:
+            self._writer.extend_lower(list(keys), expires_at)
 
     def expire(self) -> dict[str, int]:
         """Remove every expired entry from every tier now; the count removed per tier (Redis
@@ -429,12 +451,18 @@ class TieredStore:
                 out[t.name] = usage
         return out
 
-    def close(self) -> None:
-        """Flush the queued writes, stop the writer thread, close the tiers. Idempotent."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush the queued writes (at most ``timeout``: a slow tier must not hold a shutdown
+        forever; what is left is lost and logged), stop the writer thread, close the tiers.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._writer.close()
+        if not self._writer.close(timeout):
+            log.warning(
+                "the lower tiers' queued writes did not finish within %.0f s; the rest is lost",
+                timeout,
+            )
         for t in self._tiers:
             guarded(t, "close", t.close, None)
 

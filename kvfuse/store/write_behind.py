@@ -1,27 +1,35 @@
-"""The store's background writes to the lower tiers: a bounded queue, one writer thread, batch
-writes, expiry extensions of queued writes, and ``flush``.
+"""The store's background writes to the lower tiers: one bounded queue and one writer thread per
+lower tier, batch writes, expiry extensions of queued writes, and ``flush``.
 
-``submit`` queues entries already in the memory tier for the lower tiers (disk, Redis, S3). The
-queue holds at most ``queue_size`` entries; when it is full the lower-tier writes are dropped and
-counted (the caller is never blocked: the entry is in memory), unless the caller asks to wait for
-room (``block``: the engine's saver thread, which nobody waits on). The writer takes up to
-``batch`` entries at a time, re-encodes them for each tier (``Transcoder``: the tier's codec and
-the CacheGen variants) and writes them with one ``put_many`` per tier and expiry.
+``submit`` queues entries already in the memory tier for each lower tier (disk, Redis, S3). Each
+tier has a lane of its own (``_Lane``): a queue of at most ``queue_size`` entries and a thread
+writing them, so a slow tier (a throttled Redis, a far S3) fills and drops only its own queue
+while the faster ones keep up. When a tier's queue is full, its writes are dropped and counted
+(that tier's ``dropped_writes``, the store's ``queue_full_drops``); the caller is never blocked
+(the entry is in memory), unless it asks to wait for room (``block``; the engine's saver never
+does). A lane's writer takes up to ``batch`` entries at a time, re-encodes them for its tier
+(``Transcoder``: the tier's codec and the CacheGen variants) and writes them with one
+``put_many`` per expiry.
 
 An ``extend`` of a key whose write is still queued is remembered: the writer gives the write the
 later of its own expiry and any extension asked while it waited, and an extension that arrives
 while the batch is being written (so it found the entries not there yet) is applied right after.
 The caller of ``extend`` never waits for the queue.
 
-A seam of its own because it is the only thread the store starts and the only state a caller
-shares with that thread (the queue, the in-flight count, the queued keys and their extensions,
-all under one condition): keeping it here keeps the store's reads free of that locking.
+``wait_written(keys)`` waits per key, not for the whole queue: until some lower tier has written
+the key or none has it queued any more (dropped: a miss). It is what makes an entry the memory
+tier could not keep findable without flushing everything.
+
+A seam of its own because it holds the only threads the store starts and the only state a caller
+shares with them (per lane: the queue, the in-flight count, the queued keys and their
+extensions, under one condition): keeping it here keeps the store's reads free of that locking.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Sequence
 
 from kvfuse.kv.keys import ChunkKey
@@ -35,11 +43,11 @@ Queued = tuple[ChunkKey, Blob, float | None]  # key, value, expires_at
 
 
 class WriteBehind:
-    """Background writes of entries to ``lower``, in their order; see the module docstring.
+    """Background writes of entries to ``lower``, in their order per tier; see the module docstring.
 
-    Side effects, stated: ``submit`` adds to ``counters`` (``queued_writes``, ``queue_full_drops``)
-    and to every lower tier's ``dropped_writes`` when the queue is full; the writer thread (started
-    only when there are lower tiers) calls the tiers' ``put_many`` and ``extend_many``."""
+    Side effects, stated: ``submit`` adds to ``counters`` (``queued_writes`` and
+    ``queue_full_drops``, counted per tier write) and to a lower tier's ``dropped_writes`` when its
+    queue is full; each lane's thread calls its tier's ``put_many`` and ``extend_many``."""
 
     def __init__(
         self,
@@ -54,62 +62,38 @@ class WriteBehind:
         self._lower = tuple(lower)
         self._transcoder = transcoder
         self._counters = counters
-        self._batch = batch
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._lanes = tuple(_Lane(t, transcoder, queue_size, batch) for t in self._lower)
+        # One condition for every lane's bookkeeping: ``wait_written`` looks across lanes.
         self._idle = threading.Condition()
-        self._inflight = 0
-        # Keys with writes in the queue (how many), and the extensions asked while they wait; both
-        # under ``_idle``'s lock.
-        self._queued: dict[ChunkKey, int] = {}
-        self._extended: dict[ChunkKey, float] = {}
-        self._thread: threading.Thread | None = None
-        if self._lower:
-            self._thread = threading.Thread(
-                target=self._loop, name="kvfuse-store-writer", daemon=True
-            )
-            self._thread.start()
+        for lane in self._lanes:
+            lane.start(self._idle)
 
     @property
     def running(self) -> bool:
-        """Whether a writer thread runs (there are lower tiers to write to)."""
-        return self._thread is not None
+        """Whether writer threads run (there are lower tiers to write to)."""
+        return bool(self._lanes)
 
     def depth(self) -> int:
-        """Entries waiting in the queue (not those being written)."""
-        return self._queue.qsize()
+        """Entries waiting in the queues (not those being written), all tiers together."""
+        return sum(lane.queue.qsize() for lane in self._lanes)
 
     def submit(
         self, items: list[tuple[ChunkKey, Blob]], expires_at: float | None, block: bool
     ) -> None:
-        """Queue ``items`` for the lower tiers with ``expires_at``; when the queue is full, the
-        rest are dropped and counted, unless ``block`` (then this waits for room)."""
-        for n, (key, value) in enumerate(items):
-            with self._idle:
-                self._inflight += 1
-                self._queued[key] = self._queued.get(key, 0) + 1
-            try:
-                if block:
-                    self._queue.put((key, value, expires_at))
-                else:
-                    self._queue.put_nowait((key, value, expires_at))
-            except queue.Full:
-                with self._idle:
-                    self._inflight -= 1
-                    self._unqueue_locked(key)
-                    self._idle.notify_all()
-                dropped = len(items) - n
-                for tier in self._lower:
-                    tier.stats.add(dropped_writes=dropped)
-                self._counters.add(queued_writes=n, queue_full_drops=dropped)
-                return
-        self._counters.add(queued_writes=len(items))
+        """Queue ``items`` for each lower tier with ``expires_at``; where a tier's queue is full,
+        the rest are dropped for that tier and counted, unless ``block`` (then this waits)."""
+        for lane in self._lanes:
+            queued = lane.submit(items, expires_at, block)
+            dropped = len(items) - queued
+            if dropped:
+                lane.tier.stats.add(dropped_writes=dropped)
+            self._counters.add(queued_writes=queued, queue_full_drops=dropped)
 
     def note_extension(self, keys: Sequence[ChunkKey], expires_at: float) -> None:
         """Remember ``extend(keys, expires_at)`` for the writes of ``keys`` still queued."""
         with self._idle:
-            for k in keys:
-                if k in self._queued:
-                    self._extended[k] = max(self._extended.get(k, expires_at), expires_at)
+            for lane in self._lanes:
+                lane.note_extension_locked(keys, expires_at)
 
     def extend_lower(self, keys: list[ChunkKey], expires_at: float) -> None:
         """``extend_many`` of ``keys`` and their variants in every lower tier."""
@@ -118,15 +102,102 @@ class WriteBehind:
             guarded(tier, "extend_many", tier.extend_many, None, with_variants, expires_at)
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every queued write is done; False if ``timeout`` passed first."""
+        """Wait until every queued write of every tier is done; False if ``timeout`` passed first."""
         with self._idle:
-            return self._idle.wait_for(lambda: self._inflight == 0, timeout)
+            return self._idle.wait_for(lambda: all(not x.inflight for x in self._lanes), timeout)
 
-    def close(self) -> None:
-        """Write what is queued, then stop the writer thread."""
-        if self._thread is not None:
-            self._queue.put(_STOP)
-            self._thread.join()
+    def writing(self, keys: Sequence[ChunkKey]) -> bool:
+        """Whether a write of any of ``keys`` is queued or being written, in any tier."""
+        with self._idle:
+            return any(k in lane.queued for lane in self._lanes for k in keys)
+
+    def wait_written(self, keys: Sequence[ChunkKey], timeout: float | None = None) -> bool:
+        """Wait until each of ``keys`` is written by some lower tier or queued in none (see the
+        module docstring); False if ``timeout`` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: settled(keys, self._lanes), timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Write what is queued, then stop the writer threads; at most ``timeout`` for all (None:
+        as long as it takes). False when the writes did not end in time: the threads (daemons)
+        are left to end with the process, and what they had not written is lost."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        return all([lane.close(deadline) for lane in self._lanes])
+
+
+def settled(keys: Sequence[ChunkKey], lanes: Sequence[_Lane]) -> bool:
+    """Whether every key in ``keys`` is written by a tier that had it queued, or queued nowhere:
+    the lanes' ``written``/``queued`` (under their shared lock)."""
+    return all(
+        any(k in lane.written for lane in lanes) or not any(k in lane.queued for lane in lanes)
+        for k in keys
+    )
+
+
+class _Lane:
+    """One lower tier's queue and writer thread; its bookkeeping (``inflight``, ``queued``,
+    ``extended``, ``written``) is under the ``WriteBehind``'s shared condition ``idle``."""
+
+    WRITTEN_KEPT = 4096  # recent keys written, for ``settled`` (a bounded memory of them)
+
+    def __init__(self, tier: Tier, transcoder: Transcoder, queue_size: int, batch: int) -> None:
+        self.tier, self._transcoder, self._batch = tier, transcoder, batch
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self.inflight = 0
+        # Keys with writes in the queue (how many), the extensions asked while they wait, and the
+        # keys written while some other tier still had them queued (``settled``).
+        self.queued: dict[ChunkKey, int] = {}
+        self.extended: dict[ChunkKey, float] = {}
+        self.written: dict[ChunkKey, None] = {}
+        self._thread = threading.Thread(
+            target=self._loop, name=f"kvfuse-store-writer-{tier.name}", daemon=True
+        )
+
+    def start(self, idle: threading.Condition) -> None:
+        self._idle = idle
+        self._thread.start()
+
+    def submit(
+        self,
+        items: list[tuple[ChunkKey, Blob]],
+        expires_at: float | None,
+        block: bool,
+    ) -> int:
+        """Queue ``items`` in order until the queue is full (``block``: wait for room); how many."""
+        idle = self._idle
+        for n, (key, value) in enumerate(items):
+            with idle:
+                self.inflight += 1
+                self.queued[key] = self.queued.get(key, 0) + 1
+                self.written.pop(key, None)
+            try:
+                if block:
+                    self.queue.put((key, value, expires_at))
+                else:
+                    self.queue.put_nowait((key, value, expires_at))
+            except queue.Full:
+                with idle:
+                    self.inflight -= 1
+                    self._unqueue_locked(key)
+                    idle.notify_all()
+                return n
+        return len(items)
+
+    def note_extension_locked(self, keys: Sequence[ChunkKey], expires_at: float) -> None:
+        for k in keys:
+            if k in self.queued:
+                self.extended[k] = max(self.extended.get(k, expires_at), expires_at)
+
+    def close(self, deadline: float | None) -> bool:
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        try:
+            self.queue.put(_STOP, timeout=left())
+        except queue.Full:
+            return False
+        self._thread.join(left())
+        return not self._thread.is_alive()
 
     # -- the writer thread ----------------------------------------------------------------------
 
@@ -134,7 +205,7 @@ class WriteBehind:
         stop = False
         while not stop:
             batch = []
-            item = self._queue.get()
+            item = self.queue.get()
             while True:
                 if item is _STOP:
                     stop = True
@@ -143,23 +214,24 @@ class WriteBehind:
                 if len(batch) >= self._batch:
                     break
                 try:
-                    item = self._queue.get_nowait()
+                    item = self.queue.get_nowait()
                 except queue.Empty:
                     break
-            self._write(batch)
+            if batch:
+                self._write(batch)
 
     def _write(self, batch: list[Queued]) -> None:
-        """Write one batch of queued entries to the lower tiers, one ``put_many`` per expiry."""
+        """Write one batch of queued entries to the tier, one ``put_many`` per expiry."""
+        tier = self.tier
         with self._idle:  # an extension asked while the entry waited: the later time
             timed = [(k, v, self._effective_locked(k, x)) for k, v, x in batch]
         groups: dict[float | None, list[tuple[ChunkKey, Blob]]] = {}
         for key, value, expires_at in timed:
             groups.setdefault(expires_at, []).append((key, value))
         memo: dict = {}
-        for tier in self._lower:
-            for expires_at, group in groups.items():
-                items = self._transcoder.encoded_for(tier, group, memo)
-                guarded(tier, "put_many", put_many_expiring, None, tier, items, expires_at)
+        for expires_at, group in groups.items():
+            items = self._transcoder.encoded_for(tier, group, memo)
+            guarded(tier, "put_many", put_many_expiring, None, tier, items, expires_at)
         # An extension asked while these were written may have found them not there yet: apply it.
         with self._idle:
             late: dict[float, list[ChunkKey]] = {}
@@ -168,24 +240,31 @@ class WriteBehind:
                 if expires_at is not None and ext > expires_at:
                     late.setdefault(ext, []).append(key)
         for expires_at, keys in late.items():
-            self.extend_lower(keys, expires_at)
+            variants = self._transcoder.with_variants(keys)
+            guarded(tier, "extend_many", tier.extend_many, None, variants, expires_at)
         with self._idle:
             for key, _, _ in batch:
                 self._unqueue_locked(key)
-            self._inflight -= len(batch)
+                self._remember_written_locked(key)
+            self.inflight -= len(batch)
             self._idle.notify_all()
+
+    def _remember_written_locked(self, key: ChunkKey) -> None:
+        self.written[key] = None
+        if len(self.written) > self.WRITTEN_KEPT:
+            del self.written[next(iter(self.written))]
 
     def _effective_locked(self, key: ChunkKey, expires_at: float | None) -> float | None:
         """A queued write's expiry: its own, or a later one ``extend`` asked meanwhile."""
         if expires_at is None:
             return None  # no expiry: extending leaves it alone
-        ext = self._extended.get(key)
+        ext = self.extended.get(key)
         return expires_at if ext is None else max(expires_at, ext)
 
     def _unqueue_locked(self, key: ChunkKey) -> None:
-        n = self._queued.get(key, 0) - 1
+        n = self.queued.get(key, 0) - 1
         if n > 0:
-            self._queued[key] = n
+            self.queued[key] = n
         else:
-            self._queued.pop(key, None)
-            self._extended.pop(key, None)
+            self.queued.pop(key, None)
+            self.extended.pop(key, None)

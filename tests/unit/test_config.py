@@ -236,6 +236,7 @@ BAD_VALUES = [
     ("cache.codec", "KVFUSE_CACHE_CODEC", None, "zip"),
     ("cache.codec_level", "KVFUSE_CACHE_CODEC_LEVEL", "high", "-1"),
     ("cache.write_queue", "KVFUSE_CACHE_WRITE_QUEUE", "1.5", "0"),
+    ("cache.save_queue", "KVFUSE_CACHE_SAVE_QUEUE", "1.5", "0"),
     ("cache.redis_timeout_s", "KVFUSE_CACHE_REDIS_TIMEOUT_S", "fast", "0"),
     ("cache.redis_url", "KVFUSE_CACHE_REDIS_URL", None, "http://localhost:6379"),
     ("cache.history", "KVFUSE_CACHE_HISTORY", "sometimes", None),

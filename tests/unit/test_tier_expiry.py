@@ -713,7 +713,8 @@ def test_a_queued_write_gets_an_extension_asked_while_it_waits():
             ([KEYS[1]], T0 + 60),
         ]
         # bookkeeping gone with the writes
-        assert not store._writer._queued and not store._writer._extended
+        lane = store._writer._lanes[0]
+        assert not lane.queued and not lane.extended and not store.writing(KEYS[:3])
 
 
 def test_an_extension_racing_the_write_is_applied_after_it():
