@@ -219,10 +219,14 @@ def test_stop_flushes_before_closing_and_closes_responses_last():
         def close(self):
             calls.append("responses.close")
 
+    class Maintenance:
+        def close(self):
+            calls.append("maintenance.close")
+
     state = object.__new__(ServerState)  # the stop sequence only, without a config or a model
     state.engine, state.owns_engine, state.events = Engine(), True, None
-    state.responses = Responses()
+    state.responses, state.maintenance = Responses(), Maintenance()
     state.phase = "serving"
     state.stop()
-    assert calls == ["engine.stop", "engine.flush(60)", "engine.close", "responses.close"]
+    assert calls == ["maintenance.close", "engine.stop", "engine.flush(60)", "engine.close", "responses.close"]
     assert state.phase == "draining" and state.responses is None
