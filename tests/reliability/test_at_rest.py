@@ -2,11 +2,11 @@
 owner's only, and a history record tampered with in its shared folder is never used.
 
 One server with a signing key, a disk tier and a Responses store in a temp folder: a stored
-response and a follow-up write entries, history records and SQLite rows. Then the record blob of
-the stored response is replaced by the same record unsigned (what a writer without the key can
-make): the next follow-up is still answered, the record is refused and counted. Then, server
-stopped, the histories folder gets an unsigned record and one signed with an attacker's key,
-naming another tenant's entries: the restarted server refuses both (counted) and removes them.
+response and its follow-up write entries, history records and SQLite rows, all 0600 in folders
+0700. Before it starts, the histories folder gets an unsigned record and one signed with an
+attacker's key, naming another tenant's entries: the server refuses both (counted) and removes
+them. The record blob of the stored response is then replaced by the same record unsigned (what
+a writer without the key can make): the follow-up is still answered, the record refused, counted.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from openai import OpenAI
 from kvfuse.history.records import Record, StoredEntry, decode_record, encode_record
 from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.kv.signing import EntrySigner
+from kvfuse.private import make_dirs, write_new
 from kvfuse_testkit import ServerProcess, ensure_model
 
 pytestmark = pytest.mark.integration
@@ -51,20 +52,24 @@ def modes(root: Path) -> dict[str, set[int]]:
 
 
 def forged_records(histories: Path) -> None:
-    """Plant an unsigned record and one signed with another key, both naming other entries."""
+    """Plant an unsigned record and one signed with another key, both naming other entries
+    (files 0600 in folders 0700, like the server's own)."""
     ns = Namespace("model", "float16", "L2xH1xD4", tenant="mallory")
     ids = list(range(1000, 1064))
     entries = tuple(StoredEntry(k, i * 32, 32) for i, k in enumerate(prefix_keys(ids, 32, ns)))
     rec = Record(ns.key_prefix(), np.asarray(ids, np.uint32), ns, entries)
-    (histories / "unsigned.rec").write_bytes(encode_record(rec))
+    make_dirs(histories)
+    write_new(histories / "unsigned.rec", encode_record(rec))
     stranger = EntrySigner([b"a key an attacker made up, 32 bytes long"])
-    (histories / "stranger.rec").write_bytes(encode_record(rec, stranger))
+    write_new(histories / "stranger.rec", encode_record(rec, stranger))
 
 
 def test_files_at_rest_are_private_and_tampered_records_are_not_used(kvfuse_home, tmp_path):
     ensure_model(kvfuse_home, MODEL)
-    state = tmp_path / "state"  # made by the server
+    state = tmp_path / "state"
     db = state / "responses.sqlite3"
+    histories = state / "kv" / "histories"
+    forged_records(histories)  # found in the shared folder when the server starts
     config = {
         "model": MODEL,
         "cache": {"disk_path": str(state / "kv"), "signing_key": KEY},
@@ -72,12 +77,11 @@ def test_files_at_rest_are_private_and_tampered_records_are_not_used(kvfuse_home
     }
     srv = ServerProcess(kvfuse_home, config=config).start(timeout=300)
     try:
+        assert metric(srv, "kvfuse_history_records_refused") == 2
+        assert not list(histories.glob("*.rec"))  # refused: removed
         c = OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=120)
         question = "Tell me about lighthouses. " * 12
         first = c.responses.create(model=MODEL, input=question, max_output_tokens=4)
-        c.responses.create(
-            model=MODEL, input="And ships?", previous_response_id=first.id, max_output_tokens=4
-        )
         with sqlite3.connect(db) as conn:
             (blob,) = conn.execute(
                 "SELECT record FROM responses WHERE id = ?", (first.id,)
@@ -89,22 +93,11 @@ def test_files_at_rest_are_private_and_tampered_records_are_not_used(kvfuse_home
         again = c.responses.create(
             model=MODEL, input="And trains?", previous_response_id=first.id, max_output_tokens=4
         )
-        assert again.status == "completed"
+        assert again.status in ("completed", "incomplete")  # answered (max_output_tokens)
         assert metric(srv, "kvfuse_responses", '{event="record_refused"}') == 1
-        httpx.get(srv.url + "/health", timeout=10)  # the saves land before the stop
     finally:
-        srv.stop()
+        srv.close()  # a clean stop: the saves and records are written
+    assert list(histories.glob("*.rec"))  # the turns' own records, signed
     found = modes(state)
     print(f"  modes at rest: { ({k: sorted(map(oct, v)) for k, v in found.items()}) }")
     assert found == {"files": {0o600}, "folders": {0o700}}
-    assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
-    histories = state / "kv" / "histories"
-    assert list(histories.glob("*.rec"))  # the turns' records, signed
-    forged_records(histories)
-    srv = ServerProcess(kvfuse_home, config=config).start(timeout=300)
-    try:
-        assert metric(srv, "kvfuse_history_records_refused") == 2
-        assert not (histories / "unsigned.rec").exists()
-        assert not (histories / "stranger.rec").exists()
-    finally:
-        srv.close()
