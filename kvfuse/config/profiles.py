@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfuse.codecs.cachegen import LEVELS
+from kvfuse.private import make_dirs
 
 from .sections import BlendOptions
 
@@ -135,7 +136,7 @@ def write(profile: BlendProfile, target: Path) -> Path:
     """Write ``profile`` atomically to the file ``target`` (its folder made if needed)."""
     target = Path(target)
     folder = target.parent
-    folder.mkdir(parents=True, exist_ok=True)
+    make_dirs(folder)
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".profile-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:

@@ -16,6 +16,14 @@ of a write, are removed at start-up like the disk tier's) and checked when read 
 intact is removed and skipped, never used. Without its record a conversation is still found by
 content through the key chain (the engine probes the tail keys), as long as its ids re-tokenize
 equally. Records are per cache namespace: tenants and models never see each other's.
+
+Whoever can write the folder could otherwise point one scope at another namespace's entries, so a
+record is checked when read (``decode_record``): every entry it names must be keyed in its own
+namespace, and that namespace must be its scope's (or derived from it by a truncated turn);
+and with signing keys (``cache.signing_key``: the entry signer, ``kv/signing.py``) a record is
+written with an HMAC tag over all its bytes and one without a valid tag is refused. A refused
+record is logged, counted (``HistoryIndex.refused``) and removed, never used: like a damaged one,
+the conversation is then still found by content through its (signed) entries.
 """
 
 from __future__ import annotations
@@ -38,9 +46,13 @@ import numpy as np
 import xxhash
 
 from kvfuse.kv.keys import ChunkKey, Namespace
+from kvfuse.kv.signing import TAG_SIZE, EntrySigner
+from kvfuse.private import make_dirs, write_new
 
 log = logging.getLogger(__name__)
 _MAGIC = b"KVFHIST1"
+_SIGNED_MAGIC = b"KVFHISS1"  # the same bytes, then an HMAC tag (kv/signing.py) over all of them
+_DERIVED = "\x00history:"  # how a derived namespace's salt extends its parent's (reuse/keying.py)
 _SUFFIX = ".rec"
 
 _WINDOW = 8
@@ -89,8 +101,19 @@ class Record:
         return len(self.ids)
 
 
-def encode_record(rec: Record) -> bytes:
-    """The bytes of a record's file: magic, a length-prefixed JSON header, the ids (u32 LE)."""
+class RecordRefused(ValueError):
+    """A record that is intact but may not be used: unsigned or badly signed where signing is on
+    (``reason`` "unsigned" / "signature"), or naming entries outside its scope ("scope")."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def encode_record(rec: Record, signer: EntrySigner | None = None) -> bytes:
+    """The bytes of a record's file: magic, a length-prefixed JSON header, the ids (u32 LE); with
+    ``signer``, another magic and the HMAC tag of every byte before it appended (the entry
+    signer's key: only a holder of it can write a record a signing reader uses)."""
     ids = np.ascontiguousarray(rec.ids, dtype="<u4").tobytes()
     header = json.dumps(
         {
@@ -102,11 +125,33 @@ def encode_record(rec: Record) -> bytes:
             "xxh64": xxhash.xxh64_hexdigest(ids),
         }
     ).encode()
-    return _MAGIC + struct.pack("<I", len(header)) + header + ids
+    if signer is None:
+        return _MAGIC + struct.pack("<I", len(header)) + header + ids
+    body = _SIGNED_MAGIC + struct.pack("<I", len(header)) + header + ids
+    return body + signer.sign(body)
 
 
-def decode_record(data: bytes) -> Record:
-    """The record of a file's bytes; ValueError naming what is wrong with them."""
+def _unsigned_body(data: bytes, signer: EntrySigner | None) -> bytes:
+    """``data`` without its tag, checked against ``signer`` when there is one (RecordRefused
+    for no tag or a bad one); without a signer a tag is not checked (like an entry's)."""
+    signed = data[:8] == _SIGNED_MAGIC
+    if signed:
+        if len(data) < 12 + TAG_SIZE:
+            raise ValueError("the signed record is truncated")
+        body, tag = data[:-TAG_SIZE], data[-TAG_SIZE:]
+        if signer is not None and not signer.verify(body, tag):
+            raise RecordRefused("signature", "the record's tag is not one of an accepted key")
+        return _MAGIC + body[8:]
+    if signer is not None and data[:8] == _MAGIC:
+        raise RecordRefused("unsigned", "the record is not signed and signing is on")
+    return data
+
+
+def decode_record(data: bytes, signer: EntrySigner | None = None) -> Record:
+    """The record of a file's bytes; ValueError naming what is wrong with them, RecordRefused
+    (a ValueError) for one that is intact but may not be used: see ``check_scope``, and with
+    ``signer``, one without a valid tag."""
+    data = _unsigned_body(bytes(data), signer)
     if data[:8] != _MAGIC or len(data) < 12:
         raise ValueError("not a kvfuse history record")
     (n,) = struct.unpack_from("<I", data, 8)
@@ -116,7 +161,7 @@ def decode_record(data: bytes) -> Record:
         if len(ids) != 4 * h["n"] or xxhash.xxh64_hexdigest(ids) != h["xxh64"]:
             raise ValueError("the ids are damaged or truncated")
         entries = tuple(StoredEntry(ChunkKey.parse(k), int(s), int(t)) for k, s, t in h["entries"])
-        return Record(
+        rec = Record(
             str(h["scope"]),
             np.frombuffer(ids, dtype="<u4").astype(np.uint32),
             Namespace(**h["namespace"]),
@@ -125,16 +170,46 @@ def decode_record(data: bytes) -> Record:
         )
     except (KeyError, TypeError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"the record header is damaged: {e}") from None
+    check_scope(rec)
+    return rec
+
+
+def scope_namespace_ids(namespace: Namespace) -> tuple[str, str]:
+    """The key prefix of the namespace ``namespace`` was derived from (its salt before any
+    ``\x00history:`` part; itself when not derived) and ``namespace``'s own id."""
+    base = dataclasses.replace(namespace, salt=namespace.salt.split(_DERIVED, 1)[0])
+    return base.key_prefix(), namespace.short_id()
+
+
+def check_scope(rec: Record) -> None:
+    """RecordRefused unless the record's namespace is its scope's (or derived from it) and every
+    entry it names is keyed in that namespace: a record (a file in a shared folder) must not
+    point one scope at another tenant's or namespace's entries. A scope is a namespace's key
+    prefix, optionally followed by an end user's part (``reuse.keying.history_scope``)."""
+    prefix, own = scope_namespace_ids(rec.namespace)
+    if rec.scope.split("\x00", 1)[0] != prefix:
+        raise RecordRefused("scope", "the record's namespace is not its scope's")
+    foreign = [e for e in rec.entries if e.key.namespace_id != own]
+    if foreign:
+        raise RecordRefused(
+            "scope", f"{len(foreign)} of the record's entries are keyed outside its namespace"
+        )
 
 
 class HistoryIndex:
     """Records by ``(scope, prompt_cache_key)`` and by anchor; at most ``capacity`` records."""
 
-    def __init__(self, capacity: int = 2048, path: str | os.PathLike | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int = 2048,
+        path: str | os.PathLike | None = None,
+        signer: EntrySigner | None = None,
+    ) -> None:
         if capacity < 0:
             raise ValueError("the history index capacity must be >= 0")
         self.capacity = capacity
         self.path = Path(path) if path is not None else None
+        self.signer = signer  # the entry signer: records are signed and checked with its keys
         # serial -> record, least recent first
         self._records: OrderedDict[int, Record] = OrderedDict()
         self._by_key: dict[tuple[str, str], int] = {}
@@ -142,6 +217,9 @@ class HistoryIndex:
         self._serials = itertools.count(1)
         self._lock = threading.Lock()
         self.damaged = 0  # record files found damaged (removed, never used)
+        # intact record files refused (removed, never used): unsigned or badly signed with signing
+        # on, or naming entries outside their scope; by reason
+        self.refused: dict[str, int] = {}
         if self.path is not None and capacity:
             self._load()
 
@@ -152,7 +230,7 @@ class HistoryIndex:
         from kvfuse.tiers.disk.files import stale_temp
 
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            make_dirs(self.path)
             listing = list(os.scandir(self.path))
         except OSError as e:
             log.warning(
@@ -178,10 +256,13 @@ class HistoryIndex:
         files = [f for _, f in sorted(files, key=lambda t: t[0])]
         for f in files[-self.capacity :]:
             try:
-                rec = decode_record(Path(f.path).read_bytes())
+                rec = decode_record(Path(f.path).read_bytes(), self.signer)
             except (OSError, ValueError) as e:
                 log.warning("history record %s is unusable (%s): removed", f.path, e)
-                self.damaged += 1
+                if isinstance(e, RecordRefused):
+                    self.refused[e.reason] = self.refused.get(e.reason, 0) + 1
+                else:
+                    self.damaged += 1
                 self._unlink(f.name)
                 continue
             rec.file = f.name
@@ -197,7 +278,7 @@ class HistoryIndex:
         # the pid: a dead writer's is removed at start-up
         tmp = self.path / f".{os.getpid()}.{token}.tmp"
         try:
-            tmp.write_bytes(encode_record(rec))
+            write_new(tmp, encode_record(rec, self.signer))  # 0600 (kvfuse.private)
             os.replace(tmp, self.path / name)
             rec.file = name
         except OSError as e:  # a record is a hint: without its file the history is found by content

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvfuse.private import make_dirs, touch
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
     id TEXT PRIMARY KEY,
@@ -161,8 +163,11 @@ class ResponseStore:
         self.clock = clock
         self.purge_every_s = purge_every_s
         self._last_purge = float("-inf")
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path is not None:  # 0600 / 0700 (kvfuse.private): it holds conversations' text
+            make_dirs(self.path.parent)
+            # made 0600 before SQLite makes it 0644; SQLite gives its -wal and -shm files the
+            # database file's mode
+            touch(self.path)
         self._db = sqlite3.connect(
             str(self.path) if self.path is not None else ":memory:",
             timeout=10.0,

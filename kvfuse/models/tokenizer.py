@@ -39,6 +39,7 @@ class Tokenizer:
         if not path.is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
         self._tok = HFTokenizer.from_file(str(path))
+        self._path = str(path)
         cfg_path = folder / "tokenizer_config.json"
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         template_path = folder / "chat_template.jinja"
@@ -52,6 +53,8 @@ class Tokenizer:
         self._template = None
         self._decoder_kind = _decoder_kind(json.loads(path.read_text()).get("decoder"))
         self._bytes: list[bytes] | None = None
+        self._plain: HFTokenizer | None = None  # special tokens encoded as text (encode_plain)
+        self._special: frozenset[int] | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -65,6 +68,25 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """The ids of ``text`` with no special token: text that spells one (``<|im_end|>``) is
+        tokenized as the characters it is (HF's ``split_special_tokens``). For what a client
+        wrote into a message or a document (``prompts.control``)."""
+        if self._plain is None:  # built when first needed: a second copy of the vocabulary
+            plain = HFTokenizer.from_file(self._path)
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """The ids of the special (control) tokens: added tokens flagged special."""
+        if self._special is None:
+            self._special = frozenset(
+                i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+            )
+        return self._special
 
     def encode_offsets(
         self, text: str, add_special_tokens: bool = True

@@ -71,7 +71,7 @@ class PromptBuilder:
         tok = self.model.tokenizer
         if messages is not None:
             encode.check_chat_size(messages, self.max_messages, self.max_chars)
-            return tok.encode_chat(messages)
+            return encode.encode_chat(tok, messages)
         if isinstance(prompt, str):
             return tok.encode(prompt)
         if prompt is None:
@@ -96,7 +96,7 @@ class PromptBuilder:
         tails (``truncate.first_fitting``), keeping only the ids of the best one so far."""
         encode.check_chat_size(messages, self.max_messages, self.max_chars)
         tok = self.model.tokenizer
-        ids = tok.encode_chat(messages, tools=tools)
+        ids = encode.encode_chat(tok, messages, tools)
         budget = self.context_window - reserve
         if not self.truncate or len(ids) <= budget:
             return ids, 0
@@ -104,7 +104,7 @@ class PromptBuilder:
         best: dict[int, list[int]] = {}  # the kept tail that fits with the fewest turns dropped
 
         def fits(i: int) -> bool:
-            tail = tok.encode_chat(messages[:head] + messages[starts[i] :], tools=tools)
+            tail = encode.encode_chat(tok, messages[:head] + messages[starts[i] :], tools)
             if len(tail) > budget:
                 return False
             if not best or i < next(iter(best)):

@@ -4,7 +4,8 @@ A document is tokenized on its own (its text stripped, then a blank line, no spe
 its ids, and therefore its cache key, do not depend on where it is used. For a completion the
 prompt is ``[special tokens][documents...][prompt text]``; for a chat the documents go at the
 start of the last user message: the template is rendered around a marker, and everything before
-the marker is the prefix, everything after it the suffix. Cache breakpoints on message parts
+the marker is the prefix, everything after it the suffix. What clients wrote (documents, message
+contents) is tokenized with control-token text kept as text (``prompts.control``). Cache breakpoints on message parts
 (``breakpoint_positions``) are found the same way: markers at the parts' ends, then the tokens of
 the rendered prompt that lie wholly before each.
 """
@@ -15,6 +16,7 @@ from collections.abc import Sequence
 
 from kvfuse.models.tokenizer import Tokenizer
 
+from .control import encode_rendered, message_texts
 from .prompt import Prompt
 
 _MARKER = "\x00kvfuse-documents\x00"
@@ -51,7 +53,10 @@ def encode_document(tokenizer: Tokenizer, text: str) -> list[int]:
     text = text.strip()
     if not text:
         raise ValueError("the document is empty")
-    return tokenizer.encode(text + "\n\n", add_special_tokens=False)
+    ids = tokenizer.encode(text + "\n\n", add_special_tokens=False)
+    if any(t in tokenizer.special_ids for t in ids):  # a client's text: control-token text in
+        return tokenizer.encode_plain(text + "\n\n")  # it stays text (prompts.control)
+    return ids
 
 
 def encode_documents(tokenizer: Tokenizer, documents: Sequence[str]) -> list[list[int]]:
@@ -94,11 +99,23 @@ def chat_prompt(
             "/v1/completions instead"
         )
     before, after = rendered.split(_MARKER)
-    return Prompt.of(
-        tokenizer.encode(before, add_special_tokens=False),
+    return Prompt.of(  # the contents' control-token text stays text (prompts.control)
+        encode_rendered(tokenizer, before, message_texts(messages[:last])),
         encode_documents(tokenizer, documents),
-        tokenizer.encode(after, add_special_tokens=False),
+        encode_rendered(tokenizer, after, message_texts(messages[last:])),
     )
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[int]:
+    """The ids of chat ``messages`` rendered by the template, with the control-token text of
+    their contents kept as text (``prompts.control``; ControlTextError where it cannot be)."""
+    rendered = tokenizer.render_chat(messages, add_generation_prompt, tools)
+    return encode_rendered(tokenizer, rendered, message_texts(messages))
 
 
 def breakpoint_positions(

@@ -64,7 +64,11 @@ class CacheEngine:
     ):
         c = settings.cache
         self.model, self.store, self.model_lock = model, store, model_lock
-        history = HistoryIndex(c.history_records, settings.history_path) if c.history else None
+        history = (
+            HistoryIndex(c.history_records, settings.history_path, store.signer)
+            if c.history
+            else None
+        )
         saver = Saver(store, max_jobs=c.save_queue) if c.async_save else SyncSaver(store)
         keying = Keying(model, store, saver, settings, history, context_window)
         codec = get_codec(c.codec, c.codec_level).for_model(

@@ -192,6 +192,8 @@ class CacheWriter:
         out: dict = {}
         if self.history is not None:
             out["history_records"] = len(self.history)
+            # refused when read back: unsigned, badly signed, or outside their scope (records.py)
+            out["history_records_refused"] = sum(self.history.refused.values())
         if isinstance(self.saver, Saver):  # a SyncSaver saves on the request path: no figures
             out["saver"] = {**self.saver.stats.snapshot(), "pending": self.saver.pending()}
         return out

@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from kvfuse.engine import Breakpoint, CacheOptions, Prompt
 from kvfuse.generation import SamplingParams
 from kvfuse.models.tokenizer import ChatTemplateError
+from kvfuse.prompts.encode import encode_chat
 from kvfuse.tools import Rendered, ToolCalling, ToolsError, detect, render, tool_calling
 
 from .anthropic_schemas import (
@@ -396,7 +397,7 @@ def _encode(p: Prompting, chat: Rendered) -> list[int]:
     """The rendered conversation's ids: never truncated (Anthropic answers a prompt too long
     with a 400 rather than dropping turns)."""
     try:
-        ids = p.prompts.model.tokenizer.encode_chat(chat.messages, tools=chat.tools)
+        ids = encode_chat(p.prompts.model.tokenizer, chat.messages, chat.tools)
     except ChatTemplateError as e:
         raise bad_request(
             f"messages: {e}", param="messages", code="invalid_chat_template"

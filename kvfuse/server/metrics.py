@@ -225,6 +225,12 @@ def _reuse_metrics(s: dict) -> Iterator[Metric]:
             "Conversation histories whose token ids are remembered.",
             value=s["history_records"],
         )
+        yield CounterMetricFamily(
+            "kvfuse_history_records_refused",
+            "History records read back and refused: unsigned or badly signed with signing on, "
+            "or naming entries outside their scope (never used).",
+            value=s.get("history_records_refused", 0),
+        )
 
 
 def _stream_metrics(s: dict) -> Iterator[Metric]:
@@ -607,7 +613,8 @@ class ServerMetrics:
         self.responses = Counter(
             "kvfuse_responses",
             "Responses API: responses by event (created, stored, continued "
-            "from previous_response_id, deleted, expired).",
+            "from previous_response_id, deleted, expired, record_refused: a stored history "
+            "record unsigned, badly signed or outside its scope, not used).",
             ["event"],
             registry=r,
         )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -34,7 +35,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from kvfuse.engine import Delta, GenerationResult, Outcome
-from kvfuse.history.records import decode_record, encode_record
+from kvfuse.history.records import RecordRefused, decode_record, encode_record
 from kvfuse.history.response_store import (
     ResponseExpired,
     ResponseNotFound,
@@ -59,6 +60,8 @@ from .schemas import ChatCompletionRequest, ResponseCreateRequest
 from .state import ServerState
 from .structured import OutputFormat, as_response_format, responses_format
 from .translate import check_model, plan_chat
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["responses"])
 
@@ -360,6 +363,23 @@ class ResponseObject:
 # ------------------------------------------------------------------------------------- handlers
 
 
+def _with_hint(state: ServerState, call, previous: StoredResponse | None):
+    """``call`` with the previous response's history record as its hint, when it has one that may
+    be used. A damaged or refused one (unsigned or badly signed with signing on, or outside its
+    scope: ``history.records``) is no hint, logged and counted: the history is still found by
+    content, through its entries (signed, with signing on)."""
+    if previous is None or previous.record is None or not call.cache.enabled:
+        return call
+    try:
+        hint = decode_record(previous.record, state.record_signer)
+    except ValueError as e:
+        log.warning("response %s: its history record is not used (%s)", previous.id, e)
+        if isinstance(e, RecordRefused):
+            state.metrics.responses.labels(event="record_refused").inc()
+        return call
+    return replace(call, cache=replace(call.cache, history_hint=hint))
+
+
 def _stored(state: ServerState, tenant: str, response_id: str) -> StoredResponse:
     """The tenant's stored response ``response_id`` (404 otherwise; an expired one is freed)."""
     if state.responses is None:
@@ -432,13 +452,7 @@ async def create_response(
         call = await asyncio.to_thread(plan_chat, state.prompting, chat, tenant, state.limits)
     except APIError as e:
         raise _renamed(e) from None
-    if previous is not None and previous.record is not None and call.cache.enabled:
-        try:
-            call = replace(
-                call, cache=replace(call.cache, history_hint=decode_record(previous.record))
-            )
-        except ValueError:  # a damaged record is no hint: the history is still found by content
-            pass
+    call = _with_hint(state, call, previous)
     record.prompt_tokens = len(call.prompt)
     texts = state.token_texts if call.params.logprobs is not None else None
     obj = ResponseObject(body, state.model_name, body.previous_response_id, state.clock, texts, fmt)
@@ -551,7 +565,7 @@ class _Keeper:
                     self.history + [answer],
                     self.items,
                     self.obj.previous_id,
-                    encode_record(rec) if rec is not None else None,
+                    encode_record(rec, self.state.record_signer) if rec is not None else None,
                     [str(e.key) for e in rec.entries] if rec is not None else [],
                 ),
                 self.state.response_limits,

@@ -14,9 +14,11 @@ from collections.abc import Callable
 
 from kvfuse.config import Config
 from kvfuse.config.secrets import read_secret
+from kvfuse.config.signing import signer_of
 from kvfuse.config.tenants import EVERY, quota_of
 from kvfuse.history.response_store import ResponseStore, StoreLimits
 from kvfuse.kv.keys import tenant_tag
+from kvfuse.kv.signing import EntrySigner
 from kvfuse.runtime import Serving
 
 from .auth import ANONYMOUS, Authenticator, MetricsToken
@@ -72,6 +74,7 @@ class ServerState:
         self.events = None  # the KV event publisher (server.kv_events), once started
         self.metrics.registry.register(EventsCollector(lambda: self.events))
         self.responses: ResponseStore | None = None  # the Responses API's stored responses (SQLite)
+        self.record_signer: EntrySigner | None = None  # signs the stored responses' records
         self._token_texts: TokenTexts | None = None
         self.response_limits = StoreLimits()
         self.metrics.stored_responses.set_function(
@@ -119,6 +122,8 @@ class ServerState:
             self.prompting = self._prompting(serving)
         r = self.config.responses
         if r.store:
+            # the history records stored with responses are signed like entries (records.py)
+            self.record_signer = signer_of(self.config.cache)
             self.responses = ResponseStore(self.config.responses_path, r.ttl_s, clock=self.clock)
             self.response_limits = StoreLimits(
                 r.max_response_bytes, r.tenant_max_responses, r.tenant_max_bytes

@@ -208,7 +208,8 @@ def test_history_record_temp_files_of_dead_writers_are_removed_at_start_up(tmp_p
     """The fix for what the kill test found: a record's temp file left by a killed writer stayed
     forever (the start-up load read ``*.rec`` only)."""
     index = HistoryIndex(path=tmp_path)
-    assert index.add("scope", list(range(100)), _namespace(), ()) is not None
+    ns = _namespace()
+    assert index.add(ns.key_prefix(), list(range(100)), ns, ()) is not None
     written = [p.name for p in tmp_path.iterdir()]
     assert len(written) == 1 and written[0].endswith(".rec")
     dead, now = dead_pid(), time.time()

@@ -181,28 +181,30 @@ def test_a_turn_replaces_the_record_it_extended_and_capacity_bounds_the_rest():
 
 def test_records_survive_a_restart_in_their_folder_and_damaged_files_are_never_used(tmp_path):
     ns = Namespace("model", "float16", "L2xH1xD4", tenant="alice")
+    scope = ns.key_prefix()  # records are checked against their scope when read back
     ids = list(range(1000, 1300))
     entries = tuple(StoredEntry(k, i * 4, 4) for i, k in enumerate(prefix_keys(ids[:8], 4, ns)))
     index = HistoryIndex(capacity=8, path=tmp_path)
-    rec = index.add("alice:", ids, ns, entries, cache_key="conv-1")
-    other = index.add("alice:", list(range(5000, 5300)), ns)
+    rec = index.add(scope, ids, ns, entries, cache_key="conv-1")
+    other = index.add(scope, list(range(5000, 5300)), ns)
     restarted = HistoryIndex(capacity=8, path=tmp_path)
-    found = restarted.candidates("alice:", [1, 2], cache_key="conv-1")
+    found = restarted.candidates(scope, [1, 2], cache_key="conv-1")
     assert len(found) == 1 and found[0].ids.tolist() == ids and found[0].entries == entries
     assert found[0].namespace == ns and found[0].cache_key == "conv-1"
-    assert restarted.candidates("alice:", ids[100:])[0].ids.tolist() == ids  # by content too
+    assert restarted.candidates(scope, ids[100:])[0].ids.tolist() == ids  # by content too
     damaged = tmp_path / other.file
     damaged.write_bytes(damaged.read_bytes()[:-3])  # truncated
     (tmp_path / "junk.rec").write_bytes(b"not a record")
     again = HistoryIndex(capacity=8, path=tmp_path)
     assert len(again) == 1 and again.damaged == 2 and not damaged.exists()
-    assert again.delete_prefix("alice:") == 1 and not list(tmp_path.glob("*.rec"))
+    assert again.delete_prefix(scope) == 1 and not list(tmp_path.glob("*.rec"))
     assert rec.file is not None
 
 
 def test_a_record_file_round_trips():
     ns = Namespace("m", "float16", "L1xH1xD1", salt="s\x00history:ab")
-    rec = Record("scope:", np.arange(7, dtype=np.uint32), ns, (), None)
+    base = Namespace("m", "float16", "L1xH1xD1", salt="s")  # ns is derived from it
+    rec = Record(base.key_prefix(), np.arange(7, dtype=np.uint32), ns, (), None)
     back = decode_record(encode_record(rec))
     assert back.ids.tolist() == list(range(7)) and back.namespace == ns and back.cache_key is None
     for bad in (

@@ -8,7 +8,7 @@ namespaces make them misses). Keys are case-sensitive, so the directory must be 
 case-sensitive file system.
 
 Writes go to a unique ``.<pid>.<random>.tmp`` file in the target directory and are renamed into
-place (``os.replace``, by the tier): a reader sees the old file, the new file or none, never a
+place (``os.replace``, by the tier), created 0600 in folders created 0700 (``kvfuse.private``): a reader sees the old file, the new file or none, never a
 torn one. A temp file whose writer is gone (``stale_temp``) is removed at start-up.
 
 These are plain functions over paths and descriptors, without the tier's index, lock or counters:
@@ -28,6 +28,7 @@ import numpy as np
 import xxhash
 
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.private import FILE_MODE, make_dirs
 from kvfuse.tiers.base import check_key
 
 log = logging.getLogger(__name__)
@@ -95,10 +96,10 @@ def stage_file(tmp: str, parts, fsync: bool) -> int:
     ``fsync``; the file's inode (a rename keeps it). Raises OSError (``tmp`` may be left: the
     caller removes it, ``remove_quietly``)."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     except FileNotFoundError:
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        make_dirs(os.path.dirname(tmp))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE)
     try:
         write_all(fd, parts)
         if fsync:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.private import FILE_MODE
 from kvfuse.tiers.disk.files import write_all
 
 JOURNAL = "expiry.log"
@@ -89,7 +90,7 @@ class ExpiryJournal:
         """Hold ``flock(how)`` on the journal's lock file (``fcntl.LOCK_SH``: appending, and
         renaming a file whose line was just appended; ``fcntl.LOCK_EX``: rewriting)."""
         if self._lock_fd is None:
-            self._lock_fd = os.open(self.root / _JOURNAL_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock_fd = os.open(self.root / _JOURNAL_LOCK, os.O_RDWR | os.O_CREAT, FILE_MODE)
         fcntl.flock(self._lock_fd, how)
         try:
             yield
@@ -98,7 +99,7 @@ class ExpiryJournal:
 
     def write(self, lines: list[str]) -> None:
         """Append ``lines`` in one write; the caller holds the shared lock (``locked``)."""
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
             write_all(fd, ("".join(lines).encode("ascii"),))
             if self.fsync:
@@ -125,7 +126,7 @@ class ExpiryJournal:
         ``os.replace``); the caller holds the exclusive lock."""
         records = list(records)
         tmp = self.root / _JOURNAL_TMP
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
         try:
             write_all(
                 fd, ("".join(journal_line(k, t, ino) for k, t, ino in records).encode("ascii"),)

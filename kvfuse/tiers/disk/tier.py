@@ -34,6 +34,7 @@ from typing import Callable
 import numpy as np
 
 from kvfuse.kv.keys import ChunkKey
+from kvfuse.private import make_dirs
 from kvfuse.tiers.base import Blob, Clock, Entry, IndexedTier, T, nbytes
 from kvfuse.tiers.disk import files
 from kvfuse.tiers.disk.expiry import DiskExpiries
@@ -89,7 +90,7 @@ class DiskTier(IndexedTier):
         # Threads writing the files of one put_many (None: one per core, <= 4).
         self.io_threads = min(4, os.cpu_count() or 1) if io_threads is None else int(io_threads)
         self._pool: ThreadPoolExecutor | None = None
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.root)  # 0700 where made (kvfuse.private)
         self._load(scan(self.root, stale_temp_s, time.time()))
 
     @property
