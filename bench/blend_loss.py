@@ -335,7 +335,7 @@ def main(argv=None) -> None:
     p.add_argument("--parts", default="curve,oracle,levers")
     p.add_argument("--ape-t", default="0.6,0.8,0.9,1.0")
     p.add_argument("--ape-s", default="0.8,0.9,1.0")
-    p.add_argument("--only", default="", help="configurations to run (names, comma-separated)")
+    p.add_argument("--only", default="", help="configurations to run (names, ';'-separated)")
     add_common(p, "home")
     add_common(p, ("out", {"default": str(OUT / "blend_loss")}))
     args = p.parse_args(argv)
@@ -347,35 +347,38 @@ def main(argv=None) -> None:
     floats = [[float(x) for x in csv(v)] for v in (args.ape_t, args.ape_s)]
     cfgs = configs(csv(args.parts), n_layers, *floats)
     if args.only:
-        cfgs = {k: v for k, v in cfgs.items() if k in csv(args.only) or k == "full reuse"}
+        only = {n.strip() for n in args.only.split(";")}  # names hold commas: "[0,12)"
+        cfgs = {k: v for k, v in cfgs.items() if k in only or k == "full reuse"}
     items = fictional_qa.items(args.split, args.items, args.documents)
     per_item, t0 = [], time.perf_counter()
     for i, it in enumerate(items):
         per_item.append(run_item(engine, args.model, it, cfgs, args.max_tokens))
         print(f"  {args.model}: {i + 1}/{len(items)} items ({time.perf_counter() - t0:.0f}s)")
+        write(args, cfgs, per_item, n_layers)  # after every item: a long run keeps what it measured
     engine.close()
+
+
+def write(args, cfgs: dict, per_item: list, n_layers: int) -> None:
     summary = summarize(per_item)
-    print(f"\n{args.model}: {args.split} split, {len(items)} items, {args.documents} documents")
+    print(f"\n{args.model}: {args.split} split, {len(per_item)} items, {args.documents} documents")
     print_table(
-        ["config", "recompute", "correct", "identical", "KL", "KL/reuse", "TTFT/full"],
-        [
-            [k, getattr(cfgs.get(k), "recompute", None), *(x[f] for f in list(x))]
-            for k, x in summary.items()
-        ],
+        ["config", "correct", "identical", "KL", "KL/reuse", "TTFT/full"],
+        [[k, *x.values()] for k, x in summary.items()],
     )
+    rows = {
+        k: {**x, "recompute": getattr(cfgs.get(k), "recompute", 1.0)} for k, x in summary.items()
+    }
     payload = {
         "benchmark": "blend_loss",
         "environment": environment(),
         "model": args.model,
         "split": args.split,
-        "items": len(items),
+        "items": len(per_item),
         "documents": args.documents,
+        "max_tokens": args.max_tokens,
         "layers": n_layers,
         "ttft_note": "runner level, documents' KV in memory; machine shared: ratios within one run",
-        "rows": {
-            k: {**x, "recompute": getattr(cfgs.get(k), "recompute", 1.0)}
-            for k, x in summary.items()
-        },
+        "rows": rows,
         "per_item": per_item,
     }
     print(f"wrote {write_json(Path(args.out), payload, indent=1)}")

@@ -79,14 +79,15 @@ def ape_forward(
     lse_scale: float,
 ) -> torch.Tensor:
     """``runner.forward(tokens, cache, logits="all")`` with APE attention in every layer:
-    ``context`` marks the cache's valid slots that hold cached documents (the new tokens are never
-    context). Returns ``(len(tokens), vocab)`` logits."""
+    ``context`` marks the first slots of the cache that hold cached documents (slots past its
+    length and the new tokens are never context). Returns ``(len(tokens), vocab)`` logits."""
     c, n0, n = runner.config, cache.length, len(tokens)
     cache.reserve(n0 + n)
     cache.positions[n0 : n0 + n] = torch.arange(cache.next_position, cache.next_position + n)
     slots = torch.arange(n0, n0 + n, device=cache.device)
     mask = torch.zeros(n0 + n, dtype=torch.bool, device=cache.device)
-    mask[:n0] = context[:n0].to(cache.device)
+    k = min(n0, context.shape[0])  # slots past ``context`` (earlier answer tokens) are not context
+    mask[:k] = context[:k].to(cache.device)
     tables = runner.rope_tables(cache.positions[slots], runner.dtype)
     h = runner.embed(torch.as_tensor(tokens, dtype=torch.int64))
     for layer in range(c.num_layers):

@@ -97,9 +97,13 @@ def test_ape_forward_at_one_is_the_runners_forward(family, runner):
     kv, spans, s = blended_cache(r, PREFIX, DOCS, 0, torch.float32)
     context = torch.zeros(s, dtype=torch.bool)
     context[spans[0][0] : s] = True
-    ref = r.forward(SUFFIX, kv.fork(), logits="all")
-    got = lv.ape_forward(r, SUFFIX, kv.fork(), context, 1.0, 1.0)
+    plain, ape = kv.fork(), kv.fork()
+    ref = r.forward(SUFFIX, plain, logits="all")
+    got = lv.ape_forward(r, SUFFIX, ape, context, 1.0, 1.0)
     assert (got - ref).abs().max() < 1e-4
+    # a decode step after it: the cache is longer than the context mask
+    step = lv.ape_forward(r, [7], ape, context, 1.0, 1.0)
+    assert (step - r.forward([7], plain, logits="all")).abs().max() < 1e-4
     assert (lv.ape_forward(r, SUFFIX, kv.fork(), context, 0.7, 0.9) - ref).abs().max() > 1e-3
 
 
