@@ -253,6 +253,8 @@ def _levers(out: dict, blend, splits, n_layers, ape_t, ape_s) -> None:
     for t in ape_t:
         for s in ape_s:
             out[f"ape T={t:g} S={s:g}"] = Config("levers", "prefix", reuse, 0.0, (t, s))
+    for r in (0.06, 0.15):  # EPIC: each document's first tokens recomputed (round robin)
+        out[f"sinks {r:g}"] = Config("levers", "bos", blend(r, "sinks"), r)
     for r in (0.15, 0.3):
         out[f"hkvd {r:g}"] = Config("levers", "bos", blend(r), r)
         out[f"attn {r:g}"] = Config("levers", "bos", blend(r, "attn"), r)
