@@ -13,6 +13,10 @@ blending), with ``kvfuse.calibration.measure``:
 - TTFT: the median time to first token with the documents' KV in memory, as a fraction of a full
   prefill's.
 
+``--methods`` takes the engine's ``blend.method`` values (the serving path). The issue-41 levers
+that are not (yet) methods (APE, anchor blocks, ``attn+hkvd``, layer-split recompute) are measured
+side by side at the runner's level by ``bench/blend_loss.py`` (see ``docs/blend.md``).
+
 Writes ``docs/bench/blend_curve.json`` and ``blend_curve.png`` (accuracy and KL against the
 budget, one line per model).
 

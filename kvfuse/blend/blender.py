@@ -90,11 +90,13 @@ def blend_prefill(
     options: BlendOptions,
     ready: Callable[[int], None] | None = None,
     fresh: Sequence[tuple[int, int]] = (),
+    selection: str | None = None,
 ) -> tuple[torch.Tensor, BlendStats]:
     """Fill slots ``[start, n)`` of ``kv`` for documents ``spans`` (absolute, inside ``[start,
     suffix_start)``) followed by the suffix ``[suffix_start, n)``; the logits of the last token.
     ``fresh``: slots inside ``[start, suffix_start)`` without cached KV (between found spans),
-    computed at every layer like the suffix; so are slots no span covers.
+    computed at every layer like the suffix; so are slots no span covers. ``selection``: a
+    bench-only selection method (``select.BENCH_METHODS``) used instead of ``options.method``.
 
     The cache must hold valid positions ``0..n-1`` in slots ``0..n-1`` and ``length >= n``; the
     slots before ``start`` hold the exact KV of the prefix, the document slots their cached KV
@@ -104,7 +106,10 @@ def blend_prefill(
         raise ValueError(
             f"blend needs a suffix and a cache of {n} slots (documents [{start}, {suffix_start}))"
         )
+    if selection is not None and selection not in sel.BENCH_METHODS:
+        raise ValueError(f"unknown bench selection {selection!r}")
     run, h, stats = _start_run(runner, kv, ids, start, suffix_start, spans, options, fresh)
+    run.method = selection or options.method
     h = _run_layers(run, h, stats, ready)
     return runner.logits(h[-1:])[0], stats
 
@@ -222,6 +227,7 @@ class _BlendRun:
             suffix_start,
         )
         self.options, self.rel_spans = options, rel_spans
+        self.method = options.method
         self.slots = self.is_doc = torch.zeros(0)
         self.tables: dict = {}
 
@@ -242,22 +248,23 @@ class _BlendRun:
         doc_slots = self.slots[doc_idx]
         cached = kv.kv[layer, which][:, doc_slots].clone()
         q = self.runner.write_kv(layer, h, kv, self.slots, self.tables)
-        deviation = _deviation(kv.kv[layer, which][:, doc_slots], cached, o.method == "hkvd-head")
-        if o.method in ("attn", "hkvd-attn"):
+        method = self.method
+        deviation = _deviation(kv.kv[layer, which][:, doc_slots], cached, method == "hkvd-head")
+        if method in ("attn", "hkvd-attn", "attn+hkvd"):
             question = torch.nonzero(self.slots >= self.suffix_start).flatten()
             mass = _attention_mass(
                 self.runner, layer, q[question], self.slots[question], kv, self.n, doc_slots
             )
-            deviation = mass if o.method == "attn" else deviation * mass
+            deviation = {"attn": mass, "hkvd-attn": deviation * mass}.get(
+                method, torch.stack([deviation, mass], dim=1)
+            )
         # the budget counts all cached tokens; the active ones (after an earlier filter) are ranked
         # among themselves, each document still known by its span
         if k >= doc_idx.numel():
             chosen = torch.arange(doc_idx.numel())
         else:
             active_spans = _spans_of(doc_slots - self.start, self.rel_spans)
-            chosen = sel.select(
-                o.method, deviation, active_spans, k / doc_idx.numel(), o.sink_tokens
-            )
+            chosen = sel.select(method, deviation, active_spans, k / doc_idx.numel(), o.sink_tokens)
         keep = ~self.is_doc.clone()
         keep[doc_idx[chosen.to(doc_idx.device)]] = True
         return q, torch.nonzero(keep).flatten(), doc_slots[chosen.to(doc_slots.device)]

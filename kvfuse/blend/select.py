@@ -75,6 +75,8 @@ def select(
         "hkvd-attn",
     ):  # the scores are the deviation, or what the blend combined
         return top_k(deviation, k)
+    if method == "attn+hkvd":  # bench-only: (n, 2) columns, deviation then attention
+        return half_each(deviation[:, 1], deviation[:, 0], k)
     if method == "hkvd-head":
         return top_k(head_scores(deviation) if deviation.dim() == 2 else deviation, k)
     if method == "sinks":
@@ -86,6 +88,23 @@ def select(
         extra = top_k(deviation, k - len(sinks), among=torch.nonzero(rest).flatten())
         return torch.sort(torch.cat([torch.tensor(sinks, dtype=torch.int64), extra])).values
     raise ValueError(f"unknown selection method {method!r}")
+
+
+# Selections the bench measures that are not (yet) a ``blend.method`` of the configuration:
+# ``blend_prefill(..., selection=...)`` takes them (see ``docs/blend.md`` for what they measured).
+BENCH_METHODS = ("attn+hkvd",)
+
+
+def half_each(first: torch.Tensor, second: torch.Tensor, k: int) -> torch.Tensor:
+    """``k`` indices: the ``k // 2`` (rounded up) best by ``first``, then the best of the rest by
+    ``second``, sorted. Query-aware selection combined with HKVD: the question's attention picks
+    the tokens it reads, which deviation ranking crowds out (ProphetKV), and deviation the rest."""
+    n = first.shape[0]
+    a = top_k(first, (k + 1) // 2)
+    rest = torch.ones(n, dtype=torch.bool)
+    rest[a] = False
+    b = top_k(second, k - a.numel(), among=torch.nonzero(rest).flatten())
+    return torch.sort(torch.cat([a, b])).values
 
 
 def with_suffix(selected: torch.Tensor, n_docs: int, n_suffix: int) -> torch.Tensor:
