@@ -228,5 +228,11 @@ def test_stop_flushes_before_closing_and_closes_responses_last():
     state.responses, state.maintenance = Responses(), Maintenance()
     state.phase = "serving"
     state.stop()
-    assert calls == ["maintenance.close", "engine.stop", "engine.flush(60)", "engine.close", "responses.close"]
+    assert calls == [
+        "maintenance.close",
+        "engine.stop",
+        "engine.flush(60)",
+        "engine.close",
+        "responses.close",
+    ]
     assert state.phase == "draining" and state.responses is None
