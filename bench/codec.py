@@ -791,9 +791,12 @@ def main(argv=None) -> int:
     elif args.part == "rotation":
         from bench import codec_rotation
 
-        res = codec_rotation.run_rotation(args)
+        name = "codec_rotation" + args.tag
+        res = codec_rotation.run_rotation(
+            args, checkpoint=lambda partial: write_json(name, partial)
+        )
         codec_rotation.report_rotation(res)
-        write_json("codec_rotation" + args.tag, res)
+        write_json(name, res)
         codec_rotation.plot_rotation(res, plot_path("codec_rotation" + args.tag))
     elif args.part == "allocation":
         res = run_allocation(args)

@@ -143,7 +143,7 @@ def smallest_within(results: dict, family: str, limit: float = MAX_NLL_INCREASE)
     return min(ok)[1] if ok else None
 
 
-def run_rotation(args) -> dict:
+def run_rotation(args, checkpoint=None) -> dict:
     from bench.codec import longchat
     from kvfuse.models import load_model
 
@@ -157,13 +157,16 @@ def run_rotation(args) -> dict:
         for i, r in enumerate(rows):
             rotation_prompt(m, r, budget, encodings, acc)
             print(f"  {name}: prompt {i + 1}/{len(rows)} done", flush=True)
-        res = summarize(acc)
-        out["models"][name] = {
-            "results": res,
-            "smallest_within_2pct": {
-                f: smallest_within(res, f) for f in ("cachegen", "cachegen-rot")
-            },
-        }
+            res = summarize(acc)
+            out["models"][name] = {
+                "prompts_done": i + 1,
+                "results": res,
+                "smallest_within_2pct": {
+                    f: smallest_within(res, f) for f in ("cachegen", "cachegen-rot")
+                },
+            }
+            if checkpoint is not None:  # a run stopped for time still reports what it measured
+                checkpoint(out)
     return out
 
 
@@ -171,7 +174,10 @@ def report_rotation(res: dict) -> None:
     from bench.lib.results import print_table
 
     for name, r in res["models"].items():
-        print(f"\n{name}: LongChat test, {res['prompts']} prompts cut to {res['context']} tokens")
+        print(
+            f"\n{name}: LongChat test, {r['prompts_done']} of {res['prompts']} prompts cut to "
+            f"{res['context']} tokens"
+        )
         print_table(
             ["encoding", "bytes/token", "x smaller than int8", "NLL", "NLL +%", "KL mean"],
             [
