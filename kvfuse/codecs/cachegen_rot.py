@@ -17,6 +17,10 @@ in its low byte and the rotation variant in its high byte (``header_level``):
 
 A header whose variant or bins level this build does not know is a ValueError when the codec is
 looked up, so a miss too. A configured level (``codec_level``, 0-4) takes the default variant.
+Each layer's bytes start with a two-byte mark (``LAYER_MARK``, the variant) before CacheGen's
+layer bytes: an entry whose header was relabelled between the two codecs, or between variants,
+does not decode (a ``CodecError``: the entry is dropped), where it would otherwise decode to
+values in the wrong basis.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ HADAMARD_SIGNS = 2
 VARIANTS = (HADAMARD, HADAMARD_SIGNS)
 DEFAULT_VARIANT = HADAMARD_SIGNS
 SIGN_SEED = 0x5EED  # part of the format of variant 2: never change it
+LAYER_MARK = 0xD7  # first byte of every rotated layer (CacheGen's layers start with their version)
 
 
 def header_level(level: int, variant: int) -> int:
@@ -101,11 +106,12 @@ class CacheGenRotCodec(CacheGenCodec):
 
     def encode(self, kv: torch.Tensor) -> tuple[bytes, list[int]]:
         kv = check_kv(kv)
-        return super().encode(rotate(kv, self._sign(kv.shape[-1])))
+        payload, sizes = super().encode(rotate(kv, self._sign(kv.shape[-1])))
+        return self._marked(payload, sizes)
 
     def encode_layer(self, kv: torch.Tensor) -> bytes:
         kv = kv.detach().to("cpu")
-        return super().encode_layer(rotate(kv, self._sign(kv.shape[-1])))
+        return self._mark() + super().encode_layer(rotate(kv, self._sign(kv.shape[-1])))
 
     def decode(
         self,
@@ -114,8 +120,37 @@ class CacheGenRotCodec(CacheGenCodec):
         shape: tuple[int, ...],
         dtype: torch.dtype,
     ) -> torch.Tensor:
+        data, layer_sizes = self._unmarked(data, layer_sizes)
         rotated = super().decode(data, layer_sizes, shape, torch.float32)
         out = unrotate(rotated, self._sign(shape[-1])).to(dtype)
         if not torch.isfinite(out).all():  # scales no encoder writes: beyond the dtype's range
             raise CodecError(f"cachegen-rot payload decodes to values beyond the {dtype} range")
         return out
+
+    # -- the layer mark ---------------------------------------------------------------------------
+
+    def _mark(self) -> bytes:
+        return bytes((LAYER_MARK, self.variant))
+
+    def _marked(self, payload: bytes, sizes: Sequence[int]) -> tuple[bytes, list[int]]:
+        """Every layer's bytes behind the mark: CacheGen's layer bytes start with their format
+        version (1), so a plain reader given a rotated layer, or this one a plain layer (a header
+        relabelled either way), refuses it instead of decoding values in the wrong basis."""
+        mv, off, parts = memoryview(payload), 0, []
+        for size in sizes:
+            parts += [self._mark(), mv[off : off + size]]
+            off += size
+        return b"".join(parts), [size + len(self._mark()) for size in sizes]
+
+    def _unmarked(self, data: memoryview, sizes: Sequence[int]) -> tuple[bytes, list[int]]:
+        if sum(sizes) != len(data):
+            raise CodecError(f"{len(data)} payload bytes for layers of {sum(sizes)} bytes")
+        mark, off, parts = self._mark(), 0, []
+        for size in sizes:
+            if bytes(data[off : off + len(mark)]) != mark:
+                raise CodecError(
+                    f"a cachegen-rot layer must start with {mark.hex()} (variant {self.variant})"
+                )
+            parts.append(data[off + len(mark) : off + size])
+            off += size
+        return b"".join(parts), [size - len(mark) for size in sizes]

@@ -238,3 +238,46 @@ def test_a_reader_without_the_rotation_misses(monkeypatch):
 def test_an_unknown_rotation_variant_or_level_in_the_header_misses(level):
     with pytest.raises(FormatError):
         open_entry(_reseal(_blob(), _LEVEL_AT, level), "k")
+
+
+def _plain_blob() -> bytes:
+    kv = _kv()
+    return encode_entry(
+        KVChunk(kv=kv, positions=torch.arange(9)), "k", get_codec("cachegen", 2)
+    ).join()
+
+
+@pytest.mark.parametrize(
+    "what",
+    ["rotated relabelled plain", "plain relabelled rotated", "rotated relabelled other variant"],
+)
+def test_a_relabelled_header_does_not_decode(what):
+    """Intact entries whose header names the other codec (or variant): each layer's mark refuses
+    them when loaded, instead of values in the wrong basis."""
+    rot_id, plain_id = CacheGenRotCodec.codec_id, get_codec("cachegen").codec_id
+    blob = {
+        "rotated relabelled plain": lambda: _reseal(
+            _reseal(_blob(), _CODEC_ID_AT, plain_id), _LEVEL_AT, 2
+        ),
+        "plain relabelled rotated": lambda: _reseal(
+            _reseal(_plain_blob(), _CODEC_ID_AT, rot_id), _LEVEL_AT, header_level(2, 2)
+        ),
+        "rotated relabelled other variant": lambda: _reseal(
+            _blob(), _LEVEL_AT, header_level(2, HADAMARD)
+        ),
+    }[what]()
+    entry = open_entry(blob, "k")  # intact as an entry
+    with pytest.raises(FormatError, match="does not decode"):
+        entry.decode()
+
+
+def test_layer_sizes_include_the_mark():
+    codec = get_codec("cachegen-rot", 2)
+    kv = _kv()
+    payload, sizes = codec.encode(kv)
+    plain, plain_sizes = get_codec("cachegen", 2).encode(rotate(kv, signs(16, SIGN_SEED)))
+    assert [s - 2 for s in sizes] == plain_sizes and len(payload) == len(plain) + 2 * len(sizes)
+    one = codec.encode_layer(kv[0])
+    assert one[:2] == bytes((0xD7, HADAMARD_SIGNS))
+    out = codec.decode_layer(memoryview(one), tuple(kv.shape[1:]), torch.float32)
+    assert out.shape == kv.shape[1:]
