@@ -281,3 +281,56 @@ def test_layer_sizes_include_the_mark():
     assert one[:2] == bytes((0xD7, HADAMARD_SIGNS))
     out = codec.decode_layer(memoryview(one), tuple(kv.shape[1:]), torch.float32)
     assert out.shape == kv.shape[1:]
+
+
+def test_an_engine_configured_with_cachegen_rot_writes_and_reuses_rotated_entries(
+    tiny_loaded, tmp_path
+):
+    """``cache.codec: cachegen-rot`` end to end on a tiny Gemma 3 (global layers boosted): the
+    stored entries say so in their header and a second request loads them."""
+    from kvfuse.config import EngineSettings
+    from kvfuse.config import profiles as profile
+    from kvfuse.engine import Engine
+    from kvfuse.generation import SamplingParams
+    from kvfuse.kv.format import read_header
+    from kvfuse.store import TieredStore
+    from kvfuse.tiers import MemoryTier
+
+    model = tiny_loaded("gemma3")
+    profile.save(
+        profile.BlendProfile(
+            model.name,
+            model.fingerprint,
+            {"method": "hkvd", "recompute_ratio": 0.3},
+            "test",
+            "test",
+            codec={"cachegen_level": 3},
+        ),
+        tmp_path / "profiles",
+    )
+    store = TieredStore(MemoryTier(1 << 26))
+    settings = EngineSettings.of(
+        chunk_size=16,
+        codec="cachegen-rot",
+        history=False,
+        async_save=False,
+        profiles_path=str(tmp_path / "profiles"),
+    )
+    engine = Engine(model, store, settings)
+    try:
+        codec = engine.cache.parts.codec
+        assert codec.name == "cachegen-rot" and codec.bins_level == 3 and codec.boosted
+        ids = list(range(5, 60))
+        first = engine.generate(ids, SamplingParams(max_tokens=3, temperature=0))
+        keys = list(store.memory.keys_lru())
+        assert keys
+        for key in keys:
+            header = read_header(bytes(store.memory.get(key).join()))
+            assert (header.codec, header.level) == (
+                "cachegen-rot",
+                header_level(3, DEFAULT_VARIANT),
+            )
+        again = engine.generate(ids, SamplingParams(max_tokens=3, temperature=0))
+        assert again.cached_tokens >= 48 and first.cached_tokens == 0
+    finally:
+        engine.close()
