@@ -46,6 +46,10 @@ Part ``allocation`` (dev prompts only: how the levels' bins were chosen). The wh
 V) and the held-out continuation scored as above; bits per value are the stream models' bound plus
 the side information. Results: ``codec_allocation_dev.json``.
 
+Part ``rotation`` (``bench/codec_rotation.py``): int8, fp8, the CacheGen levels and the
+Hadamard-rotated ones (``cachegen-rot``), bytes per token and held-out NLL on LongChat test
+prompts cut to ``--context`` tokens. Results: ``codec_rotation<tag>.json`` + ``.png``.
+
 Results: ``docs/bench/codec.json`` + ``codec.png`` (size), ``codec_quality.json`` (quality).
 """
 
@@ -86,7 +90,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--part", choices=("size", "quality", "fictional", "allocation"), default="size")
+    p.add_argument(
+        "--part", choices=("size", "quality", "fictional", "allocation", "rotation"), default="size"
+    )
     p.add_argument("--documents", type=int, default=12, help="documents per fictional QA item")
     add_common(p, ("models", {"nargs": "+", "default": list(MODELS)}))
     p.add_argument("--tokens", type=int, default=2048, help="KV tokens per model for the size part")
@@ -782,6 +788,16 @@ def main(argv=None) -> int:
         write_json(
             ("codec_fictional" if args.split == "test" else "codec_fictional_dev") + args.tag, res
         )
+    elif args.part == "rotation":
+        from bench import codec_rotation
+
+        name = "codec_rotation" + args.tag
+        res = codec_rotation.run_rotation(
+            args, checkpoint=lambda partial: write_json(name, partial)
+        )
+        codec_rotation.report_rotation(res)
+        write_json(name, res)
+        codec_rotation.plot_rotation(res, plot_path("codec_rotation" + args.tag))
     elif args.part == "allocation":
         res = run_allocation(args)
         report_allocation(res)

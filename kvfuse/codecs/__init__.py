@@ -1,6 +1,7 @@
 """KV codecs and their registry: ``get_codec(name, level)`` and, for entry headers, ``get_codec_by_id``.
 
-Codecs: ``raw`` (lossless), ``int8``, ``cachegen`` (levels 1-4, CacheGen); more plug in with ``register_codec``; a codec's name and id are written into
+Codecs: ``raw`` (lossless), ``int8``, ``cachegen`` (levels 1-4, CacheGen),
+``cachegen-rot`` (the same over Hadamard-rotated heads); more plug in with ``register_codec``; a codec's name and id are written into
 keys and entry headers, so neither may ever be reused for a different encoding.
 """
 
@@ -10,6 +11,7 @@ from typing import Callable
 
 from kvfuse.codecs.base import Codec, CodecError
 from kvfuse.codecs.cachegen import CacheGenCodec
+from kvfuse.codecs.cachegen_rot import CacheGenRotCodec
 from kvfuse.codecs.int8 import Int8Codec
 from kvfuse.codecs.raw import RawCodec
 
@@ -54,9 +56,11 @@ def get_codec_by_id(codec_id: int, level: int = 0) -> Codec:
 register_codec(RawCodec.name, RawCodec.codec_id, RawCodec)
 register_codec(Int8Codec.name, Int8Codec.codec_id, Int8Codec)
 register_codec(CacheGenCodec.name, CacheGenCodec.codec_id, CacheGenCodec)
+register_codec(CacheGenRotCodec.name, CacheGenRotCodec.codec_id, CacheGenRotCodec)
 
 __all__ = [
     "CacheGenCodec",
+    "CacheGenRotCodec",
     "Codec",
     "CodecError",
     "Int8Codec",
