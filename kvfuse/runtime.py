@@ -16,6 +16,7 @@ import torch
 
 from .codecs import get_codec
 from .config import Config, TierConfig
+from .config.encryption import cipher_of
 from .config.secrets import read_secret
 from .config.signing import signer_of
 from .config.tenants import tier_quotas
@@ -28,6 +29,7 @@ from .store import TieredStore
 from .store.tenant_quota import TenantQuotas
 from .tiers.base import Tier
 from .tiers.disk import DiskTier
+from .tiers.encrypted import EncryptedTier
 from .tiers.memory import MemoryTier
 from .tiers.redis import RedisTier
 from .tiers.redis.connection import Security
@@ -40,7 +42,8 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
     (``Config.lower_tiers``: ``cache.tiers``, or the flat keys: disk unless disabled, then Redis
     and S3 when their URLs are set). ``clock``: the wall clock entries expire by (tests inject one).
     With signing keys (``cache.signing_key``...), the store signs what it writes to the lower tiers
-    and checks what it reads back (``config.signing.signer_of``; a ConfigError for a bad key)."""
+    and checks what it reads back (``config.signing.signer_of``; a ConfigError for a bad key);
+    with ``cache.encryption_key_file``, the lower tiers are wrapped in ``EncryptedTier``."""
     c = config.cache
     if not c.enabled:
         return None
@@ -48,6 +51,11 @@ def open_store(config: Config, clock: Callable[[], float] | None = None) -> Tier
     if c.codec_workers is not None:
         set_shared_pool(c.codec_workers)
     lower = [open_tier(t, tenant_quotas(config, t.tier_name)) for t in config.lower_tiers()]
+    cipher = cipher_of(c)
+    if cipher is not None and lower:
+        # seal below memory (sign, then encrypt: the signer sees plaintext); the count, never a key
+        lower = [EncryptedTier(t, cipher) for t in lower]
+        log.info("cache entries below memory are encrypted (AES-256-GCM, %r)", cipher)
     codecs = {
         t.tier_name: get_codec(t.codec, t.codec_level)
         for t in config.lower_tiers()

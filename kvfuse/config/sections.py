@@ -186,6 +186,10 @@ class CacheConfig:
     signing_key: str | None = field(default=None, repr=False)
     signing_keys: tuple[str, ...] = field(default=(), repr=False)
     signing_key_file: str | None = None
+    # Encrypted entries (config/encryption.py, docs/deploy.md): a file of AES-256 keys, 64 hex
+    # digits a line (the first encrypts, all decrypt); every entry written to disk, Redis or S3 is
+    # then sealed with AES-GCM (token ids and KV), every one read back opened (None: off).
+    encryption_key_file: str | None = None
 
     def flat_tiers(self) -> tuple[TierConfig, ...]:
         """The tiers the flat keys describe: disk (unless ``disk: false``), Redis and S3 when their

@@ -16,6 +16,7 @@ from kvfuse.codecs.cachegen import LEVELS
 from kvfuse.durations import parse_duration
 
 from .api_keys import digest_bytes, entry_problem, is_digest, split_entry
+from .encryption import cipher_of
 from .secrets import redact_url
 from .sections import (
     KERNEL_MODES,
@@ -98,6 +99,8 @@ def validate(c: Config, sources: Mapping[str, str]) -> None:
     _check_retention(c, need)
     # the signing keys: one way, long enough, a key file that holds some
     signer_of(c.cache, sources)
+    # the encryption keys: a key file of 32-byte hex keys
+    cipher_of(c.cache, sources)
 
 
 def _check_abuse_limits(c: Config, need: Callable) -> None:

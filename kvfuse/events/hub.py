@@ -39,7 +39,7 @@ EXTRA = "pip install 'kvfuse[events]' (pyzmq and msgspec)"
 
 def medium_of(tier) -> tuple[str, str | None]:
     """``(medium, ownership)`` of a tier by its kind (see the module docstring)."""
-    kind = type(tier).__name__
+    kind = type(getattr(tier, "inner", tier)).__name__  # an EncryptedTier: its inner tier
     if kind == "MemoryTier":
         return "CPU", None
     if kind == "DiskTier":

@@ -52,6 +52,11 @@ _TIER_COUNTERS = {
         "Entries removed because their retention (prompt_cache_retention, a "
         "breakpoint's ttl, cache.retention) ran out.",
     ),
+    "decrypt_failures": (
+        "kvfuse_tier_decrypt_failures",
+        "Values that did not open with the encryption keys (cache.encryption_key_file): "
+        "other keys, altered, or not encrypted; read as misses.",
+    ),
 }
 _STORE_COUNTERS = {
     "lookups": ("kvfuse_store_lookups", "Prefix lookups."),

@@ -76,6 +76,7 @@ class TierStats(Counters):
     dropped_writes: int = 0
     protected_evictions: int = 0  # memory: entries of queued requests evicted for want of room
     expired: int = 0  # entries removed because their expiry passed
+    decrypt_failures: int = 0  # encrypted tiers: values that did not open (read as misses)
 
 
 class Expiries:
