@@ -40,6 +40,7 @@ Every kvfuse and LMCache path is checked bit-exact once. A ``redis-server`` is s
     python bench/store.py                 # full run (5 runs)
     python bench/store.py --quick         # smoke run (2 runs)
     python bench/store.py --signing       # signed vs unsigned entries (cache.signing_key), disk and Redis
+    python bench/store.py --encrypt       # encrypted vs plaintext entries (cache.encryption_key_file), disk
 
 ``--signing`` measures the cost of signed entries instead of the comparison above: the disk and
 Redis tiers' put (``encode_entry``, then ``Entry.signed``: BLAKE3 of every layer and the HMAC,
@@ -50,6 +51,12 @@ signed and unsigned in the same repetition, alternating which goes first; ``--re
 each repetition and reported as its median (min-max). The memory tier is not measured: it holds
 in-process entries, never signed or checked. Results go to ``docs/bench/store_signing.json``
 (only from a full run: the default --reps, --runs and --tokens).
+
+``--encrypt`` measures the cost of encrypted entries the same way, on the disk tier only: a
+``DiskTier`` against an ``EncryptedTier`` over one (AES-256-GCM of the whole entry on put; on get
+the whole file read and opened, then checked by ``open_entry``: encryption turns off the disk
+tier's streamed reads). Results are printed, and written to ``docs/bench/store_encrypt.json``
+from a full run only.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.kv.signing import EntrySigner
 from kvfuse.store import TieredStore
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
+from kvfuse.tiers.encrypted import BlobCipher, EncryptedTier
 from kvfuse_testkit import LocalRedis
 
 ROWS = ("memory", "memory (TieredStore)", "disk", "redis")
@@ -144,6 +152,11 @@ def _run_flags(p: argparse.ArgumentParser) -> None:
         "--signing",
         action="store_true",
         help="measure signed vs unsigned entries on the disk and Redis tiers instead (see above)",
+    )
+    p.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="measure encrypted vs plaintext entries on the disk tier instead (see above)",
     )
     p.add_argument(
         "--signing-json",
@@ -857,21 +870,82 @@ def signing_breakdown(kv: dict, runs: int) -> dict:
     return out
 
 
-def signing_summary(cells: dict) -> dict:
-    """Per tier and operation: MB/s unsigned and signed (median, min, max over the repetitions) and
-    the time signed / unsigned taken within each repetition (1.10 = 10% slower)."""
+def signing_summary(cells: dict, base: str = "unsigned", other: str = "signed") -> dict:
+    """Per tier and operation: MB/s of mode ``base`` and ``other`` (median, min, max over the
+    repetitions) and the time other / base taken within each repetition (1.10 = 10% slower)."""
     out = {}
     for name, modes in cells.items():
         for op in ("put", "get"):
-            plain = [r[f"{op}_mbs_median"] for r in modes["unsigned"]]
-            signed = [r[f"{op}_mbs_median"] for r in modes["signed"]]
+            plain = [r[f"{op}_mbs_median"] for r in modes[base]]
+            changed = [r[f"{op}_mbs_median"] for r in modes[other]]
             out[f"{name} {op}"] = {
-                "unsigned_mbs": _mmm(plain),
-                "signed_mbs": _mmm(signed),
-                "time_signed_over_unsigned": _mmm([a / b for a, b in zip(plain, signed)]),
+                f"{base}_mbs": _mmm(plain),
+                f"{other}_mbs": _mmm(changed),
+                f"time_{other}_over_{base}": _mmm([a / b for a, b in zip(plain, changed)]),
             }
         out[f"{name} exact"] = all(r["roundtrip_exact"] for m in modes.values() for r in m)
     return out
+
+
+def measure_encryption(kv: dict, args, workdir: Path) -> dict:
+    """Plaintext vs encrypted put / get of the disk tier, ``--reps`` interleaved repetitions, the
+    order alternating; the repetitions' cells per mode."""
+    codec, cap = get_codec("raw"), 4 * kv["nbytes"] + GIB
+    tiers = {
+        "plaintext": DiskTier(workdir / "plain-disk", cap),
+        "encrypted": EncryptedTier(
+            DiskTier(workdir / "enc-disk", cap), BlobCipher([os.urandom(32)])
+        ),
+    }
+    cells: dict[str, list] = {mode: [] for mode in tiers}
+    try:
+        for rep in range(args.reps):
+            print(f"\nrepetition {rep + 1} of {args.reps} (load average {os.getloadavg()[0]:.2f})")
+            for mode in order(list(tiers), rep, alternate=True):
+                case = tier_case("disk", tiers[mode], kv, codec)
+                times, state = {"put": [], "get": [], "put_kv": [], "get_kv": []}, {}
+                for i in range(-args.warmup, args.runs):
+                    run_case(case, kv, i, times, state)
+                case.clear()
+                r = _summary(
+                    kv["nbytes"], times["put"], times["get"], roundtrip_exact=state["exact"]
+                )
+                cells[mode].append(r)
+                print(
+                    f"  disk {mode}: put {r['put_mbs_median']:.0f} MB/s, get {r['get_mbs_median']:.0f} MB/s"
+                )
+    finally:
+        for t in tiers.values():
+            t.close()
+    return {"disk": cells}
+
+
+def run_encryption(args, kv: dict, workdir: Path, redis) -> int:
+    """``--encrypt``: encrypted vs plaintext entries on the disk tier."""
+    redis.stop()  # not measured here
+    try:
+        summary = signing_summary(measure_encryption(kv, args, workdir), "plaintext", "encrypted")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    print(
+        f"\nencrypted vs plaintext entries, disk tier, MB/s of KV ({len(kv['chunks'])} chunks of "
+        f"{kv['chunks'][0].nbytes / 1e6:.1f} MB): median (min-max) over {args.reps} repetitions, "
+        f"each the median of {args.runs} runs"
+    )
+    rows = [
+        [row, _cell(c["plaintext_mbs"]), _cell(c["encrypted_mbs"])]
+        + ["{median:.2f} ({min:.2f}-{max:.2f})".format(**c["time_encrypted_over_plaintext"])]
+        for row, c in summary.items()
+        if not row.endswith("exact")
+    ]
+    print_table(["tier op", "plaintext", "encrypted", "time encrypted/plaintext"], rows)
+    if (args.reps, args.runs, args.tokens) == (5, 5, 4096) and not args.quick:
+        out = OUT / "store_encrypt.json"
+        write_json(out, {"summary": summary, "env": environment()}, add_environment=False, indent=1)
+        print(f"wrote {out}")
+    else:
+        print("(a reduced run: no JSON written)")
+    return 0
 
 
 def report_signing(summary: dict, cpu_ms: dict, args, kv: dict) -> None:
@@ -1026,6 +1100,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"redis-server pid {redis.proc.pid} on 127.0.0.1:{redis.port}")
     if args.signing:
         return run_signing(args, kv, workdir, redis)
+    if args.encrypt:
+        return run_encryption(args, kv, workdir, redis)
     cases: list[KvfuseCase] = []
     try:
         cap = 4 * nbytes + GIB
