@@ -4,6 +4,7 @@
 - ``load``      file, environment and flags -> typed values (``load_config``)
 - ``validate``  ranges and consistency, errors naming the field, its source and the fix
 - ``signing``   the entry signing keys (``cache.signing_key``, ``signing_keys``, ``signing_key_file``)
+- ``encryption`` the keys entries below memory are encrypted with (``cache.encryption_key_file``)
 - ``tenants``   the ``tenants:`` quotas; ``errors`` the ``ConfigError`` every module raises
 - ``profiles``  the models' calibrated blend profiles (what ``recompute_ratio: auto`` and
   ``codec_level: 0`` mean for a model), found by fingerprint; ``kvfuse calibrate`` writes them
