@@ -193,20 +193,19 @@ class EncryptedTier(Tier):
         return [self._open(k, v) for k, v in zip(keys, self.inner.get_many(keys))]
 
     def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
-        self._forget(key)
         self.inner.put(key, self.cipher.seal(str(key), _plain(value)), expires_at)
+        self._forget(key)  # after the write: a range read meanwhile cannot keep the old value
 
     def put_many(
         self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None
     ) -> None:
-        sealed = []
-        for key, value in items:
-            self._forget(key)
-            sealed.append((key, self.cipher.seal(str(key), _plain(value))))
+        sealed = [(key, self.cipher.seal(str(key), _plain(value))) for key, value in items]
         if expires_at is None:
             self.inner.put_many(sealed)
         else:
             self.inner.put_many(sealed, expires_at=expires_at)
+        for key, _ in sealed:
+            self._forget(key)
 
     def read_range(self, key: ChunkKey, start: int, stop: int) -> memoryview | None:
         """Bytes ``[start, stop)`` of the plaintext: the whole value is read and opened (GCM
@@ -248,8 +247,9 @@ class EncryptedTier(Tier):
         return self.inner.expire()
 
     def delete(self, key: ChunkKey) -> bool:
+        removed = self.inner.delete(key)
         self._forget(key)
-        return self.inner.delete(key)
+        return removed
 
     def delete_many(self, keys: Iterable[ChunkKey]) -> int:
         self._forget()
