@@ -83,12 +83,13 @@ from bench.lib.results import environment, print_table, write_json
 from bench.lib.rounds import order
 from kvfuse.codecs import get_codec
 from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.encryption import BlobCipher
 from kvfuse.kv.format import decode_chunk, encode_chunk, encode_entry, open_entry, read_entry
 from kvfuse.kv.keys import Namespace, layout_of, prefix_keys
 from kvfuse.kv.signing import EntrySigner
 from kvfuse.store import TieredStore
 from kvfuse.tiers import DiskTier, MemoryTier, RedisTier
-from kvfuse.tiers.encrypted import BlobCipher, EncryptedTier
+from kvfuse.tiers.encrypted import EncryptedTier
 from kvfuse_testkit import LocalRedis
 
 ROWS = ("memory", "memory (TieredStore)", "disk", "redis")

@@ -30,7 +30,7 @@ def cipher_of(cache: CacheConfig, sources: Mapping[str, str] | None = None):
     be read, is not text, holds no key, or a line that is not 64 hex digits."""
     if not cache.encryption_key_file:
         return None
-    from kvfuse.tiers.encrypted import BlobCipher, parse_hex_keys  # cryptography: on use only
+    from kvfuse.kv.encryption import BlobCipher, parse_hex_keys  # cryptography: on use only
 
     path = Path(cache.encryption_key_file).expanduser()
     source = (sources or {}).get(SETTING, "the configuration")

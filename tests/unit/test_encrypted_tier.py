@@ -20,12 +20,13 @@ from kvfuse.config import CacheConfig, Config, ConfigError, load_config
 from kvfuse.config.encryption import cipher_of
 from kvfuse.events.hub import medium_of
 from kvfuse.kv.chunk import KVChunk
+from kvfuse.kv.encryption import MAGIC, OVERHEAD, BlobCipher, parse_hex_keys
 from kvfuse.kv.format import encode_entry
 from kvfuse.kv.keys import Namespace, prefix_keys
 from kvfuse.kv.signing import EntrySigner
 from kvfuse.store import TieredStore
 from kvfuse.tiers import DiskTier, MemoryTier
-from kvfuse.tiers.encrypted import MAGIC, OVERHEAD, BlobCipher, EncryptedTier, parse_hex_keys
+from kvfuse.tiers.encrypted import EncryptedTier
 
 NS = Namespace("m", "float16", "L3xH2xD8")
 IDS = list(range(31337, 31337 + 16))

@@ -183,10 +183,12 @@ def test_neither_the_answer_nor_the_saver_waits_for_a_slow_tier(model):
     assert saver.flush(10) and not store.flush(0.05)
     saved = saver.stats.snapshot()
     assert saved["saved_entries"] == r.stored_chunks and saved["save_errors"] == 0
-    # one write held at the gate, one queued, the rest dropped and counted (for that tier)
+    # one write held at the gate, one queued (unless the second came before the writer took the
+    # first off the queue: a race the test does not control), the rest dropped and counted
     s = store.stats()
     dropped = s["slow"]["dropped_writes"]
-    assert dropped == s["store"]["queue_full_drops"] == r.stored_chunks - 2
+    assert dropped == s["store"]["queue_full_drops"]
+    assert r.stored_chunks - 2 <= dropped <= r.stored_chunks - 1
     assert store.memory.entries() == r.stored_chunks  # every memory copy kept
     slow.gate.set()
     assert engine.flush(10)
@@ -203,7 +205,8 @@ def test_a_turn_waits_for_its_history_when_only_a_slow_lower_tier_can_keep_it(mo
     engine = Engine(model, store, EngineSettings.of(chunk_size=CH))
     first = ids_of(2 * CH + 3, 12)
     r = engine.generate(first, GREEDY)
-    assert not store.flush(0.05)  # handed to the slow tier, not findable yet
+    # once the saver has handed them over: queued for the slow tier, not findable yet
+    assert engine.cache.parts.saver.flush(10) and not store.flush(0.05)
     follow = first + r.token_ids + [5, 6]
     threading.Timer(0.3, slow.gate.set).start()  # the slow tier finishes its writes a moment later
     again = engine.generate(follow, GREEDY)
