@@ -193,6 +193,11 @@ def _check_engine(e: EngineConfig, need: Callable) -> None:
         f"must be >= 1 token per step, got {e.max_step_tokens}",
     )
     need(
+        e.max_prefill_tokens is None or e.max_prefill_tokens >= 1,
+        "engine.max_prefill_tokens",
+        f"must be >= 1 token per step (or null: max_step_tokens), got {e.max_prefill_tokens}",
+    )
+    need(
         e.kv_memory_bytes is None or e.kv_memory_bytes > 0,
         "engine.kv_memory_bytes",
         "must be a size > 0 (e.g. 1GiB), or none for no limit",

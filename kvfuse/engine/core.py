@@ -82,7 +82,12 @@ class Engine:
         memory = KVMemory(model.runner, self.kv_dtype, s.engine.kv_memory_bytes, self.cache)
         e = s.engine
         self.scheduler = Scheduler(
-            s.max_queue, e.max_running, memory, e.max_step_tokens, self.cache.computing
+            s.max_queue,
+            e.max_running,
+            memory,
+            e.max_step_tokens,
+            self.cache.computing,
+            e.max_prefill_tokens,
         )
         self.cache.watch(self.scheduler.upcoming_keys, self.scheduler.wake)
         self._loop: EngineLoop | None = None

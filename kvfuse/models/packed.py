@@ -27,9 +27,15 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from .cpu import kernels
 
+#: Rows from which a blocked product goes to PyTorch's GEMM (MKL) on the weight unpacked for the
+#: call (``BlockedWeight.linear``; the fused layer halves step aside from there, ``cpu.backend``):
+#: the blocked kernel is built for a decode step's few rows, and MKL's GEMM is faster over a long
+#: prefill pass by more than the unpacking costs (docs/benchmarks.md "Prefill in the engine").
+GEMM_ROWS = 1024
 ROWS_HINT = 16  # oneDNN's pack is laid out for a batched decode step's rows and serves any number
 
 
@@ -103,7 +109,10 @@ class BlockedWeight:
             x2 = x2.float()
         if bias is not None and bias.dtype != torch.float32:
             bias = bias.float()
-        y = self._kernel.blocked_linear(x2, self.blocks, self.shape[0], self.scales, bias)
+        if x2.shape[0] >= GEMM_ROWS:
+            y = F.linear(x2, self.dequantize(), bias)
+        else:
+            y = self._kernel.blocked_linear(x2, self.blocks, self.shape[0], self.scales, bias)
         y = y.reshape(*lead, self.shape[0])
         return y if dtype == torch.float32 else y.to(dtype)
 

@@ -272,7 +272,8 @@ def test_a_long_prompt_behind_many_short_ones_finishes_within_a_bounded_number_o
 
 def test_a_request_cancelled_during_its_chunked_prefill_ends_without_a_token(tiny_loaded):
     loaded = tiny_loaded("llama")
-    engine = engine_for(loaded, max_running=2, max_step_tokens=16)
+    # max_prefill_tokens None: 16 prompt tokens a step even with nothing decoding
+    engine = engine_for(loaded, max_running=2, max_step_tokens=16, max_prefill_tokens=None)
     done = []
     r = Request(Prompt.plain(ids_of(100, 3)), greedy(5), on_done=done.append)
     other = Request(Prompt.plain(ids_of(10, 4)), greedy(5), on_done=done.append)
@@ -290,6 +291,31 @@ def test_a_request_cancelled_during_its_chunked_prefill_ends_without_a_token(tin
     assert len(cancelled) == 1 and cancelled[0].token_ids == []
     engine.flush()
     assert engine.scheduler.memory.budget.used == 0
+    engine.close()
+
+
+def test_a_prompt_takes_max_prefill_tokens_a_step_only_while_nothing_decodes(tiny_loaded):
+    loaded = tiny_loaded("llama")
+    requests = [(ids_of(100, 3), greedy(30)), (ids_of(100, 4), greedy(5))]
+    ref = one_by_one(loaded, requests)
+    engine = engine_for(loaded, max_running=2, max_step_tokens=16, max_prefill_tokens=128)
+    outcomes: list[list] = [[], []]
+    reqs = [
+        Request(Prompt.plain(ids), params, on_done=outcomes[i].append)
+        for i, (ids, params) in enumerate(requests)
+    ]
+    engine.submit(reqs[0])
+    engine.step()  # nothing decodes: the whole 100-token prompt in one pass
+    (seq,) = engine.scheduler.running()
+    assert seq.decoding and not seq.prefill.fill
+    engine.submit(reqs[1])
+    for _ in range(3):  # the first one decodes: the second prompt goes 15-16 tokens a step
+        engine.step()
+    (late,) = [s for s in engine.scheduler.running() if s.request is reqs[1]]
+    assert late.prefill.fill and not late.decoding
+    while engine.has_work():
+        engine.step()
+    assert [o[0].result.token_ids for o in outcomes] == ref
     engine.close()
 
 

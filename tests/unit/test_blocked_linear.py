@@ -125,3 +125,19 @@ def test_pack_weights_uses_blocks_where_the_kernels_build(tiny_model_dir):
     assert (
         identity_of(fp32.weights) is None and identity_of(int8.weights) == "int8-rowwise-f32act-v1"
     )
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_a_long_pass_goes_to_the_gemm_with_the_same_product(monkeypatch, fmt):
+    """From ``GEMM_ROWS`` rows the product runs as ``F.linear`` on the unpacked weight (a prefill
+    pass); it is the blocked kernel's product up to float rounding, biases included."""
+    w, x, b = _data(40, 130, 24, seed=7)
+    bw = BlockedWeight(w, fmt)
+    kernel = bw.linear(x, b)
+    monkeypatch.setattr(packed, "GEMM_ROWS", 24)
+    calls = []
+    real = F.linear
+    monkeypatch.setattr(packed.F, "linear", lambda *a: calls.append(1) or real(*a))
+    torch.testing.assert_close(bw.linear(x, b), kernel, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(bw.linear(x[:23], b), kernel[:23], atol=0, rtol=0)
+    assert calls == [1]  # 24 rows took the GEMM, 23 the kernel

@@ -115,3 +115,19 @@ def test_the_attention_kernel_of_a_step_reads_one_kv_dtype(cpu_kernels):
 def CpuBackendFor(module) -> backend.CpuBackend:
     """A float32 CPU backend whose activations run on ``module``."""
     return backend.CpuBackend("auto", module, "blocked-fp32", True, ops=module)
+
+
+@pytest.mark.parametrize("weights", ["auto", "int8"])
+def test_a_long_pass_composes_the_layer_and_computes_the_same(
+    cpu_kernels, tiny_model_dir, monkeypatch, weights
+):
+    """From ``packed.GEMM_ROWS`` rows the fused halves step aside (the products take the GEMM):
+    the same logits as the fused path, up to float rounding."""
+    runner = load_folder(tiny_model_dir("qwen3"), weights=weights, kernels="auto")
+    ids = list(range(3, 43))
+    fused = runner.forward(ids, runner.new_cache(len(ids)), logits="all")
+    monkeypatch.setattr(packed, "GEMM_ROWS", 8)
+    h = torch.zeros(8, runner.config.hidden_size)
+    assert runner.backend.project_qkv(runner.config, runner.weights.layers[0], h, None, None) is None
+    long = runner.forward(ids, runner.new_cache(len(ids)), logits="all")
+    torch.testing.assert_close(long, fused, atol=1e-4, rtol=1e-4)

@@ -19,6 +19,7 @@ from kvfuse.engine import (
     SequenceStatus,
 )
 from kvfuse.engine.kv_memory import KVMemory
+from kvfuse.engine.scheduler import step_budget
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import Namespace
 from kvfuse.models.cache import slot_bytes
@@ -187,6 +188,20 @@ def test_wait_for_work_wakes_on_add_and_on_close():
     s.close()
     t.join(5)
     assert got == [True, False]
+
+
+@pytest.mark.parametrize(
+    "step,prefill,decoding,expected",
+    [
+        (256, 2048, False, 2048),  # nothing decodes: the prefill budget
+        (256, 2048, True, 256),  # decodes wait on the step: the step budget
+        (256, None, False, 256),  # unset: the step budget always
+        (4096, 2048, False, 4096),  # never below the step budget
+        (16, 16, False, 16),
+    ],
+)
+def test_step_budget(step, prefill, decoding, expected):
+    assert step_budget(step, prefill, decoding) == expected
 
 
 def test_bad_limits():

@@ -200,7 +200,7 @@ class CpuBackend:
         """The first half of a layer (norm, q/k/v product, q/k norms, RoPE) as one kernel call
         (``kernels/layer.cpp``) when it is fused and ``h`` is float32 rows; else None (the runner
         composes it from the operations above)."""
-        if not (self.fused and h.dtype == torch.float32 and h.dim() == 2):
+        if not (self.fused and h.dtype == torch.float32 and h.dim() == 2) or _long(h):
             return None
         return self.ops.project_qkv(
             h,
@@ -221,7 +221,7 @@ class CpuBackend:
         """The second half of a layer (output product, residual, MLP, residual) as one kernel call
         when it is fused and both inputs are float32 rows; else None."""
         f32 = torch.float32
-        if not (self.fused and attn.dtype == f32 and h.dtype == f32 and h.dim() == 2):
+        if not (self.fused and attn.dtype == f32 and h.dtype == f32 and h.dim() == 2) or _long(h):
             return None
         return self.ops.post_attention(
             attn,
@@ -254,6 +254,12 @@ class CpuBackend:
         ):
             return None
         return step.run_stack(self.stack, h, tables)
+
+
+def _long(h: torch.Tensor) -> bool:
+    """A pass long enough for PyTorch's GEMM (``packed.GEMM_ROWS``): the layer's halves are then
+    composed from the operations, whose products take that path."""
+    return h.shape[0] >= packed.GEMM_ROWS
 
 
 def _build_stack(ops: ModuleType, config, weights, kinds: list[str]):
