@@ -17,7 +17,6 @@ Results: docs/bench/kv_events_cost.json (kv_events_cost-quick with --smoke).
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import threading
 import uuid
@@ -30,6 +29,7 @@ from bench.lib import results  # noqa: E402
 from bench.lib.cli import parser  # noqa: E402
 from bench.lib.client import Runner, Workload, warm_up  # noqa: E402
 from bench.lib.paths import DATA, default_home  # noqa: E402
+from bench.lib.rounds import feature_cost, order  # noqa: E402
 from bench.serve import sharegpt_requests  # noqa: E402
 from kvfuse_testkit import ServerProcess, ensure_model, free_port  # noqa: E402
 
@@ -93,16 +93,9 @@ def one_pass(args, events: bool, wl: Workload, workdir: Path) -> dict:
 
 
 def cost(passes: list[dict]) -> dict:
-    """Medians per mode and the relative cost of events (1 - on / off) in both rates."""
-    med = {
-        mode: {k: statistics.median(p[k] for p in passes if p["events"] is mode)
-               for k in ("req_s", "out_tok_s")}
-        for mode in (False, True)
-    }  # fmt: skip
-    return {
-        "off": med[False], "on": med[True],
-        "cost": {k: round(1 - med[True][k] / med[False][k], 4) for k in ("req_s", "out_tok_s")},
-    }  # fmt: skip
+    """Medians per mode, their min / max and the relative cost of events (1 - on / off) in both
+    rates: ``rounds.feature_cost``."""
+    return feature_cost(passes, "events", ("off", "on"))
 
 
 def main() -> None:
@@ -119,7 +112,7 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     passes = []
     for r in range(args.rounds):
-        for events in (False, True) if r % 2 == 0 else (True, False):
+        for events in order([False, True], r, alternate=True):
             passes.append(one_pass(args, events, wl, workdir))
             print(f"round {r} events={'on ' if events else 'off'} {passes[-1]}", flush=True)
     summary = cost(passes)

@@ -19,7 +19,6 @@ Results: docs/bench/structured_serve.json (structured_serve-quick with --smoke).
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import uuid
 from pathlib import Path
@@ -31,6 +30,7 @@ from bench.lib import results  # noqa: E402
 from bench.lib.cli import parser  # noqa: E402
 from bench.lib.client import Runner, Workload, warm_up  # noqa: E402
 from bench.lib.paths import DATA, default_home  # noqa: E402
+from bench.lib.rounds import feature_cost, order  # noqa: E402
 from bench.serve import sharegpt_requests  # noqa: E402
 from kvfuse_testkit import ServerProcess, ensure_model  # noqa: E402
 
@@ -89,23 +89,9 @@ def json_prefix(text: str) -> bool:
 
 
 def cost(passes: list[dict]) -> dict:
-    """Medians per mode and the relative cost of constraining (1 - constrained / free)."""
-    med = {
-        mode: {k: statistics.median(p[k] for p in passes if p["constrained"] is mode)
-               for k in ("req_s", "out_tok_s")}
-        for mode in (False, True)
-    }  # fmt: skip
-    spread = {
-        mode: {k: (min(p[k] for p in passes if p["constrained"] is mode),
-                   max(p[k] for p in passes if p["constrained"] is mode))
-               for k in ("req_s", "out_tok_s")}
-        for mode in (False, True)
-    }  # fmt: skip
-    return {
-        "free": med[False], "constrained": med[True],
-        "free_min_max": spread[False], "constrained_min_max": spread[True],
-        "cost": {k: round(1 - med[True][k] / med[False][k], 4) for k in ("req_s", "out_tok_s")},
-    }  # fmt: skip
+    """Medians per mode, their min / max and the relative cost of constraining
+    (1 - constrained / free): ``rounds.feature_cost``."""
+    return feature_cost(passes, "constrained", ("free", "constrained"))
 
 
 def main() -> None:
@@ -121,7 +107,7 @@ def main() -> None:
         runner = Runner(srv.base_url, args.model, "kvfuse", ignore_eos=True)
         warm_up(runner, args.clients)
         for r in range(args.rounds):
-            for constrained in (False, True) if r % 2 == 0 else (True, False):
+            for constrained in order([False, True], r, alternate=True):
                 passes.append(one_pass(runner, args, wl, constrained))
                 print(f"round {r} {'constrained' if constrained else 'free':11} {passes[-1]}")
     summary = cost(passes)

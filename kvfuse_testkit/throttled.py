@@ -1,6 +1,6 @@
 """A tier behind a slow link: reads take as long as a bandwidth trace says (CacheGen's traces).
 
-``ThrottledTier(inner, trace, period_s)`` delegates everything to ``inner``. The link's bandwidth
+``ThrottledTier(inner, trace, period_s)`` delegates everything to ``inner`` (``DelegatingTier``). The link's bandwidth
 changes over time: trace value ``k`` (Gbit/s, times ``scale``) holds from ``k * period_s`` to
 ``(k + 1) * period_s`` after ``reset()`` (the trace repeats). Each read that returns data (``get``,
 ``get_many``, ``read_range``) then lasts until its bytes have gone through the link at those
@@ -9,7 +9,7 @@ that recomputes a chunk instead of reading it does not stop the link's clock, as
 network. Writes and lookups are not slowed: the streaming loader adapts to the read path.
 ``scale`` converts the trace to this machine (see ``bench/streaming.py``), and the clock and
 sleep are injectable so tests run without waiting (that clock times the link; expiries are on
-``inner``'s ``clock``, which ``clock`` here reads and sets).
+``inner``'s ``clock``, which ``clock`` here reads and sets, as ``DelegatingTier`` does).
 
 This is a measurement and test fixture, not a production tier: it slows a real tier exactly as
 a slower link would, so the loader is exercised against real reads and real decoding.
@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from kvfuse.kv.keys import ChunkKey
-from kvfuse.tiers.base import Blob, Clock, Tier, nbytes, put_many_expiring
+from kvfuse.tiers.base import Blob, Tier, nbytes
+from kvfuse.tiers.delegating import DelegatingTier
 
 
 def load_trace(path: str | Path, row: int | None = None) -> list[float]:
@@ -36,8 +37,14 @@ def load_trace(path: str | Path, row: int | None = None) -> list[float]:
     return [float(x) for r in rows for x in r]
 
 
-class ThrottledTier(Tier):
-    """``inner`` whose reads follow ``trace`` (Gbit/s times ``scale``, one value per ``period_s``)."""
+class ThrottledTier(DelegatingTier):
+    """``inner`` whose reads follow ``trace`` (Gbit/s times ``scale``, one value per ``period_s``).
+    Everything but the reads is ``inner``'s (``DelegatingTier``); every read goes through the
+    throttled ``get`` or ``read_range`` (``read_with`` too, so no streaming read gets around the
+    link)."""
+
+    streams_reads = False
+    read_with = Tier.read_with  # through self.get: throttled
 
     def __init__(
         self,
@@ -48,32 +55,18 @@ class ThrottledTier(Tier):
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
     ):
-        super().__init__()  # before ``inner`` is set: Tier's default clock must not replace inner's
         if not trace or any(not b > 0 for b in trace):
             raise ValueError("a bandwidth trace needs at least one value, all > 0")
         if not scale > 0 or not period_s > 0:
             raise ValueError(f"scale and period_s must be > 0, got {scale}, {period_s}")
-        self.inner, self.trace, self.scale, self.period_s = inner, list(trace), scale, period_s
-        self.name = inner.name
-        self.stats = inner.stats
-        self.holds_entries, self.batch_reads = inner.holds_entries, inner.batch_reads
+        super().__init__(inner)
+        self.trace, self.scale, self.period_s = list(trace), scale, period_s
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
         self._t0 = clock()
         self._free_at = self._t0
         self.reads = 0
         self.waited_s = 0.0
-
-    @property
-    def clock(self) -> Clock:
-        """The expiry clock: ``inner``'s (setting it sets ``inner``'s)."""
-        return self.inner.clock
-
-    @clock.setter
-    def clock(self, clock: Clock) -> None:
-        inner = self.__dict__.get("inner")
-        if inner is not None:
-            inner.clock = clock
 
     def bandwidth_at(self, t: float) -> float:
         """The link's bandwidth at time ``t``, bytes per second."""
@@ -129,59 +122,3 @@ class ThrottledTier(Tier):
         if value is not None:
             self._throttle(t, memoryview(value).nbytes)
         return value
-
-    def contains(self, key: ChunkKey) -> bool:
-        return self.inner.contains(key)
-
-    def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
-        return self.inner.contains_many(keys)
-
-    def put(self, key: ChunkKey, value: Blob, expires_at: float | None = None) -> None:
-        if expires_at is None:
-            self.inner.put(key, value)
-        else:
-            self.inner.put(key, value, expires_at)
-
-    def put_many(
-        self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None
-    ) -> None:
-        put_many_expiring(self.inner, list(items), expires_at)
-
-    def expiry(self, key: ChunkKey) -> float | None:
-        return self.inner.expiry(key)
-
-    def expiries(self, keys: Iterable[ChunkKey]) -> list[float | None]:
-        return self.inner.expiries(keys)
-
-    def extend(self, key: ChunkKey, expires_at: float) -> bool:
-        return self.inner.extend(key, expires_at)
-
-    def extend_many(self, keys: Iterable[ChunkKey], expires_at: float) -> list[bool]:
-        return self.inner.extend_many(keys, expires_at)
-
-    def expire(self) -> int:
-        return self.inner.expire()
-
-    def delete(self, key: ChunkKey) -> bool:
-        return self.inner.delete(key)
-
-    def delete_many(self, keys: Iterable[ChunkKey]) -> int:
-        return self.inner.delete_many(keys)
-
-    def delete_prefix(self, prefix: str) -> int:
-        return self.inner.delete_prefix(prefix)
-
-    def clear(self) -> int:
-        return self.inner.clear()
-
-    def keys(self, limit: int | None = None) -> list[ChunkKey]:
-        return self.inner.keys(limit)
-
-    def entries(self) -> int | None:
-        return self.inner.entries()
-
-    def used_bytes(self) -> int | None:
-        return self.inner.used_bytes()
-
-    def close(self) -> None:
-        self.inner.close()

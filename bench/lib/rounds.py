@@ -74,3 +74,34 @@ def summarize(
 ) -> dict[str, dict[str, float]]:
     """``spread`` of every candidate's samples."""
     return {name: spread(xs, suffix, prefix) for name, xs in samples.items()}
+
+
+RATES = ("req_s", "out_tok_s")
+
+
+def feature_cost(
+    passes: Iterable[Mapping[str, Any]],
+    flag: str,
+    names: tuple[str, str] = ("off", "on"),
+    rates: tuple[str, ...] = RATES,
+) -> dict[str, dict]:
+    """The throughput cost of a feature from interleaved passes with it off and on (each pass a
+    dict with the bool ``flag`` and a value per rate). Returns, with ``names = (off, on)``: the
+    medians per rate of each mode (``off``, ``on``), their ``(min, max)`` (``off_min_max``,
+    ``on_min_max``) and ``cost``, ``1 - on / off`` of the medians rounded to 4 places (0.1: the
+    feature costs 10% of the rate; negative: it came out faster)."""
+    passes = list(passes)
+    samples = {
+        name: {k: [p[k] for p in passes if p[flag] is mode] for k in rates}
+        for mode, name in zip((False, True), names)
+    }
+    med = {name: {k: statistics.median(xs) for k, xs in s.items()} for name, s in samples.items()}
+    off, on = names
+    return {
+        **med,
+        **{
+            f"{n}_min_max": {k: (min(xs), max(xs)) for k, xs in s.items()}
+            for n, s in samples.items()
+        },
+        "cost": {k: round(1 - med[on][k] / med[off][k], 4) for k in rates},
+    }

@@ -1,28 +1,24 @@
 """The signing keys of a configuration: ``cache.signing_key``, ``cache.signing_keys`` or
 ``cache.signing_key_file``, turned into the ``EntrySigner`` the store signs and checks with.
 
-A module of its own because it is the one part of the configuration that reads a file (the key
-file) and the one that holds secrets: the rules that keep keys out of error messages
-(``SECRET_SETTINGS``: ``load`` never echoes their values) and the key file's errors live here.
+A module of its own because it holds secrets: the rules that keep keys out of error messages
+(``SECRET_SETTINGS``: ``load`` never echoes their values) live here. The key file is read and
+checked by ``key_files.read_key_file``, as the encryption key file is.
 ``validate`` calls ``signer_of`` so that a bad key is a ConfigError when the configuration is
 loaded; ``runtime.open_store`` calls it again to build the signer it hands the store.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from kvfuse.kv.signing import MIN_KEY_BYTES, EntrySigner, parse_key_lines
 
+from .key_files import GENERATE, read_key_file
 from .sections import CacheConfig, ConfigError
 
-log = logging.getLogger(__name__)
-
 SECRET_SETTINGS = frozenset({"cache.signing_key", "cache.signing_keys"})
-_GENERATE = "openssl rand -hex 32"
 
 
 def signer_of(cache: CacheConfig, sources: Mapping[str, str] | None = None) -> EntrySigner | None:
@@ -49,7 +45,8 @@ def signer_of(cache: CacheConfig, sources: Mapping[str, str] | None = None) -> E
         )
     name = given[0]
     if name == "cache.signing_key_file":
-        keys = _read_key_file(Path(cache.signing_key_file).expanduser(), _source(sources, name))
+        path = Path(cache.signing_key_file).expanduser()
+        keys = read_key_file(name, path, _source(sources, name), parse_key_lines)
     else:
         keys = [cache.signing_key] if name == "cache.signing_key" else list(cache.signing_keys)
     encoded = [k.encode("utf-8") for k in keys]
@@ -58,35 +55,10 @@ def signer_of(cache: CacheConfig, sources: Mapping[str, str] | None = None) -> E
             which = "the key" if len(encoded) == 1 else f"key number {i + 1}"
             raise ConfigError(
                 f"{name}: {which} is {len(k)} bytes; a signing key needs at least {MIN_KEY_BYTES} "
-                f"(from {_source(sources, name)}); generate one with: {_GENERATE}"
+                f"(from {_source(sources, name)}); generate one with: {GENERATE}"
             )
     return EntrySigner(encoded)
 
 
 def _source(sources: Mapping[str, str], name: str) -> str:
     return sources.get(name, "the configuration")
-
-
-def _read_key_file(path: Path, source: str) -> list[str]:
-    """The keys of a key file (one per line, ``#`` comments); ConfigError if unreadable or empty."""
-    fix = f"write a key into it ({_GENERATE} > {path}; chmod 600 {path}) or unset cache.signing_key_file"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise ConfigError(
-            f"cache.signing_key_file: cannot read {path}: {e.strerror or e} (from {source}); {fix}"
-        ) from None
-    except UnicodeDecodeError:
-        raise ConfigError(
-            f"cache.signing_key_file: {path} is not UTF-8 text (from {source}); one key per "
-            f"line, e.g. {_GENERATE}"
-        ) from None
-    keys = parse_key_lines(text)
-    if not keys:
-        raise ConfigError(f"cache.signing_key_file: {path} holds no key (from {source}); {fix}")
-    if os.name == "posix" and path.stat().st_mode & 0o077:
-        log.warning(
-            "cache.signing_key_file %s can be read by other users than its owner: chmod 600 it",
-            path,
-        )
-    return keys

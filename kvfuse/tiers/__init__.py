@@ -13,6 +13,8 @@ Layout: the interface, then the tiers, fastest first, each with what it is made 
 - ``redis``      the Redis / Valkey tier
 - ``s3``         the S3 tier (boto3 is optional: import ``kvfuse.tiers.s3`` for it)
 - ``backoff``    the back-off Redis and S3 share while their server is away
+- ``delegating`` ``DelegatingTier``: everything forwarded to an inner tier (the wrappers' base)
+- ``encrypted``  ``EncryptedTier``: a lower tier's values sealed with AES-256-GCM
 """
 
 from kvfuse.tiers.base import Blob, Tier, TierStats

@@ -38,6 +38,7 @@ from kvfuse.kv.encryption import BlobCipher
 from kvfuse.kv.format import Entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.tiers.base import Blob, Tier
+from kvfuse.tiers.delegating import DelegatingTier
 
 RECENT_S = 2.0  # how long an opened value serves range reads of the same key
 
@@ -46,43 +47,24 @@ def _plain(value: Blob):
     return value.join() if isinstance(value, Entry) else value
 
 
-class EncryptedTier(Tier):
+class EncryptedTier(DelegatingTier):
     """``inner`` with every value sealed on the way in and opened on the way out (see the module
-    docstring). Shares ``inner``'s name, stats, clock and observer: to the store and the metrics
-    it is that tier; ``inner`` is the wrapped tier (``events.hub.medium_of`` looks through it)."""
+    docstring). Shares ``inner``'s name, stats, clock and observer (``DelegatingTier``): to the
+    store and the metrics it is that tier; ``inner`` is the wrapped tier (``events.hub.medium_of``
+    looks through it). Every read opens (``read_with`` through ``get``, never ``inner``'s raw
+    bytes); every write or removal drops the recent opened value it may have made stale."""
 
     holds_entries = False
     streams_reads = False
+    read_with = Tier.read_with  # through self.get: opened, never inner's sealed bytes
 
     def __init__(self, inner: Tier, cipher: BlobCipher) -> None:
         if inner.holds_entries:
             raise ValueError("the memory tier is not encrypted: wrap the lower tiers only")
-        self.inner = inner
+        super().__init__(inner)
         self.cipher = cipher
-        self.name = inner.name
-        self.stats = inner.stats
-        self.batch_reads = inner.batch_reads
-        self.capacity_bytes = inner.capacity_bytes
-        self.reports_puts = inner.reports_puts
         self._recent: tuple[ChunkKey, float, bytes] | None = None
         self._recent_lock = threading.Lock()
-
-    # the store sets these on every tier: they belong to the inner one
-    @property
-    def clock(self):
-        return self.inner.clock
-
-    @clock.setter
-    def clock(self, value) -> None:
-        self.inner.clock = value
-
-    @property
-    def observer(self):
-        return self.inner.observer
-
-    @observer.setter
-    def observer(self, value) -> None:
-        self.inner.observer = value
 
     # -- sealing and opening ---------------------------------------------------------------------
 
@@ -116,10 +98,7 @@ class EncryptedTier(Tier):
         self, items: Iterable[tuple[ChunkKey, Blob]], expires_at: float | None = None
     ) -> None:
         sealed = [(key, self.cipher.seal(str(key), _plain(value))) for key, value in items]
-        if expires_at is None:
-            self.inner.put_many(sealed)
-        else:
-            self.inner.put_many(sealed, expires_at=expires_at)
+        super().put_many(sealed, expires_at)
         for key, _ in sealed:
             self._forget(key)
 
@@ -138,25 +117,7 @@ class EncryptedTier(Tier):
             self._recent = (key, now, plain)
         return memoryview(plain)[start:stop]
 
-    # -- everything else is the inner tier's ---------------------------------------------------
-
-    def contains(self, key: ChunkKey) -> bool:
-        return self.inner.contains(key)
-
-    def contains_many(self, keys: Iterable[ChunkKey]) -> list[bool]:
-        return self.inner.contains_many(keys)
-
-    def expiry(self, key: ChunkKey) -> float | None:
-        return self.inner.expiry(key)
-
-    def expiries(self, keys: Iterable[ChunkKey]) -> list[float | None]:
-        return self.inner.expiries(keys)
-
-    def extend(self, key: ChunkKey, expires_at: float) -> bool:
-        return self.inner.extend(key, expires_at)
-
-    def extend_many(self, keys: Iterable[ChunkKey], expires_at: float) -> list[bool]:
-        return self.inner.extend_many(keys, expires_at)
+    # -- removals: inner's, and the recent opened value is dropped ------------------------------
 
     def expire(self) -> int:
         self._forget()
@@ -178,18 +139,6 @@ class EncryptedTier(Tier):
     def clear(self) -> int:
         self._forget()
         return self.inner.clear()
-
-    def keys(self, limit: int | None = None) -> list[ChunkKey]:
-        return self.inner.keys(limit)
-
-    def entries(self) -> int | None:
-        return self.inner.entries()
-
-    def used_bytes(self) -> int | None:
-        return self.inner.used_bytes()
-
-    def tenant_usage(self) -> dict[str, dict[str, int]]:
-        return self.inner.tenant_usage()
 
     def close(self) -> None:
         self._forget()

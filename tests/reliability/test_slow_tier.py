@@ -32,7 +32,7 @@ from kvfuse_testkit import ServerProcess, ensure_model
 pytestmark = pytest.mark.integration
 
 MODEL = "smollm2"
-ASKS = 6  # the bystander's requests per phase (a few seconds in all on an idle machine)
+ASKS = 4  # the bystander's requests per phase (a few seconds in all on an idle machine)
 SLOW_WRITE_S = 2.0  # per entry written to disk while slowed (a 64-token chunk of smollm2: 1.5 MB)
 QUESTION = "Velmora's lighthouse was built by"
 

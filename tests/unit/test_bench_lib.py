@@ -4,6 +4,7 @@ writer, the shared flags, the client's percentile and request body, the metrics 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from bench.lib import results  # noqa: E402
 from bench.lib.cli import add_common, csv, parser  # noqa: E402
 from bench.lib.client import percentile, request_extra  # noqa: E402
 from bench.lib.metrics import delta, first_total, metric_total  # noqa: E402
-from bench.lib.rounds import interleaved, order, spread, summarize  # noqa: E402
+from bench.lib.rounds import feature_cost, interleaved, order, spread, summarize  # noqa: E402
 
 
 def test_every_candidate_runs_once_per_round_in_order():
@@ -39,6 +40,42 @@ def test_alternate_and_rotate_change_who_goes_first():
     assert order([1, 2, 3], 4, rotate=True) == [2, 3, 1]
     assert order([1, 2], 3, alternate=True) == [2, 1]
     assert order([], 1, rotate=True) == []
+
+
+def _passes(flag, rows):
+    return [{flag: on, "req_s": r, "out_tok_s": t} for on, r, t in rows]
+
+
+@pytest.mark.parametrize(
+    "rows, names, expected",
+    [
+        (  # odd count: the middle value; cost 1 - on / off of the medians
+            [(False, 2.0, 100.0), (False, 4.0, 120.0), (False, 3.0, 110.0),
+             (True, 3.0, 99.0), (True, 2.0, 80.0), (True, 1.0, 120.0)],
+            ("off", "on"),
+            {"off": {"req_s": 3.0, "out_tok_s": 110.0}, "on": {"req_s": 2.0, "out_tok_s": 99.0},
+             "off_min_max": {"req_s": (2.0, 4.0), "out_tok_s": (100.0, 120.0)},
+             "on_min_max": {"req_s": (1.0, 3.0), "out_tok_s": (80.0, 120.0)},
+             "cost": {"req_s": 0.3333, "out_tok_s": 0.1}},
+        ),
+        (  # even count: the mean of the middle two; faster with the feature: a negative cost
+            [(True, 5.0, 50.0), (False, 4.0, 40.0), (False, 2.0, 60.0), (True, 3.0, 70.0)],
+            ("free", "constrained"),
+            {"free": {"req_s": 3.0, "out_tok_s": 50.0},
+             "constrained": {"req_s": 4.0, "out_tok_s": 60.0},
+             "free_min_max": {"req_s": (2.0, 4.0), "out_tok_s": (40.0, 60.0)},
+             "constrained_min_max": {"req_s": (3.0, 5.0), "out_tok_s": (50.0, 70.0)},
+             "cost": {"req_s": -0.3333, "out_tok_s": -0.2}},
+        ),
+    ],
+)  # fmt: skip
+def test_feature_cost(rows, names, expected):
+    assert feature_cost(_passes("flag", rows), "flag", names) == expected
+
+
+def test_feature_cost_needs_both_modes():
+    with pytest.raises(statistics.StatisticsError):
+        feature_cost(_passes("flag", [(False, 1.0, 1.0)]), "flag")
 
 
 def test_hooks_see_rounds_and_samples():
