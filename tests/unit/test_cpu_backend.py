@@ -128,6 +128,8 @@ def test_a_long_pass_composes_the_layer_and_computes_the_same(
     fused = runner.forward(ids, runner.new_cache(len(ids)), logits="all")
     monkeypatch.setattr(packed, "GEMM_ROWS", 8)
     h = torch.zeros(8, runner.config.hidden_size)
-    assert runner.backend.project_qkv(runner.config, runner.weights.layers[0], h, None, None) is None
+    assert (
+        runner.backend.project_qkv(runner.config, runner.weights.layers[0], h, None, None) is None
+    )
     long = runner.forward(ids, runner.new_cache(len(ids)), logits="all")
     torch.testing.assert_close(long, fused, atol=1e-4, rtol=1e-4)
