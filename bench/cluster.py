@@ -42,6 +42,7 @@ from bench.lib.cluster import (  # noqa: E402
     User,
     chat_users,
     check_targets,
+    differing,
     kill_summary,
     median_of,
     rag_users,
@@ -173,7 +174,8 @@ def ask(base_url: str, user: User, messages: list[dict], max_tokens: int, model:
         body["stream_options"] = {"include_usage": True}
     t0 = time.monotonic()
     out = {"ok": False, "ttft_s": None, "prompt_tokens": 0, "cached_tokens": 0,
-           "completion_tokens": 0, "text": "", "t_sent": t0, "error": None}  # fmt: skip
+           "completion_tokens": 0, "text": "", "t_sent": t0, "t_done": None,
+           "error": None}  # fmt: skip
     try:
         with httpx.stream("POST", base_url + "/chat/completions", json=body, timeout=600,
                           headers={"X-Session-ID": user.uid}) as r:  # fmt: skip
@@ -192,6 +194,7 @@ def ask(base_url: str, user: User, messages: list[dict], max_tokens: int, model:
             out["error"] = "no usage"
     except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as e:
         out["error"] = f"{type(e).__name__}: {e}"
+    out["t_done"] = time.monotonic()
     return out
 
 
@@ -265,7 +268,7 @@ def one_run(cluster: Cluster, policy: str, users: list[User], args) -> tuple:
     return summary, {s["key"]: s["text"] for s in samples if s["ok"]}
 
 
-def kill_run(cluster: Cluster, args, users: list[User], reference: dict) -> dict:
+def kill_run(cluster: Cluster, args, users: list[User], chats: list[dict[str, str]]) -> dict:
     """The chat workload under the kill policy; server 0 SIGKILLed once half the requests are
     answered (the router's circuit breaker and health check drop it; its users move to the
     others). Not streamed: vllm-router retries a request whose worker dies before it answered,
@@ -287,7 +290,7 @@ def kill_run(cluster: Cluster, args, users: list[User], reference: dict) -> dict
         samples, wall = run_users(url, users, args, on_sample, stream=False)
     finally:
         cluster.stop_router()
-    summary = kill_summary(samples, killed["at"], reference)
+    summary = kill_summary(samples, killed["at"], *reference_of(chats))
     summary["policy"], summary["killed"] = args.kill_policy, cluster.servers[0].url
     summary["pass"] = summarize_pass(samples, wall)
     summary["errors"] = [s["error"] for s in samples if not s["ok"]][:5]
@@ -310,20 +313,30 @@ def workloads(args) -> dict[str, list[User]]:
 
 def measure(cluster: Cluster, args, loads: dict[str, list[User]]) -> tuple:
     """Every (workload, policy) run once per round, the order rotated each round; the passes by
-    workload and policy, and the first chat outputs (the kill run's reference)."""
+    workload and policy, and the chat outputs of every pass of the kill policy (else of the first
+    chat pass): the kill run's reference."""
     policies = csv(args.policies)
     runs = [(w, p) for w in loads for p in policies]
     passes: dict = {w: {p: [] for p in policies} for w in loads}
-    reference: dict[str, str] = {}
+    chats: list[dict[str, str]] = []
     for r in range(args.rounds):
         k = r % len(runs)
         for w, p in runs[k:] + runs[:k]:
             summary, outputs = one_run(cluster, p, loads[w], args)
             passes[w][p].append(summary)
-            if w == "chat" and not reference:
-                reference = outputs
+            if w == "chat" and (p == args.kill_policy or args.kill_policy not in policies):
+                chats.append(outputs)
             print(f"round {r} {w:5s} {p:16s} {summary}", flush=True)
-    return passes, reference
+    return passes, chats
+
+
+def reference_of(chats: list[dict[str, str]]) -> tuple[dict[str, str], int | None]:
+    """The kill run's reference (the first chat outputs kept) and its floor: how many answers
+    differ between the first two of them, two runs without a kill (None with one run)."""
+    if not chats:
+        return {}, None
+    floor = len(differing(chats[1], chats[0])[0]) if len(chats) > 1 else None
+    return chats[0], floor
 
 
 def report(passes: dict, kill: dict | None) -> tuple[dict, list[dict]]:
@@ -338,8 +351,11 @@ def report(passes: dict, kill: dict | None) -> tuple[dict, list[dict]]:
     )
     if kill is not None:
         print(f"kill run ({kill['policy']}, {kill['killed']} killed): failed {kill['failed']}, "
-              f"wrong {kill['wrong_answers']}/{kill['compared']}, users reusing history after "
-              f"the kill {kill['users_reusing_after_kill']}/{kill['users_after_kill']}")  # fmt: skip
+              f"differing answers after the kill {kill['wrong_answers']}/{kill['compared']} "
+              f"(before it {kill['differing_before_kill']}; between two runs without a kill "
+              f"{kill['differing_without_kill']}; not comparable {kill['not_comparable']}), "
+              f"users reusing history after the kill "
+              f"{kill['users_reusing_after_kill']}/{kill['users_after_kill']}")  # fmt: skip
     targets = check_targets(medians, kill)
     for t in targets:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
@@ -380,10 +396,10 @@ def main() -> None:
         try:
             for s in cluster.servers:
                 s.start(timeout=900)
-            passes, reference = measure(cluster, args, loads)
+            passes, chats = measure(cluster, args, loads)
             kill = None
             if not args.no_kill and "chat" in loads:
-                kill = kill_run(cluster, args, loads["chat"], reference)
+                kill = kill_run(cluster, args, loads["chat"], chats)
         finally:
             cluster.stop_router()
             for s in cluster.servers:

@@ -139,29 +139,57 @@ def median_of(passes: list[dict]) -> dict:
     return out
 
 
-def kill_summary(samples: list[dict], kill_at: float, reference: dict[str, str]) -> dict:
-    """The kill run: failed requests (all, and those sent after the kill), wrong answers (a
-    request's text differs from the same request's text in ``reference``, a run without the
-    kill), and per user whether the first answered turn sent after the kill that carries history
-    reused it (``cached_tokens`` > 0; a user with none answered did not): every user must, the
-    killed server's users through the shared tier (failures are counted apart)."""
+def differing(texts: dict[str, str], reference: dict[str, str]) -> tuple[list[str], list[str]]:
+    """The keys (``user/turn``) of ``texts`` whose answer differs from ``reference``'s, and those
+    not comparable: a later turn of a user whose earlier turn already differed was asked a
+    different prompt (the history carries the answers), so its answer says nothing more."""
+    diff: list[str] = []
+    skipped: list[str] = []
+    first: dict[str, int] = {}
+    for key in sorted((k for k in texts if k in reference), key=_user_turn):
+        user, turn = _user_turn(key)
+        if user in first and turn > first[user]:
+            skipped.append(key)
+        elif texts[key] != reference[key]:
+            diff.append(key)
+            first[user] = turn
+    return diff, skipped
+
+
+def _user_turn(key: str) -> tuple[str, int]:
+    user, turn = key.rsplit("/", 1)
+    return user, int(turn)
+
+
+def kill_summary(
+    samples: list[dict], kill_at: float, reference: dict[str, str], floor: int | None = None
+) -> dict:
+    """The kill run: failed requests (all, and those sent after the kill); answers that differ
+    from the same request's in ``reference`` (a run of the same policy without the kill), split
+    by when they were answered: before the kill (the kill cannot have touched them: batched greedy
+    decoding rounds differently from run to run, which ``floor``, the answers differing between
+    two runs without a kill, measures) or after it (``wrong_answers``: what the kill could have
+    changed); and per user whether the first answered turn sent after the kill that carries
+    history reused it (``cached_tokens`` > 0; a user with none answered did not): every user
+    must, the killed server's users through the shared tier (failures are counted apart)."""
     after = [s for s in samples if s["t_sent"] >= kill_at]
     first: dict[str, dict] = {}
     for s in sorted(after, key=lambda s: (not s["ok"], s["t_sent"])):  # answered ones first
         if s["turn"] > 0:
             first.setdefault(s["user"], s)
-    wrong = [
-        s["key"]
-        for s in samples
-        if s["ok"] and s["key"] in reference and reference[s["key"]] != s["text"]
-    ]
+    answered = {s["key"]: s for s in samples if s["ok"]}
+    diff, skipped = differing({k: s["text"] for k, s in answered.items()}, reference)
+    late = [k for k in diff if answered[k].get("t_done", answered[k]["t_sent"]) >= kill_at]
     reused = {u: bool(s["ok"] and s["cached_tokens"] > 0) for u, s in first.items()}
     return {
         "failed": sum(not s["ok"] for s in samples),
         "failed_after_kill": sum(not s["ok"] for s in after),
-        "compared": sum(1 for s in samples if s["ok"] and s["key"] in reference),
-        "wrong_answers": len(wrong),
-        "wrong_keys": wrong,
+        "compared": sum(1 for k in answered if k in reference) - len(skipped),
+        "not_comparable": len(skipped),
+        "wrong_answers": len(late),
+        "wrong_keys": late,
+        "differing_before_kill": len(diff) - len(late),
+        "differing_without_kill": floor,
         "users_after_kill": len(reused),
         "users_reusing_after_kill": sum(reused.values()),
         "reused_by_user": reused,

@@ -18,6 +18,7 @@ from bench.lib.cluster import (  # noqa: E402
     ROUTER_FAILOVER,
     chat_users,
     check_targets,
+    differing,
     kill_summary,
     median_of,
     rag_users,
@@ -71,11 +72,39 @@ def test_the_kill_run_checks_each_users_first_history_turn_after_the_kill():
         sample("d", 1, ok=False, ttft=None, t=4.5), sample("d", 2, t=6.0, cached=70),
         sample("e", 1, ok=False, ttft=None, t=4.5),  # nothing answered: not reused
     ]  # fmt: skip
-    out = kill_summary(s, kill_at=4.0, reference={"a/1": "a", "b/1": "zzz"})
+    out = kill_summary(s, kill_at=4.0, reference={"a/1": "a", "b/1": "zzz"}, floor=1)
     assert out["failed"] == 3 and out["failed_after_kill"] == 3
     assert out["reused_by_user"] == {"a": True, "b": False, "d": True, "e": False}
     assert out["users_reusing_after_kill"] == 2 and out["users_after_kill"] == 4
     assert out["compared"] == 2 and out["wrong_answers"] == 1 and out["wrong_keys"] == ["b/1"]
+    assert out["differing_before_kill"] == 0 and out["differing_without_kill"] == 1
+
+
+def test_an_answer_finished_before_the_kill_is_not_counted_against_it():
+    s = [
+        {**sample("a", 0, t=0.0, text="x"), "t_done": 1.0},  # differs, answered before the kill
+        {**sample("a", 1, t=1.0, text="y"), "t_done": 5.0},  # its prompt differed: not comparable
+        {**sample("b", 0, t=3.0, text="p"), "t_done": 4.5},  # in flight at the kill, differs
+        {**sample("c", 0, t=3.0, text="q"), "t_done": 4.5},  # in flight, same answer
+    ]
+    ref = {"a/0": "x0", "a/1": "y", "b/0": "p0", "c/0": "q"}
+    out = kill_summary(s, kill_at=4.0, reference=ref)
+    assert out["wrong_keys"] == ["b/0"] and out["differing_before_kill"] == 1
+    assert out["not_comparable"] == 1 and out["compared"] == 3
+
+
+@pytest.mark.parametrize(
+    "texts,ref,diff,skipped",
+    [
+        ({"u/0": "a", "u/1": "b"}, {"u/0": "a", "u/1": "b"}, [], []),
+        ({"u/0": "a", "u/1": "b"}, {"u/0": "z", "u/1": "b"}, ["u/0"], ["u/1"]),
+        ({"u/0": "a", "u/1": "b", "v/0": "c"}, {"u/0": "a", "u/1": "z", "v/0": "c"}, ["u/1"], []),
+        ({"u/10": "a", "u/9": "b"}, {"u/9": "z", "u/10": "a"}, ["u/9"], ["u/10"]),  # turn order
+        ({"u/0": "a", "w/0": "b"}, {"u/0": "a"}, [], []),  # not in the reference: not compared
+    ],
+)
+def test_differing_skips_turns_after_a_users_first_difference(texts, ref, diff, skipped):
+    assert differing(texts, ref) == (diff, skipped)
 
 
 def figures(hit, p95):
