@@ -225,7 +225,7 @@ def main() -> None:
         ],
     )
     name = output_name("cold_prefill", args.tag, args.quick)
-    print(f"wrote {write_json(name, {'args': vars(args), 'rows': rows})}")
+    print(f"wrote {write_json(name, {'args': vars(args), 'rows': rows}, default=str)}")
     plot(rows, name)
 
 
