@@ -1,11 +1,14 @@
 """Measuring a model's blends against full prefill: what ``kvfuse calibrate`` runs.
 
-On fictional QA items (``fictional_qa``: facts no model knows, single- and cross-document
-questions with look-alike distractors; the dev split by default), each item's prompt is answered
-by a full prefill (the reference) and by every blend setting given, with greedy decoding:
+On calibration items (``forms.CalibrationItem``: an example of ``sources`` in one prompt form; or
+plain ``fictional_qa`` items, asked in the model's one form), each item's prompt is answered by a
+full prefill (the reference) and by every blend setting given, with greedy decoding:
 
-- accuracy: the gold answer appears in the answer (normalised text), summed over items, as a
-  fraction of full prefill's;
+- correct: one of the gold answers appears in the answer (normalised text, ``answers``); an item
+  without a gold answer (CacheBlend examples) counts full prefill correct when it answered
+  anything, and a setting correct when its answer contains full prefill's. Per item, so that
+  answers kept vs full prefill (``interval.Kept``) and its interval can be computed; accuracy is
+  also summed as a fraction of full prefill's;
 - KL: the mean KL(full prefill || blend) of the next-token distributions along full prefill's
   answer (teacher-forced), as a fraction of full reuse's (ratio 0);
 - NLL: the mean negative log-likelihood of full prefill's answer (teacher-forced), in nats per
@@ -22,9 +25,7 @@ says nothing about reuse at another position.
 
 from __future__ import annotations
 
-import re
 import statistics
-import string
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,21 +37,13 @@ from kvfuse.config import BlendOptions
 from kvfuse.prompts import PromptBuilder
 
 from . import fictional_qa
+from .answers import any_correct, correct, normalize  # noqa: F401 (re-exported)
 from .choose import Measurement
+from .forms import CalibrationItem
+from .interval import kept
 
 QUESTION = "Answer the question using the passages above, in a few words.\nQuestion: {question}"
 BASE_MODELS = ("gemma3-270m",)  # built-in models without instruction tuning: asked as completions
-
-
-def normalize(text: str) -> str:
-    """Lower case, without punctuation and articles, single spaces."""
-    text = "".join(c for c in text.lower() if c not in string.punctuation)
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
-
-
-def correct(answer: str, gold: str) -> bool:
-    """The gold answer's words appear, in order, in the answer (normalised)."""
-    return re.search(rf"\b{re.escape(normalize(gold))}\b", normalize(answer)) is not None
 
 
 def kl(ref_logits: torch.Tensor, logits: torch.Tensor) -> float:
@@ -73,8 +66,11 @@ def asks_in_chat(engine) -> bool:
     return engine.model.tokenizer.chat_template is not None and engine.model.name not in BASE_MODELS
 
 
-def item_prompt(prompts: PromptBuilder, item: fictional_qa.Item, chat: bool):
-    """The item as a prompt: a chat turn (documents before the question), or a completion."""
+def item_prompt(prompts: PromptBuilder, item: fictional_qa.Item | CalibrationItem, chat: bool):
+    """The item as a prompt: a chat turn (documents before the question), or a completion. A
+    ``CalibrationItem`` says which itself (its form); ``chat`` is for plain fictional items."""
+    if isinstance(item, CalibrationItem):
+        chat = item.form.chat
     if chat:
         text = QUESTION.format(question=item.question)
         return prompts.document_prompt(
@@ -90,6 +86,7 @@ class Tally:
     """One configuration's results over the items."""
 
     correct: int = 0
+    hits: list[bool] = field(default_factory=list)  # per item, in order: correct or not
     kl: list[float] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
@@ -116,7 +113,7 @@ class Report:
                 Measurement(
                     opts.method,
                     float(opts.recompute_ratio),
-                    t.correct / full.correct if full.correct else 0.0,
+                    kept(full.hits, t.hits),
                     statistics.mean(t.kl) / reuse_kl if reuse_kl else float("inf"),
                     statistics.median(t.ttft_s) / full_ttft,
                     extra=_extra(opts),
@@ -124,14 +121,16 @@ class Report:
             )
         return out
 
-    def rows(self) -> list[dict]:
-        """A table row per configuration (accuracy, KL, TTFT), for printing and the profile."""
+    def rows(self, confidence: float = 0.95) -> list[dict]:
+        """A table row per configuration (answers kept with their bounds at ``confidence``,
+        accuracy, KL, TTFT), for printing and the profile."""
         full = self.tallies["full prefill"]
         out = []
         for name, t in self.tallies.items():
             out.append(
                 {
                     "config": name,
+                    **kept(full.hits, t.hits).as_dict(confidence),
                     "correct": t.correct,
                     "items": self.items,
                     "accuracy_vs_full": round(t.correct / full.correct, 4)
@@ -175,9 +174,24 @@ def configurations(
     return out
 
 
+def judge(text: str, item, reference: str) -> bool:
+    """Whether ``text`` answers ``item``: one of its gold answers appears in it; without a gold
+    answer, full prefill's answer ``reference`` does (and, for full prefill itself, that it
+    answered anything)."""
+    golds = getattr(item, "answers", None)
+    golds = (item.answer,) if golds is None else golds
+    return any_correct(text, golds) if golds else any_correct(text, (reference,))
+
+
+def _record(tally: Tally, ok: bool, ttft_s: float) -> None:
+    tally.correct += ok
+    tally.hits.append(ok)
+    tally.ttft_s.append(ttft_s)
+
+
 def measure(
     engine,
-    items: Sequence[fictional_qa.Item],
+    items: Sequence[fictional_qa.Item | CalibrationItem],
     configs: dict[str, BlendOptions],
     max_tokens: int = 16,
     progress: Callable[[int, int, float], None] | None = None,
@@ -200,8 +214,7 @@ def measure(
         ref_ids = ref.token_ids or [engine.model.tokenizer.eos_token_id or 0]
         (ref_logits,) = engine.score(prompt.ids, [ref_ids], cache=off)
         full = tallies["full prefill"]
-        full.correct += correct(ref.text, it.answer)
-        full.ttft_s.append(ref.timings.ttft_s)
+        _record(full, judge(ref.text, it, ref.text), ref.timings.ttft_s)
         full.nll.append(nll(ref_logits[: len(ref_ids)], ref_ids))
         for name, opts in configs.items():
             cache = CacheOptions() if opts.blends else off  # see the module docstring
@@ -210,10 +223,9 @@ def measure(
             )  # also caches the documents
             got = engine.generate(prompt, params, blend=opts, cache=cache)
             t = tallies[name]
-            t.correct += correct(got.text, it.answer)
+            _record(t, judge(got.text, it, ref.text), got.timings.ttft_s)
             t.kl.append(kl(ref_logits[: len(ref_ids)], logits[: len(ref_ids)]))
             t.nll.append(nll(logits[: len(ref_ids)], ref_ids))
-            t.ttft_s.append(got.timings.ttft_s)
         if progress is not None:
             progress(n + 1, len(items), time.perf_counter() - t0)
     return Report(len(items), tallies, dict(configs))

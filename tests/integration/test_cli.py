@@ -334,6 +334,8 @@ def test_calibrate_writes_a_profile_and_generate_reports_the_blend(smollm2_ready
             "1",
             "--contexts",
             "bos",
+            "--sources",
+            "fictional",
             "--codec-items",
             "1",
             "--output",
