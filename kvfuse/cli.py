@@ -311,6 +311,12 @@ def _calibrate_parser(sub) -> None:
         "too for a chat model, whose documents follow a system prompt)",
     )
     p.add_argument(
+        "--measure-all",
+        action="store_true",
+        help="run every setting on every item, without early elimination (the same choice; the "
+        "figures of settings that cannot be chosen, at the full grid's cost)",
+    )
+    p.add_argument(
         "--codec-items",
         type=_positive,
         default=6,
@@ -771,7 +777,7 @@ def _current_profile(path: Path, config: Config, model, needed: bool):
 def _calibrate_blend(args, config: Config, model, grid):
     """The blend part of ``kvfuse calibrate``: a profile (its ``codec`` not set), the table printed."""
     from .calibration import calibrate
-    from .calibration.options import table
+    from .calibration.options import ProgressLog, table
     from .runtime import open_engine
     from .store import TieredStore
     from .tiers import MemoryTier
@@ -788,17 +794,20 @@ def _calibrate_blend(args, config: Config, model, grid):
         + f" --holdout {args.holdout:g} --confidence {args.confidence:g}"
     )
     command += " --part blend" if args.part == "blend" else f" --codec-items {args.codec_items}"
+    command += " --measure-all" if args.measure_all else ""
     try:
         from tqdm import tqdm
 
         with tqdm(total=args.items, unit="item", file=sys.stderr, disable=None) as bar:
+            log = ProgressLog(sys.stderr)  # lines where the bar is off: not a terminal
             result, report = calibrate.calibrate(
                 engine,
                 command,
                 methods=methods,
                 ratios=ratios,
                 contexts=contexts,
-                progress=lambda done, total, s: bar.update(1),
+                progress=lambda part, state: log(part, state) if bar.disable else bar.update(1),
+                eliminate=not args.measure_all,
                 **items,
             )
     except ValueError as e:  # forms a model cannot take, too few items for a holdout

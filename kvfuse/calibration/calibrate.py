@@ -9,7 +9,9 @@ On the choice part, ``measure`` runs the grid: every method at every budget with
 computed behind BOS, and, for a chat model (whose documents follow a system prompt), the first
 method again with documents computed behind the prompt's own prefix (``document_context:
 prefix``). ``choose`` picks the smallest budget whose lower bound of answers kept vs full prefill
-reaches the target, or ``prefix``. A chosen blend is then measured on the holdout, with full
+reaches the target, or ``prefix``. A setting that can no longer reach that bound is eliminated
+(not run on the items left), and when none is left measuring stops: the choice is the one the
+full grid would make (``measure``), at a fraction of the work. A chosen blend is then measured on the holdout, with full
 prefill, and kept only if the holdout's lower bound reaches the target too (``holdout.check``).
 The profile records the items (sources, forms, counts per part), the confidence, every setting's
 interval and the holdout's.
@@ -17,6 +19,7 @@ interval and the holdout's.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -28,7 +31,7 @@ from kvfuse.config.profiles import BlendProfile
 from . import forms, holdout, sources
 from .choose import Choice, Targets, choose
 from .interval import Kept, kept, needed_items
-from .measure import Report, asks_in_chat, configurations, measure
+from .measure import Progress, Report, asks_in_chat, configurations, measure
 
 METHODS = ("hkvd", "sinks+hkvd")
 RATIOS = (0.05, 0.1, 0.15, 0.3, 0.6)
@@ -50,17 +53,47 @@ def _part(items: Sequence[forms.CalibrationItem]) -> dict:
     }
 
 
-def _holdout(engine, items, report: Report, choice: Choice, targets: Targets, progress) -> dict:
+def _holdout(engine, items, report: Report, choice: Choice, targets: Targets, run) -> dict:
     """The chosen setting and full prefill on the holdout items: answers kept with its bounds
-    (``{}`` when nothing is measured: no holdout, or no blend chosen)."""
+    (``{}`` when nothing is measured: no holdout, or no blend chosen). Eliminated like the grid
+    (``run``): once its lower bound cannot reach the target, the check fails whatever is left."""
     if not items or not choice.blends:
         return {}
     rows = report.measurements()
     names = [n for n, o in report.configs.items() if not o.full_reuse]
     name = names[next(i for i, r in enumerate(rows) if r == choice.row)]
-    held = measure(engine, items, {name: report.configs[name]}, progress=progress)
+    held = run(items, {name: report.configs[name]}, "holdout")
     got = kept(held.tallies["full prefill"].hits, held.tallies[name].hits)
-    return {"config": name, **got.as_dict(targets.confidence), "kl": held.rows()[1]["kl"]}
+    out = {"config": name, **got.as_dict(targets.confidence), "kl": held.rows()[1]["kl"]}
+    return out | _stopped(held, "holdout", targets)
+
+
+def _stopped(report: Report, part: str, targets: Targets) -> dict:
+    """What early elimination did to a part: ``{}`` when it ran every item, else the items
+    measured of those planned and why it stopped (recorded in the profile, added to the reason)."""
+    if report.stopped_after is None:
+        return {}
+    n, planned = report.stopped_after, report.planned
+    why = (
+        f"measuring the {part} stopped after {n} of {planned} items: no blend setting could reach "
+        f"a {targets.confidence:g} lower bound >= {targets.accuracy:g} of answers kept "
+        f"vs full prefill any more"
+    )
+    return {"stopped_after": n, "planned": planned, "stopped": why}
+
+
+def _runner(engine, targets: Targets, progress, eliminate: bool):
+    """``measure`` with the targets' elimination (unless ``eliminate`` is off) and the progress
+    callback told which part (``progress(part, Progress)``) it measures."""
+
+    def run(items, configs, part: str) -> Report:
+        tell = None if progress is None else (lambda state: progress(part, state))
+        target = targets.accuracy if eliminate else None
+        return measure(
+            engine, items, configs, progress=tell, target=target, confidence=targets.confidence
+        )
+
+    return run
 
 
 def _meta(choice_items, held_items, space, source_names, fraction, targets) -> dict:
@@ -93,10 +126,12 @@ def calibrate(
     ratios: Sequence[float] = RATIOS,
     contexts: Sequence[str] | None = None,
     targets: Targets = Targets(),
-    progress: Callable[[int, int, float], None] | None = None,
+    progress: Callable[[str, Progress], None] | None = None,
+    eliminate: bool = True,
 ) -> tuple[BlendProfile, Report]:
     """Measure ``engine``'s model and return its profile (not saved) with the choice part's
-    measurements (see the module docstring)."""
+    measurements (see the module docstring); ``eliminate`` False runs every setting on every
+    item (``--measure-all``: the same choice, every setting's full figures)."""
     chat = asks_in_chat(engine)
     space = forms.for_model(space, chat)
     data = forms.assign(sources.examples(source_names, items), space)
@@ -108,27 +143,30 @@ def calibrate(
     base = BlendOptions(recompute_ratio=0.15, document_context=contexts[0])
     variants = [{"method": methods[0], "document_context": c} for c in contexts[1:]]
     grid = configurations(methods, ratios, base, variants)
-    report = measure(engine, choice_items, grid, progress=progress)
+    run = _runner(engine, targets, progress, eliminate)
+    report = run(choice_items, grid, "choice part")
+    stopped = _stopped(report, "choice part", targets)
     first = choose(report.measurements(), targets)
-    held = _holdout(engine, held_items, report, first, targets, progress)
+    if stopped:
+        first = dataclasses.replace(first, reason=f"{first.reason}; {stopped['stopped']}")
+    held = _holdout(engine, held_items, report, first, targets, run)
     checked = Kept(held["kept"], held["full_correct"], held["gained"]) if held else None
     result = holdout.check(first, checked, targets)
-    blend = {"method": result.method, "recompute_ratio": result.ratio}
-    if result.row is not None and result.blends:
-        blend.update(dict(result.row.extra))
+    if held.get("stopped"):
+        result = dataclasses.replace(result, reason=f"{result.reason}; {held['stopped']}")
     meta = _meta(choice_items, held_items, space, source_names, fraction, targets)
+    meta["elimination"] = {"on": eliminate, **stopped}
     meta["holdout"] = held or {
         "measured": False,
         "why": "no holdout items" if not held_items else "no blend chosen (prefix is exact)",
     }
-    model = engine.model
-    profile = BlendProfile(
-        model.name,
-        model.fingerprint,
-        blend,
-        result.reason,
-        command,
-        report.rows(targets.confidence),
-        meta,
-    )
-    return profile, report
+    return _profile(engine.model, result, command, report.rows(targets.confidence), meta), report
+
+
+def _profile(model, result: Choice, command: str, rows: list[dict], meta: dict) -> BlendProfile:
+    """The profile of ``model`` for the final choice (its blend with the options beyond method
+    and budget that the chosen row measured)."""
+    blend = {"method": result.method, "recompute_ratio": result.ratio}
+    if result.row is not None and result.blends:
+        blend.update(dict(result.row.extra))
+    return BlendProfile(model.name, model.fingerprint, blend, result.reason, command, rows, meta)

@@ -85,3 +85,25 @@ def needed_items(target: float, confidence: float = 0.95) -> int:
     z = NormalDist().inv_cdf(confidence)
     # all kept: lower = n / (n + z^2) >= target  <=>  n >= target * z^2 / (1 - target)
     return math.ceil(target * z * z / (1 - target) - 1e-9)
+
+
+def best_lower(kept: int, n: int, left: int, confidence: float = 0.95) -> float:
+    """The highest lower bound a tally of ``kept`` of ``n`` can still end with after ``left`` more
+    items. A remaining item adds nothing (full prefill wrong), or one to ``n`` and at most one to
+    ``kept``; for a given ``n`` the bound grows with ``kept``, so the best of each ending is every
+    new full-prefill-correct item kept: the maximum over ``b = 0..left`` of the bound of
+    ``kept + b`` of ``n + b``. Taken over every ``b`` (not only ``b = left``), so the answer does
+    not rest on the bound growing with ``b`` too."""
+    if left < 0:
+        raise ValueError(f"need left >= 0, got {left}")
+    return max(wilson(kept + b, n + b, confidence)[0] for b in range(left + 1))
+
+
+def can_reach(kept: int, n: int, left: int, target: float, confidence: float = 0.95) -> bool:
+    """Whether a setting that kept ``kept`` of ``n`` full-prefill-correct answers so far can still
+    end with a lower bound >= ``target`` after ``left`` more items (``best_lower``). False means
+    it can never meet the answers target, whatever the remaining items hold: ``measure`` stops
+    running it (early elimination, exact)."""
+    if left < 0:
+        raise ValueError(f"need left >= 0, got {left}")
+    return any(wilson(kept + b, n + b, confidence)[0] >= target for b in range(left + 1))

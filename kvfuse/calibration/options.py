@@ -1,9 +1,11 @@
-"""``kvfuse calibrate``'s blend options as text (``--sources``, ``--documents``) and the table it
-prints from a profile: pure, so the CLI stays a thin layer and the rules are table-tested."""
+"""``kvfuse calibrate``'s blend options as text (``--sources``, ``--documents``), the table it
+prints from a profile and its progress lines when stderr is not a terminal: pure (the progress
+log holds only when it last spoke), so the CLI stays a thin layer and the rules are table-tested."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TextIO
 
 from .sources import SOURCES
 
@@ -51,11 +53,14 @@ def parse_documents(text: str) -> tuple[int, ...]:
 def _row(row: dict) -> str:
     if "kept" not in row:  # a profile measured before answers kept were recorded
         return f"  {row['config']:>28}  correct {row['correct']:>3}/{row['items']}"
-    return (
+    out = (
         f"  {row['config']:>28}  kept {row['kept']:>3}/{row['full_correct']:<3} "
         f"{row['point']:.2f} [{row['lower']:.2f}, {row['upper']:.2f}]  +{row['gained']:<2} "
         f"KL {row['kl']:.3f}  TTFT {row['ttft_ms']:.0f} ms"
     )
+    if row.get("eliminated_after") is not None:
+        out += f"  eliminated after {row['eliminated_after']} items"
+    return out
 
 
 def table(measured: Sequence[dict], meta: dict) -> list[str]:
@@ -70,13 +75,75 @@ def table(measured: Sequence[dict], meta: dict) -> list[str]:
         f"  {'setting':>28}  answers kept vs full prefill, point [lower, upper], gained",
     ]
     lines += [_row(r) for r in measured]
+    if (meta.get("elimination") or {}).get("stopped"):
+        lines.append(f"  {meta['elimination']['stopped']}")
     h = meta.get("holdout") or {}
     if h.get("config"):
         lines.append(
             f"  {'holdout: ' + h['config']:>28}  kept {h['kept']:>3}/{h['full_correct']:<3} "
             f"{h['point']:.2f} [{h['lower']:.2f}, {h['upper']:.2f}]  +{h['gained']:<2} "
             f"KL {h['kl']:.3f}"
+            + (f"  stopped after {h['stopped_after']} items" if h.get("stopped_after") else "")
         )
     else:
         lines.append(f"  {'holdout':>28}  not measured: {h.get('why', 'no holdout')}")
     return lines
+
+
+def progress_due(
+    done: int,
+    total: int,
+    elapsed_s: float,
+    last_done: int,
+    last_s: float,
+    alive: int = 1,
+    every_items: int = 5,
+    every_s: float = 60.0,
+) -> bool:
+    """Whether a progress line is due after an item: the first and the last item, every
+    ``every_items`` items or ``every_s`` seconds since the last line, and when measuring stops
+    because no setting is left (``alive`` 0)."""
+    return (
+        done in (1, total)
+        or alive == 0
+        or done - last_done >= every_items
+        or elapsed_s - last_s >= every_s
+    )
+
+
+def progress_line(part: str, done: int, total: int, elapsed_s: float, alive: int, of: int) -> str:
+    """``kvfuse calibrate: choice part 10/156 items (6%), 312 s, 9 of 13 blend settings running``."""
+    pct = 100.0 * done / total if total else 100.0
+    return (
+        f"kvfuse calibrate: {part} {done}/{total} items ({pct:.0f}%), {elapsed_s:.0f} s, "
+        f"{alive} of {of} blend settings running"
+    )
+
+
+class ProgressLog:
+    """Progress lines on ``stream`` (stderr that is not a terminal: logs, CI, ``nohup``), called
+    as ``measure``'s progress (``(part, Progress)``); a new part starts its own count."""
+
+    def __init__(self, stream: TextIO, every_items: int = 5, every_s: float = 60.0):
+        self.stream, self.every_items, self.every_s = stream, every_items, every_s
+        self.part, self.last_done, self.last_s = None, 0, 0.0
+
+    def __call__(self, part: str, state) -> None:
+        if part != self.part:
+            self.part, self.last_done, self.last_s = part, 0, 0.0
+        due = progress_due(
+            state.done,
+            state.total,
+            state.elapsed_s,
+            self.last_done,
+            self.last_s,
+            state.alive,
+            self.every_items,
+            self.every_s,
+        )
+        if due:
+            line = progress_line(
+                part, state.done, state.total, state.elapsed_s, state.alive, state.settings
+            )
+            print(line, file=self.stream, flush=True)
+            self.last_done, self.last_s = state.done, state.elapsed_s
