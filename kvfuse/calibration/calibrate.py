@@ -76,8 +76,8 @@ def _stopped(report: Report, part: str, targets: Targets) -> dict:
     n, planned = report.stopped_after, report.planned
     why = (
         f"measuring the {part} stopped after {n} of {planned} items: no blend setting could reach "
-        f"a {targets.confidence:g} lower bound >= {targets.accuracy:g} of answers kept "
-        f"vs full prefill any more"
+        f"a lower bound of answers kept >= {targets.accuracy:g} (one-sided, "
+        f"{targets.confidence:g}) any more, even with every item left kept"
     )
     return {"stopped_after": n, "planned": planned, "stopped": why}
 

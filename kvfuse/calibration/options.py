@@ -59,7 +59,8 @@ def _row(row: dict) -> str:
         f"KL {row['kl']:.3f}  TTFT {row['ttft_ms']:.0f} ms"
     )
     if row.get("eliminated_after") is not None:
-        out += f"  eliminated after {row['eliminated_after']} items"
+        n = row["eliminated_after"]
+        out += f"  eliminated after {n} item{'' if n == 1 else 's'}"
     return out
 
 

@@ -290,3 +290,16 @@ def test_measure_and_calibrate_on_a_tiny_model(tiny_loaded):
         engine, "t", items=2, space=FormSpace(documents=(4,)), methods=["hkvd"], ratios=[1.0]
     )
     assert prof.blend["method"] == "prefix" and prof.meta["holdout"]["measured"] is False
+    # three items cannot hold the 52 answers the default target needs: every setting is
+    # eliminated after the first, measuring stops, and the choice is the full grid's
+    grid = {"items": 3, "space": FormSpace(documents=(4,)), "fraction": 0.0, "methods": ["hkvd"]}
+    fast, report = calibrate.calibrate(engine, "t", ratios=[0.5, 1.0], **grid)
+    whole, _ = calibrate.calibrate(engine, "t", ratios=[0.5, 1.0], eliminate=False, **grid)
+    assert fast.blend == whole.blend == {"method": "prefix", "recompute_ratio": 1.0}
+    assert report.stopped_after == 1 and report.planned == 3
+    assert "measuring the choice part stopped after 1 of 3 items" in fast.reason
+    assert fast.meta["elimination"]["on"] and fast.meta["elimination"]["stopped_after"] == 1
+    assert whole.meta["elimination"] == {"on": False}
+    rows = {r["config"]: r for r in fast.measured}
+    assert rows["hkvd 0.5"]["eliminated_after"] == 1 and rows["full reuse"]["items"] == 1
+    assert all(r["items"] == 3 and "eliminated_after" not in r for r in whole.measured)
