@@ -268,6 +268,50 @@ def _calibrate_parser(sub) -> None:
         help="dev examples measured, taken in turn from the sources, each in one prompt form "
         "(default 260: every dev example of the three sources)",
     )
+    _calibration_item_options(p)
+    _calibration_grid_options(p)
+    p.add_argument(
+        "--codec-items",
+        type=_positive,
+        default=6,
+        help="fictional QA dev items (12 documents each) the CacheGen levels are measured on (default 6)",
+    )
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the profile here (default: <home>/profiles/<fingerprint>.json, where auto finds it)",
+    )
+    _common(p)
+
+
+def _calibration_grid_options(p) -> None:
+    """``kvfuse calibrate``'s blend grid (methods, budgets, document contexts) and how much of it
+    is run (``--measure-all``)."""
+    p.add_argument(
+        "--methods",
+        default="hkvd,sinks+hkvd",
+        help="selection methods tried (default hkvd,sinks+hkvd)",
+    )
+    p.add_argument(
+        "--ratios",
+        default="0.05,0.1,0.15,0.3,0.6",
+        help="recompute budgets tried (default 0.05,0.1,0.15,0.3,0.6)",
+    )
+    p.add_argument(
+        "--contexts",
+        help="document contexts tried (bos, eos, prefix, none; default: bos, and prefix "
+        "too for a chat model, whose documents follow a system prompt)",
+    )
+    p.add_argument(
+        "--measure-all",
+        action="store_true",
+        help="run every setting on every item, without early elimination (the same choice; the "
+        "figures of settings that cannot be chosen, at the full grid's cost)",
+    )
+
+
+def _calibration_item_options(p) -> None:
+    """``kvfuse calibrate``'s items: sources, prompt forms, passages, holdout, confidence."""
     p.add_argument(
         "--sources",
         help="where the questions come from: fictional, musique (dev 0-49), cacheblend "
@@ -295,39 +339,6 @@ def _calibrate_parser(sub) -> None:
         default=0.95,
         help="of the one-sided lower bound of answers kept the choice is made on (default 0.95)",
     )
-    p.add_argument(
-        "--methods",
-        default="hkvd,sinks+hkvd",
-        help="selection methods tried (default hkvd,sinks+hkvd)",
-    )
-    p.add_argument(
-        "--ratios",
-        default="0.05,0.1,0.15,0.3,0.6",
-        help="recompute budgets tried (default 0.05,0.1,0.15,0.3,0.6)",
-    )
-    p.add_argument(
-        "--contexts",
-        help="document contexts tried (bos, eos, prefix, none; default: bos, and prefix "
-        "too for a chat model, whose documents follow a system prompt)",
-    )
-    p.add_argument(
-        "--measure-all",
-        action="store_true",
-        help="run every setting on every item, without early elimination (the same choice; the "
-        "figures of settings that cannot be chosen, at the full grid's cost)",
-    )
-    p.add_argument(
-        "--codec-items",
-        type=_positive,
-        default=6,
-        help="fictional QA dev items (12 documents each) the CacheGen levels are measured on (default 6)",
-    )
-    p.add_argument(
-        "--output",
-        metavar="FILE",
-        help="write the profile here (default: <home>/profiles/<fingerprint>.json, where auto finds it)",
-    )
-    _common(p)
 
 
 def _serve_parser(sub) -> None:

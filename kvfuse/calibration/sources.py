@@ -21,7 +21,6 @@ Every source is deterministic: the same index always gives the same example.
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,8 +65,9 @@ class Example:
 
 def data_dir() -> Path:
     """``$KVFUSE_DATA``, else ``<repository>/../shared/data``."""
-    env = os.environ.get("KVFUSE_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[2].parent / "shared" / "data"
+    from kvfuse.config.load import default_data
+
+    return default_data() or Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 def _file(name: str, folder: Path | None) -> Path:

@@ -114,6 +114,18 @@ def test_cacheblend_examples_have_no_gold_and_keep_every_passage(data):
         sources.parse_cacheblend({"chunk_num": 1, "0": "x", "query": "no question here"}, 7)
 
 
+@pytest.mark.parametrize(
+    "env,folder",
+    [({}, None), ({"KVFUSE_DATA": ""}, None), ({"KVFUSE_DATA": "/data/eval"}, "/data/eval")],
+)
+def test_the_data_folder_is_read_from_the_environment_in_config(env, folder):
+    from pathlib import Path
+
+    from kvfuse.config.load import default_data
+
+    assert default_data(env) == (Path(folder) if folder else None)
+
+
 def test_a_missing_data_folder_leaves_the_fictional_source(tmp_path, monkeypatch):
     monkeypatch.setenv("KVFUSE_DATA", str(tmp_path / "absent"))
     assert sources.data_dir() == tmp_path / "absent"
