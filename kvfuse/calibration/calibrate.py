@@ -155,7 +155,8 @@ def calibrate(
     if held.get("stopped"):
         result = dataclasses.replace(result, reason=f"{result.reason}; {held['stopped']}")
     meta = _meta(choice_items, held_items, space, source_names, fraction, targets)
-    meta["elimination"] = {"on": eliminate, **stopped}
+    done, grid_runs = report.runs()
+    meta["elimination"] = {"on": eliminate, "runs": done, "grid_runs": grid_runs, **stopped}
     meta["holdout"] = held or {
         "measured": False,
         "why": "no holdout items" if not held_items else "no blend chosen (prefix is exact)",

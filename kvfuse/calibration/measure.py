@@ -121,6 +121,13 @@ class Report:
         """The items measured when measuring stopped early (None: it ran every item)."""
         return self.items if self.planned is not None and self.items < self.planned else None
 
+    def runs(self) -> tuple[int, int]:
+        """(settings run on an item, of those a full grid runs): the work early elimination left
+        (each is a score pass and a generate; full prefill's runs are not counted)."""
+        settings = [t for name, t in self.tallies.items() if name != "full prefill"]
+        done = sum(len(t.hits) for t in settings)
+        return done, len(settings) * (self.planned if self.planned is not None else self.items)
+
     def measurements(self) -> list[Measurement]:
         """A row per blend setting, over the items it ran on: full prefill's answers, full
         reuse's KL and full prefill's TTFT are taken over the same items."""

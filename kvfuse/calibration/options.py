@@ -76,8 +76,14 @@ def table(measured: Sequence[dict], meta: dict) -> list[str]:
         f"  {'setting':>28}  answers kept vs full prefill, point [lower, upper], gained",
     ]
     lines += [_row(r) for r in measured]
-    if (meta.get("elimination") or {}).get("stopped"):
-        lines.append(f"  {meta['elimination']['stopped']}")
+    gone = meta.get("elimination") or {}
+    if gone.get("grid_runs"):
+        lines.append(
+            f"  early elimination: {gone['runs']} of {gone['grid_runs']} setting runs on an item "
+            f"({gone['runs'] / gone['grid_runs']:.0%} of the full grid)"
+        )
+    if gone.get("stopped"):
+        lines.append(f"  {gone['stopped']}")
     h = meta.get("holdout") or {}
     if h.get("config"):
         lines.append(

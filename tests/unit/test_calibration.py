@@ -299,7 +299,8 @@ def test_measure_and_calibrate_on_a_tiny_model(tiny_loaded):
     assert report.stopped_after == 1 and report.planned == 3
     assert "measuring the choice part stopped after 1 of 3 items" in fast.reason
     assert fast.meta["elimination"]["on"] and fast.meta["elimination"]["stopped_after"] == 1
-    assert whole.meta["elimination"] == {"on": False}
+    assert (fast.meta["elimination"]["runs"], fast.meta["elimination"]["grid_runs"]) == (3, 9)
+    assert whole.meta["elimination"] == {"on": False, "runs": 9, "grid_runs": 9}
     rows = {r["config"]: r for r in fast.measured}
     assert rows["hkvd 0.5"]["eliminated_after"] == 1 and rows["full reuse"]["items"] == 1
     assert all(r["items"] == 3 and "eliminated_after" not in r for r in whole.measured)

@@ -165,7 +165,7 @@ def test_measuring_stops_when_every_setting_is_eliminated(outcomes):
     # 0 of 2 kept, 28 left: 28 of 30 at best, 0.817 >= 0.8; 0 of 3: 27 of 30 at best, 0.774
     assert (report.items, report.planned, report.stopped_after) == (3, 30, 3)
     assert all(report.tallies[n].eliminated_after == 3 for n in lose_early)
-    assert table.runs == 3 * len(grid)
+    assert table.runs == 3 * len(grid) and report.runs() == (3 * len(grid), 30 * len(grid))
     assert seen[-1] == Progress(3, 30, seen[-1].elapsed_s, 0, 3)
     rows = {r["config"]: r for r in report.rows()}
     assert rows["hkvd 0.1"]["items"] == 3 and rows["hkvd 0.1"]["eliminated_after"] == 3
@@ -219,7 +219,8 @@ def test_progress_lines_when_not_a_terminal():
 def test_the_table_shows_eliminated_settings_and_the_stop():
     meta = {
         "choice": {"items": 156},
-        "elimination": {"on": True, "stopped_after": 20, "stopped": "measuring stopped after 20"},
+        "elimination": {"on": True, "runs": 40, "grid_runs": 320}
+        | {"stopped_after": 20, "stopped": "measuring stopped after 20"},
         "holdout": {"measured": False, "why": "no blend chosen (prefix is exact)"},
     }
     rows = [
@@ -229,4 +230,7 @@ def test_the_table_shows_eliminated_settings_and_the_stop():
     ]
     lines = options.table(rows, meta)
     assert lines[2].endswith("eliminated after 12 items") and "eliminated" not in lines[3]
-    assert lines[4] == "  measuring stopped after 20" and "not measured" in lines[5]
+    assert (
+        lines[4] == "  early elimination: 40 of 320 setting runs on an item (12% of the full grid)"
+    )
+    assert lines[5] == "  measuring stopped after 20" and "not measured" in lines[6]
