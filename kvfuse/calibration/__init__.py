@@ -6,11 +6,13 @@ the default CacheGen level.
 - ``forms``         each example in one prompt form: chat/completion, labels, 4-10 passages,
                     the answer's passage first/middle/last (pure)
 - ``answers``       when an answer is correct (normalised containment of a gold answer)
-- ``measure``       a model's blends against full prefill: answers kept, KL, TTFT
-- ``interval``      answers kept vs full prefill and its Wilson interval (pure)
+- ``measure``       a model's blends against full prefill: answers kept, KL, TTFT; settings that
+                    can no longer reach the target are eliminated (not run on the items left)
+- ``interval``      answers kept vs full prefill, its Wilson interval, and whether a tally can
+                    still reach a lower bound (``can_reach``, exact) (pure)
 - ``choose``        the smallest budget whose lower bound meets the targets, or no blending (pure)
 - ``holdout``       the held-out split and the check of the choice on it (pure)
-- ``options``       ``kvfuse calibrate``'s option parsing and printed table (pure)
+- ``options``       ``kvfuse calibrate``'s option parsing, printed table and progress lines (pure)
 - ``calibrate``     all together: what ``kvfuse calibrate MODEL`` runs
 - ``codec_level``   the model's default CacheGen level: the most compressed that keeps its NLL
 

@@ -283,7 +283,8 @@ def measure(
     choice is the one a full run makes: ``choose`` takes only settings whose lower bound reaches
     the target, which an eliminated one cannot do whatever the items left hold, and every setting
     still running is measured on every item, as is full reuse (the KL reference), which runs
-    while any setting does. Every setting runs on at least one item. Without a target
+    while any setting does. (Answers and KL are the same numbers as in a full run; TTFT is a
+    timing, as noisy as in any run.) Every setting runs on at least one item. Without a target
     (``--measure-all``), every setting runs on every item."""
     from kvfuse.generation import SamplingParams
 
