@@ -262,8 +262,31 @@ def _calibrate_parser(sub) -> None:
         "not measured is kept from the model's current profile",
     )
     p.add_argument(
-        "--items", type=_positive, default=30, help="fictional QA dev items measured (default 30)"
+        "--items",
+        type=_positive,
+        default=260,
+        help="dev examples measured, taken in turn from the sources, each in one prompt form "
+        "(default 260: every dev example of the three sources)",
     )
+    _calibration_item_options(p)
+    _calibration_grid_options(p)
+    p.add_argument(
+        "--codec-items",
+        type=_positive,
+        default=6,
+        help="fictional QA dev items (12 documents each) the CacheGen levels are measured on (default 6)",
+    )
+    p.add_argument(
+        "--output",
+        metavar="FILE",
+        help="write the profile here (default: <home>/profiles/<fingerprint>.json, where auto finds it)",
+    )
+    _common(p)
+
+
+def _calibration_grid_options(p) -> None:
+    """``kvfuse calibrate``'s blend grid (methods, budgets, document contexts) and how much of it
+    is run (``--measure-all``)."""
     p.add_argument(
         "--methods",
         default="hkvd,sinks+hkvd",
@@ -280,17 +303,42 @@ def _calibrate_parser(sub) -> None:
         "too for a chat model, whose documents follow a system prompt)",
     )
     p.add_argument(
-        "--codec-items",
-        type=_positive,
-        default=6,
-        help="fictional QA dev items (12 documents each) the CacheGen levels are measured on (default 6)",
+        "--measure-all",
+        action="store_true",
+        help="run every setting on every item, without early elimination (the same choice; the "
+        "figures of settings that cannot be chosen, at the full grid's cost)",
+    )
+
+
+def _calibration_item_options(p) -> None:
+    """``kvfuse calibrate``'s items: sources, prompt forms, passages, holdout, confidence."""
+    p.add_argument(
+        "--sources",
+        help="where the questions come from: fictional, musique (dev 0-49), cacheblend "
+        "(default: all three, those whose data is in $KVFUSE_DATA or ../shared/data)",
     )
     p.add_argument(
-        "--output",
-        metavar="FILE",
-        help="write the profile here (default: <home>/profiles/<fingerprint>.json, where auto finds it)",
+        "--forms",
+        help="prompt forms: chat, completion, labeled, unlabeled, first, middle, last (where the "
+        "answer's passage goes); an axis not named keeps all its values (default: all; chat only "
+        "for a chat model)",
     )
-    _common(p)
+    p.add_argument(
+        "--documents", default="4-10", help="passages per prompt, N or MIN-MAX (default 4-10)"
+    )
+    p.add_argument(
+        "--holdout",
+        type=float,
+        default=0.4,
+        metavar="FRACTION",
+        help="fraction of the examples held out from the choice and used to check it (default 0.4)",
+    )
+    p.add_argument(
+        "--confidence",
+        type=float,
+        default=0.95,
+        help="of the one-sided lower bound of answers kept the choice is made on (default 0.95)",
+    )
 
 
 def _serve_parser(sub) -> None:
@@ -663,8 +711,34 @@ def cmd_precompute(args, config: Config) -> int:
     return 0
 
 
-def _blend_grid(args) -> tuple[list[str], list[float], list[str] | None]:
-    """The methods, budgets and document contexts of ``kvfuse calibrate``, checked."""
+def _calibration_items(args) -> dict:
+    """``kvfuse calibrate``'s items (sources, forms, holdout, confidence) as ``calibrate``'s
+    keyword arguments, checked; says so when a source's data is missing."""
+    from .calibration import forms, options, sources
+    from .calibration.choose import Targets
+
+    try:
+        names, note = options.parse_sources(args.sources, sources.available())
+        space = forms.parse_forms(args.forms, options.parse_documents(args.documents))
+    except ValueError as e:
+        raise UserError(f"{e}") from None
+    if note:
+        print(f"kvfuse calibrate: {note}", file=sys.stderr)
+    if not 0 <= args.holdout < 1:
+        raise UserError(f"--holdout: expected a fraction in [0, 1), got {args.holdout:g}")
+    if not 0.5 < args.confidence < 1:
+        raise UserError(f"--confidence: expected a value in (0.5, 1), got {args.confidence:g}")
+    return {
+        "items": args.items,
+        "source_names": names,
+        "space": space,
+        "fraction": args.holdout,
+        "targets": Targets(confidence=args.confidence),
+    }
+
+
+def _blend_grid(args) -> tuple[list[str], list[float], list[str] | None, dict]:
+    """The methods, budgets, document contexts and items of ``kvfuse calibrate``, checked."""
     from .config import CONTEXTS, METHODS
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -683,7 +757,7 @@ def _blend_grid(args) -> tuple[list[str], list[float], list[str] | None]:
         raise UserError(
             f"--contexts: unknown document context {bad[0]!r}; use a list of: {', '.join(CONTEXTS)}"
         )
-    return methods, ratios, contexts
+    return methods, ratios, contexts, _calibration_items(args)
 
 
 def _current_profile(path: Path, config: Config, model, needed: bool):
@@ -714,40 +788,44 @@ def _current_profile(path: Path, config: Config, model, needed: bool):
 def _calibrate_blend(args, config: Config, model, grid):
     """The blend part of ``kvfuse calibrate``: a profile (its ``codec`` not set), the table printed."""
     from .calibration import calibrate
+    from .calibration.options import ProgressLog, table
     from .runtime import open_engine
     from .store import TieredStore
     from .tiers import MemoryTier
 
-    methods, ratios, contexts = grid
+    methods, ratios, contexts, items = grid
     # In memory only: calibration must not fill the configured disk or Redis tiers.
     engine = open_engine(config, model, TieredStore(MemoryTier(2 << 30), []))
     command = (
         f"kvfuse calibrate {config.model} --items {args.items} --methods {','.join(methods)} "
         f"--ratios {','.join(f'{r:g}' for r in ratios)}"
         + (f" --contexts {','.join(contexts)}" if contexts else "")
+        + f" --sources {','.join(items['source_names'])} --documents {args.documents}"
+        + (f" --forms {args.forms}" if args.forms else "")
+        + f" --holdout {args.holdout:g} --confidence {args.confidence:g}"
     )
     command += " --part blend" if args.part == "blend" else f" --codec-items {args.codec_items}"
+    command += " --measure-all" if args.measure_all else ""
     try:
         from tqdm import tqdm
 
         with tqdm(total=args.items, unit="item", file=sys.stderr, disable=None) as bar:
+            log = ProgressLog(sys.stderr)  # lines where the bar is off: not a terminal
             result, report = calibrate.calibrate(
                 engine,
                 command,
-                items=args.items,
                 methods=methods,
                 ratios=ratios,
                 contexts=contexts,
-                progress=lambda done, total, s: bar.update(1),
+                progress=lambda part, state: log(part, state) if bar.disable else bar.update(1),
+                eliminate=not args.measure_all,
+                **items,
             )
+    except ValueError as e:  # forms a model cannot take, too few items for a holdout
+        raise UserError(str(e)) from None
     finally:
         engine.close()
-    for row in report.rows():
-        print(
-            f"  {row['config']:>22}  correct {row['correct']:>3}/{row['items']}  accuracy/full "
-            f"{row['accuracy_vs_full'] if row['accuracy_vs_full'] is not None else '-':>6}  KL {row['kl']:.3f}  "
-            f"TTFT {row['ttft_ms']:.0f} ms"
-        )
+    print("\n".join(table(result.measured, result.meta)))
     return result
 
 

@@ -354,6 +354,14 @@ def default_kernels(env: Mapping[str, str] | None = None) -> str:
     return load_config(env={k: env[k] for k in ("KVFUSE_KERNELS",) if k in env}).kernels
 
 
+def default_data(env: Mapping[str, str] | None = None) -> Path | None:
+    """The evaluation data folder named by ``$KVFUSE_DATA`` (of ``env``, default this process's
+    environment), or None: where ``kvfuse calibrate``'s sources are read (``calibration.sources``
+    falls back to ``../shared/data`` beside the repository)."""
+    env = os.environ if env is None else env
+    return Path(env["KVFUSE_DATA"]).expanduser() if env.get("KVFUSE_DATA") else None
+
+
 def load_from_environment(
     path: str | Path | None = None,
     overrides: Mapping[str, Any] | None = None,

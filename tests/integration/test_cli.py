@@ -334,6 +334,8 @@ def test_calibrate_writes_a_profile_and_generate_reports_the_blend(smollm2_ready
             "1",
             "--contexts",
             "bos",
+            "--sources",
+            "fictional",
             "--codec-items",
             "1",
             "--output",
@@ -342,6 +344,9 @@ def test_calibrate_writes_a_profile_and_generate_reports_the_blend(smollm2_ready
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "full prefill" in proc.stdout and "hkvd 1" in proc.stdout and str(out) in proc.stdout
+    # stderr is a pipe, not a terminal: progress lines instead of the bar
+    assert "kvfuse calibrate: choice part 1/1 items (100%)" in proc.stderr, proc.stderr[-2000:]
+    assert "early elimination: 2 of 2 setting runs" in proc.stdout
     assert "cachegen level" in proc.stdout and "smollm2: CacheGen level" in proc.stdout
     prof = json.loads(out.read_text())
     assert prof["model"] == "smollm2" and len(prof["fingerprint"]) == 32

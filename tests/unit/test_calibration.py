@@ -9,8 +9,10 @@ import logging
 
 import pytest
 
-from kvfuse.calibration import calibrate, fictional_qa
+from kvfuse.calibration import calibrate, fictional_qa, sources
 from kvfuse.calibration.choose import Measurement, Targets, choose
+from kvfuse.calibration.forms import FormSpace
+from kvfuse.calibration.interval import Kept
 from kvfuse.calibration.measure import configurations, correct, measure
 from kvfuse.config import BlendOptions, EngineSettings
 from kvfuse.config import profiles as profile
@@ -22,44 +24,58 @@ from kvfuse.tiers import MemoryTier
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 
 
-def m(method, ratio, acc, kl, ttft=0.3, **extra):
-    return Measurement(method, ratio, acc, kl, ttft, tuple(extra.items()))
+def m(method, ratio, kept, kl, ttft=0.3, n=200, **extra):
+    return Measurement(method, ratio, Kept(kept, n), kl, ttft, tuple(extra.items()))
 
 
 @pytest.mark.parametrize(
     "rows,expected",
     [
-        # the smallest budget meeting both targets
+        # the smallest budget meeting both targets (lower bounds at n=200: 190 -> 0.918,
+        # 197 -> 0.963, 200 -> 0.987)
         (
-            [m("hkvd", 0.05, 0.9, 0.6), m("hkvd", 0.15, 0.96, 0.45), m("hkvd", 0.3, 1.0, 0.2)],
+            [m("hkvd", 0.05, 190, 0.6), m("hkvd", 0.15, 197, 0.45), m("hkvd", 0.3, 200, 0.2)],
             ("hkvd", 0.15),
         ),
-        # accuracy alone is not enough: KL must be at most half of full reuse's
-        ([m("hkvd", 0.15, 1.0, 0.55), m("hkvd", 0.3, 0.97, 0.5)], ("hkvd", 0.3)),
+        # answers alone are not enough: KL must be at most half of full reuse's
+        ([m("hkvd", 0.15, 200, 0.55), m("hkvd", 0.3, 197, 0.5)], ("hkvd", 0.3)),
         # among methods at the same budget: the lower KL
-        ([m("hkvd", 0.15, 0.96, 0.4), m("sinks+hkvd", 0.15, 0.96, 0.3)], ("sinks+hkvd", 0.15)),
+        ([m("hkvd", 0.15, 197, 0.4), m("sinks+hkvd", 0.15, 197, 0.3)], ("sinks+hkvd", 0.15)),
         # the smaller budget wins even with a worse KL
-        ([m("sinks+hkvd", 0.3, 1.0, 0.1), m("hkvd", 0.1, 0.95, 0.5)], ("hkvd", 0.1)),
-        # nothing keeps the answers: no blending
-        ([m("hkvd", 0.15, 0.8, 0.6), m("hkvd", 0.6, 0.94, 0.3)], ("prefix", 1.0)),
+        ([m("sinks+hkvd", 0.3, 200, 0.1), m("hkvd", 0.1, 197, 0.5)], ("hkvd", 0.1)),
+        # a point estimate of 0.975 whose lower bound is 0.9495: not kept
+        ([m("hkvd", 0.15, 195, 0.3), m("hkvd", 0.6, 190, 0.3)], ("prefix", 1.0)),
+        # 20 kept of 20 is a point estimate of 1 but a lower bound of 0.88: rejected
+        ([m("hkvd", 0.6, 20, 0.1, n=20)], ("prefix", 1.0)),
+        # 51/51 (lower 0.9496) is rejected, 52/52 (0.9505) is not
+        ([m("hkvd", 0.3, 51, 0.1, n=51), m("hkvd", 0.6, 52, 0.1, n=52)], ("hkvd", 0.6)),
+        # nothing full prefill got right: nothing to keep, no blend
+        ([m("hkvd", 0.3, 0, 0.1, n=0)], ("prefix", 1.0)),
         # keeps the answers, but not 1.2x faster than a prefill: no blending
-        ([m("hkvd", 0.6, 0.98, 0.2, ttft=0.9)], ("prefix", 1.0)),
+        ([m("hkvd", 0.6, 200, 0.2, ttft=0.9)], ("prefix", 1.0)),
         # a large budget that keeps the answers and is 1.33x faster: blending still pays
-        ([m("hkvd", 0.3, 0.9, 0.3), m("hkvd", 0.6, 1.0, 0.3, ttft=0.75)], ("hkvd", 0.6)),
+        ([m("hkvd", 0.3, 190, 0.3), m("hkvd", 0.6, 200, 0.3, ttft=0.75)], ("hkvd", 0.6)),
         ([], ("prefix", 1.0)),
     ],
 )
-def test_choose(rows, expected):
+def test_choose_on_the_lower_bound(rows, expected):
     c = choose(rows)
     assert (c.method, c.ratio) == expected
     assert c.reason
     assert c.blends == (expected[0] != "prefix")
 
 
+def test_the_confidence_moves_the_bound():
+    row = m("hkvd", 0.3, 60, 0.1, n=60)  # lower 0.957 at 0.95, 0.941 at 0.99
+    assert choose([row]).blends
+    assert not choose([row], Targets(confidence=0.99)).blends
+
+
 def test_choose_says_why_it_does_not_blend():
-    c = choose([m("hkvd", 0.6, 0.94, 0.3)])
+    c = choose([m("hkvd", 0.6, 20, 0.3, n=20)])
     assert "no measured budget" in c.reason and "hkvd at 0.6" in c.reason
-    slow = choose([m("hkvd", 0.6, 0.98, 0.2, ttft=0.8)], Targets(min_speedup=2.0))
+    assert "kept 20/20" in c.reason and "[0.88, 1.00]" in c.reason
+    slow = choose([m("hkvd", 0.6, 200, 0.2, ttft=0.8)], Targets(min_speedup=2.0))
     assert "not 2x faster" in slow.reason and slow.row is not None
 
 
@@ -94,6 +110,29 @@ def test_profiles_round_trip_and_are_found_by_fingerprint(tmp_path):
     assert profile.load(path) == p
     assert profile.find("f" * 32, tmp_path) == p
     assert profile.find("0" * 32, tmp_path) is None  # another model: not its profile
+
+
+def test_profiles_with_intervals_round_trip_and_old_ones_still_load(tmp_path):
+    """The new record (items, forms, intervals, holdout) lives in ``meta`` and the rows: a
+    profile written before it loads unchanged, and one with it round-trips."""
+    for shipped in sorted(profile.SHIPPED.glob("*.json")):
+        old = profile.load(shipped)
+        assert "holdout" not in old.meta and "kept" not in old.measured[0]
+        assert profile.BlendProfile.from_json(json.loads(json.dumps(old.to_json()))) == old
+    meta = {
+        "sources": {"fictional": sources.SPLITS["fictional"]},
+        "forms": FormSpace().describe(),
+        "choice": {"items": 30},
+        "holdout_part": {"items": 20},
+        "confidence": 0.95,
+        "holdout": {"config": "hkvd 0.3", **Kept(18, 19, 1).as_dict()},
+    }
+    row = {"config": "hkvd 0.3", **Kept(20, 20).as_dict(), "kl": 0.1, "ttft_ms": 5.0}
+    new = profile.BlendProfile(
+        "tiny", "f" * 32, {"method": "hkvd", "recompute_ratio": 0.3}, "why", "cmd", [row], meta
+    )
+    path = profile.save(new, tmp_path)
+    assert profile.load(path) == new and profile.load(path).meta["holdout"]["lower"] < 0.95
 
 
 @pytest.mark.parametrize(
@@ -225,13 +264,43 @@ def test_measure_and_calibrate_on_a_tiny_model(tiny_loaded):
     assert all(len(t.ttft_s) == 2 for t in report.tallies.values())
     (row,) = report.measurements()
     assert (row.method, row.ratio) == ("hkvd", 1.0) and row.kl < 1e-2
+    # one example chosen on, one held out; targets any blend meets, so the holdout is measured
     prof, _ = calibrate.calibrate(
-        engine, "kvfuse calibrate tiny", items=2, documents=3, methods=["hkvd"], ratios=[1.0]
+        engine,
+        "kvfuse calibrate tiny",
+        items=2,
+        space=FormSpace(documents=(4,)),
+        fraction=0.5,
+        methods=["hkvd"],
+        ratios=[1.0],
+        targets=Targets(accuracy=0.0, min_speedup=0.01),
     )
     assert prof.fingerprint == model.fingerprint and prof.command == "kvfuse calibrate tiny"
-    assert prof.blend in (
-        {"method": "prefix", "recompute_ratio": 1.0},
-        {"method": "hkvd", "recompute_ratio": 1.0},
-    )
-    assert prof.reason and prof.meta["split"] == "dev" and prof.meta["items"] == 2
+    assert prof.blend == {"method": "hkvd", "recompute_ratio": 1.0}
+    assert "on the held-out items it kept" in prof.reason
+    meta = prof.meta
+    assert meta["split"] == "dev" and meta["items"] == 2 and meta["confidence"] == 0.95
+    assert meta["choice"]["items"] == 1 and meta["holdout_part"]["items"] == 1
+    assert meta["sources"] == {"fictional": sources.SPLITS["fictional"]}
+    assert meta["holdout"]["config"] == "hkvd 1" and "lower" in meta["holdout"]
     assert [r["config"] for r in prof.measured] == ["full prefill", "full reuse", "hkvd 1"]
+    assert all({"kept", "full_correct", "lower", "upper"} <= set(r) for r in prof.measured)
+    # the default targets: no blend from one item, and then no holdout is measured
+    prof, _ = calibrate.calibrate(
+        engine, "t", items=2, space=FormSpace(documents=(4,)), methods=["hkvd"], ratios=[1.0]
+    )
+    assert prof.blend["method"] == "prefix" and prof.meta["holdout"]["measured"] is False
+    # three items cannot hold the 52 answers the default target needs: every setting is
+    # eliminated after the first, measuring stops, and the choice is the full grid's
+    grid = {"items": 3, "space": FormSpace(documents=(4,)), "fraction": 0.0, "methods": ["hkvd"]}
+    fast, report = calibrate.calibrate(engine, "t", ratios=[0.5, 1.0], **grid)
+    whole, _ = calibrate.calibrate(engine, "t", ratios=[0.5, 1.0], eliminate=False, **grid)
+    assert fast.blend == whole.blend == {"method": "prefix", "recompute_ratio": 1.0}
+    assert report.stopped_after == 1 and report.planned == 3
+    assert "measuring the choice part stopped after 1 of 3 items" in fast.reason
+    assert fast.meta["elimination"]["on"] and fast.meta["elimination"]["stopped_after"] == 1
+    assert (fast.meta["elimination"]["runs"], fast.meta["elimination"]["grid_runs"]) == (3, 9)
+    assert whole.meta["elimination"] == {"on": False, "runs": 9, "grid_runs": 9}
+    rows = {r["config"]: r for r in fast.measured}
+    assert rows["hkvd 0.5"]["eliminated_after"] == 1 and rows["full reuse"]["items"] == 1
+    assert all(r["items"] == 3 and "eliminated_after" not in r for r in whole.measured)
