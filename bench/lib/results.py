@@ -25,8 +25,20 @@ def environment() -> dict:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
+        "cpu": cpu_model(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; None elsewhere): this VM's CPU varies between
+    sessions, and a result says which one it ran on."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((x for x in text.splitlines() if x.startswith("model name")), None)
+    return line.split(":", 1)[1].strip() if line else None
 
 
 def stem(target: str | Path) -> Path:
