@@ -304,3 +304,15 @@ def test_measure_and_calibrate_on_a_tiny_model(tiny_loaded):
     rows = {r["config"]: r for r in fast.measured}
     assert rows["hkvd 0.5"]["eliminated_after"] == 1 and rows["full reuse"]["items"] == 1
     assert all(r["items"] == 3 and "eliminated_after" not in r for r in whole.measured)
+
+
+def test_shipped_profiles_blend_only_where_their_rows_reach_the_lower_bound():
+    """A shipped profile that blends must hold enough full-prefill-correct items for the
+    lower-bound rule to allow a blend at all (``interval.needed_items``)."""
+    from kvfuse.calibration.interval import needed_items
+
+    for shipped in sorted(profile.SHIPPED.glob("*.json")):
+        p = profile.load(shipped)
+        full = next(r for r in p.measured if r["config"] == "full prefill")
+        if p.blend["method"] != "prefix":
+            assert full["correct"] >= needed_items(0.95), shipped.name
