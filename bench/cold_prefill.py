@@ -29,13 +29,12 @@ The two kvfuse servers run side by side and their requests are interleaved round
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.lib import servers as srvs
+from bench.lib.client import timed_completion
 from bench.lib.data import dev_text_tokens
 from bench.lib.results import output_name, print_table, pyplot, save_figure, write_json
 from bench.lib.rounds import interleaved, spread
@@ -50,35 +49,17 @@ LABELS = {
 
 def stream(base_url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     """One greedy streamed completion: TTFT, decode rate, tokens, text."""
-    import httpx
-
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
-    t0 = time.perf_counter()
-    first = last = None
-    text, usage = [], {}
-    with httpx.stream("POST", base_url + "/completions", json=body, timeout=1800) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            for choice in event.get("choices") or ():
-                if choice.get("text"):
-                    last = time.perf_counter() - t0
-                    first = last if first is None else first
-                    text.append(choice["text"])
-            usage = event.get("usage") or usage
+    first, last, text, usage = timed_completion(base_url, body, timeout=1800)
     n = usage.get("completion_tokens", 0)
     rate = (n - 1) / (last - first) if n > 1 and last > first else None
-    return {"ttft_s": first, "decode_tok_s": rate, "tokens": n, "text": "".join(text)}
+    return {"ttft_s": first, "decode_tok_s": rate, "tokens": n, "text": text}
 
 
 def prompt_for(tokenizer, body: list[int], head: str, length: int) -> list[int]:

@@ -231,18 +231,24 @@ def first_token(
     timeout: float = 600.0,
 ) -> tuple[float, str, dict[str, Any]]:
     """Send a greedy streamed completion; (seconds to the first token, the whole text, usage)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    ttft, _last, text, usage = timed_completion(base_url, body, timeout)
+    if ttft is None:
+        raise RuntimeError("the completion streamed no text")
+    return ttft, text, usage
+
+
+def timed_completion(
+    base_url: str, body: dict[str, Any], timeout: float = 600.0
+) -> tuple[float | None, float | None, str, dict[str, Any]]:
+    """POST ``body`` to ``/completions``, streamed with usage; (seconds from the request to the
+    first and to the last piece of text, None without any, the whole text, usage)."""
     import httpx
 
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, text, usage = None, [], {}
+    first = last = None
+    text, usage = [], {}
     url = base_url.rstrip("/") + "/completions"
     with httpx.stream("POST", url, json=body, timeout=timeout) as r:
         r.raise_for_status()
@@ -252,9 +258,8 @@ def first_token(
             event = json.loads(line[6:])
             for choice in event.get("choices") or ():
                 if choice.get("text"):
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    last = time.perf_counter() - t0
+                    first = last if first is None else first
                     text.append(choice["text"])
             usage = event.get("usage") or usage
-    if ttft is None:
-        raise RuntimeError("the completion streamed no text")
-    return ttft, "".join(text), usage
+    return first, last, "".join(text), usage
