@@ -50,6 +50,12 @@ def stem(target: str | Path) -> Path:
     return p.with_suffix("") if p.suffix in (".json", ".png") else p
 
 
+def _with_ext(path: Path, ext: str) -> Path:
+    """``path`` with ``ext`` appended: ``with_suffix`` would eat a dotted tag's last part
+    (``agents-qwen2.5-1.5b`` -> ``agents-qwen2.5-1.json``)."""
+    return path.with_name(path.name + ext)
+
+
 def output_name(base: str, tag: str | None = None, quick: bool = False) -> str:
     """``base``, ``base-TAG`` with a tag, ``base-quick`` for a smoke run."""
     return f"{base}-{tag}" if tag else f"{base}-quick" if quick else base
@@ -65,7 +71,7 @@ def write_json(
 ) -> Path:
     """Write ``payload`` to ``<target>.json`` (see ``stem``), with an ``environment`` record first
     unless the payload has one or ``add_environment`` is off; returns the path."""
-    path = stem(target).with_suffix(".json")
+    path = _with_ext(stem(target), ".json")
     path.parent.mkdir(parents=True, exist_ok=True)
     if add_environment and "environment" not in payload:
         payload = {"environment": environment(), **payload}
@@ -75,7 +81,7 @@ def write_json(
 
 def plot_path(target: str | Path) -> Path:
     """``<target>.png`` (see ``stem``), its folder created."""
-    path = stem(target).with_suffix(".png")
+    path = _with_ext(stem(target), ".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
 

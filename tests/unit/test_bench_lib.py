@@ -130,6 +130,10 @@ def test_result_names_and_paths(tmp_path, monkeypatch):
     assert results.output_name("serve", "t1") == "serve-t1"
     assert results.output_name("serve", None, quick=True) == "serve-quick"
     assert results.output_name("serve", "t1", quick=True) == "serve-t1"
+    # a dotted tag keeps every part (with_suffix would have cut ".5b")
+    assert results.plot_path("agents-qwen2.5-1.5b") == tmp_path / "agents-qwen2.5-1.5b.png"
+    dotted = results.write_json("agents-qwen2.5-1.5b", {}, add_environment=False)
+    assert dotted == tmp_path / "agents-qwen2.5-1.5b.json"
 
 
 def test_common_flags_keep_each_scripts_names_and_defaults():
