@@ -397,7 +397,7 @@ class EngineConfig:
     max_step_tokens: int = 256  # tokens per forward pass: decodes first, then prompt chunks
     # prompt tokens per forward pass while no sequence decodes (None: max_step_tokens): nobody
     # waits on such a step for a token, and a prompt computed in fewer, longer passes is faster
-    # (docs/benchmarks.md "Prefill in the engine")
+    # (docs/benchmarks.md "Cold prompts")
     max_prefill_tokens: int | None = 2048
     kv_memory_bytes: int | None = (
         4 * 1024**3

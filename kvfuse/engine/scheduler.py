@@ -314,10 +314,9 @@ class Scheduler:
         """This step's forward pass over ``running`` (see the module docstring). Makes room in the
         KV budget first, preempting if needed; a preempted sequence is not in the batch."""
         out = Batch()
-        order = [s for s in running if s.decoding] + [s for s in running if s.prefill.fill]
-        budget = step_budget(
-            self.max_step_tokens, self.max_prefill_tokens, any(s.decoding for s in running)
-        )
+        decoding = [s for s in running if s.decoding]
+        order = decoding + [s for s in running if s.prefill.fill]
+        budget = step_budget(self.max_step_tokens, self.max_prefill_tokens, bool(decoding))
         for seq in order:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for an older one

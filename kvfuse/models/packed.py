@@ -10,8 +10,9 @@ forms replace it:
   the rows' products kept in registers. Measured on the 2-core development machine against
   oneDNN's packed linear (the previous default) over SmolLM2's projections with the weights
   streamed from memory (``bench/batch_step.py`` measures the whole step): 1.96x faster at one
-  row, 1.51x at 16, 1.27x at 32, 0.8-1.2x for 128-2048 rows (prefill chunks). The same layout
-  holds int8 weights (one float32 scale per output channel, widened in registers): a quarter
+  row, 1.51x at 16, 1.27x at 32, 0.8-1.2x for 128-2048 rows (prefill chunks; from
+  ``GEMM_ROWS`` rows a product goes to MKL's GEMM on the unpacked weight instead). The same
+  layout holds int8 weights (one float32 scale per output channel, widened in registers): a quarter
   of the bytes and float32 activations, so int8 no longer rounds the activations at all.
 - ``PackedWeight``: oneDNN's linear with the weight reordered once, at load, into its blocked
   layout (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile`` does on CPUs when
@@ -34,7 +35,7 @@ from .cpu import kernels
 #: Rows from which a blocked product goes to PyTorch's GEMM (MKL) on the weight unpacked for the
 #: call (``BlockedWeight.linear``; the fused layer halves step aside from there, ``cpu.backend``):
 #: the blocked kernel is built for a decode step's few rows, and MKL's GEMM is faster over a long
-#: prefill pass by more than the unpacking costs (docs/benchmarks.md "Prefill in the engine").
+#: prefill pass by more than the unpacking costs (docs/benchmarks.md "Cold prompts").
 GEMM_ROWS = 1024
 ROWS_HINT = 16  # oneDNN's pack is laid out for a batched decode step's rows and serves any number
 
