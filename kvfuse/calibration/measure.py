@@ -85,12 +85,15 @@ def item_prompt(prompts: PromptBuilder, item: fictional_qa.Item | CalibrationIte
 class Tally:
     """One configuration's results over the items it ran on (the first ``len(hits)`` items)."""
 
-    correct: int = 0
     hits: list[bool] = field(default_factory=list)  # per item, in order: correct or not
     kl: list[float] = field(default_factory=list)
     nll: list[float] = field(default_factory=list)
     ttft_s: list[float] = field(default_factory=list)
     eliminated_after: int | None = None  # items run when it could no longer reach the target
+
+    @property
+    def correct(self) -> int:
+        return sum(self.hits)
 
 
 @dataclass(frozen=True)
@@ -216,7 +219,6 @@ def judge(text: str, item, reference: str) -> bool:
 
 
 def _record(tally: Tally, ok: bool, ttft_s: float) -> None:
-    tally.correct += ok
     tally.hits.append(ok)
     tally.ttft_s.append(ttft_s)
 
