@@ -17,6 +17,13 @@ computed), what the tiers stored and removed (``stored`` / ``removed``), and del
 It remembers at most ``capacity`` chunks, least recently announced first out: a chunk it forgets
 gets its ``BlockRemoved`` events then, so a router never holds a block kvfuse could no longer
 retract. Each remembered chunk costs its hashes (8 bytes a block) and a few words.
+
+Chunks overlap: a tail and the longer tail or full chunk that later covers the same tokens
+announce the same hashes for the blocks they share (``blocks.py``), and a router keeps one entry
+per block and tier. So a chunk leaving a tier retracts only the blocks no other chunk announced
+in that tier still holds (a prompt's tail evicted before the conversation's longer tail must not
+take that tail's first blocks out of the router's index). Chunks that share any block share their
+first one (the hashes chain), so the check looks only at the chunks with the same first hash.
 """
 
 from __future__ import annotations
@@ -74,6 +81,11 @@ class _Chunk:
     def __init__(self, hashes: bytes, parent: int | None, tokens: bytes) -> None:
         self.hashes, self.parent, self.tokens, self.tiers = hashes, parent, tokens, 0
 
+    @property
+    def first(self) -> int:
+        """The first block's hash: chunks sharing any block share this one."""
+        return int.from_bytes(self.hashes[:8], "big")
+
 
 class Tracker:
     """See the module docstring. ``tiers``: each tier's medium, by its index in the store."""
@@ -88,6 +100,7 @@ class Tracker:
         self.tiers = tuple(tiers)
         self.block_size, self.chunk_size, self.capacity = block_size, chunk_size, capacity
         self._chunks: OrderedDict[ChunkKey, _Chunk] = OrderedDict()
+        self._by_first: dict[int, list[ChunkKey]] = {}  # the chunks starting with a block
         self.stats = TrackerStats()
 
     def __len__(self) -> int:
@@ -121,7 +134,9 @@ class Tracker:
         if not blocks.count:
             return []
         toks = block_tokens(tokens, blocks.count, self.block_size)
-        self._chunks[key] = _Chunk(pack_hashes(blocks.hashes), blocks.parent, pack_tokens(toks))
+        chunk = _Chunk(pack_hashes(blocks.hashes), blocks.parent, pack_tokens(toks))
+        self._chunks[key] = chunk
+        self._by_first.setdefault(chunk.first, []).append(key)
         self.stats.add(described=1)
         return self._make_room()
 
@@ -160,26 +175,30 @@ class Tracker:
             return []
         chunk.tiers &= ~(1 << tier)
         if not chunk.tiers:
-            del self._chunks[key]
-        return [self._removal(chunk.hashes, tier)]
+            self._forget(key)
+        return self._removal(chunk, tier)
 
     def freed(self, keys: Sequence[ChunkKey]) -> list[Event]:
         """``keys`` were deleted from every tier by key (a deleted stored response's entries):
         their removals from every tier they were announced in, the shared ones included (which
         do not report deletions themselves)."""
         removals: list[Event] = []
-        for key in keys:
-            chunk = self._chunks.pop(key, None)
-            if chunk is not None:
-                removals += self._removals(chunk)
+        gone = [(k, self._chunks.get(k)) for k in keys]
+        gone = [(k, c) for k, c in gone if c is not None]
+        for key, _ in gone:  # all of them first: they do not hold each other's blocks
+            self._forget(key)
+        for _, chunk in gone:
+            removals += self._removals(chunk)
         return removals
 
     def cleared(self, prefix: str) -> list[Event]:
         """Every chunk under the storage-key ``prefix`` was deleted from every tier."""
         doomed = [k for k in self._chunks if str(k).startswith(prefix)]
         removals: list[Event] = []
+        chunks = [self._chunks[k] for k in doomed]
         for key in doomed:
-            chunk = self._chunks.pop(key)
+            self._forget(key)
+        for chunk in chunks:
             removals += self._removals(chunk)
         # The memory and disk tiers report their deletions one by one before this arrives, so
         # ``doomed`` may be empty: what counts is that nothing announced is left.
@@ -193,19 +212,40 @@ class Tracker:
         """Forget the least recently announced chunks beyond ``capacity``, retracting them."""
         events: list[Event] = []
         while len(self._chunks) > self.capacity:
-            _, chunk = self._chunks.popitem(last=False)
+            key = next(iter(self._chunks))
+            chunk = self._chunks[key]
+            self._forget(key)
             self.stats.add(forgotten=1)
             events += self._removals(chunk)
         return events
 
+    def _forget(self, key: ChunkKey) -> None:
+        """Drop ``key`` from the chunks remembered (and from its first block's list)."""
+        chunk = self._chunks.pop(key)
+        siblings = self._by_first[chunk.first]
+        siblings.remove(key)
+        if not siblings:
+            del self._by_first[chunk.first]
+
     def _removals(self, chunk: _Chunk) -> list[Event]:
         return [
-            self._removal(chunk.hashes, t) for t in range(len(self.tiers)) if chunk.tiers >> t & 1
+            e
+            for t in range(len(self.tiers))
+            if chunk.tiers >> t & 1
+            for e in self._removal(chunk, t)
         ]
 
-    def _removal(self, packed: bytes, tier: int) -> BlockRemoved:
+    def _removal(self, chunk: _Chunk, tier: int) -> list[Event]:
+        """The retraction of ``chunk``'s blocks from ``tier`` (already forgotten there): those no
+        remembered chunk announced in ``tier`` still holds; none when every one is held."""
+        held: set[int] = set()
+        for key in self._by_first.get(chunk.first, ()):
+            other = self._chunks[key]
+            if other.tiers >> tier & 1:
+                held.update(unpack_hashes(other.hashes))
+        hashes = [h for h in unpack_hashes(chunk.hashes) if h not in held]
+        if not hashes:
+            return []
         m = self.tiers[tier]
         self.stats.add(removed_events=1)
-        return BlockRemoved(
-            block_hashes=unpack_hashes(packed), medium=m.medium, ownership=m.ownership
-        )
+        return [BlockRemoved(block_hashes=hashes, medium=m.medium, ownership=m.ownership)]

@@ -114,6 +114,24 @@ def test_removed_and_forgotten_retract_what_was_announced():
     assert events[0].medium == "REDIS" and len(t) == 2 and t.stats.forgotten == 2
 
 
+def test_overlapping_chunks_retract_only_blocks_no_other_holds():
+    t, sp = tracker(), spans()
+    short, longer = IDS[:12], IDS[:20]  # a prompt's tail (1 block), the turn's tail (2 blocks)
+    keys = [tail_key(None, short, NS), tail_key(None, longer, NS)]
+    t.describe(NS, IDS, [Span(keys[0], 0, 12), Span(keys[1], 0, 20), sp[0]])
+    tails = [t.stored(0, k)[0] for k in keys]
+    (chunk,) = t.stored(0, sp[0].key)
+    assert tails[1].block_hashes == chunk.block_hashes[:2]
+    t.stored(1, keys[0])
+    assert t.removed(0, keys[0]) == []  # its block is the longer tail's and the chunk's too
+    (redis,) = t.removed(1, keys[0])  # nothing else was announced in Redis
+    assert redis.block_hashes == tails[0].block_hashes and redis.medium == "REDIS"
+    (gone,) = t.removed(0, sp[0].key)  # the longer tail still holds the first two
+    assert gone.block_hashes == chunk.block_hashes[2:]
+    (last,) = t.freed([keys[1]])
+    assert last.block_hashes == tails[1].block_hashes and len(t) == 0
+
+
 def test_cleared_and_freed():
     t, sp = tracker(), spans()
     t.describe(NS, IDS, sp)
