@@ -7,7 +7,11 @@ A request writes at three moments:
 - after its prefill (``after_prefill``): the entries read from below memory are promoted into
   memory, the plan's new chunks and the partial chunks its cache breakpoints mark are saved (its
   content chunks, with automatic reuse, unless a tier holds them already), and the entries it
-  reused are kept at least as long as it asks (``retention.keep_until``);
+  reused are kept at least as long as it asks (``retention.keep_until``). When the server
+  publishes KV events, a plain prompt with history on also saves its partial last chunk, in
+  memory only (``prompt_tail``): its history is saved, and announced, only after the answer's
+  last token went out, so a client's next turn could reach a router first; this way the router
+  has seen the conversation's blocks since the prefill (a short chat's only blocks are its tail);
 - when its turn ends (``after_turn``): for a plain prompt, the ids its KV holds are recorded in the
   history index and the entries its prompt's chunks do not cover (the answer's chunks, the partial
   last chunk as a tail) are saved; without history, the answer's whole chunks when it asks to
@@ -36,7 +40,14 @@ from kvfuse.models.cache import KVCache
 from kvfuse.store import TieredStore
 
 from .options import CacheOptions
-from .planner import Load, Save, breakpoint_saves, generated_saves, history_entries
+from .planner import (
+    Load,
+    Save,
+    breakpoint_saves,
+    generated_saves,
+    history_entries,
+    tail_saves,
+)
 from .retention import Retention, keep_until, write_policy
 from .saver import Saver, SyncSaver
 from .state import Reuse
@@ -99,11 +110,25 @@ class CacheWriter:
             )
         if saves:
             r.usage.stored += self.save(r, kv, ids, saves, skip_held=len(saves) > planned)
+        tail = self.prompt_tail(r, {s.key for s in saves})
+        if tail:  # a copy for the router's sake: not counted as written, never below memory
+            r.usage.stored += self.save(r, kv, ids, tail, True, written=False, memory_only=True)
         content = [s for s in plan.saves if s.key.kind is ChunkKind.CONTENT]
         # a copy of KV saved under the chain too, or found spans' neighbours: not counted as written
         if content:
             r.usage.stored += self.save(r, kv, ids, content, skip_held=True, written=False)
         self.retain(r, plan.loads)
+
+    def prompt_tail(self, r: Reuse, planned: set[ChunkKey]) -> list[Save]:
+        """The prompt's partial last chunk, saved at prefill where KV events are published and
+        the turn's history will be kept (see the module docstring); else nothing."""
+        prompt = r.prompt
+        if self.events is None or self.history is None or r.keys is None:
+            return []
+        if not prompt.is_prefix_only or r.plan.blended:
+            return []
+        n = len(prompt.ids)
+        return tail_saves(prompt.ids, r.keys.prefix, [n], self.chunk_size, r.namespace, planned)
 
     def after_turn(self, r: Reuse, kv: KVCache, generated: list[int]) -> None:
         """The turn is over: keep its history (a plain prompt with history on), or store the
@@ -148,10 +173,12 @@ class CacheWriter:
         spans: list[Save],
         skip_held: bool = False,
         written: bool = True,
+        memory_only: bool = False,
     ) -> int:
         """Save spans of a request's live cache ``kv`` (``ids``: the token id of each of its
         slots), each group of spans with its write policy, through the saver. Returns how many
-        entries. ``written``: count the prompt tokens in the request's ``written`` tokens."""
+        entries. ``written``: count the prompt tokens in the request's ``written`` tokens;
+        ``memory_only``: keep them in memory whatever the policy says."""
         n = r.prompt_len
         if self.events is not None:  # before the saver's tier puts announce them
             self.events.describe(r.namespace, ids, spans)
@@ -159,7 +186,8 @@ class CacheWriter:
             r.usage.written += sum(min(s.end, n) - s.start for s in spans if s.start < n)
         groups: dict[tuple[float | None, bool], list[Save]] = {}
         for s in spans:
-            groups.setdefault(self.policy(r.cache, s.end), []).append(s)
+            expires_at, memory = self.policy(r.cache, s.end)
+            groups.setdefault((expires_at, memory or memory_only), []).append(s)
         return sum(
             self.saver.save(
                 kv, self.codec, group, ids, skip_held, expires_at=expires_at, memory_only=memory

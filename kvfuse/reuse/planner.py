@@ -49,7 +49,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from kvfuse.history.align import Run
 from kvfuse.history.records import StoredEntry
@@ -422,8 +422,25 @@ def breakpoint_saves(
     is inside the prompt and not on a chunk boundary, the partial chunk ``[b - b % chunk_size, b)``
     as a tail entry after the chain (the key ``tail_probe`` finds for a later prompt with the same
     first ``b`` tokens). A boundary needs nothing: the whole chunk before it is an entry already."""
+    return tail_saves(
+        ids, chain, {bp.position for bp in breakpoints}, chunk_size, namespace, planned
+    )
+
+
+def tail_saves(
+    ids: Sequence[int],
+    chain: Sequence[ChunkKey],
+    positions: Iterable[int],
+    chunk_size: int,
+    namespace: Namespace,
+    planned: set[ChunkKey] = frozenset(),
+) -> list[Save]:
+    """The partial chunks ``[b - b % chunk_size, b)`` of a prompt's ``ids`` ending at each of
+    ``positions`` inside it and off a chunk boundary, as tail entries after the ``chain``, less
+    those ``planned`` already (``breakpoint_saves``; the prompt's own last partial chunk, which a
+    server publishing KV events saves at prefill so that routers see it while the answer runs)."""
     out: list[Save] = []
-    for b in sorted({bp.position for bp in breakpoints}):
+    for b in sorted(set(positions)):
         k = b // chunk_size
         if b > len(ids) or b % chunk_size == 0 or k > len(chain):
             continue

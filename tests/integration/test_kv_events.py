@@ -89,6 +89,32 @@ def test_a_prompt_announces_its_blocks_in_memory_then_on_disk(server, sub):
     assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # no gaps
 
 
+def test_a_prompts_last_blocks_are_announced_before_its_answer_ends(server, sub):
+    """A router sees a conversation's partial last chunk from its prefill on (saved in memory
+    then), not only once the turn's history is saved after the answer: a client's next turn can
+    reach the router before that (cache_writer.prompt_tail)."""
+    # text of its own, never periodic: no other block (LONG's late tail, this prompt's whole
+    # chunks) may start with the tail's first block
+    crossings = " ".join(f"Crossing {i} carried {i * 7 % 13} travellers." for i in range(90))
+    messages = [{"role": "user", "content": "Tell of the ferryman's night. " + crossings}]
+    ids = httpx.post(server.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    start, n = len(ids) // 256 * 256, len(ids)
+    assert n - start >= 16  # a whole block past the last full chunk
+    client = OpenAI(base_url=server.base_url, api_key="x")
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40)
+    assert answer.usage.completion_tokens >= 16  # the turn's tail has blocks the prompt's lacks
+
+    def tails(events):
+        return [e for e in stored(events, "CPU") if e.token_ids[:16] == ids[start : start + 16]]
+
+    got = collect(sub, lambda ev: len(tails(ev)) >= 2)
+    by_seq = [(seq, e) for seq, e in got if e in tails([e])]
+    (prompt_seq, prompt_tail), (turn_seq, turn_tail) = by_seq[:2]
+    assert prompt_tail.token_ids == ids[start : start + (n - start) // 16 * 16]
+    assert len(turn_tail.token_ids) > len(prompt_tail.token_ids) and prompt_seq <= turn_seq
+    assert turn_tail.block_hashes[: len(prompt_tail.block_hashes)] == prompt_tail.block_hashes
+
+
 def test_clear_retracts_and_metrics_count(server, sub):
     client = OpenAI(base_url=server.base_url, api_key="x")
     client.chat.completions.create(model=MODEL, messages=LONG, max_tokens=2)
