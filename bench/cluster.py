@@ -15,6 +15,12 @@ requests are answered; failed requests, answers that differ from the run without
 whether each user's first turn after the kill reused its history (the killed server's users
 through the shared Redis tier).
 
+A policy ``kv_aware+affinity`` runs kv_aware with its session affinity (bench/lib/cluster.py
+VARIANTS); --no-shared-tier runs the servers without Redis (each its memory and disk), where a
+turn sent to another server recomputes its history. Each pass keeps its requests (``rows``: key,
+prompt and cached tokens, TTFT) and "p95 later", the TTFT p95 of the turns after each user's
+first; --router-log-level debug logs kv_aware's per-request prefix credit in router-POLICY.log.
+
 Results: docs/bench/cluster.json and .png (cluster-quick with --smoke). Targets printed as
 pass/fail from the measurements. Needs redis-server and vllm-router (bash bench/setup_router.sh).
 
@@ -46,6 +52,7 @@ from bench.lib.cluster import (  # noqa: E402
     kill_summary,
     median_of,
     rag_users,
+    request_rows,
     router_command,
     summarize_pass,
 )
@@ -71,6 +78,15 @@ def args_parser():
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--kill-policy", default="consistent_hash", help="policy of the kill run")
     p.add_argument("--no-kill", action="store_true", help="skip the kill run")
+    p.add_argument("--no-shared-tier", action="store_true",
+                   help="servers without the shared Redis tier (memory and disk each): a turn "
+                   "sent to another server recomputes its history (no kill run)")  # fmt: skip
+    p.add_argument("--router-args", default="",
+                   help="more vllm-router flags for every run, e.g. "
+                   "'--kv-aware-session-affinity-ttl-secs 300'")  # fmt: skip
+    p.add_argument("--router-log-level", default="info",
+                   help="vllm-router's --log-level (debug: kv_aware's per-request prefix scores, "
+                   "in the logs folder's router-POLICY.log)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="2 servers, 2 users x 2 turns, 2 policies")
     return p
 
@@ -94,7 +110,8 @@ class Cluster:
             events = free_port()
             config = {
                 "model": args.model,
-                "cache": {"redis_url": redis.url, "disk_path": str(workdir / f"disk-{i}")},
+                "cache": {"disk_path": str(workdir / f"disk-{i}")}
+                | ({} if args.no_shared_tier else {"redis_url": redis.url}),
                 "server": {"kv_events_block_size": BLOCK, "cached_tokens": "exact"},
             }
             srv = ServerProcess(
@@ -118,6 +135,7 @@ class Cluster:
         live = self.live()
         cmd = router_command(ROUTER, self.router_port, policy, [s.url for s in live],
                              [s.events_url for s in live], BLOCK, self.args.model)  # fmt: skip
+        cmd += ["--log-level", self.args.router_log_level, *self.args.router_args.split()]
         log = open(self.workdir / f"router-{policy}.log", "ab")
         self.router = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{self.router_port}"
@@ -265,6 +283,7 @@ def one_run(cluster: Cluster, policy: str, users: list[User], args) -> tuple:
         cluster.stop_router()
     errors = [s["error"] for s in samples if not s["ok"]]
     summary = {**summarize_pass(samples, wall), "wall_s": round(wall, 2), "errors": errors[:5]}
+    summary["rows"] = request_rows(samples)
     return summary, {s["key"]: s["text"] for s in samples if s["ok"]}
 
 
@@ -342,13 +361,14 @@ def reference_of(chats: list[dict[str, str]]) -> tuple[dict[str, str], int | Non
 def report(passes: dict, kill: dict | None) -> tuple[dict, list[dict]]:
     """The medians by workload and policy, printed as a table, and the targets, printed."""
     medians = {w: {p: median_of(ps) for p, ps in by.items() if ps} for w, by in passes.items()}
-    rows = [[w, p, m["hit_share"], m["ttft_p50_ms"], m["ttft_p95_ms"], m["req_s"],
-             m["out_tok_s"], m["failed"]]
+    rows = [[w, p, m["hit_share"], m["ttft_p50_ms"], m["ttft_p95_ms"], m.get("ttft_p95_later_ms"),
+             m["req_s"], m["out_tok_s"], m["failed"]]
             for w, by in medians.items() for p, m in by.items()]  # fmt: skip
     results.print_table(
-        ["workload", "policy", "hit share", "TTFT p50 ms", "p95 ms", "req/s", "tok/s", "failed"],
+        ["workload", "policy", "hit share", "TTFT p50 ms", "p95 ms", "p95 later", "req/s", "tok/s",
+         "failed"],
         rows,
-    )
+    )  # fmt: skip
     if kill is not None:
         print(f"kill run ({kill['policy']}, {kill['killed']} killed): failed {kill['failed']}, "
               f"differing answers after the kill {kill['wrong_answers']}/{kill['compared']} "
@@ -398,7 +418,7 @@ def main() -> None:
                 s.start(timeout=900)
             passes, chats = measure(cluster, args, loads)
             kill = None
-            if not args.no_kill and "chat" in loads:
+            if not args.no_kill and not args.no_shared_tier and "chat" in loads:
                 kill = kill_run(cluster, args, loads["chat"], chats)
         finally:
             cluster.stop_router()

@@ -4,7 +4,8 @@
 # machine (and for bench/cluster.py's layout); a real deployment runs one server per machine.
 #
 #   scripts/cluster.sh start [-n N] [--policy P] [--model M] [--base-port P] [--router-port P]
-#                            [--redis-url URL] [--threads T] [--run-dir DIR] [-- SERVE-ARGS...]
+#                            [--redis-url URL] [--threads T] [--run-dir DIR]
+#                            [--session-affinity SECS] [-- SERVE-ARGS...]
 #   scripts/cluster.sh status [--run-dir DIR]
 #   scripts/cluster.sh stop   [--run-dir DIR]
 #
@@ -13,7 +14,9 @@
 #   (cores / N by default: the servers split the machine) and its own disk tier under the run
 #   directory, then vllm-router on router-port with the policy (kv_aware gets every server's
 #   --kv-event-source and --kv-event-block-size 16, kvfuse's server.kv_events_block_size) and
-#   the failover flags (FAILOVER below; docs/deploy.md "When a server dies").
+#   the failover flags (FAILOVER below; docs/deploy.md "When a server dies"). --session-affinity
+#   (kv_aware only) keeps an active X-Session-ID on its server for SECS after its last request
+#   (vllm-router's --kv-aware-session-affinity-ttl-secs; docs/deploy.md, which policy).
 # Every process's PID goes to RUN_DIR/*.pid with its command line beside it; stop ends exactly
 # those PIDs (SIGTERM, SIGKILL after 20 s), and only while the PID has the start time recorded, so
 # a PID reused by another process is never touched. Logs: RUN_DIR/*.log.
@@ -33,6 +36,7 @@ BASE_PORT=8201
 ROUTER_PORT=8000
 REDIS_URL=""
 THREADS=""
+AFFINITY=""
 BLOCK=16
 SERVE_ARGS=()
 # vllm-router's failover flags, as bench/lib/cluster.py's ROUTER_FAILOVER (a unit test keeps the
@@ -54,10 +58,14 @@ parse() {
             --redis-url) REDIS_URL="$2"; shift 2 ;;
             --threads) THREADS="$2"; shift 2 ;;
             --run-dir) RUN_DIR="$2"; shift 2 ;;
+            --session-affinity) AFFINITY="$2"; shift 2 ;;
             --) shift; SERVE_ARGS=("$@"); break ;;
             *) die "unknown argument: $1" ;;
         esac
     done
+    if [ -n "$AFFINITY" ] && [ "$POLICY" != kv_aware ]; then
+        die "--session-affinity is a kv_aware option (got --policy $POLICY)"
+    fi
 }
 
 # A PID file holds the PID, its start time (field 22 of /proc/PID/stat, which a reused PID does
@@ -130,6 +138,7 @@ start_router() {
     local extra=()
     if [ "$POLICY" = kv_aware ]; then
         extra=("${sources[@]}" --kv-event-block-size "$BLOCK" --kv-event-model "$MODEL")
+        [ -z "$AFFINITY" ] || extra+=(--kv-aware-session-affinity-ttl-secs "$AFFINITY")
     fi
     launch router "$ROUTER" --host 127.0.0.1 --port "$ROUTER_PORT" --policy "$POLICY" \
         --worker-urls "${urls[@]}" "${FAILOVER[@]}" ${extra[@]+"${extra[@]}"}

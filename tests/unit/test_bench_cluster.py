@@ -48,6 +48,14 @@ def test_ttft_percentiles_are_nearest_rank_in_ms():
     assert out["ttft_p50_ms"] == 300.0 and out["ttft_p95_ms"] == 1000.0
 
 
+def test_later_turns_p95_leaves_each_users_cold_first_turn_out():
+    s = [sample("a", 0, ttft=5.0), sample("a", 1, ttft=0.2), sample("b", 0, ttft=4.0),
+         sample("b", 1, ttft=0.3), sample("b", 2, ttft=0.1)]  # fmt: skip
+    out = summarize_pass(s, wall_s=1.0)
+    assert out["ttft_p95_ms"] == 5000.0 and out["ttft_p95_later_ms"] == 300.0
+    assert summarize_pass(s[:1], wall_s=1.0)["ttft_p95_later_ms"] is None
+
+
 def test_a_pass_with_nothing_answered_has_no_rates_but_counts_failures():
     out = summarize_pass([sample(ok=False, ttft=None)], wall_s=0.0)
     assert out["failed"] == 1 and out["hit_share"] is None and out["ttft_p50_ms"] is None
@@ -130,6 +138,18 @@ def test_routing_targets_are_not_judged_without_their_policies():
     assert [t["pass"] for t in targets] == [None, None]
 
 
+def test_a_kv_aware_variant_is_judged_beside_the_plain_policy():
+    chat = {"kv_aware": figures(0.5, 100), "kv_aware+affinity": figures(0.7, 40),
+            "cache_aware": figures(0.6, 100), "round_robin": figures(0.4, 100)}  # fmt: skip
+    targets = check_targets({"chat": chat}, None)
+    assert [(t["target"].split(":")[1].split()[0], t["pass"]) for t in targets] == [
+        ("kv_aware", False),
+        ("TTFT", False),
+        ("kv_aware+affinity", True),
+        ("TTFT", True),
+    ]
+
+
 @pytest.mark.parametrize(
     "failed,wrong,reusing,users,want",
     [(0, 0, 3, 3, [True, True, True]), (1, 0, 3, 3, [False, True, True]),
@@ -157,6 +177,13 @@ def test_rag_users_share_documents_but_never_a_whole_prompt():
     heads = {p.split("\n\nQuestion")[0] for p in prompts}
     assert len(heads) == 2  # two shared document sets, each a byte-equal prefix
     assert not any(u.history for u in users)
+
+
+def test_router_command_runs_a_variant_as_its_policy_with_its_flags():
+    cmd = router_command("r", 9, "kv_aware+affinity", ["http://a"], ["tcp://a:1"], 16, "m")
+    assert cmd[cmd.index("--policy") + 1] == "kv_aware"
+    assert cmd[cmd.index("--kv-aware-session-affinity-ttl-secs") + 1] == "300"
+    assert "--kv-event-source" in cmd
 
 
 @pytest.mark.parametrize(
