@@ -2,9 +2,10 @@
 
 For each built-in model, on the **test** split of fictional QA (``kvfuse.calibration.fictional_qa``;
 the budgets were chosen on dev by ``kvfuse calibrate``), this measures full prefill, full reuse,
-each ``--methods`` selection method at each ``--ratios`` budget (with the document context of the model's profile), and the
-model's ``auto`` blend (its shipped profile: the method and budget calibration chose, or no
-blending), with ``kvfuse.calibration.measure``:
+each ``--methods`` selection method at each ``--ratios`` budget (with the document context of
+the model's profile, and with each of ``--contexts``), and the model's ``auto`` blend (its
+shipped profile: the method and budget calibration chose, or no blending), with
+``kvfuse.calibration.measure``:
 
 - accuracy: correct answers as a fraction of full prefill's (the target: >= 0.95);
 - KL: mean KL(full prefill || blend) along full prefill's answer, as a fraction of full reuse's
@@ -35,7 +36,7 @@ from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.lib.cli import add_common
+from bench.lib.cli import add_common, csv
 from bench.lib.paths import OUT
 from bench.lib.results import environment, plot_path, print_table, write_json
 from kvfuse.calibration import fictional_qa
@@ -57,12 +58,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--methods", default="hkvd,sinks+hkvd", help="selection methods, comma-separated"
     )
+    p.add_argument(
+        "--contexts",
+        default="",
+        help="also each method with these document contexts (blend.document_context: bos, eos, "
+        "none, prefix), comma-separated; the profile's context otherwise",
+    )
     add_common(p, "home")
     add_common(p, ("out", {"default": str(OUT / "blend_curve")}))
     p.add_argument(
         "--combine", nargs="+", metavar="JSON", help="measure nothing: merge these runs' JSON"
     )
     return p.parse_args(argv)
+
+
+def progress_line(model: str):
+    """``measure``'s progress callback: a line per item done."""
+
+    def line(p) -> None:
+        print(f"  {model}: {p.done}/{p.total} items ({p.elapsed_s:.0f}s)", flush=True)
+
+    return line
 
 
 def run_model(model: str, args, home: Path) -> dict:
@@ -80,16 +96,16 @@ def run_model(model: str, args, home: Path) -> dict:
     auto = engine.cache.blend  # the shipped profile's blend (or the conservative default)
     context = auto.document_context
     base = BlendOptions(recompute_ratio=0.15, document_context=context)
-    configs = configurations(
-        args.methods.split(","), [float(r) for r in args.ratios.split(",")], base
-    )
+    methods = args.methods.split(",")
+    variants = [{"method": m, "document_context": c} for c in csv(args.contexts) for m in methods]
+    configs = configurations(methods, [float(r) for r in args.ratios.split(",")], base, variants)
     configs["auto"] = replace(auto, store_blended=False)
     items = fictional_qa.items(args.split, args.items)
     report = measure(
         engine,
         items,
         configs,
-        progress=lambda n, total, s: print(f"  {model}: {n}/{total} items ({s:.0f}s)", flush=True),
+        progress=progress_line(model),
     )
     engine.close()
     full, reuse = report.tallies["full prefill"], report.tallies["full reuse"]
