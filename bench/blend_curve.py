@@ -161,6 +161,22 @@ def report(results: list[dict]) -> None:
         )
 
 
+def series(rows: dict[str, dict]) -> dict[str, list[tuple[float, dict]]]:
+    """The curves in a model's rows: a configuration named ``"<series> <ratio>"`` (``"hkvd 0.3"``,
+    ``"sinks method=sinks document_context=eos 0.15"``) is a point of its series at that budget;
+    full prefill, full reuse and auto are not series. Points sorted by budget."""
+    out: dict[str, list[tuple[float, dict]]] = {}
+    for name, row in rows.items():
+        label, _, ratio = name.rpartition(" ")
+        try:
+            budget = float(ratio)
+        except ValueError:
+            continue
+        if label and name != "full reuse":
+            out.setdefault(label, []).append((budget, row))
+    return {k: sorted(v, key=lambda p: p[0]) for k, v in sorted(out.items())}
+
+
 def plot(results: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -172,14 +188,10 @@ def plot(results: list[dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ("-", "--", ":", "-.")
     for color, r in zip(colors, results):
-        methods = sorted({name.split()[0] for name in r["rows"]} - {"full", "auto"})
-        for style, method in zip(("-", "--", ":", "-."), methods):
-            pts = sorted(
-                (float(name.split()[-1]), x)
-                for name, x in r["rows"].items()
-                if name.split()[0] == method
-            )
+        for i, (method, pts) in enumerate(series(r["rows"]).items()):
+            style = styles[i % len(styles)]
             pts = [(0.0, r["rows"]["full reuse"])] + pts
             for ax, key in zip(axes, ("accuracy_vs_full", "kl_vs_full_reuse")):
                 ax.plot(
