@@ -17,9 +17,14 @@ through the shared Redis tier).
 
 A policy ``kv_aware+affinity`` runs kv_aware with its session affinity (bench/lib/cluster.py
 VARIANTS); --no-shared-tier runs the servers without Redis (each its memory and disk), where a
-turn sent to another server recomputes its history. Each pass keeps its requests (``rows``: key,
-prompt and cached tokens, TTFT) and "p95 later", the TTFT p95 of the turns after each user's
-first; --router-log-level debug logs kv_aware's per-request prefix credit in router-POLICY.log.
+turn sent to another server recomputes its history. --system-chars N starts every chat with
+the same N-character system message, computed on every server before a pass (its KV is the only
+thing a pass does not start cold with): a deployment's system prompt is hot all day, so users'
+first turns are then not cold prefills under any policy; --stagger S spreads the users'
+arrivals S seconds apart (by default they all start at once). Each pass keeps its requests
+(``rows``: key, prompt and cached tokens, TTFT) and "p95 later", the TTFT p95 of the turns after
+each user's first; --router-log-level debug logs kv_aware's per-request prefix credit in
+router-POLICY.log.
 
 Results: docs/bench/cluster.json and .png (cluster-quick with --smoke). Targets printed as
 pass/fail from the measurements. Needs redis-server and vllm-router (bash bench/setup_router.sh).
@@ -46,6 +51,8 @@ from bench.lib import results  # noqa: E402
 from bench.lib.cli import csv, parser  # noqa: E402
 from bench.lib.cluster import (  # noqa: E402
     User,
+    bounds,
+    chat_system,
     chat_users,
     check_targets,
     differing,
@@ -53,6 +60,7 @@ from bench.lib.cluster import (  # noqa: E402
     median_of,
     rag_users,
     request_rows,
+    round_ratios,
     router_command,
     summarize_pass,
 )
@@ -72,6 +80,13 @@ def args_parser():
     p.add_argument("--users", type=int, default=12, help="concurrent users (default 12)")
     p.add_argument("--turns", type=int, default=4, help="turns per user (default 4)")
     p.add_argument("--turn-chars", type=int, default=600, help="a chat message's characters")
+    p.add_argument("--system-chars", type=int, default=0,
+                   help="chat: every conversation starts with the same system message of this "
+                   "many characters, already in every server's cache when a pass starts (a "
+                   "deployment's system prompt is hot all day); 0: none")  # fmt: skip
+    p.add_argument("--stagger", type=float, default=0.0,
+                   help="seconds between users' arrivals (user i starts i x S seconds into the "
+                   "pass; 0: all at once, a burst of first turns)")  # fmt: skip
     p.add_argument("--doc-sets", type=int, default=3, help="RAG: shared document sets")
     p.add_argument("--docs", type=int, default=3, help="RAG: passages per set")
     p.add_argument("--doc-chars", type=int, default=1500, help="RAG: a passage's characters")
@@ -88,6 +103,9 @@ def args_parser():
                    help="vllm-router's --log-level (debug: kv_aware's per-request prefix scores, "
                    "in the logs folder's router-POLICY.log)")  # fmt: skip
     p.add_argument("--smoke", action="store_true", help="2 servers, 2 users x 2 turns, 2 policies")
+    p.add_argument("--replot", metavar="JSON",
+                   help="measure nothing: the table, targets and plot of an earlier run's JSON "
+                   "(rewritten with this version's fields)")  # fmt: skip
     return p
 
 
@@ -247,11 +265,13 @@ def sse_chunks(lines):
 
 
 def run_users(base_url: str, users: list[User], args, on_sample=None, stream=True) -> tuple:
-    """Every user in a thread of its own, its turns one after the other; (samples, wall s)."""
+    """Every user in a thread of its own, its turns one after the other, user i starting
+    ``i * args.stagger`` seconds after the first; (samples, wall s)."""
     samples: list[dict] = []
     lock = threading.Lock()
 
-    def one(user: User) -> None:
+    def one(user: User, delay: float) -> None:
+        time.sleep(delay)
         history = [{"role": "system", "content": user.system}] if user.system else []
         for t, text in enumerate(user.turns):
             msgs = history + [{"role": "user", "content": text}]
@@ -265,7 +285,9 @@ def run_users(base_url: str, users: list[User], args, on_sample=None, stream=Tru
                 history = msgs + [{"role": "assistant", "content": s["text"] or "(no answer)"}]
 
     t0 = time.monotonic()
-    threads = [threading.Thread(target=one, args=(u,)) for u in users]
+    threads = [
+        threading.Thread(target=one, args=(u, i * args.stagger)) for i, u in enumerate(users)
+    ]
     for th in threads:
         th.start()
     for th in threads:
@@ -273,9 +295,25 @@ def run_users(base_url: str, users: list[User], args, on_sample=None, stream=Tru
     return samples, time.monotonic() - t0
 
 
+def warm_systems(cluster: Cluster, users: list[User], args) -> None:
+    """Each live server computes and keeps the users' shared system messages (one request each,
+    straight to the server, not measured), its writes done, before the router starts: the state
+    of a deployment whose system prompt every server has served before."""
+    for system in sorted({u.system for u in users if u.system}):
+        for s in cluster.live():
+            body = {"model": args.model, "max_tokens": 1, "temperature": 0,
+                    "messages": [{"role": "system", "content": system},
+                                 {"role": "user", "content": "Hello."}]}  # fmt: skip
+            httpx.post(s.url + "/v1/chat/completions", json=body, timeout=600).raise_for_status()
+    for s in cluster.live():
+        flushed(s.url)
+
+
 def one_run(cluster: Cluster, policy: str, users: list[User], args) -> tuple:
-    """A cold run of one workload under one policy; (summary, outputs by request key)."""
+    """A cold run of one workload under one policy (but for the users' shared system messages,
+    warm on every server); (summary, outputs by request key)."""
     cluster.clear()
+    warm_systems(cluster, users, args)
     url = cluster.start_router(policy)
     try:
         samples, wall = run_users(url, users, args)
@@ -293,6 +331,7 @@ def kill_run(cluster: Cluster, args, users: list[User], chats: list[dict[str, st
     others). Not streamed: vllm-router retries a request whose worker dies before it answered,
     but cannot retry a stream it has begun relaying (docs/deploy.md, "When a server dies")."""
     cluster.clear()
+    warm_systems(cluster, users, args)
     url = cluster.start_router(args.kill_policy)
     total = sum(len(u.turns) for u in users)
     done, killed = [0], {"at": float("inf")}
@@ -320,7 +359,8 @@ def workloads(args) -> dict[str, list[User]]:
     out = {}
     for name in csv(args.workloads):
         if name == "chat":
-            out[name] = chat_users(args.users, args.turns, args.turn_chars, args.split)
+            system = chat_system(args.system_chars, args.split) if args.system_chars else ""
+            out[name] = chat_users(args.users, args.turns, args.turn_chars, args.split, system)
         elif name == "rag":
             out[name] = rag_users(
                 args.users, args.turns, args.doc_sets, args.docs, args.doc_chars, args.split
@@ -376,6 +416,9 @@ def report(passes: dict, kill: dict | None) -> tuple[dict, list[dict]]:
               f"{kill['differing_without_kill']}; not comparable {kill['not_comparable']}), "
               f"users reusing history after the kill "
               f"{kill['users_reusing_after_kill']}/{kill['users_after_kill']}")  # fmt: skip
+    for w, by in passes.items():
+        for p, ratios in round_ratios(by, "ttft_p95_ms").items():
+            print(f"{w}: TTFT p95 round_robin / {p}, round by round: {ratios}")
     targets = check_targets(medians, kill)
     for t in targets:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
@@ -383,15 +426,23 @@ def report(passes: dict, kill: dict | None) -> tuple[dict, list[dict]]:
     return medians, targets
 
 
-def plot(medians: dict, target: str) -> None:
+def plot(medians: dict, passes: dict, target: str) -> None:
+    """Medians as bars, the rounds' min and max as whiskers."""
     plt = results.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "hit_share", "cache-hit share"),
-                           (axes[1], "ttft_p95_ms", "TTFT p95 (ms)")):  # fmt: skip
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = ((axes[0], "hit_share", "cache-hit share"), (axes[1], "ttft_p95_ms", "TTFT p95 (ms)"),
+              (axes[2], "ttft_p95_later_ms", "TTFT p95, turns after the first (ms)"))  # fmt: skip
+    for ax, key, label in panels:
         for i, (w, by) in enumerate(medians.items()):
             names = list(by)
             xs = [j + 0.4 * i for j in range(len(names))]
-            ax.bar(xs, [by[p][key] or 0 for p in names], width=0.4, label=w)
+            ys = [by[p].get(key) or 0 for p in names]
+            spans = [bounds(passes[w][p], key) or (y, y) for p, y in zip(names, ys)]
+            err = [
+                [y - lo for y, (lo, _) in zip(ys, spans)],
+                [hi - y for y, (_, hi) in zip(ys, spans)],
+            ]
+            ax.bar(xs, ys, width=0.4, label=w, yerr=err, capsize=4)
             ax.set_xticks([j + 0.2 for j in range(len(names))], names, rotation=20)
         ax.set_title(label)
         ax.legend()
@@ -399,8 +450,23 @@ def plot(medians: dict, target: str) -> None:
     print("wrote", results.save_figure(fig, target))
 
 
+def replot(path: str) -> None:
+    """--replot: an earlier run's results reported, written and drawn again."""
+    import json
+
+    payload = json.loads(Path(path).read_text())
+    medians, targets = report(payload["passes"], payload.get("kill"))
+    payload |= {"medians": medians, "targets": targets, "p95_ratios_by_round": {
+        w: round_ratios(by, "ttft_p95_ms") for w, by in payload["passes"].items()}}  # fmt: skip
+    target = results.stem(Path(path))
+    print("wrote", results.write_json(target, payload))
+    plot(medians, payload["passes"], target)
+
+
 def main() -> None:
     args = args_parser().parse_args()
+    if args.replot:
+        return replot(args.replot)
     apply_smoke(args)
     args.home = args.home or str(default_home())
     if not Path(ROUTER).is_file():
@@ -426,10 +492,12 @@ def main() -> None:
                 s.close()
     medians, targets = report(passes, kill)
     name = results.output_name("cluster", args.tag, args.smoke)
+    ratios = {w: round_ratios(by, "ttft_p95_ms") for w, by in passes.items()}
     payload = {"split": args.split, "settings": {k: v for k, v in vars(args).items()},
-               "medians": medians, "passes": passes, "kill": kill, "targets": targets}  # fmt: skip
+               "medians": medians, "passes": passes, "kill": kill, "targets": targets,
+               "p95_ratios_by_round": ratios}  # fmt: skip
     print("wrote", results.write_json(name, payload))
-    plot(medians, name)
+    plot(medians, passes, name)
 
 
 if __name__ == "__main__":

@@ -67,9 +67,12 @@ class User:
     history: bool
 
 
-def chat_users(n_users: int, turns: int, chars: int, split: str = "dev") -> list[User]:
+def chat_users(
+    n_users: int, turns: int, chars: int, split: str = "dev", system: str = ""
+) -> list[User]:
     """The first ``n_users`` ShareGPT conversations with ``turns`` user messages or more, each
-    message cut to ``chars`` characters (the recorded answers are not used: the server answers)."""
+    message cut to ``chars`` characters (the recorded answers are not used: the server answers),
+    each after the same ``system`` message (none: the model's default)."""
     if split != "dev":
         raise ValueError(
             "the ShareGPT file here is the dev split only; the chat workload has no test"
@@ -80,10 +83,27 @@ def chat_users(n_users: int, turns: int, chars: int, split: str = "dev") -> list
             conv = json.loads(line)
             asks = [m["content"][:chars] for m in conv["messages"] if m["role"] == "user"]
             if len(asks) >= turns and all(a.strip() for a in asks[:turns]):
-                users.append(User(f"chat-{len(users)}", "", asks[:turns], True))
+                users.append(User(f"chat-{len(users)}", system, asks[:turns], True))
             if len(users) == n_users:
                 return users
     raise ValueError(f"fewer than {n_users} conversations with {turns} user turns")
+
+
+def chat_system(chars: int, split: str = "dev") -> str:
+    """A deployment's system message of ``chars`` characters, the same for every chat user: an
+    assistant's instructions, then reference notes (MuSiQue passages of the split, in order), as
+    a product's assistant carries its guidelines and knowledge in every conversation."""
+    head = (
+        "You are the assistant of a public reference library. Answer the visitor's messages "
+        "helpfully and briefly; where the notes below help, use them.\n\nReference notes:\n\n"
+    )
+    text = head
+    for ex in musique(split):
+        for c in ex["ctxs"]:
+            if len(text) >= chars:
+                return text[:chars]
+            text += c["text"] + "\n\n"
+    return text[:chars]
 
 
 def rag_system(example: dict, docs: int, chars: int) -> str:
@@ -160,6 +180,25 @@ def median_of(passes: list[dict]) -> dict:
         xs = [p[k] for p in passes if p.get(k) is not None]
         out[k] = statistics.median(xs) if xs else None
     return out
+
+
+def round_ratios(passes: dict[str, list[dict]], key: str, base: str = "round_robin") -> dict:
+    """Per policy, ``base``'s ``key`` over the policy's in each round (pass i of every policy ran
+    in round i), rounded: how a ratio of medians holds up round by round."""
+    out = {}
+    for policy, ps in passes.items():
+        if policy == base or base not in passes:
+            continue
+        pairs = zip(passes[base], ps)
+        out[policy] = [rounded(b[key] / x[key], 2) if b.get(key) and x.get(key) else None
+                       for b, x in pairs]  # fmt: skip
+    return out
+
+
+def bounds(passes: list[dict], key: str) -> tuple[float, float] | None:
+    """The smallest and largest ``key`` over one candidate's passes (None where none has it)."""
+    xs = [p[key] for p in passes if p.get(key) is not None]
+    return (min(xs), max(xs)) if xs else None
 
 
 def differing(texts: dict[str, str], reference: dict[str, str]) -> tuple[list[str], list[str]]:

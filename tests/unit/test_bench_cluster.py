@@ -16,12 +16,15 @@ sys.path.insert(0, str(REPO))
 
 from bench.lib.cluster import (  # noqa: E402
     ROUTER_FAILOVER,
+    bounds,
+    chat_system,
     chat_users,
     check_targets,
     differing,
     kill_summary,
     median_of,
     rag_users,
+    round_ratios,
     router_command,
     summarize_pass,
 )
@@ -170,6 +173,16 @@ def test_chat_users_replay_user_turns_cut_to_length():
         chat_users(1, 2, 50, split="test")
 
 
+@pytest.mark.parametrize("chars", [40, 300, 5000])
+def test_chat_users_share_one_system_message_of_the_length_asked(chars):
+    system = chat_system(chars)
+    assert len(system) == chars and system == chat_system(chars)  # deterministic
+    assert system.startswith("You are the assistant")
+    users = chat_users(3, 2, 50, system=system)
+    assert {u.system for u in users} == {system}
+    assert all(u.system == "" for u in chat_users(3, 2, 50))  # none by default
+
+
 def test_rag_users_share_documents_but_never_a_whole_prompt():
     users = rag_users(4, 2, doc_sets=2, docs=2, chars=100)
     prompts = [t for u in users for t in u.turns]
@@ -210,3 +223,21 @@ def test_cluster_sh_starts_the_router_with_the_same_failover_flags():
     array = re.search(r"^FAILOVER=\((.*?)\)$", text, re.S | re.M)
     assert array is not None
     assert tuple(shlex.split(array.group(1))) == ROUTER_FAILOVER
+
+
+def test_round_ratios_pair_each_policys_pass_with_round_robins_of_the_same_round():
+    passes = {
+        "round_robin": [{"p95": 1000.0}, {"p95": 900.0}, {"p95": 1200.0}],
+        "kv_aware": [{"p95": 500.0}, {"p95": 600.0}, {"p95": None}],
+        "cache_aware": [{"p95": 400.0}],
+    }
+    assert round_ratios(passes, "p95") == {"kv_aware": [2.0, 1.5, None], "cache_aware": [2.5]}
+    assert round_ratios({"kv_aware": [{"p95": 1.0}]}, "p95") == {}  # no baseline, no ratio
+
+
+@pytest.mark.parametrize(
+    "values, want",
+    [([3.0, 1.0, 2.0], (1.0, 3.0)), ([5.0], (5.0, 5.0)), ([None, 2.0], (2.0, 2.0)), ([None], None)],
+)
+def test_bounds_are_the_smallest_and_largest_of_the_rounds(values, want):
+    assert bounds([{"k": v} for v in values], "k") == want
