@@ -17,7 +17,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvfuse_testkit import ServerProcess, ensure_model, free_port
+from kvfuse_testkit import ensure_model, free_port
+from kvfuse_testkit.consumers import consumer, events_server, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -29,37 +30,7 @@ OTHER = "You are a canal lock keeper; you answer questions about barges and thei
 
 
 def _python() -> str:
-    if not Path(PYTHON).is_file():
-        pytest.skip(
-            f"no Dynamo venv at {PYTHON}: bash bench/setup_dynamo.sh (or KVFUSE_DYNAMO_PYTHON)"
-        )
-    return PYTHON
-
-
-def _server(home, tmp_path, name) -> ServerProcess:
-    port = free_port()
-    srv = ServerProcess(
-        home,
-        config={"model": MODEL, "cache": {"disk_path": str(tmp_path / name)}},
-        args=["--kv-events", f"tcp://127.0.0.1:{port}"],
-        log_path=tmp_path / f"{name}.log",
-    )
-    srv.events_url = f"tcp://127.0.0.1:{port}"
-    return srv
-
-
-def _wait_indexer(url: str, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the Dynamo indexer exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/workers", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the Dynamo indexer did not start: {log.read_text()[-3000:]}")
+    return consumer(PYTHON, "Dynamo venv", "bench/setup_dynamo.sh", "KVFUSE_DYNAMO_PYTHON")
 
 
 def _scores(url: str, ids: list[int]) -> dict[int, dict]:
@@ -92,7 +63,7 @@ def _ask(system: str) -> list[dict]:
 def test_dynamos_indexer_finds_each_prefix_on_the_server_holding_it(kvfuse_home, tmp_path):
     python = _python()
     ensure_model(kvfuse_home, MODEL)
-    a, b = _server(kvfuse_home, tmp_path, "a"), _server(kvfuse_home, tmp_path, "b")
+    a, b = (events_server(kvfuse_home, tmp_path, n, MODEL) for n in "ab")
     url, log_path = f"http://127.0.0.1:{free_port()}", tmp_path / "indexer.log"
     with a, b, open(log_path, "wb") as log:
         workers = f"1={a.events_url},2={b.events_url}"
@@ -101,7 +72,7 @@ def test_dynamos_indexer_finds_each_prefix_on_the_server_holding_it(kvfuse_home,
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
-            _wait_indexer(url, proc, log_path)
+            wait_ready(url + "/workers", proc, log_path, "the Dynamo indexer")
             time.sleep(1.0)  # its subscriptions reach the publishers before the first event
             ids = {}
             for srv, system in ((a, SYSTEM), (b, OTHER)):

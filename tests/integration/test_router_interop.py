@@ -17,6 +17,7 @@ import pytest
 from openai import OpenAI
 
 from kvfuse_testkit import ServerProcess, ensure_model, free_port
+from kvfuse_testkit.consumers import consumer, events_server, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -58,31 +59,15 @@ print(json.dumps({"kinds": kinds, "same_bytes": same, "batches": batches, "seqs"
 
 
 def _vllm_python() -> str:
-    if not Path(VLLM_PYTHON).is_file():
-        pytest.skip(
-            f"no vLLM venv at {VLLM_PYTHON}: bash bench/setup_vllm.sh (or KVFUSE_VLLM_PYTHON)"
-        )
-    return VLLM_PYTHON
+    return consumer(VLLM_PYTHON, "vLLM venv", "bench/setup_vllm.sh", "KVFUSE_VLLM_PYTHON")
 
 
 def _router() -> str:
-    if not Path(ROUTER).is_file():
-        pytest.skip(
-            f"no vllm-router at {ROUTER}: bash bench/setup_router.sh (or KVFUSE_VLLM_ROUTER)"
-        )
-    return ROUTER
+    return consumer(ROUTER, "vllm-router", "bench/setup_router.sh", "KVFUSE_VLLM_ROUTER")
 
 
 def _server(home, tmp_path, name) -> ServerProcess:
-    port = free_port()
-    srv = ServerProcess(
-        home,
-        config={"model": MODEL, "cache": {"disk_path": str(tmp_path / name)}},
-        args=["--kv-events", f"tcp://127.0.0.1:{port}"],
-        log_path=tmp_path / f"{name}.log",  # kept with the test's files, for a failure's story
-    )
-    srv.events_url = f"tcp://127.0.0.1:{port}"
-    return srv
+    return events_server(home, tmp_path, name, MODEL)
 
 
 def test_vllms_own_classes_decode_every_batch(kvfuse_home, tmp_path):
@@ -149,7 +134,8 @@ def test_kv_aware_routes_a_prefix_to_the_server_holding_it(kvfuse_home, tmp_path
                "--kv-event-source", f"{b.url}={b.events_url}"]  # fmt: skip
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_router(port, proc, tmp_path / "router.log")
+            wait_ready(f"http://127.0.0.1:{port}/health", proc, tmp_path / "router.log",
+                       "vllm-router")  # fmt: skip
             # each server holds one long system prompt (sent to it directly)
             for srv, system in ((a, SYSTEM), (b, OTHER)):
                 OpenAI(base_url=srv.base_url, api_key="x").chat.completions.create(
@@ -175,20 +161,6 @@ def test_kv_aware_routes_a_prefix_to_the_server_holding_it(kvfuse_home, tmp_path
 
 def _ask(system: str, question: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": question}]
-
-
-def _wait_router(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm-router exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"vllm-router did not start: {log.read_text()[-3000:]}")
 
 
 if __name__ == "__main__":
