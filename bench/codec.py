@@ -105,8 +105,16 @@ def parse_args(argv=None):
     p.add_argument(
         "--context",
         type=int,
-        default=8000,
-        help="SmolLM2 prompt budget in tokens (its window is 8192)",
+        default=None,
+        help="prompt budget in tokens, every model (default: SmolLM2 8000, its window being "
+        "8192; the others whole prompts)",
+    )
+    p.add_argument(
+        "--allocations",
+        choices=sorted(ALLOCATION_SETS),
+        default="design",
+        help="allocation part: the design rows (how the levels were chosen) or the levels' own "
+        "(where each level's loss sits, K channels equalized)",
     )
     p.add_argument(
         "--encodings",
@@ -424,6 +432,11 @@ def plot_size(res: dict, path: Path) -> None:
 # ------------------------------------------------------------------------------------------- quality
 
 
+def context_budget(args, name: str) -> int | None:
+    """A model's prompt budget: ``--context`` if given, else SmolLM2's window (8000 of 8192)."""
+    return args.context or (8000 if name == "smollm2" else None)
+
+
 def longchat(split: str) -> list[dict]:
     rows = [
         json.loads(line)
@@ -541,7 +554,7 @@ def run_quality(args, checkpoint=None) -> dict:
     out = {"split": args.split, "prompts": len(rows), "max_tokens": args.max_tokens, "models": {}}
     for name in args.models:
         m = load_model(name)
-        budget = args.context if name == "smollm2" else None
+        budget = context_budget(args, name)
         encodings = args.encodings.split(",") if args.encodings else ENCODINGS
         per = {e: {"correct": 0, "agree": 0, "kl": [], "nll": []} for e in ["lossless", *encodings]}
         truncated = 0
@@ -679,9 +692,22 @@ ALLOCATIONS = {
     "K 64->32, V 16->8 (level 2)": (LevelBins(64, 32, 16, 8), {}),
     "cachegen-table-3 (K,V 64->32)": (LevelBins(64, 32, 64, 32), {}),
 }
+# --allocations levels: kvfuse's levels as they are, then where each level's loss sits (K or V)
+# and whether equalizing K's channels (their abs-max over the chunk divided out before the
+# per-token quantization) removes it: a model whose keys carry a few large channels (Qwen2's
+# k_proj biases) spends a token's whole scale on them
+LEVEL_ALLOCATIONS = {
+    **{f"level {lv}": (LEVELS[lv], {}) for lv in (1, 2, 3)},
+    **{
+        f"level {lv}, K channels equalized": (LEVELS[lv], {"k_equalized": True}) for lv in (1, 2, 3)
+    },
+    "level 2, K raw": (LEVELS[2], {"k_raw": True}),
+    "level 2, V raw": (LEVELS[2], {"v_raw": True}),
+}
+ALLOCATION_SETS = {"design": ALLOCATIONS, "levels": LEVEL_ALLOCATIONS}
 
 
-def allocation_prompt(m, r: dict, budget, acc: dict) -> None:
+def allocation_prompt(m, r: dict, budget, acc: dict, allocations: dict) -> None:
     """One prompt: the lossless entries scored, then each bin allocation's simulated entries."""
     from kvfuse.engine import Engine
     from kvfuse.generation import SamplingParams
@@ -697,7 +723,7 @@ def allocation_prompt(m, r: dict, budget, acc: dict) -> None:
     acc["lossless"]["nll"].append(_nll(ref, cont))
     acc["lossless"]["kl"].append(0.0)
     entries = {k: raw.memory.get(k) for k in raw.memory.keys_lru()}
-    for a, (bins, opts) in ALLOCATIONS.items():
+    for a, (bins, opts) in allocations.items():
         tier = MemoryTier(1 << 34)
         for key, entry in entries.items():
             chunk = entry.chunk()
@@ -721,12 +747,13 @@ def run_allocation(args) -> dict:
     out = {"split": "dev", "prompts": len(rows), "models": {}}
     for name in args.models:
         m = load_model(name)
-        budget = args.context if name == "smollm2" else None
+        budget = context_budget(args, name)
+        allocations = ALLOCATION_SETS[args.allocations]
         acc = {
-            a: {"nll": [], "kl": [], "bits": 0.0, "values": 0} for a in ["lossless", *ALLOCATIONS]
+            a: {"nll": [], "kl": [], "bits": 0.0, "values": 0} for a in ["lossless", *allocations]
         }
         for r in rows:
-            allocation_prompt(m, r, budget, acc)
+            allocation_prompt(m, r, budget, acc, allocations)
             print(f"  {name}: prompt done", flush=True)
         base = statistics.mean(acc["lossless"]["nll"])
         out["models"][name] = {

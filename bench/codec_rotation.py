@@ -148,7 +148,7 @@ def run_rotation(args, checkpoint=None) -> dict:
     from kvfuse.models import load_model
 
     rows = longchat("test")[: args.limit or 3]
-    budget = args.context
+    budget = args.context or 8000
     encodings = args.encodings.split(",") if args.encodings else ENCODINGS
     out = {"split": "test", "prompts": len(rows), "context": budget, "models": {}}
     for name in args.models:
