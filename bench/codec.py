@@ -642,16 +642,52 @@ def report_fictional(res: dict) -> None:
         )
 
 
+def channel_scales(x: np.ndarray, cap: float | None, typical: bool = False) -> np.ndarray:
+    """Per-channel divisors of a ``(tokens, channels)`` part: each channel's abs-max over the
+    tokens (``cap`` None: every channel equalized), or only the channels above ``cap`` times the
+    median channel's abs-max, brought down to that (the others left as they are). ``typical``:
+    a channel's size is its median magnitude over the tokens instead of its abs-max (a channel
+    large in one token only, an attention sink's, is then not divided for all the others)."""
+    m = np.median(np.abs(x), 0) if typical else np.abs(x).max(0)
+    if cap is None:
+        return np.where(m > 0, m, 1).astype(np.float32)
+    ceiling = cap * float(np.median(m))
+    return np.where(m > ceiling, m / max(ceiling, 1e-30), 1).astype(np.float32)
+
+
+def split_quantize(x: np.ndarray, b: int, cap: float) -> tuple[np.ndarray, float]:
+    """``x`` ``(tokens, channels)`` with its outlier channels (abs-max over the tokens above
+    ``cap`` x the median channel's) quantized as a group of their own, each group with its own
+    per-token scale (no value's step is larger than in one row): values and bits (the stream
+    models' bound, both groups' scales, one bit per channel for the mask)."""
+    m = np.abs(x).max(0)
+    outlier = m > cap * np.quantile(m, 0.5, method="lower")
+    rec, bits = np.empty_like(x), float(x.shape[1])
+    for group in (outlier, ~outlier):
+        if not group.any():
+            continue
+        sym, sc = coded_layer.quantize(x[:, group], b)
+        centre, width = stream_models.fit(sym, b - 1)
+        bits += stream_models.ideal_bits(sym, centre, width, b - 1) + 16 * x.shape[0]
+        bits += 16 * int(group.sum())
+        rec[:, group] = coded_layer.dequantize(sym, sc, b)
+    return rec, bits
+
+
 def simulate(
     kv: torch.Tensor,
     bins: LevelBins,
     k_raw: bool = False,
     v_raw: bool = False,
     k_equalized: bool = False,
+    k_cap: float | None = None,
+    k_typical: bool = False,
+    k_split: float | None = None,
 ) -> tuple[torch.Tensor, float, int]:
     """``kv`` quantized and dequantized with ``bins`` (the codec's quantizer), the bits its stream
     models promise plus side information, and the number of values. ``k_equalized``: each K
-    channel divided by its abs-max over the chunk first (and multiplied back)."""
+    channel divided by its abs-max over the chunk first (and multiplied back); with ``k_cap``
+    only the channels above ``k_cap`` x the median channel's abs-max (``channel_scales``)."""
     L, _, T, H, D = kv.shape
     out, bits, n = kv.clone().float(), 0.0, 0
     for i in range(L):
@@ -661,12 +697,13 @@ def simulate(
                 bits += 16 * T * H * D
                 continue
             x = kv[i, part].float().reshape(T, H * D).numpy()
+            if part == 0 and k_split:
+                rec, b_bits = split_quantize(x, b, k_split)
+                bits += b_bits
+                out[i, part] = torch.from_numpy(rec).view(T, H, D)
+                continue
             eq = k_equalized and part == 0
-            cs = (
-                np.where(np.abs(x).max(0) > 0, np.abs(x).max(0), 1).astype(np.float32)
-                if eq
-                else None
-            )
+            cs = channel_scales(x, k_cap, k_typical) if eq else None
             sym, sc = coded_layer.quantize(x / cs if eq else x, b)
             centre, width = stream_models.fit(sym, b - 1)
             bits += (
@@ -701,6 +738,29 @@ LEVEL_ALLOCATIONS = {
     **{
         f"level {lv}, K channels equalized": (LEVELS[lv], {"k_equalized": True}) for lv in (1, 2, 3)
     },
+    **{
+        f"level {lv}, K channels over {cap:g}x the median capped": (
+            LEVELS[lv],
+            {"k_equalized": True, "k_cap": cap},
+        )
+        for lv in (1, 2)
+        for cap in (2.0, 4.0)
+    },
+    **{
+        f"level {lv}, K channels over {cap:g}x the median capped, by typical size": (
+            LEVELS[lv],
+            {"k_equalized": True, "k_cap": cap, "k_typical": True},
+        )
+        for lv in (1, 2, 3)
+        for cap in (4.0,)
+    },
+    **{
+        f"level {lv}, K's outlier channels (over 4x) a group of their own": (
+            LEVELS[lv],
+            {"k_split": 4.0},
+        )
+        for lv in (1, 2, 3)
+    },
     "level 2, K raw": (LEVELS[2], {"k_raw": True}),
     "level 2, V raw": (LEVELS[2], {"v_raw": True}),
 }
@@ -731,9 +791,12 @@ def allocation_prompt(m, r: dict, budget, acc: dict, allocations: dict) -> None:
             acc[a]["bits"] += bits
             acc[a]["values"] += n
             lossy_chunk = KVChunk(kv=lossy, positions=chunk.positions)
-            tier.put(key, encode_entry(lossy_chunk, key, get_codec("raw")))
+            tier.put(key, encode_entry(lossy_chunk, key, get_codec("raw"), entry.token_ids))
         lossy_engine = Engine(m, TieredStore(tier), _settings())
         lp = torch.log_softmax(lossy_engine.score(context, [cont])[0][:-1].float(), -1)
+        # an entry the engine could not use is removed from its tier: none may have been
+        if len(list(tier.keys_lru())) != len(entries):
+            raise RuntimeError(f"{a}: the simulated entries were not used (see the log above)")
         acc[a]["nll"].append(_nll(lp, cont))
         acc[a]["kl"].append(float((ref.exp() * (ref - lp)).sum(-1).mean()))
         lossy_engine.close()

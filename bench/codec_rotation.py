@@ -26,7 +26,7 @@ import statistics
 import torch
 
 from kvfuse.codecs import get_codec
-from kvfuse.codecs.cachegen import LEVELS, LevelBins
+from kvfuse.codecs.cachegen import K_CAP, LEVELS, LevelBins
 from kvfuse.codecs.cachegen_rot import HADAMARD, CacheGenRotCodec
 from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import encode_entry
@@ -50,10 +50,23 @@ def fp8_roundtrip(kv: torch.Tensor) -> torch.Tensor:
     return (q.float() * scale).to(kv.dtype)
 
 
+def family_of(encoding: str) -> str:
+    """ "cachegen", "cachegen-rot", "cachegen-cap" (CacheGen with K's outlier channels capped),
+    "int8", ...: what ``smallest_within`` chooses among."""
+    name = encoding.partition(".")[0]
+    return name + "-cap" if encoding.endswith("-cap") else name
+
+
 def parse_encoding(encoding: str, layer_types):
     """The codec of ``encoding``: ``NAME.LEVEL`` ("int8", "cachegen.2", "cachegen-rot.2"), with
-    ``-h`` for the rotation without sign flips ("cachegen-rot.2-h"), or bins probed below the
-    levels, ``NAME.kA-BvC-D`` (K A bins in the early layers, B later; V C, D)."""
+    ``-h`` for the rotation without sign flips ("cachegen-rot.2-h"), ``-cap`` for CacheGen with
+    K's outlier channels capped at ``K_CAP`` ("cachegen.2-cap"; without it, as for a model whose
+    profile has no cap), or bins probed below the levels, ``NAME.kA-BvC-D`` (K A bins in the
+    early layers, B later; V C, D)."""
+    if encoding.endswith("-cap"):
+        return parse_encoding(encoding.removesuffix("-cap"), layer_types).for_model(
+            layer_types, k_cap=K_CAP
+        )
     name, _, level = encoding.partition(".")
     level, _, variant = level.partition("-h") if level.endswith("-h") else (level, "", "")
     if level.startswith("k"):
@@ -138,7 +151,7 @@ def smallest_within(results: dict, family: str, limit: float = MAX_NLL_INCREASE)
     ok = [
         (v["bytes_per_token"], enc)
         for enc, v in results.items()
-        if enc.partition(".")[0] == family and v["nll_relative_increase"] <= limit
+        if family_of(enc) == family and v["nll_relative_increase"] <= limit
     ]
     return min(ok)[1] if ok else None
 
@@ -162,7 +175,7 @@ def run_rotation(args, checkpoint=None) -> dict:
                 "prompts_done": i + 1,
                 "results": res,
                 "smallest_within_2pct": {
-                    f: smallest_within(res, f) for f in ("cachegen", "cachegen-rot")
+                    f: smallest_within(res, f) for f in ("cachegen", "cachegen-cap", "cachegen-rot")
                 },
             }
             if checkpoint is not None:  # a run stopped for time still reports what it measured
@@ -205,11 +218,11 @@ def plot_rotation(res: dict, path) -> None:
     fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
     for ax, name in zip(axes[0], names):
         r = res["models"][name]["results"]
-        for fam, style in (("cachegen", "o-"), ("cachegen-rot", "s-")):
+        for fam, style in (("cachegen", "o-"), ("cachegen-cap", "^-"), ("cachegen-rot", "s-")):
             pts = sorted(
                 (v["ratio_vs_int8"], v["kl_mean"])
                 for e, v in r.items()
-                if e.partition(".")[0] == fam and e.partition(".")[2].isdigit()
+                if family_of(e) == fam and e.partition(".")[2].removesuffix("-cap").isdigit()
             )
             if pts:
                 ax.plot(*zip(*pts), style, label=fam)
@@ -221,6 +234,6 @@ def plot_rotation(res: dict, path) -> None:
         ax.set_ylabel("KL(lossless || encoding)")
         ax.set_title(name)
         ax.legend(fontsize=8)
-    fig.suptitle("CacheGen levels with and without Hadamard rotation (LongChat test)")
+    fig.suptitle("CacheGen: plain, K capped, rotated (LongChat test)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

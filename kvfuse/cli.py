@@ -844,11 +844,12 @@ def _calibrate_codec(args, config: Config, model) -> dict:
             chunk_size=config.cache.chunk_size,
             progress=lambda done, total: bar.update(1),
         )
-    print("  cachegen level   NLL      vs lossless  KL       vs int8  bytes/token")
+    print("  cachegen level  K cap  NLL      vs lossless  KL       vs int8  bytes/token")
     for row in codec["measured"]:
+        cap = "-" if row.get("k_cap") is None else f"{row['k_cap']:g}x"
         print(
-            f"  {row['level']:>14}   {row['nll']:<7.4f}  {row['nll_increase']:>+10.2%}   {row['kl']:<7.4f}  "
-            f"{row['ratio_vs_int8']:>6.2f}x  {row['bytes_per_token']:>11.1f}"
+            f"  {row['level']:>14}  {cap:>5}  {row['nll']:<7.4f}  {row['nll_increase']:>+10.2%}   "
+            f"{row['kl']:<7.4f}  {row['ratio_vs_int8']:>6.2f}x  {row['bytes_per_token']:>11.1f}"
         )
     return codec
 

@@ -43,11 +43,14 @@ class Codec(ABC):
             raise ValueError(f"codec {self.name!r} has no levels: use level=0, got {level}")
         self.level = level
 
-    def for_model(self, layer_types: Sequence[str], level: int = 0) -> Codec:
+    def for_model(
+        self, layer_types: Sequence[str], level: int = 0, k_cap: float | None = None
+    ) -> Codec:
         """This codec as it should encode the KV of a model whose layers are ``layer_types``
         ("full", "sliding", ...) and whose calibrated level is ``level`` (0: none; used only by a
-        codec with levels configured at level 0). Most codecs treat every layer alike and have no
-        levels: themselves. Readers need nothing of this: an entry's bytes say how they were encoded."""
+        codec with levels configured at level 0), with the model's calibrated ``k_cap`` (CacheGen's
+        K outlier channels; None: none). Most codecs treat every layer alike and have no levels:
+        themselves. Readers need nothing of this: an entry's bytes say how they were encoded."""
         return self
 
     @abstractmethod

@@ -16,6 +16,13 @@ used: measured on SmolLM2 and Gemma3 KV they made the symbols *less* compressibl
 bits) at a *higher* error, because keys are stored rotated by RoPE, which destroys the
 token-to-token locality the deltas rely on (``bench/codec.py --part deltas``).
 
+K's outlier channels (``k_cap``, per model from its profile like the level): channels of a
+layer's K whose abs-max over the chunk exceeds ``k_cap`` times the median channel's are divided
+down to that ceiling before quantization and multiplied back after (``kvfuse/entropy/layer.py``).
+Measured in docs/benchmarks.md (CacheGen, K's outlier channels): on Qwen2.5-0.5B it takes level 2
+from +6.6% to -0.7% NLL for 9% more bytes; on Qwen2.5-1.5B it makes levels 1-2 worse, hence a
+per-model choice (``kvfuse calibrate --part codec`` measures the levels with and without it).
+
 Per model (``for_model``): in a model that mixes sliding-window and global attention (Gemma 3),
 the global layers get twice the K bins of their group. Their keys are read by every later query
 over the whole context, so their quantization error costs the most answer quality: measured on
@@ -77,6 +84,12 @@ LEVELS: dict[int, LevelBins] = {
 }
 DEFAULT_LEVEL = 2
 MAX_BINS = 128
+# The cap ``kvfuse calibrate --part codec`` tries for a model: K channels whose abs-max over a
+# chunk exceeds this many times the median channel's divided down to that ceiling before
+# quantization (``kvfuse/entropy/layer.py``); chosen on LongChat dev prompts (bench/codec.py
+# --part allocation --allocations levels). Per model, from its profile: it helps some models'
+# keys a lot and hurts others' (docs/benchmarks.md, CacheGen, K's outlier channels).
+K_CAP = 4.0
 POOL_MIN_VALUES = 1 << 18  # below this many values a chunk is coded in the calling process
 
 
@@ -105,7 +118,11 @@ class CacheGenCodec(Codec):
     is_lossless = False
 
     def __init__(
-        self, level: int = 0, boosted: frozenset[int] = frozenset(), model_level: int = 0
+        self,
+        level: int = 0,
+        boosted: frozenset[int] = frozenset(),
+        model_level: int = 0,
+        k_cap: float | None = None,
     ) -> None:
         for lv in (level, model_level):
             if lv != 0 and lv not in LEVELS:
@@ -118,15 +135,20 @@ class CacheGenCodec(Codec):
         self.level = level or model_level or DEFAULT_LEVEL
         self.bins = LEVELS[self.level]
         self.boosted = frozenset(boosted)  # layers whose K gets twice its group's bins
+        self.k_cap = k_cap  # None: K's channels all quantized as they are
 
-    def for_model(self, layer_types: Sequence[str], level: int = 0) -> CacheGenCodec:
-        """This codec with the model's sensitive layers boosted and, when it was configured at
-        level 0, the model's calibrated ``level`` (0: none, the default level)."""
+    def for_model(
+        self, layer_types: Sequence[str], level: int = 0, k_cap: float | None = None
+    ) -> CacheGenCodec:
+        """This codec with the model's sensitive layers boosted, its calibrated ``k_cap`` (a cap
+        set on this codec wins) and, when it was configured at level 0, the model's calibrated
+        ``level`` (0: none, the default level)."""
         boosted = sensitive_layers(layer_types)
         resolved = self.configured_level or level or DEFAULT_LEVEL
-        if (boosted, resolved) == (self.boosted, self.level):
+        cap = self.k_cap if self.k_cap is not None else k_cap
+        if (boosted, resolved, cap) == (self.boosted, self.level, self.k_cap):
             return self
-        return CacheGenCodec(self.configured_level, boosted, model_level=level)
+        return CacheGenCodec(self.configured_level, boosted, model_level=level, k_cap=cap)
 
     def layer_bins(self, num_layers: int) -> list[tuple[int, int]]:
         """(K bins, V bins) of every layer."""
@@ -147,7 +169,8 @@ class CacheGenCodec(Codec):
         bins = self.layer_bins(L)
         try:
             parts = self._run(
-                "encode", [(values[a:b], bins[a:b]) for a, b in self._groups(L, kv.numel())]
+                "encode",
+                [(values[a:b], bins[a:b], self.k_cap) for a, b in self._groups(L, kv.numel())],
             )
         except (JobError, ModelsError) as e:
             raise ValueError(f"cachegen cannot encode this KV: {e}") from None
@@ -158,7 +181,9 @@ class CacheGenCodec(Codec):
         """One layer on its own, with the early layers' bins (a one-layer model)."""
         kv = kv.detach().to("cpu").float()
         _, T, H, D = kv.shape
-        return coded_layer.encode(kv.reshape(2, T, H * D).numpy(), *self.bins.of_layer(0, 1))
+        return coded_layer.encode(
+            kv.reshape(2, T, H * D).numpy(), *self.bins.of_layer(0, 1), k_cap=self.k_cap
+        )
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -196,7 +221,12 @@ class CacheGenCodec(Codec):
         levels = torch.tensor(
             [[b // 2 - 1 for b in pair] for p in parts for pair in p[2]], dtype=torch.float32
         )
-        return dequantize(symbols, scales, levels).view(n, 2, T, H, D).to(dtype)
+        divisors = torch.from_numpy(
+            np.concatenate([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
+        )
+        values = dequantize(symbols, scales, levels)
+        values[:, 0] *= divisors[:, None, :]  # K's outlier channels back to their size
+        return values.view(n, 2, T, H, D).to(dtype)
 
     def decode_layer(
         self, data: memoryview, shape: tuple[int, ...], dtype: torch.dtype

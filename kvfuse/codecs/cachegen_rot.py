@@ -83,14 +83,18 @@ class CacheGenRotCodec(CacheGenCodec):
         bins_level, parsed = parse_level(level)
         if variant and variant not in VARIANTS:
             raise ValueError(f"unknown cachegen-rot rotation variant {variant}")
-        super().__init__(bins_level, boosted, model_level)
+        # no K channel divisors: the rotation already spreads an outlier channel over its head
+        super().__init__(bins_level, boosted, model_level, k_cap=None)
         self.variant = variant or parsed
         self.bins_level = self.level
         self.level = header_level(self.bins_level, self.variant)
         self._signs: dict[int, torch.Tensor] = {}
 
-    def for_model(self, layer_types: Sequence[str], level: int = 0) -> CacheGenRotCodec:
-        """As ``CacheGenCodec.for_model``, keeping the rotation variant."""
+    def for_model(
+        self, layer_types: Sequence[str], level: int = 0, k_cap: float | None = None
+    ) -> CacheGenRotCodec:
+        """As ``CacheGenCodec.for_model``, keeping the rotation variant (no ``k_cap``: the
+        rotation spreads an outlier channel over its head already)."""
         boosted = sensitive_layers(layer_types)
         resolved = self.configured_level or level or DEFAULT_LEVEL
         if (boosted, resolved) == (self.boosted, self.bins_level):

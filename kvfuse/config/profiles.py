@@ -111,6 +111,9 @@ class BlendProfile:
                 raise ValueError(
                     f"codec.cachegen_level must be one of {', '.join(map(str, LEVELS))}, got {level!r}"
                 )
+            cap = None if codec is None else codec.get("k_cap")
+            if cap is not None and (type(cap) not in (int, float) or not cap > 1):
+                raise ValueError(f"codec.k_cap must be a number > 1 or null, got {cap!r}")
         except (KeyError, TypeError, ValueError) as e:
             raise ProfileError(f"a blend profile with a missing or invalid field: {e}") from None
         return profile
@@ -121,6 +124,14 @@ def codec_level(profile: BlendProfile | None) -> int:
     if profile is None or profile.codec is None:
         return 0
     return int(profile.codec["cachegen_level"])
+
+
+def codec_k_cap(profile: BlendProfile | None) -> float | None:
+    """The CacheGen K outlier-channel cap calibrated for the profile's model (``CacheGenCodec``'s
+    ``k_cap``); None without one, or in a profile measured before it (K's channels as they are)."""
+    if profile is None or profile.codec is None or profile.codec.get("k_cap") is None:
+        return None
+    return float(profile.codec["k_cap"])
 
 
 def path_for(folder: Path, fingerprint: str) -> Path:

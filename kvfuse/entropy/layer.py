@@ -9,12 +9,27 @@ Coding: each (K/V, channel) stream, the ``tokens`` symbols of one channel, is co
 (``constriction``'s ``AnsCoder``) under its own model from ``models.py``; all streams of a layer
 go into one coder (channels in order, so the decoder reads them in order).
 
+K's outlier channels (``k_cap``): in some models a few K channels are an order of magnitude
+larger than the rest in every token (Qwen2's keys, whose k_proj carries a bias: in Qwen2.5-0.5B's
+first layers one channel reaches ~145 where the median channel's abs-max is ~9), so a token's
+scale is spent on them and the other channels fall into the few middle bins. With ``k_cap`` a
+layer's K channels whose abs-max over the chunk exceeds ``k_cap`` times the median channel's are
+divided by a per-channel divisor first (bringing them down to that ceiling; bf16, rounded up)
+and multiplied back on decoding; the other channels are untouched. A layer with no such channel
+is written exactly as without it. Measured with ``bench/codec.py --part allocation --allocations
+levels`` (docs/benchmarks.md, CacheGen): it helps some models' keys and hurts others', so the
+codec applies it per model, from the model's profile (``CacheGenCodec.for_model``).
+
 Bytes of a layer (little-endian)::
 
-    u8 version (1), u8 K bins, u8 V bins, u8 0, u32 tokens, u32 channels
+    u8 version (1), u8 K bins, u8 V bins, u8 flags, u32 tokens, u32 channels
+    if flags & K_DIVISORS: channels x u16 bf16 divisors of K's channels (each >= 1)
     for K, then V:  tokens x u16 bf16 scales, channels x u8 centres, channels x u8 widths,
                     u32 number of words, the coder's u32 words
     u64 xxh3_64 of every byte above, then of the symbols (K then V, channel-major, one byte each)
+
+``flags`` was a zero byte before K's divisors existed, and a build that does not know a flag
+refuses the layer (a miss, never K read without its divisors).
 
 The layer carries its own bin counts, so it decodes without knowing its level or layer index.
 Every field is checked on decode, the coder must end exactly empty, and the bytes and the decoded
@@ -32,6 +47,8 @@ import xxhash
 from kvfuse.entropy.models import ALPHABETS, NUM_SCALES, coder_models, fit
 
 VERSION = 1
+K_DIVISORS = 1  # flags: K's channels carry divisors
+KNOWN_FLAGS = K_DIVISORS
 BINS = tuple(a + 1 for a in ALPHABETS)  # 8, 16, 32, 64, 128
 _HEAD = struct.Struct("<BBBBII")
 _U32 = struct.Struct("<I")
@@ -77,6 +94,21 @@ def quantize(x: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray((q + c).astype(np.uint8).T), scales
 
 
+def channel_divisors(x: np.ndarray, cap: float) -> np.ndarray | None:
+    """bf16 divisors (uint16 words, each >= 1.0) of the channels of ``x`` ``(tokens, channels)``
+    whose abs-max exceeds ``cap`` times the median channel's, bringing each down to that ceiling
+    (1.0 for the others); None when no channel exceeds it."""
+    if x.size == 0:
+        return None
+    absmax = np.abs(np.asarray(x, dtype=np.float32)).max(axis=0)
+    # the lower median: no mean of two values that could overflow near fp32's largest
+    ceiling = np.float32(cap) * np.quantile(absmax, 0.5, method="lower")
+    if not np.isfinite(absmax).all() or ceiling <= 0 or not (absmax > ceiling).any():
+        return None
+    ratio = np.where(absmax > ceiling, absmax / ceiling, np.float32(1.0)).astype(np.float32)
+    return bf16_scales_up(ratio)
+
+
 def dequantize(
     symbols: np.ndarray, scales: np.ndarray, bins: int, from_bf16: bool = True
 ) -> np.ndarray:
@@ -113,15 +145,22 @@ def _encode_part(x: np.ndarray, bins: int, out: list, symbol_parts: list) -> Non
     symbol_parts.append(symbols)
 
 
-def encode(kv: np.ndarray, bins_k: int, bins_v: int) -> bytes:
-    """The bytes of one layer ``kv`` ``(2, tokens, channels)`` (any float dtype)."""
+def encode(kv: np.ndarray, bins_k: int, bins_v: int, k_cap: float | None = None) -> bytes:
+    """The bytes of one layer ``kv`` ``(2, tokens, channels)`` (any float dtype); ``k_cap``: K's
+    outlier channels divided down first (module docstring)."""
     if kv.ndim != 3 or kv.shape[0] != 2:
         raise ValueError(f"a layer's KV must be (2, tokens, channels), got {kv.shape}")
     levels_of(bins_k), levels_of(bins_v)
     _, tokens, channels = kv.shape
-    out = [_HEAD.pack(VERSION, bins_k, bins_v, 0, tokens, channels)]
+    k = np.asarray(kv[0], dtype=np.float32)
+    divisors = channel_divisors(k, k_cap) if k_cap else None
+    flags = 0 if divisors is None else K_DIVISORS
+    out = [_HEAD.pack(VERSION, bins_k, bins_v, flags, tokens, channels)]
+    if divisors is not None:
+        out.append(divisors.astype("<u2").tobytes())
+        k = k / bf16_to_f32(divisors)
     symbols: list[np.ndarray] = []
-    _encode_part(kv[0], bins_k, out, symbols)
+    _encode_part(k, bins_k, out, symbols)
     _encode_part(kv[1], bins_v, out, symbols)
     body = b"".join(out)
     sums = xxhash.xxh3_64(body)
@@ -189,9 +228,11 @@ def check_head(data: bytes | bytearray | memoryview, tokens: int, channels: int)
     data = memoryview(data).cast("B")
     if len(data) < _HEAD.size:
         raise LayerError(f"truncated layer: {len(data)} bytes")
-    version, bins_k, bins_v, zero, t, c = _HEAD.unpack_from(data)
-    if version != VERSION or zero != 0:
+    version, bins_k, bins_v, flags, t, c = _HEAD.unpack_from(data)
+    if version != VERSION:
         raise LayerError(f"unknown cachegen layer version {version}")
+    if flags & ~KNOWN_FLAGS:
+        raise LayerError(f"unknown cachegen layer flags {flags:#04x}")
     if bins_k not in BINS or bins_v not in BINS:
         raise LayerError(f"invalid bins {bins_k}/{bins_v}")
     if (t, c) != (tokens, channels):
@@ -204,18 +245,29 @@ def check_head(data: bytes | bytearray | memoryview, tokens: int, channels: int)
     return bins_k, bins_v
 
 
+def _read_divisors(r: _Reader, flags: int, channels: int) -> np.ndarray | None:
+    if not flags & K_DIVISORS:
+        return None
+    divisors = bf16_to_f32(np.frombuffer(r.take(2 * channels), dtype="<u2"))
+    if not (np.isfinite(divisors).all() and (divisors >= 1).all()):
+        raise LayerError("invalid K channel divisors")
+    return divisors
+
+
 def decode_symbols(
     data: bytes | bytearray | memoryview,
     tokens: int,
     channels: int,
     symbols: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+) -> tuple[np.ndarray, np.ndarray, tuple[int, int], np.ndarray | None]:
     """A layer's checked symbols ``(2, channels, tokens)`` uint8 (into ``symbols`` when given),
-    scales ``(2, tokens)`` fp32 and (K, V) bins; LayerError if the bytes are not exactly a valid
-    layer of that shape. ``dequantize`` turns them into values."""
+    scales ``(2, tokens)`` fp32, (K, V) bins and K's channel divisors (fp32, None: all 1);
+    LayerError if the bytes are not exactly a valid layer of that shape. ``dequantize`` turns
+    them into values (K's then multiplied by its divisors)."""
     bins_k, bins_v = check_head(data, tokens, channels)
     r = _Reader(memoryview(data).cast("B"))
     r.take(_HEAD.size)
+    divisors = _read_divisors(r, r.data[3], channels)  # byte 3 of the head: its flags
     if symbols is None:
         symbols = np.empty((2, channels, tokens), dtype=np.uint8)
     scales = np.empty((2, tokens), dtype=np.float32)
@@ -229,11 +281,14 @@ def decode_symbols(
     sums.update(symbols)
     if sums.intdigest() != expected:
         raise LayerError("the layer's bytes or decoded symbols do not match its checksum")
-    return symbols, scales, (bins_k, bins_v)
+    return symbols, scales, (bins_k, bins_v), divisors
 
 
 def decode(data: bytes | bytearray | memoryview, tokens: int, channels: int) -> np.ndarray:
     """One layer's values ``(2, tokens, channels)`` fp32 from its bytes; LayerError if they are not
     exactly a valid layer of that shape."""
-    symbols, scales, bins = decode_symbols(data, tokens, channels)
-    return np.stack([dequantize(symbols[i], scales[i], bins[i], from_bf16=False) for i in range(2)])
+    symbols, scales, bins, divisors = decode_symbols(data, tokens, channels)
+    out = np.stack([dequantize(symbols[i], scales[i], bins[i], from_bf16=False) for i in range(2)])
+    if divisors is not None:
+        out[0] *= divisors
+    return out

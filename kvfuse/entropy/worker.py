@@ -22,20 +22,25 @@ _LEN = struct.Struct("<Q")
 def run_job(op: str, args: tuple):
     """What a worker computes for one frame (also the pool's in-process fallback)."""
     if op == "encode":
-        values, bins = args  # values (n, 2, tokens, channels); bins [(k, v)] per layer
-        return [layer.encode(values[i], *bins[i]) for i in range(len(bins))]
-    # -> symbols (n, 2, channels, tokens) u8, scales (n, 2, tokens) f32, bins [(k, v)]
+        # values (n, 2, tokens, channels); bins [(k, v)] per layer; k_cap: layer.encode's
+        values, bins, k_cap = args
+        return [layer.encode(values[i], *bins[i], k_cap=k_cap) for i in range(len(bins))]
+    # -> symbols (n, 2, channels, tokens) u8, scales (n, 2, tokens) f32, bins [(k, v)],
+    #    K's channel divisors (n, channels) f32 (1 where a layer has none)
     if op == "decode":
         blobs, tokens, channels = args
         for blob in blobs:  # every head before allocating what the shape asks for
             layer.check_head(blob, tokens, channels)
         symbols = np.empty((len(blobs), 2, channels, tokens), dtype=np.uint8)
         scales = np.empty((len(blobs), 2, tokens), dtype=np.float32)
+        divisors = np.ones((len(blobs), channels), dtype=np.float32)
         bins = []
         for i, blob in enumerate(blobs):
-            _, scales[i], b = layer.decode_symbols(blob, tokens, channels, symbols[i])
+            _, scales[i], b, d = layer.decode_symbols(blob, tokens, channels, symbols[i])
             bins.append(b)
-        return symbols, scales, bins
+            if d is not None:
+                divisors[i] = d
+        return symbols, scales, bins, divisors
     raise ValueError(f"unknown op {op!r}")
 
 

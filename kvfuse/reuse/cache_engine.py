@@ -72,7 +72,7 @@ class CacheEngine:
         saver = Saver(store, max_jobs=c.save_queue) if c.async_save else SyncSaver(store)
         keying = Keying(model, store, saver, settings, history, context_window)
         codec = get_codec(c.codec, c.codec_level).for_model(
-            model.config.layer_types, keying.codec_level
+            model.config.layer_types, keying.codec_level, keying.codec_k_cap
         )
         retention = Retention.parse(c.retention) if c.retention is not None else None
         writer = CacheWriter(
@@ -96,7 +96,7 @@ class CacheEngine:
         self._wake: Callable[[], None] = lambda: None
         self.loader = Loader(self.prefiller, lambda: self._wake(), stats=self.parts.stats)
         self._inline: list[Loaded] = []  # requests that do not use the cache: nothing to read
-        store.use_model(model.config.layer_types, keying.codec_level)
+        store.use_model(model.config.layer_types, keying.codec_level, keying.codec_k_cap)
         store.protect_upcoming(c.eviction == "queue")
         self.prefetcher = Prefetcher(store) if c.prefetch and store.lower else None
 

@@ -79,6 +79,8 @@ class Keying:
         self.profile = profile.find(model.fingerprint, folder)
         # CacheGen at level 0 writes this (0: the default)
         self.codec_level = profile.codec_level(self.profile)
+        # and K's outlier channels divided down above this (None: not; CacheGenCodec.k_cap)
+        self.codec_k_cap = profile.codec_k_cap(self.profile)
         # the engine's blend, ``auto`` resolved (without a cache there are no documents: nothing to warn of)
         self.blend = profile.resolve(
             settings.blend, self.profile, model.name, warn=store is not None

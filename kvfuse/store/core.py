@@ -186,10 +186,13 @@ class TieredStore:
         """A lower tier's write codec by tier name (absent: entries as put)."""
         return self._transcoder.codecs
 
-    def use_model(self, layer_types: Sequence[str], level: int = 0) -> None:
+    def use_model(
+        self, layer_types: Sequence[str], level: int = 0, k_cap: float | None = None
+    ) -> None:
         """Encode lower tiers' entries for a model whose layers are ``layer_types`` and whose
-        calibrated CacheGen level is ``level`` (0: none; ``Transcoder.use_model``)."""
-        self._transcoder.use_model(layer_types, level)
+        calibrated CacheGen level and K cap are ``level`` (0: none) and ``k_cap``
+        (``Transcoder.use_model``)."""
+        self._transcoder.use_model(layer_types, level, k_cap)
 
     @property
     def signer(self) -> EntrySigner | None:

@@ -61,12 +61,17 @@ class Transcoder:
         self._counters = counters
         self.signer = signer
 
-    def use_model(self, layer_types: Sequence[str], level: int = 0) -> None:
+    def use_model(
+        self, layer_types: Sequence[str], level: int = 0, k_cap: float | None = None
+    ) -> None:
         """Encode for a model whose layers are ``layer_types`` and whose calibrated CacheGen level
-        is ``level`` (0: none): ``Codec.for_model``. The level replaces only a tier codec configured
-        at level 0; the stream levels are explicit and stay."""
-        self.codecs = {name: c.for_model(layer_types, level) for name, c in self.codecs.items()}
-        self.stream_codecs = [c.for_model(layer_types) for c in self.stream_codecs]
+        and K cap are ``level`` (0: none) and ``k_cap``: ``Codec.for_model``. The level replaces
+        only a tier codec configured at level 0; the stream levels are explicit and stay (the cap,
+        a property of the model's keys, applies to every CacheGen encoding)."""
+        self.codecs = {
+            name: c.for_model(layer_types, level, k_cap) for name, c in self.codecs.items()
+        }
+        self.stream_codecs = [c.for_model(layer_types, k_cap=k_cap) for c in self.stream_codecs]
 
     def encodings(self) -> list[str]:
         """The variants a chunk has in a lower tier besides its primary copy ("cachegen.1", ...)."""

@@ -360,8 +360,11 @@ def test_calibrate_writes_a_profile_and_generate_reports_the_blend(smollm2_ready
     assert (
         codec["cachegen_level"] in (1, 2, 3, 4) and codec["reason"] and codec["meta"]["items"] == 1
     )
-    assert [r["level"] for r in codec["measured"]] == [1, 2, 3, 4]
-    assert all(r["ratio_vs_int8"] > 1 for r in codec["measured"])
+    # every level without and with K's outlier-channel cap; the profile names the chosen cap
+    assert [(r["level"], r["k_cap"]) for r in codec["measured"]] == [
+        (lv, cap) for lv in (1, 2, 3, 4) for cap in (None, 4.0)
+    ]
+    assert all(r["ratio_vs_int8"] > 1 for r in codec["measured"]) and "k_cap" in codec
     doc = tmp_path / "doc.txt"
     doc.write_text("Velmora's lighthouse was built in 1847 by the stonemason Ilse Garrow.")
     proc = kvfuse(

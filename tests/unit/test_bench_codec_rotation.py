@@ -13,12 +13,13 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.codec_rotation import (  # noqa: E402
+    family_of,
     fp8_roundtrip,
     parse_encoding,
     smallest_within,
     summarize,
 )
-from kvfuse.codecs.cachegen import LevelBins  # noqa: E402
+from kvfuse.codecs.cachegen import K_CAP, LevelBins  # noqa: E402
 from kvfuse.codecs.cachegen_rot import HADAMARD, HADAMARD_SIGNS  # noqa: E402
 
 
@@ -49,6 +50,13 @@ def test_parse_encoding(encoding, name, bins_level, variant):
     assert codec.name == name
     assert getattr(codec, "bins_level", codec.level if bins_level else None) == bins_level
     assert getattr(codec, "variant", None) == variant
+
+
+def test_parse_encoding_with_and_without_the_k_cap():
+    assert parse_encoding("cachegen.2", ["full"] * 4).k_cap is None
+    capped = parse_encoding("cachegen.2-cap", ["full"] * 4)
+    assert (capped.name, capped.level, capped.k_cap) == ("cachegen", 2, K_CAP)
+    assert family_of("cachegen.2-cap") == "cachegen-cap" and family_of("cachegen.2") == "cachegen"
 
 
 def test_parse_encoding_with_probed_bins():

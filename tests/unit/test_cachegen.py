@@ -37,6 +37,12 @@ def _kv(layers, tokens, heads, dim, dtype=torch.float16, seed=0):
     return x.to(dtype)
 
 
+def _divisors(x: np.ndarray, codec: CacheGenCodec, part: int) -> np.ndarray:
+    """K's channel divisors as the codec chooses them (1 where none)."""
+    words = layer.channel_divisors(x, codec.k_cap) if part == 0 and codec.k_cap else None
+    return np.ones(x.shape[1], np.float32) if words is None else layer.bf16_to_f32(words)
+
+
 def _reference(kv: torch.Tensor, codec: CacheGenCodec) -> torch.Tensor:
     """Quantize and dequantize each layer with the NumPy reference: what decoding must give exactly."""
     L, _, T, H, D = kv.shape
@@ -44,8 +50,11 @@ def _reference(kv: torch.Tensor, codec: CacheGenCodec) -> torch.Tensor:
     for i in range(L):
         bins = codec.layer_bins(L)[i]
         for part in range(2):
-            sym, scales = layer.quantize(kv[i, part].float().reshape(T, H * D).numpy(), bins[part])
-            out[i, part] = torch.from_numpy(layer.dequantize(sym, scales, bins[part])).view(T, H, D)
+            x = kv[i, part].float().reshape(T, H * D).numpy()
+            d = _divisors(x, codec, part)
+            sym, scales = layer.quantize(x / d, bins[part])
+            rec = layer.dequantize(sym, scales, bins[part]) * d
+            out[i, part] = torch.from_numpy(rec).view(T, H, D)
     return out.to(kv.dtype)
 
 
@@ -78,16 +87,18 @@ def test_every_family_layout_round_trips_within_half_a_step(family, workers):
     out = codec.decode(memoryview(payload), sizes, (2, 33, H, D), torch.float32)
     assert torch.equal(out, _reference(kv, codec))
     # The error of each value is at most half a quantization step of its (layer, K/V, token) row
-    # (the row's abs-max, rounded up to bfloat16, over c = bins/2 - 1), plus fp32 rounding.
+    # (the row's abs-max, rounded up to bfloat16, over c = bins/2 - 1), times its channel's
+    # divisor (K's outlier channels), plus fp32 rounding.
     for i in range(L):
         for part, bins in enumerate(codec.bins.of_layer(i, L)):
             x = kv[i, part].reshape(33, H * D)
+            d = torch.from_numpy(_divisors(x.numpy(), codec, part))
             c = bins // 2 - 1
             scale = torch.from_numpy(
-                layer.bf16_to_f32(layer.bf16_scales_up(x.abs().amax(1).numpy()))
+                layer.bf16_to_f32(layer.bf16_scales_up((x / d).abs().amax(1).numpy()))
             )
-            err = (out[i, part].reshape(33, H * D) - x).abs().amax(1)
-            assert (err <= scale / (2 * c) * (1 + 1e-5) + 1e-6).all()
+            err = (out[i, part].reshape(33, H * D) - x).abs()
+            assert (err <= (scale / (2 * c))[:, None] * d * (1 + 1e-5) + 1e-6).all()
     # Much smaller than raw fp16 (random data compresses less than real KV; see bench/codec.py).
     assert len(payload) < kv.numel() * 2 / 3
 
@@ -263,6 +274,49 @@ def test_tables_match_the_written_hashes():
         assert models.table_hash(alphabet) == models._EXPECTED_TABLE_HASH[alphabet]
 
 
+# -- K's outlier channels ------------------------------------------------------------------------
+
+
+def test_k_outlier_channels_are_divided_down_and_the_others_quantized_finer():
+    g = np.random.default_rng(3)
+    kv = g.standard_normal((2, 64, 32)).astype(np.float32)
+    kv[0, :, 4] = 80 + g.standard_normal(64)  # a channel ~40x the others' abs-max, every token
+    plain = layer.encode(kv, 32, 16)
+    capped = layer.encode(kv, 32, 16, k_cap=4.0)
+    assert plain[3] == 0 and capped[3] == layer.K_DIVISORS  # the flags byte
+    _, _, _, divisors = layer.decode_symbols(capped, 64, 32)
+    assert divisors[4] > 5 and (np.delete(divisors, 4) == 1).all()
+    err_plain = np.abs(layer.decode(plain, 64, 32)[0] - kv[0])
+    err_capped = np.abs(layer.decode(capped, 64, 32)[0] - kv[0])
+    others = np.delete(np.arange(32), 4)
+    assert err_capped[:, others].mean() < err_plain[:, others].mean() / 4
+    # V is never divided; a layer without an outlier channel is written as without the cap
+    assert np.array_equal(layer.decode(capped, 64, 32)[1], layer.decode(plain, 64, 32)[1])
+    assert layer.encode(kv[:, :, others], 32, 16, k_cap=4.0) == layer.encode(
+        kv[:, :, others], 32, 16
+    )
+
+
+def test_a_layer_with_unknown_flags_or_bad_divisors_is_refused():
+    kv = np.random.default_rng(4).standard_normal((2, 16, 8)).astype(np.float32)
+    kv[0, :, 2] *= 50
+    blob = bytearray(layer.encode(kv, 32, 16, k_cap=4.0))
+    unknown = bytearray(blob)
+    unknown[3] |= 0x80
+    with pytest.raises(layer.LayerError, match="flags"):
+        layer.decode(bytes(unknown), 16, 8)
+    head = layer._HEAD.size
+    for word in (0x3F00, 0x7FC0):  # a divisor of 0.5, a NaN
+        bad = bytearray(blob)
+        bad[head + 4 : head + 6] = word.to_bytes(2, "little")
+        with pytest.raises(layer.LayerError, match="divisors"):
+            layer.decode(bytes(bad), 16, 8)
+    flipped = bytearray(blob)  # a divisor changed to another valid one: the checksum
+    flipped[head + 4 : head + 6] = (0x4000).to_bytes(2, "little")
+    with pytest.raises(layer.LayerError, match="checksum"):
+        layer.decode(bytes(flipped), 16, 8)
+
+
 # -- worker processes -------------------------------------------------------------------------------
 
 
@@ -270,17 +324,22 @@ def test_worker_pool_matches_in_process_and_survives_a_dead_worker():
     p = pool.WorkerPool(2)
     try:
         kv = _kv(6, 40, 2, 16).float().reshape(6, 2, 40, 32).numpy()
+        kv[1, 0, :, 5] *= 60  # an outlier K channel in one layer of each job: divisors
+        kv[4, 0, :, 9] *= 60
         bins = [(32, 16)] * 6
-        blobs = [
-            b for part in p.run("encode", [(kv[:3], bins[:3]), (kv[3:], bins[3:])]) for b in part
-        ]
-        assert blobs == [layer.encode(kv[i], *bins[i]) for i in range(6)]
+        jobs = [(kv[:3], bins[:3], 4.0), (kv[3:], bins[3:], 4.0)]
+        blobs = [b for part in p.run("encode", jobs) for b in part]
+        assert blobs == [layer.encode(kv[i], *bins[i], k_cap=4.0) for i in range(6)]
         got = p.run("decode", [(blobs[:3], 40, 32), (blobs[3:], 40, 32)])
-        for (sym, scales, b), first in zip(got, (0, 3)):
+        for (sym, scales, b, div), first in zip(got, (0, 3)):
             for j in range(3):
-                ref_sym, ref_scales, ref_bins = layer.decode_symbols(blobs[first + j], 40, 32)
+                ref_sym, ref_scales, ref_bins, ref_div = layer.decode_symbols(
+                    blobs[first + j], 40, 32
+                )
                 assert np.array_equal(sym[j], ref_sym) and np.array_equal(scales[j], ref_scales)
                 assert tuple(b[j]) == ref_bins
+                assert (ref_div is None) == (first + j not in (1, 4))
+                assert np.array_equal(div[j], np.ones(32) if ref_div is None else ref_div)
         with pytest.raises(pool.JobError):  # a rejected job is an error, the worker carries on
             p.run("decode", [([blobs[0][:-3]], 40, 32), (blobs[3:4], 40, 32)])
         p._workers[0].proc.kill()

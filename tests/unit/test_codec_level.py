@@ -53,10 +53,36 @@ def test_choose_level(rows, level):
     assert codec_level.choose_level(rows).level == level
 
 
+@pytest.mark.parametrize(
+    "rows, chosen",
+    [
+        # the cap keeps a level the plain codec loses: the capped level 2 beats plain level 3
+        ([(2, 0.06, 3.5, None), (2, 0.01, 3.2, 4.0), (3, 0.01, 2.4, None)], (2, 4.0)),
+        # both keep it: the smaller (here without the cap, which costs bytes)
+        ([(2, 0.01, 3.5, None), (2, 0.00, 3.2, 4.0)], (2, None)),
+        # a capped level 1 smaller than plain level 2, both kept: the capped level 1
+        ([(1, 0.015, 4.0, 4.0), (2, 0.01, 3.6, None), (1, 0.05, 4.3, None)], (1, 4.0)),
+        # the cap hurts (as on Qwen2.5-1.5B): plain level 2
+        ([(2, 0.01, 3.6, None), (2, 0.12, 3.2, 4.0), (3, 0.0, 2.3, 4.0)], (2, None)),
+        # equal sizes: the lower level, then no cap
+        ([(2, 0.0, 3.0, 4.0), (3, 0.0, 3.0, None), (2, 0.0, 3.0, None)], (2, None)),
+        # none kept: the highest level, of its rows the closer to lossless
+        ([(4, 0.05, 2.0, None), (4, 0.03, 1.9, 4.0), (1, 0.3, 6.0, None)], (4, 4.0)),
+    ],
+)
+def test_choose_level_and_cap(rows, chosen):
+    choice = codec_level.choose_level(rows)
+    assert (choice.level, choice.k_cap) == chosen
+    assert ("capped at 4x" in choice.reason) == (chosen[1] is not None) or "no measured" in (
+        choice.reason
+    )
+
+
 def test_choose_level_says_why():
     ok = codec_level.choose_level([(1, 0.05, 6.0), (2, 0.01, 3.4)])
     assert (
-        ok.row == (2, 0.01, 3.4)
+        ok.row == (2, 0.01, 3.4, None)
+        and ok.k_cap is None
         and "level 2" in ok.reason
         and "+1.00%" in ok.reason
         and "3.40x" in ok.reason
@@ -65,7 +91,7 @@ def test_choose_level_says_why():
     assert "short of the 3x target" in codec_level.choose_level([(3, 0.0, 2.5)]).reason
     none = codec_level.choose_level([(1, 0.3, 6.0), (4, 0.05, 2.0)])
     assert (
-        none.row == (4, 0.05, 2.0)
+        none.row == (4, 0.05, 2.0, None)
         and "no measured level" in none.reason
         and "level 4 at +5.00%" in none.reason
     )
@@ -118,6 +144,17 @@ def test_profiles_round_trip_with_and_without_a_codec_level(tmp_path):
     assert profile.load(profile.save(leveled, tmp_path)) == leveled
     assert profile.codec_level(profile.find("f" * 32, tmp_path)) == 3
     assert profile.codec_level(None) == 0
+    # no k_cap (a profile measured before it): K's channels as they are
+    assert profile.codec_k_cap(leveled) is None and profile.codec_k_cap(None) is None
+    capped = a_profile({**codec, "k_cap": 4.0})
+    assert profile.codec_k_cap(profile.load(profile.save(capped, tmp_path))) == 4.0
+
+
+@pytest.mark.parametrize("cap", [1, 0.5, "4", True, -3])
+def test_a_profile_with_an_invalid_k_cap_is_refused(cap):
+    data = {**a_profile().to_json(), "codec": {"cachegen_level": 2, "k_cap": cap}}
+    with pytest.raises(profile.ProfileError, match="k_cap"):
+        profile.BlendProfile.from_json(json.loads(json.dumps(data)))
 
 
 @pytest.mark.parametrize("level", [0, 5, "2", None, True])
@@ -156,6 +193,18 @@ def test_a_configured_level_wins_and_level_0_takes_the_models():
         CacheGenCodec(0, model_level=7)
 
 
+def test_the_models_k_cap_reaches_every_cachegen_codec_and_a_set_one_wins():
+    assert get_codec("cachegen").k_cap is None  # none unless the model's profile has one
+    capped = get_codec("cachegen").for_model(GEMMA_LIKE, 1, 4.0)
+    assert (capped.k_cap, capped.level) == (4.0, 1)
+    assert capped.for_model(GEMMA_LIKE, 1, 4.0) is capped
+    assert CacheGenCodec(2, k_cap=8.0).for_model(GEMMA_LIKE, 0, 4.0).k_cap == 8.0
+    assert get_codec("cachegen-rot").for_model(GEMMA_LIKE, 1, 4.0).k_cap is None
+    t = Transcoder({"disk": get_codec("cachegen")}, [1], StoreCounters())
+    t.use_model(GEMMA_LIKE, 3, 4.0)
+    assert t.codecs["disk"].k_cap == 4.0 and [c.k_cap for c in t.stream_codecs] == [4.0]
+
+
 def test_tiers_take_the_models_level_but_keep_the_stream_levels():
     codecs = {
         "disk": get_codec("cachegen"),
@@ -179,7 +228,7 @@ def test_the_engine_writes_the_profiles_level(tiny_loaded, tmp_path, configured,
             {"method": "hkvd", "recompute_ratio": 0.3},
             "test",
             "test",
-            codec={"cachegen_level": 3},
+            codec={"cachegen_level": 3, "k_cap": 4.0},
         ),
         tmp_path / "profiles",
     )
@@ -199,6 +248,8 @@ def test_the_engine_writes_the_profiles_level(tiny_loaded, tmp_path, configured,
         # gemma's global layers still boosted
         assert engine.cache.parts.codec.level == expected and engine.cache.parts.codec.boosted
         assert store.codecs["disk"].level == expected
+        # the profile's K cap, whatever the level
+        assert engine.cache.parts.codec.k_cap == 4.0 and store.codecs["disk"].k_cap == 4.0
     finally:
         engine.close()
     engine = Engine(
@@ -221,12 +272,18 @@ def test_measure_levels_on_a_tiny_model(tiny_loaded):
     assert len(codec_level.item_ids(model.tokenizer, items[0])) > 64 + codec_level.HELD_OUT
     done = []
     rows = codec_level.measure_levels(
-        model, items, levels=(1, 4), chunk_size=64, progress=lambda d, t: done.append((d, t))
+        model,
+        items,
+        levels=(1, 4),
+        chunk_size=64,
+        progress=lambda d, t: done.append((d, t)),
+        caps=(None,),
     )
     assert done == [(1, 1)]
-    assert [r["level"] for r in rows] == [1, 4]
+    assert [r["level"] for r in rows] == [1, 4] and [r["k_cap"] for r in rows] == [None, None]
     assert set(rows[0]) == {
         "level",
+        "k_cap",
         "nll",
         "nll_increase",
         "kl",
@@ -242,3 +299,6 @@ def test_measure_levels_on_a_tiny_model(tiny_loaded):
     assert high["kl"] <= low["kl"]
     with pytest.raises(ValueError, match="levels are"):
         codec_level.measure_levels(model, items, levels=(5,))
+    # by default each level is measured without and with K's cap, in that order
+    both = codec_level.measure_levels(model, items, levels=(2,), chunk_size=64)
+    assert [(r["level"], r["k_cap"]) for r in both] == [(2, None), (2, codec_level.K_CAP)]
