@@ -225,7 +225,8 @@ class CacheGenCodec(Codec):
             np.concatenate([p[3] for p in parts]) if len(parts) > 1 else parts[0][3]
         )
         values = dequantize(symbols, scales, levels)
-        values[:, 0] *= divisors[:, None, :]  # K's outlier channels back to their size
+        if (divisors != 1).any():  # K's outlier channels back to their size (a capped layer)
+            values[:, 0] *= divisors[:, None, :]
         return values.view(n, 2, T, H, D).to(dtype)
 
     def decode_layer(

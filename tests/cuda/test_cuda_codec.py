@@ -34,7 +34,9 @@ def prompt(tok, n: int) -> list[int]:
 def _k_divisors(codec, x: torch.Tensor) -> torch.Tensor:
     """(L, 2, channels): K's channel divisors as CacheGen chooses them (1 elsewhere)."""
     d = torch.ones(x.shape[0], 2, x.shape[-1])
-    for i in range(x.shape[0]) if codec.k_cap else ():
+    if not codec.k_cap:
+        return d
+    for i in range(x.shape[0]):
         words = coded_layer.channel_divisors(x[i, 0].numpy(), codec.k_cap)
         if words is not None:
             d[i, 0] = torch.from_numpy(coded_layer.bf16_to_f32(words))

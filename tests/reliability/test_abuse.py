@@ -284,7 +284,6 @@ def until_refused(srv: ServerProcess, key: str, limit: int) -> tuple[list, int |
     server answers one: (those it holds, the answered one's status, seconds from its opening).
     Counting them beats opening ``limit`` at once: a client's earlier keep-alive connection
     counts against the limit until its client is collected, at a time no test chooses."""
-    held: list[socket.socket] = []
     opened: dict[socket.socket, float] = {}
     for _ in range(limit + 1):
         s = raw_request(srv, key, 1000)
