@@ -513,7 +513,7 @@ def _backend_line(config: Config) -> str:
     from .models import resolve_device, resolve_dtype
     from .models.cpu import backend, kernels
 
-    int8_on_cpu = config.weights != "auto" and config.device == "auto"  # as load_model does
+    int8_on_cpu = config.weights == "int8" and config.device == "auto"  # as load_model does
     device = resolve_device("cpu" if int8_on_cpu else config.device)
     if config.kernels != "off" and device.type == "cpu" and not kernels.built():
         return (

@@ -45,12 +45,13 @@ def builtin_folder(name: str) -> Path:
 
 
 @functools.cache
-def load_builtin(name: str):
-    """A built-in model on the CPU in fp32 (loaded once per process)."""
+def load_builtin(name: str, weights: str = "auto"):
+    """A built-in model on the CPU computing in fp32 (loaded once per process and ``weights``:
+    ``auto`` runs the GGUF file's own blocks, ``fp32`` its float32 copy)."""
     from kvfuse.models import load_model
 
     builtin_folder(name)
-    return load_model(name, home=model_home(), device="cpu", dtype="float32")
+    return load_model(name, home=model_home(), device="cpu", dtype="float32", weights=weights)
 
 
 def write_word_tokenizer(folder: Path, vocab_size: int, eos_id: int = 2) -> Path:

@@ -20,7 +20,11 @@ from .errors import ConfigError as ConfigError  # re-exported: where the other m
 from .tenants import TenantQuota
 
 KV_DTYPES = dtypes.KV_DTYPES
-WEIGHT_FORMATS = ("auto", "int8")  # = models.quant.WEIGHT_FORMATS (a unit test keeps them equal)
+WEIGHT_FORMATS = (
+    "auto",
+    "fp32",
+    "int8",
+)  # = models.quant.WEIGHT_FORMATS (a unit test keeps them equal)
 # kvfuse's CPU kernels (models.cpu.backend): auto = where they build, on = required, off = PyTorch
 KERNEL_MODES = ("auto", "on", "off")
 METHODS = (

@@ -146,11 +146,12 @@ def _check_top_level(c: Config, need: Callable) -> None:
     need(
         c.weights in WEIGHT_FORMATS,
         "weights",
-        f"must be one of {', '.join(WEIGHT_FORMATS)} (auto = the compute dtype, int8 = int8 projections on CPU), "
+        f"must be one of {', '.join(WEIGHT_FORMATS)} (auto = as the model file holds them, "
+        "fp32 = dequantized to the compute dtype, int8 = int8 projections on CPU), "
         f"got {c.weights!r}",
     )
     need(
-        c.weights == "auto" or not c.device.startswith("cuda"),
+        c.weights != "int8" or not c.device.startswith("cuda"),
         "weights",
         f"int8 runs on the CPU only (PyTorch's fbgemm kernels), not on device {c.device!r}; use weights: auto "
         "with a GPU, or device: cpu",

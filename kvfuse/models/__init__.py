@@ -121,7 +121,7 @@ def load_model(
         raise ValueError(
             f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}"
         )
-    if weights != "auto" and str(device) == "auto":
+    if weights == "int8" and str(device) == "auto":
         device = "cpu"  # int8 weights run on the CPU only
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)

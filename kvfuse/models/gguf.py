@@ -1,9 +1,13 @@
-"""GGUF file -> a Hugging Face style folder (config.json, model.safetensors, tokenizer files).
+"""GGUF file -> a Hugging Face style folder (config.json, model.safetensors, tokenizer files), and
+the GGUF's own tensors for the runner.
 
-GGUF weights are dequantized once (``gguf.quants.dequantize``) to float32 and written in HF naming
-and layout, so both kvfuse and the transformers reference load the result. Two GGUF conventions
-are undone on the way: llama.cpp permutes the rows of Llama's q/k projections for its interleaved
-RoPE, and stores Gemma's RMSNorm weights as ``1 + w``.
+Conversion dequantizes the weights once (``gguf.quants.dequantize``) to float32 in HF naming and
+layout, so that the transformers reference and ``weights: fp32`` / ``int8`` load the result; the
+folder keeps the GGUF file itself too (``model.gguf``), which ``weights: auto`` runs as shipped
+(``read_raw_tensors``: the projections and the embedding in their own blocks, ``models.ggml``).
+Two GGUF conventions are undone on both ways: llama.cpp permutes the rows of Llama's q/k
+projections for its interleaved RoPE (a permutation of whole rows, so of whole rows of blocks),
+and stores Gemma's RMSNorm weights as ``1 + w``.
 """
 
 from __future__ import annotations
@@ -184,6 +188,55 @@ def _dequantized(t, name: str, config: dict, arch_is: str, dequantize) -> torch.
     if arch_is == "gemma3_text" and name.endswith("norm.weight"):
         w = w - 1.0
     return torch.from_numpy(w if w.flags.writeable else w.copy())
+
+
+#: The tensors ``read_raw_tensors`` keeps in their own blocks: the projections and the embedding.
+_RAW_KINDS = frozenset(
+    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
+_RAW_GLOBAL = frozenset(("token_embd.weight", "output.weight"))
+
+
+def read_raw_tensors(path: Path, config: dict) -> dict:
+    """The GGUF file's tensors under their HF names (``config``: the folder's ``config.json``):
+    the projections and the embedding as ``ggml.RawTensor`` (the file's bytes, read once into
+    memory; Llama's q/k rows un-permuted), every other tensor (norms, biases) as float32, as
+    conversion writes them. The file is memory-mapped while it is read, then let go."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure means "not a usable GGUF file"
+        raise GGUFError(f"{path} is not a readable GGUF file: {e}") from e
+    arch_is = config["model_type"]
+    layer_names = _GEMMA_LAYER_NAMES if arch_is == "gemma3_text" else _LAYER_NAMES
+    out: dict = {}
+    for t in reader.tensors:
+        name = _hf_name(t, layer_names, arch_is)
+        raw = t.name in _RAW_GLOBAL or (kind_of(t.name) in _RAW_KINDS and name.endswith(".weight"))
+        if raw and t.tensor_type.value != 0:  # F32 projections stay float32 (blocked)
+            out[name] = _raw(t, config, arch_is)
+        else:
+            out[name] = _dequantized(t, name, config, arch_is, dequantize)
+    del reader
+    return out
+
+
+def _raw(t, config: dict, arch_is: str):
+    """One GGUF tensor as a ``ggml.RawTensor`` in HF row order (a copy of the file's bytes)."""
+    from .ggml import RawTensor
+
+    cols, rows = (int(d) for d in t.shape[:2])  # GGML lists dims fastest-first
+    data = np.asarray(t.data).view(np.uint8).reshape(rows, -1)
+    if arch_is == "llama" and kind_of(t.name) in ("attn_q", "attn_k"):
+        heads = config[
+            "num_attention_heads" if kind_of(t.name) == "attn_q" else "num_key_value_heads"
+        ]
+        data = _unpermute(data, heads)
+    return RawTensor(
+        torch.from_numpy(np.array(data, order="C")), int(t.tensor_type.value), (rows, cols)
+    )
 
 
 def kind_of(tensor_name: str) -> str | None:

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import gemma3, llama, qwen
+from . import gemma3, ggml, llama, qwen
 from .config import ModelConfig
 from .cpu.backend import select
 from .family import Family
+from .gguf import read_raw_tensors
 from .quant import INT8_IDENTITY, WEIGHT_FORMATS, check_int8_supported
 from .transformer import LayerWeights, Transformer, Weights
 
@@ -73,51 +74,67 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def build_weights(
-    config: ModelConfig, family: Family, tensors: Mapping[str, torch.Tensor], device, dtype
+    config: ModelConfig,
+    family: Family,
+    tensors: Mapping[str, object],
+    device,
+    dtype,
+    projection: Callable[[list], object] | None = None,
 ) -> Weights:
-    """Assemble (and fuse) the runner's weights from HF-named tensors."""
+    """Assemble (and fuse) the runner's weights from HF-named tensors. ``projection(parts)``
+    makes one projection (or the embedding) from its tensors, stacked along the output channels
+    (default: float32 tensors concatenated); the GGUF path passes ``ggml.projection``, whose
+    parts may be a file's own blocks."""
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str):
         if name not in tensors:
             raise ValueError(f"checkpoint lacks tensor {name!r} expected by a {family.name} model")
-        return _aligned(tensors[name].to(device=device, dtype=dtype))
+        t = tensors[name]
+        return _aligned(t.to(device=device, dtype=dtype)) if isinstance(t, torch.Tensor) else t
+
+    def proj(*names: str):
+        parts = [get(n) for n in names]
+        if projection is not None:
+            return projection(parts)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def norm(name: str) -> torch.Tensor:
         w = tensors[name].to(device=device, dtype=torch.float32)
         return (w + family.norm_offset) if family.norm_offset else w
 
-    layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        bias = None
-        if config.qkv_bias:
-            bias = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
-        norms = {field: norm(p + hf + ".weight") for hf, field in family.layer_norms.items()}
-        layers.append(
-            LayerWeights(
-                wqkv=torch.cat([get(a + f"{x}_proj.weight") for x in "qkv"]),
-                bqkv=bias,
-                wo=get(a + "o_proj.weight"),
-                w_gate=get(p + "mlp.gate_proj.weight"),
-                w_up=get(p + "mlp.up_proj.weight"),
-                w_down=get(p + "mlp.down_proj.weight"),
-                q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
-                k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
-                **norms,
-            )
-        )
-    embed = get("model.embed_tokens.weight")
+    layers = [_layer(config, family, i, get, proj, norm) for i in range(config.num_layers)]
+    embed = proj("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in tensors:
         lm_head = embed
     else:
-        lm_head = get("lm_head.weight")
+        lm_head = proj("lm_head.weight")
     if embed.shape[0] != config.vocab_size:
         raise ValueError(
             f"embedding has {embed.shape[0]} rows but config.json says vocab_size={config.vocab_size}"
         )
     return Weights(
         embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head
+    )
+
+
+def _layer(config: ModelConfig, family: Family, i: int, get, proj, norm) -> LayerWeights:
+    """Layer ``i``'s weights (``get`` a tensor, ``proj`` a projection, ``norm`` a norm by name)."""
+    p = f"model.layers.{i}."
+    a = p + "self_attn."
+    bias = None
+    if config.qkv_bias:
+        bias = torch.cat([get(a + f"{x}_proj.bias") for x in "qkv"])
+    norms = {field: norm(p + hf + ".weight") for hf, field in family.layer_norms.items()}
+    return LayerWeights(
+        wqkv=proj(*(a + f"{x}_proj.weight" for x in "qkv")),
+        bqkv=bias,
+        wo=proj(a + "o_proj.weight"),
+        w_gate=proj(p + "mlp.gate_proj.weight"),
+        w_up=proj(p + "mlp.up_proj.weight"),
+        w_down=proj(p + "mlp.down_proj.weight"),
+        q_norm=norm(a + "q_norm.weight") if config.qk_norm else None,
+        k_norm=norm(a + "k_norm.weight") if config.qk_norm else None,
+        **norms,
     )
 
 
@@ -148,9 +165,21 @@ def load_folder(
             f"unknown weights format {weights!r}; use one of: {', '.join(WEIGHT_FORMATS)}"
         )
     backend = select(kernels, device, dtype, weights)
-    if weights != "auto":  # before reading the weights
+    if weights == "int8":  # before reading the weights
         check_int8_supported(device, fbgemm=backend.weights == "fbgemm-int8")
-    built = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
+    source = ggml.gguf_file(folder)
+    if weights == "auto" and backend.ggml and source is not None:
+        tensors = read_raw_tensors(source, hf)
+        built = build_weights(
+            config,
+            family_of(hf),
+            tensors,
+            device,
+            dtype,
+            lambda parts: ggml.projection(parts, backend.kernel),
+        )
+    else:
+        built = build_weights(config, family_of(hf), read_tensors(folder), device, dtype)
     return Transformer(config, backend.pack(built), device, dtype, backend)
 
 
@@ -183,7 +212,7 @@ def fingerprint(
     h.update(config.to_json().encode())
     for d in weight_digests:
         h.update(b"\0" + d.encode())
-    if weights != "auto":
+    if weights == "int8":
         if implementation is None:
             implementation = INT8_IDENTITY[
                 select(None, "cpu", torch.float32, "int8").int8_implementation

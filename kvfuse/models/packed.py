@@ -168,8 +168,9 @@ def map_projections(weights, pack):
 def to_blocked(weights, kernel):
     """A copy of ``weights`` whose float32 projections are ``BlockedWeight``s (``kernel``: the
     compiled kernel module)."""
-    return map_projections(
-        weights, lambda w: w if isinstance(w, BlockedWeight) else BlockedWeight(w, kernel=kernel)
+    return map_projections(  # packed weights (blocks, a GGUF file's own blocks) stay as they are
+        weights,
+        lambda w: BlockedWeight(w, kernel=kernel) if isinstance(w, torch.Tensor) else w,
     )
 
 

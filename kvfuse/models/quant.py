@@ -31,8 +31,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-#: Valid values of the ``weights`` setting: ``auto`` keeps the compute dtype (as loaded).
-WEIGHT_FORMATS = ("auto", "int8")
+#: Valid values of the ``weights`` setting: ``auto`` runs the weights as the file holds them (a
+#: GGUF's own blocks on a CPU, ``models.ggml``; else the compute dtype), ``fp32`` in the compute
+#: dtype (a GGUF dequantized once), ``int8`` as int8 projections.
+WEIGHT_FORMATS = ("auto", "fp32", "int8")
 #: What each int8 implementation adds to the model's fingerprint (``loader.fingerprint``): bump
 #: the version whenever the numbers it computes change (rounding, packing, which parts are packed).
 INT8_IDENTITY = {"blocked": "int8-rowwise-f32act-v1", "fbgemm": "int8-rowwise-split-v1"}
@@ -208,8 +210,8 @@ def quantize_weights(
 ):
     """A copy of ``weights`` (``transformer.Weights``) whose projections are int8.
 
-    The input is not modified. ``fmt`` is a ``WEIGHT_FORMATS`` value (``auto`` returns ``weights``
-    as it is). ``implementation`` is ``blocked`` (kvfuse's kernel, ``packed.BlockedWeight``, with
+    The input is not modified. ``fmt`` is a ``WEIGHT_FORMATS`` value (``auto`` and ``fp32`` return
+    ``weights`` as it is). ``implementation`` is ``blocked`` (kvfuse's kernel, ``packed.BlockedWeight``, with
     the compiled module ``kernel``) or ``fbgemm`` (``Int8Weight``, with ``split`` and
     ``reduce_range``); default: ``blocked`` when given ``kernel``. Which one a model gets is
     ``cpu.backend``'s choice. The embedding table stays a plain tensor (``F.embedding`` looks rows
@@ -220,7 +222,7 @@ def quantize_weights(
 
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weights format {fmt!r}; use one of: {', '.join(WEIGHT_FORMATS)}")
-    if fmt == "auto":
+    if fmt in ("auto", "fp32"):
         return weights
     if implementation is None:
         implementation = "blocked" if kernel is not None else "fbgemm"

@@ -32,7 +32,9 @@ from .split_gguf import fetch as fetch_split
 log = logging.getLogger(__name__)
 
 MANIFEST = "kvfuse_manifest.json"
-MANIFEST_VERSION = 1
+# 2: the folder keeps the GGUF file itself (model.gguf), which weights: auto runs as shipped; a
+# folder of version 1 is converted again at its next use.
+MANIFEST_VERSION = 2
 
 # The Gemma 3 chat format (the 270M GGUF is a base model and carries no template).
 GEMMA3_CHAT_TEMPLATE = (
@@ -280,6 +282,7 @@ def convert_into(
             progress=progress,
             on_progress=on_progress,
         )
+        _keep_gguf(gguf_path, tmp / "model.gguf")
         files = _checksums(tmp, progress, on_progress)
         manifest = {"version": MANIFEST_VERSION, "source": source, "files": files}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -290,6 +293,15 @@ def convert_into(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return manifest
+
+
+def _keep_gguf(source: Path, target: Path) -> None:
+    """The GGUF file kept in the converted folder (``weights: auto`` runs its blocks): a hard link
+    where the two share a file system, else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _checksums(

@@ -248,7 +248,9 @@ class Transformer:
 
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        h = F.embedding(ids.to(self.device), self.weights.embed)
+        e = self.weights.embed
+        ids = ids.to(self.device)
+        h = F.embedding(ids, e) if isinstance(e, torch.Tensor) else e.rows(ids)
         return h * self._embed_scale if self._embed_scale is not None else h
 
     @torch.inference_mode()

@@ -29,7 +29,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def fp32():
-    return load_builtin("smollm2")
+    return load_builtin("smollm2", "fp32")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,7 @@ def test_int8_is_what_was_loaded(fp32, int8):
 
 @pytest.fixture(scope="module")
 def gemma3_pair():
-    fp32 = load_builtin("gemma3-270m")
+    fp32 = load_builtin("gemma3-270m", "fp32")
     return fp32, load_model(
         "gemma3-270m", home=model_home(), device="cpu", dtype="float32", weights="int8"
     )

@@ -70,7 +70,9 @@ def test_the_cpu_backend_is_an_info_gauge(server):
     assert len(info) == 1
     labels = dict(info[0])
     assert labels["kernels"] in ("on", "off")
-    assert labels["weights"] in ("plain", "blocked-fp32", "onednn-fp32")  # weights: auto
+    # weights: auto on the built-in GGUF model: its own blocks (or float32 without the kernels)
+    assert labels["weights"] in ("ggml", "plain", "onednn-fp32")
+    assert labels["isa"] in ("avx512", "avx2", "none")
     assert value(scrape(server), "kvfuse_cpu_backend_info", **labels) == 1
 
 

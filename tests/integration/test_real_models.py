@@ -355,6 +355,7 @@ def home_copy(tmp_path, smollm2):
 # The default run checks one corruption (the subtlest); the others run with -m slow.
 CORRUPTIONS = [
     "flipped-weight-byte",
+    pytest.param("flipped-gguf-byte", marks=pytest.mark.slow),
     pytest.param("truncated-config", marks=pytest.mark.slow),
     pytest.param("missing-manifest", marks=pytest.mark.slow),
 ]
@@ -376,9 +377,17 @@ def test_corrupt_converted_folder_is_detected_and_converted_again(
         _flip_weight_byte(
             folder / "model.safetensors", "model.embed_tokens.weight", ids[5] * hidden + 7
         )
-        corrupt_logits = load_folder(folder).forward(ids, smollm2.runner.new_cache(), logits="all")
+        corrupt = load_folder(folder, weights="fp32")  # the float32 copy is what fp32 reads
+        corrupt_logits = corrupt.forward(ids, smollm2.runner.new_cache(), logits="all")
         assert (corrupt_logits - expected).abs().max() > 1.0  # control: the corruption matters
         message = "model.safetensors does not match its recorded sha256"
+    elif corruption == "flipped-gguf-byte":  # the file weights: auto runs
+        with open(folder / "model.gguf", "r+b") as f:
+            f.seek((folder / "model.gguf").stat().st_size // 2)
+            byte = f.read(1)[0]
+            f.seek(-1, 1)
+            f.write(bytes([byte ^ 0x40]))
+        message = "model.gguf does not match its recorded sha256"
     elif corruption == "truncated-config":
         text = (folder / "config.json").read_text()
         (folder / "config.json").write_text(text[: len(text) // 2])
@@ -489,3 +498,30 @@ def test_qwen_is_pulled_joined_checked_and_answers(tmp_path):
     again = engine.generate(ids, SamplingParams(max_tokens=8))
     assert again.cached_tokens >= 16 and again.token_ids == first.token_ids
     engine.close()
+
+
+# --------------------------------------------------------- 6. the GGUF file's own blocks
+
+
+@pytest.mark.parametrize("name", ["smollm2", "gemma3-270m"])
+def test_the_gguf_blocks_compute_the_float32_copy_s_numbers(name, both):
+    """``weights: auto`` runs the file's own blocks (never a float32 copy of a projection):
+    logits equal the dequantized float32 path's up to float rounding, under the same cache
+    identity, with the projections' bytes those of the file."""
+    from kvfuse.models import ggml
+
+    auto = both[name]
+    fp32 = load_builtin(name, "fp32")
+    assert auto.backend.info()["weights"] == "ggml" and fp32.backend.info()["weights"] != "ggml"
+    assert auto.fingerprint == fp32.fingerprint
+    w = auto.runner.weights
+    projections = [getattr(lw, f) for lw in w.layers for f in ("wqkv", "wo", "w_gate", "w_up")]
+    assert all(isinstance(p, ggml.GGMLWeight) for p in projections + [w.embed, w.lm_head])
+    file_bytes = (auto.folder / "model.gguf").stat().st_size
+    assert sum(p.nbytes for p in projections) < file_bytes
+    ids = prompt_ids(auto, 200)
+    for n in (200, 3):  # many rows, then a few (the decode path)
+        a = auto.runner.forward(ids[:n], auto.runner.new_cache(n))
+        b = fp32.runner.forward(ids[:n], fp32.runner.new_cache(n))
+        assert_close(a, b, fp32_tol(b), f"{name} logits, {n} tokens")
+        assert int(a.argmax()) == int(b.argmax())

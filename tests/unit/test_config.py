@@ -306,11 +306,14 @@ def test_an_out_of_range_value_names_the_field_and_its_source(tmp_path, dotted, 
 def test_the_weights_setting_lists_its_values_and_is_cpu_only(tmp_path):
     assert Config().weights == "auto"
     message = _error(overrides={"weights": "float32"})
-    assert message.startswith("weights:") and "auto, int8" in message and "'float32'" in message
+    assert (
+        message.startswith("weights:") and "auto, fp32, int8" in message and "'float32'" in message
+    )
     for device in ("cuda", "cuda:1"):
         message = _error(_write(tmp_path, {"weights": "int8", "device": device}))
         assert message.startswith("weights:") and "CPU only" in message and device in message
     assert load_config(overrides={"weights": "int8", "device": "cpu"}).weights == "int8"
+    assert load_config(overrides={"weights": "fp32", "device": "cuda"}).weights == "fp32"
     assert load_config(overrides={"weights": "int8"}).device == "auto"  # the loader picks the CPU
 
 

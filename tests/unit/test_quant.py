@@ -159,7 +159,7 @@ def test_quantize_weights_packs_the_projections_and_keeps_the_rest(tiny_model_di
     before = {name: t.clone() for name, t in [("embed", w.embed), ("wqkv", w.layers[0].wqkv)]}
     q = quantize_weights(w)
     assert quantize_weights(w, "auto") is w
-    with pytest.raises(ValueError, match="auto, int8"):
+    with pytest.raises(ValueError, match="auto, fp32, int8"):
         quantize_weights(w, "int4")
     # the input is untouched; the projections are packed; lookups, norms and biases stay tensors
     assert torch.equal(w.embed, before["embed"]) and torch.equal(w.layers[0].wqkv, before["wqkv"])
@@ -193,7 +193,7 @@ def test_int8_logits_agree_with_fp32_on_every_family(tiny_model_dir, family):
 
 
 def test_load_folder_rejects_an_unknown_format(tiny_model_dir):
-    with pytest.raises(ValueError, match="auto, int8"):
+    with pytest.raises(ValueError, match="auto, fp32, int8"):
         load_folder(tiny_model_dir("llama"), weights="fp8")
     with pytest.raises(QuantizationUnavailable, match="CPU only"):
         load_folder(tiny_model_dir("llama"), device="cuda", weights="int8")
@@ -213,7 +213,7 @@ def test_the_fingerprint_names_the_weight_format(tiny_model_dir, tmp_path):
     assert (fp32.weights, int8.weights) == ("auto", "int8")
     assert int8.runner.device.type == "cpu"
     assert int8.fingerprint == fingerprint(config, digests, "int8") != fp32.fingerprint
-    with pytest.raises(ValueError, match="auto, int8"):
+    with pytest.raises(ValueError, match="auto, fp32, int8"):
         load_model(folder, weights="float8")
 
 

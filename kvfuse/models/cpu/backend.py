@@ -33,15 +33,16 @@ import torch
 
 from kvfuse.config import KERNEL_MODES, default_kernels
 
-from .. import packed, pointwise, quant
+from .. import ggml, packed, pointwise, quant
 from . import kernels
 
 log = logging.getLogger(__name__)
 
 #: The forms projections are held in: ``plain`` tensors (``F.linear``, in the compute dtype),
 #: ``blocked-fp32`` / ``blocked-int8`` (``packed.BlockedWeight``, kvfuse's kernel),
-#: ``onednn-fp32`` (``packed.PackedWeight``) and ``fbgemm-int8`` (``quant.Int8Weight``).
-WEIGHT_FORMS = ("plain", "blocked-fp32", "onednn-fp32", "blocked-int8", "fbgemm-int8")
+#: ``onednn-fp32`` (``packed.PackedWeight``), ``fbgemm-int8`` (``quant.Int8Weight``) and
+#: ``ggml`` (``ggml.GGMLWeight``: a GGUF file's own blocks, kvfuse's kernel).
+WEIGHT_FORMS = ("plain", "blocked-fp32", "onednn-fp32", "blocked-int8", "fbgemm-int8", "ggml")
 _PROJECTIONS = ("wqkv", "wo", "w_gate", "w_up", "w_down")
 _KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the attention kernel reads
 
@@ -106,6 +107,8 @@ def form_of(weights) -> str:
     """The ``WEIGHT_FORMS`` value ``weights`` (``transformer.Weights``) are in, read from the
     vocabulary projection (packed with the others)."""
     w = weights.lm_head
+    if isinstance(w, ggml.GGMLWeight):
+        return "ggml"
     if isinstance(w, packed.BlockedWeight):
         return "blocked-int8" if w.fmt == "int8" else "blocked-fp32"
     if isinstance(w, packed.PackedWeight):
@@ -131,20 +134,29 @@ class CpuBackend:
     stack: Any = None
 
     @property
+    def ggml(self) -> bool:
+        """Whether this backend runs a GGUF file's own blocks (``weights: auto`` on a float32 CPU
+        model where the kernels run): the loader then keeps them instead of float32 copies."""
+        return self.weights == "blocked-fp32" and self.kernel is not None
+
+    @property
     def int8_implementation(self) -> str:
         """The int8 implementation (``quant.INT8_IDENTITY``) this backend packs int8 weights with."""
         return "blocked" if self.kernel is not None else "fbgemm"
 
     def info(self) -> dict[str, str]:
-        """The choice in two labels: whether kvfuse's kernels run anything of this model, and the
-        weights' form."""
-        on = self.ops is not None or self.weights.startswith("blocked")
-        return {"kernels": "on" if on else "off", "weights": self.weights}
+        """The choice in three labels: whether kvfuse's kernels run anything of this model, the
+        weights' form, and the instruction set the kernels run with (``avx512`` where the CPU
+        has it, else ``avx2``; ``none`` without them)."""
+        on = self.ops is not None or self.weights.startswith("blocked") or self.weights == "ggml"
+        isa = self.kernel.isa() if on and self.kernel is not None else "none"
+        return {"kernels": "on" if on else "off", "weights": self.weights, "isa": isa}
 
     def describe(self) -> str:
         """The choice in words, for logs and listings."""
         i = self.info()
-        return f"kernels {i['kernels']} (kernels: {self.mode}), weights {i['weights']}"
+        isa = f" on {i['isa'].upper()}" if i["isa"] != "none" else ""
+        return f"kernels {i['kernels']}{isa} (kernels: {self.mode}), weights {i['weights']}"
 
     # --------------------------------------------------------------------------- the choice
 
@@ -171,7 +183,7 @@ class CpuBackend:
         as they are)."""
         ops = self.kernel if kernels and self.cpu32 else None
         fused = ops is not None and all(
-            isinstance(getattr(lw, f), packed.BlockedWeight)
+            isinstance(getattr(lw, f), (packed.BlockedWeight, ggml.GGMLWeight))
             for lw in weights.layers
             for f in _PROJECTIONS
         )

@@ -54,11 +54,15 @@ _SOURCES = [
         "pointwise.cpp",
         "layer.cpp",
         "stack.cpp",
+        "ggml.cpp",
+        "ggml_avx2.cpp",
+        "ggml_avx512.cpp",
+        "isa.cpp",
     )
 ]
-# v8: bump when the sources change in a way the build cache must not reuse; the digest: one build
+# v9: bump when the sources change in a way the build cache must not reuse; the digest: one build
 # per checkout (see the module docstring).
-_NAME = "kvfuse_cpu_kernels_v8_" + hashlib.sha256(str(_DIR).encode()).hexdigest()[:8]
+_NAME = "kvfuse_cpu_kernels_v9_" + hashlib.sha256(str(_DIR).encode()).hexdigest()[:8]
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 
@@ -86,20 +90,47 @@ def built() -> bool:
     return (folder / f"{_NAME}.so").is_file()
 
 
+#: The instruction sets every kernel of the module needs (x86-64 with AVX2, FMA and F16C: every
+#: x86 server CPU since 2013). The module is compiled for exactly these, whatever CPU builds it,
+#: so one build runs on every CPU that has them; the GGUF kernels' AVX-512 versions are compiled
+#: beside them and chosen at run time where the CPU has AVX-512 (``ggml_ops.h``, ``isa.cpp``).
+FLOOR = ("avx2", "fma", "f16c")
+
+
 def _flags() -> list[str]:
-    """-O3 and OpenMP, plus the vector extensions this CPU has (F16C widens fp16 K/V eight at a
-    time; AVX2 + FMA run the projections' register tiles)."""
-    flags = ["-O3", "-fopenmp"]
+    """-O3 and OpenMP, and the floor's instruction sets (F16C widens fp16 K/V eight at a time;
+    AVX2 + FMA run the register tiles)."""
+    return ["-O3", "-fopenmp", "-mavx", *(f"-m{f}" for f in FLOOR)]
+
+
+def cpu_flags() -> set[str]:
+    """The instruction-set flags this CPU reports (``/proc/cpuinfo``; empty where there is none)."""
     try:
         cpu = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return flags
-    have = set(next((line for line in cpu.splitlines() if line.startswith("flags")), "").split())
-    flags += [f"-m{f}" for f in ("avx", "avx2", "fma", "f16c") if f in have]
-    return flags
+        return set()
+    return set(next((line for line in cpu.splitlines() if line.startswith("flags")), "").split())
+
+
+def floor_missing(flags: set[str] | None = None) -> list[str]:
+    """The floor's instruction sets this CPU lacks (``flags``: its flags, default read now); on a
+    machine that is not x86-64, all of them."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return list(FLOOR)
+    have = cpu_flags() if flags is None else flags
+    return [f for f in FLOOR if f not in have]
 
 
 def _build() -> ModuleType | None:
+    missing = floor_missing()
+    if missing:
+        log.warning(
+            "CPU kernels unavailable: this CPU lacks %s; using PyTorch's attention and projections",
+            ", ".join(missing),
+        )
+        return None
     try:
         from torch.utils import cpp_extension
 

@@ -3,7 +3,13 @@
 
 #include <torch/extension.h>
 
+#include <map>
+#include <string>
 #include <vector>
+
+namespace kvf {
+struct GgmlOps;
+}
 
 // batch_attention.cpp
 torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs,
@@ -27,11 +33,26 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, to
 torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act);
 torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
-// layer.cpp: a blocked weight as the Python side holds it (packed.BlockedWeight)
+// ggml.cpp: weights in a GGUF file's own blocks (models.ggml.GGMLWeight)
+torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> parts,
+                          std::vector<int64_t> types, c10::optional<torch::Tensor> bias);
+torch::Tensor ggml_dequantize(torch::Tensor part, int64_t type, int64_t in);
+torch::Tensor ggml_rows(torch::Tensor part, int64_t type, int64_t in, torch::Tensor ids);
+
+// isa.cpp: the CPU's instruction sets and the GGUF kernels' table chosen for it
+const kvf::GgmlOps* ggml_ops();
+std::map<std::string, bool> cpu_features();
+std::string isa();
+void set_isa(std::string name);
+
+// layer.cpp: a projection weight as the Python side holds it: blocks (packed.BlockedWeight), or
+// GGML parts (ggml.GGMLWeight: `parts` and their `types`; `blocks` and `scales` unused then)
 struct BlockedArg {
   torch::Tensor blocks;
   int64_t out;
   c10::optional<torch::Tensor> scales;
+  std::vector<torch::Tensor> parts;
+  std::vector<int64_t> types;
 };
 std::vector<torch::Tensor> project_qkv(torch::Tensor h, torch::Tensor attn_norm, double eps,
                                        BlockedArg wqkv, c10::optional<torch::Tensor> bqkv,

@@ -11,6 +11,7 @@ namespace {
 
 torch::Tensor product(const torch::Tensor& x, const BlockedArg& w,
                       const c10::optional<torch::Tensor>& bias) {
+  if (!w.parts.empty()) return ggml_linear(x, w.parts, w.types, bias);
   return blocked_linear(x, w.blocks, w.out, w.scales, bias);
 }
 

@@ -23,9 +23,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(h + delta, rms_norm(h + delta))");
   m.def("gated_act", &gated_act, "act(gate) * up, act silu (0) or gelu-tanh (1)");
   m.def("rope", &rope, "rotary embedding, rotate-half layout");
+  m.def("ggml_linear", &ggml_linear, RELEASE,
+        "x @ W^T (+ bias) for a weight in GGML blocks, one or more parts", py::arg("x"),
+        py::arg("parts"), py::arg("types"), py::arg("bias") = py::none());
+  m.def("ggml_dequantize", &ggml_dequantize, RELEASE, "a GGML weight part as float32 (rows, in)");
+  m.def("ggml_rows", &ggml_rows, "rows of a GGML weight part as float32 (embedding lookups)");
+  m.def("cpu_features", &cpu_features, "the instruction sets this CPU reports");
+  m.def("isa", &isa, "the instruction set the GGUF kernels run with");
+  m.def("set_isa", &set_isa, "run the GGUF kernels with auto, avx2 or avx512");
   py::class_<BlockedArg>(m, "Blocked", py::module_local(),
-                         "a blocked weight: blocks, output channels, int8 scales or None")
-      .def(py::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>>());
+                         "a projection weight: blocks, output channels, int8 scales or None")
+      .def(py::init<torch::Tensor, int64_t, c10::optional<torch::Tensor>>())
+      .def_static(
+          "ggml",
+          [](std::vector<torch::Tensor> parts, std::vector<int64_t> types) {
+            TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "one type per part");
+            int64_t out = 0;
+            for (const auto& p : parts) out += p.size(0);
+            return BlockedArg{parts[0], out, c10::nullopt, parts, types};
+          },
+          "a weight in GGML blocks: its parts and their GGML types");
   m.def("project_qkv", &project_qkv, RELEASE,
         "norm, q/k/v product, q/k norms and RoPE of one layer");
   m.def("post_attention", &post_attention, RELEASE,
