@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from . import __version__
-from .config import Config, load_from_environment
+from .config import WEIGHT_FORMATS, Config, load_from_environment
 
 log = logging.getLogger("kvfuse")
 
@@ -86,9 +86,10 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
         )
         p.add_argument(
             "--weights",
-            choices=("auto", "int8"),
-            help="weight format: auto (the compute dtype, default) or int8 (CPU only: ~3x faster decoding, "
-            "lossy; its KV is cached apart from full-precision KV)",
+            choices=WEIGHT_FORMATS,
+            help="weight format: auto (default: a GGUF file's own blocks on CPU, else the compute "
+            "dtype), fp32 (dequantized to the compute dtype) or int8 (CPU only, lossy; its KV is "
+            "cached apart from full-precision KV)",
         )
         p.add_argument(
             "--kernels",
@@ -500,7 +501,10 @@ def cmd_models(args, config: Config) -> int:
         swidth = max(len(r[1]) for r in rows)
         for name, state, desc in rows:
             print(f"{name:<{width}}  {state:<{swidth}}  {desc}")
+        from .models.cpu import kernels
+
         print(f"\nCPU backend: {_backend_line(config)}")
+        print(f"CPU: {kernels.cpu_line()}")
         return 0
     folder = registry.pull(args.name, home, force=args.force)
     print(folder)
@@ -525,7 +529,13 @@ def _backend_line(config: Config) -> str:
         chosen = backend.select(config.kernels, device, dtype, config.weights)
     except backend.KernelsUnavailable as e:
         return f"unavailable: {e}"
-    return f"{chosen.describe()} (device {device}, {str(dtype).removeprefix('torch.')})"
+    line = f"{chosen.describe()} (device {device}, {str(dtype).removeprefix('torch.')})"
+    if chosen.ggml:  # what load_folder does with weights: auto
+        line = line.replace(
+            "weights blocked-fp32",
+            "weights ggml (a folder's model.gguf blocks; blocked-fp32 without one)",
+        )
+    return line
 
 
 def cmd_generate(args, config: Config) -> int:

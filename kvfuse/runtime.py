@@ -176,6 +176,10 @@ def open_model(config: Config) -> LoadedModel:
         _dtype_name(r.dtype),
         model.backend.describe(),
     )
+    if r.device.type == "cpu":
+        from .models.cpu import kernels
+
+        log.info("CPU %s: %s", kernels.cpu_model() or "(model unknown)", kernels.cpu_line())
     return model
 
 

@@ -26,6 +26,7 @@ def environment() -> dict:
         "torch_threads": torch.get_num_threads(),
         "machine": platform.machine(),
         "cpu": cpu_model(),
+        "cpu_features": cpu_features(),
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
     }
 
@@ -33,12 +34,18 @@ def environment() -> dict:
 def cpu_model() -> str | None:
     """The CPU's model name (``/proc/cpuinfo``; None elsewhere): this VM's CPU varies between
     sessions, and a result says which one it ran on."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    line = next((x for x in text.splitlines() if x.startswith("model name")), None)
-    return line.split(":", 1)[1].strip() if line else None
+    from kvfuse.models.cpu import kernels
+
+    return kernels.cpu_model()
+
+
+def cpu_features() -> list[str]:
+    """The instruction sets that decide which of kvfuse's kernels run and how fast PyTorch's GEMMs
+    go (``kernels.LISTED``) that this CPU has."""
+    from kvfuse.models.cpu import kernels
+
+    have = kernels.cpu_flags()
+    return [f for f in kernels.LISTED if f in have]
 
 
 def stem(target: str | Path) -> Path:

@@ -496,7 +496,7 @@ class Config:
     model: str = "smollm2"
     device: str = "auto"
     dtype: str = "auto"
-    weights: str = "auto"  # auto (the compute dtype) | int8 (CPU only; its own cache namespace)
+    weights: str = "auto"  # auto (GGUF blocks on CPU) | fp32 (dequantized) | int8 (CPU; own KV)
     kernels: str = "auto"  # kvfuse's CPU kernels: auto (where they build) | on (required) | off
     threads: int = 0  # 0 = all cores
     context_tokens: int = (

@@ -295,11 +295,23 @@ def _backend_metrics(engine) -> Iterator[Metric]:
     family = GaugeMetricFamily(
         "kvfuse_cpu_backend_info",
         "The CPU path the model was loaded with (kernels: auto | on | off): whether kvfuse's "
-        "kernels run (kernels) and the projections' form (weights).",
+        "kernels run (kernels), the projections' form (weights) and the instruction set the "
+        "kernels chose at run time (isa: avx512 | avx2 | none).",
         labels=sorted(info),
     )
     family.add_metric([info[k] for k in sorted(info)], 1)
     yield family
+    from ..models.cpu import kernels
+
+    have = kernels.cpu_flags()
+    cpu = GaugeMetricFamily(
+        "kvfuse_cpu_info",
+        "The CPU this server runs on: its model name and the instruction sets of it that decide "
+        "kvfuse's kernels and PyTorch's GEMMs (features, space-separated).",
+        labels=["model", "features"],
+    )
+    cpu.add_metric([kernels.cpu_model() or "", " ".join(f for f in kernels.LISTED if f in have)], 1)
+    yield cpu
 
 
 def _blend_metrics(s: dict) -> Iterator[Metric]:

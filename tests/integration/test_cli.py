@@ -63,8 +63,9 @@ def test_models_list_names_the_cpu_backend():
     """The CPU path a model would load with: a line after the models, from ``kernels``."""
     proc = kvfuse(["models", "list"], env_extra={"KVFUSE_KERNELS": "off", "KVFUSE_DEVICE": "cpu"})
     assert proc.returncode == 0, proc.stderr
-    line = proc.stdout.splitlines()[-1]
+    *_, line, cpu = proc.stdout.splitlines()
     assert line == "CPU backend: kernels off (kernels: off), weights plain (device cpu, float32)"
+    assert cpu.startswith("CPU: ") and "GGUF kernels: " in cpu  # the CPU's instruction sets
     proc = kvfuse(["models", "list"], env_extra={"KVFUSE_DEVICE": "cpu"})
     assert proc.returncode == 0 and "CPU backend: " in proc.stdout, proc.stderr
     assert_user_error(

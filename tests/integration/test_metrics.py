@@ -74,6 +74,14 @@ def test_the_cpu_backend_is_an_info_gauge(server):
     assert labels["weights"] in ("ggml", "plain", "onednn-fp32")
     assert labels["isa"] in ("avx512", "avx2", "none")
     assert value(scrape(server), "kvfuse_cpu_backend_info", **labels) == 1
+    from kvfuse.models.cpu import kernels
+
+    cpu = [dict(labels) for name, labels in scrape(server) if name == "kvfuse_cpu_info"]
+    assert len(cpu) == 1 and cpu[0]["model"] == (kernels.cpu_model() or "")
+    features = cpu[0]["features"].split()
+    assert features == [f for f in kernels.LISTED if f in kernels.cpu_flags()]
+    if labels["isa"] != "none":  # the kernels' choice follows from the features listed
+        assert kernels.isa_for(set(features) | {"avx"}) == labels["isa"]
 
 
 def test_counters_move_with_requests(server):

@@ -21,10 +21,12 @@ pytestmark = pytest.mark.integration
 MODEL = "smollm2"
 # Logprob differences allowed. The server's KV comes from its batched kernels, in 256-token chunks
 # (with a cache hit: from an earlier request's), stored in fp16; the reference's from one whole
-# pass. That rounding alone is of this size: the reference computed whole and in 256-token chunks
-# differ by up to 5.4e-3 (mean 8e-5) over a 500-token prompt of this model. An off-by-one position
-# or a wrong distribution moves logprobs by whole units.
-TOL = 2e-2
+# pass. That rounding alone is of this size: over the 494-token echo prompt below, the reference
+# computed whole and in 256-, 128- or 1-token chunks differs by up to 2.2e-2 at one position (a
+# near-tie token; mean 2e-4), with float32 weights and with the GGUF's own blocks alike. An
+# off-by-one position or a wrong distribution moves logprobs by whole units, and the mean bound
+# catches any systematic drift.
+TOL = 5e-2
 MEAN_TOL = 1e-3
 
 

@@ -135,3 +135,31 @@ def test_a_long_pass_composes_the_layer_and_computes_the_same(
     )
     long = runner.forward(ids, runner.new_cache(len(ids)), logits="all")
     torch.testing.assert_close(long, fused, atol=1e-4, rtol=1e-4)
+
+
+FLOOR_FLAGS = {"avx", "avx2", "fma", "f16c"}
+AVX512_FLAGS = FLOOR_FLAGS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+@pytest.mark.parametrize(
+    "flags,missing,isa",
+    [
+        (set(), ["avx2", "fma", "f16c"], "none"),  # below the floor: the kernels do not build
+        (FLOOR_FLAGS - {"fma"}, ["fma"], "none"),
+        (FLOOR_FLAGS, [], "avx2"),
+        (FLOOR_FLAGS | {"avx512f", "avx512bw", "avx512vl"}, [], "avx2"),  # DQ too, or AVX2
+        (AVX512_FLAGS, [], "avx512"),
+        (AVX512_FLAGS | {"avx512_bf16", "amx_bf16"}, [], "avx512"),
+    ],
+)
+def test_the_instruction_set_the_kernels_pick_from_a_cpu_s_flags(monkeypatch, flags, missing, isa):
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    assert kernels.floor_missing(flags) == missing
+    assert kernels.isa_for(flags) == isa
+    line = kernels.cpu_line(flags)
+    assert line.endswith(f"GGUF kernels: {isa}")
+    assert ("no avx512_bf16" in line) is ("avx512_bf16" not in flags)
+
+
+def test_the_python_choice_is_the_one_the_kernels_make_from_cpuid(cpu_kernels):
+    assert kernels.isa_for(kernels.cpu_flags()) == cpu_kernels.isa()

@@ -75,12 +75,13 @@ def test_product_equals_linear_of_the_dequantized_weight(ops, isa, type_name, n)
 
 
 def test_parts_of_other_types_with_a_bias_and_leading_dims(ops, isa):
-    """A fused q/k/v whose parts a file quantizes differently: one product, stacked outputs."""
-    parts = [raw("Q4_K", 32, 512, 1), raw("Q4_K", 16, 512, 2), raw("Q6_K", 16, 512, 3)]
+    """A fused q/k/v whose parts a file quantizes differently: one product, stacked outputs (the
+    threads' shares of the output channels begin and end inside parts)."""
+    parts = [raw("Q4_K", 37, 512, 1), raw("Q4_K", 19, 512, 2), raw("Q6_K", 11, 512, 3)]
     w = ggml.GGMLWeight(parts, ops)
-    assert w.shape == (64, 512) and w.fmt == "q4_k+q6_k"
+    assert w.shape == (67, 512) and w.fmt == "q4_k+q6_k"
     dense = torch.cat([reference(p) for p in parts])
-    bias = torch.randn(64)
+    bias = torch.randn(67)
     for n in (1, 9):
         x = torch.randn(2, n, 512)
         torch.testing.assert_close(

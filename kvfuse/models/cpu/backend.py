@@ -155,7 +155,7 @@ class CpuBackend:
     def describe(self) -> str:
         """The choice in words, for logs and listings."""
         i = self.info()
-        isa = f" on {i['isa'].upper()}" if i["isa"] != "none" else ""
+        isa = f", {i['isa'].upper()}" if i["isa"] != "none" else ""
         return f"kernels {i['kernels']}{isa} (kernels: {self.mode}), weights {i['weights']}"
 
     # --------------------------------------------------------------------------- the choice

@@ -112,6 +112,55 @@ def cpu_flags() -> set[str]:
     return set(next((line for line in cpu.splitlines() if line.startswith("flags")), "").split())
 
 
+# What the kernels ask of the CPU: AVX-512 (F, BW, VL, DQ) for their wide tables (isa.cpp's
+# choice, made again from cpuid at run time), and the flags that a listing names beside it.
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+LISTED = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+)
+
+
+def isa_for(flags: set[str]) -> str:
+    """The instruction set the GGUF kernels pick on a CPU with ``flags``: ``avx512``, ``avx2``
+    (the floor), or ``none`` below the floor (the kernels do not build)."""
+    if floor_missing(flags):
+        return "none"
+    return "avx512" if all(f in flags for f in AVX512) else "avx2"
+
+
+def cpu_line(flags: set[str] | None = None) -> str:
+    """The CPU's instruction sets in one line, and which the kernels run (listings, start-up)."""
+    have = cpu_flags() if flags is None else flags
+    named = [f for f in LISTED if f in have]
+    missing = [f for f in ("avx512_bf16", "amx_bf16") if f not in have]
+    return (
+        f"{' '.join(named) or 'no listed instruction sets'}"
+        + (f" (no {', '.join(missing)})" if missing else "")
+        + f"; GGUF kernels: {isa_for(have)}"
+    )
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``; None where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((x for x in text.splitlines() if x.startswith("model name")), None)
+    return line.split(":", 1)[1].strip() if line else None
+
+
 def floor_missing(flags: set[str] | None = None) -> list[str]:
     """The floor's instruction sets this CPU lacks (``flags``: its flags, default read now); on a
     machine that is not x86-64, all of them."""

@@ -11,6 +11,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "ggml_ops.h"
@@ -49,13 +50,27 @@ std::vector<Part> parts_of(const std::vector<torch::Tensor>& parts,
 // x in L2 while every group of output channels multiplies them.
 constexpr int64_t kRowsPerPass = 256;
 
-void product(const kvf::GgmlOps* ops, const Part& w, const float* x, int64_t n, int64_t in,
-             float* y, int64_t ldy) {
-  if (n <= kvf::kFewRows) {
-    const kvf::QuantProduct p{w.type, w.data, w.row_bytes, in, x, n, y, ldy};
-    at::parallel_for(0, w.rows, 16, [&](int64_t r0, int64_t r1) { ops->few_rows(p, r0, r1); });
-    return;
-  }
+// One decode step's product (n <= kFewRows): the output channels of every part in one parallel
+// region, split evenly between the threads (a region per part costs a fork and a join each,
+// which a step of small products pays hundreds of times).
+void few_rows(const kvf::GgmlOps* ops, const std::vector<Part>& ws, const float* x, int64_t n,
+              int64_t in, float* y, int64_t ldy) {
+  int64_t total = 0;
+  for (const Part& w : ws) total += w.rows;
+  at::parallel_for(0, total, 32, [&](int64_t r0, int64_t r1) {
+    int64_t first = 0;  // the first output channel of part w
+    for (const Part& w : ws) {
+      const int64_t a = std::max(r0, first) - first, b = std::min(r1, first + w.rows) - first;
+      if (a < b)
+        ops->few_rows(kvf::QuantProduct{w.type, w.data, w.row_bytes, in, x, n, y + first, ldy}, a,
+                      b);
+      first += w.rows;
+    }
+  });
+}
+
+void many_rows(const kvf::GgmlOps* ops, const Part& w, const float* x, int64_t n, int64_t in,
+               float* y, int64_t ldy) {
   const int64_t groups = (w.rows + kvf::kGroupRows - 1) / kvf::kGroupRows;
   for (int64_t i0 = 0; i0 < n; i0 += kRowsPerPass) {
     const kvf::QuantProduct p{w.type,       w.data,      w.row_bytes,
@@ -88,10 +103,14 @@ torch::Tensor ggml_linear(torch::Tensor x, std::vector<torch::Tensor> parts,
   if (n == 0) return y;
   const kvf::GgmlOps* ops = ggml_ops();
   float* yp = y.data_ptr<float>();
-  int64_t col0 = 0;
-  for (const Part& w : ws) {
-    product(ops, w, x.data_ptr<float>(), n, in, yp + col0, out);
-    col0 += w.rows;
+  if (n <= kvf::kFewRows) {
+    few_rows(ops, ws, x.data_ptr<float>(), n, in, yp, out);
+  } else {
+    int64_t col0 = 0;
+    for (const Part& w : ws) {
+      many_rows(ops, w, x.data_ptr<float>(), n, in, yp + col0, out);
+      col0 += w.rows;
+    }
   }
   if (bias) y.add_(*bias);
   return y;
