@@ -530,7 +530,7 @@ def _backend_line(config: Config) -> str:
     except backend.KernelsUnavailable as e:
         return f"unavailable: {e}"
     line = f"{chosen.describe()} (device {device}, {str(dtype).removeprefix('torch.')})"
-    if chosen.ggml:  # what load_folder does with weights: auto
+    if config.weights == "auto" and chosen.ggml:  # what load_folder does with a GGUF
         line = line.replace(
             "weights blocked-fp32",
             "weights ggml (a folder's model.gguf blocks; blocked-fp32 without one)",
