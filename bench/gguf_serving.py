@@ -35,14 +35,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.lib import servers as srvs
 from bench.lib.cli import add_common, csv
-from bench.lib.client import Runner, timed_completion
+from bench.lib.client import Runner, concurrently, timed_completion
 from bench.lib.data import dev_text_tokens, sharegpt_first_messages
 from bench.lib.results import output_name, print_table, pyplot, save_figure, write_json
 from bench.lib.rounds import interleaved, spread
@@ -98,13 +96,7 @@ def streams(base_url: str, model: str, asks: list[str], head: str, tokens: int) 
         msgs = [{"role": "user", "content": f"{head} stream {i}.\n{ask}"}]
         out.append(runner.stream({"ignore_eos": True}, tokens, messages=msgs))
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one, args=(i, a)) for i, a in enumerate(asks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = concurrently(one, asks)
     made = sum(s["completion_tokens"] for s in out)
     if len(asks) == 1:
         s = out[0]

@@ -52,6 +52,7 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from bench.lib.cli import add_common
+from bench.lib.client import concurrently
 from bench.lib.paths import DATA
 from bench.lib.results import print_table, pyplot, save_figure, stem, write_json
 from bench.lib.rounds import interleaved
@@ -154,13 +155,7 @@ def replay(setup: str, model, convs, args, budget: int, workdir: Path, seed: int
             prev = r
             time.sleep(rng.uniform(*args.think))
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=client, args=(i, u)) for i, u in enumerate(convs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    wall = concurrently(client, convs)
     return {"setup": setup, "seed": seed, "wall_s": wall, "turns": turns, **engine_report(engine)}
 
 

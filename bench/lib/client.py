@@ -184,6 +184,17 @@ def sample(t0: float, end: float, arrivals: list[float], text: str, usage) -> di
     }
 
 
+def concurrently(fn, items) -> float:
+    """``fn(i, item)`` for every item, each in its own thread, all at once; the wall seconds."""
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=fn, args=(i, x)) for i, x in enumerate(items)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
