@@ -44,8 +44,7 @@ def cpu_features() -> list[str]:
     go (``kernels.LISTED``) that this CPU has."""
     from kvfuse.models.cpu import kernels
 
-    have = kernels.cpu_flags()
-    return [f for f in kernels.LISTED if f in have]
+    return kernels.listed_features()
 
 
 def stem(target: str | Path) -> Path:

@@ -303,14 +303,13 @@ def _backend_metrics(engine) -> Iterator[Metric]:
     yield family
     from ..models.cpu import kernels
 
-    have = kernels.cpu_flags()
     cpu = GaugeMetricFamily(
         "kvfuse_cpu_info",
         "The CPU this server runs on: its model name and the instruction sets of it that decide "
         "kvfuse's kernels and PyTorch's GEMMs (features, space-separated).",
         labels=["model", "features"],
     )
-    cpu.add_metric([kernels.cpu_model() or "", " ".join(f for f in kernels.LISTED if f in have)], 1)
+    cpu.add_metric([kernels.cpu_model() or "", " ".join(kernels.listed_features())], 1)
     yield cpu
 
 

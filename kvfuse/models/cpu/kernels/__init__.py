@@ -139,10 +139,16 @@ def isa_for(flags: set[str]) -> str:
     return "avx512" if all(f in flags for f in AVX512) else "avx2"
 
 
+def listed_features(flags: set[str] | None = None) -> list[str]:
+    """The ``LISTED`` instruction sets of a CPU with ``flags`` (default: this one's), in order."""
+    have = cpu_flags() if flags is None else flags
+    return [f for f in LISTED if f in have]
+
+
 def cpu_line(flags: set[str] | None = None) -> str:
     """The CPU's instruction sets in one line, and which the kernels run (listings, start-up)."""
     have = cpu_flags() if flags is None else flags
-    named = [f for f in LISTED if f in have]
+    named = listed_features(have)
     missing = [f for f in ("avx512_bf16", "amx_bf16") if f not in have]
     return (
         f"{' '.join(named) or 'no listed instruction sets'}"
