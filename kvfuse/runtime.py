@@ -27,6 +27,7 @@ from .models import LoadedModel, load_model
 from .prompts import PromptBuilder
 from .store import TieredStore
 from .store.tenant_quota import TenantQuotas
+from .threads import set_compute_threads, use_compute_threads
 from .tiers.base import Tier
 from .tiers.disk import DiskTier
 from .tiers.encrypted import EncryptedTier
@@ -126,8 +127,11 @@ def redis_security(t: TierConfig) -> Security:
 
 
 def set_threads(config: Config) -> None:
+    """The engine's thread count (``kvfuse.threads``): the configured one, else PyTorch's."""
     if config.threads:
-        torch.set_num_threads(config.threads)
+        set_compute_threads(config.threads)
+    else:
+        use_compute_threads()
 
 
 # glibc mallopt parameters

@@ -26,6 +26,7 @@ from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.models.transformer import Transformer
 from kvfuse.store import TieredStore
+from kvfuse.threads import helper_thread
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class LayerLoader:
         self._ready = [threading.Event() for _ in range(runner.config.num_layers)]
         self._failed: ChunkKey | None = None
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="kvfuse-layer-loader", daemon=True)
+        self._thread = helper_thread(self._run, "kvfuse-layer-loader")
 
     def start(self) -> LayerLoader:
         self._thread.start()

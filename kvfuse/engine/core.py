@@ -35,6 +35,7 @@ from kvfuse.models import LoadedModel
 from kvfuse.prompts import Prompt, PromptBuilder
 from kvfuse.reuse import CacheOptions, Loaded, open_cache
 from kvfuse.store import TieredStore
+from kvfuse.threads import use_compute_threads
 
 from . import choices
 from .kv_memory import KVMemory, initial_slots
@@ -165,6 +166,8 @@ class Engine:
             cancel=cancel if cancel is not None else threading.Event(),
         )
         self.submit(request)
+        if self._loop is None or not self._loop.is_alive():
+            use_compute_threads()  # the steps run on this thread
         while not done.is_set():
             if self._loop is not None and self._loop.is_alive():
                 done.wait(0.1)

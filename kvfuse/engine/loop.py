@@ -5,7 +5,8 @@ pieces reach the server through each request's callbacks. The loop ends once the
 closed (``Engine.stop``) and the sequences still running have finished (they were cancelled, so
 each ends at its next step). When nothing waits or runs, it does one piece of idle work at a time
 (``idle``: the online blend guard's checks), then looks at the queue again. It knows only the
-step to run, the idle work, and the scheduler to wait on.
+step to run, the idle work, and the scheduler to wait on. It computes with the engine's thread
+count (``kvfuse.threads``), whatever count a new thread would start from.
 
 A step that raises is a bug or a fault the engine could not pin on one request (those end the
 request they belong to): the loop retries, but backs off (``STEP_BACKOFF_FIRST_S``, doubling up
@@ -19,6 +20,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+
+from kvfuse.threads import use_compute_threads
 
 from .scheduler import Scheduler
 
@@ -83,6 +86,7 @@ class EngineLoop(threading.Thread):
         self.progress = progress or Progress()
 
     def run(self) -> None:
+        use_compute_threads()  # a helper may have left PyTorch's count for new threads at one
         while True:
             if not self.scheduler.has_work():
                 if self.scheduler.closed:

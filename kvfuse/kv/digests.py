@@ -39,6 +39,8 @@ from typing import Callable, Sequence
 
 import blake3
 
+from kvfuse.threads import helper_pool
+
 SHA256 = 0  # entries signed before digest ids: no id in the header
 BLAKE3 = 1
 NAMES = {SHA256: "sha256", BLAKE3: "blake3"}
@@ -168,7 +170,7 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, _threads() - 1), thread_name_prefix="kvfuse-digest")
+            _pool = helper_pool(max(1, _threads() - 1), "kvfuse-digest")
         return _pool
 
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvfuse.models.cache import KVCache
+from kvfuse.threads import helper_thread
 
 from .prefill import Prefiller, ReadyPlan
 from .state import Reuse
@@ -51,10 +52,7 @@ class Loader:
         self._done: list[Loaded] = []
         self._lock = threading.Condition()
         self._busy = 0
-        self._threads = [
-            threading.Thread(target=self._work, name=f"kvfuse-loader-{i}", daemon=True)
-            for i in range(workers)
-        ]
+        self._threads = [helper_thread(self._work, f"kvfuse-loader-{i}") for i in range(workers)]
         for t in self._threads:
             t.start()
 

@@ -49,6 +49,7 @@ from kvfuse.kv.format import Entry, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.models.cache import KVCache
 from kvfuse.store import TieredStore
+from kvfuse.threads import helper_thread
 
 from .planner import Save
 
@@ -101,7 +102,7 @@ class Saver:
         self.epoch = (
             0  # jobs finished so far: a lookup made at the same epoch would answer the same
         )
-        self._thread = threading.Thread(target=self._loop, name="kvfuse-saver", daemon=True)
+        self._thread = helper_thread(self._loop, "kvfuse-saver")
         self._thread.start()
 
     def save(

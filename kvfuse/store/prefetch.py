@@ -21,6 +21,7 @@ import logging
 import threading
 
 from kvfuse.store.core import TieredStore
+from kvfuse.threads import helper_thread
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ class Prefetcher:
         self.interval_s = interval_s
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="kvfuse-prefetch", daemon=True)
+        self._thread = helper_thread(self._loop, "kvfuse-prefetch")
         store.prefetching = True
         self._thread.start()
 

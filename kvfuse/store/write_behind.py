@@ -35,6 +35,7 @@ from typing import Sequence
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.store.results import StoreCounters
 from kvfuse.store.transcode import Transcoder
+from kvfuse.threads import helper_thread
 from kvfuse.tiers.base import Blob, Tier, guarded, put_many_expiring
 
 _STOP = object()
@@ -149,9 +150,7 @@ class _Lane:
         self.queued: dict[ChunkKey, int] = {}
         self.extended: dict[ChunkKey, float] = {}
         self.written: dict[ChunkKey, None] = {}
-        self._thread = threading.Thread(
-            target=self._loop, name=f"kvfuse-store-writer-{tier.name}", daemon=True
-        )
+        self._thread = helper_thread(self._loop, f"kvfuse-store-writer-{tier.name}")
 
     def start(self, idle: threading.Condition) -> None:
         self._idle = idle

@@ -38,6 +38,7 @@ from kvfuse.kv.chunk import KVChunk
 from kvfuse.kv.format import EntrySpec, encode_entry
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.store import TieredStore
+from kvfuse.threads import helper_thread
 
 log = logging.getLogger(__name__)
 
@@ -153,9 +154,7 @@ class KVWorker:
         self._save_layers: set[int] = set()
         self._save_blocks: torch.Tensor | None = None
         self._queue: queue.Queue = queue.Queue(maxsize=save_queue)
-        self._saver = threading.Thread(
-            target=self._save_loop, name="kvfuse-vllm-saver", daemon=True
-        )
+        self._saver = helper_thread(self._save_loop, "kvfuse-vllm-saver")
         self._saver.start()
         self._closed = False
 
@@ -206,9 +205,7 @@ class KVWorker:
         self.counters.add(load_requests=len(jobs))
         load = self._load = _StepLoad(items, len(self.layers))
         if self.layerwise:
-            load.thread = threading.Thread(
-                target=self._run_layers, args=(load,), name="kvfuse-vllm-loader", daemon=True
-            )
+            load.thread = helper_thread(self._run_layers, "kvfuse-vllm-loader", (load,))
             load.thread.start()
         else:
             self._run_whole(load)

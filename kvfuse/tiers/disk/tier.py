@@ -35,6 +35,7 @@ import numpy as np
 
 from kvfuse.kv.keys import ChunkKey
 from kvfuse.private import make_dirs
+from kvfuse.threads import helper_pool
 from kvfuse.tiers.base import Blob, Clock, Entry, IndexedTier, T, nbytes
 from kvfuse.tiers.disk import files
 from kvfuse.tiers.disk.expiry import DiskExpiries
@@ -302,9 +303,7 @@ class DiskTier(IndexedTier):
     def _io_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(
-                    self.io_threads, thread_name_prefix=f"kvfuse-{self.name}-io"
-                )
+                self._pool = helper_pool(self.io_threads, f"kvfuse-{self.name}-io")
             return self._pool
 
     def _stage(self, key: ChunkKey, value: Blob, expires_at: float | None):
