@@ -14,6 +14,16 @@ start and barrier, not computing). With the helper at one thread the steps stay 
 So a helper calls ``serial()`` before its first PyTorch op (``helper_thread`` and
 ``helper_pool`` do it for it): with one thread its ops run inline and no second team exists.
 
+The cause is libgomp's rule for more threads than cores: while the OpenMP teams of all threads
+together hold more threads than there are CPUs, a waiting team member spins 100 times (not for
+milliseconds) before it sleeps in the kernel, so each of a step's hundreds of parallel regions
+starts and ends through futex wake-ups. Any thread that once ran a parallel op keeps its team
+(idle, but counted) until it exits or runs a region of one thread. The thread that loaded the
+model and then started the engine's loop is such a thread (a server's start-up thread, a
+script's main thread): measured the same way, its idle team made every step 14.2 ms instead of
+10.8. So ``Engine.start`` calls ``hand_over()``: the calling thread gives its team back
+(``release_team``: one empty region of one thread) and computes serially from then on.
+
 PyTorch keeps one process-wide count, and ``set_num_threads`` sets it as well as the calling
 thread's own. A thread takes the process-wide count at its first PyTorch op (or
 ``get_num_threads``), whatever it set before: a helper that set one thread and then ran its first
@@ -26,13 +36,18 @@ configuration is applied; otherwise the count of the thread that first imported 
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+log = logging.getLogger(__name__)
 _compute = torch.get_num_threads()
+_REGION = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_empty = _REGION(lambda _: None)
 
 
 def set_compute_threads(n: int) -> None:
@@ -78,3 +93,49 @@ def helper_thread(target: Callable[..., object], name: str, args: tuple = ()) ->
 def helper_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     """A thread pool whose workers run serially (``serial()``)."""
     return ThreadPoolExecutor(workers, thread_name_prefix=prefix, initializer=serial)
+
+
+def hand_over() -> None:
+    """On a thread that computed the model and now lets the engine's thread do it: give back
+    its OpenMP team (``release_team``) and compute serially from now on."""
+    serial()
+    release_team()
+
+
+def release_team() -> bool:
+    """Let libgomp end the calling thread's idle OpenMP team, if it has one: an empty parallel
+    region of one thread ends the team's other threads (see the module docstring). Whether
+    PyTorch's libgomp was found (another OpenMP runtime has no such rule and nothing to do)."""
+    gomp = _libgomp()
+    if gomp is None:
+        return False
+    gomp.GOMP_parallel(_empty, None, ctypes.c_uint(1), ctypes.c_uint(0))
+    return True
+
+
+_gomp: list = []  # [the loaded libgomp, or None], once looked up
+
+
+def _libgomp() -> ctypes.CDLL | None:
+    if not _gomp:
+        _gomp.append(_find_libgomp())
+    return _gomp[0]
+
+
+def _find_libgomp() -> ctypes.CDLL | None:
+    """The libgomp this process loaded (PyTorch's own copy), from ``/proc/self/maps``."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)
+            lib.GOMP_parallel  # noqa: B018 (the entry point must exist)
+        except (OSError, AttributeError):
+            continue
+        lib.GOMP_parallel.restype = None
+        return lib
+    log.debug("no libgomp loaded: no OpenMP team to give back")
+    return None

@@ -35,7 +35,7 @@ from kvfuse.models import LoadedModel
 from kvfuse.prompts import Prompt, PromptBuilder
 from kvfuse.reuse import CacheOptions, Loaded, open_cache
 from kvfuse.store import TieredStore
-from kvfuse.threads import use_compute_threads
+from kvfuse.threads import hand_over, use_compute_threads
 
 from . import choices
 from .kv_memory import KVMemory, initial_slots
@@ -449,10 +449,12 @@ class Engine:
     # ------------------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Run steps on a loop thread of the engine's own (what a server does)."""
+        """Run steps on a loop thread of the engine's own (what a server does). The calling thread
+        gives its OpenMP team back and computes serially from then on (``kvfuse.threads``)."""
         if self._loop is None or not self._loop.is_alive():
             self._loop = EngineLoop(self.step, self.scheduler, self.idle_work, self.progress)
             self._loop.start()
+            hand_over()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new requests, cancel the waiting ones and the running ones, stop the loop."""

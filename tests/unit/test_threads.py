@@ -129,3 +129,31 @@ def test_generate_on_the_callers_thread_uses_the_engines_count(tiny_loaded):
     finally:
         engine.close()
     assert seen and set(seen) == {2}
+
+
+def test_release_team_finds_pytorchs_openmp_and_keeps_the_threads_count():
+    torch.ones(1 << 20).add_(1)  # this thread has a team now
+    assert threads.release_team()
+    assert torch.get_num_threads() == 2
+    torch.ones(1 << 20).add_(1)  # and computes with it again
+
+
+def test_starting_the_loop_hands_the_callers_thread_over(tiny_loaded):
+    engine = Engine(
+        tiny_loaded("llama"), TieredStore(MemoryTier(1 << 26)), EngineSettings.of(chunk_size=16)
+    )
+    seen = []
+    forward = engine.model.runner.forward_batch
+
+    def counted(*a, **k):
+        seen.append(torch.get_num_threads())
+        return forward(*a, **k)
+
+    engine.model.runner.forward_batch = counted
+    try:
+        engine.start()
+        assert torch.get_num_threads() == 1  # the caller no longer computes the model
+        engine.generate([5, 6, 7, 8], SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        engine.close()
+    assert seen and set(seen) == {2}  # the loop's thread, with the engine's count

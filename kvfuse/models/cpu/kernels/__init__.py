@@ -60,9 +60,9 @@ _SOURCES = [
         "isa.cpp",
     )
 ]
-# v9: bump when the sources change in a way the build cache must not reuse; the digest: one build
+# v10: bump when the sources change in a way the build cache must not reuse; the digest: one build
 # per checkout (see the module docstring).
-_NAME = "kvfuse_cpu_kernels_v9_" + hashlib.sha256(str(_DIR).encode()).hexdigest()[:8]
+_NAME = "kvfuse_cpu_kernels_v10_" + hashlib.sha256(str(_DIR).encode()).hexdigest()[:8]
 _lock = threading.Lock()
 _state: dict[str, ModuleType | None] = {}
 

@@ -11,7 +11,7 @@
 // Scores are kept for the whole row (two passes: scores, then the softmax-weighted sum of values),
 // accumulated in float32.
 
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -183,7 +183,7 @@ torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs,
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  kvf::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t i = task / kv_heads, g = task % kv_heads;

@@ -7,9 +7,9 @@
 // the file's bytes. Products are float32 throughout: the activations are never quantized, each
 // weight value is dequantized in registers or in a buffer that stays in cache, so a product
 // equals the one with the weight dequantized to float32 up to float rounding. Threads split the
-// output channels (at::parallel_for); the instruction-set-specific loops are in ggml_impl.h.
+// output channels (kvf::parallel_for, parallel.h); the instruction-set-specific loops are in ggml_impl.h.
 
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <vector>
@@ -57,7 +57,7 @@ void few_rows(const kvf::GgmlOps* ops, const std::vector<Part>& ws, const float*
               int64_t in, float* y, int64_t ldy) {
   int64_t total = 0;
   for (const Part& w : ws) total += w.rows;
-  at::parallel_for(0, total, 32, [&](int64_t r0, int64_t r1) {
+  kvf::parallel_for(0, total, 32, [&](int64_t r0, int64_t r1) {
     int64_t first = 0;  // the first output channel of part w
     for (const Part& w : ws) {
       const int64_t a = std::max(r0, first) - first, b = std::min(r1, first + w.rows) - first;
@@ -76,7 +76,7 @@ void many_rows(const kvf::GgmlOps* ops, const Part& w, const float* x, int64_t n
     const kvf::QuantProduct p{w.type,       w.data,      w.row_bytes,
                               in,           x + i0 * in, std::min(kRowsPerPass, n - i0),
                               y + i0 * ldy, ldy};
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    kvf::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
       std::vector<float> scratch(kvf::kGroupRows * in);
       for (int64_t g = g0; g < g1; ++g)
         ops->many_rows(p, g * kvf::kGroupRows, std::min((g + 1) * kvf::kGroupRows, w.rows),
@@ -122,7 +122,7 @@ torch::Tensor ggml_dequantize(torch::Tensor part, int64_t type, int64_t in) {
   const kvf::GgmlOps* ops = ggml_ops();
   const int64_t blocks = in / kvf::block_shape(w.type).elems;
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.rows, 16, [&](int64_t r0, int64_t r1) {
+  kvf::parallel_for(0, w.rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       ops->dequant(w.type, w.data + r * w.row_bytes, 0, blocks, yp + r * in);
   });

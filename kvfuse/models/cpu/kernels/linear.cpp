@@ -8,7 +8,7 @@
 // zero-padded. int8 weights carry one float32 scale per output channel (symmetric, per-channel
 // quantization) and are widened to float32 in registers: activations are never rounded.
 //
-// Work. Threads split the blocks (at::parallel_for; the extension is built with OpenMP so that
+// Work. Threads split the blocks (kvf::parallel_for, parallel.h; the extension is built with OpenMP so that
 // it uses PyTorch's threads). One row (a single-stream decode step) is a bandwidth-bound dot
 // product of the block with x, eight accumulators deep. More rows are copied into panels of 6
 // rows, k-major, and each (6 rows x 16 channels) tile is accumulated in twelve registers over a
@@ -16,7 +16,7 @@
 // blocking of a GEMM micro-kernel, with the weight as the streamed operand). Accumulation is in
 // float32, k ascending within a chunk: results equal F.linear's up to float rounding.
 
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstring>
@@ -188,7 +188,7 @@ void run(const float* x, int64_t n, int64_t in, const T* w, int64_t nblocks, int
          const float* scales, const float* bias, float* y) {
   const int64_t kc_max = k_chunk(n);
   const std::vector<float> packed = n > 1 ? panels_of(x, n, in) : std::vector<float>();
-  at::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
+  kvf::parallel_for(0, nblocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> c(MC * NB);
     std::vector<float> wide(std::is_same<T, float>::value || n <= MR ? 0 : kc_max * NB);
     for (int64_t m0 = 0; m0 < n; m0 += MC) {

@@ -7,7 +7,7 @@
 // keep PyTorch's expressions for anything else. Results equal PyTorch's up to float rounding
 // (sums of squares are accumulated in double).
 
-#include <ATen/Parallel.h>
+#include "parallel.h"
 
 #include <cmath>
 
@@ -54,7 +54,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto y = torch::empty(x.sizes(), x.options());
   float* yp = y.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, r.count(), 64, [&](int64_t b, int64_t e) {
+  kvf::parallel_for(0, r.count(), 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i)
       norm_row(r.row(i), wp, static_cast<float>(eps), r.d, yp + i * r.d);
   });
@@ -73,7 +73,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor delta, to
   float* sp = sum.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  at::parallel_for(0, rh.count(), 64, [&](int64_t b, int64_t e) {
+  kvf::parallel_for(0, rh.count(), 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float* a = rh.row(i);
       const float* c = rd.row(i);
@@ -95,7 +95,7 @@ torch::Tensor gated_act(torch::Tensor gate, torch::Tensor up, int64_t act) {
   auto y = torch::empty(gate.sizes(), gate.options());
   float* yp = y.data_ptr<float>();
   const int64_t d = rg.d;
-  at::parallel_for(0, rg.count(), 16, [&](int64_t b, int64_t e) {
+  kvf::parallel_for(0, rg.count(), 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float* g = rg.row(i);
       const float* u = ru.row(i);
@@ -130,7 +130,7 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   float* yp = y.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  at::parallel_for(0, r.count(), 64, [&](int64_t b, int64_t e) {
+  kvf::parallel_for(0, r.count(), 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const float* v = r.row(i);
       const float* c = cp + (i / r.n2) * half;
