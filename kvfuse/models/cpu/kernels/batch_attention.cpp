@@ -11,8 +11,6 @@
 // Scores are kept for the whole row (two passes: scores, then the softmax-weighted sum of values),
 // accumulated in float32.
 
-#include "parallel.h"
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,6 +18,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 #if defined(__AVX__)
 #include <immintrin.h>

@@ -7,15 +7,15 @@
 // the file's bytes. Products are float32 throughout: the activations are never quantized, each
 // weight value is dequantized in registers or in a buffer that stays in cache, so a product
 // equals the one with the weight dequantized to float32 up to float rounding. Threads split the
-// output channels (kvf::parallel_for, parallel.h); the instruction-set-specific loops are in ggml_impl.h.
-
-#include "parallel.h"
+// output channels (kvf::parallel_for, parallel.h); the instruction-set-specific loops are in
+// ggml_impl.h.
 
 #include <algorithm>
 #include <vector>
 
 #include "ggml_ops.h"
 #include "kernels.h"
+#include "parallel.h"
 
 namespace {
 

@@ -8,15 +8,13 @@
 // zero-padded. int8 weights carry one float32 scale per output channel (symmetric, per-channel
 // quantization) and are widened to float32 in registers: activations are never rounded.
 //
-// Work. Threads split the blocks (kvf::parallel_for, parallel.h; the extension is built with OpenMP so that
-// it uses PyTorch's threads). One row (a single-stream decode step) is a bandwidth-bound dot
-// product of the block with x, eight accumulators deep. More rows are copied into panels of 6
+// Work. Threads split the blocks (kvf::parallel_for, parallel.h; the extension is built with OpenMP
+// so that it uses PyTorch's threads). One row (a single-stream decode step) is a bandwidth-bound
+// dot product of the block with x, eight accumulators deep. More rows are copied into panels of 6
 // rows, k-major, and each (6 rows x 16 channels) tile is accumulated in twelve registers over a
 // chunk of k that stays in L1 while every panel of the row chunk uses it (the classic register
 // blocking of a GEMM micro-kernel, with the weight as the streamed operand). Accumulation is in
 // float32, k ascending within a chunk: results equal F.linear's up to float rounding.
-
-#include "parallel.h"
 
 #include <algorithm>
 #include <cstring>
@@ -24,6 +22,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

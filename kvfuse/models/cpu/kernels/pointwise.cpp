@@ -7,11 +7,10 @@
 // keep PyTorch's expressions for anything else. Results equal PyTorch's up to float rounding
 // (sums of squares are accumulated in double).
 
-#include "parallel.h"
-
 #include <cmath>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace {
 
