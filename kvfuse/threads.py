@@ -22,7 +22,8 @@ starts and ends through futex wake-ups. Any thread that once ran a parallel op k
 model and then started the engine's loop is such a thread (a server's start-up thread, a
 script's main thread): measured the same way, its idle team made every step 14.2 ms instead of
 10.8. So ``Engine.start`` calls ``hand_over()``: the calling thread gives its team back
-(``release_team``: one empty region of one thread) and computes serially from then on.
+(``release_team``: one empty region of one thread) and computes serially until ``Engine.stop``
+(called from the same thread) gives it its count back (``take_back``).
 
 PyTorch keeps one process-wide count, and ``set_num_threads`` sets it as well as the calling
 thread's own. A thread takes the process-wide count at its first PyTorch op (or
@@ -32,6 +33,9 @@ helper set one would compute with one. So ``_use`` makes the thread take the pro
 first and then sets its own, and the engine's thread sets its count (``use_compute_threads()``)
 when it starts to compute, from the count recorded here (``set_compute_threads``, called when the
 configuration is applied; otherwise the count of the thread that first imported this module).
+The CPU kernels split their work with ``kvf::parallel_for`` (``kernels/parallel.h``), not
+``at::parallel_for``, for the same reason: the latter's first call on a thread from the
+extension takes the process-wide count again.
 """
 
 from __future__ import annotations
@@ -95,11 +99,20 @@ def helper_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix=prefix, initializer=serial)
 
 
-def hand_over() -> None:
+def hand_over() -> int:
     """On a thread that computed the model and now lets the engine's thread do it: give back
-    its OpenMP team (``release_team``) and compute serially from now on."""
+    its OpenMP team (``release_team``) and compute serially from now on. Returns the thread's
+    count before, for ``take_back``."""
+    before = torch.get_num_threads()
     serial()
     release_team()
+    return before
+
+
+def take_back(n: int) -> None:
+    """On the thread that handed the model over, once the engine's thread stopped: compute with
+    ``n`` threads again."""
+    _use(n)
 
 
 def release_team() -> bool:

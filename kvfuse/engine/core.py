@@ -35,7 +35,7 @@ from kvfuse.models import LoadedModel
 from kvfuse.prompts import Prompt, PromptBuilder
 from kvfuse.reuse import CacheOptions, Loaded, open_cache
 from kvfuse.store import TieredStore
-from kvfuse.threads import hand_over, use_compute_threads
+from kvfuse.threads import hand_over, take_back, use_compute_threads
 
 from . import choices
 from .kv_memory import KVMemory, initial_slots
@@ -92,6 +92,7 @@ class Engine:
         )
         self.cache.watch(self.scheduler.upcoming_keys, self.scheduler.wake)
         self._loop: EngineLoop | None = None
+        self._handed: tuple[int, int] | None = None  # (thread, its count): who started the loop
         self._closed = False
         self._forked: list[Sequence] = []  # choices forked in this step that run now
         self.progress = Progress()
@@ -450,11 +451,12 @@ class Engine:
 
     def start(self) -> None:
         """Run steps on a loop thread of the engine's own (what a server does). The calling thread
-        gives its OpenMP team back and computes serially from then on (``kvfuse.threads``)."""
+        gives its OpenMP team back and computes serially until ``stop`` is called from it
+        (``kvfuse.threads``)."""
         if self._loop is None or not self._loop.is_alive():
             self._loop = EngineLoop(self.step, self.scheduler, self.idle_work, self.progress)
             self._loop.start()
-            hand_over()
+            self._handed = (threading.get_ident(), hand_over())
 
     def stop(self, timeout: float = 30.0) -> None:
         """Refuse new requests, cancel the waiting ones and the running ones, stop the loop."""
@@ -468,6 +470,9 @@ class Engine:
             self._loop.join(timeout)
             if self._loop.is_alive():
                 log.warning("the engine loop did not stop within %.0f s", timeout)
+        if self._handed is not None and self._handed[0] == threading.get_ident():
+            take_back(self._handed[1])  # the thread that started the loop computes again
+            self._handed = None
 
     def close(self, flush_timeout: float | None = None) -> bool:
         """``stop()``, then the cache engine's saves and lower-tier writes flushed (within

@@ -157,3 +157,4 @@ def test_starting_the_loop_hands_the_callers_thread_over(tiny_loaded):
     finally:
         engine.close()
     assert seen and set(seen) == {2}  # the loop's thread, with the engine's count
+    assert torch.get_num_threads() == 2  # stopped from the thread that started it: its count back
