@@ -912,15 +912,28 @@ def cmd_calibrate(args, config: Config) -> int:
 def cmd_serve(args, config: Config) -> int:
     from .server.app import serve
 
-    serve(
-        config,
-        on_ready=lambda url, model: print(
-            f"kvfuse: serving {config.model} at {url}/v1 (CPU backend: {model.backend.describe()})",
-            file=sys.stderr,
-            flush=True,
-        ),
-    )
+    serve(config, on_ready=lambda url, engine: _ready_lines(config, url, engine))
     return 0
+
+
+def _ready_lines(config: Config, url: str, engine) -> None:
+    """What ``kvfuse serve`` prints once it listens: where, the CPU path, the memory it holds."""
+    from .resident import memory_line, resident_bytes, weights_bytes
+
+    model = engine.model
+    kv = engine.queue_state()
+    memory = memory_line(
+        resident_bytes(),
+        weights_bytes(model.runner.weights),
+        kv.get("kv_bytes_used", 0),
+        kv.get("kv_bytes_limit", 0),
+    )
+    print(
+        f"kvfuse: serving {config.model} at {url}/v1 (CPU backend: {model.backend.describe()})\n"
+        f"kvfuse: {memory}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def cmd_cache(args, config: Config) -> int:

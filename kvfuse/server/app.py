@@ -174,16 +174,15 @@ def _configure_logging(config: Config) -> None:
 
 
 def serve(config: Config, on_ready: Callable[[str, object], None] | None = None) -> None:
-    """Run the server until SIGTERM/SIGINT; ``on_ready(url, model)`` is called once it listens
-    (``model``: the ``LoadedModel`` served, for the start-up line)."""
+    """Run the server until SIGTERM/SIGINT; ``on_ready(url, engine)`` is called once it listens
+    (``engine``: the engine serving, for the start-up lines)."""
     from kvfuse.runtime import open_serving
     from kvfuse.threads import hand_over
 
     _configure_logging(config)
     serving = open_serving(config)  # load errors surface here, before anything listens
-    hand_over()  # this thread loaded the model; it runs the event loop, the engine's thread computes
-    model = serving.engine.model
-    ready = None if on_ready is None else (lambda url: on_ready(url, model))
+    hand_over()  # this thread loaded the model and runs the event loop; the engine computes
+    ready = None if on_ready is None else (lambda url: on_ready(url, serving.engine))
     try:
         app = create_app(config, serving)
         uv_config = uvicorn.Config(

@@ -311,6 +311,25 @@ def _backend_metrics(engine) -> Iterator[Metric]:
     )
     cpu.add_metric([kernels.cpu_model() or "", " ".join(kernels.listed_features())], 1)
     yield cpu
+    yield from _memory_metrics(engine)
+
+
+def _memory_metrics(engine) -> Iterator[Metric]:
+    """The process's resident size and the model's weights as loaded (``kvfuse.resident``)."""
+    from ..resident import resident_bytes, weights_bytes
+
+    rss = resident_bytes()
+    if rss is not None:
+        yield GaugeMetricFamily(
+            "kvfuse_resident_memory_bytes", "This server process's resident size (VmRSS).", rss
+        )
+    runner = getattr(getattr(engine, "model", None), "runner", None)
+    if runner is not None:
+        yield GaugeMetricFamily(
+            "kvfuse_weights_bytes",
+            "The model's weights as the runner holds them (a GGUF's blocks with weights: auto).",
+            weights_bytes(runner.weights),
+        )
 
 
 def _blend_metrics(s: dict) -> Iterator[Metric]:

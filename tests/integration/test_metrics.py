@@ -27,6 +27,9 @@ def server(kvfuse_home, tmp_path_factory):
     srv.close()
 
 
+MB = 1 << 20
+
+
 def scrape(server) -> dict[tuple[str, tuple], float]:
     """Every sample of /metrics as {(name, sorted labels): value} (parsing fails on invalid text)."""
     r = httpx.get(server.url + "/metrics")
@@ -82,6 +85,15 @@ def test_the_cpu_backend_is_an_info_gauge(server):
     assert features == [f for f in kernels.LISTED if f in kernels.cpu_flags()]
     if labels["isa"] != "none":  # the kernels' choice follows from the features listed
         assert kernels.isa_for(set(features) | {"avx"}) == labels["isa"]
+
+
+def test_memory_gauges_name_the_resident_size_and_the_weights(server):
+    samples = scrape(server)
+    rss, weights = (
+        value(samples, n) for n in ("kvfuse_resident_memory_bytes", "kvfuse_weights_bytes")
+    )
+    # the built-in model's weights as loaded, inside a process that holds them and more
+    assert 10 * MB < weights < rss
 
 
 def test_counters_move_with_requests(server):
