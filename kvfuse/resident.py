@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
+from .models.quant import held_bytes
 
 MB = 1 << 20
 
@@ -29,14 +29,6 @@ def resident_bytes(status_path: str = "/proc/self/status") -> int | None:
     return None
 
 
-def _size(w) -> int:
-    if w is None:
-        return 0
-    if isinstance(w, torch.Tensor):
-        return w.numel() * w.element_size()
-    return int(getattr(w, "nbytes", 0))
-
-
 def weights_bytes(weights) -> int:
     """Bytes of a runner's ``Weights`` as held: every distinct tensor or block store once (a tied
     output matrix is the embedding)."""
@@ -46,7 +38,7 @@ def weights_bytes(weights) -> int:
         parts += [getattr(layer, f.name) for f in dataclasses.fields(layer)]
     for w in parts:
         if w is not None:
-            seen.setdefault(id(w), _size(w))
+            seen.setdefault(id(w), held_bytes(w))
     return sum(seen.values())
 
 

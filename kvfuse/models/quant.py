@@ -257,20 +257,22 @@ def identity_of(weights) -> str | None:
     return None
 
 
+def held_bytes(w) -> int:
+    """Bytes one weight holds: a tensor's elements, a packed or block store's ``nbytes``; 0 for
+    None."""
+    if w is None:
+        return 0
+    if isinstance(w, torch.Tensor):
+        return w.numel() * w.element_size()
+    return int(getattr(w, "nbytes", 0))
+
+
 def weight_bytes(weights) -> dict[str, int]:
     """Bytes of weights a decode step reads, by part: ``layers`` (projections and norms),
     ``lm_head`` and ``final_norm`` (the embedding lookup reads one row, not counted)."""
-
-    def size(w) -> int:
-        if w is None:
-            return 0
-        if isinstance(w, torch.Tensor):
-            return w.numel() * w.element_size()
-        return w.nbytes
-
-    layers = sum(size(getattr(lw, f.name)) for lw in weights.layers for f in dataclasses.fields(lw))
+    fields = [getattr(lw, f.name) for lw in weights.layers for f in dataclasses.fields(lw)]
     return {
-        "layers": layers,
-        "lm_head": size(weights.lm_head),
-        "final_norm": size(weights.final_norm),
+        "layers": sum(held_bytes(w) for w in fields),
+        "lm_head": held_bytes(weights.lm_head),
+        "final_norm": held_bytes(weights.final_norm),
     }
