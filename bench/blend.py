@@ -154,8 +154,8 @@ def nll(logits: torch.Tensor, ids: list[int]) -> float:
 def open_engine(
     name: str, home: Path, store_dir: Path | None = None, device: str = "cpu"
 ) -> Engine:
+    from kvfuse.heap import tune as tune_allocator
     from kvfuse.models import load_model
-    from kvfuse.runtime import tune_allocator
     from kvfuse.store import TieredStore
     from kvfuse.tiers import DiskTier, MemoryTier
 

@@ -1086,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # What a kvfuse engine process does at start-up (kvfuse.runtime.open_engine): keep freed
     # multi-MB buffers for reuse instead of paying page faults on every new entry.
-    from kvfuse.runtime import tune_allocator
+    from kvfuse.heap import tune as tune_allocator
 
     tune_allocator()
     load_start = os.getloadavg()

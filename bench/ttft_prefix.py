@@ -75,7 +75,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--no-tune-malloc",
         action="store_true",
-        help="skip runtime.tune_allocator() (open_engine runs it)",
+        help="skip kvfuse.heap.tune() (open_engine runs it)",
     )
     p.add_argument("--no-drop-caches", action="store_true", help="skip the cold page cache cells")
     add_common(p, ("out", {"default": str(OUT / "ttft_prefix")}))
@@ -125,8 +125,8 @@ class Cells:
 
         from kvfuse.config import default_home
         from kvfuse.generation import SamplingParams
+        from kvfuse.heap import tune as tune_allocator
         from kvfuse.models import load_model
-        from kvfuse.runtime import tune_allocator
 
         self.args = args
         self.tuned = False if args.no_tune_malloc else tune_allocator()  # as open_engine does

@@ -5,8 +5,6 @@ checks prompts against the context window and reports truncations) and to the se
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 from collections.abc import Callable
@@ -14,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import heap
 from .codecs import get_codec
 from .config import Config, TierConfig
 from .config.encryption import cipher_of
@@ -134,34 +133,6 @@ def set_threads(config: Config) -> None:
         use_compute_threads()
 
 
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD = -1
-_M_MMAP_THRESHOLD = -3
-
-
-def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 2 << 30) -> bool:
-    """Keep freed multi-MB buffers in the heap for reuse (glibc only; a no-op elsewhere).
-
-    Every cache hit and store allocates a few buffers of several MB (entries, read buffers).
-    By default glibc serves such sizes with fresh ``mmap``s, or trims freed heap memory back to
-    the kernel, so each new buffer costs page faults on first touch: measured here, copying 16
-    chunks of 6 MB ran at ~1 GB/s that way and at ~9 GB/s once freed memory is kept and reused.
-    The price is that the process's resident size does not shrink after a peak (up to
-    ``trim_threshold`` bytes are kept), which suits a long-running cache engine.
-    """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return False
-    if mallopt is None:
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, trim_threshold)
-    )
-
-
 def open_model(config: Config) -> LoadedModel:
     """The configured model, its CPU backend chosen from ``kernels`` (named in the log)."""
     model = load_model(
@@ -211,7 +182,7 @@ def open_engine(
     ``clock`` for the entries' expiry), with ``prompts`` (made for the model if not given)."""
     set_threads(config)
     if config.tune_malloc:
-        tune_allocator()
+        heap.tune()
     model = model or open_model(config)
     if store is None:
         store = open_store(config, clock)

@@ -406,6 +406,9 @@ class EngineConfig:
     kv_memory_bytes: int | None = (
         4 * 1024**3
     )  # live KV of all running sequences together (None: unbounded)
+    # seconds of idleness after which the heap's freed buffers go back to the kernel (kvfuse.heap;
+    # None: kept, the resident size stays at its peak)
+    release_idle_s: float | None = 5.0
 
 
 @dataclass(frozen=True)
@@ -502,7 +505,7 @@ class Config:
     context_tokens: int = (
         0  # the context window; 0 = the model's (lower it to truncate conversations sooner)
     )
-    tune_malloc: bool = True  # keep freed multi-MB buffers for reuse (see runtime.tune_allocator)
+    tune_malloc: bool = True  # keep freed multi-MB buffers for reuse while busy (kvfuse.heap)
     log_level: str = "info"
     cache: CacheConfig = field(default_factory=CacheConfig)
     blend: BlendOptions = field(default_factory=BlendOptions)

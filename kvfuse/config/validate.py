@@ -203,6 +203,11 @@ def _check_engine(e: EngineConfig, need: Callable) -> None:
         "engine.kv_memory_bytes",
         "must be a size > 0 (e.g. 1GiB), or none for no limit",
     )
+    need(
+        e.release_idle_s is None or e.release_idle_s >= 0,
+        "engine.release_idle_s",
+        f"must be >= 0 seconds (or null: never give the heap back), got {e.release_idle_s}",
+    )
 
 
 def _check_cache(k: CacheConfig, need: Callable) -> None:

@@ -31,6 +31,7 @@ from kvfuse import dtypes
 from kvfuse.blend import BlendOptions
 from kvfuse.config import EngineSettings
 from kvfuse.generation import SamplingParams
+from kvfuse.heap import IdleRelease
 from kvfuse.models import LoadedModel
 from kvfuse.prompts import Prompt, PromptBuilder
 from kvfuse.reuse import CacheOptions, Loaded, open_cache
@@ -96,6 +97,7 @@ class Engine:
         self._closed = False
         self._forked: list[Sequence] = []  # choices forked in this step that run now
         self.progress = Progress()
+        self.heap = IdleRelease(e.release_idle_s)  # gives freed buffers back when idle
 
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         """The cache namespace of ``tenant`` and ``salt`` (``Keying.namespace``)."""
@@ -444,8 +446,9 @@ class Engine:
 
     def idle_work(self) -> bool:
         """Background work for when nothing waits or runs (the loop calls it): one check of the
-        online blend guard; whether there was any."""
-        return self.cache.verify_one(self.score)
+        online blend guard, else the heap given back once idle long enough (``kvfuse.heap``);
+        whether there is more to do at once."""
+        return self.cache.verify_one(self.score) or self.heap(self.progress.steps)
 
     # ------------------------------------------------------------------------------ lifecycle
 

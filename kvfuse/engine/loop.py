@@ -4,9 +4,10 @@ A server submits requests from its event loop and lets this thread run them; res
 pieces reach the server through each request's callbacks. The loop ends once the scheduler is
 closed (``Engine.stop``) and the sequences still running have finished (they were cancelled, so
 each ends at its next step). When nothing waits or runs, it does one piece of idle work at a time
-(``idle``: the online blend guard's checks), then looks at the queue again. It knows only the
-step to run, the idle work, and the scheduler to wait on. It computes with the engine's thread
-count (``kvfuse.threads``), whatever count a new thread would start from.
+(``idle``: the online blend guard's checks, the heap given back once idle long enough), then looks
+at the queue again. It knows only the step to run, the idle work, and the scheduler to wait on. It
+computes with the engine's thread count (``kvfuse.threads``), whatever count a new thread would
+start from.
 
 A step that raises is a bug or a fault the engine could not pin on one request (those end the
 request they belong to): the loop retries, but backs off (``STEP_BACKOFF_FIRST_S``, doubling up

@@ -170,6 +170,7 @@ class CacheCollector(Collector):
         yield from _engine_metrics(s)
         yield from _blend_metrics(s)
         yield from _backend_metrics(engine)
+        yield from _memory_metrics(engine)
         yield from _reuse_metrics(s)
         yield from _stream_metrics(s)
         yield from _batch_metrics(s)
@@ -311,7 +312,6 @@ def _backend_metrics(engine) -> Iterator[Metric]:
     )
     cpu.add_metric([kernels.cpu_model() or "", " ".join(kernels.listed_features())], 1)
     yield cpu
-    yield from _memory_metrics(engine)
 
 
 def _memory_metrics(engine) -> Iterator[Metric]:
@@ -329,6 +329,18 @@ def _memory_metrics(engine) -> Iterator[Metric]:
             "kvfuse_weights_bytes",
             "The model's weights as the runner holds them (a GGUF's blocks with weights: auto).",
             weights_bytes(runner.weights),
+        )
+    heap = getattr(engine, "heap", None)
+    if heap is not None:
+        yield CounterMetricFamily(
+            "kvfuse_heap_releases",
+            "Times the idle engine gave the heap's freed buffers back (engine.release_idle_s).",
+            value=heap.releases,
+        )
+        yield CounterMetricFamily(
+            "kvfuse_heap_released_bytes",
+            "Resident bytes those releases gave back to the kernel.",
+            value=heap.released_bytes,
         )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 from openai import OpenAI
@@ -20,7 +22,11 @@ def server(kvfuse_home, tmp_path_factory):
     ensure_model(home, MODEL)
     srv = ServerProcess(
         home,
-        config={"model": MODEL, "cache": {"disk_path": str(tmp_path_factory.mktemp("metrics-kv"))}},
+        config={
+            "model": MODEL,
+            "cache": {"disk_path": str(tmp_path_factory.mktemp("metrics-kv"))},
+            "engine": {"release_idle_s": 0.5},  # the heap given back soon after each request
+        },
     )
     srv.start()
     yield srv
@@ -94,6 +100,22 @@ def test_memory_gauges_name_the_resident_size_and_the_weights(server):
     )
     # the built-in model's weights as loaded, inside a process that holds them and more
     assert 10 * MB < weights < rss
+
+
+def test_the_idle_engine_gives_the_heap_back(server):
+    client = OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+    before = value(scrape(server), "kvfuse_heap_releases_total")
+    client.completions.create(model=MODEL, prompt="Heap " * 300, max_tokens=2)
+    deadline = time.monotonic() + 15  # 0.5 s idle, and the loop looks at least once a second
+    while time.monotonic() < deadline:
+        samples = scrape(server)
+        if value(samples, "kvfuse_heap_releases_total") > before:
+            break
+        time.sleep(0.2)
+    released = value(samples, "kvfuse_heap_releases_total")
+    assert released > before and value(samples, "kvfuse_heap_released_bytes_total") > 0
+    time.sleep(1.5)  # still idle: no second release until the engine works again
+    assert value(scrape(server), "kvfuse_heap_releases_total") == released
 
 
 def test_counters_move_with_requests(server):
