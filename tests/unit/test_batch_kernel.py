@@ -87,6 +87,44 @@ def test_the_kernel_computes_the_position_masked_attention(ext, dtype, window, s
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+SPANS = [  # (keys per sequence, window, softcap, shuffled): one decoding sequence, its keys in spans
+    ([700], None, None, False),
+    ([700], 50, None, True),  # most spans see no key: their partials count for nothing
+    ([129, 3], None, 5.0, True),
+    ([300, 290, 64], 9, None, False),
+]
+
+
+@pytest.mark.parametrize("lens,window,softcap,shuffle", SPANS)
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+def test_long_keys_cut_into_spans_merge_to_the_same_attention(
+    ext, lens, window, softcap, shuffle, threads
+):
+    seqs = [_seq(n, n + 4, torch.float16, shuffle, seed) for seed, n in enumerate(lens)]
+    q_seq = list(range(len(lens)))  # one query per sequence: fewer rows than threads
+    q_pos = [2 * n - 1 for n in lens]
+    q = torch.randn(len(q_seq), 4, 16, generator=torch.Generator().manual_seed(3))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = ext.attend(
+            q,
+            [s[0] for s in seqs],
+            [s[1] for s in seqs],
+            lens,
+            q_seq,
+            q_pos,
+            2,
+            0.25,
+            window or 0,
+            softcap or 0.0,
+        )
+    finally:
+        torch.set_num_threads(before)
+    want = _reference(q, seqs, lens, q_seq, q_pos, 2, 0.25, window, softcap)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_write_kv_rounds_like_a_tensor_copy(ext, dtype):
     bufs = [_seq(10, 20, dtype, False, s)[0] for s in range(3)]

@@ -8,8 +8,10 @@
 // dtype and widened to float32 in registers: nothing is converted or copied per call.
 //
 // Work is split over (query, kv_head) pairs: the query heads of one group read each key row once.
-// Scores are kept for the whole row (two passes: scores, then the softmax-weighted sum of values),
-// accumulated in float32.
+// Where the pairs do not divide evenly between the threads (one decoding sequence: 1 query x a few
+// kv heads), each pair's keys are cut into spans too, whose partial softmaxes are merged after
+// (flash decoding). Scores are kept for the whole span (two passes: scores, then the
+// softmax-weighted sum of values), accumulated in float32.
 
 #include <algorithm>
 #include <cmath>
@@ -81,27 +83,32 @@ struct Seq {
   int64_t s_layer, s_kv, s_head, s_slot;  // strides of kv (elements)
 };
 
+// One (query, kv head) pair over the keys of slots [t0, t1): the group's running maxima `mx`,
+// sums of exp(score - max) `sum` and the unnormalized weighted values `out` (group x d), as a
+// flash-decoding partial; `merge` combines the partials of a row's spans.
 template <typename T>
-void attend_one(const Seq& seq, int64_t layer, int64_t g, int64_t group, int64_t d,
-                const float* q_row, int64_t q_head_stride, int64_t q_pos, int64_t window,
-                float scale, float softcap, float* out, std::vector<float>& scores,
-                std::vector<float>& row) {
+void attend_span(const Seq& seq, int64_t layer, int64_t g, int64_t group, int64_t d,
+                 const float* q_row, int64_t q_head_stride, int64_t q_pos, int64_t window,
+                 float scale, float softcap, int64_t t0, int64_t t1, float* mx_out, float* sum_out,
+                 float* __restrict out, std::vector<float>& scores, std::vector<float>& row) {
   const T* kbase = static_cast<const T*>(seq.kv) + layer * seq.s_layer + g * seq.s_head;
   const T* vbase = kbase + seq.s_kv;
-  const int64_t n = seq.len;
+  const int64_t* positions = seq.positions + t0;
+  const int64_t n = std::max<int64_t>(0, t1 - t0);
   scores.resize(n * group);
   row.resize(d);
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  std::vector<float> mx(group, neg_inf);
+  std::vector<float> mx(group, neg_inf), sum(group, 0.f);
+  std::fill(out, out + group * d, 0.f);
   for (int64_t t = 0; t < n; ++t) {
-    const int64_t diff = q_pos - seq.positions[t];
+    const int64_t diff = q_pos - positions[t];
     const bool visible = diff >= 0 && (window <= 0 || diff < window);
     float* st = scores.data() + t * group;
     if (!visible) {
       for (int64_t h = 0; h < group; ++h) st[h] = neg_inf;
       continue;
     }
-    widen(kbase + t * seq.s_slot, row.data(), d);
+    widen(kbase + (t0 + t) * seq.s_slot, row.data(), d);
     for (int64_t h = 0; h < group; ++h) {
       float s = dot(q_row + h * q_head_stride, row.data(), d) * scale;
       if (softcap > 0.f) s = std::tanh(s / softcap) * softcap;
@@ -109,12 +116,10 @@ void attend_one(const Seq& seq, int64_t layer, int64_t g, int64_t group, int64_t
       mx[h] = std::max(mx[h], s);
     }
   }
-  std::vector<float> sum(group, 0.f);
-  for (int64_t h = 0; h < group; ++h) std::fill(out + h * d, out + (h + 1) * d, 0.f);
   for (int64_t t = 0; t < n; ++t) {
     float* st = scores.data() + t * group;
     if (st[0] == neg_inf) continue;  // a masked key (the whole group shares the query's mask)
-    widen(vbase + t * seq.s_slot, row.data(), d);
+    widen(vbase + (t0 + t) * seq.s_slot, row.data(), d);
     for (int64_t h = 0; h < group; ++h) {
       if (mx[h] == neg_inf) continue;
       const float p = std::exp(st[h] - mx[h]);
@@ -123,12 +128,61 @@ void attend_one(const Seq& seq, int64_t layer, int64_t g, int64_t group, int64_t
       for (int64_t i = 0; i < d; ++i) o[i] += p * row[i];
     }
   }
+  std::copy(mx.begin(), mx.end(), mx_out);
+  std::copy(sum.begin(), sum.end(), sum_out);
+}
+
+// The softmax-weighted values of `parts` partials (maxima, sums, outputs of attend_span) into
+// `out` (group x d). A query that sees no key at all gets zeros (SDPA would give NaN; the runner
+// never asks).
+void merge(int64_t parts, int64_t group, int64_t d, const float* mx, const float* sum,
+           const float* outs, float* out) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t h = 0; h < group; ++h) {
-    // A query that sees no key at all gets zeros (SDPA would give NaN; the runner never asks).
+    float m = neg_inf;
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, mx[p * group + h]);
+    float total = 0.f;
+    float* o = out + h * d;
+    std::fill(o, o + d, 0.f);
+    if (m != neg_inf) {
+      for (int64_t p = 0; p < parts; ++p) {
+        const float mp = mx[p * group + h];
+        if (mp == neg_inf) continue;
+        const float w = std::exp(mp - m);
+        total += w * sum[p * group + h];
+        const float* op = outs + (p * group + h) * d;
+        for (int64_t i = 0; i < d; ++i) o[i] += w * op[i];
+      }
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t i = 0; i < d; ++i) o[i] *= inv;
+  }
+}
+
+// One span's outputs divided by their sums, in place (zeros where no key was visible).
+void normalize(int64_t group, int64_t d, const float* sum, float* out) {
+  for (int64_t h = 0; h < group; ++h) {
     const float inv = sum[h] > 0.f ? 1.f / sum[h] : 0.f;
     float* o = out + h * d;
     for (int64_t i = 0; i < d; ++i) o[i] *= inv;
   }
+}
+
+// Spans per (query, kv head) row: enough that the rows times spans divide evenly between the
+// threads (one decoding sequence has fewer rows than threads, or an odd count), each span at
+// least kMinSpan keys long; 1 when the rows alone balance.
+constexpr int64_t kMinSpan = 64;
+
+int64_t spans_for(int64_t rows, int64_t threads, int64_t longest) {
+  if (threads <= 1 || rows <= 0) return 1;
+  int64_t a = rows, b = threads;
+  while (b != 0) {
+    const int64_t r = a % b;
+    a = b;
+    b = r;
+  }
+  const int64_t parts = threads / a;  // threads / gcd(rows, threads)
+  return std::max<int64_t>(1, std::min(parts, longest / kMinSpan));
 }
 
 std::vector<Seq> describe(const std::vector<torch::Tensor>& kvs,
@@ -182,32 +236,55 @@ torch::Tensor attend(torch::Tensor q, std::vector<torch::Tensor> kvs,
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t sq0 = q.stride(0), sq1 = q.stride(1);
-  kvf::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  int64_t longest = 0;
+  for (const Seq& sq : seqs) longest = std::max(longest, sq.len);
+  const int64_t threads = omp_in_parallel() ? 1 : omp_get_max_threads();
+  const int64_t parts = spans_for(n * kv_heads, threads, longest);
+  const int64_t slab = group * d;  // one partial's outputs
+  std::vector<float> pmx(n * kv_heads * parts * group), psum(pmx.size());
+  std::vector<float> pout(parts > 1 ? n * kv_heads * parts * slab : 0);
+  kvf::parallel_for(0, n * kv_heads * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, row;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t i = task / kv_heads, g = task % kv_heads;
+      const int64_t pair = task / parts, part = task % parts;
+      const int64_t i = pair / kv_heads, g = pair % kv_heads;
       const Seq& seq = seqs[q_seq[i]];
+      const int64_t span = (seq.len + parts - 1) / parts;
+      const int64_t t0 = std::min(seq.len, part * span), t1 = std::min(seq.len, t0 + span);
       const float* q_row = qp + i * sq0 + g * group * sq1;
-      float* o = op + i * heads * d + g * group * d;
+      float* o = parts > 1 ? pout.data() + task * slab : op + i * heads * d + g * group * d;
+      float* m = pmx.data() + task * group;
+      float* l = psum.data() + task * group;
       const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
       switch (dtype) {
         case at::kFloat:
-          attend_one<float>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, o,
-                            scores, row);
+          attend_span<float>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, t0, t1,
+                             m, l, o, scores, row);
           break;
         case at::kHalf:
-          attend_one<at::Half>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, o,
-                               scores, row);
+          attend_span<at::Half>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap, t0,
+                                t1, m, l, o, scores, row);
           break;
         case at::kBFloat16:
-          attend_one<at::BFloat16>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap,
-                                   o, scores, row);
+          attend_span<at::BFloat16>(seq, layer, g, group, d, q_row, sq1, q_pos[i], window, sc, cap,
+                                    t0, t1, m, l, o, scores, row);
           break;
         default:
           TORCH_CHECK(false, "unsupported kv dtype");
       }
+      if (parts == 1) normalize(group, d, l, o);
     }
   });
+  if (parts > 1) {
+    kvf::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t i = pair / kv_heads, g = pair % kv_heads;
+        merge(parts, group, d, pmx.data() + pair * parts * group,
+              psum.data() + pair * parts * group, pout.data() + pair * parts * slab,
+              op + i * heads * d + g * group * d);
+      }
+    });
+  }
   return out;
 }
 
