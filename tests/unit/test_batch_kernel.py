@@ -52,6 +52,14 @@ def _reference(q, seqs, lens, q_seq, q_pos, layer, scale, window, softcap):
     return torch.cat(rows)
 
 
+def _kernel(ext, q, seqs, lens, q_seq, q_pos, layer, scale, window, softcap):
+    """The kernel's attention, with ``_reference``'s arguments (None: no window, no soft-cap)."""
+    kvs, positions = [s[0] for s in seqs], [s[1] for s in seqs]
+    return ext.attend(
+        q, kvs, positions, lens, q_seq, q_pos, layer, scale, window or 0, softcap or 0.0
+    )
+
+
 CASES = [  # (kv dtype, window, softcap, shuffled key positions)
     (torch.float32, None, None, False),
     (torch.float16, None, None, False),
@@ -71,18 +79,7 @@ def test_the_kernel_computes_the_position_masked_attention(ext, dtype, window, s
     q_seq = [0, 1, 2, 2, 2, 3, 3]
     q_pos = [0, 3, 79, 40, 11, 64, 1]
     q = torch.randn(len(q_seq), 4, 16, generator=torch.Generator().manual_seed(9))
-    got = ext.attend(
-        q,
-        [s[0] for s in seqs],
-        [s[1] for s in seqs],
-        lens,
-        q_seq,
-        q_pos,
-        1,
-        0.25,
-        window or 0,
-        softcap or 0.0,
-    )
+    got = _kernel(ext, q, seqs, lens, q_seq, q_pos, 1, 0.25, window, softcap)
     want = _reference(q, seqs, lens, q_seq, q_pos, 1, 0.25, window, softcap)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
@@ -107,18 +104,7 @@ def test_long_keys_cut_into_spans_merge_to_the_same_attention(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = ext.attend(
-            q,
-            [s[0] for s in seqs],
-            [s[1] for s in seqs],
-            lens,
-            q_seq,
-            q_pos,
-            2,
-            0.25,
-            window or 0,
-            softcap or 0.0,
-        )
+        got = _kernel(ext, q, seqs, lens, q_seq, q_pos, 2, 0.25, window, softcap)
     finally:
         torch.set_num_threads(before)
     want = _reference(q, seqs, lens, q_seq, q_pos, 2, 0.25, window, softcap)
