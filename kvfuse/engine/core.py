@@ -38,7 +38,7 @@ from kvfuse.reuse import CacheOptions, Loaded, open_cache
 from kvfuse.store import TieredStore
 from kvfuse.threads import hand_over, take_back, use_compute_threads
 
-from . import choices
+from . import at_exit, choices
 from .kv_memory import KVMemory, initial_slots
 from .loop import EngineLoop, Progress
 from .prompt_logprobs import prompt_logprobs
@@ -98,6 +98,7 @@ class Engine:
         self._forked: list[Sequence] = []  # choices forked in this step that run now
         self.progress = Progress()
         self.heap = IdleRelease(e.release_idle_s)  # gives freed buffers back when idle
+        at_exit.register(self)  # closed at interpreter exit if the caller has not (``at_exit``)
 
     def namespace(self, tenant: str = "", salt: str = "", blend: BlendOptions | None = None):
         """The cache namespace of ``tenant`` and ``salt`` (``Keying.namespace``)."""
@@ -484,6 +485,7 @@ class Engine:
         if self._closed:
             return True
         self._closed = True
+        at_exit.unregister(self)
         self.stop()
         return self.cache.close(flush_timeout)
 
