@@ -19,7 +19,7 @@ from kvfuse.engine import (
     SequenceStatus,
 )
 from kvfuse.engine.kv_memory import KVMemory
-from kvfuse.engine.scheduler import step_budget
+from kvfuse.engine.scheduler import prefill_shares, step_budget
 from kvfuse.generation import SamplingParams
 from kvfuse.kv.keys import Namespace
 from kvfuse.models.cache import slot_bytes
@@ -202,6 +202,24 @@ def test_wait_for_work_wakes_on_add_and_on_close():
 )
 def test_step_budget(step, prefill, decoding, expected):
     assert step_budget(step, prefill, decoding) == expected
+
+
+@pytest.mark.parametrize(
+    "fills,budget,expected",
+    [
+        ([], 256, []),
+        ([3000], 2048, [2048]),  # one prompt: the whole budget
+        ([3000, 63], 2048, [1985, 63]),  # a returning turn joins the pass of a long cold prompt
+        ([3000, 63, 40], 2048, [1945, 63, 40]),  # shortest first, the rest to the long one
+        ([100, 50], 120, [70, 50]),  # the oldest's floor (16), the shortest (50), then 54 more
+        ([3000, 500, 500], 256, [16, 240, 0]),  # floor first; ties go to the older
+        ([3000, 300], 0, [16, 0]),  # decodes took the budget: the oldest still progresses
+        ([10, 3000], -5, [10, 0]),  # its floor is never more than its fill
+        ([40, 20], 1000, [40, 20]),  # everything fits: each computes its whole fill
+    ],
+)
+def test_prefill_shares(fills, budget, expected):
+    assert prefill_shares(fills, budget) == expected
 
 
 def test_bad_limits():
