@@ -15,8 +15,8 @@ Two calls make a step's work, and neither calls back into the engine:
   ``max_step_tokens``: the oldest prompt at least ``MIN_PREFILL_CHUNK`` tokens, then the shortest
   remaining prompts first (``prefill_shares``), so that a returning turn whose history is cached
   (a few dozen new tokens) joins the next pass instead of waiting behind a long cold prompt's
-  passes (LMCache's multi-round QA: a later round's TTFT went from one 2,048-token pass, ~3 s,
-  to the pass it shares). A step
+  passes (in LMCache's multi-round QA such a turn waited 3-6 s for a cold prompt's 2,048-token
+  passes; it now shares the next one). A step
   with no decoding sequence takes prompt chunks up to ``max_prefill_tokens`` instead
   (``step_budget``): the small budget exists for the decodes' inter-token latency, and with none
   waiting a prompt is computed in fewer, longer passes, which is faster per token (each pass
