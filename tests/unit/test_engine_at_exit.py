@@ -4,8 +4,17 @@ bounded flush; closed or collected ones are gone; one that fails does not stop t
 from __future__ import annotations
 
 import gc
+import weakref
+
+import pytest
 
 from kvfuse.engine import at_exit
+
+
+@pytest.fixture(autouse=True)
+def own_set(monkeypatch):
+    """A set of open engines of this test's own: other tests' real engines stay out of it."""
+    monkeypatch.setattr(at_exit, "_open", weakref.WeakSet())
 
 
 class FakeEngine:
